@@ -1,0 +1,276 @@
+"""Cost model: the time of one training step for a Plan, and which resource bounds each phase.
+
+The runtime runs three streams (H2D copies, compute, D2H copies) plus CPU AdamW
+workers. A step is one pass over the block sequence
+
+    forward:  embedding, layer 0 .. layer L-1, head (the head's loss and its backward run here)
+    backward: layer L-1 .. layer 0, embedding (no weights needed: a scatter-add of dy)
+
+and each block is a (load, compute, drain) triple on those streams. Rather than
+add per-block maxima, the model replays the pipeline as a small event simulation
+with the plan's bounds (slots, prefetch depth, grad buffers, checkpoint staging),
+which is the design's per-block max(compute, H2D, D2H) in steady state and also
+gets the pipeline's fill, drain and uneven blocks right (a 1 GB embedding next to
+small layers). Every term's formula is written beside its code.
+
+Pure stdlib.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import HardwareProfile
+from .model_shapes import ModelShape
+from .plan import Plan
+from .workload import Workload
+
+# Fixed cost of one copy on a stream (launch + DMA setup), seconds.
+COPY_LATENCY_S = 10e-6
+# Kernel launches per block per micro-batch: forward ~30 kernels, recompute + backward ~80, ~8 us each.
+LAUNCH_FWD_S = 0.25e-3
+LAUNCH_BWD_S = 0.65e-3
+# Matmul efficiency against the profile's peak falls for small micro-batches:
+# eff(t) = t / (t + T_HALF) with t tokens per micro-batch (fitted later).
+T_HALF_TOKENS = 128
+# Elementwise kernels (norms, RoPE, SiLU, residual adds, softmax bookkeeping) on top of matmul time.
+NONMATMUL_FACTOR = 1.10
+# AdamW also writes the compute-dtype shadow the next H2D sends: ~6 more bytes per param on ~28.
+ADAM_SHADOW_FACTOR = 1.15
+
+
+@dataclass(frozen=True)
+class PhaseTime:
+    """One phase of the step: its wall time and how busy each resource was in it."""
+
+    seconds: float
+    compute_s: float
+    h2d_s: float
+    d2h_s: float
+    adam_s: float
+
+    @property
+    def bottleneck(self) -> str:
+        busy = {"compute": self.compute_s, "H2D": self.h2d_s, "D2H": self.d2h_s, "CPU AdamW": self.adam_s}
+        name = max(busy, key=lambda k: busy[k])
+        # When no resource is busy for most of the phase, waits between them dominate.
+        return name if busy[name] >= 0.7 * self.seconds else f"pipeline stalls ({name} busiest)"
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    step_seconds: float
+    forward: PhaseTime
+    backward: PhaseTime
+    # CPU AdamW time the step waits for (eager: what outlasts backward; deferred: what delays forward).
+    optimizer_exposed_seconds: float
+    tokens: int
+    model_flops: float        # 6 x params x tokens (design.md section 7)
+    hardware_flops: float     # what the GPU runs: forward + recompute + backward + head, attention included
+    attention_flops: float    # attention forward + backward per step, stated separately
+    peak_tflops: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.step_seconds
+
+    @property
+    def model_tflops(self) -> float:
+        return self.model_flops / self.step_seconds / 1e12
+
+    @property
+    def mfu(self) -> float:
+        """Model TFLOP/s over the profile's measured matmul peak for the compute dtype."""
+        return self.model_tflops / self.peak_tflops
+
+    @property
+    def bottleneck(self) -> str:
+        slow = self.forward if self.forward.seconds >= self.backward.seconds else self.backward
+        return slow.bottleneck
+
+    def to_dict(self) -> dict[str, object]:
+        phase = lambda p: {"seconds": p.seconds, "compute_s": p.compute_s, "h2d_s": p.h2d_s,  # noqa: E731
+                           "d2h_s": p.d2h_s, "adam_s": p.adam_s, "bottleneck": p.bottleneck}
+        return {"step_seconds": self.step_seconds, "tokens_per_second": self.tokens_per_second,
+                "model_tflops": self.model_tflops, "mfu": self.mfu, "forward": phase(self.forward),
+                "backward": phase(self.backward), "optimizer_exposed_seconds": self.optimizer_exposed_seconds,
+                "attention_tflops": self.attention_flops / self.step_seconds / 1e12,
+                "hardware_tflops": self.hardware_flops / self.step_seconds / 1e12, "bottleneck": self.bottleneck}
+
+
+@dataclass
+class _Step:
+    """One block visit: H2D load, compute, D2H drain (seconds), and its constraints."""
+
+    load_s: float
+    compute_s: float
+    d2h_s: float
+    d2h_at_start: bool = False        # a checkpoint leaves when compute starts; grads when it ends
+    wait_d2h_of: int | None = None    # index of the step whose drain must finish before compute
+    earliest_load: float = 0.0        # deferred mode: AdamW of this block must be done first
+    adam_s: float = 0.0               # eager mode: AdamW after this step's drain
+    wait_adam_of: int | None = None   # eager mode: the drain needs a host slab, freed by that AdamW
+    backward: bool = False
+
+
+def _copy_s(nbytes: float, gbps: float) -> float:
+    """t = bytes / bandwidth + latency (0 when nothing moves)."""
+    return nbytes / (gbps * 1e9) + COPY_LATENCY_S if nbytes > 0 else 0.0
+
+
+def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile) -> CostEstimate:
+    c = work.compute_bytes
+    L, h = model.num_layers, model.hidden_size
+    T, seq = work.tokens, work.seq_len
+    mbs = min(plan.micro_batch_size, work.batch)
+    M = work.micro_batches(mbs)
+    t = mbs * seq
+    K, depth, G = plan.num_slots, plan.prefetch_depth, plan.device_grad_buffers
+    peak = hw.tflops(work.compute_dtype)
+    # rate = peak x t / (t + T_HALF) / NONMATMUL_FACTOR  (FLOP/s)
+    rate = peak * 1e12 * t / (t + T_HALF_TOKENS) / NONMATMUL_FACTOR
+    # Without a GPU the copies are memcpys on the host; with one, H2D and D2H at once share the link:
+    # each direction runs at scale x its own rate, scale = min(1, duplex / (h2d + d2h)).
+    duplex_scale = min(1.0, hw.duplex_gbps / (hw.h2d_gbps + hw.d2h_gbps))
+    host_ckpt = plan.checkpoints == "host"
+    ckpt_bytes = T * h * c                                   # one block boundary: T x h x c
+    eager = plan.optimizer_mode == "eager"
+    adam_rate = hw.cpu_adam_params_per_s / ADAM_SHADOW_FACTOR
+
+    def adam_s(numel: int) -> float:
+        return numel / adam_rate                             # t = numel x 1.15 / (AdamW params/s)
+
+    E, Lw, H = model.numel_embedding, model.numel_layer, model.numel_head
+    steps: list[_Step] = []
+    fwd_scale = duplex_scale if host_ckpt else 1.0
+    h2d_f, d2h_f = hw.h2d_gbps * fwd_scale, hw.d2h_gbps * fwd_scale
+    h2d_b, d2h_b = hw.h2d_gbps * duplex_scale, hw.d2h_gbps * duplex_scale
+
+    # ---- forward ----------------------------------------------------------------------------
+    # Embedding: load E x c; compute is a gather (launches only).
+    steps.append(_Step(_copy_s(E * c, h2d_f), M * LAUNCH_FWD_S, 0.0))
+    for _ in range(L):
+        # compute_fwd(M) = T x flops_fwd(seq) / rate + M x launch
+        comp = T * model.layer_flops_fwd(seq) / rate + M * LAUNCH_FWD_S
+        # host checkpoints: D2H of the block's input (T x h x c), staged in one of K device areas.
+        d2h = _copy_s(ckpt_bytes, d2h_f) if host_ckpt else 0.0
+        wait = len(steps) - K if host_ckpt and len(steps) - K >= 1 else None
+        steps.append(_Step(_copy_s(Lw * c, h2d_f), comp, d2h, d2h_at_start=True, wait_d2h_of=wait))
+    # Head: load (norm [+ lm_head]) x c, plus the embedding again when tied; compute its forward and
+    # backward: T x (2 + 4) x V x h / rate + M x chunks x launch; untied head drains its fp32 grads.
+    head_load = (H + (E if model.tie_word_embeddings else 0)) * c
+    chunks = -(-t // min(plan.loss_chunk_tokens, t))
+    head_comp = T * (model.head_flops_fwd() + model.head_flops_bwd()) / rate + M * chunks * LAUNCH_BWD_S
+    head_d2h = 0.0 if model.tie_word_embeddings else _copy_s(H * 4, d2h_f)
+    # Eager mode: each drain lands in one of S host slabs; a slab frees when its AdamW ends.
+    slab_users: list[int] = []
+    S = plan.host_grad_slabs
+
+    def slab() -> int | None:
+        wait_for = slab_users[-S] if eager and len(slab_users) >= S else None
+        slab_users.append(len(steps))
+        return wait_for
+
+    head_untied = not model.tie_word_embeddings
+    steps.append(_Step(_copy_s(head_load, h2d_f), head_comp, head_d2h,
+                       adam_s=adam_s(H) if eager and head_untied else 0.0,
+                       wait_adam_of=slab() if head_untied else None))
+    n_fwd = len(steps)
+
+    # ---- backward ---------------------------------------------------------------------------
+    grad_users: list[int] = []
+    for _ in range(L):
+        # load = layer x c (+ its checkpoint T x h x c when on the host); compute = (recompute + bwd)
+        # = T x (flops_fwd + flops_bwd)(seq) / rate + M x launch; drain = layer x 4 (fp32 grads).
+        load = _copy_s(Lw * c + (ckpt_bytes if host_ckpt else 0), h2d_b)
+        comp = T * (model.layer_flops_recompute(seq) + model.layer_flops_bwd(seq)) / rate + M * LAUNCH_BWD_S
+        wait = grad_users[-G] if len(grad_users) >= G else None   # a grad buffer frees when its drain ends
+        grad_users.append(len(steps))
+        steps.append(_Step(load, comp, _copy_s(Lw * 4, d2h_b), wait_d2h_of=wait, backward=True,
+                           adam_s=adam_s(Lw) if eager else 0.0, wait_adam_of=slab()))
+    # Embedding backward: no weights; scatter-add dy (launches only); drain E x 4.
+    wait = grad_users[-G] if len(grad_users) >= G else None
+    # Tied: the head's part of the shared weight's gradient joins it here (adds H for the norm).
+    steps.append(_Step(0.0, M * LAUNCH_BWD_S, _copy_s(E * 4, d2h_b), wait_d2h_of=wait, backward=True,
+                       adam_s=adam_s(E + (H if model.tie_word_embeddings else 0)) if eager else 0.0,
+                       wait_adam_of=slab()))
+
+    # ---- optimizer --------------------------------------------------------------------------
+    if not eager and not hw.device_is_host:
+        # Deferred: AdamW runs in forward order after the previous backward (t = 0 here), one block
+        # after another; the next forward's load of block i waits for adam_done(i) = sum_{j<=i} adam(j).
+        done = 0.0
+        fwd_numel = [E] + [Lw] * L + [H]
+        for i, numel in enumerate(fwd_numel):
+            done += adam_s(numel)
+            steps[i].earliest_load = done
+    total_adam = adam_s(model.numel_total)
+
+    ev = _simulate(steps, K, depth)
+    end = ev["end"]
+    if hw.device_is_host:
+        # No GPU: AdamW shares the cores with compute; nothing overlaps it.
+        exposed = total_adam
+        step = end + exposed
+    elif eager:
+        # Eager: AdamW overlaps backward; the next forward starts with the embedding, updated last,
+        # so exposed = adam_end - backward_end.
+        exposed = max(0.0, ev["adam_end"] - end)
+        step = end + exposed
+    else:
+        # Deferred: the delay AdamW puts on the next forward is inside the simulated time;
+        # exposed = end(with AdamW gating) - end(without).
+        for st in steps:
+            st.earliest_load = 0.0
+        exposed = max(0.0, end - _simulate(steps, K, depth)["end"])
+        step = end
+    fwd_end = ev["cend"][n_fwd - 1]
+    fwd = PhaseTime(fwd_end, *_busy(steps[:n_fwd]),
+                    adam_s=(0.0 if eager or hw.device_is_host else total_adam))
+    bwd = PhaseTime(step - fwd_end, *_busy(steps[n_fwd:]),
+                    adam_s=(total_adam if eager or hw.device_is_host else 0.0))
+    attn = T * L * (model.attention_flops_fwd(seq) + model.attention_flops_bwd(seq))
+    return CostEstimate(step_seconds=step, forward=fwd, backward=bwd, optimizer_exposed_seconds=exposed,
+                        tokens=T, model_flops=model.model_flops_per_token() * T,
+                        hardware_flops=model.hardware_flops_per_token(seq) * T, attention_flops=attn,
+                        peak_tflops=peak)
+
+
+def _busy(steps: list[_Step]) -> tuple[float, float, float]:
+    return (sum(s.compute_s for s in steps), sum(s.load_s for s in steps), sum(s.d2h_s for s in steps))
+
+
+def _simulate(steps: list[_Step], slots: int, depth: int) -> dict[str, object]:
+    """Replay the three streams and the AdamW workers.
+
+    load i is issued when block i - depth starts computing (at most ``depth`` blocks ahead) and
+    block i - slots has finished (its slot is free); compute i starts when its load is done, the
+    previous compute is done, and the drain it depends on (grad buffer / checkpoint staging) is done;
+    a drain starts when its data exists, the D2H stream is free and (eager mode) a host slab is free;
+    AdamW of a block starts when its drain is done and the CPU workers are free.
+    """
+    n = len(steps)
+    cstart = [0.0] * n
+    cend = [0.0] * n
+    dend = [0.0] * n
+    aend = [0.0] * n
+    h2d_free = comp_free = d2h_free = cpu_free = 0.0
+    for i, s in enumerate(steps):
+        issue = max(cstart[i - depth] if i >= depth else 0.0, cend[i - slots] if i >= slots else 0.0)
+        issue = max(issue, s.earliest_load)
+        if s.load_s > 0:
+            ls = max(h2d_free, issue)
+            load_end = h2d_free = ls + s.load_s
+        else:
+            load_end = issue
+        dep = dend[s.wait_d2h_of] if s.wait_d2h_of is not None else 0.0
+        cstart[i] = max(comp_free, load_end, dep)
+        cend[i] = comp_free = cstart[i] + s.compute_s
+        if s.d2h_s > 0:
+            ds = max(d2h_free, cstart[i] if s.d2h_at_start else cend[i],
+                     aend[s.wait_adam_of] if s.wait_adam_of is not None else 0.0)
+            dend[i] = d2h_free = ds + s.d2h_s
+        else:
+            dend[i] = cend[i]
+        if s.adam_s > 0:
+            aend[i] = cpu_free = max(cpu_free, dend[i]) + s.adam_s
+    return {"end": max(comp_free, d2h_free), "cend": cend, "adam_end": cpu_free}

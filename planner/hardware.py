@@ -1,0 +1,297 @@
+"""Hardware profile: the measured (or preset) figures the planner plans against.
+
+A HardwareProfile is data: bandwidths, matmul rates, CPU AdamW rate, memory
+budgets. ``megatrain-plan profile`` measures one (planner/profiler.py); presets
+below carry datasheet-derived estimates with their sources, to be replaced by
+measurements. Pure stdlib.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+GiB = 1024 ** 3
+GB = 1e9
+PROFILE_VERSION = 1
+
+
+class HardwareError(ValueError):
+    """A hardware name, file or figure cannot be used. One line: what, and the fix."""
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One machine: a GPU (or none: gpu_mem_bytes == 0 means the device is the CPU) and its host.
+
+    Bandwidths are GB/s (1e9 bytes per second), measured pinned; rates are per second.
+    """
+
+    gpu_name: str
+    gpu_mem_bytes: int
+    # Pinned host -> device, device -> host, and the total of both directions when run at once.
+    h2d_gbps: float
+    d2h_gbps: float
+    duplex_gbps: float
+    # Dense matmul TFLOP/s per compute dtype ("bfloat16", "float16", "tf32", "float32").
+    matmul_tflops: Mapping[str, float]
+    # CPU AdamW (torch fused, one flat fp32 buffer) parameters per second with all cores.
+    cpu_adam_params_per_s: float
+    host_ram_bytes: int
+    host_available_bytes: int
+    cores: int
+    # cgroup memory limit (0 = none) and RLIMIT_MEMLOCK (-1 = unlimited); informational for pinning
+    # because CUDA pins through the driver.
+    cgroup_limit_bytes: int = 0
+    memlock_bytes: int = -1
+    disk_read_gbps: float = 0.0
+    disk_write_gbps: float = 0.0
+    # "PCIe Gen5 x16", "NVLink-C2C", "none": a label; the measured bandwidth is what counts.
+    interconnect: str = "unknown"
+    # Where the figures come from (a measurement with its date, or a datasheet).
+    source: str = "unspecified"
+    # Optional measurements by transfer size: (bytes, h2d GB/s, d2h GB/s, duplex GB/s).
+    transfer_by_size: tuple[tuple[int, float, float, float], ...] = ()
+    # Optional CPU AdamW params/s by thread count: (threads, params/s).
+    adam_by_threads: tuple[tuple[int, float], ...] = ()
+    version: int = PROFILE_VERSION
+
+    def __post_init__(self) -> None:
+        if self.version != PROFILE_VERSION:
+            raise HardwareError(f"hardware profile version={self.version} is not supported (this release reads "
+                                f"{PROFILE_VERSION}); run megatrain-plan profile again")
+        object.__setattr__(self, "matmul_tflops", dict(self.matmul_tflops))
+        object.__setattr__(self, "transfer_by_size", tuple(tuple(r) for r in self.transfer_by_size))
+        object.__setattr__(self, "adam_by_threads", tuple(tuple(r) for r in self.adam_by_threads))
+        for f in ("gpu_mem_bytes", "host_ram_bytes", "host_available_bytes", "cores", "cgroup_limit_bytes"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise HardwareError(f"{f}={v!r} must be an integer >= 0 (bytes or a count); fix the profile")
+        if self.host_ram_bytes <= 0 or self.cores <= 0:
+            raise HardwareError(f"host_ram_bytes={self.host_ram_bytes}, cores={self.cores} must be > 0; "
+                                f"pass --ram or fix the profile")
+        for f in ("h2d_gbps", "d2h_gbps", "duplex_gbps", "cpu_adam_params_per_s"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise HardwareError(f"{f}={v!r} must be a positive number; run megatrain-plan profile or fix it")
+        if not self.matmul_tflops or any(not isinstance(v, (int, float)) or v <= 0
+                                         for v in self.matmul_tflops.values()):
+            raise HardwareError(f"matmul_tflops={self.matmul_tflops!r} needs positive TFLOP/s per dtype, "
+                                f"e.g. {{'bfloat16': 790}}")
+        if self.host_available_bytes > self.host_ram_bytes:
+            raise HardwareError(f"host_available_bytes={self.host_available_bytes} exceeds host_ram_bytes="
+                                f"{self.host_ram_bytes}; fix the profile")
+
+    @property
+    def device_is_host(self) -> bool:
+        """No GPU: the 'device' is the CPU and shares host RAM."""
+        return self.gpu_mem_bytes == 0
+
+    @property
+    def host_budget_bytes(self) -> int:
+        """Host RAM the run may use: what is available, and no more than the cgroup allows."""
+        if self.cgroup_limit_bytes > 0:
+            return min(self.host_available_bytes, self.cgroup_limit_bytes)
+        return self.host_available_bytes
+
+    def tflops(self, compute_dtype: str) -> float:
+        """Matmul TFLOP/s for a compute dtype; float32 compute uses the fp32 figure (TF32 off)."""
+        for key in (compute_dtype, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(compute_dtype)):
+            if key in self.matmul_tflops:
+                return float(self.matmul_tflops[key])
+        raise HardwareError(f"no matmul TFLOP/s for dtype {compute_dtype!r} in this profile (has "
+                            f"{', '.join(self.matmul_tflops)}); run megatrain-plan profile")
+
+    def replace(self, **changes: Any) -> "HardwareProfile":
+        return dataclasses.replace(self, **changes)
+
+    def with_overrides(self, ram_bytes: int | None = None, gpu_mem_bytes: int | None = None,
+                       nvme_gbps: float | None = None) -> "HardwareProfile":
+        """--ram, --gpu-mem, --nvme: replace single figures, and say so in ``source``."""
+        changes: dict[str, Any] = {}
+        notes = []
+        if ram_bytes is not None:
+            changes.update(host_ram_bytes=ram_bytes, host_available_bytes=ram_bytes, cgroup_limit_bytes=0)
+            notes.append(f"ram={ram_bytes / GiB:.0f}GiB")
+        if gpu_mem_bytes is not None:
+            changes["gpu_mem_bytes"] = gpu_mem_bytes
+            notes.append(f"gpu-mem={gpu_mem_bytes / GiB:.0f}GiB")
+        if nvme_gbps is not None:
+            changes.update(disk_read_gbps=nvme_gbps, disk_write_gbps=nvme_gbps)
+            notes.append(f"nvme={nvme_gbps}GB/s")
+        if not changes:
+            return self
+        return dataclasses.replace(self, source=f"{self.source}; overridden: {', '.join(notes)}", **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["transfer_by_size"] = [list(r) for r in self.transfer_by_size]
+        d["adam_by_threads"] = [list(r) for r in self.adam_by_threads]
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "HardwareProfile":
+        if not isinstance(data, Mapping):
+            raise HardwareError(f"a hardware profile is a JSON object, got {type(data).__name__}; "
+                                f"pass the file megatrain-plan profile wrote")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise HardwareError(f"unknown hardware field(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise HardwareError(f"hardware profile lacks {', '.join(missing)}; run megatrain-plan profile again")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise HardwareError(f"hardware profile has a field of the wrong type ({e}); run megatrain-plan "
+                                f"profile again") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> "HardwareProfile":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise HardwareError(f"hardware profile is not valid JSON ({e.msg} at line {e.lineno}); pass the "
+                                f"file megatrain-plan profile wrote") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str) -> "HardwareProfile":
+        try:
+            with open(path, encoding="utf-8") as f:
+                return cls.from_json(f.read())
+        except OSError as e:
+            raise HardwareError(f"cannot read hardware profile {path}: {e.strerror}; pass a preset name "
+                                f"({', '.join(GPU_PRESETS)}) or a file from megatrain-plan profile") from None
+
+    def save(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json() + "\n")
+
+
+# ---- presets ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HostPreset:
+    """A host: RAM, cores, CPU AdamW rate, NVMe. CPU AdamW is memory-bound at ~28-30 bytes moved
+    per parameter (anchors.md), so params/s ~= achievable memory bandwidth / 30 bytes."""
+
+    name: str
+    ram_bytes: int
+    cores: int
+    cpu_adam_params_per_s: float
+    disk_read_gbps: float
+    disk_write_gbps: float
+    source: str
+
+
+@dataclass(frozen=True)
+class GpuPreset:
+    """A GPU and the link to its host. TFLOP/s are dense; 'achievable' = measured where anchors.md
+    has a measurement, else 0.8 x the datasheet figure."""
+
+    name: str
+    mem_bytes: int
+    matmul_tflops: Mapping[str, float]
+    h2d_gbps: float
+    d2h_gbps: float
+    duplex_gbps: float
+    interconnect: str
+    default_host: str
+    source: str = field(default="")
+
+
+HOST_PRESETS: dict[str, HostPreset] = {h.name: h for h in (
+    HostPreset("workstation-128g", 128 * GiB, 16, 2.0e9, 7.0, 5.0,
+               "estimate: 2-channel DDR5 ~60 GB/s / 30 B per param; PCIe Gen4 NVMe 7/5 GB/s datasheet"),
+    HostPreset("workstation-256g", 256 * GiB, 32, 3.5e9, 7.0, 5.0,
+               "estimate: 4-channel DDR5 ~105 GB/s / 30 B per param; PCIe Gen4 NVMe 7/5 GB/s datasheet"),
+    HostPreset("server-512g", 512 * GiB, 64, 6.0e9, 12.0, 10.0,
+               "estimate: 8-channel DDR5 ~180 GB/s / 30 B per param; PCIe Gen5 NVMe 12/10 GB/s datasheet"),
+    HostPreset("server-1t", 1024 * GiB, 96, 8.0e9, 12.0, 10.0,
+               "estimate: 12-channel DDR5 ~240 GB/s / 30 B per param; PCIe Gen5 NVMe 12/10 GB/s datasheet"),
+    HostPreset("server-2t", 2048 * GiB, 112, 10.0e9, 12.0, 10.0,
+               "estimate: dual-socket DDR5 (DGX H100 class, 2 TB) ~300 GB/s / 30 B per param"),
+    HostPreset("grace-480g", 480 * GiB, 72, 12.0e9, 12.0, 10.0,
+               "estimate: Grace LPDDR5X ~500 GB/s spec, ~360 achievable / 30 B per param (GH200 datasheet)"),
+)}
+
+_PCIE5 = "PCIe Gen5 x16: ~64 GB/s per direction spec, ~50-55 pinned in practice (anchors.md)"
+_PCIE4 = "PCIe Gen4 x16: ~32 GB/s per direction spec, ~25 pinned in practice"
+
+GPU_PRESETS: dict[str, GpuPreset] = {g.name: g for g in (
+    GpuPreset("H100-SXM", 80 * GiB, {"bfloat16": 790.0, "float16": 790.0, "tf32": 396.0, "float32": 54.0},
+              52.0, 52.0, 90.0, "PCIe Gen5 x16", "server-2t",
+              "NVIDIA H100 datasheet (SXM5 80GB: 989 bf16 / 495 tf32 / 67 fp32 dense TFLOPS); bf16 790 measured "
+              "on lent machines (anchors.md), others 0.8 x spec; " + _PCIE5),
+    GpuPreset("H100-PCIe", 80 * GiB, {"bfloat16": 605.0, "float16": 605.0, "tf32": 302.0, "float32": 41.0},
+              52.0, 52.0, 90.0, "PCIe Gen5 x16", "server-1t",
+              "NVIDIA H100 datasheet (PCIe 80GB: 756 bf16 / 378 tf32 / 51 fp32 dense TFLOPS) x 0.8; " + _PCIE5),
+    GpuPreset("H200", 141 * 10**9, {"bfloat16": 790.0, "float16": 790.0, "tf32": 396.0, "float32": 54.0},
+              52.0, 52.0, 90.0, "PCIe Gen5 x16", "server-2t",
+              "NVIDIA H200 datasheet (141 GB HBM3e, compute as H100 SXM); bf16 790 measured (anchors.md); "
+              + _PCIE5),
+    GpuPreset("GH200", 96 * GiB, {"bfloat16": 790.0, "float16": 790.0, "tf32": 396.0, "float32": 54.0},
+              360.0, 360.0, 600.0, "NVLink-C2C", "grace-480g",
+              "NVIDIA GH200 datasheet (96 GB HBM3; NVLink-C2C 450 GB/s per direction spec, 0.8 assumed "
+              "achievable); compute as H100 SXM"),
+    GpuPreset("A100-40GB", 40 * GiB, {"bfloat16": 250.0, "float16": 250.0, "tf32": 125.0, "float32": 15.6},
+              25.0, 25.0, 40.0, "PCIe Gen4 x16", "server-1t",
+              "NVIDIA A100 datasheet (312 bf16 / 156 tf32 / 19.5 fp32 dense TFLOPS) x 0.8; " + _PCIE4),
+    GpuPreset("A100-80GB", 80 * GiB, {"bfloat16": 250.0, "float16": 250.0, "tf32": 125.0, "float32": 15.6},
+              25.0, 25.0, 40.0, "PCIe Gen4 x16", "server-1t",
+              "NVIDIA A100 datasheet (312 bf16 / 156 tf32 / 19.5 fp32 dense TFLOPS) x 0.8; " + _PCIE4),
+    GpuPreset("L40S", 48 * GiB, {"bfloat16": 290.0, "float16": 290.0, "tf32": 146.0, "float32": 73.0},
+              25.0, 25.0, 40.0, "PCIe Gen4 x16", "server-512g",
+              "NVIDIA L40S datasheet (362 bf16 / 183 tf32 / 91.6 fp32 dense TFLOPS) x 0.8; " + _PCIE4),
+    GpuPreset("RTX-4090", 24 * GiB, {"bfloat16": 132.0, "float16": 132.0, "tf32": 66.0, "float32": 66.0},
+              25.0, 25.0, 40.0, "PCIe Gen4 x16", "workstation-128g",
+              "NVIDIA Ada whitepaper (RTX 4090: 165 bf16 fp32-accumulate / 82.6 tf32 / 82.6 fp32 dense TFLOPS) "
+              "x 0.8; " + _PCIE4),
+    GpuPreset("RTX-3090", 24 * GiB, {"bfloat16": 57.0, "float16": 57.0, "tf32": 28.5, "float32": 28.5},
+              25.0, 25.0, 40.0, "PCIe Gen4 x16", "workstation-128g",
+              "NVIDIA Ampere GA102 whitepaper (RTX 3090: 71 bf16 fp32-accumulate / 35.6 tf32 / 35.6 fp32 "
+              "dense TFLOPS) x 0.8; " + _PCIE4),
+)}
+
+
+def preset(gpu: str, host: str | None = None) -> HardwareProfile:
+    """A HardwareProfile from a GPU preset and a host preset (the GPU's usual host when None)."""
+    g = _lookup(gpu, GPU_PRESETS, "hardware")
+    h = _lookup(host or g.default_host, HOST_PRESETS, "host")
+    return HardwareProfile(
+        gpu_name=g.name, gpu_mem_bytes=g.mem_bytes, h2d_gbps=g.h2d_gbps, d2h_gbps=g.d2h_gbps,
+        duplex_gbps=g.duplex_gbps, matmul_tflops=dict(g.matmul_tflops),
+        cpu_adam_params_per_s=h.cpu_adam_params_per_s, host_ram_bytes=h.ram_bytes,
+        # The OS, page cache floor and other processes keep some RAM: assume 94% is available.
+        host_available_bytes=int(h.ram_bytes * 0.94), cores=h.cores,
+        disk_read_gbps=h.disk_read_gbps, disk_write_gbps=h.disk_write_gbps, interconnect=g.interconnect,
+        source=f"preset {g.name} + {h.name}: {g.source}; host: {h.source}",
+    )
+
+
+def _lookup(name: str, table: Mapping[str, Any], what: str) -> Any:
+    by_lower = {k.lower(): v for k, v in table.items()}
+    if name.lower() in by_lower:
+        return by_lower[name.lower()]
+    raise HardwareError(f"unknown {what} {name!r}; valid: {', '.join(table)}"
+                        + (", or a hardware.json path" if what == "hardware" else ""))
+
+
+def resolve(hardware: str | HardwareProfile, host: str | None = None) -> HardwareProfile:
+    """A GPU preset name, a hardware.json path, or a profile."""
+    if isinstance(hardware, HardwareProfile):
+        return hardware
+    if hardware.lower() in {k.lower() for k in GPU_PRESETS}:
+        return preset(hardware, host)
+    if os.path.exists(hardware) or hardware.endswith(".json"):
+        return HardwareProfile.load(hardware)
+    return preset(hardware, host)  # raises the error listing valid names

@@ -1,0 +1,167 @@
+"""Memory model: every buffer the runtime allocates for a Plan, component by component, then summed.
+
+Never a max-of-stages shortcut: each component below is a buffer the runtime
+holds for the whole step (or a transient that peaks inside one block), and the
+totals are plain sums. Symbols used in the formulas:
+
+  N   elements of all distinct blocks' flat buffers (params, each offset aligned to 64 elements)
+  Bmax elements of the largest block (one slot); E the embedding block's elements
+  L   decoder layers; h hidden size; V vocab size
+  T   global batch tokens per step (batch x seq); t micro-batch tokens (micro_batch_size x seq)
+  c   compute dtype bytes (2 for bf16/fp16, 4 for fp32)
+  K   plan.num_slots; G plan.device_grad_buffers; S plan.host_grad_slabs
+
+Pure stdlib.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import GiB, HardwareProfile
+from .model_shapes import ModelShape
+from .plan import Plan
+from .workload import Workload
+
+# The CUDA context, cuBLAS workspaces and kernels' own memory: a constant until fitted from runs.
+CUDA_CONTEXT_BYTES = 1 * GiB
+# Caching-allocator fragmentation on the device: a fraction of the device tensors, fitted later.
+ALLOCATOR_SLACK_FRACTION = 0.05
+# The host process itself: Python, torch libraries, the data loader (not pinned), fitted later.
+HOST_PROCESS_BYTES = 2 * GiB
+
+WHERE = ("device", "host", "nvme")
+
+
+@dataclass(frozen=True)
+class Component:
+    """One buffer (or group of equal buffers) the runtime allocates."""
+
+    name: str
+    where: str          # "device", "host" or "nvme"
+    nbytes: int
+    formula: str        # how nbytes was computed, for tables and review
+    pinned: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.where in WHERE, self.where
+        assert self.nbytes >= 0, (self.name, self.nbytes)
+
+
+@dataclass(frozen=True)
+class Overrun:
+    """A budget a plan exceeds: which one, what it needs, what there is."""
+
+    budget: str         # "gpu memory", "host RAM", "NVMe"
+    needed: int
+    available: int
+
+    @property
+    def excess(self) -> int:
+        return self.needed - self.available
+
+    def message(self) -> str:
+        return (f"{self.budget}: needs {self.needed / GiB:.2f} GiB, has {self.available / GiB:.2f} GiB "
+                f"(short by {self.excess / GiB:.2f} GiB)")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    components: tuple[Component, ...]
+
+    def total(self, where: str) -> int:
+        return sum(c.nbytes for c in self.components if c.where == where)
+
+    @property
+    def device_bytes(self) -> int:
+        return self.total("device")
+
+    @property
+    def host_bytes(self) -> int:
+        return self.total("host")
+
+    @property
+    def pinned_host_bytes(self) -> int:
+        return sum(c.nbytes for c in self.components if c.where == "host" and c.pinned)
+
+    @property
+    def nvme_bytes(self) -> int:
+        return self.total("nvme")
+
+    def overruns(self, hw: HardwareProfile) -> list[Overrun]:
+        """Budgets this estimate exceeds on ``hw``. Without a GPU, device buffers live in host RAM."""
+        out = []
+        if hw.device_is_host:
+            needed = self.device_bytes + self.host_bytes
+            if needed > hw.host_budget_bytes:
+                out.append(Overrun("host RAM", needed, hw.host_budget_bytes))
+            return out
+        if self.device_bytes > hw.gpu_mem_bytes:
+            out.append(Overrun("gpu memory", self.device_bytes, hw.gpu_mem_bytes))
+        if self.host_bytes > hw.host_budget_bytes:
+            out.append(Overrun("host RAM", self.host_bytes, hw.host_budget_bytes))
+        return out
+
+    def rows(self) -> list[dict[str, object]]:
+        return [{"name": c.name, "where": c.where, "bytes": c.nbytes, "pinned": c.pinned, "formula": c.formula}
+                for c in self.components]
+
+
+def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile | None = None) -> MemoryEstimate:
+    """Every buffer of ``plan`` for ``model`` and ``work``. ``hw`` only decides whether the device is a GPU
+    (CUDA context, allocator slack, pinned host arenas) or the CPU itself."""
+    on_gpu = hw is None or not hw.device_is_host
+    c = work.compute_bytes
+    h, V, L = model.hidden_size, model.vocab_size, model.num_layers
+    N, Bmax, E = model.numel_total, model.numel_largest_block, model.numel_embedding
+    T = work.tokens
+    t = min(plan.micro_batch_size, work.batch) * work.seq_len
+    K, G, S = plan.num_slots, plan.device_grad_buffers, plan.host_grad_slabs
+    comps: list[Component] = []
+
+    def dev(name: str, nbytes: int, formula: str) -> None:
+        comps.append(Component(name, "device", int(nbytes), formula))
+
+    def host(name: str, nbytes: int, formula: str, pinned: bool = True) -> None:
+        comps.append(Component(name, "host", int(nbytes), formula, pinned=pinned and on_gpu))
+
+    # ---- device -----------------------------------------------------------------------------
+    dev("weight slots", K * Bmax * c, f"K x Bmax x c = {K} x {Bmax} x {c}")
+    dev("grad accumulators", G * Bmax * 4, f"G x Bmax x 4 = {G} x {Bmax} x 4")
+    if model.tie_word_embeddings:
+        # The head's gradient of the shared weight waits here until the embedding's backward.
+        dev("tied embedding grad", E * 4, f"E x 4 = {E} x 4")
+    if plan.checkpoints == "device":
+        dev("activation checkpoints", L * T * h * c, f"L x T x h x c = {L} x {T} x {h} x {c}")
+    else:
+        dev("checkpoint staging", K * T * h * c, f"K x T x h x c = {K} x {T} x {h} x {c}")
+    # dy for every micro-batch at the block boundary being back-propagated (both placements).
+    dev("activation grad", T * h * c, f"T x h x c = {T} x {h} x {c}")
+    work_tok = model.layer_working_bytes_per_token(work.compute_dtype)
+    # Autograd's per-parameter grads of one layer (compute dtype) before they are added into fp32.
+    dev("layer working set", t * work_tok + model.numel_layer * c,
+        f"t x w + layer x c = {t} x {work_tok} + {model.numel_layer} x {c}")
+    chunk = min(plan.loss_chunk_tokens, t)
+    dev("logits chunk", chunk * V * (c + 4 + 4), f"chunk x V x (c + 4 + 4) = {chunk} x {V} x {c + 8}")
+    if on_gpu:
+        tensors = sum(x.nbytes for x in comps if x.where == "device")
+        dev("allocator slack", tensors * ALLOCATOR_SLACK_FRACTION,
+            f"{ALLOCATOR_SLACK_FRACTION} x device tensors = {ALLOCATOR_SLACK_FRACTION} x {tensors}")
+        dev("CUDA context", CUDA_CONTEXT_BYTES, "constant, fitted from runs")
+
+    # ---- host -------------------------------------------------------------------------------
+    host("fp32 master", 4 * N, f"4 x N = 4 x {N}")
+    host("Adam m", 4 * N, f"4 x N = 4 x {N}")
+    host("Adam v", 4 * N, f"4 x N = 4 x {N}")
+    if c != 4:
+        host("compute-dtype shadow", c * N, f"c x N = {c} x {N}")
+    if plan.optimizer_mode == "deferred":
+        host("fp32 grads (full arena)", 4 * N, f"4 x N = 4 x {N}")
+    else:
+        host("fp32 grad slabs", S * Bmax * 4, f"S x Bmax x 4 = {S} x {Bmax} x 4")
+    if plan.checkpoints == "host":
+        host("activation checkpoints", L * T * h * c, f"L x T x h x c = {L} x {T} x {h} x {c}")
+    host("process", HOST_PROCESS_BYTES, "constant: Python, torch, data loader", pinned=False)
+
+    # ---- NVMe (spill is issue #6: nothing spills yet) ---------------------------------------
+    comps.append(Component("spill files", "nvme", 0, "0: NVMe spill not implemented yet (issue #6)"))
+    return MemoryEstimate(tuple(comps))

@@ -1,0 +1,374 @@
+"""Model shapes: what a decoder-only transformer costs in parameters, bytes and FLOPs.
+
+A ModelShape comes from a Hugging Face ``config.json`` (a path or a dict) or a
+named preset. Everything the memory and cost models need about a model is here,
+per block, in the runtime's block order: embedding, each decoder layer, head
+(final norm + lm_head; when embeddings are tied the head holds only the norm and
+borrows the embedding's weight, so the embedding block is loaded a second time).
+
+Each block is one flat buffer in the runtime; each parameter's offset is aligned
+to ``ALIGN_ELEMENTS`` elements, so a block's buffer is slightly larger than its
+parameter count. ``block_numel`` is the aligned size (what slots and arenas hold);
+``params`` counts the model's real parameters (what FLOPs and MFU count).
+
+Pure stdlib.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+# Every parameter's offset inside a block's flat buffer is a multiple of this many elements.
+ALIGN_ELEMENTS = 64
+
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_ALIASES: dict[str, str] = {
+    "fp32": "float32", "float": "float32", "float32": "float32",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "half": "float16", "float16": "float16",
+}
+
+
+class ModelShapeError(ValueError):
+    """A model name, config file or config field cannot be used. One line: what, and the fix."""
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of ``dtype`` ("bf16", "bfloat16", "fp32", ...)."""
+    name = DTYPE_ALIASES.get(str(dtype).lower())
+    if name is None:
+        raise ModelShapeError(f"dtype={dtype!r} is unknown; use one of {', '.join(sorted(DTYPE_ALIASES))}")
+    return DTYPE_BYTES[name]
+
+
+def aligned(numel: int) -> int:
+    """Elements a parameter of ``numel`` elements occupies in a block's flat buffer."""
+    return -(-numel // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The architecture numbers of a Llama / Qwen2 / Qwen3 / Mistral style decoder."""
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    # Per-head width; Qwen3 sets it independently of hidden_size / num_heads.
+    head_dim: int = 0
+    tie_word_embeddings: bool = False
+    # Qwen2 / Qwen2.5: q, k and v projections carry a bias.
+    attention_bias: bool = False
+    # Qwen3: RMSNorm of width head_dim on q and on k.
+    qk_norm: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping[str, Any] | None = field(default=None, compare=False)
+    max_position_embeddings: int = 4096
+    model_type: str = "llama"
+
+    def __post_init__(self) -> None:
+        for f in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ModelShapeError(f"{self.name}: {f}={v!r} must be a positive integer; fix the config")
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads:
+                raise ModelShapeError(
+                    f"{self.name}: hidden_size={self.hidden_size} is not a multiple of num_attention_heads="
+                    f"{self.num_heads}; set head_dim in the config")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if not isinstance(self.head_dim, int) or self.head_dim < 1:
+            raise ModelShapeError(f"{self.name}: head_dim={self.head_dim!r} must be a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelShapeError(
+                f"{self.name}: num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads="
+                f"{self.num_kv_heads}; fix the config")
+
+    # ---- parameters, per block ------------------------------------------------------------
+
+    def embedding_params(self) -> list[int]:
+        """embed_tokens.weight: vocab x hidden."""
+        return [self.vocab_size * self.hidden_size]
+
+    def layer_params(self) -> list[int]:
+        """One decoder layer's parameters, in the order the runtime lays them out."""
+        h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
+            self.intermediate_size
+        p = [h]                                   # input_layernorm
+        p += [h * q, h * kv, h * kv]              # q_proj, k_proj, v_proj weights
+        if self.attention_bias:
+            p += [q, kv, kv]                      # q, k, v biases
+        if self.qk_norm:
+            p += [self.head_dim, self.head_dim]   # q_norm, k_norm
+        p += [q * h]                              # o_proj
+        p += [h]                                  # post_attention_layernorm
+        p += [h * i, h * i, i * h]                # gate_proj, up_proj, down_proj
+        return p
+
+    def head_params(self) -> list[int]:
+        """Final norm, plus lm_head (vocab x hidden) unless it is the embedding's weight."""
+        return [self.hidden_size] + ([] if self.tie_word_embeddings else [self.vocab_size * self.hidden_size])
+
+    @property
+    def params_embedding(self) -> int:
+        return sum(self.embedding_params())
+
+    @property
+    def params_layer(self) -> int:
+        return sum(self.layer_params())
+
+    @property
+    def params_head(self) -> int:
+        return sum(self.head_params())
+
+    @property
+    def params(self) -> int:
+        """Distinct parameters of the model (a tied weight counted once)."""
+        return self.params_embedding + self.num_layers * self.params_layer + self.params_head
+
+    @property
+    def numel_embedding(self) -> int:
+        return sum(aligned(n) for n in self.embedding_params())
+
+    @property
+    def numel_layer(self) -> int:
+        return sum(aligned(n) for n in self.layer_params())
+
+    @property
+    def numel_head(self) -> int:
+        return sum(aligned(n) for n in self.head_params())
+
+    @property
+    def numel_largest_block(self) -> int:
+        """Elements of the largest flat block buffer: the size of one device slot."""
+        return max(self.numel_embedding, self.numel_layer, self.numel_head)
+
+    @property
+    def numel_total(self) -> int:
+        """Elements of every block's flat buffer, each distinct block once (host arena size)."""
+        return self.numel_embedding + self.num_layers * self.numel_layer + self.numel_head
+
+    def block_bytes(self, dtype: str) -> dict[str, int]:
+        """Bytes of each distinct block's flat buffer in ``dtype``."""
+        b = dtype_bytes(dtype)
+        return {"embedding": self.numel_embedding * b, "layer": self.numel_layer * b, "head": self.numel_head * b}
+
+    # ---- FLOPs per token ---------------------------------------------------------------------
+
+    def matmul_weights_layer(self) -> int:
+        """Elements of one layer's matmul weights (norms and biases are not matmuls)."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
+
+    def attention_flops_fwd(self, seq: int) -> float:
+        """Causal attention FLOPs per token in forward, averaged over a sequence of ``seq`` tokens.
+
+        QK^T and PV each cost 2 x heads x head_dim x (keys seen); a causal token sees (seq + 1) / 2 keys
+        on average, so 2 x 2 x heads x head_dim x (seq + 1) / 2 = 2 x heads x head_dim x (seq + 1).
+        """
+        return 2.0 * self.num_heads * self.head_dim * (seq + 1)
+
+    def attention_flops_bwd(self, seq: int) -> float:
+        """Causal attention backward per token: 2.5 x forward (flash backward: QK^T again, dV, dP, dQ, dK)."""
+        return 2.5 * self.attention_flops_fwd(seq)
+
+    def layer_flops_fwd(self, seq: int) -> float:
+        """One decoder layer, forward, per token: 2 x matmul weights + causal attention."""
+        return 2.0 * self.matmul_weights_layer() + self.attention_flops_fwd(seq)
+
+    def layer_flops_bwd(self, seq: int) -> float:
+        """One decoder layer, backward (without recompute), per token: 4 x matmul weights (dX and dW)
+        + attention backward."""
+        return 4.0 * self.matmul_weights_layer() + self.attention_flops_bwd(seq)
+
+    def layer_flops_recompute(self, seq: int) -> float:
+        """Recompute before backward is one more forward of the layer: same as ``layer_flops_fwd``."""
+        return self.layer_flops_fwd(seq)
+
+    def head_flops_fwd(self) -> float:
+        """lm_head forward per token: 2 x vocab x hidden (the embedding is a gather: no FLOPs)."""
+        return 2.0 * self.vocab_size * self.hidden_size
+
+    def head_flops_bwd(self) -> float:
+        """lm_head backward per token (dX and dW): 4 x vocab x hidden. The runtime runs it in forward."""
+        return 4.0 * self.vocab_size * self.hidden_size
+
+    def model_flops_per_token(self) -> float:
+        """FLOPs per token that model TFLOP/s counts (design.md section 7): 6 x params, no recompute,
+        no attention."""
+        return 6.0 * self.params
+
+    def hardware_flops_per_token(self, seq: int) -> float:
+        """FLOPs per token the GPU really runs in one step: every layer's forward, recompute and
+        backward, plus the head's forward and backward."""
+        per_layer = self.layer_flops_fwd(seq) + self.layer_flops_recompute(seq) + self.layer_flops_bwd(seq)
+        return self.num_layers * per_layer + self.head_flops_fwd() + self.head_flops_bwd()
+
+    # ---- activation bytes per token ----------------------------------------------------------
+
+    def checkpoint_bytes_per_token(self, dtype: str) -> int:
+        """One block-boundary activation: hidden x compute bytes."""
+        return self.hidden_size * dtype_bytes(dtype)
+
+    def layer_working_bytes_per_token(self, dtype: str) -> int:
+        """Bytes per token one decoder layer holds at its peak (backward after recompute).
+
+        An estimate from shapes, to be fitted from measurements. Autograd saves, in compute dtype
+        (c bytes): the norm outputs and residual stream (5 x hidden: input, norm1 out, o_proj out,
+        norm2 out, down out), q before and after RoPE plus the attention output (3 x q_width), k before
+        and after RoPE plus v (3 x kv_width), the MLP's gate, up, act(gate) and their product
+        (4 x intermediate); RMSNorm keeps fp32 copies of its input (2 x hidden x 4 bytes);
+        SDPA (flash) keeps a logsumexp (heads x 4 bytes), O(seq) not O(seq^2). Backward adds
+        transient gradients of the widest tensors (3 x intermediate + 2 x hidden, compute dtype).
+        """
+        c = dtype_bytes(dtype)
+        h, i = self.hidden_size, self.intermediate_size
+        qw, kvw = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        saved = c * (5 * h + 3 * qw + 3 * kvw + 4 * i) + 4 * 2 * h + 4 * self.num_heads
+        transient = c * (3 * i + 2 * h)
+        return saved + transient
+
+    def logits_bytes_per_token(self, dtype: str) -> int:
+        """Chunked cross-entropy: logits (compute dtype) + fp32 logits + fp32 grad of logits, per token."""
+        return self.vocab_size * (dtype_bytes(dtype) + 4 + 4)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "params": self.params, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_layers": self.num_layers,
+            "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size, "tie_word_embeddings": self.tie_word_embeddings,
+        }
+
+
+# ---- reading config.json ---------------------------------------------------------------------
+
+_SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def from_config(config: Mapping[str, Any], name: str | None = None) -> ModelShape:
+    """A ModelShape from a Hugging Face config dict (Llama, Qwen2, Qwen3, Mistral)."""
+    if not isinstance(config, Mapping):
+        raise ModelShapeError(f"a model config is a JSON object, got {type(config).__name__}; pass a config.json")
+    mtype = str(config.get("model_type", "llama"))
+    label = name or str(config.get("_name_or_path") or mtype)
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                           "vocab_size") if k not in config]
+    if missing:
+        raise ModelShapeError(f"{label}: config has no {', '.join(missing)}; pass a decoder config.json "
+                              f"(model_type one of {', '.join(_SUPPORTED_TYPES)})")
+    # Two spellings: older configs carry rope_theta / rope_scaling, transformers 5.x only rope_parameters.
+    rope_params = config.get("rope_parameters")
+    rope_scaling = config.get("rope_scaling")
+    rope_theta = config.get("rope_theta")
+    if isinstance(rope_params, Mapping):
+        rope_theta = rope_params.get("rope_theta", rope_theta)
+        if rope_params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    try:
+        return ModelShape(
+            name=label,
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=config["num_attention_heads"],
+            num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+            vocab_size=config["vocab_size"],
+            head_dim=config.get("head_dim") or 0,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", mtype == "qwen2")),
+            qk_norm=mtype == "qwen3",
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            model_type=mtype,
+        )
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ModelShapeError):
+            raise
+        raise ModelShapeError(f"{label}: config field has the wrong type ({e}); fix the config.json") from None
+
+
+def from_config_file(path: str) -> ModelShape:
+    """A ModelShape from a config.json path (or a folder that holds one)."""
+    p = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(p, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ModelShapeError(f"cannot read model config {p}: {e.strerror}; pass a preset name "
+                              f"({', '.join(PRESETS)}) or a config.json path") from None
+    except json.JSONDecodeError as e:
+        raise ModelShapeError(f"model config {p} is not valid JSON ({e.msg} at line {e.lineno}); "
+                              f"pass a Hugging Face config.json") from None
+    return from_config(data, name=os.path.basename(os.path.dirname(os.path.abspath(p))) or p)
+
+
+# ---- presets: the numbers of each model's published config.json ----------------------------
+
+def _llama3(name: str, h: int, i: int, layers: int, heads: int, kv: int, tie: bool, factor: float,
+            head_dim: int = 0) -> ModelShape:
+    return ModelShape(name=name, hidden_size=h, intermediate_size=i, num_layers=layers, num_heads=heads,
+                      num_kv_heads=kv, vocab_size=128256, head_dim=head_dim, tie_word_embeddings=tie,
+                      rope_theta=500000.0, max_position_embeddings=131072, model_type="llama",
+                      rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+
+
+def _qwen2(name: str, h: int, i: int, layers: int, heads: int, kv: int, vocab: int, tie: bool,
+           max_pos: int = 32768) -> ModelShape:
+    return ModelShape(name=name, hidden_size=h, intermediate_size=i, num_layers=layers, num_heads=heads,
+                      num_kv_heads=kv, vocab_size=vocab, tie_word_embeddings=tie, attention_bias=True,
+                      rope_theta=1000000.0, max_position_embeddings=max_pos, model_type="qwen2")
+
+
+def _qwen3(name: str, h: int, i: int, layers: int, heads: int, kv: int) -> ModelShape:
+    return ModelShape(name=name, hidden_size=h, intermediate_size=i, num_layers=layers, num_heads=heads,
+                      num_kv_heads=kv, vocab_size=151936, head_dim=128, tie_word_embeddings=False,
+                      qk_norm=True, rope_theta=1000000.0, max_position_embeddings=40960, model_type="qwen3")
+
+
+PRESETS: dict[str, ModelShape] = {m.name: m for m in (
+    _llama3("Llama-3.2-1B", 2048, 8192, 16, 32, 8, True, 32.0, head_dim=64),
+    _llama3("Llama-3.2-3B", 3072, 8192, 28, 24, 8, True, 32.0, head_dim=128),
+    _llama3("Llama-3.1-8B", 4096, 14336, 32, 32, 8, False, 8.0),
+    _llama3("Llama-3.1-70B", 8192, 28672, 80, 64, 8, False, 8.0),
+    _llama3("Llama-3.1-405B", 16384, 53248, 126, 128, 8, False, 8.0),
+    _qwen2("Qwen2.5-0.5B", 896, 4864, 24, 14, 2, 151936, True),
+    _qwen2("Qwen2.5-7B", 3584, 18944, 28, 28, 4, 152064, False, 131072),
+    _qwen2("Qwen2.5-14B", 5120, 13824, 48, 40, 8, 152064, False, 131072),
+    _qwen2("Qwen2.5-32B", 5120, 27648, 64, 40, 8, 152064, False, 131072),
+    _qwen2("Qwen2.5-72B", 8192, 29568, 80, 64, 8, 152064, False, 131072),
+    _qwen3("Qwen3-8B", 4096, 12288, 36, 32, 8),
+    _qwen3("Qwen3-32B", 5120, 25600, 64, 64, 8),
+    ModelShape(name="Mistral-7B", hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+               num_kv_heads=8, vocab_size=32000, rope_theta=10000.0, max_position_embeddings=32768,
+               model_type="mistral"),  # mistralai/Mistral-7B-v0.1
+)}
+
+
+def resolve(model: str | Mapping[str, Any] | ModelShape) -> ModelShape:
+    """A preset name (case-insensitive), a config.json path, a config dict, or a ModelShape."""
+    if isinstance(model, ModelShape):
+        return model
+    if isinstance(model, Mapping):
+        return from_config(model)
+    by_lower = {k.lower(): v for k, v in PRESETS.items()}
+    if model.lower() in by_lower:
+        return by_lower[model.lower()]
+    if os.path.exists(model) or model.endswith(".json"):
+        return from_config_file(model)
+    raise ModelShapeError(f"unknown model {model!r}; valid: {', '.join(PRESETS)}, or a config.json path")
+
+
+def params_label(n: int | float) -> str:
+    """1.24B, 405M: a parameter count for tables."""
+    if n >= 1e9:
+        return f"{n / 1e9:.{1 if n >= 1e10 else 2}f}B"
+    return f"{n / 1e6:.0f}M"
+

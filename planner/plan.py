@@ -1,0 +1,144 @@
+"""The Plan: what the runtime executes, as data.
+
+The planner chooses a Plan; the runtime (``megatrain.runtime``) executes it and
+makes no policy decisions of its own. A Plan is frozen, validated on
+construction, and round-trips through JSON with a version number so that a plan
+written by one release is either read exactly or refused with a clear message.
+
+This module is pure stdlib: the runtime imports it, and it imports nothing of
+the runtime.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+PLAN_VERSION = 1
+
+CHECKPOINT_PLACEMENTS = ("device", "host")
+OPTIMIZER_MODES = ("eager", "deferred")
+
+
+class PlanError(ValueError):
+    """A Plan field is out of range, or a plan file cannot be read.
+
+    The message is one line: the field, the value, and how to fix it.
+    """
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one training step moves data. Every bound in the runtime comes from here.
+
+    Memory each field implies (device unless said otherwise):
+      num_slots           K x (largest block, compute dtype) weight slots
+      device_grad_buffers G x (largest block, fp32) gradient accumulators
+      checkpoints         "device": n_layers x tokens x hidden x compute bytes on the GPU;
+                          "host": the same in pinned host RAM, plus K staging areas on the GPU
+      host_grad_slabs     eager mode only: S x (largest block, fp32) host RAM
+                          (deferred mode keeps a full fp32 gradient arena instead)
+      loss_chunk_tokens   logits chunk: chunk x vocab x (compute + 4 + 4) bytes
+    """
+
+    version: int = PLAN_VERSION
+    # Device weight slots (K >= 2: one computing while the next one loads).
+    num_slots: int = 2
+    # Blocks loaded ahead of the one computing (1 <= depth <= K - 1).
+    prefetch_depth: int = 1
+    # Sequences per micro-batch; a step runs ceil(batch / micro_batch_size) micro-batches.
+    micro_batch_size: int = 1
+    # Where activation checkpoints at block boundaries live between forward and backward.
+    checkpoints: str = "device"
+    # "eager": AdamW per block as soon as its grads reach the host (no clipping possible);
+    # "deferred": after backward, in forward order, overlapping the next step's forward.
+    optimizer_mode: str = "deferred"
+    # Device fp32 gradient accumulators in flight (one accumulating, one draining to host).
+    device_grad_buffers: int = 2
+    # Eager mode: host fp32 gradient slabs between D2H and AdamW.
+    host_grad_slabs: int = 2
+    # Tokens per chunk of the chunked cross-entropy (bounds the logits buffer).
+    loss_chunk_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.version != PLAN_VERSION:
+            raise PlanError(
+                f"plan version {self.version} is not supported (this megatrain reads version "
+                f"{PLAN_VERSION}); write the plan again with this release's megatrain-plan"
+            )
+        _at_least("num_slots", self.num_slots, 2, "the pipeline needs one slot computing and one loading")
+        _at_least("prefetch_depth", self.prefetch_depth, 1, "use 1 for double buffering")
+        if self.prefetch_depth > self.num_slots - 1:
+            raise PlanError(
+                f"prefetch_depth={self.prefetch_depth} needs at least {self.prefetch_depth + 1} slots "
+                f"but num_slots={self.num_slots}; raise num_slots or lower prefetch_depth"
+            )
+        _at_least("micro_batch_size", self.micro_batch_size, 1, "it counts sequences per micro-batch")
+        _one_of("checkpoints", self.checkpoints, CHECKPOINT_PLACEMENTS)
+        _one_of("optimizer_mode", self.optimizer_mode, OPTIMIZER_MODES)
+        _at_least("device_grad_buffers", self.device_grad_buffers, 2,
+                  "one buffer accumulates while the previous one drains to the host")
+        _at_least("host_grad_slabs", self.host_grad_slabs, 1, "eager mode needs somewhere to land gradients")
+        _at_least("loss_chunk_tokens", self.loss_chunk_tokens, 1, "it is the number of tokens per logits chunk")
+
+    def replace(self, **changes: Any) -> "Plan":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        if not isinstance(data, dict):
+            raise PlanError(f"a plan is a JSON object, got {type(data).__name__}; pass the file megatrain-plan wrote")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(f"unknown plan field(s) {', '.join(unknown)}; valid fields: {', '.join(sorted(known))}")
+        if "version" not in data:
+            raise PlanError("plan has no 'version' field; write it again with megatrain-plan")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan is not valid JSON ({e.msg} at line {e.lineno}); pass the file megatrain-plan wrote") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str) -> "Plan":
+        try:
+            with open(path, encoding="utf-8") as f:
+                return cls.from_json(f.read())
+        except OSError as e:
+            raise PlanError(f"cannot read plan file {path}: {e.strerror}; check the path") from None
+
+    def save(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json() + "\n")
+
+
+def default_plan(clipping: bool) -> Plan:
+    """The plan the runtime uses when none is given, until a measured one exists.
+
+    Two slots, prefetch one block ahead, one sequence per micro-batch, checkpoints
+    on the device; the optimizer overlaps backward unless clipping needs every
+    block's gradient norm first.
+    """
+    return Plan(optimizer_mode="deferred" if clipping else "eager")
+
+
+def _at_least(field: str, value: Any, low: int, why: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise PlanError(f"{field}={value!r} must be an integer >= {low} ({why})")
+
+
+def _one_of(field: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise PlanError(f"{field}={value!r} must be one of {', '.join(repr(c) for c in choices)}")

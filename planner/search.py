@@ -1,0 +1,169 @@
+"""Plan search: the fastest Plan that fits every budget, or the budget that no plan fits.
+
+The space (design.md section 5): micro-batch size (hence the micro-batch count
+M = ceil(batch / size)), slots and prefetch depth (K = depth + 1: the runtime
+never loads more than ``depth`` ahead, so a further slot would only cost
+memory), checkpoint placement, eager vs deferred optimizer (deferred when
+clipping), host grad slabs for eager mode, and the loss chunk (the largest that
+fits: it costs memory, hardly time). NVMe spill placement joins with issue #6.
+
+Memory is checked first (cheap); only plans that fit are timed. Pure stdlib.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import cost_model, memory_model
+from .cost_model import CostEstimate
+from .hardware import HardwareProfile
+from .memory_model import MemoryEstimate, Overrun
+from .model_shapes import ModelShape
+from .plan import Plan
+from .workload import Workload
+
+PREFETCH_DEPTHS = (1, 2, 3)
+HOST_GRAD_SLABS = (2, 4)
+LOSS_CHUNKS = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
+
+
+class InfeasibleError(ValueError):
+    """No plan fits. The message names each budget exceeded and by how much."""
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    plan: Plan
+    memory: MemoryEstimate
+    cost: CostEstimate | None     # None when the plan does not fit (not timed)
+    overruns: tuple[Overrun, ...] = ()
+
+    @property
+    def feasible(self) -> bool:
+        return not self.overruns
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The best feasible plan, or (``best`` None) the overruns that every plan has."""
+
+    best: PlanChoice | None
+    considered: int
+    # When infeasible: for each budget, the least any plan needs of it, when that is too much;
+    # otherwise the overruns of the plan closest to fitting.
+    overruns: tuple[Overrun, ...] = field(default=())
+
+    @property
+    def feasible(self) -> bool:
+        return self.best is not None
+
+    def reason(self) -> str:
+        if self.best is not None:
+            return "feasible"
+        return "; ".join(o.message() for o in self.overruns)
+
+    def require(self) -> PlanChoice:
+        if self.best is None:
+            raise InfeasibleError(f"no plan fits: {self.reason()}; use a smaller model, batch or sequence, "
+                                  f"or more memory (--ram / --gpu-mem / --hardware)")
+        return self.best
+
+
+def micro_batch_sizes(batch: int) -> list[int]:
+    """Powers of two up to the batch, the batch itself, and ceil(batch / M) for M = 1..8."""
+    sizes = {batch}
+    p = 1
+    while p < batch:
+        sizes.add(p)
+        p *= 2
+    sizes.update(-(-batch // m) for m in range(1, 9))
+    return sorted(sizes)
+
+
+def candidates(model: ModelShape, work: Workload) -> list[Plan]:
+    """Every plan the search considers, before the loss chunk is chosen (chunk = micro-batch tokens)."""
+    modes = ("deferred",) if work.clipping else ("eager", "deferred")
+    out = []
+    for mbs in micro_batch_sizes(work.batch):
+        for depth in PREFETCH_DEPTHS:
+            if depth + 1 > model.num_layers + 2:
+                continue
+            for ckpt in ("device", "host"):
+                for mode in modes:
+                    for slabs in (HOST_GRAD_SLABS if mode == "eager" else (2,)):
+                        out.append(Plan(num_slots=depth + 1, prefetch_depth=depth, micro_batch_size=mbs,
+                                        checkpoints=ckpt, optimizer_mode=mode, host_grad_slabs=slabs,
+                                        loss_chunk_tokens=mbs * work.seq_len))
+    return out
+
+
+def _chunks(tokens: int) -> list[int]:
+    return [tokens] + [c for c in LOSS_CHUNKS if c < tokens]
+
+
+def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile) -> PlanChoice:
+    """The plan with the largest loss chunk that fits; else the smallest chunk, with its overruns."""
+    choice = None
+    for chunk in _chunks(plan.micro_batch_size * work.seq_len):
+        p = plan.replace(loss_chunk_tokens=chunk)
+        mem = memory_model.estimate(model, work, p, hw)
+        over = tuple(mem.overruns(hw))
+        choice = PlanChoice(p, mem, None, over)
+        if not over:
+            return choice
+    assert choice is not None
+    return choice
+
+
+def search(model: ModelShape, work: Workload, hw: HardwareProfile) -> SearchResult:
+    """The fastest plan that fits ``hw``; ties go to less GPU memory, then less host RAM."""
+    best: PlanChoice | None = None
+    best_key: tuple[float, int, int] | None = None
+    infeasible: list[PlanChoice] = []
+    considered = 0
+    for plan in candidates(model, work):
+        considered += 1
+        choice = _fit_chunk(model, work, plan, hw)
+        if not choice.feasible:
+            infeasible.append(choice)
+            continue
+        cost = cost_model.estimate(model, work, choice.plan, hw)
+        key = (round(cost.step_seconds, 6), choice.memory.device_bytes, choice.memory.host_bytes)
+        if best_key is None or key < best_key:
+            best, best_key = PlanChoice(choice.plan, choice.memory, cost), key
+    if best is not None:
+        return SearchResult(best, considered)
+    return SearchResult(None, considered, _explain(infeasible, hw))
+
+
+def _explain(choices: list[PlanChoice], hw: HardwareProfile) -> tuple[Overrun, ...]:
+    """Why nothing fits: each budget that even its most frugal plan exceeds; if each budget alone can be
+    met but never both at once, the overruns of the plan closest to fitting."""
+    out = []
+    for budget in ("gpu memory", "host RAM"):
+        needs = [min((o.needed for o in c.overruns if o.budget == budget), default=None) for c in choices]
+        if all(n is not None for n in needs):
+            # Every plan exceeds this budget; say by how little the most frugal one does.
+            least = min(n for n in needs if n is not None)
+            avail = next(o.available for o in choices[0].overruns if o.budget == budget)
+            out.append(Overrun(budget, least, avail))
+    if out:
+        return tuple(out)
+
+    def rel_excess(c: PlanChoice) -> float:
+        return sum(o.excess / max(o.available, 1) for o in c.overruns)
+
+    return min(choices, key=rel_excess).overruns
+
+
+def minimum_memory(model: ModelShape, work: Workload, hw: HardwareProfile) -> dict[str, PlanChoice]:
+    """The plans needing the least GPU memory and the least host RAM (budgets ignored), with the
+    smallest loss chunk: what ``megatrain-plan size`` reports as the minimum to buy."""
+    best: dict[str, PlanChoice] = {}
+    for plan in candidates(model, work):
+        p = plan.replace(loss_chunk_tokens=min(LOSS_CHUNKS[-1], plan.loss_chunk_tokens))
+        mem = memory_model.estimate(model, work, p, hw)
+        for key, value in (("gpu", mem.device_bytes), ("host", mem.host_bytes)):
+            if key not in best or value < getattr(best[key].memory, "device_bytes" if key == "gpu"
+                                                   else "host_bytes"):
+                best[key] = PlanChoice(p, mem, None)
+    return best

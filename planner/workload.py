@@ -1,0 +1,51 @@
+"""Workload: what one training step is asked to do (sequence length, batch, dtype, clipping).
+
+The model shape and hardware profile describe things; the Workload is the request the planner
+answers. Pure stdlib.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model_shapes import DTYPE_ALIASES, dtype_bytes
+
+
+class WorkloadError(ValueError):
+    """A sequence length, batch or dtype the planner cannot plan for. One line: what, and the fix."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One optimizer step: ``batch`` sequences of ``seq_len`` tokens, computed in ``compute_dtype``.
+
+    ``clipping`` is True when global-norm gradient clipping (max_grad_norm) is on: the optimizer must
+    then run after backward ("deferred").
+    """
+
+    seq_len: int
+    batch: int
+    compute_dtype: str = "bfloat16"
+    clipping: bool = True
+
+    def __post_init__(self) -> None:
+        for f in ("seq_len", "batch"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise WorkloadError(f"{f}={v!r} must be an integer >= 1 (sequences / tokens per sequence)")
+        name = DTYPE_ALIASES.get(str(self.compute_dtype).lower())
+        if name is None:
+            raise WorkloadError(f"compute_dtype={self.compute_dtype!r} is unknown; use bf16, fp16 or fp32")
+        object.__setattr__(self, "compute_dtype", name)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per step (global batch tokens)."""
+        return self.seq_len * self.batch
+
+    @property
+    def compute_bytes(self) -> int:
+        return dtype_bytes(self.compute_dtype)
+
+    def micro_batches(self, micro_batch_size: int) -> int:
+        """M = ceil(batch / micro_batch_size)."""
+        return -(-self.batch // micro_batch_size)

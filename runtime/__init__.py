@@ -1,0 +1,8 @@
+"""megatrain.runtime: stream a model's blocks through a few device slots; weights and AdamW state in host memory."""
+from megatrain.planner.plan import Plan, PlanError
+
+from .config import ModelConfig, OptimizerConfig
+from .engine import Engine
+from .errors import ConfigError, InputError, MegatrainError
+
+__all__ = ["Engine", "ModelConfig", "OptimizerConfig", "Plan", "PlanError", "MegatrainError", "ConfigError", "InputError"]

@@ -1,0 +1,112 @@
+"""Llama-family blocks: architecture only, no weights of their own at run time.
+
+Each class is instantiated once on the meta device as a stateless template
+(see ``templates.py``); its parameters are bound per call to views of a device
+slot. Submodule and parameter names, and their registration order, are those
+of Hugging Face transformers (``LlamaDecoderLayer`` and friends), so layout
+tables map one-to-one to Hugging Face state-dict names and the parameter order
+matches ``model.parameters()``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .rope import apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, q, kv = config.hidden_size, config.q_size, config.kv_size
+        self.head_dim: int = config.head_dim  # type: ignore[assignment]
+        self.n_rep = config.num_attention_heads // config.num_key_value_heads  # type: ignore[operator]
+        self.q_proj = nn.Linear(h, q, bias=config.attention_bias)
+        self.k_proj = nn.Linear(h, kv, bias=config.attention_bias)
+        self.v_proj = nn.Linear(h, kv, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q, h, bias=bool(config.o_proj_bias))
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, hidden] -> [B, S, hidden]; causal over the whole sequence."""
+        b, s, _ = x.shape
+        shape = (b, s, -1, self.head_dim)
+        q = self.q_proj(x).view(shape)
+        k = self.k_proj(x).view(shape)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.head_dim ** -0.5, enable_gqa=self.n_rep > 1
+        )  # [B, Hq, S, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, hidden] (compute dtype) -> same."""
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class EmbeddingBlock(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [B, S] int64 -> [B, S, hidden]."""
+        return self.embed_tokens(input_ids)
+
+
+class HeadBlock(nn.Module):
+    """Final norm, and lm_head unless the embeddings are tied (then the embedding's weight is used)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, hidden] -> normed hidden states; the logits are computed in chunks by the loss."""
+        return self.norm(x)

@@ -1,0 +1,76 @@
+"""The head: final norm, lm_head and cross-entropy, forward and backward at once, in chunks.
+
+The full [tokens, vocab] logits never exist: ``chunk`` tokens at a time, the
+logits are computed, the loss summed, and their gradient taken immediately
+(w.r.t. the normed hidden states and lm_head's weight); then the norm's
+backward gives the gradient w.r.t. the head's input. Peak extra memory:
+chunk x vocab x (compute bytes + 4 + 4).
+
+Labels follow Hugging Face: same shape as input_ids, shifted inside (position
+t predicts labels[t + 1]), -100 ignored. Each micro-batch's loss is its summed
+token losses divided by ``n_tokens``, the number of predicted tokens in the
+whole batch, so the micro-batch losses (and gradients) add up to the batch mean.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """labels: [B, S] int64 -> [B, S]: position t holds labels[t + 1]; the last holds -100."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+
+
+@dataclass
+class HeadGrads:
+    loss: torch.Tensor  # [] fp32: this micro-batch's share of the batch mean
+    dx: torch.Tensor  # [b, S, hidden]: gradient w.r.t. the head's input
+    norm: dict[str, torch.Tensor]  # gradients of the norm's parameters, by local name
+    lm_head: torch.Tensor  # [vocab, hidden] gradient of the lm_head weight, summed over chunks
+
+
+def head_forward_backward(
+    norm: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor],
+    norm_params: dict[str, torch.Tensor],
+    lm_weight: torch.Tensor,
+    x: torch.Tensor,
+    labels: torch.Tensor,
+    n_tokens: torch.Tensor,
+    chunk: int,
+) -> HeadGrads:
+    """norm(params, x) -> normed; lm_weight: [vocab, hidden]; x: [b, S, hidden]; labels: [b, S] shifted."""
+    x = x.detach().requires_grad_()
+    leaves = {k: v.detach().requires_grad_() for k, v in norm_params.items()}
+    weight = lm_weight.detach().requires_grad_()
+    with torch.enable_grad():
+        normed = norm(leaves, x)
+    flat = normed.detach().reshape(-1, normed.shape[-1])  # [T, hidden]
+    flat_labels = labels.reshape(-1)
+    d_flat = torch.empty_like(flat)
+    d_weight: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+    for start in range(0, flat.shape[0], chunk):
+        end = min(start + chunk, flat.shape[0])
+        h = flat[start:end].requires_grad_()
+        with torch.enable_grad():
+            logits = F.linear(h, weight)  # [c, vocab]
+            part = F.cross_entropy(logits.float(), flat_labels[start:end], ignore_index=IGNORE_INDEX,
+                                   reduction="sum") / n_tokens
+        d_h, d_w = torch.autograd.grad(part, (h, weight))
+        d_flat[start:end] = d_h
+        d_weight = d_w if d_weight is None else d_weight + d_w
+        loss = part.detach() if loss is None else loss + part.detach()
+    assert d_weight is not None and loss is not None
+    grads = torch.autograd.grad(normed, (x, *leaves.values()), d_flat.view_as(normed))
+    return HeadGrads(loss, grads[0], dict(zip(leaves.keys(), grads[1:])), d_weight)
+
+
+def chunked_logits(flat: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch.Tensor:
+    """flat: [T, hidden] -> [T, vocab] (evaluation only: materialises the logits the caller asked for)."""
+    return torch.cat([F.linear(flat[s:s + chunk], weight) for s in range(0, flat.shape[0], chunk)])

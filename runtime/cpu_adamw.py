@@ -1,0 +1,128 @@
+"""CPU AdamW on each block's flat fp32 buffers, in a worker thread.
+
+The math is torch's fused CPU AdamW kernel (``torch._fused_adamw_``, what
+``torch.optim.AdamW(fused=True)`` runs), applied to the block's two contiguous
+ranges (with and without weight decay). It is elementwise, so one call over a
+flat buffer gives the same bits as ``torch.optim.AdamW`` per parameter. With
+clipping, the gradients are first multiplied by the clip coefficient the way
+``torch.nn.utils.clip_grad_norm_`` does (``grad * clamp(max_norm / (norm + 1e-6), max=1)``).
+
+[Note: optimizer modes]
+eager: a block's job is queued as soon as its gradient drain is queued, so the
+update overlaps the rest of backward. deferred: every job is queued after
+backward, in forward order, so block 0 is updated first and the next step's
+forward, which loads block 0 first, waits the least. In both, the next load of
+block b waits for ``wait_updated(b)``. The job queue holds at most one job per
+block (its bound); the worker releases an eager-mode gradient slab when done.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.profiler import record_function
+
+from .event_log import EventLog
+from .host_store import HostStore
+from .streams import Event
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+
+@dataclass
+class AdamJob:
+    step: int
+    block: int
+    grads: torch.Tensor  # fp32 host [numel], written by the D2H drain
+    grads_ready: Event  # the drain's completion
+    clip: tuple[torch.Tensor, Event] | None  # (host fp32 scalar coefficient, its D2H completion)
+    hyper: AdamHyper
+    decay_numel: int
+    on_done: Callable[[], None] | None = None  # e.g. release the eager gradient slab
+
+
+class AdamWorker:
+    def __init__(self, store: HostStore, num_blocks: int, log: EventLog) -> None:
+        self.store = store
+        self.log = log
+        self._jobs: queue.Queue[AdamJob | None] = queue.Queue(maxsize=num_blocks + 1)
+        self._updated = [0] * num_blocks  # last step whose update of block b is complete
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="megatrain-adamw", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: AdamJob) -> None:
+        self.raise_if_failed()
+        self._jobs.put(job)
+
+    def wait_updated(self, block: int, step: int) -> None:
+        """Block until block's update for ``step`` (and all before it) is done."""
+        with self._cond:
+            while self._updated[block] < step and self._error is None:
+                self._cond.wait()
+        self.raise_if_failed()
+
+    def wait_all(self, step: int) -> None:
+        for b in range(len(self._updated)):
+            self.wait_updated(b, step)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+
+    def raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the CPU AdamW worker failed: {self._error!r}") from self._error
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._update(job)
+            except BaseException as e:  # surfaced to the training thread at its next wait
+                with self._cond:
+                    self._error = e
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._updated[job.block] = job.step
+                self._cond.notify_all()
+
+    def _update(self, job: AdamJob) -> None:
+        b, store, h = job.block, self.store, job.hyper
+        self.log.record("adam_begin", job.step, b)
+        with record_function(f"adam[{b}]"):
+            job.grads_ready.synchronize()
+            if job.clip is not None:
+                coef, ready = job.clip
+                ready.synchronize()
+                job.grads.mul_(coef)
+            master, m, v = store.master_of(b), store.exp_avg_of(b), store.exp_avg_sq_of(b)
+            step = store.steps[b]
+            step.add_(1)
+            n = job.decay_numel
+            for lo, hi, wd in ((0, n, h.weight_decay), (n, master.numel(), 0.0)):
+                if hi > lo:
+                    torch._fused_adamw_(
+                        [master[lo:hi]], [job.grads[lo:hi]], [m[lo:hi]], [v[lo:hi]], [], [step],
+                        lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=wd, eps=h.eps,
+                        amsgrad=False, maximize=False,
+                    )
+            store.refresh_shadow(b)
+        if job.on_done is not None:
+            job.on_done()
+        self.log.record("adam_end", job.step, b)

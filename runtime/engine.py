@@ -1,0 +1,271 @@
+"""The public entry point: ``Engine`` trains a model whose weights and optimizer state live in host memory.
+
+    engine = Engine(ModelConfig.from_hf("config.json"), optimizer=OptimizerConfig(lr=3e-4))
+    loss = engine.step(input_ids, labels)      # one optimizer step over the whole batch
+
+``step`` returns the batch's mean loss as a 0-dim tensor on the compute device
+without waiting for the GPU; call ``.item()`` when you want the number.
+``state_dict`` / ``load_state_dict`` speak Hugging Face parameter names in float32.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from megatrain.planner.plan import Plan, PlanError, default_plan
+
+from .chunked_loss import IGNORE_INDEX, shift_labels
+from .config import ModelConfig, OptimizerConfig
+from .cpu_adamw import AdamHyper
+from .errors import ConfigError, InputError
+from .event_log import EventLog
+from .executor import Batch, Executor
+from .host_store import HostStore
+from .templates import Templates
+
+COMPUTE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+class Engine:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        optimizer: OptimizerConfig | None = None,
+        plan: Plan | None = None,
+        compute_dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device | None = None,
+        seed: int = 0,
+    ) -> None:
+        if not isinstance(model_config, ModelConfig):
+            raise ConfigError(
+                f"model_config is a {type(model_config).__name__}; build one with ModelConfig(...) or ModelConfig.from_hf(path)"
+            )
+        self.config = model_config
+        self.optimizer = optimizer if optimizer is not None else OptimizerConfig()
+        if not isinstance(self.optimizer, OptimizerConfig):
+            raise ConfigError(f"optimizer is a {type(self.optimizer).__name__}; pass OptimizerConfig(...)")
+        self.plan = plan if plan is not None else default_plan(self.optimizer.clipping)
+        if not isinstance(self.plan, Plan):
+            raise PlanError(f"plan is a {type(self.plan).__name__}; pass a Plan (e.g. Plan.load('plan.json')) or None")
+        if self.plan.optimizer_mode == "eager" and self.optimizer.clipping:
+            raise PlanError(
+                f"optimizer_mode='eager' cannot clip gradients (max_grad_norm={self.optimizer.max_grad_norm}): "
+                "use optimizer_mode='deferred', or OptimizerConfig(max_grad_norm=None)"
+            )
+        if compute_dtype not in COMPUTE_DTYPES:
+            raise ConfigError(
+                f"compute_dtype={compute_dtype} is not supported; use torch.bfloat16 (fast) or torch.float32 (exact)"
+            )
+        self.compute_dtype = compute_dtype
+        self.device = _pick_device(device)
+        self.seed = seed
+        self.event_log = EventLog()
+        self.templates = Templates(model_config, self.optimizer.decays)
+        self.store = HostStore(
+            self.templates.blocks, compute_dtype, full_grads=self.plan.optimizer_mode == "deferred",
+            grad_slabs=self.plan.host_grad_slabs, pin=self.device.type == "cuda",
+        )
+        self._initialize(seed)
+        self.executor = Executor(self.templates, self.store, self.plan, compute_dtype, self.device,
+                                 self.optimizer.max_grad_norm, self.event_log)
+
+    # ------------------------------------------------------------------ training
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, lr: float | None = None) -> torch.Tensor:
+        """One AdamW step over the whole batch. input_ids, labels: [B, S] integer (labels -100 = ignored).
+
+        Returns the mean loss over all predicted tokens as a 0-dim fp32 tensor on the device.
+        """
+        batch = self._batch(input_ids, labels)
+        lr = self.optimizer.lr if lr is None else lr
+        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr < 0:
+            raise InputError(f"lr={lr!r} must be a number >= 0")
+        b1, b2 = self.optimizer.betas
+        hyper = AdamHyper(float(lr), b1, b2, self.optimizer.eps, self.optimizer.weight_decay)
+        return self.executor.train_step(batch, hyper)
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The last step's global gradient norm (before clipping), a device scalar."""
+        return self.executor.grad_norm
+
+    @property
+    def step_count(self) -> int:
+        return self.executor.step_no
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(e.numel for b in self.templates.blocks for e in b.layout.entries)
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Evaluation forward: [B, S] ids -> [B, S, vocab] fp32 logits (materialised; keep inputs small)."""
+        ids = self._check_ids(input_ids, "input_ids")
+        self._check_seq(ids.shape[1])
+        return self.executor.forward_logits(ids.to(self.device, non_blocking=True))
+
+    # ------------------------------------------------------------------ weights
+    def synchronize(self) -> None:
+        """Wait until every queued optimizer update has been applied to the host store."""
+        self.executor.adam.wait_all(self.executor.step_no)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Float32 copies of the master weights under Hugging Face names (tied lm_head included, as HF does)."""
+        self.synchronize()
+        out: dict[str, torch.Tensor] = {}
+        for block in self.templates.blocks:
+            views = block.layout.views(self.store.master_of(block.index))
+            for e in block.layout.entries:
+                out[e.hf_name] = views[e.local_name].clone()
+        if self.config.tie_word_embeddings:
+            out["lm_head.weight"] = out["model.embed_tokens.weight"]
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy weights (any float dtype) into the fp32 masters. Keys and shapes must match exactly."""
+        self.synchronize()
+        expected = {e.hf_name: (b, e) for b in self.templates.blocks for e in b.layout.entries}
+        optional = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        missing = sorted(set(expected) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(expected) - optional)
+        if missing or unexpected:
+            parts = ([f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"] if missing else []) + (
+                [f"unexpected {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}"] if unexpected else [])
+            raise InputError(f"state_dict does not match this model ({'; '.join(parts)}); check the ModelConfig")
+        for name, (block, entry) in expected.items():
+            tensor = state_dict[name]
+            if tuple(tensor.shape) != entry.shape:
+                raise InputError(f"{name} has shape {tuple(tensor.shape)}, this model expects {entry.shape}; check the ModelConfig")
+            if not tensor.is_floating_point():
+                raise InputError(f"{name} has dtype {tensor.dtype}; weights must be floating point")
+        for name, (block, entry) in expected.items():
+            views = block.layout.views(self.store.master_of(block.index))
+            views[entry.local_name].copy_(state_dict[name])
+        for block in self.templates.blocks:
+            self.store.refresh_shadow(block.index)
+
+    def optimizer_state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """AdamW state per parameter under Hugging Face names: exp_avg, exp_avg_sq, step (as torch.optim keeps it)."""
+        self.synchronize()
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for block in self.templates.blocks:
+            m = block.layout.views(self.store.exp_avg_of(block.index))
+            v = block.layout.views(self.store.exp_avg_sq_of(block.index))
+            for e in block.layout.entries:
+                out[e.hf_name] = {"exp_avg": m[e.local_name].clone(), "exp_avg_sq": v[e.local_name].clone(),
+                                  "step": self.store.steps[block.index].clone()}
+        return out
+
+    def close(self) -> None:
+        """Stop the optimizer worker and unpin host memory. The engine is unusable afterwards."""
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.close()
+        store = getattr(self, "store", None)
+        if store is not None:
+            store.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ internals
+    def _initialize(self, seed: int) -> None:
+        """Hugging Face's init: normal(0, initializer_range) weights, zero biases, unit norms, zero pad row."""
+        std = self.config.initializer_range
+        for block in self.templates.blocks:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + block.index)
+            views = block.layout.views(self.store.master_of(block.index))
+            for e in block.layout.entries:
+                t = views[e.local_name]
+                if e.local_name.endswith("norm.weight"):
+                    t.fill_(1.0)
+                elif e.local_name.endswith(".bias"):
+                    t.zero_()
+                else:
+                    t.normal_(0.0, std, generator=gen)
+                    if e.local_name == "embed_tokens.weight" and self.config.pad_token_id is not None:
+                        t[self.config.pad_token_id].zero_()
+            self.store.refresh_shadow(block.index)
+
+    def _check_ids(self, t: object, name: str) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name} must be a torch.Tensor of token ids, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise InputError(f"{name} has shape {tuple(t.shape)}; expected [batch, seq_len] (use .unsqueeze(0) for one sequence)")
+        if t.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise InputError(f"{name} has dtype {t.dtype}; expected an integer tensor (torch.long)")
+        if t.numel() == 0:
+            raise InputError(f"{name} is empty (shape {tuple(t.shape)}); pass at least one token")
+        # Validated on the host: ids outside the vocabulary would fault the device later, far from the cause.
+        host = t.detach().to("cpu", torch.int64)
+        if name == "input_ids":
+            lo, hi = int(host.min()), int(host.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise InputError(
+                    f"input_ids has ids in [{lo}, {hi}] but vocab_size={self.config.vocab_size}; "
+                    "check the tokenizer matches the model"
+                )
+        return host
+
+    def _check_seq(self, seq: int) -> None:
+        window = self.config.sliding_window
+        if window is not None and seq > window:
+            raise InputError(
+                f"seq_len={seq} exceeds sliding_window={window}, which megatrain does not implement; "
+                f"use sequences of at most {window} tokens"
+            )
+
+    def _batch(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Batch:
+        ids = self._check_ids(input_ids, "input_ids")
+        lab = self._check_ids(labels, "labels")
+        if lab.shape != ids.shape:
+            raise InputError(
+                f"labels has shape {tuple(lab.shape)} but input_ids has {tuple(ids.shape)}; "
+                "they must match (labels are shifted inside, as in Hugging Face)"
+            )
+        bad = (lab != IGNORE_INDEX) & ((lab < 0) | (lab >= self.config.vocab_size))
+        if bool(bad.any()):
+            value = int(lab[bad][0])
+            raise InputError(
+                f"labels holds {value}, outside [0, {self.config.vocab_size}) and not -100 (ignored); "
+                "check the tokenizer or mask with -100"
+            )
+        self._check_seq(ids.shape[1])
+        shifted = shift_labels(lab)
+        n_tokens = int((shifted != IGNORE_INDEX).sum())
+        if n_tokens == 0:
+            raise InputError("labels leave no token to predict (all -100 after the shift); check the masking")
+        mbs = self.plan.micro_batch_size
+        micro = [slice(s, min(s + mbs, ids.shape[0])) for s in range(0, ids.shape[0], mbs)]
+        dev = self.device
+        return Batch(
+            input_ids=ids.to(dev, non_blocking=True),
+            labels=shifted.to(dev, non_blocking=True),
+            n_tokens=torch.tensor(n_tokens, device=dev),
+            micro=micro,
+        )
+
+
+def _pick_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device={device!r} is not a device; use 'cuda', 'cuda:0', 'cpu' or None (auto)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device='cuda' but torch sees no CUDA GPU; use device=None (auto) or 'cpu'")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ConfigError(f"device={device!r} is not supported; use 'cuda' or 'cpu'")
+    return dev

@@ -1,0 +1,38 @@
+"""A log of the step's operations, in the order the host issued them.
+
+Tests read it to check the schedule's invariants (no compute before its load,
+no load into a slot still in use, the next step's load of a block after its
+AdamW update, never more than K blocks resident). Off by default; when off,
+``record`` costs one attribute check.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    op: str  # "h2d", "compute", "release", "d2h", "adam_begin", "adam_end"
+    step: int
+    block: int
+    slot: int = -1  # device slot, for h2d / compute / release
+    load: int = -1  # position in the step's load sequence, for h2d / compute / release
+    phase: str = ""  # "fwd" or "bwd"
+
+
+class EventLog:
+    def __init__(self) -> None:
+        self.enabled = False
+        self.entries: list[LogEntry] = []
+        self._lock = threading.Lock()  # the AdamW worker appends from its own thread
+
+    def record(self, op: str, step: int, block: int, **fields: object) -> None:
+        if self.enabled:
+            entry = LogEntry(op, step, block, **fields)  # type: ignore[arg-type]
+            with self._lock:
+                self.entries.append(entry)
+
+    def clear(self) -> None:
+        with self._lock:
+            self.entries.clear()

@@ -1,0 +1,46 @@
+"""Device fp32 gradient accumulators and their drain to the host.
+
+A block's gradients accumulate over its micro-batches in one fp32 device
+buffer (zeroed on acquire), then drain to host memory on the d2h stream. The
+buffer is reused only after the drain: the compute stream waits on the
+``drained`` event before zeroing it again. Bound: ``count`` buffers of the
+largest block (count x largest block x 4 bytes on the device); a tied
+embedding has one more, kept from the head (forward) to the embedding
+(end of backward).
+"""
+from __future__ import annotations
+
+import torch
+
+from .streams import Event, Streams
+
+
+class GradBuffers:
+    def __init__(self, count: int, numel: int, device: torch.device, streams: Streams) -> None:
+        self.buffers = [torch.zeros(numel, dtype=torch.float32, device=device) for _ in range(count)]
+        self.drained: list[Event] = [streams.event() for _ in range(count)]
+        self.streams = streams
+        self._next = 0
+
+    def acquire(self, numel: int) -> tuple[int, torch.Tensor]:
+        """A zeroed fp32 buffer [numel] on the compute stream, its previous drain complete."""
+        index = self._next
+        self._next = (self._next + 1) % len(self.buffers)
+        self.drained[index].wait_on(self.streams.compute)
+        buf = self.buffers[index][:numel]
+        buf.zero_()
+        return index, buf
+
+    def drain(self, index: int | None, buf: torch.Tensor, host: torch.Tensor) -> Event:
+        """Copy ``buf`` (device fp32) into ``host`` (pinned fp32) after the compute that wrote it.
+
+        Returns the event a host thread synchronizes on before reading ``host``.
+        """
+        ready = self.streams.recorded(self.streams.compute)
+        with self.streams.d2h.use():
+            ready.wait_on(self.streams.d2h)
+            host.copy_(buf, non_blocking=True)
+            done = self.streams.recorded(self.streams.d2h)
+        if index is not None:
+            self.drained[index] = done
+        return done

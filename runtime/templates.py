@@ -1,0 +1,145 @@
+"""Stateless layer templates and the static layout of each block's flat buffer.
+
+[Note: stateless templates]
+One ``nn.Module`` per block structure (embedding, decoder layer, head) is built
+once on the meta device and holds no weights. Every block owns one flat buffer
+(in the host store, and in a device slot while resident); a static layout table
+maps each parameter name to (offset, shape) inside it. Running a block binds
+views of the slot's flat buffer into the template with
+``torch.func.functional_call``: no per-layer copy into module parameters, no
+autograd graph across blocks, no persistent per-layer modules on the device.
+
+Layout order: parameters that take weight decay first, then those that do not,
+each in the template's registration order, each offset aligned to
+``ALIGN`` elements. AdamW then runs on two contiguous ranges per block.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from .blocks import DecoderLayer, EmbeddingBlock, HeadBlock
+from .config import ModelConfig
+
+ALIGN = 64  # elements: 256 B in fp32, 128 B in bf16
+
+
+class BlockKind(enum.Enum):
+    EMBED = "embed"
+    LAYER = "layer"
+    HEAD = "head"
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    local_name: str  # name inside the block's template, e.g. "self_attn.q_proj.weight"
+    hf_name: str  # Hugging Face state-dict name, e.g. "model.layers.3.self_attn.q_proj.weight"
+    shape: tuple[int, ...]
+    offset: int  # elements from the start of the block's flat buffer
+    decay: bool
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    entries: tuple[ParamEntry, ...]
+    numel: int  # padded length of the flat buffer
+    decay_numel: int  # [0, decay_numel) takes weight decay, [decay_numel, numel) does not
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of ``flat`` ([>= numel], any dtype) under the template's local names."""
+        return {e.local_name: flat[e.offset:e.offset + e.numel].view(e.shape) for e in self.entries}
+
+    def view_list(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[e.offset:e.offset + e.numel].view(e.shape) for e in self.entries]
+
+
+@dataclass(frozen=True)
+class Block:
+    index: int  # position in the model's block list (embedding first, head last)
+    kind: BlockKind
+    layer: int | None  # decoder layer number, for LAYER blocks
+    layout: BlockLayout
+
+    @property
+    def label(self) -> str:
+        return f"layer{self.layer}" if self.kind is BlockKind.LAYER else self.kind.value
+
+
+def _hf_prefix(kind: BlockKind, layer: int | None, local_name: str) -> str:
+    if kind is BlockKind.EMBED:
+        return "model."
+    if kind is BlockKind.LAYER:
+        return f"model.layers.{layer}."
+    return "" if local_name.startswith("lm_head.") else "model."
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Templates:
+    """The meta-device template of each block kind, and the model's block list."""
+
+    def __init__(self, config: ModelConfig, decays: Callable[[str], bool]) -> None:
+        self.config = config
+        with torch.device("meta"):
+            self.modules: dict[BlockKind, nn.Module] = {
+                BlockKind.EMBED: EmbeddingBlock(config),
+                BlockKind.LAYER: DecoderLayer(config),
+                BlockKind.HEAD: HeadBlock(config),
+            }
+        blocks = [self._block(0, BlockKind.EMBED, None, decays)]
+        for i in range(config.num_hidden_layers):
+            blocks.append(self._block(len(blocks), BlockKind.LAYER, i, decays))
+        blocks.append(self._block(len(blocks), BlockKind.HEAD, None, decays))
+        self.blocks: tuple[Block, ...] = tuple(blocks)
+
+    def _block(self, index: int, kind: BlockKind, layer: int | None, decays: Callable[[str], bool]) -> Block:
+        named = [(n, tuple(p.shape)) for n, p in self.modules[kind].named_parameters()]
+        hf = {n: _hf_prefix(kind, layer, n) + n for n, _ in named}
+        ordered = [x for x in named if decays(hf[x[0]])] + [x for x in named if not decays(hf[x[0]])]
+        entries, offset, decay_numel = [], 0, 0
+        for name, shape in ordered:
+            entry = ParamEntry(name, hf[name], shape, offset, decays(hf[name]))
+            entries.append(entry)
+            offset = _align(offset + entry.numel)
+            if entry.decay:
+                decay_numel = offset
+        return Block(index, kind, layer, BlockLayout(tuple(entries), offset, decay_numel))
+
+    @property
+    def embed(self) -> Block:
+        return self.blocks[0]
+
+    @property
+    def head(self) -> Block:
+        return self.blocks[-1]
+
+    @property
+    def layers(self) -> tuple[Block, ...]:
+        return self.blocks[1:-1]
+
+    def hf_parameter_order(self) -> list[str]:
+        """Hugging Face names in ``model.parameters()`` order (tied lm_head counted once, as torch does)."""
+        order = []
+        for block in self.blocks:
+            module_order = [n for n, _ in self.modules[block.kind].named_parameters()]
+            by_local = {e.local_name: e.hf_name for e in block.layout.entries}
+            order.extend(by_local[n] for n in module_order)
+        return order
+
+    def run(self, kind: BlockKind, params: dict[str, torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+        """Run the template of ``kind`` with ``params`` bound (views of a slot)."""
+        return functional_call(self.modules[kind], params, args, strict=True)
