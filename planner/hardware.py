@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+MiB = 1024 ** 2
 GiB = 1024 ** 3
 GB = 1e9
 PROFILE_VERSION = 1
@@ -195,8 +196,8 @@ class HostPreset:
 
 @dataclass(frozen=True)
 class GpuPreset:
-    """A GPU and the link to its host. TFLOP/s are dense; 'achievable' = measured where anchors.md
-    has a measurement, else 0.8 x the datasheet figure."""
+    """A GPU and the link to its host. Memory is the total nvidia-smi reports for the board; TFLOP/s are
+    dense and 'achievable': measured where anchors.md has a measurement, else 0.8 x the datasheet."""
 
     name: str
     mem_bytes: int
@@ -228,35 +229,35 @@ _PCIE5 = "PCIe Gen5 x16: ~64 GB/s per direction spec, ~50-55 pinned in practice 
 _PCIE4 = "PCIe Gen4 x16: ~32 GB/s per direction spec, ~25 pinned in practice"
 
 GPU_PRESETS: dict[str, GpuPreset] = {g.name: g for g in (
-    GpuPreset("H100-SXM", 80 * GiB, {"bfloat16": 790.0, "float16": 790.0, "tf32": 396.0, "float32": 54.0},
+    GpuPreset("H100-SXM", 81559 * MiB, {"bfloat16": 790.0, "float16": 790.0, "tf32": 396.0, "float32": 54.0},
               52.0, 52.0, 90.0, "PCIe Gen5 x16", "server-2t",
               "NVIDIA H100 datasheet (SXM5 80GB: 989 bf16 / 495 tf32 / 67 fp32 dense TFLOPS); bf16 790 measured "
               "on lent machines (anchors.md), others 0.8 x spec; " + _PCIE5),
-    GpuPreset("H100-PCIe", 80 * GiB, {"bfloat16": 605.0, "float16": 605.0, "tf32": 302.0, "float32": 41.0},
+    GpuPreset("H100-PCIe", 81559 * MiB, {"bfloat16": 605.0, "float16": 605.0, "tf32": 302.0, "float32": 41.0},
               52.0, 52.0, 90.0, "PCIe Gen5 x16", "server-1t",
               "NVIDIA H100 datasheet (PCIe 80GB: 756 bf16 / 378 tf32 / 51 fp32 dense TFLOPS) x 0.8; " + _PCIE5),
-    GpuPreset("H200", 141 * 10**9, {"bfloat16": 790.0, "float16": 790.0, "tf32": 396.0, "float32": 54.0},
+    GpuPreset("H200", 143771 * MiB, {"bfloat16": 790.0, "float16": 790.0, "tf32": 396.0, "float32": 54.0},
               52.0, 52.0, 90.0, "PCIe Gen5 x16", "server-2t",
               "NVIDIA H200 datasheet (141 GB HBM3e, compute as H100 SXM); bf16 790 measured (anchors.md); "
               + _PCIE5),
-    GpuPreset("GH200", 96 * GiB, {"bfloat16": 790.0, "float16": 790.0, "tf32": 396.0, "float32": 54.0},
+    GpuPreset("GH200", 97871 * MiB, {"bfloat16": 790.0, "float16": 790.0, "tf32": 396.0, "float32": 54.0},
               360.0, 360.0, 600.0, "NVLink-C2C", "grace-480g",
               "NVIDIA GH200 datasheet (96 GB HBM3; NVLink-C2C 450 GB/s per direction spec, 0.8 assumed "
               "achievable); compute as H100 SXM"),
-    GpuPreset("A100-40GB", 40 * GiB, {"bfloat16": 250.0, "float16": 250.0, "tf32": 125.0, "float32": 15.6},
+    GpuPreset("A100-40GB", 40960 * MiB, {"bfloat16": 250.0, "float16": 250.0, "tf32": 125.0, "float32": 15.6},
               25.0, 25.0, 40.0, "PCIe Gen4 x16", "server-1t",
               "NVIDIA A100 datasheet (312 bf16 / 156 tf32 / 19.5 fp32 dense TFLOPS) x 0.8; " + _PCIE4),
-    GpuPreset("A100-80GB", 80 * GiB, {"bfloat16": 250.0, "float16": 250.0, "tf32": 125.0, "float32": 15.6},
+    GpuPreset("A100-80GB", 81920 * MiB, {"bfloat16": 250.0, "float16": 250.0, "tf32": 125.0, "float32": 15.6},
               25.0, 25.0, 40.0, "PCIe Gen4 x16", "server-1t",
               "NVIDIA A100 datasheet (312 bf16 / 156 tf32 / 19.5 fp32 dense TFLOPS) x 0.8; " + _PCIE4),
-    GpuPreset("L40S", 48 * GiB, {"bfloat16": 290.0, "float16": 290.0, "tf32": 146.0, "float32": 73.0},
+    GpuPreset("L40S", 46068 * MiB, {"bfloat16": 290.0, "float16": 290.0, "tf32": 146.0, "float32": 73.0},
               25.0, 25.0, 40.0, "PCIe Gen4 x16", "server-512g",
               "NVIDIA L40S datasheet (362 bf16 / 183 tf32 / 91.6 fp32 dense TFLOPS) x 0.8; " + _PCIE4),
-    GpuPreset("RTX-4090", 24 * GiB, {"bfloat16": 132.0, "float16": 132.0, "tf32": 66.0, "float32": 66.0},
+    GpuPreset("RTX-4090", 24564 * MiB, {"bfloat16": 132.0, "float16": 132.0, "tf32": 66.0, "float32": 66.0},
               25.0, 25.0, 40.0, "PCIe Gen4 x16", "workstation-128g",
               "NVIDIA Ada whitepaper (RTX 4090: 165 bf16 fp32-accumulate / 82.6 tf32 / 82.6 fp32 dense TFLOPS) "
               "x 0.8; " + _PCIE4),
-    GpuPreset("RTX-3090", 24 * GiB, {"bfloat16": 57.0, "float16": 57.0, "tf32": 28.5, "float32": 28.5},
+    GpuPreset("RTX-3090", 24576 * MiB, {"bfloat16": 57.0, "float16": 57.0, "tf32": 28.5, "float32": 28.5},
               25.0, 25.0, 40.0, "PCIe Gen4 x16", "workstation-128g",
               "NVIDIA Ampere GA102 whitepaper (RTX 3090: 71 bf16 fp32-accumulate / 35.6 tf32 / 35.6 fp32 "
               "dense TFLOPS) x 0.8; " + _PCIE4),
@@ -287,11 +288,14 @@ def _lookup(name: str, table: Mapping[str, Any], what: str) -> Any:
 
 
 def resolve(hardware: str | HardwareProfile, host: str | None = None) -> HardwareProfile:
-    """A GPU preset name, a hardware.json path, or a profile."""
+    """A GPU preset name (with an optional host preset), a hardware.json path, or a profile."""
     if isinstance(hardware, HardwareProfile):
         return hardware
     if hardware.lower() in {k.lower() for k in GPU_PRESETS}:
         return preset(hardware, host)
     if os.path.exists(hardware) or hardware.endswith(".json"):
+        if host is not None:
+            raise HardwareError(f"host preset {host!r} applies to GPU presets only; edit {hardware} or use "
+                                f"--ram to change its host RAM")
         return HardwareProfile.load(hardware)
     return preset(hardware, host)  # raises the error listing valid names

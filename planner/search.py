@@ -23,6 +23,8 @@ from .workload import Workload
 
 PREFETCH_DEPTHS = (1, 2, 3)
 HOST_GRAD_SLABS = (2, 4)
+# Plans this close to the fastest count as equally fast (the cost model is not more precise than that).
+TIME_TOLERANCE = 0.01
 LOSS_CHUNKS = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
 
 
@@ -114,25 +116,53 @@ def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfil
     return choice
 
 
-def search(model: ModelShape, work: Workload, hw: HardwareProfile) -> SearchResult:
-    """The fastest plan that fits ``hw``; ties go to less GPU memory, then less host RAM."""
-    best: PlanChoice | None = None
-    best_key: tuple[float, int, int] | None = None
-    infeasible: list[PlanChoice] = []
-    considered = 0
+def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile) -> tuple[list[PlanChoice], list[PlanChoice]]:
+    """(timed plans that fit, plans that do not fit with their overruns), over every candidate."""
+    fit, misfit = [], []
     for plan in candidates(model, work):
-        considered += 1
         choice = _fit_chunk(model, work, plan, hw)
         if not choice.feasible:
-            infeasible.append(choice)
+            misfit.append(choice)
             continue
-        cost = cost_model.estimate(model, work, choice.plan, hw)
-        key = (round(cost.step_seconds, 6), choice.memory.device_bytes, choice.memory.host_bytes)
-        if best_key is None or key < best_key:
-            best, best_key = PlanChoice(choice.plan, choice.memory, cost), key
-    if best is not None:
+        fit.append(PlanChoice(choice.plan, choice.memory, cost_model.estimate(model, work, choice.plan, hw)))
+    return fit, misfit
+
+
+def search(model: ModelShape, work: Workload, hw: HardwareProfile) -> SearchResult:
+    """The fastest plan that fits ``hw``; near-ties go to less GPU memory, then less host RAM."""
+    fit, misfit = feasible_choices(model, work, hw)
+    considered = len(fit) + len(misfit)
+    if fit:
+        # Among plans within TIME_TOLERANCE of the fastest, the one with the least GPU memory, then host
+        # RAM: the same speed with more headroom for what the memory model does not see.
+        fastest = min(c.cost.step_seconds for c in fit if c.cost is not None)
+        close = [c for c in fit if c.cost is not None and c.cost.step_seconds <= fastest * (1 + TIME_TOLERANCE)]
+        best = min(close, key=lambda c: (c.memory.device_bytes, c.memory.host_bytes))
         return SearchResult(best, considered)
-    return SearchResult(None, considered, _explain(infeasible, hw))
+    return SearchResult(None, considered, _explain(misfit, hw))
+
+
+def fits(model: ModelShape, work: Workload, hw: HardwareProfile) -> bool:
+    """Whether any plan fits every budget (memory only; nothing is timed)."""
+    return any(_fit_chunk(model, work, plan, hw).feasible for plan in candidates(model, work))
+
+
+def longest_context(model: ModelShape, hw: HardwareProfile, batch: int = 1, compute_dtype: str = "bfloat16",
+                    clipping: bool = True, limit: int = 1 << 22) -> int:
+    """The longest sequence (a multiple of 1024, at most ``limit``) with a plan that fits; 0 if none."""
+    def ok(seq: int) -> bool:
+        return fits(model, Workload(seq, batch, compute_dtype, clipping), hw)
+
+    if not ok(1024):
+        return 0
+    lo = 1024
+    while lo * 2 <= limit and ok(lo * 2):
+        lo *= 2
+    hi = min(lo * 2, limit + 1024)          # lo fits; hi does not (or is past the limit)
+    while hi - lo > 1024:
+        mid = (lo + hi) // 2 // 1024 * 1024
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
 
 
 def _explain(choices: list[PlanChoice], hw: HardwareProfile) -> tuple[Overrun, ...]:

@@ -1,9 +1,12 @@
 """CPU AdamW on each block's flat fp32 buffers, in a worker thread.
 
 The math is torch's fused CPU AdamW kernel (``torch._fused_adamw_``, what
-``torch.optim.AdamW(fused=True)`` runs), applied to the block's two contiguous
-ranges (with and without weight decay). It is elementwise, so one call over a
-flat buffer gives the same bits as ``torch.optim.AdamW`` per parameter. With
+``torch.optim.AdamW(fused=True)`` runs), called once per block for the
+parameters with weight decay and once for those without, on lists of views of
+the block's flat buffers. Views, not one flat range: the kernel's vectorized
+body and its scalar tail round differently (the tail of each tensor, and of each
+thread's chunk, differs by 1 ULP in exp_avg_sq), so only the same tensor
+boundaries as ``torch.optim.AdamW`` give the same bits. With
 clipping, the gradients are first multiplied by the clip coefficient the way
 ``torch.nn.utils.clip_grad_norm_`` does (``grad * clamp(max_norm / (norm + 1e-6), max=1)``).
 
@@ -28,6 +31,7 @@ from torch.profiler import record_function
 from .event_log import EventLog
 from .host_store import HostStore
 from .streams import Event
+from .templates import BlockLayout
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ class AdamJob:
     grads_ready: Event  # the drain's completion
     clip: tuple[torch.Tensor, Event] | None  # (host fp32 scalar coefficient, its D2H completion)
     hyper: AdamHyper
-    decay_numel: int
+    layout: BlockLayout
     on_done: Callable[[], None] | None = None  # e.g. release the eager gradient slab
 
 
@@ -114,11 +118,13 @@ class AdamWorker:
             master, m, v = store.master_of(b), store.exp_avg_of(b), store.exp_avg_sq_of(b)
             step = store.steps[b]
             step.add_(1)
-            n = job.decay_numel
-            for lo, hi, wd in ((0, n, h.weight_decay), (n, master.numel(), 0.0)):
-                if hi > lo:
+            views = [job.layout.view_list(t) for t in (master, job.grads, m, v)]
+            for decay, wd in ((True, h.weight_decay), (False, 0.0)):
+                pick = [i for i, e in enumerate(job.layout.entries) if e.decay == decay]
+                if pick:
+                    p, g, ea, eas = ([vs[i] for i in pick] for vs in views)
                     torch._fused_adamw_(
-                        [master[lo:hi]], [job.grads[lo:hi]], [m[lo:hi]], [v[lo:hi]], [], [step],
+                        p, g, ea, eas, [], [step] * len(pick),
                         lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=wd, eps=h.eps,
                         amsgrad=False, maximize=False,
                     )

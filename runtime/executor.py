@@ -106,7 +106,10 @@ class Executor:
         if self.tied:
             fwd.append((embed.index, "fwd"))
         bwd = [(l.index, "bwd") for l in reversed(layers)]
-        self.loader.start(step, fwd + bwd, on_load=self._load_checkpoints(len(fwd)))
+        saved_layers = [0]  # forward layers whose checkpoints are all saved
+        n_fwd = len(fwd)
+        self.loader.start(step, fwd + bwd, on_load=self._load_checkpoints(n_fwd),
+                          can_issue=lambda j: j < n_fwd or saved_layers[0] == len(layers))
         pending: list[tuple[Block, torch.Tensor, Event, int | None]] = []  # deferred-mode jobs
         j = 0
 
@@ -123,6 +126,7 @@ class Executor:
                     for m, rows in enumerate(batch.micro):
                         self.checkpoints.save(layer.layer, m, rows, x[m])  # type: ignore[arg-type]
                         x[m] = self.templates.run(BlockKind.LAYER, params, x[m], cos, sin)
+                saved_layers[0] += 1
                 self.loader.release(j)
                 self.checkpoints.end_forward_block()
                 j += 1
@@ -246,7 +250,7 @@ class Executor:
             slabs = self.store.slabs
             assert slabs is not None
             on_done = lambda: slabs.release(slab)  # noqa: E731
-        self.adam.submit(AdamJob(step, block.index, host, done, clip, hyper, block.layout.decay_numel, on_done))
+        self.adam.submit(AdamJob(step, block.index, host, done, clip, hyper, block.layout, on_done))
 
     def _drain_scalar(self, value: torch.Tensor, host: torch.Tensor) -> Event:
         ready = self.streams.recorded(self.streams.compute)

@@ -9,9 +9,8 @@ views of the slot's flat buffer into the template with
 ``torch.func.functional_call``: no per-layer copy into module parameters, no
 autograd graph across blocks, no persistent per-layer modules on the device.
 
-Layout order: parameters that take weight decay first, then those that do not,
-each in the template's registration order, each offset aligned to
-``ALIGN`` elements. AdamW then runs on two contiguous ranges per block.
+Layout order: the template's registration order (that of Hugging Face), each
+offset aligned to ``ALIGN`` elements; padding stays zero.
 """
 from __future__ import annotations
 
@@ -55,7 +54,6 @@ class ParamEntry:
 class BlockLayout:
     entries: tuple[ParamEntry, ...]
     numel: int  # padded length of the flat buffer
-    decay_numel: int  # [0, decay_numel) takes weight decay, [decay_numel, numel) does not
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of ``flat`` ([>= numel], any dtype) under the template's local names."""
@@ -107,17 +105,13 @@ class Templates:
         self.blocks: tuple[Block, ...] = tuple(blocks)
 
     def _block(self, index: int, kind: BlockKind, layer: int | None, decays: Callable[[str], bool]) -> Block:
-        named = [(n, tuple(p.shape)) for n, p in self.modules[kind].named_parameters()]
-        hf = {n: _hf_prefix(kind, layer, n) + n for n, _ in named}
-        ordered = [x for x in named if decays(hf[x[0]])] + [x for x in named if not decays(hf[x[0]])]
-        entries, offset, decay_numel = [], 0, 0
-        for name, shape in ordered:
-            entry = ParamEntry(name, hf[name], shape, offset, decays(hf[name]))
+        entries, offset = [], 0
+        for name, p in self.modules[kind].named_parameters():
+            hf_name = _hf_prefix(kind, layer, name) + name
+            entry = ParamEntry(name, hf_name, tuple(p.shape), offset, decays(hf_name))
             entries.append(entry)
             offset = _align(offset + entry.numel)
-            if entry.decay:
-                decay_numel = offset
-        return Block(index, kind, layer, BlockLayout(tuple(entries), offset, decay_numel))
+        return Block(index, kind, layer, BlockLayout(tuple(entries), offset))
 
     @property
     def embed(self) -> Block:
@@ -133,12 +127,7 @@ class Templates:
 
     def hf_parameter_order(self) -> list[str]:
         """Hugging Face names in ``model.parameters()`` order (tied lm_head counted once, as torch does)."""
-        order = []
-        for block in self.blocks:
-            module_order = [n for n, _ in self.modules[block.kind].named_parameters()]
-            by_local = {e.local_name: e.hf_name for e in block.layout.entries}
-            order.extend(by_local[n] for n in module_order)
-        return order
+        return [e.hf_name for block in self.blocks for e in block.layout.entries]
 
     def run(self, kind: BlockKind, params: dict[str, torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
         """Run the template of ``kind`` with ``params`` bound (views of a slot)."""

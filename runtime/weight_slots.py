@@ -52,6 +52,8 @@ class WeightSlots:
 # Called on the h2d stream right after a block's weights are queued into a slot, so that
 # per-slot extras (host-resident activation checkpoints) load under the same ``loaded`` event.
 OnLoad = Callable[[int, int, int], None]  # (load index, block, slot)
+# Whether load j's inputs exist yet (a backward load's checkpoints are written by forward).
+CanIssue = Callable[[int], bool]
 
 
 class WeightLoader:
@@ -73,14 +75,16 @@ class WeightLoader:
         self.step = 0
         self.sequence: list[tuple[int, str]] = []
         self.on_load: OnLoad | None = None
+        self.can_issue: CanIssue | None = None
         self._issued = 0  # loads issued so far
         self._released: list[bool] = []
         self._horizon = -1  # highest load index the compute has asked for
 
-    def start(self, step: int, sequence: Sequence[tuple[int, str]], on_load: OnLoad | None = None) -> None:
+    def start(self, step: int, sequence: Sequence[tuple[int, str]], on_load: OnLoad | None = None,
+              can_issue: CanIssue | None = None) -> None:
         """Begin a sequence of (block, phase) loads; nothing may be resident from the previous one."""
         assert all(s is SlotState.FREE for s in self.slots.state), "slots still resident from a previous sequence"
-        self.step, self.sequence, self.on_load = step, list(sequence), on_load
+        self.step, self.sequence, self.on_load, self.can_issue = step, list(sequence), on_load, can_issue
         self._issued, self._released, self._horizon = 0, [False] * len(self.sequence), -1
         self._prefetch()
 
@@ -112,6 +116,8 @@ class WeightLoader:
             j = self._issued
             if j >= len(self.slots) and not self._released[j - len(self.slots)]:
                 return  # its slot is still in use; issued again after the next release
+            if self.can_issue is not None and not self.can_issue(j):
+                return  # its inputs are not written yet; tried again after the next release
             self._issue(j)
             self._issued += 1
 

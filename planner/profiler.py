@@ -1,0 +1,323 @@
+"""Measure this machine into a HardwareProfile (``megatrain-plan profile``), or detect it quickly.
+
+The only planner module that imports torch, and only inside the functions that
+need it. ``measure`` runs the benchmarks (a few seconds on a CPU-only machine,
+where sizes are scaled down); ``detect`` runs none: it reads the host's memory
+limits and, when a GPU is present, takes its rates from the matching preset.
+
+Without a GPU the device is the CPU: the profile has gpu_mem_bytes = 0, its
+"H2D/D2H" figures are host memcpy rates and its matmul rates are the CPU's. The
+profile's ``source`` says so.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import resource
+import shutil
+import tempfile
+import time
+from typing import Any, Callable
+
+from .hardware import GiB, MiB, HardwareProfile, preset
+
+CACHE_PATH = os.path.join(os.path.expanduser("~"), ".cache", "megatrain", "hardware.json")
+TRANSFER_SIZES_GPU = tuple(1 << s for s in range(20, 31, 2))      # 1 MiB .. 1 GiB
+DTYPES_GPU = ("bfloat16", "float16", "tf32", "float32")
+
+
+# ---- host figures (no torch) -------------------------------------------------------------------
+
+def host_memory() -> tuple[int, int, int]:
+    """(total, available, cgroup limit or 0) bytes. psutil ignores cgroups, so read them too."""
+    try:
+        import psutil
+        vm = psutil.virtual_memory()
+        total, avail = int(vm.total), int(vm.available)
+    except ImportError:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        total = avail = int(pages * size)
+    return total, min(avail, total), cgroup_limit()
+
+
+def cgroup_limit() -> int:
+    """cgroup v2 memory.max or v1 memory.limit_in_bytes; 0 when unlimited or absent."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path, encoding="ascii") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text == "max":
+            return 0
+        try:
+            value = int(text)
+        except ValueError:
+            continue
+        # v1 reports "unlimited" as a huge page-rounded number.
+        return 0 if value >= 1 << 60 else value
+    return 0
+
+
+def memlock_bytes() -> int:
+    """RLIMIT_MEMLOCK soft limit in bytes; -1 when unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return -1 if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def disk_bandwidth(directory: str, nbytes: int = 256 * MiB) -> tuple[float, float]:
+    """(read, write) GB/s of one file of ``nbytes`` in ``directory``: write + fsync, drop it from the
+    page cache (posix_fadvise DONTNEED), read it back in 8 MiB pieces."""
+    block = 8 * MiB
+    buf = os.urandom(block)
+    fd, path = tempfile.mkstemp(prefix="megatrain-disk-", dir=directory)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(max(1, nbytes // block)):
+            os.write(fd, buf)
+        os.fsync(fd)
+        write_s = time.perf_counter() - t0
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.lseek(fd, 0, os.SEEK_SET)
+        t0 = time.perf_counter()
+        while os.read(fd, block):
+            pass
+        read_s = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    done = max(1, nbytes // block) * block
+    return done / read_s / 1e9, done / write_s / 1e9
+
+
+def gpu_present() -> bool:
+    """A cheap check before importing torch: an NVIDIA driver is loaded."""
+    return os.path.exists("/proc/driver/nvidia/gpus") or shutil.which("nvidia-smi") is not None
+
+
+# ---- torch measurements ------------------------------------------------------------------------
+
+def _best_of(fn: Callable[[], float], repeats: int) -> float:
+    return min(fn() for _ in range(repeats))
+
+
+def cpu_adam_rate(numel: int, threads: list[int]) -> list[tuple[int, float]]:
+    """(threads, params/s) of torch's fused CPU AdamW over one flat fp32 buffer: the runtime's optimizer."""
+    import torch
+    before = torch.get_num_threads()
+    p, g = torch.zeros(numel), torch.randn(numel)
+    m, v, step = torch.zeros(numel), torch.zeros(numel), torch.tensor(0.0)
+
+    def once() -> float:
+        step.add_(1)
+        t0 = time.perf_counter()
+        torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-3, beta1=0.9, beta2=0.999,
+                            weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+        return time.perf_counter() - t0
+
+    out = []
+    try:
+        for n in threads:
+            torch.set_num_threads(n)
+            once()
+            out.append((n, numel / _best_of(once, 3)))
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def matmul_tflops(device: str, dtypes: tuple[str, ...], n: int, repeats: int = 3) -> dict[str, float]:
+    """Dense n x n x n matmul TFLOP/s per dtype (2 n^3 FLOPs). "tf32" is float32 with TF32 allowed."""
+    import torch
+    out = {}
+    on_gpu = device.startswith("cuda")
+    for name in dtypes:
+        dt = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
+        if on_gpu:
+            torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
+        a = torch.randn(n, n, device=device, dtype=dt)
+        b = torch.randn(n, n, device=device, dtype=dt)
+
+        def once() -> float:
+            if on_gpu:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(4):
+                    torch.mm(a, b)
+                end.record()
+                end.synchronize()
+                return start.elapsed_time(end) / 1e3 / 4
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            return time.perf_counter() - t0
+
+        once()
+        out[name] = 2 * n ** 3 / _best_of(once, repeats) / 1e12
+    if on_gpu:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    return out
+
+
+def gpu_transfers(sizes: tuple[int, ...]) -> list[tuple[int, float, float, float]]:
+    """(bytes, H2D, D2H, both-at-once total) GB/s between pinned host memory and the GPU, by size,
+    timed with CUDA events on two copy streams."""
+    import torch
+    out = []
+    for size in sizes:
+        host_src = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        host_dst = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        dev_a = torch.empty(size, dtype=torch.uint8, device="cuda")
+        dev_b = torch.empty(size, dtype=torch.uint8, device="cuda")
+        # One stream per direction, as in the runtime, so the duplex figure is real overlap.
+        s_h2d, s_d2h = torch.cuda.Stream(), torch.cuda.Stream()
+
+        def timed(h2d: bool, d2h: bool) -> float:
+            torch.cuda.synchronize()
+            start = torch.cuda.Event(enable_timing=True)
+            end_h, end_d = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            s_h2d.wait_event(start)
+            s_d2h.wait_event(start)
+            if h2d:
+                with torch.cuda.stream(s_h2d):
+                    dev_a.copy_(host_src, non_blocking=True)
+            if d2h:
+                with torch.cuda.stream(s_d2h):
+                    host_dst.copy_(dev_b, non_blocking=True)
+            end_h.record(s_h2d)
+            end_d.record(s_d2h)
+            torch.cuda.synchronize()
+            return max(start.elapsed_time(end_h), start.elapsed_time(end_d)) / 1e3
+
+        timed(True, True)
+        h2d = size / _best_of(lambda: timed(True, False), 3) / 1e9
+        d2h = size / _best_of(lambda: timed(False, True), 3) / 1e9
+        both = 2 * size / _best_of(lambda: timed(True, True), 3) / 1e9
+        out.append((size, h2d, d2h, both))
+        del host_src, host_dst, dev_a, dev_b
+    return out
+
+
+def cpu_copy_gbps(nbytes: int = 64 * MiB) -> float:
+    """Host memcpy GB/s: the 'transfer' rate when the device is the CPU."""
+    import torch
+    src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    dst.copy_(src)
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - t0
+    return nbytes / _best_of(once, 3) / 1e9
+
+
+def interconnect_label(name: str) -> str:
+    """NVLink-C2C for Grace Hopper, else PCIe generation and width from NVML when it is installed."""
+    if "GH200" in name or "GB200" in name:
+        return "NVLink-C2C"
+    try:
+        import pynvml  # type: ignore[import-not-found]
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        gen = pynvml.nvmlDeviceGetMaxPcieLinkGeneration(h)
+        width = pynvml.nvmlDeviceGetMaxPcieLinkWidth(h)
+        return f"PCIe Gen{gen} x{width}"
+    except Exception:  # NVML absent or refusing: the label is informational only
+        return "PCIe (generation unknown: NVML not available)"
+
+
+def _matching_preset(name: str) -> str | None:
+    """The GPU preset for a device name as torch reports it ("NVIDIA H100 80GB HBM3"), if any."""
+    k = name.lower()
+    rules = (("gh200", "GH200"), ("h200", "H200"), ("h100", "H100-PCIe" if "pcie" in k else "H100-SXM"),
+             ("a100", "A100-80GB" if "80g" in k else "A100-40GB"), ("l40s", "L40S"),
+             ("4090", "RTX-4090"), ("3090", "RTX-3090"))
+    return next((preset_name for key, preset_name in rules if key in k), None)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s: None) -> HardwareProfile:
+    """Benchmark this machine. A few seconds without a GPU; about a minute with one."""
+    import torch
+    total, avail, cg = host_memory()
+    cores = os.cpu_count() or 1
+    threads = sorted({1, max(1, cores // 2), cores})
+    on_gpu = gpu_present() and torch.cuda.is_available()
+    notes = []
+    log(f"CPU AdamW (torch fused, flat fp32 buffer) over threads {threads}")
+    adam = cpu_adam_rate(1 << 22 if not on_gpu else 1 << 26, threads)
+    read_gbps = write_gbps = 0.0
+    if spill_dir:
+        log(f"disk read/write in {spill_dir}")
+        read_gbps, write_gbps = disk_bandwidth(spill_dir, 64 * MiB if not on_gpu else 1 * GiB)
+    else:
+        notes.append("disk not measured (pass --spill-dir)")
+    if on_gpu:
+        props = torch.cuda.get_device_properties(0)
+        name, mem = props.name, int(props.total_memory)
+        log(f"pinned H2D/D2H on {name}, sizes 1 MiB .. 1 GiB")
+        table = gpu_transfers(TRANSFER_SIZES_GPU)
+        big = table[-1]
+        h2d, d2h, duplex = big[1], big[2], big[3]
+        log("GPU matmul TFLOP/s")
+        tflops = matmul_tflops("cuda", DTYPES_GPU, 8192)
+        link = interconnect_label(name)
+    else:
+        notes.append("no GPU: the device is the CPU; transfers are host memcpy, matmul is CPU; "
+                     "H2D/D2H over PCIe not measured")
+        name, mem, table = "cpu", 0, []
+        log("host memcpy and CPU matmul (no GPU)")
+        h2d = d2h = cpu_copy_gbps()
+        duplex = h2d
+        tflops = matmul_tflops("cpu", ("float32", "bfloat16"), 512)
+        link = "none"
+    return HardwareProfile(
+        gpu_name=name, gpu_mem_bytes=mem, h2d_gbps=h2d, d2h_gbps=d2h, duplex_gbps=duplex, matmul_tflops=tflops,
+        cpu_adam_params_per_s=max(r for _, r in adam), host_ram_bytes=total, host_available_bytes=avail,
+        cgroup_limit_bytes=cg, memlock_bytes=memlock_bytes(), disk_read_gbps=read_gbps,
+        disk_write_gbps=write_gbps, interconnect=link, cores=cores,
+        source=f"measured by megatrain-plan profile on {_now()}" + (f"; {'; '.join(notes)}" if notes else ""),
+        transfer_by_size=tuple(table), adam_by_threads=tuple(adam))
+
+
+def detect() -> HardwareProfile:
+    """This machine without benchmarks: host limits read from the OS; a GPU's rates from its preset.
+
+    Without a GPU, CPU rates are rough guesses (memcpy 5 GB/s, 0.05 TFLOP/s per core, AdamW
+    0.3 Gparam/s per core); ``source`` says to run ``megatrain-plan profile`` for real figures.
+    """
+    total, avail, cg = host_memory()
+    cores = os.cpu_count() or 1
+    common: dict[str, Any] = dict(host_ram_bytes=total, host_available_bytes=avail, cgroup_limit_bytes=cg,
+                                  memlock_bytes=memlock_bytes(), cores=cores)
+    if gpu_present():
+        try:
+            import torch
+            if torch.cuda.is_available():
+                props = torch.cuda.get_device_properties(0)
+                match = _matching_preset(props.name)
+                if match is not None:
+                    base = preset(match)
+                    return base.replace(
+                        gpu_name=props.name, gpu_mem_bytes=int(props.total_memory), interconnect=
+                        interconnect_label(props.name), source=f"detected {props.name}; rates from preset "
+                        f"{match} (run megatrain-plan profile to measure); {base.source}", **common)
+        except ImportError:
+            pass
+    return HardwareProfile(
+        gpu_name="cpu", gpu_mem_bytes=0, h2d_gbps=5.0, d2h_gbps=5.0, duplex_gbps=5.0,
+        matmul_tflops={"float32": 0.05 * cores, "bfloat16": 0.05 * cores},
+        cpu_adam_params_per_s=0.3e9 * cores, interconnect="none",
+        source="detected: no GPU; CPU rates are rough guesses, run megatrain-plan profile to measure", **common)
+
+
+def this_machine() -> HardwareProfile:
+    """The saved profile ($MEGATRAIN_HARDWARE or ~/.cache/megatrain/hardware.json) if any, else detect()."""
+    path = os.environ.get("MEGATRAIN_HARDWARE") or CACHE_PATH
+    if os.path.exists(path):
+        return HardwareProfile.load(path)
+    return detect()

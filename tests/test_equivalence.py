@@ -1,0 +1,163 @@
+"""The correctness contract: megatrain in float32 equals ordinary PyTorch training.
+
+For random small models, batches, plans and optimizer settings, megatrain's
+losses, parameters and AdamW state after 1-4 steps are compared with
+``reference_model.ReferenceLM`` trained by plain autograd over the same
+micro-batches in the same order, ``clip_grad_norm_`` and
+``torch.optim.AdamW(fused=True)``.
+
+Bitwise equal, except where the order of a floating-point sum must differ.
+The sources of such differences, each of which switches this test to the
+update-relative bound of ``numerics.assert_update_close``:
+
+1. TIED_MICROBATCHES: with tied embeddings and more than one micro-batch, the
+   reference adds (head part + embedding part) per micro-batch and then across
+   micro-batches; block-major order sums all head parts (forward) before the
+   embedding parts (end of backward).
+2. LOSS_CHUNKS: with more than one loss chunk per micro-batch, the loss and the
+   lm_head gradient are sums over chunks instead of one reduction / one matmul.
+
+Clipping is bitwise: the per-parameter norms, their order, the coefficient
+and the multiply are those of ``clip_grad_norm_``.
+
+Run more examples with ``HYPOTHESIS_PROFILE=slow``; on CUDA with the ``gpu`` marker.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
+from numerics import assert_state_close, assert_update_close
+from reference_model import ReferenceLM, make_optimizer, reference_step
+
+
+@st.composite
+def cases(draw):
+    kv_heads = draw(st.integers(1, 4))
+    heads = kv_heads * draw(st.integers(1, 3))
+    head_dim = draw(st.sampled_from([4, 6, 8, 12, 16]))
+    explicit_head_dim = draw(st.booleans())
+    hidden = draw(st.integers(2, 12)) * 8 if explicit_head_dim else heads * head_dim
+    hidden = min(max(hidden, 16), 96)
+    if not explicit_head_dim and hidden != heads * head_dim:
+        explicit_head_dim = True
+    vocab = draw(st.integers(8, 128))
+    scaling = draw(st.sampled_from([None, "linear", "llama3"]))
+    rope_scaling = None if scaling is None else (
+        {"rope_type": "linear", "factor": 2.0} if scaling == "linear" else
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 16})
+    config = ModelConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=draw(st.integers(8, 128)),
+        num_hidden_layers=draw(st.integers(1, 4)), num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim if explicit_head_dim else None, rope_theta=draw(st.sampled_from([100.0, 10000.0, 5e5])),
+        rope_scaling=rope_scaling, tie_word_embeddings=draw(st.booleans()), qk_norm=draw(st.booleans()),
+        attention_bias=draw(st.booleans()), mlp_bias=draw(st.booleans()),
+        pad_token_id=draw(st.one_of(st.none(), st.integers(0, vocab - 1))),
+        initializer_range=draw(st.sampled_from([0.02, 0.2])),
+    )
+    batch = draw(st.integers(1, 6))
+    seq = draw(st.integers(2, 48))  # one token predicts nothing after the shift (test_bad_input)
+    n_micro = draw(st.integers(1, 4))
+    micro_batch_size = math.ceil(batch / n_micro)
+    clip = draw(st.one_of(st.none(), st.sampled_from([0.05, 1.0, 100.0])))
+    slots = draw(st.integers(2, 4))
+    single_chunk = draw(st.booleans())
+    plan = Plan(
+        num_slots=slots, prefetch_depth=draw(st.integers(1, slots - 1)), micro_batch_size=micro_batch_size,
+        checkpoints=draw(st.sampled_from(["device", "host"])),
+        optimizer_mode="deferred" if clip is not None or draw(st.booleans()) else "eager",
+        device_grad_buffers=draw(st.integers(2, 3)), host_grad_slabs=draw(st.integers(1, 3)),
+        loss_chunk_tokens=micro_batch_size * seq if single_chunk else draw(st.integers(1, max(1, micro_batch_size * seq))),
+    )
+    optimizer = OptimizerConfig(
+        lr=1e-3, betas=(0.9, draw(st.sampled_from([0.95, 0.999]))), eps=draw(st.sampled_from([1e-8, 1e-6])),
+        weight_decay=draw(st.sampled_from([0.0, 0.1])), max_grad_norm=clip,
+        no_decay=draw(st.sampled_from([(), ("norm",), ("norm", "bias"), ("embed",)])),
+    )
+    steps = draw(st.integers(1, 4))
+    lrs = [draw(st.sampled_from([1e-3, 3e-3, 1e-2, 0.0])) for _ in range(steps)]
+    seed = draw(st.integers(0, 2**16))
+    return config, plan, optimizer, batch, seq, lrs, seed
+
+
+def _batches(config: ModelConfig, batch: int, seq: int, steps: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
+        labels = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
+        labels[torch.rand(batch, seq, generator=gen) < 0.2] = -100
+        labels[0, min(1, seq - 1)] = int(ids[0, 0])  # at least one predicted token
+        out.append((ids, labels))
+    return out
+
+
+def run_case(config, plan, optimizer, batch, seq, lrs, seed, device="cpu"):
+    n_micro = math.ceil(batch / plan.micro_batch_size)
+    sources = []
+    if config.tie_word_embeddings and n_micro > 1:
+        sources.append("TIED_MICROBATCHES")
+    if min(batch, plan.micro_batch_size) * seq > plan.loss_chunk_tokens:
+        sources.append("LOSS_CHUNKS")
+
+    engine = Engine(config, optimizer, plan=plan, compute_dtype=torch.float32, device=device, seed=seed)
+    try:
+        reference = ReferenceLM(config).to(device)
+        reference.load_state_dict(engine.state_dict())
+        initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
+        optim = make_optimizer(reference, optimizer)
+        for (ids, labels), lr in zip(_batches(config, batch, seq, len(lrs), seed), lrs):
+            loss = engine.step(ids, labels, lr=lr)
+            expected = reference_step(reference, optim, ids.to(device), labels.to(device),
+                                      plan.micro_batch_size, optimizer.max_grad_norm, lr)
+            if sources:
+                assert abs(loss.item() - expected.item()) <= 1e-6 * abs(expected.item()) + 1e-7, (loss, expected)
+            else:
+                assert torch.equal(loss.cpu(), expected.cpu()), (loss.item(), expected.item())
+
+        ours = engine.state_dict()
+        theirs = {n: p.detach().cpu() for n, p in reference.named_parameters()}
+        ours = {n: ours[n] for n in theirs}
+        state = engine.optimizer_state_dict()
+        ref_state = {n: optim.state[p] for n, p in reference.named_parameters()}
+        for key in ("exp_avg", "exp_avg_sq"):
+            a = {n: state[n][key] for n in theirs}
+            b = {n: ref_state[n][key].cpu() for n in theirs}
+            if sources:
+                assert_state_close(a, b, key)
+            else:
+                bad = [n for n in theirs if not torch.equal(a[n], b[n])]
+                assert not bad, f"{key} differs for {bad[:3]}"
+        assert all(float(state[n]["step"]) == float(ref_state[n]["step"]) for n in theirs)
+        if sources:
+            assert_update_close(ours, theirs, {n: t.cpu() for n, t in initial.items()})
+        else:
+            bad = [n for n in theirs if not torch.equal(ours[n], theirs[n])]
+            assert not bad, f"parameters differ for {bad[:3]} (no source of difference applies)"
+    finally:
+        engine.close()
+
+
+@settings(deadline=None)
+@given(cases())
+def test_matches_pytorch_training_cpu(case):
+    run_case(*case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@settings(deadline=None, max_examples=50)
+@given(cases())
+def test_matches_pytorch_training_cuda(case):
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        run_case(*case, device="cuda")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32

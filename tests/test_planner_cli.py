@@ -1,0 +1,136 @@
+"""megatrain-plan as a user runs it: each subcommand, --json, and each bad input (one line, exit 2)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatrain.planner.plan import Plan
+
+KEYS = {"params", "gpu_bytes", "host_ram_bytes", "nvme_bytes", "step_seconds", "tokens_per_second"}
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "megatrain.planner.cli", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_plan_json_and_out(tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    r = run("plan", "--model", "Qwen2.5-7B", "--seq", "1024", "--batch", "158", "--hardware", "H100-SXM",
+            "--out", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert KEYS <= set(data)
+    assert data["params"] == 7_615_616_512
+    assert data["nvme_bytes"] == 0
+    assert 0 < data["gpu_bytes"] <= 81559 * 2**20
+    plan = Plan.load(str(out))
+    assert plan.to_dict() == data["plan"]
+    assert sum(row["bytes"] for row in data["memory"] if row["where"] == "device") == data["gpu_bytes"]
+
+
+def test_plan_table_shows_memory_time_and_bottleneck() -> None:
+    r = run("plan", "--model", "Llama-3.2-1B", "--seq", "2048", "--tokens-per-step", "16384", "--hardware", "L40S",
+            "--ram", "256G", "--no-clip")
+    assert r.returncode == 0, r.stderr
+    for word in ("weight slots", "fp32 master", "TOTAL", "forward", "backward", "bottleneck", "8 x 2048"):
+        assert word in r.stdout, word
+
+
+def test_plan_with_config_json(tmp_path) -> None:
+    cfg = {"model_type": "qwen3", "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4,
+           "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 5000,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    r = run("plan", "--model", str(path), "--seq", "512", "--batch", "4", "--hardware", "RTX-3090", "--json")
+    assert r.returncode == 0, r.stderr
+    assert KEYS <= set(json.loads(r.stdout))
+
+
+def test_size_json() -> None:
+    r = run("size", "--model", "Llama-3.1-8B", "--seq", "4096", "--batch", "16", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert KEYS <= set(data)
+    assert {e["hardware"] for e in data["hardware"]} >= {"H100-SXM", "RTX-3090"}
+    assert any(not e["feasible"] and "host RAM" in e["reason"] for e in data["hardware"])
+    r = run("size", "--model", "Llama-3.1-8B", "--seq", "4096", "--batch", "16")
+    assert r.returncode == 0 and "minimum GPU memory" in r.stdout and "H200" in r.stdout
+
+
+def test_ram_json_and_table() -> None:
+    r = run("ram", "--model", "Qwen2.5-7B", "--tokens-per-second", "5000", "--hardware", "H100-SXM",
+            "--price-per-gb", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["tokens_per_second"] >= 5000
+    assert data["ram_to_buy_bytes"] >= data["host_ram_bytes"]
+    assert data["ram_cost"] == pytest.approx(data["ram_to_buy_bytes"] / 1e9 * 3)
+    r = run("ram", "--model", "Qwen2.5-7B", "--tokens-per-second", "5000", "--hardware", "H100-SXM")
+    assert r.returncode == 0 and "price assumed" in r.stdout
+
+
+def test_overview_with_a_preset_and_json() -> None:
+    r = run("--hardware", "H200", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert len(data["models"]) == 13
+    assert data["largest_model"] is not None and data["longest_context"]["seq_len"] > 0
+    r = run("--hardware", "RTX-4090")
+    assert r.returncode == 0 and "largest model it can train" in r.stdout
+
+
+def test_overview_detects_this_machine(tmp_path) -> None:
+    # No saved profile: detect (no benchmarks) and still answer.
+    r = run(env={"MEGATRAIN_HARDWARE": str(tmp_path / "none.json"), "HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert "this machine" in r.stdout
+
+
+def test_profile_writes_a_profile(tmp_path) -> None:
+    out = tmp_path / "hw.json"
+    r = run("profile", "--out", str(out), "--spill-dir", str(tmp_path), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["saved_to"] == str(out)
+    r = run("plan", "--model", "Qwen2.5-0.5B", "--seq", "128", "--batch", "2", "--hardware", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("plan", "--model", "GPT-5", "--seq", "1024", "--batch", "1", "--hardware", "H100-SXM"), "Llama-3.1-8B"),
+    (("plan", "--model", "Qwen2.5-7B", "--seq", "1024", "--batch", "1", "--hardware", "B200"), "H100-SXM"),
+    (("size", "--model", "Qwen2.5-7B", "--seq", "1024", "--batch", "1", "--host", "tiny"), "server-1t"),
+    (("plan", "--model", "Llama-3.1-405B", "--seq", "4096", "--batch", "8", "--hardware", "RTX-4090"),
+     "gpu memory"),
+    (("plan", "--model", "Llama-3.1-8B", "--seq", "1024", "--batch", "1", "--hardware", "H100-SXM",
+      "--ram", "16G"), "host RAM"),
+    (("plan", "--model", "Qwen2.5-7B", "--seq", "1024", "--batch", "1", "--ram", "lots"), "512G"),
+    (("plan", "--model", "Qwen2.5-7B", "--seq", "0", "--batch", "1"), "--seq"),
+    (("plan", "--model", "Qwen2.5-7B", "--seq", "64", "--batch", "1", "--dtype", "int4"), "bf16"),
+    (("frobnicate",), "plan"),
+    (("ram", "--model", "Qwen2.5-7B", "--tokens-per-second", "1e9", "--hardware", "RTX-3090",
+      "--max-batch", "64"), "out of reach"),
+    (("profile", "--spill-dir", "/nonexistent/dir"), "--spill-dir"),
+])
+def test_bad_input_is_one_line_exit_2(args: tuple[str, ...], needle: str) -> None:
+    r = run(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr and needle in lines[0], lines[0]
+
+
+def test_malformed_config_json(tmp_path) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text('{"hidden_size": 4096,')
+    r = run("plan", "--model", str(bad), "--seq", "1024", "--batch", "1", "--hardware", "H100-SXM")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "not valid JSON" in r.stderr
+    bad.write_text('{"model_type": "llama"}')
+    r = run("plan", "--model", str(bad), "--seq", "1024", "--batch", "1", "--hardware", "H100-SXM")
+    assert r.returncode == 2 and "hidden_size" in r.stderr

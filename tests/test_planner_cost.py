@@ -1,0 +1,109 @@
+"""Cost model: limiting cases against hand formulas, and the direction of each knob."""
+from __future__ import annotations
+
+import pytest
+
+from megatrain.planner import cost_model, hardware
+from megatrain.planner.cost_model import COPY_LATENCY_S, LAUNCH_BWD_S, LAUNCH_FWD_S, NONMATMUL_FACTOR, T_HALF_TOKENS
+from megatrain.planner.model_shapes import PRESETS
+from megatrain.planner.plan import Plan
+from megatrain.planner.workload import Workload
+
+M8 = PRESETS["Llama-3.1-8B"]
+
+
+def _hw(**kw: object) -> hardware.HardwareProfile:
+    return hardware.preset("H100-SXM").replace(**kw)
+
+
+def test_compute_bound_matches_hand_formula() -> None:
+    # Links so fast that only compute counts; AdamW so fast it hides.
+    hw = _hw(h2d_gbps=1e6, d2h_gbps=1e6, duplex_gbps=2e6, cpu_adam_params_per_s=1e15)
+    work = Workload(4096, 8)
+    plan = Plan(micro_batch_size=2)
+    est = cost_model.estimate(M8, work, plan, hw)
+    T, t, M = 8 * 4096, 2 * 4096, 4
+    rate = 790e12 * t / (t + T_HALF_TOKENS) / NONMATMUL_FACTOR
+    fwd = (M * LAUNCH_FWD_S                                                  # embedding: launches only
+           + 32 * (T * M8.layer_flops_fwd(4096) / rate + M * LAUNCH_FWD_S)   # layers
+           + T * 6 * 128256 * 4096 / rate + M * 2 * LAUNCH_BWD_S)            # head fwd + bwd, 8192 / 4096 chunks
+    bwd = 32 * (T * (M8.layer_flops_fwd(4096) + M8.layer_flops_bwd(4096)) / rate + M * LAUNCH_BWD_S) \
+        + M * LAUNCH_BWD_S
+    assert est.forward.compute_s == pytest.approx(fwd)
+    assert est.backward.compute_s == pytest.approx(bwd)
+    assert est.step_seconds == pytest.approx(fwd + bwd, rel=1e-3)
+    assert est.bottleneck == "compute"
+    assert est.tokens_per_second == pytest.approx(T / est.step_seconds)
+    assert est.model_tflops == pytest.approx(6 * M8.params * T / est.step_seconds / 1e12)
+    assert est.mfu == pytest.approx(est.model_tflops / 790)
+
+
+def test_transfer_bound_matches_hand_formula() -> None:
+    # Compute nearly free, 1 GB/s links: forward time = every block's H2D.
+    hw = _hw(h2d_gbps=1.0, d2h_gbps=1.0, duplex_gbps=2.0, matmul_tflops={"bfloat16": 1e9},
+             cpu_adam_params_per_s=1e15)
+    work = Workload(128, 1)
+    est = cost_model.estimate(M8, work, Plan(), hw)
+    E, Lw, H = M8.numel_embedding, M8.numel_layer, M8.numel_head
+    h2d_fwd = (E * 2 + 32 * Lw * 2 + H * 2) / 1e9 + 34 * COPY_LATENCY_S
+    assert est.forward.h2d_s == pytest.approx(h2d_fwd)
+    assert est.forward.seconds == pytest.approx(h2d_fwd, rel=0.01)
+    assert est.forward.bottleneck == "H2D"
+    # backward: H2D of each layer and D2H of fp32 grads share the link (duplex 2 = 1 + 1: no slowdown)
+    d2h_bwd = (32 * Lw * 4 + E * 4) / 1e9 + 33 * COPY_LATENCY_S
+    assert est.backward.d2h_s == pytest.approx(d2h_bwd)
+    assert est.backward.bottleneck == "D2H"
+
+
+def test_duplex_limit_slows_both_directions() -> None:
+    base = _hw(matmul_tflops={"bfloat16": 1e9}, cpu_adam_params_per_s=1e15)
+    work = Workload(128, 1)
+    full = cost_model.estimate(M8, work, Plan(), base.replace(duplex_gbps=104.0))
+    half = cost_model.estimate(M8, work, Plan(), base.replace(duplex_gbps=52.0))
+    assert half.backward.seconds > 1.8 * full.backward.seconds
+
+
+def test_eager_hides_adam_and_deferred_exposes_it() -> None:
+    slow_cpu = _hw(cpu_adam_params_per_s=1e9)
+    work = Workload(4096, 16, clipping=False)
+    eager = cost_model.estimate(M8, work, Plan(optimizer_mode="eager", micro_batch_size=4), slow_cpu)
+    deferred = cost_model.estimate(M8, work, Plan(optimizer_mode="deferred", micro_batch_size=4), slow_cpu)
+    adam_total = M8.numel_total * cost_model.ADAM_SHADOW_FACTOR / 1e9          # ~9.2 s
+    assert deferred.forward.adam_s == pytest.approx(adam_total)
+    assert eager.backward.adam_s == pytest.approx(adam_total)
+    assert eager.optimizer_exposed_seconds >= 0 and deferred.optimizer_exposed_seconds >= 0
+    # Adam far slower than the step: both are CPU-bound, and the step is at least the AdamW time.
+    assert eager.step_seconds >= adam_total * 0.99 and deferred.step_seconds >= adam_total * 0.99
+
+
+def test_more_micro_batch_tokens_raise_throughput_until_compute_bound() -> None:
+    hw = _hw(cpu_adam_params_per_s=1e15)
+    small = cost_model.estimate(M8, Workload(1024, 1), Plan(), hw)
+    big = cost_model.estimate(M8, Workload(1024, 64), Plan(micro_batch_size=16), hw)
+    assert small.forward.bottleneck == "H2D"          # 1k tokens cannot hide a weight pass
+    assert big.tokens_per_second > 10 * small.tokens_per_second
+    assert big.forward.bottleneck == "compute"
+    # The ceiling: 6N counted / ~8N run (recompute), so MFU stays below 0.8.
+    assert big.mfu < 0.8
+
+
+def test_host_checkpoints_cost_traffic_not_correctness() -> None:
+    hw = _hw()
+    work = Workload(4096, 32)
+    dev = cost_model.estimate(M8, work, Plan(micro_batch_size=4, checkpoints="device"), hw)
+    host = cost_model.estimate(M8, work, Plan(micro_batch_size=4, checkpoints="host"), hw)
+    ckpt = 32 * 4096 * 4096 * 2                    # T x h x c per layer
+    rate = 52e9 * 90 / 104                         # both directions busy: each at duplex / (h2d + d2h)
+    head_grads = M8.numel_head * 4                 # the untied head drains its fp32 grads in forward
+    expected = 32 * (ckpt / rate + COPY_LATENCY_S) + head_grads / rate + COPY_LATENCY_S
+    assert host.forward.d2h_s == pytest.approx(expected)
+    assert host.step_seconds >= dev.step_seconds * 0.999
+
+
+def test_cpu_device_serialises_adam() -> None:
+    cpu = hardware.HardwareProfile(gpu_name="cpu", gpu_mem_bytes=0, h2d_gbps=10, d2h_gbps=10, duplex_gbps=10,
+                                   matmul_tflops={"float32": 0.1, "bfloat16": 0.1}, cpu_adam_params_per_s=1e9,
+                                   host_ram_bytes=64 << 30, host_available_bytes=60 << 30, cores=2)
+    m = PRESETS["Qwen2.5-0.5B"]
+    est = cost_model.estimate(m, Workload(256, 2), Plan(), cpu)
+    assert est.optimizer_exposed_seconds == pytest.approx(m.numel_total * cost_model.ADAM_SHADOW_FACTOR / 1e9)

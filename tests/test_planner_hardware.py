@@ -1,0 +1,110 @@
+"""Hardware profiles: presets, JSON round trip, overrides, errors; the profiler on this (CPU) machine."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from megatrain.planner import hardware, profiler
+from megatrain.planner.hardware import GiB, HardwareError, HardwareProfile
+
+GPUS = ("H100-SXM", "H100-PCIe", "H200", "GH200", "A100-40GB", "A100-80GB", "L40S", "RTX-4090", "RTX-3090")
+
+
+def test_every_preset_builds_with_a_source() -> None:
+    assert set(GPUS) == set(hardware.GPU_PRESETS)
+    for name in GPUS:
+        hw = hardware.preset(name)
+        assert hw.gpu_mem_bytes > 20 * GiB and hw.source.startswith(f"preset {name}")
+        assert hw.tflops("bf16") > hw.tflops("float32") > 0
+    for host in hardware.HOST_PRESETS:
+        hw = hardware.preset("H100-SXM", host)
+        assert host in hw.source and hw.host_budget_bytes < hw.host_ram_bytes
+
+
+def test_json_round_trip(tmp_path) -> None:
+    hw = hardware.preset("GH200").replace(transfer_by_size=((1 << 20, 10.0, 9.0, 15.0),),
+                                         adam_by_threads=((1, 1e9), (2, 1.8e9)))
+    assert HardwareProfile.from_json(hw.to_json()) == hw
+    path = tmp_path / "hw.json"
+    hw.save(str(path))
+    assert hardware.resolve(str(path)) == hw
+
+
+def test_overrides_replace_single_figures() -> None:
+    hw = hardware.preset("RTX-4090").with_overrides(ram_bytes=512 * GiB, gpu_mem_bytes=48 * GiB, nvme_gbps=3.5)
+    assert hw.host_ram_bytes == hw.host_budget_bytes == 512 * GiB
+    assert hw.gpu_mem_bytes == 48 * GiB and hw.disk_read_gbps == hw.disk_write_gbps == 3.5
+    assert "overridden" in hw.source
+    assert hw.h2d_gbps == hardware.preset("RTX-4090").h2d_gbps
+
+
+def test_cgroup_limit_caps_the_host_budget() -> None:
+    hw = hardware.preset("H100-SXM").replace(cgroup_limit_bytes=64 * GiB)
+    assert hw.host_budget_bytes == 64 * GiB
+
+
+def test_errors_name_field_and_fix(tmp_path) -> None:
+    with pytest.raises(HardwareError, match="valid: H100-SXM"):
+        hardware.resolve("B200")
+    with pytest.raises(HardwareError, match="valid: workstation-128g"):
+        hardware.preset("H100-SXM", "tiny-host")
+    with pytest.raises(HardwareError, match="h2d_gbps"):
+        hardware.preset("H100-SXM").replace(h2d_gbps=0)
+    with pytest.raises(HardwareError, match="host_available_bytes"):
+        hardware.preset("H100-SXM").replace(host_available_bytes=1 << 50)
+    data = json.loads(hardware.preset("L40S").to_json())
+    data["warp_drive"] = 1
+    with pytest.raises(HardwareError, match="unknown hardware field"):
+        HardwareProfile.from_dict(data)
+    del data["warp_drive"], data["h2d_gbps"]
+    with pytest.raises(HardwareError, match="lacks h2d_gbps"):
+        HardwareProfile.from_dict(data)
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1,")
+    with pytest.raises(HardwareError, match="not valid JSON"):
+        hardware.resolve(str(bad))
+
+
+def test_host_figures() -> None:
+    total, avail, cg = profiler.host_memory()
+    assert 0 < avail <= total and cg >= 0
+    assert profiler.memlock_bytes() == -1 or profiler.memlock_bytes() >= 0
+
+
+def test_detect_without_benchmarks() -> None:
+    hw = profiler.detect()
+    assert hw.host_ram_bytes > 0
+    if not profiler.gpu_present():
+        assert hw.device_is_host and "no GPU" in hw.source
+
+
+def test_matching_preset_names() -> None:
+    assert profiler._matching_preset("NVIDIA H100 80GB HBM3") == "H100-SXM"
+    assert profiler._matching_preset("NVIDIA H100 PCIe") == "H100-PCIe"
+    assert profiler._matching_preset("NVIDIA GH200 480GB") == "GH200"
+    assert profiler._matching_preset("NVIDIA A100-SXM4-80GB") == "A100-80GB"
+    assert profiler._matching_preset("NVIDIA GeForce RTX 3090") == "RTX-3090"
+    assert profiler._matching_preset("Tesla T4") is None
+
+
+def test_measure_on_this_machine(tmp_path) -> None:
+    pytest.importorskip("torch")
+    hw = profiler.measure(str(tmp_path))
+    assert hw.cpu_adam_params_per_s > 0 and hw.adam_by_threads
+    assert hw.disk_read_gbps > 0 and hw.disk_write_gbps > 0
+    assert all(v > 0 for v in hw.matmul_tflops.values())
+    assert HardwareProfile.from_json(hw.to_json()) == hw
+    assert os.listdir(tmp_path) == []                     # the disk probe cleans up
+    if hw.device_is_host:
+        assert "no GPU" in hw.source
+
+
+@pytest.mark.gpu
+def test_measure_gpu_transfers() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    table = profiler.gpu_transfers((1 << 20, 1 << 26))
+    assert all(h2d > 0 and d2h > 0 and both > 0 for _, h2d, d2h, both in table)

@@ -1,0 +1,88 @@
+"""Memory model: each component against a hand computation, for Llama-3.1-8B and Qwen2.5-7B."""
+from __future__ import annotations
+
+from megatrain.planner import hardware, memory_model
+from megatrain.planner.memory_model import CUDA_CONTEXT_BYTES, HOST_PROCESS_BYTES
+from megatrain.planner.model_shapes import PRESETS
+from megatrain.planner.plan import Plan
+from megatrain.planner.workload import Workload
+
+H100 = hardware.preset("H100-SXM")
+
+
+def _by_name(est: memory_model.MemoryEstimate) -> dict[tuple[str, str], int]:
+    return {(c.where, c.name): c.nbytes for c in est.components}
+
+
+def test_llama_8b_device_checkpoints_deferred_by_hand() -> None:
+    m = PRESETS["Llama-3.1-8B"]
+    work = Workload(seq_len=4096, batch=8, compute_dtype="bf16")
+    plan = Plan(num_slots=2, prefetch_depth=1, micro_batch_size=1, checkpoints="device",
+                optimizer_mode="deferred", device_grad_buffers=2, loss_chunk_tokens=1024)
+    est = memory_model.estimate(m, work, plan, H100)
+    got = _by_name(est)
+    bmax = 4096 + 128256 * 4096                      # head block: final norm + lm_head = 525,340,672
+    T = 8 * 4096                                     # global batch tokens
+    N = 8_030_261_248                                # every tensor is 64-aligned already
+    per_token = (2 * (5 * 4096 + 3 * 4096 + 3 * 1024 + 4 * 14336)   # saved, bf16
+                 + 8 * 4096 + 4 * 32                                  # fp32 norm inputs, logsumexp
+                 + 2 * (3 * 14336 + 2 * 4096))                        # backward transients
+    assert per_token == 321_664
+    expected_device = {
+        "weight slots": 2 * bmax * 2,                               # 2,101,362,688
+        "grad accumulators": 2 * bmax * 4,                          # 4,202,725,376
+        "activation checkpoints": 32 * T * 4096 * 2,                # 8 GiB
+        "activation grad": T * 4096 * 2,
+        "layer working set": 4096 * per_token + 218_112_000 * 2,    # t = 1 x 4096 tokens
+        "logits chunk": 1024 * 128256 * (2 + 4 + 4),
+    }
+    for name, nbytes in expected_device.items():
+        assert got[("device", name)] == nbytes, name
+    tensors = sum(expected_device.values())
+    assert got[("device", "allocator slack")] == int(0.05 * tensors)
+    assert got[("device", "CUDA context")] == CUDA_CONTEXT_BYTES
+    assert est.device_bytes == tensors + int(0.05 * tensors) + CUDA_CONTEXT_BYTES
+    # host: 4 master + 4 m + 4 v + 2 shadow + 4 grads = 18 bytes per parameter, plus the process
+    assert est.host_bytes == 18 * N + HOST_PROCESS_BYTES
+    assert est.pinned_host_bytes == 18 * N
+    assert est.nvme_bytes == 0
+    assert ("device", "tied embedding grad") not in got
+
+
+def test_qwen_7b_host_checkpoints_eager_by_hand() -> None:
+    m = PRESETS["Qwen2.5-7B"]
+    work = Workload(seq_len=1024, batch=16, compute_dtype="bf16", clipping=False)
+    plan = Plan(num_slots=3, prefetch_depth=2, micro_batch_size=4, checkpoints="host", optimizer_mode="eager",
+                host_grad_slabs=4, loss_chunk_tokens=8192)
+    got = _by_name(memory_model.estimate(m, work, plan, H100))
+    bmax = 3584 + 152064 * 3584                      # untied head block
+    T, t = 16 * 1024, 4 * 1024
+    N = 7_615_616_512
+    assert got[("device", "weight slots")] == 3 * bmax * 2
+    assert got[("device", "checkpoint staging")] == 3 * T * 3584 * 2        # K staging areas
+    assert ("device", "activation checkpoints") not in got
+    assert got[("device", "logits chunk")] == t * 152064 * 10               # chunk capped at t = 4096
+    assert got[("host", "activation checkpoints")] == 28 * T * 3584 * 2
+    assert got[("host", "fp32 grad slabs")] == 4 * bmax * 4                  # eager: S slabs, no full arena
+    assert ("host", "fp32 grads (full arena)") not in got
+    assert got[("host", "fp32 master")] == got[("host", "Adam m")] == got[("host", "Adam v")] == 4 * N
+    assert got[("host", "compute-dtype shadow")] == 2 * N
+
+
+def test_tied_fp32_and_cpu_device() -> None:
+    m = PRESETS["Llama-3.2-1B"]
+    work = Workload(seq_len=512, batch=2, compute_dtype="fp32")
+    cpu = hardware.HardwareProfile(gpu_name="cpu", gpu_mem_bytes=0, h2d_gbps=5, d2h_gbps=5, duplex_gbps=5,
+                                   matmul_tflops={"float32": 0.1}, cpu_adam_params_per_s=1e9,
+                                   host_ram_bytes=64 << 30, host_available_bytes=60 << 30, cores=2)
+    est = memory_model.estimate(m, work, Plan(), cpu)
+    got = _by_name(est)
+    assert got[("device", "tied embedding grad")] == 128256 * 2048 * 4
+    assert ("host", "compute-dtype shadow") not in got                      # fp32 compute aliases the master
+    assert ("device", "CUDA context") not in got and ("device", "allocator slack") not in got
+    assert est.pinned_host_bytes == 0                                        # no CUDA: nothing is pinned
+    # no GPU: device buffers count against host RAM
+    small = cpu.replace(host_ram_bytes=est.host_bytes + 1, host_available_bytes=est.host_bytes + 1)
+    over = est.overruns(small)
+    assert [o.budget for o in over] == ["host RAM"]
+    assert over[0].needed == est.host_bytes + est.device_bytes

@@ -1,0 +1,128 @@
+"""Plan search: a returned plan never exceeds a budget; an infeasible answer names one really exceeded."""
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from megatrain.planner import hardware, memory_model, search
+from megatrain.planner.hardware import GiB, HardwareProfile
+from megatrain.planner.model_shapes import PRESETS, ModelShape
+from megatrain.planner.plan import Plan
+from megatrain.planner.workload import Workload
+
+
+@st.composite
+def profiles(draw: st.DrawFn) -> HardwareProfile:
+    ram = draw(st.integers(4, 4096)) * GiB
+    gpu = draw(st.sampled_from([0, 1, 4, 8, 16, 24, 40, 80, 141])) * GiB
+    h2d = draw(st.floats(1.0, 500.0))
+    return HardwareProfile(
+        gpu_name="random", gpu_mem_bytes=gpu, h2d_gbps=h2d, d2h_gbps=draw(st.floats(1.0, 500.0)),
+        duplex_gbps=draw(st.floats(1.0, 1000.0)), matmul_tflops={"bfloat16": draw(st.floats(0.05, 2000.0)),
+                                                                "float32": draw(st.floats(0.05, 100.0))},
+        cpu_adam_params_per_s=draw(st.floats(1e7, 2e10)), host_ram_bytes=ram,
+        host_available_bytes=int(ram * draw(st.floats(0.1, 1.0))), cores=draw(st.integers(1, 256)),
+        cgroup_limit_bytes=draw(st.sampled_from([0, 8 * GiB, 64 * GiB])))
+
+
+@st.composite
+def models(draw: st.DrawFn) -> ModelShape:
+    if draw(st.booleans()):
+        return draw(st.sampled_from(list(PRESETS.values())))
+    kv = draw(st.integers(1, 8))
+    heads = kv * draw(st.integers(1, 8))
+    head_dim = draw(st.sampled_from([16, 32, 64, 128]))
+    return ModelShape(name="random", hidden_size=draw(st.integers(1, 64)) * 64,
+                      intermediate_size=draw(st.integers(1, 256)) * 64, num_layers=draw(st.integers(1, 96)),
+                      num_heads=heads, num_kv_heads=kv, head_dim=head_dim, vocab_size=draw(st.integers(100, 200000)),
+                      tie_word_embeddings=draw(st.booleans()), attention_bias=draw(st.booleans()),
+                      qk_norm=draw(st.booleans()))
+
+
+workloads = st.builds(Workload, seq_len=st.sampled_from([128, 1000, 2048, 4096, 16384]),
+                      batch=st.integers(1, 64), compute_dtype=st.sampled_from(["bf16", "fp32"]),
+                      clipping=st.booleans())
+
+
+@given(hw=profiles(), model=models(), work=workloads)
+def test_plans_fit_and_refusals_are_true(hw: HardwareProfile, model: ModelShape, work: Workload) -> None:
+    result = search.search(model, work, hw)
+    if result.feasible:
+        best = result.require()
+        # Recompute memory independently of the search's own bookkeeping.
+        mem = memory_model.estimate(model, work, best.plan, hw)
+        assert mem.overruns(hw) == []
+        if hw.device_is_host:
+            assert mem.device_bytes + mem.host_bytes <= hw.host_budget_bytes
+        else:
+            assert mem.device_bytes <= hw.gpu_mem_bytes
+            assert mem.host_bytes <= hw.host_budget_bytes
+        if work.clipping:
+            assert best.plan.optimizer_mode == "deferred"
+        assert best.cost is not None and best.cost.step_seconds > 0
+        assert Plan.from_json(best.plan.to_json()) == best.plan
+        return
+    assert result.overruns, "an infeasible answer names a budget"
+    budgets = {"gpu memory": hw.gpu_mem_bytes, "host RAM": hw.host_budget_bytes}
+    for o in result.overruns:
+        assert o.available == budgets[o.budget]
+        assert o.needed > o.available, o.message()
+    # And it really is infeasible: no candidate (with its smallest loss chunk) fits.
+    for plan in search.candidates(model, work):
+        p = plan.replace(loss_chunk_tokens=min(64, plan.loss_chunk_tokens))
+        assert memory_model.estimate(model, work, p, hw).overruns(hw)
+    # A budget every plan exceeds is reported with the least any plan needs.
+    for o in result.overruns:
+        needs = []
+        for plan in search.candidates(model, work):
+            p = plan.replace(loss_chunk_tokens=min(64, plan.loss_chunk_tokens))
+            mem = memory_model.estimate(model, work, p, hw)
+            needs.append(mem.device_bytes if o.budget == "gpu memory" and not hw.device_is_host
+                         else mem.device_bytes + mem.host_bytes if hw.device_is_host else mem.host_bytes)
+        assert o.needed >= min(needs)
+
+
+def test_infeasible_names_the_budget() -> None:
+    r = search.search(PRESETS["Llama-3.1-405B"], Workload(4096, 8), hardware.preset("RTX-4090"))
+    assert not r.feasible
+    assert {o.budget for o in r.overruns} == {"gpu memory", "host RAM"}
+    assert "short by" in r.reason()
+    try:
+        r.require()
+    except search.InfeasibleError as e:
+        assert "gpu memory" in str(e)
+    else:
+        raise AssertionError("require() must raise on an infeasible result")
+
+
+def test_clipping_forces_deferred_and_no_clip_may_choose_eager() -> None:
+    m, hw = PRESETS["Llama-3.1-8B"], hardware.preset("RTX-4090")
+    clip = search.search(m, Workload(4096, 4, clipping=True), hw)
+    assert not clip.feasible                      # 18 B/param do not fit 128 GiB of RAM...
+    eager = search.search(m, Workload(4096, 4, clipping=False), hw)
+    assert eager.feasible                         # ...14 B/param plus slabs do
+    assert eager.require().plan.optimizer_mode == "eager"
+
+
+def test_plan_is_valid_and_bounds_follow_each_other() -> None:
+    r = search.search(PRESETS["Qwen2.5-7B"], Workload(1024, 158), hardware.preset("H100-SXM")).require()
+    p = r.plan
+    assert p.num_slots == p.prefetch_depth + 1
+    assert p.loss_chunk_tokens <= p.micro_batch_size * 1024
+    assert r.memory.device_bytes <= hardware.preset("H100-SXM").gpu_mem_bytes
+
+
+def test_micro_batch_sizes_cover_counts() -> None:
+    sizes = search.micro_batch_sizes(158)
+    assert sizes[0] == 1 and sizes[-1] == 158
+    assert {64, 128, 79, 53, 40} <= set(sizes)
+
+
+def test_longest_context_and_minimum_memory() -> None:
+    m, hw = PRESETS["Llama-3.2-1B"], hardware.preset("H100-SXM")
+    ctx = search.longest_context(m, hw)
+    assert ctx % 1024 == 0 and ctx > 65536
+    assert search.fits(m, Workload(ctx, 1), hw) and not search.fits(m, Workload(ctx + 1024, 1), hw)
+    least = search.minimum_memory(m, Workload(4096, 8), hw)
+    assert least["gpu"].memory.device_bytes <= least["host"].memory.device_bytes
+    assert least["host"].memory.host_bytes <= least["gpu"].memory.host_bytes
