@@ -57,7 +57,7 @@ def head_forward_backward(
     loss: torch.Tensor | None = None
     for start in range(0, flat.shape[0], chunk):
         end = min(start + chunk, flat.shape[0])
-        h = flat[start:end].requires_grad_()
+        h = flat[start:end].detach().requires_grad_()
         with torch.enable_grad():
             logits = F.linear(h, weight)  # [c, vocab]
             part = F.cross_entropy(logits.float(), flat_labels[start:end], ignore_index=IGNORE_INDEX,
@@ -65,10 +65,11 @@ def head_forward_backward(
         d_h, d_w = torch.autograd.grad(part, (h, weight))
         d_flat[start:end] = d_h
         d_weight = d_w if d_weight is None else d_weight + d_w
-        loss = part.detach() if loss is None else loss + part.detach()
+        # The chunk losses add up in float64: one chunk gives back the float32 value exactly.
+        loss = part.detach().double() if loss is None else loss + part.detach().double()
     assert d_weight is not None and loss is not None
     grads = torch.autograd.grad(normed, (x, *leaves.values()), d_flat.view_as(normed))
-    return HeadGrads(loss, grads[0], dict(zip(leaves.keys(), grads[1:])), d_weight)
+    return HeadGrads(loss.float(), grads[0], dict(zip(leaves.keys(), grads[1:])), d_weight)
 
 
 def chunked_logits(flat: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -67,13 +67,16 @@ def cases(draw):
     micro_batch_size = math.ceil(batch / n_micro)
     clip = draw(st.one_of(st.none(), st.sampled_from([0.05, 1.0, 100.0])))
     slots = draw(st.integers(2, 4))
-    single_chunk = draw(st.booleans())
+    tokens = micro_batch_size * seq
+    # Several loss chunks only where each holds a realistic number of tokens (>= 8): with 1-token
+    # chunks, 100+ partial sums of the lm_head gradient put some elements at the noise floor.
+    n_chunks = draw(st.integers(2, 4)) if tokens >= 16 and draw(st.booleans()) else 1
     plan = Plan(
         num_slots=slots, prefetch_depth=draw(st.integers(1, slots - 1)), micro_batch_size=micro_batch_size,
         checkpoints=draw(st.sampled_from(["device", "host"])),
         optimizer_mode="deferred" if clip is not None or draw(st.booleans()) else "eager",
         device_grad_buffers=draw(st.integers(2, 3)), host_grad_slabs=draw(st.integers(1, 3)),
-        loss_chunk_tokens=micro_batch_size * seq if single_chunk else draw(st.integers(1, max(1, micro_batch_size * seq))),
+        loss_chunk_tokens=math.ceil(tokens / n_chunks),
     )
     optimizer = OptimizerConfig(
         lr=1e-3, betas=(0.9, draw(st.sampled_from([0.95, 0.999]))), eps=draw(st.sampled_from([1e-8, 1e-6])),
