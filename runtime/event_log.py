@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LogEntry:
-    op: str  # "h2d", "compute", "release", "d2h", "adam_begin", "adam_end"
+    op: str  # "h2d", "compute", "release", "d2h", "adam_submit", "adam_begin", "adam_end"
     step: int
     block: int
     slot: int = -1  # device slot, for h2d / compute / release

@@ -250,6 +250,7 @@ class Executor:
             slabs = self.store.slabs
             assert slabs is not None
             on_done = lambda: slabs.release(slab)  # noqa: E731
+        self.log.record("adam_submit", step, block.index)
         self.adam.submit(AdamJob(step, block.index, host, done, clip, hyper, block.layout, on_done))
 
     def _drain_scalar(self, value: torch.Tensor, host: torch.Tensor) -> Event:

@@ -84,7 +84,7 @@ def cases(draw):
         no_decay=draw(st.sampled_from([(), ("norm",), ("norm", "bias"), ("embed",)])),
     )
     steps = draw(st.integers(1, 4))
-    lrs = [draw(st.sampled_from([1e-3, 3e-3, 1e-2, 0.0])) for _ in range(steps)]
+    lrs = [draw(st.sampled_from([1e-4, 3e-4, 1e-3, 0.0])) for _ in range(steps)]  # fine-tuning to pretraining rates
     seed = draw(st.integers(0, 2**16))
     return config, plan, optimizer, batch, seq, lrs, seed
 

@@ -1,0 +1,112 @@
+"""megatrain's blocks against Hugging Face transformers, on the same weights.
+
+Random tiny Llama / Qwen2 / Qwen3 / Mistral models are built by transformers,
+loaded into megatrain through ``load_state_dict``, and compared: logits and
+loss within 1e-5 in float32, then the parameters after a few steps of
+megatrain against the transformers model trained by ``torch.optim.AdamW`` with
+``clip_grad_norm_`` (bound: ``numerics.assert_update_close``; sources of
+difference: transformers' attention kernel and its loss reduction differ in
+summation order from megatrain's).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan  # noqa: E402
+from numerics import assert_update_close  # noqa: E402
+
+COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
+
+FAMILIES = {
+    "llama": lambda tied: transformers.LlamaConfig(**COMMON, tie_word_embeddings=tied, attention_bias=True),
+    "llama3-rope": lambda tied: transformers.LlamaConfig(
+        **COMMON, tie_word_embeddings=tied,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "qwen2": lambda tied: transformers.Qwen2Config(**COMMON, tie_word_embeddings=tied),
+    "qwen3": lambda tied: transformers.Qwen3Config(**COMMON, tie_word_embeddings=tied, head_dim=12),
+    "mistral": lambda tied: transformers.MistralConfig(**COMMON, tie_word_embeddings=tied, sliding_window=None),
+}
+MODELS = {
+    "llama": transformers.LlamaForCausalLM, "llama3-rope": transformers.LlamaForCausalLM,
+    "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+    "mistral": transformers.MistralForCausalLM,
+}
+
+
+def _hf_model(family: str, tied: bool):
+    torch.manual_seed(1234)
+    config = FAMILIES[family](tied)
+    model = MODELS[family](config).float()
+    with torch.no_grad():  # random norms and biases too, so that a misplaced one shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else 0.1 * torch.randn_like(p))
+    return config, model
+
+
+def _batch(vocab: int, batch: int = 3, seq: int = 20, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    labels = ids.clone()
+    labels[torch.rand(batch, seq, generator=gen) < 0.25] = -100
+    return ids, labels
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_loss_and_training_match_transformers(family: str, tied: bool) -> None:
+    config, hf = _hf_model(family, tied)
+    mt_config = ModelConfig.from_hf(config.to_dict())
+    assert mt_config.qk_norm == (family == "qwen3")
+    optimizer = OptimizerConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0)
+    engine = Engine(mt_config, optimizer, plan=Plan(micro_batch_size=1, loss_chunk_tokens=16),
+                    compute_dtype=torch.float32, device="cpu")
+    try:
+        engine.load_state_dict(hf.state_dict())
+        ids, labels = _batch(config.vocab_size)
+
+        with torch.no_grad():
+            expected_logits = hf(ids).logits
+        torch.testing.assert_close(engine.logits(ids), expected_logits, rtol=0, atol=1e-5)
+
+        initial = {n: p.detach().clone() for n, p in hf.named_parameters()}
+        hf_opt = torch.optim.AdamW(hf.parameters(), lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps,
+                                   weight_decay=optimizer.weight_decay)
+        for step in range(3):
+            ids, labels = _batch(config.vocab_size, seed=step)
+            n_items = int((labels[:, 1:] != -100).sum())
+            hf_loss = 0.0
+            for row in range(ids.shape[0]):  # the same micro-batches, HF's loss summed over the batch's items
+                out = hf(ids[row:row + 1], labels=labels[row:row + 1], num_items_in_batch=n_items)
+                out.loss.backward()
+                hf_loss += out.loss.item()
+            torch.nn.utils.clip_grad_norm_(hf.parameters(), optimizer.max_grad_norm)
+            hf_opt.step()
+            hf_opt.zero_grad()
+            loss = engine.step(ids, labels).item()
+            assert abs(loss - hf_loss) <= 1e-5, (step, loss, hf_loss)
+
+        ours = engine.state_dict()
+        theirs = {n: p.detach() for n, p in hf.named_parameters()}
+        assert_update_close({n: ours[n] for n in theirs}, theirs, initial)
+    finally:
+        engine.close()
+
+
+def test_from_hf_reads_both_rope_spellings(tmp_path) -> None:
+    old = dict(COMMON, model_type="llama", rope_theta=500000.0,
+               rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192})
+    new = dict(COMMON, model_type="llama",
+               rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192})
+    (tmp_path / "config.json").write_text(__import__("json").dumps(old))
+    a, b = ModelConfig.from_hf(tmp_path), ModelConfig.from_hf(new)
+    assert a == b
+    assert a.rope_theta == 500000.0 and a.rope_scaling["rope_type"] == "llama3"
