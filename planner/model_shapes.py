@@ -64,6 +64,9 @@ class ModelShape:
     tie_word_embeddings: bool = False
     # Qwen2 / Qwen2.5: q, k and v projections carry a bias.
     attention_bias: bool = False
+    # Llama's attention_bias also puts a bias on o_proj (Qwen2's does not); Llama's mlp_bias on the MLP.
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
     # Qwen3: RMSNorm of width head_dim on q and on k.
     qk_norm: bool = False
     rope_theta: float = 10000.0
@@ -106,8 +109,12 @@ class ModelShape:
         if self.qk_norm:
             p += [self.head_dim, self.head_dim]   # q_norm, k_norm
         p += [q * h]                              # o_proj
+        if self.o_proj_bias:
+            p += [h]                              # o_proj bias
         p += [h]                                  # post_attention_layernorm
         p += [h * i, h * i, i * h]                # gate_proj, up_proj, down_proj
+        if self.mlp_bias:
+            p += [i, i, h]                        # their biases
         return p
 
     def head_params(self) -> list[int]:
@@ -282,6 +289,8 @@ def from_config(config: Mapping[str, Any], name: str | None = None) -> ModelShap
             head_dim=config.get("head_dim") or 0,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=bool(config.get("attention_bias", mtype == "qwen2")),
+            o_proj_bias=bool(config.get("attention_bias", False)) and mtype != "qwen2",
+            mlp_bias=bool(config.get("mlp_bias", False)),
             qk_norm=mtype == "qwen3",
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,

@@ -59,7 +59,7 @@ def cases(draw):
         rope_scaling=rope_scaling, tie_word_embeddings=draw(st.booleans()), qk_norm=draw(st.booleans()),
         attention_bias=draw(st.booleans()), mlp_bias=draw(st.booleans()),
         pad_token_id=draw(st.one_of(st.none(), st.integers(0, vocab - 1))),
-        initializer_range=draw(st.sampled_from([0.02, 0.2])),
+        initializer_range=draw(st.sampled_from([0.02, 0.05])),  # 0.2 is chaotic: noise grows past float32 noise
     )
     batch = draw(st.integers(1, 6))
     seq = draw(st.integers(2, 48))  # one token predicts nothing after the shift (test_bad_input)

@@ -1,0 +1,82 @@
+"""The planner's memory model against what the runtime really allocates, buffer by buffer.
+
+The planner never imports the runtime, so nothing but this test keeps the two in step:
+model sizes, device slots, gradient buffers, host arenas and checkpoint buffers must be
+the bytes the Engine holds. And a plan chosen by the planner for this machine runs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatrain.planner import memory_model, model_shapes, search
+from megatrain.planner.hardware import HardwareProfile
+from megatrain.planner.plan import Plan
+from megatrain.planner.profiler import detect
+from megatrain.planner.workload import Workload
+from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
+
+CONFIGS = {
+    "llama-bias": dict(model_type="llama", vocab_size=101, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                       num_attention_heads=6, num_key_value_heads=2, attention_bias=True, mlp_bias=True),
+    "qwen2-tied": dict(model_type="qwen2", vocab_size=77, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=1, head_dim=12),
+    "mistral": dict(model_type="mistral", vocab_size=90, hidden_size=40, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=5, num_key_value_heads=5),
+}
+PLANS = [Plan(), Plan(num_slots=3, prefetch_depth=2, checkpoints="host", device_grad_buffers=3),
+         Plan(optimizer_mode="eager", host_grad_slabs=2, micro_batch_size=2)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=["default", "host-ckpt", "eager"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_memory_model_matches_allocations(name: str, plan: Plan, dtype: torch.dtype) -> None:
+    hf = CONFIGS[name]
+    shape = model_shapes.from_config(hf)
+    batch, seq = 3, 8
+    work = Workload(seq_len=seq, batch=batch, compute_dtype="fp32" if dtype == torch.float32 else "bf16",
+                    clipping=plan.optimizer_mode == "deferred")
+    est = {c.name: c.nbytes for c in memory_model.estimate(shape, work, plan).components}
+    clip = 1.0 if plan.optimizer_mode == "deferred" else None
+    with Engine(ModelConfig.from_hf(hf), OptimizerConfig(max_grad_norm=clip), plan=plan, compute_dtype=dtype,
+                device="cpu") as engine:
+        assert shape.params == engine.num_parameters
+        store, ex = engine.store, engine.executor
+        assert shape.numel_total == store.total_numel
+        assert shape.numel_largest_block == store.max_block_numel
+        assert est["weight slots"] == sum(_nbytes(b) for b in ex.slots.buffers)
+        assert est["grad accumulators"] == sum(_nbytes(b) for b in ex.grad_buffers.buffers)
+        assert est.get("tied embedding grad", 0) == (_nbytes(ex.tied_grad) if ex.tied_grad is not None else 0)
+        assert est["fp32 master"] == store.master.nbytes
+        assert est["Adam m"] == store.exp_avg.nbytes and est["Adam v"] == store.exp_avg_sq.nbytes
+        assert est.get("compute-dtype shadow", 0) == (0 if store.shadow is store.master else store.shadow.nbytes)
+        assert est.get("fp32 grads (full arena)", 0) == (store.grads.nbytes if store.grads is not None else 0)
+        assert est.get("fp32 grad slabs", 0) == (store.slabs.arena.nbytes if store.slabs is not None else 0)
+        ids = torch.randint(0, hf["vocab_size"], (batch, seq))
+        engine.step(ids, ids)
+        if plan.checkpoints == "host":
+            ckpt = ex.checkpoints
+            assert est["activation checkpoints"] == _nbytes(ckpt._host)
+            assert est["checkpoint staging"] == sum(_nbytes(s) for s in ckpt._staging)
+
+
+def test_a_plan_from_the_planner_runs_here() -> None:
+    hf = CONFIGS["llama-bias"]
+    hw = detect()
+    assert isinstance(hw, HardwareProfile)
+    work = Workload(seq_len=16, batch=4, compute_dtype="fp32", clipping=True)
+    result = search.search(model_shapes.from_config(hf), work, hw)
+    assert result.best is not None, result
+    plan = Plan.from_json(result.best.plan.to_json())
+    with Engine(ModelConfig.from_hf(hf), OptimizerConfig(max_grad_norm=1.0), plan=plan,
+                compute_dtype=torch.float32) as engine:
+        ids = torch.randint(0, hf["vocab_size"], (4, 16))
+        losses = [engine.step(ids, ids).item() for _ in range(3)]
+    assert losses[-1] < losses[0]
