@@ -32,7 +32,6 @@ class HeadGrads:
     loss: torch.Tensor  # [] fp32: this micro-batch's share of the batch mean
     dx: torch.Tensor  # [b, S, hidden]: gradient w.r.t. the head's input
     norm: dict[str, torch.Tensor]  # gradients of the norm's parameters, by local name
-    lm_head: torch.Tensor  # [vocab, hidden] gradient of the lm_head weight, summed over chunks
 
 
 def head_forward_backward(
@@ -43,8 +42,13 @@ def head_forward_backward(
     labels: torch.Tensor,
     n_tokens: torch.Tensor,
     chunk: int,
+    lm_grad: torch.Tensor,
 ) -> HeadGrads:
-    """norm(params, x) -> normed; lm_weight: [vocab, hidden]; x: [b, S, hidden]; labels: [b, S] shifted."""
+    """norm(params, x) -> normed; lm_weight: [vocab, hidden]; x: [b, S, hidden]; labels: [b, S] shifted.
+
+    Each chunk's lm_head gradient is added straight into ``lm_grad`` ([vocab, hidden] fp32), so
+    chunk gradients never sum in the compute dtype.
+    """
     x = x.detach().requires_grad_()
     leaves = {k: v.detach().requires_grad_() for k, v in norm_params.items()}
     weight = lm_weight.detach().requires_grad_()
@@ -53,7 +57,6 @@ def head_forward_backward(
     flat = normed.detach().reshape(-1, normed.shape[-1])  # [T, hidden]
     flat_labels = labels.reshape(-1)
     d_flat = torch.empty_like(flat)
-    d_weight: torch.Tensor | None = None
     loss: torch.Tensor | None = None
     for start in range(0, flat.shape[0], chunk):
         end = min(start + chunk, flat.shape[0])
@@ -64,12 +67,12 @@ def head_forward_backward(
                                    reduction="sum") / n_tokens
         d_h, d_w = torch.autograd.grad(part, (h, weight))
         d_flat[start:end] = d_h
-        d_weight = d_w if d_weight is None else d_weight + d_w
+        lm_grad.add_(d_w)
         # The chunk losses add up in float64: one chunk gives back the float32 value exactly.
         loss = part.detach().double() if loss is None else loss + part.detach().double()
-    assert d_weight is not None and loss is not None
+    assert loss is not None
     grads = torch.autograd.grad(normed, (x, *leaves.values()), d_flat.view_as(normed))
-    return HeadGrads(loss.float(), grads[0], dict(zip(leaves.keys(), grads[1:])), d_weight)
+    return HeadGrads(loss.float(), grads[0], dict(zip(leaves.keys(), grads[1:])))
 
 
 def chunked_logits(flat: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch.Tensor:

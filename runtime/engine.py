@@ -101,7 +101,7 @@ class Engine:
         """Evaluation forward: [B, S] ids -> [B, S, vocab] fp32 logits (materialised; keep inputs small)."""
         ids = self._check_ids(input_ids, "input_ids")
         self._check_seq(ids.shape[1])
-        return self.executor.forward_logits(ids.to(self.device, non_blocking=True))
+        return self.executor.forward_logits(self._to_device(ids))
 
     # ------------------------------------------------------------------ weights
     def synchronize(self) -> None:
@@ -245,13 +245,20 @@ class Engine:
             raise InputError("labels leave no token to predict (all -100 after the shift); check the masking")
         mbs = self.plan.micro_batch_size
         micro = [slice(s, min(s + mbs, ids.shape[0])) for s in range(0, ids.shape[0], mbs)]
-        dev = self.device
         return Batch(
-            input_ids=ids.to(dev, non_blocking=True),
-            labels=shifted.to(dev, non_blocking=True),
-            n_tokens=torch.tensor(n_tokens, device=dev),
+            input_ids=self._to_device(ids),
+            labels=self._to_device(shifted),
+            n_tokens=self._to_device(torch.tensor(n_tokens)),
             micro=micro,
         )
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host tensor -> device without a host sync: a copy from pageable memory would wait for the
+        stream's queued work (the previous step), so it goes through pinned memory, which torch's
+        pinned allocator keeps until the copy is done."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
 
 def _pick_device(device: str | torch.device | None) -> torch.device:

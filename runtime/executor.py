@@ -154,13 +154,12 @@ class Executor:
             for m, rows in enumerate(batch.micro):
                 out = head_forward_backward(
                     lambda p, h: self.templates.run(BlockKind.HEAD, {**head_params, **p}, h), norm_params, lm_weight,
-                    x[m], batch.labels[rows], batch.n_tokens, self.plan.loss_chunk_tokens,
+                    x[m], batch.labels[rows], batch.n_tokens, self.plan.loss_chunk_tokens, lm_grad,
                 )
                 loss = loss + out.loss
                 dy.append(out.dx)
                 for name, g in out.norm.items():
                     g_views[name].add_(g)
-                lm_grad.add_(out.lm_head)
         del x
         self.loader.release(j_head)
         if self.tied:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from megatrain.runtime import ModelConfig, OptimizerConfig
@@ -36,12 +37,16 @@ class ReferenceLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq = inverse_frequencies(config)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[B, S] -> logits [B, S, vocab]."""
+    def forward(self, input_ids: torch.Tensor, checkpoint: bool = False) -> torch.Tensor:
+        """[B, S] -> logits [B, S, vocab]; ``checkpoint`` recomputes each layer in backward (benchmarks)."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rotary_tables(self.inv_freq, input_ids.shape[1], x.device, x.dtype)
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        cos, sin = rotary_tables(self.inv_freq, input_ids.shape[1], x.device, dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
+            if checkpoint:
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
         return self.lm_head(self.model.norm(x))
 
 

@@ -10,12 +10,19 @@ Bitwise equal, except where the order of a floating-point sum must differ.
 The sources of such differences, each of which switches this test to the
 update-relative bound of ``numerics.assert_update_close``:
 
+Where they apply, the bound leaves Adam's noise floor out of its worst-element
+rule (see ``assert_update_close``): elements whose gradient is within 10x of
+eps get updates ~ g / eps, which amplify ulp-level gradient noise past 5% of the
+mean update; they still count in the 99.9% rule.
+
 1. TIED_MICROBATCHES: with tied embeddings and more than one micro-batch, the
    reference adds (head part + embedding part) per micro-batch and then across
    micro-batches; block-major order sums all head parts (forward) before the
    embedding parts (end of backward).
 2. LOSS_CHUNKS: with more than one loss chunk per micro-batch, the loss and the
-   lm_head gradient are sums over chunks instead of one reduction / one matmul.
+   lm_head gradient are sums over chunks instead of one reduction / one matmul,
+   and the matmul giving the hidden states' gradient runs on fewer rows (BLAS
+   may block its reduction differently), so every layer's gradient differs by ulps.
 
 Clipping is bitwise: the per-parameter norms, their order, the coefficient
 and the multiply are those of ``clip_grad_norm_``.
@@ -32,7 +39,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
-from numerics import assert_state_close, assert_update_close
+from numerics import assert_moments_close, assert_update_close
 from reference_model import ReferenceLM, make_optimizer, reference_step
 
 
@@ -129,17 +136,20 @@ def run_case(config, plan, optimizer, batch, seq, lrs, seed, device="cpu"):
         ours = {n: ours[n] for n in theirs}
         state = engine.optimizer_state_dict()
         ref_state = {n: optim.state[p] for n, p in reference.named_parameters()}
-        for key in ("exp_avg", "exp_avg_sq"):
-            a = {n: state[n][key] for n in theirs}
-            b = {n: ref_state[n][key].cpu() for n in theirs}
-            if sources:
-                assert_state_close(a, b, key)
-            else:
+        moments = {key: ({n: state[n][key] for n in theirs}, {n: ref_state[n][key].cpu() for n in theirs})
+                   for key in ("exp_avg", "exp_avg_sq")}
+        b2, steps = optimizer.betas[1], len(lrs)
+        floor = {n: (moments["exp_avg_sq"][1][n] / (1 - b2 ** steps)).sqrt() <= 10 * optimizer.eps for n in theirs}
+        if sources:
+            assert_moments_close(moments["exp_avg"][0], moments["exp_avg_sq"][0], moments["exp_avg"][1],
+                                 moments["exp_avg_sq"][1], optimizer.eps, floor)
+        else:
+            for key, (a, b) in moments.items():
                 bad = [n for n in theirs if not torch.equal(a[n], b[n])]
                 assert not bad, f"{key} differs for {bad[:3]}"
         assert all(float(state[n]["step"]) == float(ref_state[n]["step"]) for n in theirs)
         if sources:
-            assert_update_close(ours, theirs, {n: t.cpu() for n, t in initial.items()})
+            assert_update_close(ours, theirs, {n: t.cpu() for n, t in initial.items()}, noise_floor=floor)
         else:
             bad = [n for n in theirs if not torch.equal(ours[n], theirs[n])]
             assert not bad, f"parameters differ for {bad[:3]} (no source of difference applies)"

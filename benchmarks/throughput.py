@@ -1,0 +1,205 @@
+"""Throughput: megatrain against plain in-memory PyTorch training of the same model, in one run.
+
+    python benchmarks/throughput.py --model 1b --seq 2048 --batch 32 --micro-batch 8     # on a GPU
+    python benchmarks/throughput.py --model tiny --seq 128 --batch 8 --steps 4           # on a CPU
+
+Each system runs in a fresh subprocess (so peak memory is its own) with the same
+random initial weights and batches: megatrain (bf16 compute on a GPU, fp32 on a
+CPU; weights and AdamW state in host memory) and PyTorch with the whole model on
+the device (fp32 master, bf16 autocast on a GPU, per-layer activation
+checkpointing, fused AdamW on the device). Reports per system: median step time,
+tokens/s, model TFLOP/s (6 x N x tokens / step time; recompute not counted), peak
+device memory, peak host RSS, final loss; and megatrain / PyTorch as a ratio.
+Writes ``benchmarks/results/<date>_<device>_throughput.{json,md}``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the reference model of the equivalence tests
+
+MODELS = {
+    # Llama-3.2-1B's shape (1.24B parameters, tied embeddings).
+    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0),
+    "tiny": dict(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2),
+}
+
+
+def machine() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+    try:
+        import psutil
+
+        info["host_ram_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, gpu_mem_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda)
+    return info
+
+
+def batches(vocab: int, batch: int, seq: int, steps: int):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(steps)]
+
+
+def run_megatrain(args, cfg, device) -> dict:
+    from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    plan = Plan(micro_batch_size=args.micro_batch, num_slots=args.slots, prefetch_depth=args.slots - 1,
+                checkpoints=args.checkpoints, loss_chunk_tokens=args.loss_chunk)
+    engine = Engine(ModelConfig(**cfg), OptimizerConfig(lr=1e-4, max_grad_norm=1.0), plan=plan,
+                    compute_dtype=dtype, device=device, seed=0)
+    times, loss = [], None
+    for i, ids in enumerate(batches(cfg["vocab_size"], args.batch, args.seq, args.steps)):
+        t0 = time.perf_counter()
+        loss = engine.step(ids, ids).item()  # .item(): the step's end, as a user's loop would see it
+        times.append(time.perf_counter() - t0)
+        print(f"  megatrain step {i + 1}/{args.steps}: {times[-1]:.3f} s, loss {loss:.4f}", file=sys.stderr, flush=True)
+    engine.synchronize()
+    n = engine.num_parameters
+    engine.close()
+    return {"times": times, "loss": loss, "params": n, "compute_dtype": str(dtype)}
+
+
+def run_pytorch(args, cfg, device) -> dict:
+    from reference_model import ReferenceLM
+
+    from megatrain.runtime import Engine, ModelConfig
+    from megatrain.runtime.chunked_loss import shift_labels
+
+    config = ModelConfig(**cfg)
+    init = Engine(config, device="cpu", seed=0)  # the same initial weights as megatrain's
+    model = ReferenceLM(config)
+    model.load_state_dict(init.state_dict())
+    init.close()
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    times, loss = [], None
+    for i, ids in enumerate(batches(cfg["vocab_size"], args.batch, args.seq, args.steps)):
+        t0 = time.perf_counter()
+        ids = ids.to(device)
+        labels = shift_labels(ids)
+        n_tokens = (labels != -100).sum()
+        total = torch.zeros((), device=device)
+        for s in range(0, ids.shape[0], args.micro_batch):
+            with autocast:
+                logits = model(ids[s:s + args.micro_batch], checkpoint=True)
+            part = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels[s:s + args.micro_batch].flatten(),
+                                                     ignore_index=-100, reduction="sum") / n_tokens
+            part.backward()
+            total += part.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = total.item()
+        times.append(time.perf_counter() - t0)
+        print(f"  pytorch step {i + 1}/{args.steps}: {times[-1]:.3f} s, loss {loss:.4f}", file=sys.stderr, flush=True)
+    return {"times": times, "loss": loss, "params": sum(p.numel() for p in model.parameters())}
+
+
+def child(args) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    cfg = MODELS[args.model]
+    try:
+        out = (run_megatrain if args.child == "megatrain" else run_pytorch)(args, cfg, device)
+        out["status"] = "ok"
+    except torch.OutOfMemoryError as e:  # recorded, with its peak, not fatal to the comparison
+        out = {"status": f"out of memory: {str(e).splitlines()[0]}"}
+    out["peak_device_bytes"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    out["peak_host_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["device"] = str(device)
+    print(json.dumps(out))
+
+
+def summarize(name: str, r: dict, tokens: int, warmup: int) -> dict:
+    if r.get("status") != "ok":
+        return {"system": name, **r}
+    steady = r["times"][warmup:] or r["times"]
+    step = statistics.median(steady)
+    return {"system": name, "status": "ok", "step_seconds": step, "tokens_per_second": tokens / step,
+            "model_tflops": 6 * r["params"] * tokens / step / 1e12, "final_loss": r["loss"],
+            "peak_device_gib": None if r["peak_device_bytes"] is None else r["peak_device_bytes"] / 2**30,
+            "peak_host_rss_gib": r["peak_host_rss_bytes"] / 2**30, "params": r["params"], "step_times": r["times"]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--slots", type=int, default=2)
+    p.add_argument("--checkpoints", choices=["device", "host"], default="device")
+    p.add_argument("--loss-chunk", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1, help="steps left out of the median")
+    p.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA exists")
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--child", choices=["megatrain", "pytorch"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return 0
+
+    tokens = args.batch * args.seq
+    rows = []
+    for system in ("pytorch", "megatrain"):
+        print(f"{system}: {args.model}, {args.batch} x {args.seq} tokens, {args.steps} steps", file=sys.stderr, flush=True)
+        cmd = [sys.executable, __file__, "--child", system] + [a for a in sys.argv[1:]]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        result = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {
+            "status": f"failed with exit status {proc.returncode}"}
+        rows.append(summarize(system, result, tokens, args.warmup))
+    base, ours = rows
+    ratio = (ours["tokens_per_second"] / base["tokens_per_second"]
+             if ours.get("status") == "ok" and base.get("status") == "ok" else None)
+    info = machine()
+    device = (info.get("gpu") or "cpu").replace(" ", "-")
+    if args.cpu:
+        device = "cpu"
+    report = {"date": datetime.date.today().isoformat(), "machine": info, "args": vars(args), "results": rows,
+              "megatrain_over_pytorch_tokens_per_second": ratio}
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"{report['date']}_{device}_throughput_{args.model}")
+    with open(stem + ".json", "w") as f:
+        json.dump(report, f, indent=2)
+    lines = [f"# Throughput, {args.model}, {args.batch} x {args.seq} tokens/step, {device} ({report['date']})", "",
+             "| system | step s | tokens/s | model TFLOP/s | peak device GiB | peak host RSS GiB | final loss |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['system']} | {r['status']} | | | | | |")
+            continue
+        dev = "-" if r["peak_device_gib"] is None else f"{r['peak_device_gib']:.2f}"
+        lines.append(f"| {r['system']} | {r['step_seconds']:.3f} | {r['tokens_per_second']:,.0f} | "
+                     f"{r['model_tflops']:.3f} | {dev} | {r['peak_host_rss_gib']:.2f} | {r['final_loss']:.4f} |")
+    if ratio is not None:
+        lines += ["", f"megatrain / PyTorch tokens/s: **{ratio:.2f}x** (6N per token; recompute not counted)"]
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {stem}.json and .md", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
