@@ -19,6 +19,8 @@ PLAN_VERSION = 1
 
 CHECKPOINT_PLACEMENTS = ("device", "host")
 OPTIMIZER_MODES = ("eager", "deferred")
+SPILL_CHOICES = ("none", "optimizer", "all")
+IO_BACKENDS = ("auto", "posix", "kvikio")
 
 
 class PlanError(ValueError):
@@ -40,6 +42,10 @@ class Plan:
       host_grad_slabs     eager mode only: S x (largest block, fp32) host RAM
                           (deferred mode keeps a full fp32 gradient arena instead)
       loss_chunk_tokens   logits chunk: chunk x vocab x (compute + 4 + 4) bytes
+      spill               "optimizer": AdamW m and v live in spill files on disk (8 bytes/param off RAM);
+                          "all": the fp32 master and gradients too (16 bytes/param off RAM)
+      spill_staging       with spill: that many sets of host staging buffers (each: one largest block
+                          per spilled kind, fp32), so reads run ahead of AdamW and writes behind it
     """
 
     version: int = PLAN_VERSION
@@ -60,6 +66,17 @@ class Plan:
     host_grad_slabs: int = 2
     # Tokens per chunk of the chunked cross-entropy (bounds the logits buffer).
     loss_chunk_tokens: int = 4096
+    # What lives in spill files instead of host RAM: "none", "optimizer" (m, v) or "all" (fp32 master, m, v, grads).
+    spill: str = "none"
+    # Directory for the spill files (needed when spill != "none"); preallocated at start.
+    spill_dir: str | None = None
+    # Staging sets in flight between the disk and CPU AdamW (reads ahead, writes behind).
+    spill_staging: int = 3
+    # Spill I/O: "posix" (thread pool of preadv/pwritev, O_DIRECT where the filesystem takes it),
+    # "kvikio" (GPUDirect Storage / its compatibility mode; needs the [gds] extra and a CUDA driver), "auto".
+    io_backend: str = "auto"
+    # Threads of the POSIX backend.
+    io_threads: int = 4
 
     def __post_init__(self) -> None:
         if self.version != PLAN_VERSION:
@@ -81,6 +98,14 @@ class Plan:
                   "one buffer accumulates while the previous one drains to the host")
         _at_least("host_grad_slabs", self.host_grad_slabs, 1, "eager mode needs somewhere to land gradients")
         _at_least("loss_chunk_tokens", self.loss_chunk_tokens, 1, "it is the number of tokens per logits chunk")
+        _one_of("spill", self.spill, SPILL_CHOICES)
+        _one_of("io_backend", self.io_backend, IO_BACKENDS)
+        _at_least("spill_staging", self.spill_staging, 1, "AdamW needs one staging set to work in")
+        _at_least("io_threads", self.io_threads, 1, "the POSIX backend needs a thread")
+        if self.spill != "none" and not self.spill_dir:
+            raise PlanError(f"spill={self.spill!r} needs spill_dir: name a directory on a fast local disk (--spill-dir)")
+        if self.spill_dir is not None and not isinstance(self.spill_dir, str):
+            raise PlanError(f"spill_dir={self.spill_dir!r} must be a directory path (a string)")
 
     def replace(self, **changes: Any) -> "Plan":
         return dataclasses.replace(self, **changes)

@@ -17,9 +17,18 @@ backward, in forward order, so block 0 is updated first and the next step's
 forward, which loads block 0 first, waits the least. In both, the next load of
 block b waits for ``wait_updated(b)``. The job queue holds at most one job per
 block (its bound); the worker releases an eager-mode gradient slab when done.
+
+[Note: spill pipeline]
+With spilled kinds (host_store.py), the worker keeps up to ``spill_staging``
+jobs in flight: for each queued job it takes a staging set and issues the reads
+of the block's spilled state ahead, updates the oldest once its reads land, and
+writes its state back behind; a staging set returns to the pool when its writes
+finish. Without spill there is one job in flight and no I/O.
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures as cf
 import queue
 import threading
 from dataclasses import dataclass
@@ -28,6 +37,7 @@ from typing import Callable
 import torch
 from torch.profiler import record_function
 
+from .errors import MegatrainError
 from .event_log import EventLog
 from .host_store import HostStore
 from .streams import Event
@@ -47,7 +57,7 @@ class AdamHyper:
 class AdamJob:
     step: int
     block: int
-    grads: torch.Tensor  # fp32 host [numel], written by the D2H drain
+    grads: torch.Tensor | None  # fp32 host [numel] written by the D2H drain; None: read from the grads file
     grads_ready: Event  # the drain's completion
     clip: tuple[torch.Tensor, Event] | None  # (host fp32 scalar coefficient, its D2H completion)
     hyper: AdamHyper
@@ -88,37 +98,68 @@ class AdamWorker:
 
     def raise_if_failed(self) -> None:
         if self._error is not None:
+            if isinstance(self._error, MegatrainError):  # e.g. a spill I/O error: its own one-line message
+                raise type(self._error)(f"{self._error}; training stopped") from self._error
             raise RuntimeError(f"the CPU AdamW worker failed: {self._error!r}") from self._error
 
     def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                self._update(job)
-            except BaseException as e:  # surfaced to the training thread at its next wait
+        depth = self.store.staging_count if self.store.spilled else 1
+        inflight: collections.deque[tuple[AdamJob, int | None, list[cf.Future]]] = collections.deque()
+        closing = False
+        try:
+            while True:
+                # Take jobs ahead (up to ``depth``) and start reading their spilled state.
+                while not closing and len(inflight) < depth:
+                    try:
+                        job = self._jobs.get(block=not inflight)
+                    except queue.Empty:
+                        break
+                    if job is None:
+                        closing = True
+                    else:
+                        inflight.append(self._begin(job))
+                if not inflight:
+                    return
+                job, staging, reads = inflight.popleft()
+                self._update(job, staging, reads)
                 with self._cond:
-                    self._error = e
+                    self._updated[job.block] = job.step
                     self._cond.notify_all()
-                return
+        except BaseException as e:  # surfaced to the training thread at its next wait
             with self._cond:
-                self._updated[job.block] = job.step
+                self._error = e
                 self._cond.notify_all()
 
-    def _update(self, job: AdamJob) -> None:
+    def _begin(self, job: AdamJob) -> tuple[AdamJob, int | None, list[cf.Future]]:
+        store = self.store
+        if not store.spilled:
+            return job, None, []
+        assert store.staging is not None
+        index = store.staging.acquire()  # waits while every set is still being written back
+        buffers = store.staging.buffers(index)
+        kinds = [k for k in store.spilled if k != "grads" or job.grads is None]
+        return job, index, [store.read_async(k, job.block, buffers[k]) for k in kinds]
+
+    def _update(self, job: AdamJob, staging: int | None, reads: list[cf.Future]) -> None:
         b, store, h = job.block, self.store, job.hyper
+        n = store.numels[b]
         self.log.record("adam_begin", job.step, b)
         with record_function(f"adam[{b}]"):
             job.grads_ready.synchronize()
+            for r in reads:
+                r.result()
+            staged = store.staging.buffers(staging) if staging is not None else {}  # type: ignore[union-attr]
+            buf = lambda kind, ram: staged[kind][:n] if kind in staged else ram(b)  # noqa: E731
+            grads = job.grads if job.grads is not None else staged["grads"][:n]
             if job.clip is not None:
                 coef, ready = job.clip
                 ready.synchronize()
-                job.grads.mul_(coef)
-            master, m, v = store.master_of(b), store.exp_avg_of(b), store.exp_avg_sq_of(b)
+                grads.mul_(coef)
+            master = buf("master", store.master_of)
+            m, v = buf("exp_avg", store.exp_avg_of), buf("exp_avg_sq", store.exp_avg_sq_of)
             step = store.steps[b]
             step.add_(1)
-            views = [job.layout.view_list(t) for t in (master, job.grads, m, v)]
+            views = [job.layout.view_list(t) for t in (master, grads, m, v)]
             for decay, wd in ((True, h.weight_decay), (False, 0.0)):
                 pick = [i for i, e in enumerate(job.layout.entries) if e.decay == decay]
                 if pick:
@@ -128,7 +169,28 @@ class AdamWorker:
                         lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=wd, eps=h.eps,
                         amsgrad=False, maximize=False,
                     )
-            store.refresh_shadow(b)
+            store.refresh_shadow(b, master)
+            if staging is not None:
+                self._write_behind(b, staging, staged)
         if job.on_done is not None:
             job.on_done()
         self.log.record("adam_end", job.step, b)
+
+    def _write_behind(self, b: int, staging: int, staged: dict[str, torch.Tensor]) -> None:
+        """Write the block's updated spilled state back; the staging set is free once all writes land."""
+        store = self.store
+        kinds = [k for k in ("master", "exp_avg", "exp_avg_sq") if k in staged]
+        pending = [len(kinds)]
+        lock = threading.Lock()
+
+        def written(_: cf.Future) -> None:
+            with lock:
+                pending[0] -= 1
+                last = pending[0] == 0
+            if last:
+                store.staging.release(staging)  # type: ignore[union-attr]
+
+        if not kinds:
+            store.staging.release(staging)  # type: ignore[union-attr]
+        for kind in kinds:
+            store.write_async(kind, b, staged[kind]).add_done_callback(written)

@@ -9,6 +9,7 @@ without waiting for the GPU; call ``.item()`` when you want the number.
 """
 from __future__ import annotations
 
+import os
 from typing import Mapping
 
 import torch
@@ -22,6 +23,7 @@ from .errors import ConfigError, InputError
 from .event_log import EventLog
 from .executor import Batch, Executor
 from .host_store import HostStore
+from .spill_io import make_io
 from .templates import Templates
 
 COMPUTE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -36,6 +38,8 @@ class Engine:
         compute_dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device | None = None,
         seed: int = 0,
+        *,
+        _skip_init: bool = False,  # from_pretrained / load_checkpoint overwrite every weight anyway
     ) -> None:
         if not isinstance(model_config, ModelConfig):
             raise ConfigError(
@@ -62,11 +66,19 @@ class Engine:
         self.seed = seed
         self.event_log = EventLog()
         self.templates = Templates(model_config, self.optimizer.decays)
+        spilling = self.plan.spill != "none"
         self.store = HostStore(
             self.templates.blocks, compute_dtype, full_grads=self.plan.optimizer_mode == "deferred",
             grad_slabs=self.plan.host_grad_slabs, pin=self.device.type == "cuda",
+            spill=self.plan.spill, spill_dir=self.plan.spill_dir,
+            io=make_io(self.plan.io_backend, self.plan.io_threads) if spilling else None,
+            staging=self.plan.spill_staging,
         )
-        self._initialize(seed)
+        if not _skip_init:
+            self._initialize(seed)
+        self.hf_config: dict | None = None  # the config.json this engine was loaded from, kept for export
+        self.checkpoint_extra: dict | None = None  # the caller's ``extra`` of the checkpoint this engine resumed
+        self._checkpoint_writer = None  # checkpoint_io.CheckpointWriter, created on the first save
         self.executor = Executor(self.templates, self.store, self.plan, compute_dtype, self.device,
                                  self.optimizer.max_grad_norm, self.event_log)
 
@@ -105,15 +117,16 @@ class Engine:
 
     # ------------------------------------------------------------------ weights
     def synchronize(self) -> None:
-        """Wait until every queued optimizer update has been applied to the host store."""
+        """Wait until every queued optimizer update has been applied to the host store (and spill files)."""
         self.executor.adam.wait_all(self.executor.step_no)
+        self.store.flush()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Float32 copies of the master weights under Hugging Face names (tied lm_head included, as HF does)."""
         self.synchronize()
         out: dict[str, torch.Tensor] = {}
         for block in self.templates.blocks:
-            views = block.layout.views(self.store.master_of(block.index))
+            views = block.layout.views(self.store.read_block("master", block.index))
             for e in block.layout.entries:
                 out[e.hf_name] = views[e.local_name].clone()
         if self.config.tie_word_embeddings:
@@ -137,26 +150,110 @@ class Engine:
                 raise InputError(f"{name} has shape {tuple(tensor.shape)}, this model expects {entry.shape}; check the ModelConfig")
             if not tensor.is_floating_point():
                 raise InputError(f"{name} has dtype {tensor.dtype}; weights must be floating point")
-        for name, (block, entry) in expected.items():
-            views = block.layout.views(self.store.master_of(block.index))
-            views[entry.local_name].copy_(state_dict[name])
         for block in self.templates.blocks:
-            self.store.refresh_shadow(block.index)
+            master = self.store.read_block("master", block.index).clone()
+            views = block.layout.views(master)
+            for entry in block.layout.entries:
+                views[entry.local_name].copy_(state_dict[entry.hf_name])
+            self.store.write_block("master", block.index, master)
+            self.store.refresh_shadow(block.index, master)
 
     def optimizer_state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """AdamW state per parameter under Hugging Face names: exp_avg, exp_avg_sq, step (as torch.optim keeps it)."""
         self.synchronize()
         out: dict[str, dict[str, torch.Tensor]] = {}
         for block in self.templates.blocks:
-            m = block.layout.views(self.store.exp_avg_of(block.index))
-            v = block.layout.views(self.store.exp_avg_sq_of(block.index))
+            m = block.layout.views(self.store.read_block("exp_avg", block.index))
+            v = block.layout.views(self.store.read_block("exp_avg_sq", block.index))
             for e in block.layout.entries:
                 out[e.hf_name] = {"exp_avg": m[e.local_name].clone(), "exp_avg_sq": v[e.local_name].clone(),
                                   "step": self.store.steps[block.index].clone()}
         return out
 
+    # ------------------------------------------------------------------ Hugging Face and checkpoints
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        optimizer: OptimizerConfig | None = None,
+        plan: Plan | None = None,
+        compute_dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device | None = None,
+    ) -> "Engine":
+        """A Hugging Face model directory (config.json + *.safetensors, optional index), streamed tensor by tensor
+        into the fp32 masters: peak extra RAM is one tensor (see runtime/hf_io.py)."""
+        from . import hf_io
+
+        hf_config = hf_io.read_config(path)
+        files = hf_io.find_shards(path)
+        engine = cls(ModelConfig.from_hf(hf_config), optimizer, plan, compute_dtype, device, _skip_init=True)
+        try:
+            hf_io.load_weights(engine, files)
+        except BaseException:
+            engine.close()
+            raise
+        engine.hf_config = hf_config
+        return engine
+
+    def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
+                        max_shard_bytes: int = 5 * 10**9) -> None:
+        """Write a directory transformers.AutoModelForCausalLM.from_pretrained loads: config.json and safetensors
+        shards of at most ``max_shard_bytes`` (plus the index when there are several)."""
+        from . import hf_io
+
+        hf_io.save_pretrained(self, path, dtype, max_shard_bytes)
+
+    def save_checkpoint(self, directory: str | os.PathLike, extra: Mapping[str, object] | None = None,
+                        keep: int = 3, blocking: bool = False):  # -> checkpoint_io.CheckpointHandle
+        """Save the full training state to ``directory/step-<N>`` and point ``directory/latest`` at it.
+
+        ``extra``: a JSON-serialisable dict (RNG state, data position, schedule), returned by
+        ``load_checkpoint`` as ``engine.checkpoint_extra``. Not blocking: the state is snapshotted (the only
+        stall) and written by a background thread; ``handle.wait()`` or ``wait_for_checkpoint()`` waits.
+        The newest ``keep`` checkpoints stay. See runtime/checkpoint_io.py for the commit protocol.
+        """
+        from .checkpoint_io import CheckpointWriter
+
+        if self._checkpoint_writer is None:
+            self._checkpoint_writer = CheckpointWriter()
+        return self._checkpoint_writer.save(self, directory, extra, keep, blocking)
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Wait for the checkpoint being written (raising its error, if any); its directory, or None."""
+        return None if self._checkpoint_writer is None else self._checkpoint_writer.wait()
+
+    @classmethod
+    def load_checkpoint(cls, directory: str | os.PathLike, device: str | torch.device | None = None,
+                        plan: Plan | None = None) -> "Engine":
+        """Resume: the checkpoint ``directory/latest`` names (or a ``step-<N>`` directory itself), verified against
+        its manifest's checksums. ``plan`` replaces the saved plan (e.g. on another machine)."""
+        from . import checkpoint_io
+
+        path = checkpoint_io.resolve(directory)
+        manifest = checkpoint_io.read_manifest(path)
+        args = checkpoint_io.engine_arguments(manifest)
+        if plan is not None:
+            args["plan"] = plan
+        engine = cls(**args, device=device, _skip_init=True)
+        try:
+            checkpoint_io.restore(engine, path, manifest)
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    def _restore_step_count(self, step: int) -> None:
+        """After a checkpoint load: the executor continues from optimizer step ``step``, all updates applied."""
+        executor = self.executor
+        executor.step_no = step
+        with executor.adam._cond:
+            executor.adam._updated = [step] * len(executor.adam._updated)
+
     def close(self) -> None:
         """Stop the optimizer worker and unpin host memory. The engine is unusable afterwards."""
+        writer = getattr(self, "_checkpoint_writer", None)
+        if writer is not None and writer.last is not None:
+            writer.last._join_quietly()  # a background checkpoint write finishes before the engine goes
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.close()
@@ -182,7 +279,9 @@ class Engine:
         std = self.config.initializer_range
         for block in self.templates.blocks:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + block.index)
-            views = block.layout.views(self.store.master_of(block.index))
+            master = torch.zeros(block.layout.numel) if "master" in self.store.spilled else \
+                self.store.master_of(block.index)
+            views = block.layout.views(master)
             for e in block.layout.entries:
                 t = views[e.local_name]
                 if e.local_name.endswith("norm.weight"):
@@ -193,7 +292,9 @@ class Engine:
                     t.normal_(0.0, std, generator=gen)
                     if e.local_name == "embed_tokens.weight" and self.config.pad_token_id is not None:
                         t[self.config.pad_token_id].zero_()
-            self.store.refresh_shadow(block.index)
+            if "master" in self.store.spilled:
+                self.store.write_block("master", block.index, master)
+            self.store.refresh_shadow(block.index, master)
 
     def _check_ids(self, t: object, name: str) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):

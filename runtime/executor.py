@@ -61,6 +61,7 @@ class Executor:
         self.compute_dtype, self.device = compute_dtype, device
         self.max_grad_norm = max_grad_norm
         self.eager = plan.optimizer_mode == "eager"
+        self.grads_spilled = "grads" in store.spilled
         self.log = log
         self.streams = Streams(device)
         pin = device.type == "cuda"
@@ -110,7 +111,7 @@ class Executor:
         n_fwd = len(fwd)
         self.loader.start(step, fwd + bwd, on_load=self._load_checkpoints(n_fwd),
                           can_issue=lambda j: j < n_fwd or saved_layers[0] == len(layers))
-        pending: list[tuple[Block, torch.Tensor, Event, int | None]] = []  # deferred-mode jobs
+        pending: list[tuple[Block, torch.Tensor | None, Event, int | None]] = []  # deferred-mode jobs
         j = 0
 
         # ---- forward: embedding, then each layer (saving its inputs)
@@ -212,22 +213,30 @@ class Executor:
 
     def _finish_block(
         self, step: int, block: Block, g_index: int | None, g_buf: torch.Tensor, hyper: AdamHyper
-    ) -> list[tuple[Block, torch.Tensor, Event, int | None]]:
+    ) -> list[tuple[Block, torch.Tensor | None, Event, int | None]]:
         """Record the block's gradient norms, drain its grads to the host, queue (eager) its update."""
         norms = torch._foreach_norm(block.layout.view_list(g_buf), 2.0)
         self.norms.index_copy_(0, self.norm_index[block.index], torch.stack(norms))
         slab: int | None = None
-        if self.eager:
-            assert self.store.slabs is not None
+        store = self.store
+        if self.eager or self.grads_spilled:
             slab = self._acquire_slab()
-            host = self.store.slabs.slab(slab, block.layout.numel)
+            host = store.slabs.slab(slab, block.layout.numel)  # type: ignore[union-attr]
         else:
-            host = self.store.grads_of(block.index)
+            host = store.grads_of(block.index)
         with record_function(f"d2h[{block.index}]"):
             done = self.grad_buffers.drain(g_index, g_buf, host)
         if g_index is None:
             self.tied_drained = done
         self.log.record("d2h", step, block.index)
+        if self.grads_spilled:
+            # Deferred mode with spilled grads: the slab goes to the grads file behind the drain;
+            # AdamW reads the block back from there (its read waits for this write).
+            slabs, s = store.slabs, slab
+            assert slabs is not None and s is not None
+            store.write_after("grads", block.index, slabs.slab(s, store.block_bytes[block.index] // 4), done,
+                              then=lambda: slabs.release(s))
+            return [(block, None, self.streams.event(), None)]
         if self.eager:
             self._submit(step, block, host, done, None, hyper, slab)
             return []
@@ -242,7 +251,7 @@ class Executor:
             except queue.Empty:
                 self.adam.raise_if_failed()
 
-    def _submit(self, step: int, block: Block, host: torch.Tensor, done: Event,
+    def _submit(self, step: int, block: Block, host: torch.Tensor | None, done: Event,
                 clip: tuple[torch.Tensor, Event] | None, hyper: AdamHyper, slab: int | None) -> None:
         on_done = None
         if slab is not None:

@@ -10,10 +10,12 @@ Bitwise equal, except where the order of a floating-point sum must differ.
 The sources of such differences, each of which switches this test to the
 update-relative bound of ``numerics.assert_update_close``:
 
-Where they apply, the bound leaves Adam's noise floor out of its worst-element
-rule (see ``assert_update_close``): elements whose gradient is within 10x of
-eps get updates ~ g / eps, which amplify ulp-level gradient noise past 5% of the
-mean update; they still count in the 99.9% rule.
+Where they apply, the bound leaves the gradient noise floor out of its
+worst-element rule (they still count in the 99.9% rule): elements whose
+gradient scale (Adam's sqrt(v_hat)) is within 10x of eps, where updates ~ g / eps
+amplify ulp-level noise, or below 1% of its tensor's mean, where the gradient is
+what is left of much larger terms cancelling (e.g. through a 4-wide q/k norm),
+so its relative rounding noise reaches several percent in both trainings.
 
 1. TIED_MICROBATCHES: with tied embeddings and more than one micro-batch, the
    reference adds (head part + embedding part) per micro-batch and then across
@@ -139,7 +141,10 @@ def run_case(config, plan, optimizer, batch, seq, lrs, seed, device="cpu"):
         moments = {key: ({n: state[n][key] for n in theirs}, {n: ref_state[n][key].cpu() for n in theirs})
                    for key in ("exp_avg", "exp_avg_sq")}
         b2, steps = optimizer.betas[1], len(lrs)
-        floor = {n: (moments["exp_avg_sq"][1][n] / (1 - b2 ** steps)).sqrt() <= 10 * optimizer.eps for n in theirs}
+        floor = {}
+        for n in theirs:
+            rms = (moments["exp_avg_sq"][1][n].double() / (1 - b2 ** steps)).sqrt()  # Adam's denominator
+            floor[n] = rms <= max(10 * optimizer.eps, 0.01 * rms.mean().item())
         if sources:
             assert_moments_close(moments["exp_avg"][0], moments["exp_avg_sq"][0], moments["exp_avg"][1],
                                  moments["exp_avg_sq"][1], optimizer.eps, floor)

@@ -1,0 +1,370 @@
+"""Training checkpoints: the full state in tensorstore arrays, committed atomically, written in the background.
+
+[Note: checkpoint commit protocol]
+A checkpoint of optimizer step N is the directory ``<dir>/step-<N:08d>``. It is
+written as ``step-<N>.tmp``: three zarr v3 arrays (tensorstore, sharded, raw
+``bytes`` codec) each fsynced, then ``manifest.json`` (everything else, plus the
+CRC32 of each array and the size of every file), fsynced, then the directory
+is renamed to ``step-<N>`` and the parent fsynced; then ``<dir>/latest`` (one
+line, the step directory's name) is replaced atomically (write ``latest.tmp``,
+fsync, ``os.replace``, fsync the parent). Finally all but the newest ``keep``
+complete step directories are renamed to ``*.tmp`` and removed. A reader
+ignores every ``*.tmp`` and every directory without a manifest, so a crash at
+any moment leaves the previous checkpoint loadable and the new one either
+complete or ignored. One writer per directory at a time.
+
+[Note: asynchronous checkpoints]
+``save_checkpoint(blocking=False)`` waits for queued AdamW updates, copies the
+master, exp_avg and exp_avg_sq arenas into a snapshot (memcpy speed; this copy
+is the whole stall training sees) and returns; a background thread writes the
+snapshot and commits. Cost: while a write is in flight the snapshot holds
+12 bytes per parameter of extra host RAM (freed when the write ends), and at
+most one write is in flight (a second save waits for the first: that is the
+bound). ``blocking=True`` writes straight from the live arenas: no extra RAM,
+training waits for the whole write.
+
+Only JSON and tensorstore are read back: no pickle.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+import warnings
+import zlib
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+from megatrain.planner.plan import Plan
+
+from .config import ModelConfig, OptimizerConfig
+from .errors import ConfigError, InputError
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+FORMAT = "megatrain-checkpoint"
+VERSION = 1
+ARRAYS = ("master", "exp_avg", "exp_avg_sq")
+MANIFEST = "manifest.json"
+LATEST = "latest"
+CRC_CHUNK_BYTES = 64 * 2**20  # one CRC32 per 64 MiB of an array: names the corrupt range, cheap to verify
+_STEP_DIR = re.compile(r"step-(\d+)")
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+# ---------------------------------------------------------------------- writing
+class CheckpointHandle:
+    """One save in progress or done. ``wait()`` returns the committed directory or raises the writer's error."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path  # the directory the checkpoint has once committed
+        self.stall_s = 0.0  # how long save_checkpoint held the caller
+        self.write_s = 0.0  # how long the write and commit took (background or not)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._reported = False
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> str:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+        return self.path
+
+    def _join_quietly(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None and not self._reported:
+            warnings.warn(f"a checkpoint write to {self.path} failed and was never waited for: {self._error!r}")
+
+
+class CheckpointWriter:
+    """At most one checkpoint in flight per engine (the snapshot bound: 12 B/param of host RAM)."""
+
+    def __init__(self) -> None:
+        self.last: CheckpointHandle | None = None
+
+    def wait(self) -> str | None:
+        return None if self.last is None else self.last.wait()
+
+    def save(self, engine: "Engine", directory: str | os.PathLike, extra: Mapping[str, Any] | None,
+             keep: int, blocking: bool) -> CheckpointHandle:
+        start = time.perf_counter()
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise ConfigError(f"keep={keep!r} must be an integer >= 1 (complete checkpoints to keep)")
+        extra = _check_extra(extra)
+        self.wait()  # the previous write first: one snapshot at a time
+        directory = os.fspath(directory)
+        os.makedirs(directory, exist_ok=True)
+        engine.synchronize()
+        step = engine.step_count
+        manifest = _engine_manifest(engine, step, extra)
+        store = engine.store
+        live = {"master": store.master.tensor, "exp_avg": store.exp_avg.tensor, "exp_avg_sq": store.exp_avg_sq.tensor}
+        handle = CheckpointHandle(os.path.join(directory, f"step-{step:08d}"))
+        self.last = handle
+        if blocking:
+            _commit(handle, directory, step, live, manifest, keep)
+            handle.stall_s = time.perf_counter() - start
+            handle.wait()
+            return handle
+        snapshot = {name: t.clone() for name, t in live.items()}  # the stall: memcpy of master, m and v
+        handle._thread = threading.Thread(target=_commit, args=(handle, directory, step, snapshot, manifest, keep),
+                                          name="megatrain-checkpoint", daemon=False)
+        handle._thread.start()
+        handle.stall_s = time.perf_counter() - start
+        return handle
+
+
+def _check_extra(extra: Mapping[str, Any] | None) -> Any:
+    if extra is None:
+        return {}
+    try:
+        return json.loads(json.dumps(extra, allow_nan=False))  # a deep copy the caller cannot mutate any more
+    except (TypeError, ValueError) as e:
+        raise InputError(f"extra is not JSON-serialisable ({e}); pass plain dicts, lists, str, int, finite float") from None
+
+
+def _engine_manifest(engine: "Engine", step: int, extra: Any) -> dict[str, Any]:
+    store = engine.store
+    opt = engine.optimizer
+    return {
+        "format": FORMAT, "version": VERSION, "step": step,
+        "engine": {
+            "model_config": engine.config.to_dict(),
+            "optimizer": {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay,
+                          "max_grad_norm": opt.max_grad_norm, "no_decay": list(opt.no_decay)},
+            "plan": engine.plan.to_dict(),
+            "compute_dtype": _DTYPE_NAMES[engine.compute_dtype],
+            "seed": engine.seed,
+            "step_count": step,
+            "block_steps": [float(s) for s in store.steps],  # AdamW step per block (float32, exact in JSON)
+            "hf_config": engine.hf_config,
+        },
+        "extra": extra,
+        "blocks": [{"offset": store.offsets[b.index], "numel": b.layout.numel} for b in engine.templates.blocks],
+        "tensors": _tensor_table(engine),
+    }
+
+
+def _tensor_table(engine: "Engine") -> dict[str, dict[str, Any]]:
+    """Where each Hugging Face-named parameter lives in the flat arrays (element offset, shape)."""
+    return {e.hf_name: {"offset": engine.store.offsets[b.index] + e.offset, "shape": list(e.shape)}
+            for b in engine.templates.blocks for e in b.layout.entries}
+
+
+def _spec(path: str, numel: int | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path},
+                            "context": {"file_io_sync": False}}  # we fsync every file ourselves, once
+    if numel is not None:
+        inner = min(numel, 2**20)  # 4 MiB chunks inside shards of up to 256 MiB
+        outer = min(-(-numel // inner) * inner, 2**26)
+        spec.update(create=True, delete_existing=True, metadata={
+            "shape": [numel], "data_type": "float32",
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [outer]}},
+            "codecs": [{"name": "sharding_indexed", "configuration": {
+                "chunk_shape": [inner],
+                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+                "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]}}]})
+    return spec
+
+
+def _crc32s(t: torch.Tensor) -> list[int]:
+    raw = memoryview(t.view(torch.uint8).numpy())
+    return [zlib.crc32(raw[i:i + CRC_CHUNK_BYTES]) for i in range(0, len(raw), CRC_CHUNK_BYTES)]
+
+
+def _commit(handle: CheckpointHandle, directory: str, step: int, arrays: dict[str, torch.Tensor],
+            manifest: dict[str, Any], keep: int) -> None:
+    """Write, fsync, manifest, rename, latest, prune (see [Note: checkpoint commit protocol])."""
+    import tensorstore as ts
+
+    start = time.perf_counter()
+    try:
+        final = handle.path
+        tmp = final + ".tmp"
+        for name in os.listdir(directory):  # leftovers of crashed writes (one writer per directory)
+            if name.endswith(".tmp") and os.path.isdir(os.path.join(directory, name)):
+                shutil.rmtree(os.path.join(directory, name))
+        os.makedirs(tmp)
+        pending = [ts.open(_spec(os.path.join(tmp, name), t.numel())).result().write(t.numpy())
+                   for name, t in arrays.items()]
+        manifest["arrays"] = {name: {"path": name, "dtype": "float32", "shape": [t.numel()],
+                                     "crc32_chunk_bytes": CRC_CHUNK_BYTES, "crc32": _crc32s(t)}
+                              for name, t in arrays.items()}  # computed while tensorstore writes
+        for p in pending:
+            p.result()
+        files = {}
+        for root, dirs, names in os.walk(tmp):
+            for n in names:
+                full = os.path.join(root, n)
+                _fsync_file(full)
+                files[os.path.relpath(full, tmp).replace(os.sep, "/")] = os.path.getsize(full)
+            for d in dirs:
+                _fsync_dir(os.path.join(root, d))
+        manifest["files"] = dict(sorted(files.items()))
+        _write_durably(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1, allow_nan=False) + "\n")
+        _fsync_dir(tmp)
+        replaced = None
+        if os.path.exists(final):  # re-saving a step (e.g. after resuming): swap, keep no half state
+            replaced = final + ".replaced.tmp"
+            os.rename(final, replaced)
+        os.rename(tmp, final)
+        _fsync_dir(directory)
+        _write_durably(os.path.join(directory, LATEST + ".tmp"), os.path.basename(final) + "\n")
+        os.replace(os.path.join(directory, LATEST + ".tmp"), os.path.join(directory, LATEST))
+        _fsync_dir(directory)
+        if replaced is not None:
+            shutil.rmtree(replaced)
+        _prune(directory, os.path.basename(final), keep)
+    except BaseException as e:
+        handle._error = e
+    finally:
+        handle.write_s = time.perf_counter() - start
+
+
+def _prune(directory: str, newest: str, keep: int) -> None:
+    complete = [(step, name) for step, name in _complete(directory) if name != newest]
+    for _, name in complete[:max(0, len(complete) - (keep - 1))]:
+        doomed = os.path.join(directory, name + ".deleting.tmp")
+        os.rename(os.path.join(directory, name), doomed)  # invisible to readers before any file goes
+        shutil.rmtree(doomed)
+
+
+def _complete(directory: str) -> list[tuple[int, str]]:
+    """(step, name) of the complete step directories, oldest first."""
+    return sorted((int(m.group(1)), name) for name in os.listdir(directory)
+                  if (m := _STEP_DIR.fullmatch(name)) and os.path.isfile(os.path.join(directory, name, MANIFEST)))
+
+
+def _write_durably(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    _fsync_file(path)
+
+
+# ---------------------------------------------------------------------- reading
+def resolve(directory: str | os.PathLike) -> str:
+    """The complete step directory to load: ``directory`` itself, the one ``latest`` names, or the newest complete."""
+    directory = os.fspath(directory)
+    if os.path.isfile(os.path.join(directory, MANIFEST)):
+        if directory.rstrip("/").endswith(".tmp"):
+            raise InputError(f"{directory} is an unfinished checkpoint (*.tmp); load its parent directory instead")
+        return directory
+    if not os.path.isdir(directory):
+        raise InputError(f"no checkpoint directory at {directory}; pass the directory save_checkpoint wrote")
+    latest = os.path.join(directory, LATEST)
+    if os.path.isfile(latest):
+        with open(latest, encoding="utf-8") as f:
+            name = f.read().strip()
+        if _STEP_DIR.fullmatch(name) and os.path.isfile(os.path.join(directory, name, MANIFEST)):
+            return os.path.join(directory, name)
+    complete = _complete(directory)
+    if not complete:
+        raise InputError(f"no complete checkpoint in {directory} (a step-<N> directory with {MANIFEST}); "
+                         "pass the directory save_checkpoint wrote")
+    return os.path.join(directory, complete[-1][1])
+
+
+def read_manifest(path: str) -> dict[str, Any]:
+    """The manifest of a complete step directory, with every file checked present at its recorded size."""
+    mpath = os.path.join(path, MANIFEST)
+    try:
+        with open(mpath, encoding="utf-8") as f:
+            manifest = json.load(f)
+        if manifest.get("format") != FORMAT:
+            raise InputError(f"{mpath} is not a megatrain checkpoint manifest; pass a directory save_checkpoint wrote")
+        if manifest.get("version") != VERSION:
+            raise InputError(f"{mpath} has checkpoint version {manifest.get('version')}; this megatrain reads "
+                             f"version {VERSION}: load it with the megatrain that wrote it")
+        files = dict(manifest["files"])
+        for name in ARRAYS:
+            manifest["arrays"][name]["crc32"]
+        manifest["engine"]["model_config"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+        raise InputError(f"{mpath} is corrupt or truncated; load the previous step directory instead") from None
+    for rel, size in files.items():
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            raise InputError(f"{full} is missing from the checkpoint; load the previous step directory instead")
+        actual = os.path.getsize(full)
+        if actual != size:
+            raise InputError(f"{full} has {actual} bytes, the manifest says {size}: the checkpoint is truncated or "
+                             "corrupt; load the previous step directory instead")
+    return manifest
+
+
+def engine_arguments(manifest: dict[str, Any]) -> dict[str, Any]:
+    """Engine(...) keyword arguments recorded in a manifest."""
+    e = manifest["engine"]
+    try:
+        opt = dict(e["optimizer"])
+        opt["betas"], opt["no_decay"] = tuple(opt["betas"]), tuple(opt["no_decay"])
+        return {"model_config": ModelConfig(**e["model_config"]), "optimizer": OptimizerConfig(**opt),
+                "plan": Plan.from_dict(e["plan"]), "seed": e["seed"],
+                "compute_dtype": {v: k for k, v in _DTYPE_NAMES.items()}[e["compute_dtype"]]}
+    except (KeyError, TypeError) as err:
+        raise InputError(f"the checkpoint manifest's engine section is invalid ({err}); "
+                         "load it with the megatrain that wrote it") from None
+
+
+def restore(engine: "Engine", path: str, manifest: dict[str, Any]) -> None:
+    """Read the arrays of a step directory into the engine's store, verify their CRC32s, restore the steps."""
+    import tensorstore as ts
+
+    if manifest["tensors"] != _tensor_table(engine):
+        raise InputError(f"{path}: the checkpoint's parameter layout differs from this megatrain's; "
+                         "load it with the megatrain version that wrote it")
+    engine.synchronize()
+    store = engine.store
+    live = {"master": store.master.tensor, "exp_avg": store.exp_avg.tensor, "exp_avg_sq": store.exp_avg_sq.tensor}
+    for name, dst in live.items():
+        meta = manifest["arrays"][name]
+        full = os.path.join(path, meta["path"])
+        try:
+            src = ts.open(_spec(full), open=True, read=True).result()
+            if tuple(src.shape) != (dst.numel(),):
+                raise InputError(f"{full} has shape {tuple(src.shape)}, this model needs ({dst.numel()},); "
+                                 "the checkpoint does not match its manifest")
+            ts.array(dst.numpy(), copy=False, write=True).write(src).result()
+        except InputError:
+            raise
+        except Exception as err:  # tensorstore reports I/O and format errors as ValueError and others
+            raise InputError(f"cannot read {full} ({str(err).splitlines()[0][:200]}); the checkpoint is corrupt: "
+                             "load the previous step directory instead") from None
+        got = _crc32s(dst)
+        if got != meta["crc32"]:
+            bad = next(i for i, (a, b) in enumerate(zip(got, meta["crc32"])) if a != b) if len(got) == len(
+                meta["crc32"]) else 0
+            lo = bad * CRC_CHUNK_BYTES
+            raise InputError(f"{full}: checksum mismatch in bytes [{lo}, {lo + CRC_CHUNK_BYTES}); the checkpoint is "
+                             "corrupt: load the previous step directory instead")
+    block_steps = manifest["engine"]["block_steps"]
+    for b, value in enumerate(block_steps):
+        store.steps[b].fill_(value)
+        store.refresh_shadow(b)
+    engine._restore_step_count(int(manifest["engine"]["step_count"]))
+    engine.checkpoint_extra = manifest["extra"]
+    engine.hf_config = manifest["engine"]["hf_config"]

@@ -1,0 +1,151 @@
+"""Training data: where documents come from, as arrays of token ids.
+
+A ``Corpus`` yields documents in a fixed order (the same every epoch, so a run resumes by
+counting sequences). Sources, by file extension:
+
+    .txt .md .text .rst (or any other file named explicitly)   one document per file
+    .jsonl                                                     one document per line (``text_field``)
+    .parquet                                                   one document per row (needs pyarrow)
+    .npy                                                       pre-tokenized: 1-D = one document, 2-D = one per row
+    .bin                                                       pre-tokenized raw ids (``token_dtype``), one document
+
+Text is tokenized as it is read (nothing is held in memory but the current document);
+.npy and .bin files are memory-mapped.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import numpy as np
+
+from .tokenizer import Tokenizer
+from .train_config import TrainConfigError
+
+TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
+DATA_SUFFIXES = TEXT_SUFFIXES + (".jsonl", ".parquet", ".npy", ".bin")
+
+
+def demo_documents() -> list[str]:
+    """The standard library's pydoc topics: ~0.5 MB of English and Python, in every installation."""
+    from pydoc_data import topics
+
+    return [topics.topics[k] for k in sorted(topics.topics)]
+
+
+class Corpus:
+    """The documents of ``paths`` (files or directories), tokenized by ``tokenizer``.
+
+    ``paths`` empty: the demo corpus (pydoc topics).
+    """
+
+    def __init__(self, paths: tuple[str, ...], tokenizer: Tokenizer, text_field: str = "text",
+                 token_dtype: str = "uint16") -> None:
+        self.tokenizer = tokenizer
+        self.text_field = text_field
+        self.token_dtype = np.dtype(token_dtype)
+        self.files = expand(paths)
+        if paths and not self.files:
+            raise TrainConfigError(f"data: no {', '.join(DATA_SUFFIXES)} files in {', '.join(paths)}")
+        for f in self.files:
+            if f.endswith(".parquet"):
+                _require_pyarrow(f)
+
+    def describe(self) -> str:
+        if not self.files:
+            return "Python's pydoc topics (demo corpus)"
+        return self.files[0] if len(self.files) == 1 else f"{len(self.files)} files ({self.files[0]}, ...)"
+
+    def documents(self) -> Iterator[np.ndarray]:
+        """One pass over the corpus: each document as a 1-D integer array."""
+        if not self.files:
+            for text in demo_documents():
+                yield self._encode(text)
+            return
+        for path in self.files:
+            yield from self._read(path)
+
+    def _encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tokenizer.encode(text), dtype=np.int64)
+
+    def _read(self, path: str) -> Iterator[np.ndarray]:
+        if path.endswith(".jsonl"):
+            yield from self._jsonl(path)
+        elif path.endswith(".parquet"):
+            yield from self._parquet(path)
+        elif path.endswith(".npy"):
+            yield from _npy(path)
+        elif path.endswith(".bin"):
+            if os.path.getsize(path) % self.token_dtype.itemsize:
+                raise TrainConfigError(f"data: {path} is {os.path.getsize(path)} bytes, not a whole number of "
+                                       f"{self.token_dtype} tokens; set --token-dtype to the file's type")
+            if os.path.getsize(path):
+                yield np.memmap(path, dtype=self.token_dtype, mode="r")
+        else:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                yield self._encode(f.read())
+
+    def _jsonl(self, path: str) -> Iterator[np.ndarray]:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise TrainConfigError(f"data: {path} line {lineno} is not JSON ({e.msg}); one JSON object "
+                                           f"per line") from None
+                text = record.get(self.text_field) if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    raise TrainConfigError(f"data: {path} line {lineno} has no string field {self.text_field!r}; "
+                                           f"set --text-field to the field that holds the text")
+                yield self._encode(text)
+
+    def _parquet(self, path: str) -> Iterator[np.ndarray]:
+        import pyarrow.parquet as pq
+
+        table = pq.ParquetFile(path)
+        if self.text_field not in table.schema_arrow.names:
+            raise TrainConfigError(f"data: {path} has no column {self.text_field!r} (has "
+                                   f"{', '.join(table.schema_arrow.names)}); set --text-field")
+        for record_batch in table.iter_batches(columns=[self.text_field]):
+            for text in record_batch.column(0).to_pylist():
+                if text:
+                    yield self._encode(text)
+
+
+def _npy(path: str) -> Iterator[np.ndarray]:
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as e:
+        raise TrainConfigError(f"data: {path} is not a plain .npy array ({e}); save token ids with np.save") from None
+    if array.dtype.kind not in "iu" or array.ndim not in (1, 2):
+        raise TrainConfigError(f"data: {path} holds {array.dtype} of shape {array.shape}; expected integer token "
+                               f"ids, 1-D (one document) or 2-D (one document per row)")
+    if array.ndim == 1:
+        if len(array):
+            yield array
+    else:
+        yield from array
+
+
+def expand(paths: tuple[str, ...]) -> list[str]:
+    """Files named explicitly, plus the data files under each directory (sorted, recursively)."""
+    files: list[str] = []
+    for p in paths:
+        if os.path.isdir(p):
+            for root, dirs, names in os.walk(p):
+                dirs.sort()
+                files += [os.path.join(root, n) for n in sorted(names) if n.endswith(DATA_SUFFIXES)]
+        else:
+            files.append(p)
+    return files
+
+
+def _require_pyarrow(path: str) -> None:
+    try:
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise TrainConfigError(f"data: {path} is parquet, which needs pyarrow; pip install pyarrow, or convert it "
+                               f"to .jsonl") from None

@@ -1,0 +1,120 @@
+"""What a run measured: one JSON line per step in ``metrics.jsonl``, and the end-of-run summary.
+
+Model FLOPs follow design.md section 7: 6 x N x (non-padded tokens) per step, recompute not
+counted, attention FLOPs not included; MFU divides by the matmul peak of the compute dtype when
+one is known (a GPU preset, or a profile measured by ``megatrain-plan profile``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from typing import Any, Mapping
+
+import torch
+
+from .progress import format_bytes
+
+
+def host_peak_bytes() -> int:
+    """Peak resident memory of this process (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def gpu_peak_bytes(device: torch.device) -> int:
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
+
+
+def matmul_peak_tflops(device: torch.device, compute_dtype: str) -> tuple[float | None, str]:
+    """The matmul peak MFU is measured against, and where it comes from; (None, why) when unknown.
+
+    On a CPU the planner only guesses the peak, so MFU is reported only from a measured profile.
+    """
+    try:
+        from megatrain.planner.profiler import this_machine
+
+        hw = this_machine()
+        measured = hw.source.startswith("measured")
+        if (device.type == "cuda" and not hw.device_is_host) or (device.type == "cpu" and hw.device_is_host
+                                                                 and measured):
+            return hw.tflops(compute_dtype), hw.source
+    except Exception as e:  # a broken saved profile must not stop training; say why MFU is missing
+        return None, f"no peak: {e}"
+    return None, "no measured peak for this CPU (run megatrain-plan profile)"
+
+
+class MetricsLog:
+    """Appends one JSON object per step to ``path`` (line-buffered, so a killed run keeps its lines)."""
+
+    def __init__(self, path: str, append: bool) -> None:
+        self.path = path
+        self._file = open(path, "a" if append else "w", encoding="utf-8", buffering=1)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summarize(records: list[dict[str, Any]], num_parameters: int, peak_tflops: float | None,
+              device: torch.device, extra: Mapping[str, Any]) -> dict[str, Any]:
+    """Whole-run figures. Throughput excludes the first step of the run (start-up, first loads)."""
+    steady = records[1:] if len(records) > 1 else records
+    seconds = sum(r["step_time_s"] for r in steady)
+    tokens = sum(r["step_tokens"] for r in steady)
+    tps = tokens / seconds if seconds > 0 else 0.0
+    tflops = 6 * num_parameters * tps / 1e12
+    out: dict[str, Any] = {
+        "steps": records[-1]["step"] if records else 0,
+        "first_step": records[0]["step"] if records else 0,
+        "first_loss": records[0]["loss"] if records else None,
+        "last_loss": records[-1]["loss"] if records else None,
+        "tokens_trained": records[-1]["tokens"] if records else 0,
+        "tokens_per_second": tps,
+        "model_tflops": tflops,
+        "mfu": tflops / peak_tflops if peak_tflops else None,
+        "peak_tflops": peak_tflops,
+        "num_parameters": num_parameters,
+        "device": str(device),
+        "gpu_peak_bytes": gpu_peak_bytes(device),
+        "host_peak_bytes": host_peak_bytes(),
+    }
+    out.update(extra)
+    return out
+
+
+def format_summary(s: Mapping[str, Any]) -> str:
+    lines = [
+        f"trained steps {s['first_step']}-{s['steps']} ({s['tokens_trained']:,} tokens in all): loss "
+        f"{s['first_loss']:.4f} -> {s['last_loss']:.4f}" if s["first_loss"] is not None else "trained no steps",
+        f"throughput   {s['tokens_per_second']:,.0f} tokens/s, {s['model_tflops']:.4g} model TFLOP/s "
+        f"(6 x {s['num_parameters']:,} params x tokens/s)",
+        f"MFU          " + (f"{100 * s['mfu']:.1f}% of {s['peak_tflops']:g} TFLOP/s" if s["mfu"] is not None
+                            else f"n/a ({s['peak_source']})"),
+        f"memory       peak GPU {format_bytes(s['gpu_peak_bytes'])}" if s["gpu_peak_bytes"] else
+        f"memory       no GPU ({s['device']})",
+        f"             peak host RSS {format_bytes(s['host_peak_bytes'])}",
+        f"outputs      {s['out']}",
+        f"  metrics    {s['metrics']}",
+        f"  checkpoint {s['checkpoint']}",
+        f"  plot       {s['plot']}",
+    ]
+    if s.get("trace"):
+        lines.append(f"  trace      {s['trace']}")
+    return "\n".join(lines)
+
+
+def write_summary(path: str, summary: Mapping[str, Any]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)

@@ -1,0 +1,66 @@
+"""``--model``: the built-in demo, a planner preset, a Hugging Face directory, or a config.json.
+
+Returns the ModelConfig to train and, for a directory with safetensors weights, the path to load
+them from (``Engine.from_pretrained``); everything else starts from random weights.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+
+from megatrain.planner import model_shapes
+from megatrain.runtime import ModelConfig
+
+from .train_config import DEMO_MODEL, TrainConfigError
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    config: ModelConfig
+    # A Hugging Face directory whose weights to load; None: random init.
+    pretrained: str | None
+    description: str
+
+
+def demo_config(vocab_size: int, seq_len: int) -> ModelConfig:
+    """The demo model: Llama-shaped, 4 layers of width 256, ~3.3M parameters with a 257-id byte vocabulary."""
+    return ModelConfig(vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(seq_len, 256))
+
+
+def resolve(model: str, vocab_size: int, seq_len: int) -> ModelSource:
+    """``vocab_size``: the tokenizer's (the demo model is sized to it; other models must cover it)."""
+    if model == DEMO_MODEL:
+        return ModelSource(demo_config(vocab_size, seq_len), None, "demo model (random init)")
+    if os.path.isdir(model):
+        if not os.path.exists(os.path.join(model, "config.json")):
+            raise TrainConfigError(f"model: {model} has no config.json; pass a Hugging Face model directory")
+        config = ModelConfig.from_hf(model)
+        weights = glob.glob(os.path.join(model, "*.safetensors"))
+        source = ModelSource(config, model if weights else None,
+                             f"{model} ({'pretrained weights' if weights else 'config only: random init'})")
+    elif os.path.isfile(model):
+        source = ModelSource(ModelConfig.from_hf(model), None, f"{model} (random init)")
+    else:
+        try:
+            shape = model_shapes.resolve(model)
+        except model_shapes.ModelShapeError as e:
+            raise TrainConfigError(f"model: {e}; or 'demo', a Hugging Face directory or a config.json") from None
+        source = ModelSource(_from_shape(shape), None, f"preset {shape.name} (random init)")
+    if vocab_size > source.config.vocab_size:
+        raise TrainConfigError(f"tokenizer has {vocab_size} ids but the model's vocab_size is "
+                               f"{source.config.vocab_size}; pass the model's own tokenizer.json with --tokenizer")
+    return source
+
+
+def _from_shape(shape: model_shapes.ModelShape) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+        tie_word_embeddings=shape.tie_word_embeddings, attention_bias=shape.attention_bias,
+        o_proj_bias=shape.o_proj_bias, mlp_bias=shape.mlp_bias, qk_norm=shape.qk_norm,
+        rope_theta=shape.rope_theta, rope_scaling=dict(shape.rope_scaling) if shape.rope_scaling else None,
+        max_position_embeddings=shape.max_position_embeddings, model_type=shape.model_type,
+    )

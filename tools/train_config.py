@@ -1,0 +1,307 @@
+"""The training command's configuration: one frozen dataclass, read from a TOML file and the command line.
+
+Precedence: built-in defaults < ``--config file.toml`` < command-line options. The TOML file uses
+the same names as the options, with underscores (``seq_len = 512`` for ``--seq-len 512``);
+an unknown key is an error, as is a value of the wrong type. Every error is one line that names
+the key, the value and the fix (``TrainConfigError``); the command prints it and exits with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from megatrain.runtime.errors import MegatrainError
+
+# The built-in demo model's name for --model (a few million parameters, Llama-shaped, random init).
+DEMO_MODEL = "demo"
+COMPUTE_DTYPES = ("auto", "bf16", "fp32")
+DEVICES = ("auto", "cpu", "cuda")
+PROGRESS_STYLES = ("auto", "tqdm", "rich", "plain", "none")
+TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
+
+
+class TrainConfigError(MegatrainError):
+    """A training option or config-file key is invalid. One line: the key, the value, the fix."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one ``megatrain-train`` run needs. Field names are the TOML keys."""
+
+    # What to train: "demo", a planner preset (random init, e.g. "Llama-3.2-1B"), a Hugging Face
+    # model directory (weights loaded when it has *.safetensors), or a config.json (random init).
+    model: str = DEMO_MODEL
+    # Training text or tokens: files or directories (.txt/.md, .jsonl, .parquet, .npy, .bin).
+    # Empty: the Python standard library's pydoc topics (the demo corpus).
+    data: tuple[str, ...] = ()
+    # A tokenizer.json (needs the `tokenizers` package), or "byte" (256 byte values + a separator).
+    tokenizer: str = "byte"
+    text_field: str = "text"
+    # Element type of raw .bin token files.
+    token_dtype: str = "uint16"
+    # Token placed between documents; -1: the tokenizer's end-of-text token.
+    separator_id: int = -1
+    seq_len: int = 256
+    batch: int = 8
+    lr: float = 2e-3
+    # Cosine decay ends at min_lr; -1 means lr / 10.
+    min_lr: float = -1.0
+    # Linear warmup steps; -1 means 10% of the steps (at most 1000).
+    warmup_steps: int = -1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    # Global-norm gradient clipping; 0 turns clipping off (and allows the eager optimizer).
+    max_grad_norm: float = 1.0
+    steps: int = 150
+    # When > 0, train this many tokens instead: steps = ceil(tokens / (batch x seq_len)).
+    tokens: int = 0
+    # Checkpoint every N steps (0: only at the end and on Ctrl-C).
+    save_every: int = 0
+    keep: int = 3
+    # A checkpoint directory (or a previous --out) to continue from.
+    resume: str = ""
+    # A plan.json from megatrain-plan; empty: the planner chooses one for this machine.
+    plan: str = ""
+    spill_dir: str = ""
+    compute_dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    out: str = "megatrain-run"
+    # Record a torch.profiler Chrome trace of a few steps into OUT/trace.json.
+    trace: bool = False
+    progress: str = "auto"
+    # Non-interactive progress: one line every N steps.
+    log_every: int = 10
+    plot: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data", tuple(self.data))
+        for name in ("seq_len", "batch", "keep", "log_every"):
+            _require(self, name, getattr(self, name) >= 1, "must be >= 1")
+        _require(self, "seq_len", self.seq_len >= 2, "must be >= 2 (a token and the one it predicts)")
+        for name in ("steps", "tokens", "save_every", "seed"):
+            _require(self, name, getattr(self, name) >= 0, "must be >= 0")
+        _require(self, "steps", self.steps >= 1 or self.tokens > 0, "must be >= 1 (or set --tokens)")
+        _require(self, "lr", self.lr > 0 and math.isfinite(self.lr), "must be a positive number, e.g. 3e-4")
+        _require(self, "min_lr", self.min_lr == -1.0 or 0 <= self.min_lr <= self.lr,
+                 f"must be in [0, lr={self.lr}] (or -1 for lr / 10)")
+        _require(self, "warmup_steps", self.warmup_steps >= -1, "must be >= 0 (or -1 for 10% of the steps)")
+        _require(self, "weight_decay", self.weight_decay >= 0, "must be >= 0")
+        for name in ("beta1", "beta2"):
+            _require(self, name, 0 <= getattr(self, name) < 1, "must be in [0, 1), e.g. 0.9 / 0.95")
+        _require(self, "max_grad_norm", self.max_grad_norm >= 0, "must be >= 0 (0 turns clipping off)")
+        _one_of("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
+        _one_of("device", self.device, DEVICES)
+        _one_of("progress", self.progress, PROGRESS_STYLES)
+        _one_of("token_dtype", self.token_dtype, TOKEN_DTYPES)
+        _require(self, "separator_id", self.separator_id >= -1, "must be a token id >= 0 (or -1 for the tokenizer's)")
+        _require(self, "out", bool(self.out), "must name an output directory")
+        for path in self.data:
+            if not os.path.exists(path):
+                raise TrainConfigError(f"data: {path} does not exist; pass text, .jsonl, .parquet, .npy or .bin "
+                                       f"files or a directory of them")
+        if self.tokenizer != "byte" and not os.path.exists(self.tokenizer):
+            raise TrainConfigError(f"tokenizer: {self.tokenizer} does not exist; pass a tokenizer.json or 'byte'")
+        if self.plan and not os.path.exists(self.plan):
+            raise TrainConfigError(f"plan: {self.plan} does not exist; write one with megatrain-plan plan --out "
+                                   f"plan.json, or leave --plan out to let the planner choose")
+        if self.resume and not os.path.exists(self.resume):
+            raise TrainConfigError(f"resume: {self.resume} does not exist; pass a checkpoint directory or the "
+                                   f"--out of an earlier run")
+
+    @property
+    def total_steps(self) -> int:
+        if self.tokens > 0:
+            return -(-self.tokens // (self.batch * self.seq_len))
+        return self.steps
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["data"] = list(self.data)
+        return d
+
+
+FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
+# One-line help per key (shown by --help); the TOML key is the option name with underscores.
+HELP: dict[str, str] = {
+    "model": "'demo' (default), a preset (e.g. Llama-3.2-1B; random init), a Hugging Face model "
+             "directory, or a config.json (random init)",
+    "data": "training files or directories: .txt/.md, .jsonl, .parquet, .npy, .bin (default: Python's "
+            "pydoc topics)",
+    "tokenizer": "a tokenizer.json (needs `tokenizers`) or 'byte' (default)",
+    "text_field": "the text field of .jsonl and .parquet records (text)",
+    "token_dtype": f"element type of .bin token files ({', '.join(TOKEN_DTYPES)}; default uint16)",
+    "separator_id": "token between documents (-1: the tokenizer's end-of-text token)",
+    "seq_len": "tokens per sequence (256)",
+    "batch": "sequences per optimizer step (8)",
+    "lr": "peak learning rate (2e-3)",
+    "min_lr": "learning rate at the end of the cosine decay (-1: lr / 10)",
+    "warmup_steps": "linear warmup steps (-1: 10%% of the steps, at most 1000)",
+    "weight_decay": "AdamW weight decay, not applied to norms and biases (0.1)",
+    "beta1": "AdamW beta1 (0.9)",
+    "beta2": "AdamW beta2 (0.95)",
+    "max_grad_norm": "global gradient-norm clipping, 0 = off (1.0)",
+    "steps": "optimizer steps (150)",
+    "tokens": "train this many tokens instead of --steps",
+    "save_every": "checkpoint every N steps (0: at the end and on Ctrl-C only)",
+    "keep": "checkpoints to keep (3)",
+    "resume": "continue from a checkpoint directory or an earlier --out",
+    "plan": "a plan.json from megatrain-plan (default: the planner chooses)",
+    "spill_dir": "put the plan's spill files here (a plan that spills nothing then spills the AdamW state)",
+    "compute_dtype": "auto (bf16 on a GPU, fp32 on a CPU), bf16 or fp32",
+    "device": "auto, cpu or cuda",
+    "seed": "random seed of the initial weights (0)",
+    "out": "output directory: metrics.jsonl, summary.json, checkpoints, plot (megatrain-run)",
+    "trace": "write a torch.profiler Chrome trace of a few steps to OUT/trace.json",
+    "progress": "progress display: auto, tqdm, rich, plain or none",
+    "log_every": "with plain progress, one line every N steps (10)",
+    "plot": "write OUT/training.png when matplotlib is installed (default on; --no-plot)",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (not the usage block) and exits with status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise TrainConfigError(f"{message} (see megatrain-train --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="megatrain-train",
+        description="Train a language model with fp32 master weights and AdamW state in host memory. "
+                    "With no arguments: a demo on text that ships with Python.",
+        argument_default=argparse.SUPPRESS,
+        epilog="Every option can also be set in a TOML file (--config run.toml) under the same name with "
+               "underscores; the command line overrides the file.",
+    )
+    parser.add_argument("--config", metavar="TOML", help="a TOML file of options (keys as below, with underscores)")
+    for name, f in FIELDS.items():
+        flag = "--" + name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=HELP[name])
+        elif name == "data":
+            parser.add_argument(flag, nargs="+", metavar="PATH", help=HELP[name])
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            choices = {"compute_dtype": COMPUTE_DTYPES, "device": DEVICES, "progress": PROGRESS_STYLES,
+                       "token_dtype": TOKEN_DTYPES}.get(name)
+            parser.add_argument(flag, type=kind, choices=choices, metavar=name.upper(), help=HELP[name])
+    return parser
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ImportError:
+            raise TrainConfigError("--config needs Python 3.11+ (tomllib) or `pip install tomli`") from None
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise TrainConfigError(f"cannot read config file {path}: {e.strerror}; check the path") from None
+    except tomllib.TOMLDecodeError as e:
+        raise TrainConfigError(f"{path} is not valid TOML ({e}); fix the file") from None
+    return data
+
+
+def from_mapping(values: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Check each key and the type of each value; ``source`` names where they came from in errors."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        f = FIELDS.get(key)
+        if f is None:
+            hint = key.replace("-", "_")
+            fix = f"did you mean {hint!r}?" if hint in FIELDS else f"valid keys: {', '.join(FIELDS)}"
+            raise TrainConfigError(f"{source}: unknown key {key!r}; {fix}")
+        out[key] = _coerce(key, str(f.type), value, source)
+    return out
+
+
+def _coerce(key: str, kind: str, value: Any, source: str) -> Any:
+    bad = TrainConfigError(f"{source}: {key} = {value!r} should be {_KIND_WORDS.get(kind, kind)}")
+    if kind in ("bool", "<class 'bool'>"):
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if key == "data":
+        if isinstance(value, str):
+            return (value,)
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise bad
+        return tuple(value)
+    if not isinstance(value, str):
+        raise bad
+    return value
+
+
+_KIND_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+               "tuple[str, ...]": "a path or a list of paths"}
+
+
+def read_values(argv: Sequence[str] | None) -> dict[str, Any]:
+    """The options set explicitly: the TOML file's, then the command line's on top (checked, typed)."""
+    args = vars(build_parser().parse_args(argv))
+    values: dict[str, Any] = {}
+    config_path = args.pop("config", None)
+    if config_path is not None:
+        file_values = from_mapping(read_toml(config_path), config_path)
+        # A relative path in the file is relative to the file, as a person reading it would expect.
+        base = os.path.dirname(os.path.abspath(config_path))
+        for key in ("data", "tokenizer", "plan", "resume", "spill_dir", "out", "model"):
+            if key in file_values:
+                file_values[key] = _relative_to(base, key, file_values[key])
+        values.update(file_values)
+    values.update(from_mapping(args, "command line"))
+    return values
+
+
+def build(values: Mapping[str, Any]) -> TrainConfig:
+    try:
+        return TrainConfig(**values)
+    except TypeError as e:  # a value of the wrong type reached a comparison
+        raise TrainConfigError(f"invalid option value ({e})") from None
+
+
+def parse(argv: Sequence[str] | None) -> TrainConfig:
+    """Defaults, then the TOML file, then the command line. Raises TrainConfigError (one line)."""
+    return build(read_values(argv))
+
+
+def _relative_to(base: str, key: str, value: Any) -> Any:
+    def fix(p: str) -> str:
+        if key == "model" and not (os.sep in p or p.endswith(".json")):
+            return p  # a preset name or "demo"
+        if key == "tokenizer" and p == "byte":
+            return p
+        return p if os.path.isabs(p) or not p else os.path.join(base, p)
+    return tuple(fix(p) for p in value) if isinstance(value, tuple) else fix(value)
+
+
+def _require(config: TrainConfig, name: str, ok: bool, what: str) -> None:
+    if not ok:
+        raise TrainConfigError(f"{name}={getattr(config, name)!r} {what}")
+
+
+def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise TrainConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")
+
+
+__all__ = ["TrainConfig", "TrainConfigError", "parse", "read_values", "build", "build_parser", "DEMO_MODEL"]
