@@ -95,6 +95,10 @@ def _workload_args(p: argparse.ArgumentParser, need_batch: bool) -> None:
     p.add_argument("--dtype", default="bf16", help="compute dtype: bf16, fp16 or fp32 (default bf16)")
     p.add_argument("--no-clip", action="store_true",
                    help="no gradient clipping: lets the optimizer overlap backward (eager mode)")
+    p.add_argument("--spill", choices=("auto", "none", "optimizer", "all"), default="auto",
+                   help="what may live in spill files on disk: auto (the plan decides), none, optimizer (AdamW m, v), "
+                        "all (fp32 master, m, v, grads)")
+    p.add_argument("--spill-dir", help="directory for spill files (default: the current directory)")
 
 
 def _hardware(args: argparse.Namespace, default: str | None = None) -> HardwareProfile:
@@ -114,7 +118,8 @@ def _hardware(args: argparse.Namespace, default: str | None = None) -> HardwareP
 def _workload(args: argparse.Namespace, batch: int | None = None) -> Workload:
     if batch is None:
         batch = args.batch if args.batch else -(-args.tokens_per_step // args.seq)
-    return Workload(args.seq, batch, args.dtype, clipping=not args.no_clip)
+    return Workload(args.seq, batch, args.dtype, clipping=not args.no_clip, spill=args.spill,
+                    spill_dir=args.spill_dir)
 
 
 def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:

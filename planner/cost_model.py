@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import memory_model
 from .hardware import HardwareProfile
 from .model_shapes import ModelShape
 from .plan import Plan
@@ -135,9 +136,21 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
     ckpt_bytes = T * h * c                                   # one block boundary: T x h x c
     eager = plan.optimizer_mode == "eager"
     adam_rate = hw.cpu_adam_params_per_s / ADAM_SHADOW_FACTOR
+    spilled = memory_model.spilled_kinds(plan)
+    reads = len(spilled)                                     # fp32 kinds read back per block update
+    writes = len(spilled)                                    # master/m/v behind AdamW; grads in backward
+    if spilled and (hw.disk_read_gbps <= 0 or hw.disk_write_gbps <= 0):
+        raise ValueError("a spill plan needs the disk's read and write GB/s in the hardware profile "
+                         "(megatrain-plan profile --spill-dir DIR, or --nvme GBPS)")
 
     def adam_s(numel: int) -> float:
-        return numel / adam_rate                             # t = numel x 1.15 / (AdamW params/s)
+        # t = numel x 1.15 / (AdamW params/s); with spill the disk runs beside it (reads ahead, writes
+        # behind): t = max(that, numel x 4 x (reads / read GB/s + writes / write GB/s) / 1e9).
+        compute = numel / adam_rate
+        if not spilled:
+            return compute
+        disk = numel * 4 * (reads / hw.disk_read_gbps + writes / hw.disk_write_gbps) / 1e9
+        return max(compute, disk)
 
     E, Lw, H = model.numel_embedding, model.numel_layer, model.numel_head
     steps: list[_Step] = []

@@ -148,20 +148,42 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
             f"{ALLOCATOR_SLACK_FRACTION} x device tensors = {ALLOCATOR_SLACK_FRACTION} x {tensors}")
         dev("CUDA context", CUDA_CONTEXT_BYTES, "constant, fitted from runs")
 
-    # ---- host -------------------------------------------------------------------------------
-    host("fp32 master", 4 * N, f"4 x N = 4 x {N}")
-    host("Adam m", 4 * N, f"4 x N = 4 x {N}")
-    host("Adam v", 4 * N, f"4 x N = 4 x {N}")
-    if c != 4:
+    # ---- host (and spill files) --------------------------------------------------------------
+    spilled = spilled_kinds(plan)
+    F = model.spill_file_bytes  # one fp32 kind in a spill file: each block rounded up to 4 KiB
+    for kind, label in (("master", "fp32 master"), ("exp_avg", "Adam m"), ("exp_avg_sq", "Adam v")):
+        if kind in spilled:
+            comps.append(Component(f"{label} (spill file)", "nvme", F, f"sum over blocks of 4 KiB-rounded block x 4 = {F}"))
+        else:
+            host(label, 4 * N, f"4 x N = 4 x {N}")
+    if c != 4 or "master" in spilled:  # in fp32 the shadow is the master itself, unless the master spills
         host("compute-dtype shadow", c * N, f"c x N = {c} x {N}")
-    if plan.optimizer_mode == "deferred":
+    Bs = -(-Bmax * 4 // SPILL_ALIGN) * SPILL_ALIGN // 4   # Bmax rounded up to 4 KiB of fp32
+    if plan.optimizer_mode == "deferred" and "grads" in spilled:
+        comps.append(Component("fp32 grads (spill file)", "nvme", F, f"sum over blocks of 4 KiB-rounded block x 4 = {F}"))
+        host("fp32 grad slabs", S * Bs * 4, f"S x Bmax(4 KiB) x 4 = {S} x {Bs} x 4")
+    elif plan.optimizer_mode == "deferred":
         host("fp32 grads (full arena)", 4 * N, f"4 x N = 4 x {N}")
     else:
         host("fp32 grad slabs", S * Bmax * 4, f"S x Bmax x 4 = {S} x {Bmax} x 4")
+    if spilled:
+        P = plan.spill_staging
+        host("spill staging", P * len(spilled) * Bs * 4, f"P x kinds x Bmax(4 KiB) x 4 = {P} x {len(spilled)} x {Bs} x 4",
+             pinned=False)
     if plan.checkpoints == "host":
         host("activation checkpoints", L * T * h * c, f"L x T x h x c = {L} x {T} x {h} x {c}")
     host("process", HOST_PROCESS_BYTES, "constant: Python, torch, data loader", pinned=False)
-
-    # ---- NVMe (spill is issue #6: nothing spills yet) ---------------------------------------
-    comps.append(Component("spill files", "nvme", 0, "0: NVMe spill not implemented yet (issue #6)"))
+    if not spilled:
+        comps.append(Component("spill files", "nvme", 0, "0: nothing spills in this plan"))
     return MemoryEstimate(tuple(comps))
+
+
+SPILL_ALIGN = 4096  # bytes: spill files hold each block at a 4 KiB-aligned offset (O_DIRECT)
+
+
+def spilled_kinds(plan: Plan) -> tuple[str, ...]:
+    """The fp32 kinds a plan keeps in spill files (the runtime's host_store.SPILLED_KINDS; eager mode
+    keeps its gradients in slabs, never in a file)."""
+    kinds = {"none": (), "optimizer": ("exp_avg", "exp_avg_sq"),
+             "all": ("master", "exp_avg", "exp_avg_sq", "grads")}[plan.spill]
+    return tuple(k for k in kinds if k != "grads" or plan.optimizer_mode == "deferred")

@@ -160,6 +160,12 @@ class ModelShape:
         """Elements of every block's flat buffer, each distinct block once (host arena size)."""
         return self.numel_embedding + self.num_layers * self.numel_layer + self.numel_head
 
+    @property
+    def spill_file_bytes(self) -> int:
+        """One fp32 kind of every distinct block in a spill file, each block rounded up to 4 KiB."""
+        blocks = [self.numel_embedding] + [self.numel_layer] * self.num_layers + [self.numel_head]
+        return sum(-(-n * 4 // 4096) * 4096 for n in blocks)
+
     def block_bytes(self, dtype: str) -> dict[str, int]:
         """Bytes of each distinct block's flat buffer in ``dtype``."""
         b = dtype_bytes(dtype)

@@ -5,7 +5,8 @@ M = ceil(batch / size)), slots and prefetch depth (K = depth + 1: the runtime
 never loads more than ``depth`` ahead, so a further slot would only cost
 memory), checkpoint placement, eager vs deferred optimizer (deferred when
 clipping), host grad slabs for eager mode, and the loss chunk (the largest that
-fits: it costs memory, hardly time). NVMe spill placement joins with issue #6.
+fits: it costs memory, hardly time), and what spills to disk (none, AdamW m and
+v, or every fp32 kind) unless the workload forces one.
 
 Memory is checked first (cheap); only plans that fit are timed. Pure stdlib.
 """
@@ -22,6 +23,8 @@ from .plan import Plan
 from .workload import Workload
 
 PREFETCH_DEPTHS = (1, 2, 3)
+# Staging sets between disk and AdamW: 1 (least RAM, no read-ahead) or 3 (reads ahead, writes behind).
+SPILL_STAGING = (1, 3)
 HOST_GRAD_SLABS = (2, 4)
 # Plans this close to the fastest count as equally fast (the cost model is not more precise than that).
 TIME_TOLERANCE = 0.01
@@ -81,9 +84,14 @@ def micro_batch_sizes(batch: int) -> list[int]:
     return sorted(sizes)
 
 
-def candidates(model: ModelShape, work: Workload) -> list[Plan]:
-    """Every plan the search considers, before the loss chunk is chosen (chunk = micro-batch tokens)."""
+def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = None) -> list[Plan]:
+    """Every plan the search considers, before the loss chunk is chosen (chunk = micro-batch tokens).
+
+    Spill plans only where ``hw`` has disk figures to time them with (none without ``hw``'s say-so).
+    """
     modes = ("deferred",) if work.clipping else ("eager", "deferred")
+    disk = hw is not None and hw.disk_read_gbps > 0 and hw.disk_write_gbps > 0
+    spills = [s for s in work.spill_choices() if s == "none" or disk] or ["none"]
     out = []
     for mbs in micro_batch_sizes(work.batch):
         for depth in PREFETCH_DEPTHS:
@@ -92,9 +100,13 @@ def candidates(model: ModelShape, work: Workload) -> list[Plan]:
             for ckpt in ("device", "host"):
                 for mode in modes:
                     for slabs in (HOST_GRAD_SLABS if mode == "eager" else (2,)):
-                        out.append(Plan(num_slots=depth + 1, prefetch_depth=depth, micro_batch_size=mbs,
-                                        checkpoints=ckpt, optimizer_mode=mode, host_grad_slabs=slabs,
-                                        loss_chunk_tokens=mbs * work.seq_len))
+                        for spill in spills:
+                            for staging in ((1,) if spill == "none" else SPILL_STAGING):
+                                out.append(Plan(num_slots=depth + 1, prefetch_depth=depth, micro_batch_size=mbs,
+                                                checkpoints=ckpt, optimizer_mode=mode, host_grad_slabs=slabs,
+                                                loss_chunk_tokens=mbs * work.seq_len, spill=spill,
+                                                spill_dir=None if spill == "none" else (work.spill_dir or "."),
+                                                spill_staging=staging))
     return out
 
 
@@ -119,7 +131,7 @@ def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfil
 def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile) -> tuple[list[PlanChoice], list[PlanChoice]]:
     """(timed plans that fit, plans that do not fit with their overruns), over every candidate."""
     fit, misfit = [], []
-    for plan in candidates(model, work):
+    for plan in candidates(model, work, hw):
         choice = _fit_chunk(model, work, plan, hw)
         if not choice.feasible:
             misfit.append(choice)
@@ -144,7 +156,7 @@ def search(model: ModelShape, work: Workload, hw: HardwareProfile) -> SearchResu
 
 def fits(model: ModelShape, work: Workload, hw: HardwareProfile) -> bool:
     """Whether any plan fits every budget (memory only; nothing is timed)."""
-    return any(_fit_chunk(model, work, plan, hw).feasible for plan in candidates(model, work))
+    return any(_fit_chunk(model, work, plan, hw).feasible for plan in candidates(model, work, hw))
 
 
 def longest_context(model: ModelShape, hw: HardwareProfile, batch: int = 1, compute_dtype: str = "bfloat16",
@@ -189,7 +201,7 @@ def minimum_memory(model: ModelShape, work: Workload, hw: HardwareProfile) -> di
     """The plans needing the least GPU memory and the least host RAM (budgets ignored), with the
     smallest loss chunk: what ``megatrain-plan size`` reports as the minimum to buy."""
     best: dict[str, PlanChoice] = {}
-    for plan in candidates(model, work):
+    for plan in candidates(model, work, hw):
         p = plan.replace(loss_chunk_tokens=min(LOSS_CHUNKS[-1], plan.loss_chunk_tokens))
         mem = memory_model.estimate(model, work, p, hw)
         for key, value in (("gpu", mem.device_bytes), ("host", mem.host_bytes)):

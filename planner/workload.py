@@ -26,12 +26,18 @@ class Workload:
     batch: int
     compute_dtype: str = "bfloat16"
     clipping: bool = True
+    # What may spill to disk: "auto" (the search decides), or forced "none" / "optimizer" / "all".
+    spill: str = "auto"
+    # Where spill files go, when a plan spills (the runtime needs an existing directory).
+    spill_dir: str | None = None
 
     def __post_init__(self) -> None:
         for f in ("seq_len", "batch"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise WorkloadError(f"{f}={v!r} must be an integer >= 1 (sequences / tokens per sequence)")
+        if self.spill not in ("auto", "none", "optimizer", "all"):
+            raise WorkloadError(f"spill={self.spill!r} must be auto, none, optimizer or all")
         name = DTYPE_ALIASES.get(str(self.compute_dtype).lower())
         if name is None:
             raise WorkloadError(f"compute_dtype={self.compute_dtype!r} is unknown; use bf16, fp16 or fp32")
@@ -45,6 +51,9 @@ class Workload:
     @property
     def compute_bytes(self) -> int:
         return dtype_bytes(self.compute_dtype)
+
+    def spill_choices(self) -> tuple[str, ...]:
+        return ("none", "optimizer", "all") if self.spill == "auto" else (self.spill,)
 
     def micro_batches(self, micro_batch_size: int) -> int:
         """M = ceil(batch / micro_batch_size)."""

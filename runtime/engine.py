@@ -10,6 +10,8 @@ without waiting for the GPU; call ``.item()`` when you want the number.
 from __future__ import annotations
 
 import os
+import atexit
+import weakref
 from typing import Mapping
 
 import torch
@@ -27,6 +29,16 @@ from .spill_io import make_io
 from .templates import Templates
 
 COMPUTE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+# Engines still open at interpreter exit are closed first: a worker thread caught mid-update by the
+# interpreter's shutdown would abort the process ("terminate called without an active exception").
+_OPEN_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    for engine in list(_OPEN_ENGINES):
+        engine.close()
 
 
 class Engine:
@@ -81,6 +93,7 @@ class Engine:
         self._checkpoint_writer = None  # checkpoint_io.CheckpointWriter, created on the first save
         self.executor = Executor(self.templates, self.store, self.plan, compute_dtype, self.device,
                                  self.optimizer.max_grad_norm, self.event_log)
+        _OPEN_ENGINES.add(self)
 
     # ------------------------------------------------------------------ training
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, lr: float | None = None) -> torch.Tensor:

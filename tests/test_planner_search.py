@@ -68,13 +68,13 @@ def test_plans_fit_and_refusals_are_true(hw: HardwareProfile, model: ModelShape,
         assert o.available == budgets[o.budget]
         assert o.needed > o.available, o.message()
     # And it really is infeasible: no candidate (with its smallest loss chunk) fits.
-    for plan in search.candidates(model, work):
+    for plan in search.candidates(model, work, hw):
         p = plan.replace(loss_chunk_tokens=min(64, plan.loss_chunk_tokens))
         assert memory_model.estimate(model, work, p, hw).overruns(hw)
     # A budget every plan exceeds is reported with the least any plan needs.
     for o in result.overruns:
         needs = []
-        for plan in search.candidates(model, work):
+        for plan in search.candidates(model, work, hw):
             p = plan.replace(loss_chunk_tokens=min(64, plan.loss_chunk_tokens))
             mem = memory_model.estimate(model, work, p, hw)
             needs.append(mem.device_bytes if o.budget == "gpu memory" and not hw.device_is_host
@@ -97,11 +97,14 @@ def test_infeasible_names_the_budget() -> None:
 
 def test_clipping_forces_deferred_and_no_clip_may_choose_eager() -> None:
     m, hw = PRESETS["Llama-3.1-8B"], hardware.preset("RTX-4090")
-    clip = search.search(m, Workload(4096, 4, clipping=True), hw)
+    clip = search.search(m, Workload(4096, 4, clipping=True, spill="none"), hw)
     assert not clip.feasible                      # 18 B/param do not fit 128 GiB of RAM...
-    eager = search.search(m, Workload(4096, 4, clipping=False), hw)
+    eager = search.search(m, Workload(4096, 4, clipping=False, spill="none"), hw)
     assert eager.feasible                         # ...14 B/param plus slabs do
     assert eager.require().plan.optimizer_mode == "eager"
+    spilled = search.search(m, Workload(4096, 4, clipping=True), hw).require()  # ...and with spill, clipping fits
+    assert spilled.plan.spill != "none" and spilled.plan.optimizer_mode == "deferred"
+    assert sum(c.nbytes for c in spilled.memory.components if c.where == "nvme") > 0
 
 
 def test_plan_is_valid_and_bounds_follow_each_other() -> None:
