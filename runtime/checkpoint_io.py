@@ -101,6 +101,7 @@ class CheckpointWriter:
         start = time.perf_counter()
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ConfigError(f"keep={keep!r} must be an integer >= 1 (complete checkpoints to keep)")
+        require_ram_state(engine, "save_checkpoint")
         extra = _check_extra(extra)
         self.wait()  # the previous write first: one snapshot at a time
         directory = os.fspath(directory)
@@ -123,6 +124,14 @@ class CheckpointWriter:
         handle._thread.start()
         handle.stall_s = time.perf_counter() - start
         return handle
+
+
+def require_ram_state(engine: "Engine", what: str) -> None:
+    """Checkpoints and Hugging Face I/O read the RAM arenas; spilled state is not supported yet."""
+    spilled = getattr(engine.store, "spilled", ())
+    if spilled:
+        raise ConfigError(f"{what} with a spill plan ({', '.join(spilled)} in spill files) is not supported yet; "
+                          "use a plan with spill='none' for it")
 
 
 def _check_extra(extra: Mapping[str, Any] | None) -> Any:
@@ -334,6 +343,7 @@ def restore(engine: "Engine", path: str, manifest: dict[str, Any]) -> None:
     """Read the arrays of a step directory into the engine's store, verify their CRC32s, restore the steps."""
     import tensorstore as ts
 
+    require_ram_state(engine, "load_checkpoint")
     if manifest["tensors"] != _tensor_table(engine):
         raise InputError(f"{path}: the checkpoint's parameter layout differs from this megatrain's; "
                          "load it with the megatrain version that wrote it")

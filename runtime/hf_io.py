@@ -143,6 +143,9 @@ def find_shards(path: str | os.PathLike) -> list[str]:
 
 def load_weights(engine: "Engine", files: list[str]) -> None:
     """Stream every tensor of ``files`` into the engine's fp32 masters (see [Note: streaming safetensors])."""
+    from .checkpoint_io import require_ram_state
+
+    require_ram_state(engine, "from_pretrained")
     engine.synchronize()
     store = engine.store
     expected = {e.hf_name: (b, e) for b in engine.templates.blocks for e in b.layout.entries}
@@ -202,6 +205,9 @@ def save_pretrained(engine: "Engine", path: str | os.PathLike, dtype: torch.dtyp
         raise ConfigError(f"dtype={dtype} is not supported for export; use torch.bfloat16, torch.float16 or torch.float32")
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ConfigError(f"max_shard_bytes={max_shard_bytes!r} must be a positive integer (bytes)")
+    from .checkpoint_io import require_ram_state
+
+    require_ram_state(engine, "save_pretrained")
     config = hf_config_dict(engine, dtype)
     engine.synchronize()
     path = os.fspath(path)

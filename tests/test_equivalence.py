@@ -10,8 +10,8 @@ Bitwise equal, except where the order of a floating-point sum must differ.
 The sources of such differences, each of which switches this test to the
 update-relative bound of ``numerics.assert_update_close``:
 
-Where they apply, the bound leaves the gradient noise floor out of its
-worst-element rule (they still count in the 99.9% rule): elements whose
+Where they apply, the bound holds the gradient noise floor to a sign flip of
+the update instead of the two rules (which cover every other element): elements whose
 gradient scale (Adam's sqrt(v_hat)) is within 10x of eps, where updates ~ g / eps
 amplify ulp-level noise, or below 1% of its tensor's mean, where the gradient is
 what is left of much larger terms cancelling (e.g. through a 4-wide q/k norm),
@@ -154,7 +154,9 @@ def run_case(config, plan, optimizer, batch, seq, lrs, seed, device="cpu"):
                 assert not bad, f"{key} differs for {bad[:3]}"
         assert all(float(state[n]["step"]) == float(ref_state[n]["step"]) for n in theirs)
         if sources:
-            assert_update_close(ours, theirs, {n: t.cpu() for n, t in initial.items()}, noise_floor=floor)
+            # A noise-floor element can at worst flip its update's sign each step (|update| <= ~lr).
+            assert_update_close(ours, theirs, {n: t.cpu() for n, t in initial.items()}, noise_floor=floor,
+                                floor_bound=3.0 * sum(lrs) + 1e-7)
         else:
             bad = [n for n in theirs if not torch.equal(ours[n], theirs[n])]
             assert not bad, f"parameters differ for {bad[:3]} (no source of difference applies)"

@@ -256,5 +256,6 @@ def test_peak_ram_while_loading_several_shards(tmp_path) -> None:
     # The bound: the host store plus one shard. On a CPU the engine's "device" slots and gradient
     # buffers are host memory too, and are counted separately.
     assert m["peak"] - m["before"] <= m["store"] + m["device_buffers"] + largest, m
-    # Streaming itself: loading every shard into the built engine adds less than one shard (no model copy).
-    assert m["load_peak"] - m["at_load"] <= largest, m
+    # Streaming itself: loading every shard into the built engine adds one tensor (the largest shard here is one
+    # tensor, the embedding) plus allocator slack, not a copy of the model.
+    assert m["load_peak"] - m["at_load"] <= largest + 2 * 2**20, m
