@@ -35,7 +35,7 @@ import threading
 import time
 import warnings
 import zlib
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Iterator, TYPE_CHECKING, Any, Mapping
 
 import torch
 
@@ -101,7 +101,6 @@ class CheckpointWriter:
         start = time.perf_counter()
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ConfigError(f"keep={keep!r} must be an integer >= 1 (complete checkpoints to keep)")
-        require_ram_state(engine, "save_checkpoint")
         extra = _check_extra(extra)
         self.wait()  # the previous write first: one snapshot at a time
         directory = os.fspath(directory)
@@ -110,10 +109,12 @@ class CheckpointWriter:
         step = engine.step_count
         manifest = _engine_manifest(engine, step, extra)
         store = engine.store
-        live = {"master": store.master.tensor, "exp_avg": store.exp_avg.tensor, "exp_avg_sq": store.exp_avg_sq.tensor}
+        live = {kind: SpilledArena(store, kind) if kind in store.spilled else store._arena(kind).tensor
+                for kind in ("master", "exp_avg", "exp_avg_sq")}
         handle = CheckpointHandle(os.path.join(directory, f"step-{step:08d}"))
         self.last = handle
-        if blocking:
+        # With spilled state there is no RAM to snapshot into: write it now, block by block, from the files.
+        if blocking or store.spilled:
             _commit(handle, directory, step, live, manifest, keep)
             handle.stall_s = time.perf_counter() - start
             handle.wait()
@@ -126,12 +127,22 @@ class CheckpointWriter:
         return handle
 
 
-def require_ram_state(engine: "Engine", what: str) -> None:
-    """Checkpoints and Hugging Face I/O read the RAM arenas; spilled state is not supported yet."""
-    spilled = getattr(engine.store, "spilled", ())
-    if spilled:
-        raise ConfigError(f"{what} with a spill plan ({', '.join(spilled)} in spill files) is not supported yet; "
-                          "use a plan with spill='none' for it")
+class SpilledArena:
+    """A spilled kind as a checkpoint array: the arena's bytes in block order, one block in RAM at a time."""
+
+    def __init__(self, store: Any, kind: str) -> None:
+        self.store, self.kind = store, kind
+
+    def numel(self) -> int:
+        return self.store.total_numel
+
+    def pieces(self) -> Iterator[tuple[int, torch.Tensor]]:
+        for b in range(len(self.store.numels)):
+            yield self.store.offsets[b], self.store.read_block(self.kind, b)
+
+
+def _pieces(t: "torch.Tensor | SpilledArena") -> Iterator[tuple[int, torch.Tensor]]:
+    return t.pieces() if isinstance(t, SpilledArena) else iter([(0, t)])
 
 
 def _check_extra(extra: Mapping[str, Any] | None) -> Any:
@@ -187,9 +198,31 @@ def _spec(path: str, numel: int | None = None) -> dict[str, Any]:
     return spec
 
 
-def _crc32s(t: torch.Tensor) -> list[int]:
-    raw = memoryview(t.view(torch.uint8).numpy())
-    return [zlib.crc32(raw[i:i + CRC_CHUNK_BYTES]) for i in range(0, len(raw), CRC_CHUNK_BYTES)]
+def _crc32s(t: "torch.Tensor | SpilledArena") -> list[int]:
+    """CRC32 of each CRC_CHUNK_BYTES of the array's bytes, streamed across pieces."""
+    crcs, current, filled = [], 0, 0
+    for _, piece in _pieces(t):
+        raw = memoryview(piece.contiguous().view(torch.uint8).numpy())
+        i = 0
+        while i < len(raw):
+            take = min(CRC_CHUNK_BYTES - filled, len(raw) - i)
+            current = zlib.crc32(raw[i:i + take], current)
+            filled, i = filled + take, i + take
+            if filled == CRC_CHUNK_BYTES:
+                crcs.append(current)
+                current, filled = 0, 0
+    if filled:
+        crcs.append(current)
+    return crcs
+
+
+def _write_array(arr: Any, t: "torch.Tensor | SpilledArena") -> Any:
+    """Start writing t into the tensorstore array; returns what to wait for."""
+    if not isinstance(t, SpilledArena):
+        return arr.write(t.numpy())
+    for lo, piece in t.pieces():  # one block at a time: the write must land before the next read
+        arr[lo:lo + piece.numel()].write(piece.numpy()).result()
+    return None
 
 
 def _commit(handle: CheckpointHandle, directory: str, step: int, arrays: dict[str, torch.Tensor],
@@ -205,13 +238,14 @@ def _commit(handle: CheckpointHandle, directory: str, step: int, arrays: dict[st
             if name.endswith(".tmp") and os.path.isdir(os.path.join(directory, name)):
                 shutil.rmtree(os.path.join(directory, name))
         os.makedirs(tmp)
-        pending = [ts.open(_spec(os.path.join(tmp, name), t.numel())).result().write(t.numpy())
+        pending = [_write_array(ts.open(_spec(os.path.join(tmp, name), t.numel())).result(), t)
                    for name, t in arrays.items()]
         manifest["arrays"] = {name: {"path": name, "dtype": "float32", "shape": [t.numel()],
                                      "crc32_chunk_bytes": CRC_CHUNK_BYTES, "crc32": _crc32s(t)}
                               for name, t in arrays.items()}  # computed while tensorstore writes
         for p in pending:
-            p.result()
+            if p is not None:
+                p.result()
         files = {}
         for root, dirs, names in os.walk(tmp):
             for n in names:
@@ -343,13 +377,13 @@ def restore(engine: "Engine", path: str, manifest: dict[str, Any]) -> None:
     """Read the arrays of a step directory into the engine's store, verify their CRC32s, restore the steps."""
     import tensorstore as ts
 
-    require_ram_state(engine, "load_checkpoint")
     if manifest["tensors"] != _tensor_table(engine):
         raise InputError(f"{path}: the checkpoint's parameter layout differs from this megatrain's; "
                          "load it with the megatrain version that wrote it")
     engine.synchronize()
     store = engine.store
-    live = {"master": store.master.tensor, "exp_avg": store.exp_avg.tensor, "exp_avg_sq": store.exp_avg_sq.tensor}
+    live = {kind: SpilledArena(store, kind) if kind in store.spilled else store._arena(kind).tensor
+            for kind in ("master", "exp_avg", "exp_avg_sq")}
     for name, dst in live.items():
         meta = manifest["arrays"][name]
         full = os.path.join(path, meta["path"])
@@ -358,7 +392,14 @@ def restore(engine: "Engine", path: str, manifest: dict[str, Any]) -> None:
             if tuple(src.shape) != (dst.numel(),):
                 raise InputError(f"{full} has shape {tuple(src.shape)}, this model needs ({dst.numel()},); "
                                  "the checkpoint does not match its manifest")
-            ts.array(dst.numpy(), copy=False, write=True).write(src).result()
+            if isinstance(dst, SpilledArena):
+                for b in range(len(store.numels)):  # one block at a time through RAM into its spill file
+                    lo, n = store.offsets[b], store.numels[b]
+                    block = torch.empty(n, dtype=torch.float32)
+                    ts.array(block.numpy(), copy=False, write=True).write(src[lo:lo + n]).result()
+                    store.write_block(name, b, block)
+            else:
+                ts.array(dst.numpy(), copy=False, write=True).write(src).result()
         except InputError:
             raise
         except Exception as err:  # tensorstore reports I/O and format errors as ValueError and others

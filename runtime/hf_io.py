@@ -143,9 +143,6 @@ def find_shards(path: str | os.PathLike) -> list[str]:
 
 def load_weights(engine: "Engine", files: list[str]) -> None:
     """Stream every tensor of ``files`` into the engine's fp32 masters (see [Note: streaming safetensors])."""
-    from .checkpoint_io import require_ram_state
-
-    require_ram_state(engine, "from_pretrained")
     engine.synchronize()
     store = engine.store
     expected = {e.hf_name: (b, e) for b in engine.templates.blocks for e in b.layout.entries}
@@ -170,19 +167,24 @@ def load_weights(engine: "Engine", files: list[str]) -> None:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise InputError(f"{missing[0]}{more} is in no safetensors file of {os.path.dirname(files[0])}; "
                          "download every shard or check config.json")
+    spilled = "master" in store.spilled
     for f, infos in headers.items():
         with open(f, "rb", buffering=0) as fh:
             for t in infos:
                 if t.name not in expected:
                     continue
                 block, entry = expected[t.name]
-                dst = store.master_of(block.index)[entry.offset:entry.offset + entry.numel]
+                # A spilled master: its block goes through RAM, one block at a time.
+                master = store.read_block("master", block.index).clone() if spilled else store.master_of(block.index)
+                dst = master[entry.offset:entry.offset + entry.numel]
                 if t.dtype == torch.float32:
                     _read_into(fh, f, t, dst)
                 else:
                     tmp = torch.empty(entry.numel, dtype=t.dtype)
                     _read_into(fh, f, t, tmp)
                     dst.copy_(tmp)
+                if spilled:
+                    store.write_block("master", block.index, master)
     for block in engine.templates.blocks:
         store.refresh_shadow(block.index)
 
@@ -205,9 +207,6 @@ def save_pretrained(engine: "Engine", path: str | os.PathLike, dtype: torch.dtyp
         raise ConfigError(f"dtype={dtype} is not supported for export; use torch.bfloat16, torch.float16 or torch.float32")
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ConfigError(f"max_shard_bytes={max_shard_bytes!r} must be a positive integer (bytes)")
-    from .checkpoint_io import require_ram_state
-
-    require_ram_state(engine, "save_pretrained")
     config = hf_config_dict(engine, dtype)
     engine.synchronize()
     path = os.fspath(path)
@@ -252,8 +251,11 @@ def _write_shard(engine: "Engine", path: str, shard: list[tuple[Any, Any]], dtyp
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
+        cached: tuple[int, torch.Tensor] | None = None  # a spilled block is read once for all its tensors
         for block, e in shard:
-            src = engine.store.master_of(block.index)[e.offset:e.offset + e.numel]
+            if cached is None or cached[0] != block.index:
+                cached = (block.index, engine.store.read_block("master", block.index))
+            src = cached[1][e.offset:e.offset + e.numel]
             t = src if dtype == torch.float32 else src.to(dtype)  # one tensor converted at a time
             f.write(memoryview(t.view(torch.uint8).numpy()))
     os.replace(tmp, path)

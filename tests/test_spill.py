@@ -201,3 +201,54 @@ def test_trains_a_model_whose_state_is_1_5x_the_ram_allowed(tmp_path):
     assert runs["all"][0] == 0, runs
     _, state, allowed, first, last = runs["all"][1].split()
     assert int(state) >= 1.5 * int(allowed) - 2 and float(last) < float(first)
+
+
+def test_checkpoints_and_exports_move_between_spill_and_ram(tmp_path):
+    """A checkpoint written by a spilling engine resumes in RAM (and back) with the same numbers;
+    save_pretrained / from_pretrained work through spill files too."""
+    config = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                         num_attention_heads=2, tie_word_embeddings=True)
+    opt = OptimizerConfig(lr=1e-3, max_grad_norm=1.0)
+    spill_dir = tmp_path / "spill"
+    spill_dir.mkdir()
+    spill = Plan(spill="all", spill_dir=str(spill_dir), spill_staging=2)
+    ids = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(0))
+    with Engine(config, opt, plan=spill, compute_dtype=torch.float32, device="cpu") as a:
+        for _ in range(2):
+            a.step(ids, ids)
+        a.save_checkpoint(str(tmp_path / "ckpt")).wait()
+        a.save_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+        a.step(ids, ids)
+        expected, expected_state = a.state_dict(), a.optimizer_state_dict()
+    for plan in (Plan(), spill):  # resume into RAM, and into spill files again
+        with Engine.load_checkpoint(str(tmp_path / "ckpt"), plan=plan) as b:
+            assert b.step_count == 2
+            b.step(ids, ids)
+            got, state = b.state_dict(), b.optimizer_state_dict()
+            assert all(torch.equal(expected[k], got[k]) for k in expected)
+            assert all(torch.equal(expected_state[k]["exp_avg_sq"], state[k]["exp_avg_sq"]) for k in state)
+    with Engine.from_pretrained(str(tmp_path / "hf"), plan=spill, compute_dtype=torch.float32, device="cpu") as c, \
+            Engine.from_pretrained(str(tmp_path / "hf"), compute_dtype=torch.float32, device="cpu") as d:
+        assert torch.equal(c.logits(ids), d.logits(ids))
+
+
+def test_io_error_leaves_the_last_checkpoint_intact(tmp_path, monkeypatch):
+    config = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2)
+    spill_dir = tmp_path / "spill"
+    spill_dir.mkdir()
+    engine = Engine(config, OptimizerConfig(max_grad_norm=1.0), plan=Plan(spill="all", spill_dir=str(spill_dir),
+                                                                          io_backend="posix"), device="cpu")
+    ids = torch.randint(0, 32, (2, 8))
+    engine.step(ids, ids)
+    engine.save_checkpoint(str(tmp_path / "ckpt")).wait()
+    saved = engine.state_dict()
+    monkeypatch.setattr(os, "pwritev", lambda fd, buffers, offset: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
+    with pytest.raises(MegatrainError):
+        for _ in range(3):
+            engine.step(ids, ids)
+        engine.synchronize()
+    monkeypatch.undo()
+    engine.close()
+    with Engine.load_checkpoint(str(tmp_path / "ckpt"), plan=Plan()) as resumed:
+        got = resumed.state_dict()
+        assert all(torch.equal(saved[k], got[k]) for k in saved)
