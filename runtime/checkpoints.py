@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .host_store import HostArena
+from .step_timer import StepTimer
 from .streams import Event, Streams
 
 
@@ -41,8 +42,10 @@ class DeviceCheckpoints:
 
 
 class HostCheckpoints:
-    def __init__(self, num_slots: int, dtype: torch.dtype, device: torch.device, streams: Streams, pin: bool) -> None:
+    def __init__(self, num_slots: int, dtype: torch.dtype, device: torch.device, streams: Streams, pin: bool,
+                 timer: StepTimer) -> None:
         self.num_slots, self.dtype, self.device, self.streams, self.pin = num_slots, dtype, device, streams, pin
+        self.timer = timer
         self._arena: HostArena | None = None
         self._host: torch.Tensor | None = None  # [n_layers, B, S, hidden] in host memory
         self._staging: list[torch.Tensor] = []  # per slot: [B, S, hidden] on the device
@@ -67,7 +70,8 @@ class HostCheckpoints:
         ready = self.streams.recorded(self.streams.compute)
         with self.streams.d2h.use():
             ready.wait_on(self.streams.d2h)
-            self._host[layer, rows].copy_(x, non_blocking=True)
+            with self.timer.host("ckpt"):
+                self._host[layer, rows].copy_(x, non_blocking=True)
             done = self.streams.recorded(self.streams.d2h)
         self._pending.append((x, done))
         self._drained.setdefault(layer, []).append(done)
@@ -78,7 +82,7 @@ class HostCheckpoints:
         Bound: two blocks' worth of micro-batch inputs stay referenced while their drains run.
         """
         for _, done in self._previous:
-            done.wait_on(self.streams.compute)
+            self.timer.wait("ckpt", done, self.streams.compute)
         self._previous, self._pending = self._pending, []
 
     def flush(self) -> None:
@@ -90,7 +94,8 @@ class HostCheckpoints:
         assert self._host is not None
         for done in self._drained.pop(layer, []):
             done.wait_on(self.streams.h2d)
-        self._staging[slot].copy_(self._host[layer], non_blocking=True)
+        with self.timer.host("ckpt"):
+            self._staging[slot].copy_(self._host[layer], non_blocking=True)
 
     def get(self, layer: int, m: int, rows: slice, slot: int) -> torch.Tensor:
         return self._staging[slot][rows]

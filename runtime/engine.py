@@ -115,6 +115,13 @@ class Engine:
         return self.executor.grad_norm
 
     @property
+    def last_step_breakdown(self) -> dict[str, float] | None:
+        """Seconds of the last step: ``step_s``, ``compute_s``, and the exposed ``h2d_exposed_s``,
+        ``d2h_exposed_s``, ``ckpt_traffic_s`` (host checkpoints) and ``adam_exposed_s``. On CUDA, reading it
+        waits for that step to finish on the GPU (once); on a CPU the copies' host time is what they cost."""
+        return self.executor.timer.breakdown()
+
+    @property
     def step_count(self) -> int:
         return self.executor.step_no
 

@@ -32,6 +32,7 @@ from .event_log import EventLog
 from .grad_buffers import GradBuffers
 from .host_store import HostStore
 from .rope import inverse_frequencies, rotary_tables
+from .step_timer import StepTimer
 from .streams import Event, Streams
 from .templates import Block, BlockKind, Templates
 from .weight_slots import WeightLoader, WeightSlots
@@ -64,10 +65,11 @@ class Executor:
         self.grads_spilled = "grads" in store.spilled
         self.log = log
         self.streams = Streams(device)
+        self.timer = StepTimer(self.streams.cuda)
         pin = device.type == "cuda"
         blocks = templates.blocks
         self.slots = WeightSlots(plan.num_slots, store.max_block_numel, compute_dtype, device, self.streams)
-        self.grad_buffers = GradBuffers(plan.device_grad_buffers, store.max_block_numel, device, self.streams)
+        self.grad_buffers = GradBuffers(plan.device_grad_buffers, store.max_block_numel, device, self.streams, self.timer)
         self.tied = self.config.tie_word_embeddings
         # Tied embeddings: the head's lm_head gradient lands here in forward and the embedding's
         # own in backward; one extra fp32 buffer of the embedding's size, resident for the whole step.
@@ -75,13 +77,13 @@ class Executor:
                           if self.tied else None)
         self.tied_drained: Event = self.streams.event()
         self.checkpoints: DeviceCheckpoints | HostCheckpoints = (
-            HostCheckpoints(plan.num_slots, compute_dtype, device, self.streams, pin)
+            HostCheckpoints(plan.num_slots, compute_dtype, device, self.streams, pin, self.timer)
             if plan.checkpoints == "host" else DeviceCheckpoints()
         )
         self.adam = AdamWorker(store, len(blocks), log)
         self.step_no = 0  # optimizer steps completed or in flight
         self.loader = WeightLoader(self.slots, store, self.streams, plan.prefetch_depth,
-                                   lambda b: self.adam.wait_updated(b, self.step_no - 1), log)
+                                   lambda b: self.adam.wait_updated(b, self.step_no - 1), log, self.timer)
         order = {name: i for i, name in enumerate(templates.hf_parameter_order())}
         self.norm_index = [torch.tensor([order[e.hf_name] for e in b.layout.entries], device=device) for b in blocks]
         # Per-parameter gradient norms in model.parameters() order, filled as blocks finish.
@@ -97,6 +99,7 @@ class Executor:
         """One optimizer step over ``batch``; returns the mean loss as a device scalar (no sync)."""
         self.step_no += 1
         step = self.step_no
+        self.timer.begin(self.streams.compute)
         blocks = self.templates.blocks
         embed, head, layers = self.templates.embed, self.templates.head, self.templates.layers
         cos, sin = self._rotary(batch.input_ids.shape[1])
@@ -143,7 +146,7 @@ class Executor:
             j_embed = j
             lm_weight = embed.layout.views(self.loader.acquire(j_embed))["embed_tokens.weight"]
             j += 1
-            self.tied_drained.wait_on(self.streams.compute)
+            self.timer.wait("d2h", self.tied_drained, self.streams.compute)
             self.tied_grad.zero_()  # type: ignore[union-attr]
             lm_grad = embed.layout.views(self.tied_grad)["embed_tokens.weight"]  # type: ignore[arg-type]
         else:
@@ -209,6 +212,7 @@ class Executor:
             clip = (self.clip_host, self._drain_scalar(coef, self.clip_host))
         for block, host, done, slab in sorted(pending, key=lambda p: p[0].index):
             self._submit(step, block, host, done, clip, hyper, slab)
+        self.timer.end(self.streams.compute)
         return loss
 
     def _finish_block(
@@ -245,11 +249,12 @@ class Executor:
     def _acquire_slab(self) -> int:
         """An eager-mode host gradient slab; waits only while every slab awaits its update."""
         assert self.store.slabs is not None
-        while True:
-            try:
-                return self.store.slabs.acquire(timeout=1.0)
-            except queue.Empty:
-                self.adam.raise_if_failed()
+        with self.timer.host("adam"):
+            while True:
+                try:
+                    return self.store.slabs.acquire(timeout=1.0)
+                except queue.Empty:
+                    self.adam.raise_if_failed()
 
     def _submit(self, step: int, block: Block, host: torch.Tensor | None, done: Event,
                 clip: tuple[torch.Tensor, Event] | None, hyper: AdamHyper, slab: int | None) -> None:

@@ -12,21 +12,23 @@ from __future__ import annotations
 
 import torch
 
+from .step_timer import StepTimer
 from .streams import Event, Streams
 
 
 class GradBuffers:
-    def __init__(self, count: int, numel: int, device: torch.device, streams: Streams) -> None:
+    def __init__(self, count: int, numel: int, device: torch.device, streams: Streams, timer: StepTimer) -> None:
         self.buffers = [torch.zeros(numel, dtype=torch.float32, device=device) for _ in range(count)]
         self.drained: list[Event] = [streams.event() for _ in range(count)]
         self.streams = streams
+        self.timer = timer
         self._next = 0
 
     def acquire(self, numel: int) -> tuple[int, torch.Tensor]:
         """A zeroed fp32 buffer [numel] on the compute stream, its previous drain complete."""
         index = self._next
         self._next = (self._next + 1) % len(self.buffers)
-        self.drained[index].wait_on(self.streams.compute)
+        self.timer.wait("d2h", self.drained[index], self.streams.compute)
         buf = self.buffers[index][:numel]
         buf.zero_()
         return index, buf
@@ -39,7 +41,8 @@ class GradBuffers:
         ready = self.streams.recorded(self.streams.compute)
         with self.streams.d2h.use():
             ready.wait_on(self.streams.d2h)
-            host.copy_(buf, non_blocking=True)
+            with self.timer.host("d2h"):
+                host.copy_(buf, non_blocking=True)
             done = self.streams.recorded(self.streams.d2h)
         if index is not None:
             self.drained[index] = done

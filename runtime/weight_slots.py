@@ -24,6 +24,7 @@ from torch.profiler import record_function
 
 from .event_log import EventLog
 from .host_store import HostStore
+from .step_timer import StepTimer
 from .streams import Event, Streams
 
 
@@ -67,11 +68,13 @@ class WeightLoader:
         depth: int,
         wait_updated: Callable[[int], None],
         log: EventLog,
+        timer: StepTimer,
     ) -> None:
         assert 1 <= depth <= len(slots) - 1
         self.slots, self.store, self.streams, self.depth = slots, store, streams, depth
         self.wait_updated = wait_updated  # blocks until AdamW has written block b's new shadow
         self.log = log
+        self.timer = timer
         self.step = 0
         self.sequence: list[tuple[int, str]] = []
         self.on_load: OnLoad | None = None
@@ -95,7 +98,7 @@ class WeightLoader:
         assert j < self._issued, f"load {j} could not be issued: its slot is still in use"
         slot = j % len(self.slots)
         self.slots.transition(slot, SlotState.LOADING, SlotState.IN_USE)
-        self.slots.loaded[slot].wait_on(self.streams.compute)
+        self.timer.wait("h2d", self.slots.loaded[slot], self.streams.compute)
         block, phase = self.sequence[j]
         self.log.record("compute", self.step, block, slot=slot, load=j, phase=phase)
         return self.slots.buffers[slot]
@@ -124,13 +127,15 @@ class WeightLoader:
     def _issue(self, j: int) -> None:
         block, phase = self.sequence[j]
         slot = j % len(self.slots)
-        self.wait_updated(block)
+        with self.timer.host("adam"):
+            self.wait_updated(block)
         self.slots.transition(slot, SlotState.FREE, SlotState.LOADING)
         self.slots.block[slot] = block
         numel = self.store.numels[block]
         with self.streams.h2d.use(), record_function(f"h2d[{block}]"):
             self.slots.released[slot].wait_on(self.streams.h2d)
-            self.slots.buffers[slot][:numel].copy_(self.store.shadow_of(block), non_blocking=True)
+            with self.timer.host("h2d"):
+                self.slots.buffers[slot][:numel].copy_(self.store.shadow_of(block), non_blocking=True)
             if self.on_load is not None:
                 self.on_load(j, block, slot)
             self.slots.loaded[slot].record(self.streams.h2d)

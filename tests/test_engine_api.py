@@ -84,3 +84,19 @@ def test_parameter_count_matches_hf_formula():
     per_layer = h * h + 2 * h * kv + h * h + 3 * h * i + 2 * h
     with Engine(CONFIG, device="cpu") as engine:
         assert engine.num_parameters == v * h + L * per_layer + h + v * h
+
+
+def test_step_breakdown_accounts_for_the_step():
+    ids = torch.randint(0, 64, (4, 16))
+    for plan, host_ckpt in ((Plan(), False), (Plan(checkpoints="host"), True)):
+        with Engine(CONFIG, OptimizerConfig(max_grad_norm=1.0), plan=plan, compute_dtype=torch.float32,
+                    device="cpu") as engine:
+            assert engine.last_step_breakdown is None
+            for _ in range(2):
+                engine.step(ids, ids)
+            b = engine.last_step_breakdown
+            parts = ("compute_s", "h2d_exposed_s", "d2h_exposed_s", "ckpt_traffic_s", "adam_exposed_s")
+            assert all(b[k] >= 0 for k in parts) and b["step_s"] > 0
+            assert abs(sum(b[k] for k in parts) - b["step_s"]) < 1e-6  # on a CPU the parts add up to the step
+            assert b["h2d_exposed_s"] > 0 and b["d2h_exposed_s"] > 0
+            assert (b["ckpt_traffic_s"] > 0) == host_ckpt

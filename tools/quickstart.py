@@ -5,7 +5,8 @@
 Byte-level tokens from the standard library's ``pydoc_data`` topics, a ~1M-parameter
 model streamed block by block through the runtime (GPU if there is one, else CPU).
 It prints the loss as it falls and the throughput at the end. The full training
-command, ``megatrain-train``, is issue #5.
+command (data, tokenizers, schedules, checkpoints, metrics) is ``megatrain-train``
+(tools/train.py), whose no-argument run is the fuller demo.
 """
 from __future__ import annotations
 

@@ -160,6 +160,8 @@ class Run:
                                    "leave --spill-dir out")
         os.makedirs(self.config.spill_dir, exist_ok=True)
         spill = plan.spill if plan.spill != "none" else "optimizer"
+        self.plan_description = f"{getattr(self, 'plan_description', 'saved plan')}, spilling {spill} to " \
+                                f"{self.config.spill_dir}"
         return plan.replace(spill=spill, spill_dir=self.config.spill_dir)
 
     # ------------------------------------------------------------------ training

@@ -1,0 +1,262 @@
+"""Derived figures and the report: ``<date>_<device>_peers.{json,md,png}``.
+
+Model TFLOP/s = 6 x N x tokens / step time, N the distinct parameters (a tied embedding
+counted once), every token of the batch counted (no padding here). Neither the recompute
+of activation checkpointing nor attention is counted in it; attention TFLOP/s (causal,
+forward + backward, from the planner's model shape) is given apart. MFU is model TFLOP/s
+over the matmul peak measured at the start of the same run. Loss agreement: each
+system's final (and first) loss against the reference system's of the same case
+(PyTorch in memory, else the first system that ran), relative.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from typing import Any
+
+from .spec import SYSTEMS, RunSpec
+
+GIB = 2**30
+BREAKDOWN_KEYS = ("step_s", "compute_s", "h2d_exposed_s", "d2h_exposed_s", "ckpt_traffic_s", "adam_exposed_s")
+
+
+def case_key(row: dict[str, Any]) -> tuple:
+    return (row["model"], row["seq"], row["batch"], row["micro_batch"], row["device"])
+
+
+def run_key(row: dict[str, Any]) -> tuple:
+    """The same identity as ``RunSpec.key()``."""
+    return (row["system"], row["model"], row["seq"], row["batch"], row["micro_batch"], row["device"])
+
+
+def derive(spec: RunSpec, raw: dict[str, Any], shape: Any, peak_tflops: float) -> dict[str, Any]:
+    """One report row from a child's raw result. ``shape`` is the planner's ModelShape of the model."""
+    row: dict[str, Any] = {
+        "system": spec.system, "model": spec.model, "layers": spec.config["num_hidden_layers"],
+        "params": shape.params, "seq": spec.seq, "batch": spec.batch, "micro_batch": spec.micro_batch,
+        "tokens_per_step": spec.tokens, "steps": spec.steps, "warmup": spec.warmup, "device": spec.device,
+    }
+    row.update(raw)
+    row["system"] = spec.system
+    if raw.get("status") != "ok":
+        return row
+    steady = raw["step_seconds"][spec.warmup:]
+    step = statistics.median(steady)
+    model_tflops = shape.model_flops_per_token() * spec.tokens / step / 1e12
+    attention = shape.num_layers * (shape.attention_flops_fwd(spec.seq) + shape.attention_flops_bwd(spec.seq))
+    row.update(median_step_seconds=step, tokens_per_second=spec.tokens / step, model_tflops=model_tflops,
+               attention_tflops=attention * spec.tokens / step / 1e12,
+               mfu=model_tflops / peak_tflops if peak_tflops else None,
+               first_loss=raw["losses"][0], final_loss=raw["losses"][-1])
+    if raw.get("params") is not None and raw["params"] != shape.params:
+        row["params_mismatch"] = f"the system counts {raw['params']} parameters, the model shape {shape.params}"
+    breakdowns = [b for b in raw.get("breakdowns", [])[spec.warmup:] if b]
+    if breakdowns:
+        med = {k: statistics.median(b.get(k, 0.0) for b in breakdowns) for k in BREAKDOWN_KEYS if k in breakdowns[0]}
+        row["breakdown_median"] = med
+        # Step over compute: 1.0 when no transfer or AdamW time is exposed. (The roofline ratio of issue 7
+        # also needs the transfers' and AdamW's total times, which these readings do not give.)
+        row["step_over_compute"] = med["step_s"] / med["compute_s"] if med.get("compute_s") else None
+    return row
+
+
+def agree(rows: list[dict[str, Any]]) -> None:
+    """Set each ok row's loss difference against its case's reference system (in place)."""
+    cases: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        cases.setdefault(case_key(r), []).append(r)
+    for group in cases.values():
+        ok = {r["system"]: r for r in group if r.get("status") == "ok"}
+        ref_name = "pytorch" if "pytorch" in ok else next((s for s in SYSTEMS if s in ok), None)
+        if ref_name is None:
+            continue
+        ref = ok[ref_name]
+        for r in ok.values():
+            r["loss_reference"] = ref_name
+            r["final_loss_rel_diff"] = abs(r["final_loss"] - ref["final_loss"]) / abs(ref["final_loss"])
+            r["first_loss_rel_diff"] = abs(r["first_loss"] - ref["first_loss"]) / abs(ref["first_loss"])
+
+
+def largest(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per sequence length and system: the most parameters that ran ok (over every model of the report)."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        best = out.setdefault(str(r["seq"]), {}).get(r["system"])
+        if best is None or r["params"] > best["params"]:
+            out[str(r["seq"])][r["system"]] = {"params": r["params"], "model": r["model"], "layers": r["layers"]}
+    return out
+
+
+def device_label(machine: dict[str, Any]) -> str:
+    if machine.get("device") != "cuda":
+        return "cpu"
+    name = machine.get("gpu", "gpu").replace("NVIDIA ", "")
+    return "".join(c if c.isalnum() or c in "-." else "-" for c in name).strip("-")
+
+
+def build(machine: dict[str, Any], date: str, settings: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    agree(rows)
+    return {"benchmark": "peers", "date": date, "device": device_label(machine), "machine": machine,
+            "matmul_peak_tflops": machine["matmul_peak"]["tflops"], "conventions": __doc__.split("\n\n", 1)[1].strip(),
+            "settings": settings, "runs": rows, "largest": largest(rows)}
+
+
+def _gib(v: Any) -> str:
+    return "-" if v is None else f"{v / GIB:.2f}"
+
+
+def size(params: int) -> str:
+    """1.24B, 158.0K: a parameter count for people."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if params >= div:
+            return f"{params / div:.2f}{unit}"
+    return str(params)
+
+
+def _detail(key: str, value: Any) -> str:
+    if key.endswith("_bytes") and isinstance(value, (int, float)):
+        return f"{key[:-6].replace('_', ' ')} {value / GIB:.2f} GiB"
+    if key.endswith("_seconds") and isinstance(value, (int, float)):
+        return f"{key[:-8].replace('_', ' ')} {value:.3f} s"
+    return f"{key.replace('_', ' ')}: {value}"
+
+
+def _num(v: Any, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    peak = m["matmul_peak"]
+    what = (f"{m['gpu']} ({m['gpu_memory_bytes'] / GIB:.0f} GiB), driver {m.get('driver')}, CUDA {m.get('cuda')}, "
+            if m.get("device") == "cuda" else "no GPU (CPU run), ")
+    lines = [
+        f"# megatrain and its peers: {report['device']}, {report['date']}", "",
+        f"Machine: {what}{m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), "
+        f"{_gib(m.get('host_ram_bytes'))} GiB RAM; Python {m['python']}, torch {m['torch']}, "
+        f"transformers {m.get('transformers')}, deepspeed {m.get('deepspeed') or 'not installed'}.", "",
+        f"Matmul peak measured in this run: **{peak['tflops']:.1f} TFLOP/s** ({peak['dtype']}, {peak['n']}^3).", "",
+        report["conventions"].replace("\n", " "), "",
+        f"Each system runs in a fresh process; step time is the median of the steps after the first "
+        f"{report['settings']['warmup']} (warm-up). Host used: how far the machine's available memory fell "
+        f"during the run (pinned memory included). Pinned: torch's pinned allocator's peak plus what the "
+        f"system registered itself.", "",
+    ]
+    cases: dict[tuple, list[dict[str, Any]]] = {}
+    for r in report["runs"]:
+        cases.setdefault(case_key(r), []).append(r)
+    for (model, seq, batch, micro, _), group in cases.items():
+        r0 = group[0]
+        lines += [f"## {model}: {size(r0['params'])} parameters ({r0['layers']} layers), seq {seq}, "
+                  f"batch {batch} (micro-batch {micro}): {batch * seq:,} tokens/step", "",
+                  "| system | status | step s | tokens/s | model TFLOP/s | MFU | attention TFLOP/s | peak GPU GiB "
+                  "| peak host RSS GiB (setup) | host used GiB | pinned GiB | first loss | final loss | final vs "
+                  "reference |", "|" + "---|" * 14]
+        for r in sorted(group, key=lambda r: SYSTEMS.index(r["system"])):
+            pinned = [v for v in (r.get("torch_pinned_peak_bytes"), r.get("system_pinned_bytes")) if v]
+            rel = r.get("final_loss_rel_diff")
+            ref = "" if rel is None else f"{rel:.2e} ({r['loss_reference']})"
+            rss = _gib(r.get("peak_host_rss_bytes"))
+            if r.get("setup_peak_host_rss_bytes") is not None:
+                rss += f" ({_gib(r['setup_peak_host_rss_bytes'])})"
+            status = r["status"].replace("|", "/")
+            lines.append(
+                f"| {r['system']} | {status} | {_num(r.get('median_step_seconds'), '.3f')} "
+                f"| {_num(r.get('tokens_per_second'), ',.0f')} | {_num(r.get('model_tflops'), '.2f')} "
+                f"| {_num(r.get('mfu'), '.1%')} | {_num(r.get('attention_tflops'), '.2f')} "
+                f"| {_gib(r.get('peak_gpu_bytes'))} | {rss} | {_gib(r.get('host_used_peak_bytes'))} "
+                f"| {_gib(sum(pinned)) if pinned else '-'} | {_num(r.get('first_loss'), '.4f')} "
+                f"| {_num(r.get('final_loss'), '.4f')} | {ref} |")
+        lines.append("")
+        for r in group:
+            bd = r.get("breakdown_median")
+            if bd:
+                parts = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.3f}" for k, v in bd.items())
+                lines += [f"megatrain step breakdown (median seconds): {parts}; step / compute "
+                          f"{_num(r.get('step_over_compute'), '.2f')}.", ""]
+        for r in sorted(group, key=lambda r: SYSTEMS.index(r["system"])):
+            d = r.get("details")
+            if d:
+                shown = {k: v for k, v in d.items() if k not in ("config", "plan")}
+                if "plan" in d:
+                    p = d["plan"]
+                    shown["plan"] = (f"micro-batch {p['micro_batch_size']}, {p['num_slots']} slots, prefetch "
+                                     f"{p['prefetch_depth']}, checkpoints on {p['checkpoints']}, optimizer "
+                                     f"{p['optimizer_mode']}, loss chunk {p['loss_chunk_tokens']}")
+                lines.append(f"- {r['system']}: " + "; ".join(_detail(k, v) for k, v in shown.items()))
+        lines.append("")
+    if any(len(v) for v in report["largest"].values()) and len({r["model"] for r in report["runs"]}) > 1:
+        lines += ["## Largest model that ran, per sequence length", "", "| seq | " + " | ".join(SYSTEMS) + " |",
+                  "|---|" + "---|" * len(SYSTEMS)]
+        for seq, per in report["largest"].items():
+            cells = [f"{size(per[s]['params'])} ({per[s]['model']})" if s in per else "-" for s in SYSTEMS]
+            lines.append(f"| {seq} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: str) -> str:
+    """Tokens/s against model size, one panel per sequence length, one line per system. Returns the path,
+    or why there is no figure."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "skipped: matplotlib is not installed (pip install matplotlib)"
+    ok = [r for r in report["runs"] if r.get("status") == "ok"]
+    if not ok:
+        return "skipped: no run finished"
+    seqs = sorted({r["seq"] for r in ok})
+    fig, axes = plt.subplots(1, len(seqs), figsize=(6 * len(seqs), 4.5), squeeze=False)
+    failed = [r for r in report["runs"] if r["status"].startswith(("out of memory", "failed"))]
+    for ax, seq in zip(axes[0], seqs):
+        for system in SYSTEMS:
+            pts = sorted((r["params"] / 1e9, r["tokens_per_second"]) for r in ok if r["seq"] == seq and r["system"] == system)
+            if pts:
+                line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+                # The sizes where it failed: crosses on the axis, in its colour.
+                xs = [r["params"] / 1e9 for r in failed if r["seq"] == seq and r["system"] == system]
+                ax.plot(xs, [0] * len(xs), "x", color=line.get_color(), ms=9, clip_on=False)
+        tokens = sorted({r["tokens_per_step"] for r in ok if r["seq"] == seq})
+        ax.set_title(f"seq {seq}, {', '.join(f'{t:,}' for t in tokens)} tokens/step")
+        ax.set_xlabel("parameters (billions)")
+        ax.set_ylabel("tokens / s (x: failed at that size)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"Training throughput, {report['device']}, {report['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write(report: dict[str, Any], stem: str) -> dict[str, str]:
+    """Write ``stem``.json, .md and .png; returns what went where (the PNG's entry may say why it is absent)."""
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    report["figure"] = plot(report, stem + ".png")
+    tmp = stem + ".json.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, stem + ".json")
+    text = markdown(report)
+    if not report["figure"].startswith("skipped"):
+        text += f"\n![tokens/s against model size]({os.path.basename(stem)}.png)\n"
+    else:
+        text += f"\nNo figure: {report['figure']}.\n"
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    return {"json": stem + ".json", "md": stem + ".md", "png": report["figure"]}
+
+
+def load(stem: str) -> dict[str, Any] | None:
+    try:
+        with open(stem + ".json") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None

@@ -1,0 +1,90 @@
+"""DeepSpeed ZeRO-3 with parameters and optimizer offloaded to pinned CPU memory: the usual offload recipe.
+
+bf16 compute, ``DeepSpeedCPUAdam`` (AdamW mode; DeepSpeed picks it for an "AdamW" optimizer
+when the optimizer is offloaded, and JIT-builds it with ninja and nvcc on first use),
+gradient clipping and accumulation by DeepSpeed, and per-layer activation checkpointing
+through transformers. Bucket sizes are the values Hugging Face's "auto" fills in from the
+hidden size. CUDA only: a CPU run records it as not run.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .spec import NotRun, RunSpec
+from .weights import build_hf_model, distinct_parameters
+
+
+def ds_config(spec: RunSpec) -> dict[str, Any]:
+    hidden = spec.config["hidden_size"]
+    return {
+        "train_batch_size": spec.batch,
+        "train_micro_batch_size_per_gpu": spec.micro_batch,
+        "gradient_accumulation_steps": spec.micro_batches,
+        "gradient_clipping": spec.max_grad_norm,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "betas": list(spec.betas), "eps": spec.eps,
+                                                  "weight_decay": spec.weight_decay}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu", "pin_memory": True},
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": hidden * hidden,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden,
+        },
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepspeedTrainer:
+    def __init__(self, spec: RunSpec) -> None:
+        if spec.device != "cuda":
+            raise NotRun("needs CUDA")
+        try:
+            import deepspeed
+        except ImportError as e:
+            raise NotRun(f"not installed ({e}); install the wheels of ../shared/tools/device-wheels") from None
+        self.spec = spec
+        torch.cuda.set_device(0)
+        deepspeed.init_distributed(dist_backend="nccl")
+        model = build_hf_model(spec, "cpu")  # ZeRO-3 partitions it into pinned host memory on initialize
+        self.params = distinct_parameters(model)
+        config = ds_config(spec)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        basic = getattr(self.engine, "basic_optimizer", None)
+        self.details = {"deepspeed": deepspeed.__version__, "config": config,
+                        "optimizer": type(basic).__name__ if basic is not None else "unknown",
+                        "activation_checkpointing": "per layer (transformers, non-reentrant)"}
+
+    def step(self, ids: torch.Tensor) -> float:
+        ids = ids.to(self.engine.device, non_blocking=True)
+        total = torch.zeros((), device=self.engine.device)
+        for micro in ids.split(self.spec.micro_batch):
+            loss = self.engine(input_ids=micro, labels=micro, use_cache=False).loss
+            self.engine.backward(loss)  # scaled by 1 / gradient_accumulation_steps inside
+            self.engine.step()          # the optimizer step runs at the accumulation boundary only
+            total += loss.detach().float()
+        return (total / self.spec.micro_batches).item()
+
+    def drain(self) -> None:
+        torch.cuda.synchronize()
+
+    def breakdown(self) -> None:
+        return None
+
+    def pinned_bytes(self) -> int | None:
+        return None  # through torch's pinned allocator: the child reads its statistics
+
+    def close(self) -> None:
+        destroy = getattr(self.engine, "destroy", None)
+        if destroy is not None:
+            destroy()
+
+
+def build(spec: RunSpec) -> DeepspeedTrainer:
+    return DeepspeedTrainer(spec)

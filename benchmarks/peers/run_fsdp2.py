@@ -1,0 +1,85 @@
+"""PyTorch FSDP2 (``fully_shard``) at world size 1: on CUDA with CPU offload and bf16 mixed precision.
+
+On CUDA: every decoder layer, then the root, is sharded with
+``CPUOffloadPolicy(pin_memory=True)`` (fp32 parameters, gradients and AdamW state in
+pinned host memory; each layer's parameters are copied to the GPU for its forward and
+backward) and ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; the optimizer
+is ``torch.optim.AdamW(fused=True)`` over the CPU shards (torch's fused CPU kernel).
+On a CPU there is nothing to offload to: the same sharding in fp32 with no offload policy
+(the details record what ran). NCCL on CUDA, gloo on a CPU; the parent sets
+MASTER_ADDR/MASTER_PORT.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from .run_pytorch import accumulate
+from .spec import RunSpec
+from .weights import build_hf_model, distinct_parameters
+
+
+class Fsdp2Trainer:
+    def __init__(self, spec: RunSpec) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        self.spec = spec
+        self.device = torch.device(spec.device)
+        cuda = spec.device == "cuda"
+        if cuda:
+            torch.cuda.set_device(0)
+        backend = "nccl" if cuda else "gloo"
+        dist.init_process_group(backend, rank=0, world_size=1)
+        mesh = init_device_mesh(spec.device, (1,))
+        # Built in host memory: with CPU offload that is where the shards live; fully_shard moves each
+        # parameter to the device, shards it and, offloading, copies the shard back to pinned host memory.
+        model = build_hf_model(spec, "cpu")
+        self.params = distinct_parameters(model)
+        if cuda:
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            offload = CPUOffloadPolicy(pin_memory=True)
+        else:
+            mp, offload = MixedPrecisionPolicy(), OffloadPolicy()
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                                           weight_decay=spec.weight_decay, fused=True)
+        self.details = {
+            "backend": backend,
+            "offload": "CPUOffloadPolicy(pin_memory=True)" if cuda else "none (a CPU run has nothing to offload to)",
+            "mixed_precision": "param bf16, reduce fp32" if cuda else "none (fp32)",
+            "activation_checkpointing": "per layer (non-reentrant)",
+            "optimizer": "torch.optim.AdamW(fused=True) on the CPU shards",
+        }
+
+    def step(self, ids: torch.Tensor) -> float:
+        ids = ids.to(self.device, non_blocking=True)
+        loss = accumulate(self.model, ids, self.spec, contextlib.nullcontext())  # bf16 comes from mp_policy
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def drain(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def breakdown(self) -> None:
+        return None
+
+    def pinned_bytes(self) -> int | None:
+        return None  # through torch's pinned allocator: the child reads its statistics
+
+    def close(self) -> None:
+        del self.optimizer, self.model
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def build(spec: RunSpec) -> Fsdp2Trainer:
+    return Fsdp2Trainer(spec)

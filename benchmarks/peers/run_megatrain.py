@@ -1,0 +1,111 @@
+"""megatrain with its planner's plan: weights and AdamW state in host memory, blocks streamed to the device.
+
+bf16 compute on CUDA, fp32 on a CPU (a CPU's bf16 matmuls are slow). The plan is the
+planner's best for this machine (``detect()``: host limits measured, GPU rates from its
+preset) and this workload, with clipping and without spill; when the planner finds none,
+``Plan(micro_batch_size=<the peers' micro-batch>)`` runs and the details say so.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import Any
+
+from .spec import RunSpec
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+
+def import_megatrain() -> str:
+    """Make ``megatrain.runtime`` / ``.planner`` importable: installed (``pip install -e .``), or else
+    straight from this checkout, mapping the folders as pyproject.toml does. Returns which."""
+    if importlib.util.find_spec("megatrain") is not None:
+        try:
+            if importlib.util.find_spec("megatrain.runtime") is not None:
+                return "installed"
+        except ModuleNotFoundError:
+            pass
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    import megatrain
+
+    for sub in ("planner", "runtime", "tools"):  # planner first: the runtime imports its Plan
+        name = f"megatrain.{sub}"
+        if name in sys.modules:
+            continue
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, sub, "__init__.py"),
+                                                      submodule_search_locations=[os.path.join(ROOT, sub)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        setattr(megatrain, sub, module)
+        spec.loader.exec_module(module)
+    return f"from the checkout at {ROOT} (not installed)"
+
+
+def plan_for(spec: RunSpec) -> tuple[Any, dict[str, Any]]:
+    """The planner's plan for this run, and what the planner said (its prediction, or why it has none)."""
+    from megatrain.planner import model_shapes, search
+    from megatrain.planner.profiler import detect
+    from megatrain.planner.workload import Workload
+    from megatrain.runtime import Plan
+
+    work = Workload(spec.seq, spec.batch, compute_dtype="bf16" if spec.device == "cuda" else "fp32",
+                    clipping=True, spill="none")
+    result = search.search(model_shapes.from_config(spec.config), work, detect())
+    if result.best is None:
+        plan = Plan(micro_batch_size=spec.micro_batch)
+        return plan, {"planner": f"no plan fits ({result.reason()}); ran Plan(micro_batch_size={spec.micro_batch})"}
+    best = result.best
+    said: dict[str, Any] = {"planner": "best of the search",
+                            "predicted_device_bytes": best.memory.device_bytes,
+                            "predicted_host_bytes": best.memory.host_bytes}
+    if best.cost is not None:
+        said.update(predicted_step_seconds=best.cost.step_seconds, predicted_bottleneck=best.cost.bottleneck)
+    return best.plan, said
+
+
+class MegatrainTrainer:
+    def __init__(self, spec: RunSpec) -> None:
+        import torch
+
+        from .weights import InitialWeights, parameter_shapes
+
+        how = import_megatrain()
+        from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
+
+        self.cuda = spec.device == "cuda"
+        dtype = torch.bfloat16 if self.cuda else torch.float32
+        plan, said = plan_for(spec)
+        optimizer = OptimizerConfig(lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
+                                    max_grad_norm=spec.max_grad_norm)
+        # _skip_init: every weight is loaded next (what from_pretrained does); saves a full random init.
+        self.engine = Engine(ModelConfig.from_hf(spec.config), optimizer=optimizer, plan=plan, compute_dtype=dtype,
+                             device=spec.device, seed=spec.seed, _skip_init=True)
+        self.engine.load_state_dict(InitialWeights(parameter_shapes(spec), spec))
+        self.params = self.engine.num_parameters
+        self.details = {"compute_dtype": str(dtype).replace("torch.", ""), "plan": plan.to_dict(), **said,
+                        "megatrain": how,
+                        "optimizer": "megatrain CPU AdamW (torch fused CPU kernel), fp32 masters and state in host RAM"}
+
+    def step(self, ids) -> float:
+        # .item(): the step's end as a training loop that logs its loss sees it; the deferred
+        # AdamW of this step may still run, overlapping the next step's forward (drain() waits for it).
+        return self.engine.step(ids, ids).item()
+
+    def drain(self) -> None:
+        self.engine.synchronize()
+
+    def breakdown(self) -> dict[str, float] | None:
+        return getattr(self.engine, "last_step_breakdown", None)
+
+    def pinned_bytes(self) -> int | None:
+        store = getattr(self.engine, "store", None)
+        return getattr(store, "nbytes", None) if self.cuda else 0
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def build(spec: RunSpec) -> MegatrainTrainer:
+    return MegatrainTrainer(spec)

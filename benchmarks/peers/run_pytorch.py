@@ -1,0 +1,69 @@
+"""Plain PyTorch with the whole model on the device: what fits in GPU memory, done the usual way.
+
+transformers' Llama with fp32 master weights on the device, bf16 autocast on CUDA (none on
+a CPU), per-layer activation checkpointing, gradient accumulation over the micro-batches,
+``clip_grad_norm_`` and ``torch.optim.AdamW(fused=True)`` on the device.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .spec import RunSpec
+from .weights import build_hf_model, distinct_parameters
+
+
+def _autocast(device: str):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else contextlib.nullcontext()
+
+
+def accumulate(model: torch.nn.Module, ids: torch.Tensor, spec: RunSpec, autocast) -> torch.Tensor:
+    """Forward and backward over the micro-batches of ``ids`` [batch, seq]; returns the step's mean loss
+    (a device scalar). Every micro-batch holds as many tokens, so the mean of their means is the mean."""
+    total = torch.zeros((), device=ids.device)
+    for micro in ids.split(spec.micro_batch):
+        with autocast:
+            loss = model(input_ids=micro, labels=micro, use_cache=False).loss
+        (loss / spec.micro_batches).backward()
+        total += loss.detach()
+    return total / spec.micro_batches
+
+
+class PytorchTrainer:
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
+        self.device = torch.device(spec.device)
+        self.model = build_hf_model(spec, self.device)
+        self.params = distinct_parameters(self.model)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                                           weight_decay=spec.weight_decay, fused=True)
+        self.autocast = _autocast(spec.device)
+        self.details = {"compute_dtype": "bf16 autocast" if spec.device == "cuda" else "fp32",
+                        "weights": f"fp32 on {spec.device}", "activation_checkpointing": "per layer (non-reentrant)",
+                        "optimizer": f"torch.optim.AdamW(fused=True) on {spec.device}"}
+
+    def step(self, ids: torch.Tensor) -> float:
+        ids = ids.to(self.device, non_blocking=True)
+        loss = accumulate(self.model, ids, self.spec, self.autocast)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.item()  # waits for the optimizer too: it is queued before the copy on the same stream
+
+    def drain(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def breakdown(self) -> None:
+        return None
+
+    def pinned_bytes(self) -> int | None:
+        return 0
+
+    def close(self) -> None:
+        del self.optimizer, self.model
+
+
+def build(spec: RunSpec) -> PytorchTrainer:
+    return PytorchTrainer(spec)

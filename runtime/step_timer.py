@@ -1,0 +1,100 @@
+"""Where a step's time goes: compute, and what of the transfers and the optimizer is exposed.
+
+On CUDA the copies run on their own streams; what costs time is the compute
+stream waiting for them. Each such wait is bracketed by two timing events on
+the compute stream, so its elapsed time is the stall (zero when the copy was
+already done). Compute is the compute stream's span less its stalls. On a CPU
+every copy runs in program order on the calling thread, so their host time is
+what they cost. On both, host time blocked on the AdamW worker (a block's
+update before its next load, an eager gradient slab) is the exposed optimizer.
+
+Nothing here syncs during the step; ``breakdown()`` reads the events of the
+last finished step (waiting for its end once) when someone asks.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator
+
+import torch
+
+from .streams import Event, Stream
+
+KINDS = ("h2d", "d2h", "ckpt", "adam")
+
+
+class StepTimer:
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self._host = dict.fromkeys(KINDS, 0.0)  # host seconds, per kind
+        self._stalls: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._wall0 = 0.0
+        self._wall = 0.0
+        self._done: dict[str, float] | None = None
+        self._pending = False
+
+    def begin(self, compute: Stream) -> None:
+        self._host = dict.fromkeys(KINDS, 0.0)
+        self._stalls = []
+        self._wall0 = time.perf_counter()
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(compute.raw)
+            self._span = (start, start)
+
+    def end(self, compute: Stream) -> None:
+        self._wall = time.perf_counter() - self._wall0
+        if self.cuda and self._span is not None:
+            stop = torch.cuda.Event(enable_timing=True)
+            stop.record(compute.raw)
+            self._span = (self._span[0], stop)
+        self._pending, self._done = True, None
+
+    def wait(self, kind: str, event: Event, stream: Stream) -> None:
+        """``event.wait_on(stream)``, timing the stall it causes on CUDA."""
+        if not self.cuda or not event.recorded:
+            event.wait_on(stream)
+            return
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(stream.raw)
+        event.wait_on(stream)
+        after.record(stream.raw)
+        self._stalls.append((kind, before, after))
+
+    @contextlib.contextmanager
+    def host(self, kind: str) -> Iterator[None]:
+        """Host time of a copy (CPU only: on CUDA copies are asynchronous) or of a wait on AdamW (both)."""
+        if self.cuda and kind != "adam":
+            yield
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._host[kind] += time.perf_counter() - t0
+
+    def breakdown(self) -> dict[str, float] | None:
+        """Seconds of the last finished step: step, compute, exposed h2d / d2h / ckpt traffic / adam."""
+        if not self._pending:
+            return self._done
+        if self.cuda and self._span is not None:
+            self._span[1].synchronize()  # the only wait: when the caller asks, after the step
+            span = self._span[0].elapsed_time(self._span[1]) / 1e3
+            stalls = dict.fromkeys(KINDS, 0.0)
+            for kind, before, after in self._stalls:
+                stalls[kind] += before.elapsed_time(after) / 1e3
+            exposed = {k: stalls[k] for k in ("h2d", "d2h", "ckpt")}
+            exposed["adam"] = self._host["adam"]
+            compute = max(0.0, span - sum(stalls.values()))
+            step = max(self._wall, span)
+        else:
+            exposed = dict(self._host)
+            step = self._wall
+            compute = max(0.0, step - sum(exposed.values()))
+        self._done = {"step_s": step, "compute_s": compute, "h2d_exposed_s": exposed["h2d"],
+                      "d2h_exposed_s": exposed["d2h"], "ckpt_traffic_s": exposed["ckpt"],
+                      "adam_exposed_s": exposed["adam"]}
+        self._pending = False
+        return self._done

@@ -1,0 +1,123 @@
+"""benchmarks/peers.py on the CPU at a tiny size, and the pieces of its report.
+
+The end-to-end test runs the real command: megatrain, PyTorch in memory and FSDP2 each
+in its own subprocess from the same weights and batches (fp32 on a CPU, so their losses
+agree to float32 noise), DeepSpeed recorded as not run; the JSON and Markdown are
+written. No timing is asserted (benchmarks measure; tests check).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from peers import report  # noqa: E402
+from peers.child import status_of  # noqa: E402
+from peers.spec import RunSpec, model_config  # noqa: E402
+from peers.sweep import sweep_batch  # noqa: E402
+
+RAN_HERE = ("megatrain", "pytorch", "fsdp2")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("peers")
+    out = tmp / "results"
+    # lr 1e-2: large enough that a system that skipped its update would miss the 1e-4 agreement below.
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--model", "tiny", "--seq", "32", "--batch", "4",
+           "--micro-batch", "2", "--steps", "2", "--lr", "1e-2", "--device", "cpu", "--out", str(out),
+           "--logs", str(tmp / "logs")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    [path] = out.glob("*_cpu_peers.json")
+    return json.loads(path.read_text()), path, proc
+
+
+def test_every_cpu_system_runs_and_agrees(tiny_run):
+    rep, _, _ = tiny_run
+    rows = {r["system"]: r for r in rep["runs"]}
+    assert set(rows) == {"megatrain", "pytorch", "fsdp2", "deepspeed"}
+    for name in RAN_HERE:
+        r = rows[name]
+        assert r["status"] == "ok", (name, r["status"], r.get("log_tail"))
+        assert r["tokens_per_second"] > 0 and r["model_tflops"] > 0 and r["mfu"] > 0
+        assert len(r["losses"]) == 2 and len(r["step_seconds"]) == 2
+        assert r["params"] == rows["pytorch"]["params"]
+        assert r["loss_reference"] == "pytorch"
+        # Same weights, same batches, fp32: the first loss (before any update) and the last agree.
+        assert r["first_loss_rel_diff"] < 1e-5, (name, r["losses"], rows["pytorch"]["losses"])
+        assert r["final_loss_rel_diff"] < 1e-4, (name, r["losses"], rows["pytorch"]["losses"])
+        assert r["peak_host_rss_bytes"] > 0
+    assert rows["deepspeed"]["status"] == "not run: needs CUDA"
+    assert rows["megatrain"]["details"]["planner"] == "best of the search"
+    assert rows["megatrain"]["breakdown_median"]["step_s"] > 0
+    assert rows["fsdp2"]["details"]["offload"].startswith("none")
+    assert rep["machine"]["device"] == "cpu" and rep["matmul_peak_tflops"] > 0
+
+
+def test_report_files_are_written(tiny_run):
+    rep, path, proc = tiny_run
+    md = path.with_suffix(".md").read_text()
+    for name in ("megatrain", "pytorch", "fsdp2", "deepspeed", "not run: needs CUDA", "recompute"):
+        assert name in md
+    assert md in proc.stdout  # the table is also printed
+    figure = rep["figure"]
+    assert figure.startswith("skipped") or pathlib.Path(figure).is_file()
+
+
+def test_sweep_batches_divide():
+    assert sweep_batch(2048, 32768, 8192) == (16, 4)
+    assert sweep_batch(8192, 32768, 8192) == (4, 1)
+    assert sweep_batch(3000, 32768, 9000) == (10, 2)  # 3 does not divide 10: the micro-batch shrinks
+    assert sweep_batch(65536, 32768, 8192) == (1, 1)
+
+
+def test_failures_are_classified():
+    class OutOfMemoryError(RuntimeError):
+        pass
+
+    s = status_of(OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), {"peak_gpu_bytes": 3 * 2**30})
+    assert s.startswith("out of memory (GPU, peak 3.0 GiB)")
+    assert status_of(ValueError("bad\nmore"), {}) == "failed: ValueError: bad"
+
+
+def _row(system: str, status: str, final: float | None = None) -> dict:
+    spec = RunSpec(system=system, model="tiny", config=model_config("tiny", None, 32), seq=32, batch=4, micro_batch=2,
+                   steps=2)
+    raw = {"status": status}
+    if final is not None:
+        raw.update(step_seconds=[1.0, 0.5], losses=[6.0, final])
+
+    class Shape:  # the two things derive() reads of the planner's ModelShape, for a 1000-parameter model
+        params, num_layers = 1000, 2
+
+        def model_flops_per_token(self):
+            return 6000.0
+
+        def attention_flops_fwd(self, seq):
+            return 10.0
+
+        def attention_flops_bwd(self, seq):
+            return 25.0
+
+    return report.derive(spec, raw, Shape(), peak_tflops=1.0)
+
+
+def test_loss_reference_falls_back_when_pytorch_did_not_run():
+    rows = [_row("megatrain", "ok", 5.0), _row("pytorch", "out of memory (GPU, peak 79.0 GiB): ..."),
+            _row("fsdp2", "ok", 5.5)]
+    report.agree(rows)
+    assert rows[0]["loss_reference"] == "megatrain" and rows[0]["final_loss_rel_diff"] == 0
+    assert rows[2]["final_loss_rel_diff"] == pytest.approx(0.1)
+    assert rows[0]["median_step_seconds"] == 0.5 and rows[0]["tokens_per_second"] == 256
+    assert "final_loss_rel_diff" not in rows[1]
+    machine = {"device": "cpu", "cpu": "x", "cores": 2, "usable_cores": 2, "python": "3", "torch": "t",
+               "matmul_peak": {"tflops": 1.0, "dtype": "float32", "n": 8}}
+    md = report.markdown(report.build(machine, "2026-01-01", {"warmup": 1}, rows))
+    assert "| pytorch | out of memory (GPU, peak 79.0 GiB): ... |" in md
