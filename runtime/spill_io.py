@@ -72,6 +72,20 @@ def preallocate(fd: int, nbytes: int, path: str) -> None:
         os.ftruncate(fd, nbytes)  # a filesystem without fallocate: sparse, checked as it fills
 
 
+def create_preallocated(path: str, nbytes: int) -> int:
+    """A new spill file of ``nbytes``, reserved on disk; returns its (read-write) descriptor."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    except OSError as e:
+        raise SpillError(f"cannot create spill file {path}: {e.strerror}; check spill_dir exists and is writable") from None
+    try:
+        preallocate(fd, nbytes, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class PosixIO:
     name = "posix"
 
@@ -82,11 +96,7 @@ class PosixIO:
         self._fds: list[tuple[int, int | None, str]] = []  # (buffered fd, direct fd or None, path)
 
     def open(self, path: str, nbytes: int) -> int:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        except OSError as e:
-            raise SpillError(f"cannot create spill file {path}: {e.strerror}; check spill_dir exists and is writable") from None
-        preallocate(fd, nbytes, path)
+        fd = create_preallocated(path, nbytes)
         direct = self._open_direct(path) if self._want_direct else None
         self._fds.append((fd, direct, path))
         return len(self._fds) - 1
@@ -167,11 +177,7 @@ class KvikioIO:
         self._files: list[tuple[object, str]] = []
 
     def open(self, path: str, nbytes: int) -> int:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        except OSError as e:
-            raise SpillError(f"cannot create spill file {path}: {e.strerror}; check spill_dir exists and is writable") from None
-        preallocate(fd, nbytes, path)
+        fd = create_preallocated(path, nbytes)
         os.close(fd)
         self._files.append((self._kvikio.CuFile(path, "r+"), path))
         return len(self._files) - 1

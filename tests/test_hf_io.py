@@ -23,18 +23,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from megatrain.runtime import ConfigError, Engine, InputError, ModelConfig, OptimizerConfig, Plan  # noqa: E402
 
-COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
-FAMILIES = {
-    "llama": lambda tied: transformers.LlamaConfig(**COMMON, tie_word_embeddings=tied, attention_bias=True),
-    "llama3-rope": lambda tied: transformers.LlamaConfig(
-        **COMMON, tie_word_embeddings=tied,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
-    "qwen2": lambda tied: transformers.Qwen2Config(**COMMON, tie_word_embeddings=tied),
-    "qwen3": lambda tied: transformers.Qwen3Config(**COMMON, tie_word_embeddings=tied, head_dim=12),
-    "mistral": lambda tied: transformers.MistralConfig(**COMMON, tie_word_embeddings=tied, sliding_window=None),
-}
+from test_hf_parity import COMMON, FAMILIES  # noqa: E402  (the same tiny families)
+
 PLAN = Plan(micro_batch_size=2, loss_chunk_tokens=16)
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1)
 

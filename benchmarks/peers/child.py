@@ -71,7 +71,7 @@ def status_of(e: BaseException, result: dict[str, Any]) -> str:
     """``out of memory (<where>, peak ...): <message>`` or ``failed: <type>: <message>``."""
     msg = _first_line(e)
     low = msg.lower()
-    if type(e).__name__ == "OutOfMemoryError" or "out of memory" in low or "cannot pin" in low:
+    if type(e).__name__ == "OutOfMemoryError" or "out of memory" in low:
         gpu = "cuda" in low or type(e).__name__ == "OutOfMemoryError"
         peak = result.get("peak_gpu_bytes") if gpu else result.get("peak_host_rss_bytes")
         where = "GPU" if gpu else "host"

@@ -16,7 +16,8 @@ def _list(kind, choices=None):
         items = [kind(x) for x in text.split(",") if x.strip()]
         bad = [x for x in items if choices is not None and x not in choices]
         if bad or not items:
-            raise argparse.ArgumentTypeError(f"{text!r}: give a comma-separated list of {', '.join(choices or ['numbers'])}")
+            of = ", ".join(choices or ["numbers"])
+            raise argparse.ArgumentTypeError(f"{text!r}: give a comma-separated list of {of}")
         return items
     return parse
 
@@ -29,18 +30,20 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8, help="sequences per optimizer step (global batch)")
     p.add_argument("--micro-batch", type=int, default=2,
                    help="sequences per micro-batch of the peers (megatrain takes its plan's)")
-    p.add_argument("--steps", type=int, default=4, help="optimizer steps per system")
+    p.add_argument("--steps", type=int, help="optimizer steps per system (default 4; 3 with --sweep)")
     p.add_argument("--warmup", type=int, default=1, help="first steps left out of the median")
     p.add_argument("--systems", type=_list(str, SYSTEMS), default=list(SYSTEMS),
                    help=f"comma-separated, of {','.join(SYSTEMS)} (default all)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA when there is one")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the token batches")
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (every system; default 3e-4)")
-    p.add_argument("--out", default=os.path.join(HERE, "results"), help="folder of the report (default benchmarks/results)")
+    p.add_argument("--out", default=os.path.join(HERE, "results"),
+                   help="folder of the report (default benchmarks/results)")
     p.add_argument("--logs", help="folder for each run's output (default: a temporary folder, printed)")
     p.add_argument("--resume", action="store_true",
                    help="keep the runs of today's report for this device; run what it lacks or ran out of time for")
-    p.add_argument("--time-budget", type=float, help="seconds for the whole comparison (default: none; 540 with --sweep)")
+    p.add_argument("--time-budget", type=float,
+                   help="seconds for the whole comparison (default: none; 540 with --sweep)")
     p.add_argument("--run-timeout", type=float, default=900, help="seconds at most for one system's run")
     g = p.add_argument_group("sweep (--sweep)")
     g.add_argument("--sweep", action="store_true", help="sizes x sequence lengths, then grow the model per system")
@@ -70,6 +73,8 @@ def main(doc: str, argv: list[str] | None = None) -> int:
     from .spec import RunSpec, model_config
     from .sweep import Comparison, echo
 
+    if args.steps is None:
+        args.steps = 3 if args.sweep else 4
     if not args.sweep:  # check the single run's numbers before starting anything
         try:
             RunSpec(system="pytorch", model=args.model, config=model_config(args.model, args.layers, args.seq),
@@ -91,6 +96,7 @@ def main(doc: str, argv: list[str] | None = None) -> int:
                 "sweep": args.sweep}
     cmp = Comparison(machine, args.out, args.logs, settings, budget, args.run_timeout, args.resume)
     echo(f"logs in {cmp.logs}")
+    cmp.prepare(args.systems)
     if args.sweep:
         settings.update(sizes=args.sizes, seqs=args.seqs, sweep_tokens=args.sweep_tokens,
                         sweep_micro_tokens=args.sweep_micro_tokens, grow_layers=args.grow_layers)

@@ -77,6 +77,26 @@ def run_probe(device: str, timeout: float = 300) -> dict[str, Any]:
             return json.load(f)
 
 
+def build_deepspeed_ops(timeout: float, log_path: str) -> tuple[str, float]:
+    """JIT-build DeepSpeedCPUAdam once, before the DeepSpeed runs (ninja; minutes the first time on a machine).
+
+    Returns ("ok" or why not, seconds). Apart from the runs so that no run's setup time includes the
+    build, and a build that fails says so once."""
+    t0 = time.monotonic()
+    code = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, env=child_env(),
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            return f"timed out after {timeout:.0f} s (see {log_path})", time.monotonic() - t0
+    if proc.returncode != 0:
+        return f"exit status {proc.returncode}: {_last_error_line(_tail(log_path))}", time.monotonic() - t0
+    return "ok", time.monotonic() - t0
+
+
 def launch(spec: RunSpec, timeout: float, log_path: str, echo: Callable[[str], None],
            budget_end: float | None = None) -> dict[str, Any]:
     """Run ``spec`` in a child; returns its raw result with the parent's readings added:

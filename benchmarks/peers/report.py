@@ -216,7 +216,8 @@ def plot(report: dict[str, Any], path: str) -> str:
     failed = [r for r in report["runs"] if r["status"].startswith(("out of memory", "failed"))]
     for ax, seq in zip(axes[0], seqs):
         for system in SYSTEMS:
-            pts = sorted((r["params"] / 1e9, r["tokens_per_second"]) for r in ok if r["seq"] == seq and r["system"] == system)
+            pts = sorted((r["params"] / 1e9, r["tokens_per_second"]) for r in ok
+                         if r["seq"] == seq and r["system"] == system)
             if pts:
                 line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
                 # The sizes where it failed: crosses on the axis, in its colour.

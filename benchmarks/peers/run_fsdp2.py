@@ -6,7 +6,7 @@ pinned host memory; each layer's parameters are copied to the GPU for its forwar
 backward) and ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; the optimizer
 is ``torch.optim.AdamW(fused=True)`` over the CPU shards (torch's fused CPU kernel).
 On a CPU there is nothing to offload to: the same sharding in fp32 with no offload policy
-(the details record what ran). NCCL on CUDA, gloo on a CPU; the parent sets
+(the details record what ran). NCCL and gloo on CUDA, gloo on a CPU; the parent sets
 MASTER_ADDR/MASTER_PORT.
 """
 from __future__ import annotations
@@ -31,7 +31,9 @@ class Fsdp2Trainer:
         cuda = spec.device == "cuda"
         if cuda:
             torch.cuda.set_device(0)
-        backend = "nccl" if cuda else "gloo"
+        # CPU offload: the shards and their gradients are CPU tensors, so the norm reduction of clipping
+        # runs on CPU tensors and needs gloo beside NCCL (torchtitan does the same).
+        backend = "cuda:nccl,cpu:gloo" if cuda else "gloo"
         dist.init_process_group(backend, rank=0, world_size=1)
         mesh = init_device_mesh(spec.device, (1,))
         # Built in host memory: with CPU offload that is where the shards live; fully_shard moves each

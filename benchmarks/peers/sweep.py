@@ -65,19 +65,33 @@ class Comparison:
 
     def spec(self, system: str, model: str, layers: int | None, seq: int, batch: int, micro_batch: int) -> RunSpec:
         s = self.settings
-        return RunSpec(system=system, model=model_label(model, layers), config=model_config(model, layers, seq), seq=seq,
-                       batch=batch, micro_batch=micro_batch, steps=s["steps"], warmup=s["warmup"],
+        return RunSpec(system=system, model=model_label(model, layers), config=model_config(model, layers, seq),
+                       seq=seq, batch=batch, micro_batch=micro_batch, steps=s["steps"], warmup=s["warmup"],
                        device=self.device, seed=s["seed"], lr=s["lr"], betas=tuple(s["betas"]), eps=s["eps"],
                        weight_decay=s["weight_decay"], max_grad_norm=s["max_grad_norm"])
 
-    def _not_run_here(self, spec: RunSpec) -> str | None:
-        if spec.system != "deepspeed":
+    def _not_run_here(self, system: str) -> str | None:
+        """Why ``system`` cannot run on this machine, or None."""
+        if system != "deepspeed":
             return None
-        if spec.device != "cuda":
+        if self.device != "cuda":
             return "not run: needs CUDA"
         if importlib.util.find_spec("deepspeed") is None:
             return "not run: not installed (install the wheels of ../shared/tools/device-wheels)"
+        build = self.settings.get("deepspeed_cpu_adam_build")
+        if build is not None and build["status"] != "ok":
+            return f"not run: DeepSpeedCPUAdam did not build: {build['status']}"
         return None
+
+    def prepare(self, systems: list[str]) -> None:
+        """Build DeepSpeed's CPU Adam once before its runs, when they will run."""
+        if "deepspeed" not in systems or self._not_run_here("deepspeed") is not None:
+            return
+        timeout = 600.0 if self.deadline is None else max(1.0, min(600.0, self.deadline - time.monotonic()))
+        echo(f"building DeepSpeedCPUAdam (ninja; up to {timeout:.0f} s)")
+        status, seconds = launcher.build_deepspeed_ops(timeout, os.path.join(self.logs, "deepspeed_cpu_adam_build.log"))
+        self.settings["deepspeed_cpu_adam_build"] = {"status": status, "seconds": seconds}
+        echo(f"  DeepSpeedCPUAdam build: {status} ({seconds:.0f} s)")
 
     def run(self, spec: RunSpec) -> dict[str, Any]:
         """Run one spec (or find it done, or record why not), add its row, rewrite the report."""
@@ -87,7 +101,7 @@ class Comparison:
             return row
         shape = self._shape(spec.config)
         remaining = None if self.deadline is None else self.deadline - time.monotonic()
-        reason = self._not_run_here(spec)
+        reason = self._not_run_here(spec.system)
         if reason is None and self.out_of_time():
             reason = f"{BUDGET_NOT_RUN} ran out before this run"
         if reason is not None:
