@@ -7,7 +7,7 @@
 
 Systems, each in a fresh subprocess (peak memory is its own), from the same initial
 weights and token batches, with the same global batch, sequence length, clipping
-(max_grad_norm 1.0) and AdamW hyper-parameters (lr 3e-4, betas 0.9/0.95, eps 1e-8,
+(max_grad_norm 1.0) and AdamW hyper-parameters (lr 3e-4 unless --lr, betas 0.9/0.95, eps 1e-8,
 weight decay 0.1 on every parameter):
 
   megatrain  the planner's plan; bf16 compute on CUDA, fp32 on a CPU

@@ -273,7 +273,7 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
         log("host memcpy and CPU matmul (no GPU)")
         h2d = d2h = cpu_copy_gbps()
         duplex = h2d
-        tflops = matmul_tflops("cpu", ("float32", "bfloat16"), 512)
+        tflops = matmul_tflops("cpu", ("float32", "bfloat16"), 1024)
         link = "none"
     return HardwareProfile(
         gpu_name=name, gpu_mem_bytes=mem, h2d_gbps=h2d, d2h_gbps=d2h, duplex_gbps=duplex, matmul_tflops=tflops,

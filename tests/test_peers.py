@@ -48,7 +48,7 @@ def test_every_cpu_system_runs_and_agrees(tiny_run):
         assert r["status"] == "ok", (name, r["status"], r.get("log_tail"))
         assert r["tokens_per_second"] > 0 and r["model_tflops"] > 0 and r["mfu"] > 0
         assert len(r["losses"]) == 2 and len(r["step_seconds"]) == 2
-        assert r["params"] == rows["pytorch"]["params"]
+        assert r["system_params"] == r["params"] and "params_mismatch" not in r
         assert r["loss_reference"] == "pytorch"
         # Same weights, same batches, fp32: the first loss (before any update) and the last agree.
         assert r["first_loss_rel_diff"] < 1e-5, (name, r["losses"], rows["pytorch"]["losses"])

@@ -47,8 +47,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--run-timeout", type=float, default=900, help="seconds at most for one system's run")
     g = p.add_argument_group("sweep (--sweep)")
     g.add_argument("--sweep", action="store_true", help="sizes x sequence lengths, then grow the model per system")
-    g.add_argument("--sizes", type=_list(str, [m for m in MODELS if m != "tiny"] + ["tiny"]), default=["1b", "3b"])
-    g.add_argument("--seqs", type=_list(int), default=[2048, 8192])
+    g.add_argument("--sizes", type=_list(str, list(MODELS)), default=["1b", "3b"],
+                   help="model shapes, smallest first (default 1b,3b); growth adds layers to the last")
+    g.add_argument("--seqs", type=_list(int), default=[2048, 8192], help="sequence lengths (default 2048,8192)")
     g.add_argument("--sweep-tokens", type=int, default=32768, help="tokens per optimizer step (batch = this / seq)")
     g.add_argument("--sweep-micro-tokens", type=int, default=8192, help="tokens per micro-batch of the peers")
     g.add_argument("--grow-layers", type=int, default=14, help="layers added per growth level (0: no growth)")

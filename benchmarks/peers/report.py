@@ -37,8 +37,8 @@ def derive(spec: RunSpec, raw: dict[str, Any], shape: Any, peak_tflops: float) -
         "params": shape.params, "seq": spec.seq, "batch": spec.batch, "micro_batch": spec.micro_batch,
         "tokens_per_step": spec.tokens, "steps": spec.steps, "warmup": spec.warmup, "device": spec.device,
     }
-    row.update(raw)
-    row["system"] = spec.system
+    row.update({k: v for k, v in raw.items() if k != "params"})
+    row["system_params"] = raw.get("params")  # the system's own count; "params" (6N's N) is the shape's
     if raw.get("status") != "ok":
         return row
     steady = raw["step_seconds"][spec.warmup:]
@@ -49,8 +49,8 @@ def derive(spec: RunSpec, raw: dict[str, Any], shape: Any, peak_tflops: float) -
                attention_tflops=attention * spec.tokens / step / 1e12,
                mfu=model_tflops / peak_tflops if peak_tflops else None,
                first_loss=raw["losses"][0], final_loss=raw["losses"][-1])
-    if raw.get("params") is not None and raw["params"] != shape.params:
-        row["params_mismatch"] = f"the system counts {raw['params']} parameters, the model shape {shape.params}"
+    if row["system_params"] is not None and row["system_params"] != shape.params:
+        row["params_mismatch"] = f"the system counts {row['system_params']} parameters, the model shape {shape.params}"
     breakdowns = [b for b in raw.get("breakdowns", [])[spec.warmup:] if b]
     if breakdowns:
         med = {k: statistics.median(b.get(k, 0.0) for b in breakdowns) for k in BREAKDOWN_KEYS if k in breakdowns[0]}
