@@ -42,6 +42,8 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--logs", help="folder for each run's output (default: a temporary folder, printed)")
     p.add_argument("--resume", action="store_true",
                    help="keep the runs of today's report for this device; run what it lacks or ran out of time for")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="with --resume: run again the runs that failed (out of memory and not-run results stay)")
     p.add_argument("--time-budget", type=float,
                    help="seconds for the whole comparison (default: none; 540 with --sweep)")
     p.add_argument("--run-timeout", type=float, default=900, help="seconds at most for one system's run")
@@ -95,7 +97,7 @@ def main(doc: str, argv: list[str] | None = None) -> int:
     settings = {"steps": args.steps, "warmup": args.warmup, "seed": args.seed, "lr": args.lr, "betas": [0.9, 0.95],
                 "eps": 1e-8, "weight_decay": 0.1, "max_grad_norm": 1.0, "command": " ".join(sys.argv),
                 "sweep": args.sweep}
-    cmp = Comparison(machine, args.out, args.logs, settings, budget, args.run_timeout, args.resume)
+    cmp = Comparison(machine, args.out, args.logs, settings, budget, args.run_timeout, args.resume, args.retry_failed)
     echo(f"logs in {cmp.logs}")
     cmp.prepare(args.systems)
     if args.sweep:

@@ -12,7 +12,8 @@ A comparison is a list of cases (model shape, sequence, batch), each run by ever
 
 [Note: budget] A run is started only with at least ``MIN_RUN_SECONDS`` left, and stopped
 when the budget ends; what was not run is recorded as ``not run: the time budget ...`` and
-``--resume`` runs exactly those (and what is missing) again, keeping the rest.
+``--resume`` runs exactly those (and what is missing) again, keeping the rest; with
+``--retry-failed`` also the runs that failed (not those out of memory).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def echo(line: str) -> None:
 
 class Comparison:
     def __init__(self, machine: dict[str, Any], out_dir: str, logs_dir: str | None, settings: dict[str, Any],
-                 budget_seconds: float | None, run_timeout: float, resume: bool) -> None:
+                 budget_seconds: float | None, run_timeout: float, resume: bool, retry_failed: bool = False) -> None:
         self.machine = machine
         self.device = machine["device"]
         self.peak = machine["matmul_peak"]["tflops"]
@@ -54,7 +55,8 @@ class Comparison:
         if resume:
             old = report.load(self.stem)
             if old is not None:
-                keep = [r for r in old["runs"] if not r["status"].startswith(BUDGET_NOT_RUN)]
+                again = (BUDGET_NOT_RUN, "failed") if retry_failed else (BUDGET_NOT_RUN,)
+                keep = [r for r in old["runs"] if not r["status"].startswith(again)]
                 self.rows = keep
                 self.done = {report.run_key(r) for r in keep}
                 echo(f"resuming {self.stem}.json: {len(keep)} runs kept")
