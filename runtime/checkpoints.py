@@ -70,7 +70,7 @@ class HostCheckpoints:
         ready = self.streams.recorded(self.streams.compute)
         with self.streams.d2h.use():
             ready.wait_on(self.streams.d2h)
-            with self.timer.host("ckpt"):
+            with self.timer.busy("d2h", self.streams.d2h), self.timer.host("ckpt"):
                 self._host[layer, rows].copy_(x, non_blocking=True)
             done = self.streams.recorded(self.streams.d2h)
         self._pending.append((x, done))

@@ -31,6 +31,7 @@ import collections
 import concurrent.futures as cf
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -72,6 +73,9 @@ class AdamWorker:
         self._jobs: queue.Queue[AdamJob | None] = queue.Queue(maxsize=num_blocks + 1)
         self._updated = [0] * num_blocks  # last step whose update of block b is complete
         self._cond = threading.Condition()
+        # Per step: seconds the worker spent updating (not waiting for drains or reads), and jobs done.
+        self._busy: dict[int, list[float]] = {}
+        self._busy_complete: float | None = None  # the latest step whose every block is updated
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="megatrain-adamw", daemon=True)
         self._thread.start()
@@ -95,6 +99,20 @@ class AdamWorker:
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
+
+    @property
+    def busy_seconds(self) -> float | None:
+        """Update seconds of the latest step whose updates all finished (None before the first)."""
+        return self._busy_complete
+
+    def _account(self, step: int, seconds: float) -> None:
+        entry = self._busy.setdefault(step, [0.0, 0])
+        entry[0] += seconds
+        entry[1] += 1
+        if entry[1] == len(self._updated):
+            self._busy_complete = entry[0]
+            for s in [s for s in self._busy if s <= step]:
+                del self._busy[s]
 
     def raise_if_failed(self) -> None:
         if self._error is not None:
@@ -144,17 +162,19 @@ class AdamWorker:
         b, store, h = job.block, self.store, job.hyper
         n = store.numels[b]
         self.log.record("adam_begin", job.step, b)
-        with record_function(f"adam[{b}]"):
+        with record_function(f"adam_wait[{b}]"):  # the drain, the spilled reads, the clip coefficient
             job.grads_ready.synchronize()
             for r in reads:
                 r.result()
+            if job.clip is not None:
+                job.clip[1].synchronize()
+        with record_function(f"adam[{b}]"):  # the update itself: what adam_busy_s and traces count
+            t0 = time.perf_counter()
             staged = store.staging.buffers(staging) if staging is not None else {}  # type: ignore[union-attr]
             buf = lambda kind, ram: staged[kind][:n] if kind in staged else ram(b)  # noqa: E731
             grads = job.grads if job.grads is not None else staged["grads"][:n]
             if job.clip is not None:
-                coef, ready = job.clip
-                ready.synchronize()
-                grads.mul_(coef)
+                grads.mul_(job.clip[0])
             master = buf("master", store.master_of)
             m, v = buf("exp_avg", store.exp_avg_of), buf("exp_avg_sq", store.exp_avg_sq_of)
             step = store.steps[b]
@@ -170,8 +190,9 @@ class AdamWorker:
                         amsgrad=False, maximize=False,
                     )
             store.refresh_shadow(b, master)
-            if staging is not None:
-                self._write_behind(b, staging, staged)
+            self._account(job.step, time.perf_counter() - t0)
+        if staging is not None:
+            self._write_behind(b, staging, staged)
         if job.on_done is not None:
             job.on_done()
         self.log.record("adam_end", job.step, b)

@@ -117,9 +117,12 @@ class Engine:
     @property
     def last_step_breakdown(self) -> dict[str, float] | None:
         """Seconds of the last step: ``step_s``, ``compute_s``, and the exposed ``h2d_exposed_s``,
-        ``d2h_exposed_s``, ``ckpt_traffic_s`` (host checkpoints) and ``adam_exposed_s``. On CUDA, reading it
-        waits for that step to finish on the GPU (once); on a CPU the copies' host time is what they cost."""
-        return self.executor.timer.breakdown()
+        ``d2h_exposed_s``, ``ckpt_traffic_s`` (host checkpoints) and ``adam_exposed_s``; how long each
+        resource was busy, ``h2d_busy_s``, ``d2h_busy_s`` and ``adam_busy_s`` (the latest step whose updates
+        all finished: absent until one has); ``roofline_s`` = max(compute, H2D, D2H, AdamW busy) and
+        ``roofline_ratio`` = step / roofline (1.0: fully overlapped). On CUDA, reading it waits for that step
+        to finish on the GPU (once); on a CPU the copies' host time is what they cost."""
+        return self.executor.timer.breakdown(self.executor.adam.busy_seconds)
 
     @property
     def step_count(self) -> int:

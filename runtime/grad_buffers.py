@@ -41,7 +41,7 @@ class GradBuffers:
         ready = self.streams.recorded(self.streams.compute)
         with self.streams.d2h.use():
             ready.wait_on(self.streams.d2h)
-            with self.timer.host("d2h"):
+            with self.timer.busy("d2h", self.streams.d2h), self.timer.host("d2h"):
                 host.copy_(buf, non_blocking=True)
             done = self.streams.recorded(self.streams.d2h)
         if index is not None:

@@ -8,6 +8,18 @@ every copy runs in program order on the calling thread, so their host time is
 what they cost. On both, host time blocked on the AdamW worker (a block's
 update before its next load, an eager gradient slab) is the exposed optimizer.
 
+[Note: roofline]
+Besides what is exposed, the timer keeps how long each resource was busy, for
+the roofline ``max(compute, H2D, D2H, CPU AdamW)`` that a perfectly overlapped
+step would take: the H2D and D2H streams' copy time (a pair of timing events
+around each copy on its stream, after the wait that orders it, so only the
+copy counts; host time on a CPU) and the AdamW worker's update time (without
+its waits for drains and disk reads, measured by the worker: the latest step
+whose updates all finished). On CUDA ``compute_s`` is the compute stream's
+span less its stalls, so it still holds kernel-launch gaps and host waits that
+left the GPU idle: an upper bound of kernel time (a torch.profiler trace,
+``benchmarks/step_anatomy.py``, gives the kernels' own sum).
+
 Nothing here syncs during the step; ``breakdown()`` reads the events of the
 last finished step (waiting for its end once) when someone asks.
 """
@@ -22,6 +34,7 @@ import torch
 from .streams import Event, Stream
 
 KINDS = ("h2d", "d2h", "ckpt", "adam")
+LINKS = ("h2d", "d2h")  # the copy engines whose busy time bounds the step
 
 
 class StepTimer:
@@ -29,6 +42,8 @@ class StepTimer:
         self.cuda = cuda
         self._host = dict.fromkeys(KINDS, 0.0)  # host seconds, per kind
         self._stalls: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._busy: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # copies on the side streams
+        self._busy_host = dict.fromkeys(LINKS, 0.0)  # CPU: host seconds of the copies, per link
         self._span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self._wall0 = 0.0
         self._wall = 0.0
@@ -37,7 +52,8 @@ class StepTimer:
 
     def begin(self, compute: Stream) -> None:
         self._host = dict.fromkeys(KINDS, 0.0)
-        self._stalls = []
+        self._stalls, self._busy = [], []
+        self._busy_host = dict.fromkeys(LINKS, 0.0)
         self._wall0 = time.perf_counter()
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True)
@@ -75,9 +91,31 @@ class StepTimer:
         finally:
             self._host[kind] += time.perf_counter() - t0
 
-    def breakdown(self) -> dict[str, float] | None:
-        """Seconds of the last finished step: step, compute, exposed h2d / d2h / ckpt traffic / adam."""
+    @contextlib.contextmanager
+    def busy(self, link: str, stream: Stream) -> Iterator[None]:
+        """Time the copies issued inside on ``stream`` (``link``: "h2d" or "d2h"); enter after its waits."""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._busy_host[link] += time.perf_counter() - t0
+            return
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(stream.raw)
+        try:
+            yield
+        finally:
+            after.record(stream.raw)
+            self._busy.append((link, before, after))
+
+    def breakdown(self, adam_busy: float | None = None) -> dict[str, float] | None:
+        """Seconds of the last finished step: step, compute, exposed h2d / d2h / ckpt traffic / adam,
+        and each resource's busy time with the roofline they imply (``adam_busy``: the worker's
+        update seconds for a whole step, from the AdamWorker; the roofline leaves AdamW out without it)."""
         if not self._pending:
+            if self._done is not None and adam_busy is not None and "adam_busy_s" not in self._done:
+                self._done = self._with_roofline(self._done, adam_busy)
             return self._done
         if self.cuda and self._span is not None:
             self._span[1].synchronize()  # the only wait: when the caller asks, after the step
@@ -89,12 +127,29 @@ class StepTimer:
             exposed["adam"] = self._host["adam"]
             compute = max(0.0, span - sum(stalls.values()))
             step = max(self._wall, span)
+            busy = dict.fromkeys(LINKS, 0.0)
+            for link, before, after in self._busy:
+                busy[link] += before.elapsed_time(after) / 1e3
         else:
             exposed = dict(self._host)
             step = self._wall
             compute = max(0.0, step - sum(exposed.values()))
-        self._done = {"step_s": step, "compute_s": compute, "h2d_exposed_s": exposed["h2d"],
-                      "d2h_exposed_s": exposed["d2h"], "ckpt_traffic_s": exposed["ckpt"],
-                      "adam_exposed_s": exposed["adam"]}
+            busy = dict(self._busy_host)
+        done = {"step_s": step, "compute_s": compute, "h2d_exposed_s": exposed["h2d"],
+                "d2h_exposed_s": exposed["d2h"], "ckpt_traffic_s": exposed["ckpt"],
+                "adam_exposed_s": exposed["adam"], "h2d_busy_s": busy["h2d"], "d2h_busy_s": busy["d2h"]}
         self._pending = False
+        self._done = self._with_roofline(done, adam_busy)
         return self._done
+
+    @staticmethod
+    def _with_roofline(done: dict[str, float], adam_busy: float | None) -> dict[str, float]:
+        """Add ``adam_busy_s`` (when known), ``roofline_s`` = max of the resources, and step / roofline."""
+        out = {k: v for k, v in done.items() if k not in ("adam_busy_s", "roofline_s", "roofline_ratio")}
+        resources = [out["compute_s"], out["h2d_busy_s"], out["d2h_busy_s"]]
+        if adam_busy is not None:
+            out["adam_busy_s"] = adam_busy
+            resources.append(adam_busy)
+        out["roofline_s"] = max(resources)
+        out["roofline_ratio"] = out["step_s"] / out["roofline_s"] if out["roofline_s"] > 0 else float("nan")
+        return out

@@ -100,3 +100,36 @@ def test_step_breakdown_accounts_for_the_step():
             assert abs(sum(b[k] for k in parts) - b["step_s"]) < 1e-6  # on a CPU the parts add up to the step
             assert b["h2d_exposed_s"] > 0 and b["d2h_exposed_s"] > 0
             assert (b["ckpt_traffic_s"] > 0) == host_ckpt
+            # Busy time: on a CPU the copies' host time, which holds their exposed part.
+            assert b["h2d_busy_s"] >= b["h2d_exposed_s"] > 0
+            assert b["d2h_busy_s"] >= b["d2h_exposed_s"] > 0
+
+
+def test_roofline_counts_the_adamw_workers_update_time(monkeypatch):
+    """adam_busy_s is the worker's update time for a whole step: slow every fused AdamW call down by a
+    known amount and it must grow by at least that; the roofline is the largest resource."""
+    import time as _time
+
+    calls = []
+    fused = torch._fused_adamw_
+
+    def slow(*args, **kwargs):
+        calls.append(1)
+        _time.sleep(0.02)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", slow)
+    ids = torch.randint(0, 64, (4, 16))
+    for mode in ("eager", "deferred"):
+        with Engine(CONFIG, OptimizerConfig(max_grad_norm=None), plan=Plan(optimizer_mode=mode),
+                    compute_dtype=torch.float32, device="cpu") as engine:
+            engine.step(ids, ids)
+            engine.synchronize()
+            calls.clear()
+            engine.step(ids, ids)
+            engine.synchronize()  # the step's updates have all finished
+            b = engine.last_step_breakdown
+            assert b["adam_busy_s"] >= 0.02 * len(calls) > 0
+            resources = (b["compute_s"], b["h2d_busy_s"], b["d2h_busy_s"], b["adam_busy_s"])
+            assert b["roofline_s"] == max(resources)
+            assert b["roofline_ratio"] == b["step_s"] / b["roofline_s"]

@@ -56,7 +56,11 @@ def test_every_cpu_system_runs_and_agrees(tiny_run):
         assert r["peak_host_rss_bytes"] > 0
     assert rows["deepspeed"]["status"] == "not run: needs CUDA"
     assert rows["megatrain"]["details"]["planner"] == "best of the search"
-    assert rows["megatrain"]["breakdown_median"]["step_s"] > 0
+    bd = rows["megatrain"]["breakdown_median"]
+    assert bd["step_s"] > 0
+    # One steady step (2 steps, 1 warm-up), so its median is that step's own roofline.
+    assert bd["roofline_s"] == max(bd["compute_s"], bd["h2d_busy_s"], bd["d2h_busy_s"], bd["adam_busy_s"])
+    assert rows["megatrain"]["roofline_ratio"] == bd["roofline_ratio"] > 0
     assert rows["fsdp2"]["details"]["offload"].startswith("none")
     assert rep["machine"]["device"] == "cpu" and rep["matmul_peak_tflops"] > 0
 

@@ -157,7 +157,8 @@ def test_trace_writes_a_chrome_trace(tmp_path):
     with open(os.path.join(out, "trace.json")) as f:
         trace = json.load(f)
     names = {e.get("name", "") for e in trace["traceEvents"]}
-    assert any(n.startswith(("fwd[", "bwd[", "h2d[", "adam[")) for n in names), sorted(names)[:20]
+    for label in ("fwd[", "bwd[", "head[", "h2d[", "d2h[", "adam["):  # adam: the worker thread is traced too
+        assert any(n.startswith(label) for n in names), (label, sorted(names)[:20])
 
 
 def test_interrupt_guard_first_asks_second_exits(monkeypatch):

@@ -18,7 +18,8 @@ from typing import Any
 from .spec import SYSTEMS, RunSpec
 
 GIB = 2**30
-BREAKDOWN_KEYS = ("step_s", "compute_s", "h2d_exposed_s", "d2h_exposed_s", "ckpt_traffic_s", "adam_exposed_s")
+BREAKDOWN_KEYS = ("step_s", "compute_s", "h2d_exposed_s", "d2h_exposed_s", "ckpt_traffic_s", "adam_exposed_s",
+                  "h2d_busy_s", "d2h_busy_s", "adam_busy_s", "roofline_s", "roofline_ratio")
 
 
 def case_key(row: dict[str, Any]) -> tuple:
@@ -53,11 +54,12 @@ def derive(spec: RunSpec, raw: dict[str, Any], shape: Any, peak_tflops: float) -
         row["params_mismatch"] = f"the system counts {row['system_params']} parameters, the model shape {shape.params}"
     breakdowns = [b for b in raw.get("breakdowns", [])[spec.warmup:] if b]
     if breakdowns:
-        med = {k: statistics.median(b.get(k, 0.0) for b in breakdowns) for k in BREAKDOWN_KEYS if k in breakdowns[0]}
+        med = {k: statistics.median(vs) for k in BREAKDOWN_KEYS if (vs := [b[k] for b in breakdowns if k in b])}
         row["breakdown_median"] = med
-        # Step over compute: 1.0 when no transfer or AdamW time is exposed. (The roofline ratio of issue 7
-        # also needs the transfers' and AdamW's total times, which these readings do not give.)
+        # Step over compute: 1.0 when no transfer or AdamW time is exposed. Roofline ratio: step over
+        # max(compute, H2D busy, D2H busy, AdamW busy), 1.0 when every resource hides behind the slowest.
         row["step_over_compute"] = med["step_s"] / med["compute_s"] if med.get("compute_s") else None
+        row["roofline_ratio"] = med.get("roofline_ratio")
     return row
 
 
@@ -176,7 +178,9 @@ def markdown(report: dict[str, Any]) -> str:
             if bd:
                 parts = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.3f}" for k, v in bd.items())
                 lines += [f"megatrain step breakdown (median seconds): {parts}; step / compute "
-                          f"{_num(r.get('step_over_compute'), '.2f')}.", ""]
+                          f"{_num(r.get('step_over_compute'), '.2f')}; step / roofline "
+                          f"{_num(r.get('roofline_ratio'), '.2f')} (roofline: max of compute and the H2D, "
+                          "D2H and AdamW busy times).", ""]
         for r in sorted(group, key=lambda r: SYSTEMS.index(r["system"])):
             d = r.get("details")
             if d:

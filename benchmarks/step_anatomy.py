@@ -1,0 +1,177 @@
+"""Where megatrain's step goes, per configuration, and how far it is from its roofline.
+
+    python benchmarks/step_anatomy.py --model tiny --seq 64 --batch 8 --micro-batch 4           # a CPU check
+    python benchmarks/step_anatomy.py --model 1b,3b --seq 2048,8192 --batch 16 --micro-batch 4   # on a GPU
+
+For each model x sequence length (and each --variant of the planner's plan), one engine
+runs --warmup steps, then --steps timed steps reading ``engine.last_step_breakdown`` (event
+timing: compute, exposed H2D / D2H / checkpoint traffic / AdamW, and each resource's busy
+time), then --traced steps under torch.profiler, whose trace gives the kernels' own time and
+the copies' device time (tools/trace_anatomy.py). The roofline is max(compute, H2D, D2H,
+CPU AdamW) for the plan that ran; the ratio is step / roofline (issue 7's target: within
+1.10). Both readings are reported: the event timer's compute still holds launch gaps, the
+trace's does not. Writes benchmarks/results/<date>_<device>_step_anatomy.{json,md}, and
+with --trace-dir one Chrome trace per configuration.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from peers import probe, report  # noqa: E402
+from peers.run_megatrain import import_megatrain, plan_for  # noqa: E402
+from peers.spec import MODELS, RunSpec, model_config, model_label  # noqa: E402
+
+VARIANTS = {  # plan changes tried beside the planner's own choice
+    "planner": {},
+    "host-ckpt": {"checkpoints": "host"},
+    "device-ckpt": {"checkpoints": "device"},
+    "eager": {"optimizer_mode": "eager"},
+    "deferred": {"optimizer_mode": "deferred"},
+    "prefetch1": {"prefetch_depth": 1},
+}
+
+
+def measure(spec: RunSpec, variant: str, args: argparse.Namespace, echo) -> dict[str, Any]:
+    import torch
+
+    from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
+    from megatrain.tools.trace_anatomy import anatomy, profile_kwargs
+
+    plan, said = plan_for(spec)
+    changes = dict(VARIANTS[variant])
+    if changes.get("optimizer_mode") == "eager":
+        changes["host_grad_slabs"] = max(plan.host_grad_slabs, 2)
+    plan = plan.replace(**changes) if changes else plan
+    clip = None if plan.optimizer_mode == "eager" else spec.max_grad_norm  # eager cannot clip
+    cuda = spec.device == "cuda"
+    row: dict[str, Any] = {"model": spec.model, "seq": spec.seq, "batch": spec.batch, "variant": variant,
+                           "plan": plan.to_dict(), "clipping": clip is not None, **said}
+    gen = torch.Generator().manual_seed(spec.seed)
+    ids = [torch.randint(0, spec.config["vocab_size"], (spec.batch, spec.seq), generator=gen) for _ in range(2)]
+    try:
+        engine = Engine(ModelConfig.from_hf(spec.config), OptimizerConfig(lr=spec.lr, max_grad_norm=clip), plan=plan,
+                        compute_dtype=torch.bfloat16 if cuda else torch.float32, device=spec.device, seed=spec.seed)
+    except Exception as e:  # e.g. out of memory: recorded, the next configuration runs
+        return {**row, "status": f"failed at start: {str(e).splitlines()[0]}"}
+    with engine:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        breakdowns, steps = [], []
+        for i in range(args.warmup + args.steps):
+            t0 = time.perf_counter()
+            loss = engine.step(ids[i % 2], ids[i % 2]).item()
+            steps.append(time.perf_counter() - t0)
+            if i >= args.warmup:
+                breakdowns.append(engine.last_step_breakdown)
+            echo(f"  {spec.model} seq {spec.seq} {variant}: step {i + 1}/{args.warmup + args.steps} "
+                 f"{steps[-1]:.3f} s, loss {loss:.4f}")
+        engine.synchronize()
+        with torch.profiler.profile(**profile_kwargs(cuda)) as prof:
+            t0 = time.perf_counter()
+            for i in range(args.traced):
+                engine.step(ids[i % 2], ids[i % 2])
+            engine.synchronize()
+            traced_step = (time.perf_counter() - t0) / args.traced
+        row["trace"] = anatomy(prof.events(), args.traced, traced_step)
+        if args.trace_dir:
+            os.makedirs(args.trace_dir, exist_ok=True)
+            path = os.path.join(args.trace_dir, f"{spec.model}_seq{spec.seq}_{variant}.json")
+            prof.export_chrome_trace(path)
+            row["trace_file"] = path
+        keys = [k for k in breakdowns[-1] if all(k in b for b in breakdowns)]
+        row["events"] = {k: statistics.median(b[k] for b in breakdowns) for k in keys}
+        row.update(status="ok", median_step_seconds=statistics.median(steps[args.warmup:]),
+                   tokens_per_second=spec.tokens / statistics.median(steps[args.warmup:]),
+                   peak_gpu_bytes=torch.cuda.max_memory_allocated() if cuda else None, final_loss=loss)
+    return row
+
+
+def markdown(rep: dict[str, Any]) -> str:
+    lines = [f"# megatrain step anatomy, {rep['device']} ({rep['date']})", "",
+             "Seconds per step. events: the engine's own event timing (median of the timed steps; its compute "
+             "holds launch gaps); trace: torch.profiler (kernels and copies on the device, AdamW on its "
+             "thread). Roofline = max(compute, H2D, D2H, AdamW); ratio = step / roofline (target <= 1.10).", "",
+             "| model | seq | variant | plan | step s | tokens/s | events: compute / H2D / D2H / AdamW busy | "
+             "exposed H2D / D2H / ckpt / AdamW | events ratio | trace: compute / H2D / D2H / AdamW | bound by "
+             "| trace ratio |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rep["runs"]:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['model']} | {r['seq']} | {r['variant']} | - | {r.get('status')} |  |  |  |  |  |  |  |")
+            continue
+        p, e, t = r["plan"], r["events"], r["trace"]
+        f = lambda *vals: " / ".join("-" if v is None else f"{v:.3f}" for v in vals)  # noqa: E731
+        lines.append(
+            f"| {r['model']} | {r['seq']} | {r['variant']} | mb {p['micro_batch_size']}, {p['num_slots']} slots, "
+            f"ckpt {p['checkpoints']}, {p['optimizer_mode']} | {r['median_step_seconds']:.3f} "
+            f"| {r['tokens_per_second']:,.0f} | {f(e['compute_s'], e['h2d_busy_s'], e['d2h_busy_s'], e.get('adam_busy_s'))} "
+            f"| {f(e['h2d_exposed_s'], e['d2h_exposed_s'], e['ckpt_traffic_s'], e['adam_exposed_s'])} "
+            f"| {e['roofline_ratio']:.2f} | {f(t['compute_s'], t['h2d_s'], t['d2h_s'], t['adam_s'])} "
+            f"| {t['bound_by']} | {t['roofline_ratio']:.2f} |")
+    lines += ["", f"Machine: {rep['machine'].get('gpu') or rep['machine'].get('cpu')}, {rep['machine'].get('cores')} "
+              f"cores, torch {rep['machine'].get('torch')}. Command: `{rep['command']}`.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help=f"comma-separated, of {', '.join(MODELS)}")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's own)")
+    p.add_argument("--seq", default="64", help="comma-separated sequence lengths")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, default=4, help="the planner's fallback micro-batch")
+    p.add_argument("--variant", default="planner", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3, help="timed steps (event breakdown)")
+    p.add_argument("--traced", type=int, default=2, help="steps under torch.profiler")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--trace-dir", default=None, help="write each configuration's Chrome trace here")
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = p.parse_args(argv)
+    try:
+        models = [m for m in args.model.split(",") if m]
+        seqs = [int(s) for s in args.seq.split(",") if s]
+        variants = [v for v in args.variant.split(",") if v]
+        for v in variants:
+            if v not in VARIANTS:
+                raise ValueError(f"--variant {v!r} is unknown; use one of {', '.join(VARIANTS)}")
+        if min(args.steps, args.traced) < 1 or args.warmup < 0:
+            raise ValueError("--steps and --traced must be >= 1, --warmup >= 0")
+        machine = probe.describe(args.device)
+        specs = [RunSpec("megatrain", model_label(m, args.layers), model_config(m, args.layers, s), s, args.batch,
+                         args.micro_batch, args.warmup + args.steps, device=machine["device"])
+                 for m in models for s in seqs]
+    except ValueError as e:
+        print(f"step_anatomy: {e}", file=sys.stderr)
+        return 2
+    import_megatrain()
+    echo = lambda text: print(text, flush=True)  # noqa: E731
+    runs = [measure(spec, v, args, echo) for spec in specs for v in variants]
+    date = datetime.date.today().isoformat()
+    rep = {"benchmark": "step_anatomy", "date": date, "device": report.device_label(machine), "machine": machine,
+           "command": "python benchmarks/step_anatomy.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "runs": runs}
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"{date}_{rep['device']}_step_anatomy")
+    with open(base + ".json", "w") as f:
+        json.dump(rep, f, indent=1)
+    md = markdown(rep)
+    with open(base + ".md", "w") as f:
+        f.write(md)
+    print(md)
+    print(f"wrote {base}.json and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

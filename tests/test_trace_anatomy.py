@@ -1,0 +1,95 @@
+"""The trace anatomy (tools/trace_anatomy.py): interval arithmetic by hand, both device paths on
+synthetic traces, and a real CPU trace of the engine."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
+from megatrain.tools.trace_anatomy import anatomy, profile_kwargs, union_seconds
+
+CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+
+def ev(name: str, start: float, end: float, device=CPU) -> SimpleNamespace:
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device)
+
+
+def test_union_counts_overlaps_once():
+    assert union_seconds([]) == 0
+    assert union_seconds([(0, 1e6)]) == 1.0
+    # [0,2] ∪ [1,3] ∪ [5,6] ∪ [5.5,5.8] = 3 + 1 seconds
+    assert union_seconds([(5e6, 6e6), (0, 2e6), (1e6, 3e6), (5.5e6, 5.8e6)]) == pytest.approx(4.0)
+
+
+def test_cuda_trace_counts_kernels_and_copies_on_the_device():
+    events = [
+        ev("fwd[1]", 0, 100),  # host ranges: ignored for compute when the device has kernels
+        ev("ampere_sgemm", 10, 40, CUDA), ev("elementwise", 40, 50, CUDA),
+        ev("Memset (Device)", 50, 60, CUDA),
+        ev("Memcpy HtoD (Pinned -> Device)", 0, 30, CUDA), ev("Memcpy HtoD (Pinned -> Device)", 20, 35, CUDA),
+        ev("Memcpy DtoH (Device -> Pinned)", 60, 65, CUDA),
+        ev("adam[1]", 0, 80), ev("adam_wait[1]", 80, 200),  # the wait is not AdamW work
+    ]
+    a = anatomy(events, steps=2, step_seconds=100e-6)
+    assert a["source"] == "cuda" and a["adam_traced"]
+    assert a["compute_s"] == pytest.approx(40e-6 / 2)
+    assert a["h2d_s"] == pytest.approx(35e-6 / 2) and a["d2h_s"] == pytest.approx(5e-6 / 2)
+    assert a["adam_s"] == pytest.approx(80e-6 / 2)
+    assert a["bound_by"] == "adam" and a["roofline_s"] == pytest.approx(40e-6)
+    assert a["roofline_ratio"] == pytest.approx(2.5)
+
+
+def test_cpu_trace_takes_copies_out_of_compute():
+    events = [ev("fwd[1]", 0, 100), ev("h2d[2]", 90, 120), ev("bwd[1]", 200, 300), ev("d2h[1]", 300, 310),
+              ev("head[3]", 120, 150), ev("aten::mm", 0, 100)]
+    a = anatomy(events, steps=1, step_seconds=400e-6)
+    assert a["source"] == "cpu" and not a["adam_traced"]
+    assert a["compute_s"] == pytest.approx((100 + 30 + 100 - 10) * 1e-6)
+    assert a["h2d_s"] == pytest.approx(30e-6) and a["d2h_s"] == pytest.approx(10e-6) and a["adam_s"] == 0
+    assert a["bound_by"] == "compute"
+
+
+def test_a_real_cpu_trace_has_every_resource():
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2)
+    ids = torch.randint(0, 256, (4, 32))
+    with Engine(cfg, OptimizerConfig(), plan=Plan(), compute_dtype=torch.float32, device="cpu") as engine:
+        engine.step(ids, ids)
+        engine.synchronize()
+        with torch.profiler.profile(**profile_kwargs(cuda=False)) as prof:
+            for _ in range(2):
+                engine.step(ids, ids)
+            engine.synchronize()
+    a = anatomy(prof.events(), steps=2, step_seconds=0.5)
+    assert a["adam_traced"], "the AdamW worker thread was not traced"
+    for k in ("compute_s", "h2d_s", "d2h_s", "adam_s"):
+        assert 0 < a[k] < 0.5 * 2, (k, a)
+    assert a["roofline_s"] == max(a["compute_s"], a["h2d_s"], a["d2h_s"], a["adam_s"])
+
+
+def test_step_anatomy_benchmark_reports_each_configuration(tmp_path, capsys):
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "step_anatomy.py")
+    spec = importlib.util.spec_from_file_location("step_anatomy", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--model", "tiny", "--variant", "nope", "--device", "cpu"]) == 2
+    assert "--variant 'nope' is unknown" in capsys.readouterr().err
+    assert bench.main(["--model", "tiny", "--seq", "32", "--batch", "4", "--micro-batch", "2", "--variant",
+                       "planner,host-ckpt", "--warmup", "1", "--steps", "1", "--traced", "1", "--device", "cpu",
+                       "--out", str(tmp_path)]) == 0
+    (result,) = tmp_path.glob("*_cpu_step_anatomy.json")
+    runs = json.loads(result.read_text())["runs"]
+    assert [(r["variant"], r["status"]) for r in runs] == [("planner", "ok"), ("host-ckpt", "ok")]
+    assert runs[1]["plan"]["checkpoints"] == "host" and runs[1]["events"]["ckpt_traffic_s"] > 0
+    for r in runs:
+        e = r["events"]
+        assert e["roofline_s"] == max(e["compute_s"], e["h2d_busy_s"], e["d2h_busy_s"], e["adam_busy_s"])  # 1 step
+        assert r["trace"]["adam_traced"] and r["trace"]["roofline_ratio"] > 0
+    assert "| tiny | 32 | host-ckpt |" in result.with_suffix(".md").read_text()
