@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# What a session lent a GPU runs, in parts that each fit one 10-minute device call.
+#
+#   bash benchmarks/gpu_session.sh checks   # CUDA tests, 1B throughput, 1B step anatomy   (~8 min)
+#   bash benchmarks/gpu_session.sh peers    # peers sweep, 480 s budget (DeepSpeed wheels in .whl/)
+#   bash benchmarks/gpu_session.sh large    # 3B step anatomy at 2048/8192, planner validation (~8 min)
+#
+# Before `peers`, here: ../shared/tools/device-wheels deepspeed, and pass carry [".whl"].
+# Everything comes back under $OUT (at most 8 files): one log per part and results.tgz, the new
+# files of benchmarks/results/. Unpack it into benchmarks/results/ here before the next call:
+# `peers --resume` goes on from the sweep results it finds there.
+set -uo pipefail
+part=${1:?usage: gpu_session.sh checks|peers|large}
+out=${OUT:-$PWD/gpu_out}
+mkdir -p "$out"
+log="$out/$part.log"
+export PYTHONUNBUFFERED=1
+stamp=$(mktemp)
+started=$SECONDS
+
+say() { echo "== $* ($((SECONDS - started)) s)" | tee -a "$log"; }
+# run SECONDS CMD...: one step under its own time limit, its output in the log; a failure does not stop the part
+run() {
+  local limit=$1; shift
+  say "$*"
+  timeout --signal=INT --kill-after=20 "$limit" "$@" >>"$log" 2>&1
+  local rc=$?
+  say "exit $rc"
+}
+
+say "machine"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; free -g; df -h /tmp .
+  python3 -c 'import torch, sys; print(sys.version, torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'
+} >>"$log" 2>&1
+# The project itself, offline: its dependencies are in the image (tensorstore, safetensors, psutil, transformers).
+run 120 python3 -m pip install -q --no-deps --no-build-isolation -e .
+if [ -d .whl ]; then
+  run 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+case $part in
+  checks)
+    run 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests
+    run 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine_api.py tests/test_schedule.py
+    run 150 python3 benchmarks/throughput.py --model 1b --seq 2048 --batch 32 --micro-batch 8 --steps 4
+    run 150 python3 benchmarks/step_anatomy.py --model 1b --seq 2048 --batch 16 --micro-batch 4 \
+      --variant planner,host-ckpt,eager --steps 3 --traced 2
+    ;;
+  peers)
+    run 500 python3 benchmarks/peers.py --sweep --resume --time-budget 480
+    ;;
+  large)
+    run 240 python3 benchmarks/step_anatomy.py --model 3b --seq 2048,8192 --batch 8 --micro-batch 2 --steps 2 --traced 1
+    run 200 python3 benchmarks/plan_validation.py --quick
+    ;;
+  *) echo "unknown part $part: checks, peers or large" >&2; exit 2 ;;
+esac
+
+# The results written during this part (and any PNG), in one file.
+find benchmarks/results -type f -newer "$stamp" -print0 | tar czf "$out/results.tgz" --null -T - 2>>"$log"
+say "done; results.tgz holds: $(tar tzf "$out/results.tgz" | tr '\n' ' ')"
