@@ -10,7 +10,8 @@ time), then --traced steps under torch.profiler, whose trace gives the kernels' 
 the copies' device time (tools/trace_anatomy.py). The roofline is max(compute, H2D, D2H,
 CPU AdamW) for the plan that ran; the ratio is step / roofline (issue 7's target: within
 1.10). Both readings are reported: the event timer's compute still holds launch gaps, the
-trace's does not. Writes benchmarks/results/<date>_<device>_step_anatomy.{json,md}, and
+trace's does not. Beside them, the planner's cost model for the same plan (its step and
+busy times), so each run also checks the planner. Writes benchmarks/results/<date>_<device>_step_anatomy.{json,md}, and
 with --trace-dir one Chrome trace per configuration.
 """
 from __future__ import annotations
@@ -41,7 +42,20 @@ VARIANTS = {  # plan changes tried beside the planner's own choice
 }
 
 
-def measure(spec: RunSpec, variant: str, args: argparse.Namespace, echo) -> dict[str, Any]:
+def predict(spec: RunSpec, plan: Any, clipping: bool, hw: Any) -> dict[str, Any]:
+    """The planner's cost model for exactly this plan: step seconds and each resource's busy seconds."""
+    from megatrain.planner import cost_model, model_shapes
+    from megatrain.planner.workload import Workload
+
+    work = Workload(spec.seq, spec.batch, compute_dtype="bf16" if spec.device == "cuda" else "fp32",
+                    clipping=clipping, spill="none")
+    c = cost_model.estimate(model_shapes.from_config(spec.config), work, plan, hw)
+    f, b = c.forward, c.backward
+    return {"step_s": c.step_seconds, "compute_s": f.compute_s + b.compute_s, "h2d_s": f.h2d_s + b.h2d_s,
+            "d2h_s": f.d2h_s + b.d2h_s, "adam_s": f.adam_s + b.adam_s, "bottleneck": c.bottleneck}
+
+
+def measure(spec: RunSpec, variant: str, args: argparse.Namespace, hw: Any, echo) -> dict[str, Any]:
     import torch
 
     from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
@@ -55,7 +69,8 @@ def measure(spec: RunSpec, variant: str, args: argparse.Namespace, echo) -> dict
     clip = None if plan.optimizer_mode == "eager" else spec.max_grad_norm  # eager cannot clip
     cuda = spec.device == "cuda"
     row: dict[str, Any] = {"model": spec.model, "seq": spec.seq, "batch": spec.batch, "variant": variant,
-                           "plan": plan.to_dict(), "clipping": clip is not None, **said}
+                           "plan": plan.to_dict(), "clipping": clip is not None, **said,
+                           "predicted": predict(spec, plan, clip is not None, hw)}
     gen = torch.Generator().manual_seed(spec.seed)
     ids = [torch.randint(0, spec.config["vocab_size"], (spec.batch, spec.seq), generator=gen) for _ in range(2)]
     try:
@@ -103,12 +118,12 @@ def markdown(rep: dict[str, Any]) -> str:
              "thread). Roofline = max(compute, H2D, D2H, AdamW); ratio = step / roofline (target <= 1.10).", "",
              "| model | seq | variant | plan | step s | tokens/s | events: compute / H2D / D2H / AdamW busy | "
              "exposed H2D / D2H / ckpt / AdamW | events ratio | trace: compute / H2D / D2H / AdamW | bound by "
-             "| trace ratio |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| trace ratio | planner: step / compute / H2D / D2H / AdamW |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rep["runs"]:
         if r.get("status") != "ok":
-            lines.append(f"| {r['model']} | {r['seq']} | {r['variant']} | - | {r.get('status')} |  |  |  |  |  |  |  |")
+            lines.append(f"| {r['model']} | {r['seq']} | {r['variant']} | - | {r.get('status')} |  |  |  |  |  |  |  |  |")
             continue
-        p, e, t = r["plan"], r["events"], r["trace"]
+        p, e, t, q = r["plan"], r["events"], r["trace"], r["predicted"]
         f = lambda *vals: " / ".join("-" if v is None else f"{v:.3f}" for v in vals)  # noqa: E731
         lines.append(
             f"| {r['model']} | {r['seq']} | {r['variant']} | mb {p['micro_batch_size']}, {p['num_slots']} slots, "
@@ -116,7 +131,8 @@ def markdown(rep: dict[str, Any]) -> str:
             f"| {r['tokens_per_second']:,.0f} | {f(e['compute_s'], e['h2d_busy_s'], e['d2h_busy_s'], e.get('adam_busy_s'))} "
             f"| {f(e['h2d_exposed_s'], e['d2h_exposed_s'], e['ckpt_traffic_s'], e['adam_exposed_s'])} "
             f"| {e['roofline_ratio']:.2f} | {f(t['compute_s'], t['h2d_s'], t['d2h_s'], t['adam_s'])} "
-            f"| {t['bound_by']} | {t['roofline_ratio']:.2f} |")
+            f"| {t['bound_by']} | {t['roofline_ratio']:.2f} "
+            f"| {f(q['step_s'], q['compute_s'], q['h2d_s'], q['d2h_s'], q['adam_s'])} |")
     lines += ["", f"Machine: {rep['machine'].get('gpu') or rep['machine'].get('cpu')}, {rep['machine'].get('cores')} "
               f"cores, torch {rep['machine'].get('torch')}. Command: `{rep['command']}`.", ""]
     return "\n".join(lines)
@@ -156,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import_megatrain()
     echo = lambda text: print(text, flush=True)  # noqa: E731
-    runs = [measure(spec, v, args, echo) for spec in specs for v in variants]
+    from megatrain.planner.profiler import detect
+
+    hw = detect()
+    runs = [measure(spec, v, args, hw, echo) for spec in specs for v in variants]
     date = datetime.date.today().isoformat()
     rep = {"benchmark": "step_anatomy", "date": date, "device": report.device_label(machine), "machine": machine,
            "command": "python benchmarks/step_anatomy.py " + " ".join(sys.argv[1:] if argv is None else argv),
