@@ -23,10 +23,25 @@ most one write is in flight (a second save waits for the first: that is the
 bound). ``blocking=True`` writes straight from the live arenas: no extra RAM,
 training waits for the whole write.
 
+[Note: checkpoint I/O speed]
+Each array is moved through tensorstore in pieces, never whole: a whole-array
+``write`` or read makes tensorstore hold every shard it touches at once (measured:
+one extra copy of the array, 1 GiB for a 1 GiB array, and about 0.8 GB/s), so
+writes go one shard (``write_chunk``, up to 256 MiB) at a time and reads one
+inner chunk (``read_chunk``, 4 MiB) at a time straight into the destination,
+two in flight. The CRC32s are computed piece by piece while tensorstore moves
+the next one (reads: of the bytes in the destination, i.e. what was read), so
+the state is traversed once. The arrays are written one after another and each
+is fsynced in the background while the next is encoded. Extra RAM: one shard
+(plus a shard-sized staging buffer for a spilled kind) while writing, two
+4 MiB pieces while reading (plus one block for a spilled kind).
+
 Only JSON and tensorstore are read back: no pickle.
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures as cf
 import json
 import os
 import re
@@ -53,6 +68,8 @@ ARRAYS = ("master", "exp_avg", "exp_avg_sq")
 MANIFEST = "manifest.json"
 LATEST = "latest"
 CRC_CHUNK_BYTES = 64 * 2**20  # one CRC32 per 64 MiB of an array: names the corrupt range, cheap to verify
+READ_PIECE_BYTES = 4 * 2**20  # reads move whole inner chunks of at least this many bytes...
+READS_IN_FLIGHT = 2  # ...this many at a time (the CRC of one while the next is read)
 _STEP_DIR = re.compile(r"step-(\d+)")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -141,8 +158,49 @@ class SpilledArena:
             yield self.store.offsets[b], self.store.read_block(self.kind, b)
 
 
-def _pieces(t: "torch.Tensor | SpilledArena") -> Iterator[tuple[int, torch.Tensor]]:
-    return t.pieces() if isinstance(t, SpilledArena) else iter([(0, t)])
+def _shards(t: "torch.Tensor | SpilledArena", step: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(offset, piece) covering t in order, each piece one whole shard of ``step`` elements (the last may be short).
+
+    In RAM the pieces are views; a spilled kind's blocks are gathered into one reused shard-sized buffer, so
+    tensorstore never re-reads and rewrites a shard that a block boundary splits."""
+    n = t.numel()
+    if not isinstance(t, SpilledArena):
+        for lo in range(0, n, step):
+            yield lo, t[lo:lo + step]
+        return
+    buf = torch.empty(min(step, n), dtype=torch.float32)
+    start, filled = 0, 0
+    for _, block in t.pieces():
+        i = 0
+        while i < block.numel():
+            take = min(buf.numel() - filled, block.numel() - i)
+            buf[filled:filled + take].copy_(block[i:i + take])
+            filled, i = filled + take, i + take
+            if filled == buf.numel() or start + filled == n:
+                yield start, buf[:filled]  # the caller is done with it before asking for the next
+                start, filled = start + filled, 0
+
+
+class _Crc32s:
+    """CRC32 of each CRC_CHUNK_BYTES of a byte stream fed in order, piece by piece (zlib releases the GIL)."""
+
+    def __init__(self) -> None:
+        self.crcs: list[int] = []
+        self.current, self.filled = 0, 0
+
+    def update(self, piece: torch.Tensor) -> None:
+        raw = memoryview(piece.view(torch.uint8).numpy())  # pieces are contiguous: no copy
+        i = 0
+        while i < len(raw):
+            take = min(CRC_CHUNK_BYTES - self.filled, len(raw) - i)
+            self.current = zlib.crc32(raw[i:i + take], self.current)
+            self.filled, i = self.filled + take, i + take
+            if self.filled == CRC_CHUNK_BYTES:
+                self.crcs.append(self.current)
+                self.current, self.filled = 0, 0
+
+    def digest(self) -> list[int]:
+        return self.crcs + ([self.current] if self.filled else [])
 
 
 def _check_extra(extra: Mapping[str, Any] | None) -> Any:
@@ -198,31 +256,20 @@ def _spec(path: str, numel: int | None = None) -> dict[str, Any]:
     return spec
 
 
-def _crc32s(t: "torch.Tensor | SpilledArena") -> list[int]:
-    """CRC32 of each CRC_CHUNK_BYTES of the array's bytes, streamed across pieces."""
-    crcs, current, filled = [], 0, 0
-    for _, piece in _pieces(t):
-        raw = memoryview(piece.contiguous().view(torch.uint8).numpy())
-        i = 0
-        while i < len(raw):
-            take = min(CRC_CHUNK_BYTES - filled, len(raw) - i)
-            current = zlib.crc32(raw[i:i + take], current)
-            filled, i = filled + take, i + take
-            if filled == CRC_CHUNK_BYTES:
-                crcs.append(current)
-                current, filled = 0, 0
-    if filled:
-        crcs.append(current)
-    return crcs
+def _write_array(arr: Any, t: "torch.Tensor | SpilledArena") -> list[int]:
+    """Write t into the tensorstore array one shard at a time; its CRC32s, computed while tensorstore writes."""
+    crc = _Crc32s()
+    for lo, piece in _shards(t, arr.chunk_layout.write_chunk.shape[0]):
+        pending = arr[lo:lo + piece.numel()].write(piece.numpy())
+        crc.update(piece)
+        pending.result()
+    return crc.digest()
 
 
-def _write_array(arr: Any, t: "torch.Tensor | SpilledArena") -> Any:
-    """Start writing t into the tensorstore array; returns what to wait for."""
-    if not isinstance(t, SpilledArena):
-        return arr.write(t.numpy())
-    for lo, piece in t.pieces():  # one block at a time: the write must land before the next read
-        arr[lo:lo + piece.numel()].write(piece.numpy()).result()
-    return None
+def _fsync_tree(path: str) -> None:
+    for root, _, names in os.walk(path):
+        for n in names:
+            _fsync_file(os.path.join(root, n))
 
 
 def _commit(handle: CheckpointHandle, directory: str, step: int, arrays: dict[str, torch.Tensor],
@@ -238,15 +285,18 @@ def _commit(handle: CheckpointHandle, directory: str, step: int, arrays: dict[st
             if name.endswith(".tmp") and os.path.isdir(os.path.join(directory, name)):
                 shutil.rmtree(os.path.join(directory, name))
         os.makedirs(tmp)
-        pending = [_write_array(ts.open(_spec(os.path.join(tmp, name), t.numel())).result(), t)
-                   for name, t in arrays.items()]
-        manifest["arrays"] = {name: {"path": name, "dtype": "float32", "shape": [t.numel()],
-                                     "crc32_chunk_bytes": CRC_CHUNK_BYTES, "crc32": _crc32s(t)}
-                              for name, t in arrays.items()}  # computed while tensorstore writes
-        for p in pending:
-            if p is not None:
-                p.result()
-        files = {}
+        manifest["arrays"] = {}
+        with cf.ThreadPoolExecutor(1, thread_name_prefix="megatrain-checkpoint-fsync") as fsyncs:
+            flushed = []
+            for name, t in arrays.items():  # one after another: each one's writeback overlaps the next's encoding
+                arr = ts.open(_spec(os.path.join(tmp, name), t.numel())).result()
+                manifest["arrays"][name] = {"path": name, "dtype": "float32", "shape": [t.numel()],
+                                            "crc32_chunk_bytes": CRC_CHUNK_BYTES, "crc32": _write_array(arr, t)}
+                del arr
+                flushed.append(fsyncs.submit(_fsync_tree, os.path.join(tmp, name)))
+            for f in flushed:
+                f.result()
+        files = {}  # every file fsynced again (clean by now: cheap), every directory, the sizes
         for root, dirs, names in os.walk(tmp):
             for n in names:
                 full = os.path.join(root, n)
@@ -373,6 +423,35 @@ def engine_arguments(manifest: dict[str, Any]) -> dict[str, Any]:
                          "load it with the megatrain that wrote it") from None
 
 
+def _read_into(src: Any, lo: int, dst: torch.Tensor, crc: _Crc32s) -> None:
+    """``src[lo:lo + dst.numel()]`` into dst, in pieces of whole inner chunks, READS_IN_FLIGHT at a time; the CRC32s
+    of the bytes that landed in dst fed to crc in order, each while the next pieces are read."""
+    import tensorstore as ts
+
+    chunk = src.chunk_layout.read_chunk.shape[0] or 1
+    step = chunk * max(1, READ_PIECE_BYTES // (4 * chunk))
+    n = dst.numel()
+    target = ts.array(dst.numpy(), copy=False, write=True)
+    inflight: collections.deque = collections.deque()
+    try:
+        a = 0
+        while a < n or inflight:
+            if a < n and len(inflight) < READS_IN_FLIGHT:
+                b = min(n, ((lo + a) // step + 1) * step - lo)  # piece ends on a chunk boundary of src
+                inflight.append((a, b, target[a:b].write(src[lo + a:lo + b])))
+                a = b
+                continue
+            pa, pb, pending = inflight.popleft()
+            pending.result()
+            crc.update(dst[pa:pb])
+    finally:
+        for _, _, pending in inflight:  # after an error: nothing may still be writing into dst
+            try:
+                pending.result()
+            except Exception:
+                pass
+
+
 def restore(engine: "Engine", path: str, manifest: dict[str, Any]) -> None:
     """Read the arrays of a step directory into the engine's store, verify their CRC32s, restore the steps."""
     import tensorstore as ts
@@ -387,6 +466,7 @@ def restore(engine: "Engine", path: str, manifest: dict[str, Any]) -> None:
     for name, dst in live.items():
         meta = manifest["arrays"][name]
         full = os.path.join(path, meta["path"])
+        crc = _Crc32s()
         try:
             src = ts.open(_spec(full), open=True, read=True).result()
             if tuple(src.shape) != (dst.numel(),):
@@ -396,16 +476,16 @@ def restore(engine: "Engine", path: str, manifest: dict[str, Any]) -> None:
                 for b in range(len(store.numels)):  # one block at a time through RAM into its spill file
                     lo, n = store.offsets[b], store.numels[b]
                     block = torch.empty(n, dtype=torch.float32)
-                    ts.array(block.numpy(), copy=False, write=True).write(src[lo:lo + n]).result()
+                    _read_into(src, lo, block, crc)  # verified below: the bytes read, before the spill write
                     store.write_block(name, b, block)
             else:
-                ts.array(dst.numpy(), copy=False, write=True).write(src).result()
+                _read_into(src, 0, dst, crc)
         except InputError:
             raise
         except Exception as err:  # tensorstore reports I/O and format errors as ValueError and others
             raise InputError(f"cannot read {full} ({str(err).splitlines()[0][:200]}); the checkpoint is corrupt: "
                              "load the previous step directory instead") from None
-        got = _crc32s(dst)
+        got = crc.digest()
         if got != meta["crc32"]:
             bad = next(i for i, (a, b) in enumerate(zip(got, meta["crc32"])) if a != b) if len(got) == len(
                 meta["crc32"]) else 0

@@ -58,6 +58,8 @@ class HostCheckpoints:
         if self._host is None or self._host.shape != shape:
             # Sized for this batch shape; reallocated only when the shape changes.
             if self._arena is not None:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # the last step's copies may still use it (rare)
                 self._arena.close()
             numel = n_layers * batch * seq * hidden
             self._arena = HostArena(numel, self.dtype, self.pin, "activation checkpoints")
@@ -94,7 +96,7 @@ class HostCheckpoints:
         assert self._host is not None
         for done in self._drained.pop(layer, []):
             done.wait_on(self.streams.h2d)
-        with self.timer.host("ckpt"):
+        with self.timer.busy("h2d", self.streams.h2d), self.timer.host("ckpt"):
             self._staging[slot].copy_(self._host[layer], non_blocking=True)
 
     def get(self, layer: int, m: int, rows: slice, slot: int) -> torch.Tensor:

@@ -140,7 +140,10 @@ class Engine:
 
     # ------------------------------------------------------------------ weights
     def synchronize(self) -> None:
-        """Wait until every queued optimizer update has been applied to the host store (and spill files)."""
+        """Wait until every queued optimizer update has been applied to the host store (and spill files),
+        and the device has finished what was queued (its copies may still read the host store)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.executor.adam.wait_all(self.executor.step_no)
         self.store.flush()
 
@@ -279,6 +282,8 @@ class Engine:
             writer.last._join_quietly()  # a background checkpoint write finishes before the engine goes
         executor = getattr(self, "executor", None)
         if executor is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # no copy may still use host memory about to be unpinned
             executor.close()
         store = getattr(self, "store", None)
         if store is not None:
@@ -382,7 +387,8 @@ class Engine:
         pinned allocator keeps until the copy is done."""
         if self.device.type != "cuda":
             return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        # Contiguous first: a strided pinned tensor would be copied through pageable memory.
+        return t.contiguous().pin_memory().to(self.device, non_blocking=True)
 
 
 def _pick_device(device: str | torch.device | None) -> torch.device:

@@ -88,8 +88,12 @@ class Executor:
         self.norm_index = [torch.tensor([order[e.hf_name] for e in b.layout.entries], device=device) for b in blocks]
         # Per-parameter gradient norms in model.parameters() order, filled as blocks finish.
         self.norms = torch.zeros(len(order), dtype=torch.float32, device=device)
-        # The clip coefficient, copied to (pinned) host memory for the AdamW worker.
+        # The clip coefficient: a device scalar of its own (a temporary could be reused by the allocator
+        # before its D2H ran), copied to (pinned) host memory for the AdamW worker; rewritten only after
+        # the compute stream waited for the previous copy.
+        self.clip_dev = torch.zeros((), dtype=torch.float32, device=device)
         self.clip_host = torch.zeros((), dtype=torch.float32, pin_memory=pin)
+        self.clip_copied: Event = self.streams.event()
         self.grad_norm: torch.Tensor | None = None
         self.inv_freq = inverse_frequencies(self.config)
         self._rope: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -208,8 +212,10 @@ class Executor:
         self.grad_norm = torch.linalg.vector_norm(self.norms, 2.0)
         clip = None
         if self.max_grad_norm is not None:
-            coef = torch.clamp(self.max_grad_norm / (self.grad_norm + 1e-6), max=1.0)
-            clip = (self.clip_host, self._drain_scalar(coef, self.clip_host))
+            self.timer.wait("d2h", self.clip_copied, self.streams.compute)
+            self.clip_dev.copy_(torch.clamp(self.max_grad_norm / (self.grad_norm + 1e-6), max=1.0))
+            self.clip_copied = self._drain_scalar(self.clip_dev, self.clip_host)
+            clip = (self.clip_host, self.clip_copied)
         for block, host, done, slab in sorted(pending, key=lambda p: p[0].index):
             self._submit(step, block, host, done, clip, hyper, slab)
         self.timer.end(self.streams.compute)

@@ -49,12 +49,14 @@ class StepTimer:
         self._wall = 0.0
         self._done: dict[str, float] | None = None
         self._pending = False
+        self._active = False  # only a training step is timed (not evaluation's loads)
 
     def begin(self, compute: Stream) -> None:
         self._host = dict.fromkeys(KINDS, 0.0)
         self._stalls, self._busy = [], []
         self._busy_host = dict.fromkeys(LINKS, 0.0)
         self._wall0 = time.perf_counter()
+        self._active = True
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record(compute.raw)
@@ -62,6 +64,7 @@ class StepTimer:
 
     def end(self, compute: Stream) -> None:
         self._wall = time.perf_counter() - self._wall0
+        self._active = False
         if self.cuda and self._span is not None:
             stop = torch.cuda.Event(enable_timing=True)
             stop.record(compute.raw)
@@ -70,7 +73,7 @@ class StepTimer:
 
     def wait(self, kind: str, event: Event, stream: Stream) -> None:
         """``event.wait_on(stream)``, timing the stall it causes on CUDA."""
-        if not self.cuda or not event.recorded:
+        if not self.cuda or not event.recorded or not self._active:
             event.wait_on(stream)
             return
         before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -82,7 +85,7 @@ class StepTimer:
     @contextlib.contextmanager
     def host(self, kind: str) -> Iterator[None]:
         """Host time of a copy (CPU only: on CUDA copies are asynchronous) or of a wait on AdamW (both)."""
-        if self.cuda and kind != "adam":
+        if (self.cuda and kind != "adam") or not self._active:
             yield
             return
         t0 = time.perf_counter()
@@ -94,6 +97,9 @@ class StepTimer:
     @contextlib.contextmanager
     def busy(self, link: str, stream: Stream) -> Iterator[None]:
         """Time the copies issued inside on ``stream`` (``link``: "h2d" or "d2h"); enter after its waits."""
+        if not self._active:
+            yield
+            return
         if not self.cuda:
             t0 = time.perf_counter()
             try:
@@ -118,7 +124,9 @@ class StepTimer:
                 self._done = self._with_roofline(self._done, adam_busy)
             return self._done
         if self.cuda and self._span is not None:
-            self._span[1].synchronize()  # the only wait: when the caller asks, after the step
+            self._span[1].synchronize()  # the only waits: when the caller asks, after the step
+            for _, _, after in self._busy:  # copies on the side streams may end after the compute stream
+                after.synchronize()
             span = self._span[0].elapsed_time(self._span[1]) / 1e3
             stalls = dict.fromkeys(KINDS, 0.0)
             for kind, before, after in self._stalls:

@@ -18,7 +18,8 @@ class Event:
     """A point in one stream's work that another stream (or the host) can wait for."""
 
     def __init__(self, cuda: bool) -> None:
-        self._event = torch.cuda.Event() if cuda else None
+        # blocking: a host thread that synchronizes (AdamW worker, spill writer) sleeps, not spins a core
+        self._event = torch.cuda.Event(blocking=True) if cuda else None
         self.recorded = False
 
     def record(self, stream: "Stream") -> None:

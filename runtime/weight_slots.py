@@ -134,10 +134,9 @@ class WeightLoader:
         numel = self.store.numels[block]
         with self.streams.h2d.use(), record_function(f"h2d[{block}]"):
             self.slots.released[slot].wait_on(self.streams.h2d)
-            with self.timer.busy("h2d", self.streams.h2d):
-                with self.timer.host("h2d"):
-                    self.slots.buffers[slot][:numel].copy_(self.store.shadow_of(block), non_blocking=True)
-                if self.on_load is not None:
-                    self.on_load(j, block, slot)
+            with self.timer.busy("h2d", self.streams.h2d), self.timer.host("h2d"):
+                self.slots.buffers[slot][:numel].copy_(self.store.shadow_of(block), non_blocking=True)
+            if self.on_load is not None:
+                self.on_load(j, block, slot)
             self.slots.loaded[slot].record(self.streams.h2d)
         self.log.record("h2d", self.step, block, slot=slot, load=j, phase=phase)
