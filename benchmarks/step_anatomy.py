@@ -117,7 +117,8 @@ def markdown(rep: dict[str, Any]) -> str:
              "holds launch gaps); trace: torch.profiler (kernels and copies on the device, AdamW on its "
              "thread). Roofline = max(compute, H2D, D2H, AdamW); ratio = step / roofline (target <= 1.10).", "",
              "| model | seq | variant | plan | step s | tokens/s | events: compute / H2D / D2H / AdamW busy | "
-             "exposed H2D / D2H / ckpt / AdamW | events ratio | trace: compute / H2D / D2H / AdamW | bound by "
+             "exposed H2D / D2H / ckpt / AdamW | events ratio | trace: compute / H2D / D2H / AdamW / of it bf16 shadow "
+             "| bound by "
              "| trace ratio | planner: step / compute / H2D / D2H / AdamW |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rep["runs"]:
         if r.get("status") != "ok":
@@ -130,7 +131,7 @@ def markdown(rep: dict[str, Any]) -> str:
             f"ckpt {p['checkpoints']}, {p['optimizer_mode']} | {r['median_step_seconds']:.3f} "
             f"| {r['tokens_per_second']:,.0f} | {f(e['compute_s'], e['h2d_busy_s'], e['d2h_busy_s'], e.get('adam_busy_s'))} "
             f"| {f(e['h2d_exposed_s'], e['d2h_exposed_s'], e['ckpt_traffic_s'], e['adam_exposed_s'])} "
-            f"| {e['roofline_ratio']:.2f} | {f(t['compute_s'], t['h2d_s'], t['d2h_s'], t['adam_s'])} "
+            f"| {e['roofline_ratio']:.2f} | {f(t['compute_s'], t['h2d_s'], t['d2h_s'], t['adam_s'], t['shadow_s'])} "
             f"| {t['bound_by']} | {t['roofline_ratio']:.2f} "
             f"| {f(q['step_s'], q['compute_s'], q['h2d_s'], q['d2h_s'], q['adam_s'])} |")
     lines += ["", f"Machine: {rep['machine'].get('gpu') or rep['machine'].get('cpu')}, {rep['machine'].get('cores')} "

@@ -189,7 +189,9 @@ class AdamWorker:
                         lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=wd, eps=h.eps,
                         amsgrad=False, maximize=False,
                     )
-            store.refresh_shadow(b, master)
+            if store.shadow is not store.master:
+                with record_function(f"shadow[{b}]"):  # the compute-dtype copy that travels H2D
+                    store.refresh_shadow(b, master)
             self._account(job.step, time.perf_counter() - t0)
         if staging is not None:
             self._write_behind(b, staging, staged)

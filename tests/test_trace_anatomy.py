@@ -31,13 +31,13 @@ def test_cuda_trace_counts_kernels_and_copies_on_the_device():
         ev("Memset (Device)", 50, 60, CUDA),
         ev("Memcpy HtoD (Pinned -> Device)", 0, 30, CUDA), ev("Memcpy HtoD (Pinned -> Device)", 20, 35, CUDA),
         ev("Memcpy DtoH (Device -> Pinned)", 60, 65, CUDA),
-        ev("adam[1]", 0, 80), ev("adam_wait[1]", 80, 200),  # the wait is not AdamW work
+        ev("adam[1]", 0, 80), ev("shadow[1]", 60, 80), ev("adam_wait[1]", 80, 200),  # the wait is not AdamW work
     ]
     a = anatomy(events, steps=2, step_seconds=100e-6)
     assert a["source"] == "cuda" and a["adam_traced"]
     assert a["compute_s"] == pytest.approx(40e-6 / 2)
     assert a["h2d_s"] == pytest.approx(35e-6 / 2) and a["d2h_s"] == pytest.approx(5e-6 / 2)
-    assert a["adam_s"] == pytest.approx(80e-6 / 2)
+    assert a["adam_s"] == pytest.approx(80e-6 / 2) and a["shadow_s"] == pytest.approx(20e-6 / 2)
     assert a["bound_by"] == "adam" and a["roofline_s"] == pytest.approx(40e-6)
     assert a["roofline_ratio"] == pytest.approx(2.5)
 

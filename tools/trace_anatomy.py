@@ -8,7 +8,8 @@ for drains and disk reads left outside). From a trace of whole steps this sums, 
   device's ``Memcpy HtoD`` / ``Memcpy DtoH`` records; on a CPU, where copies run in program
   order on the host: compute = the compute ranges less the copies issued inside them, H2D and
   D2H = the copy ranges' host time;
-- AdamW = the worker's ``adam[b]`` ranges (host time on both).
+- AdamW = the worker's ``adam[b]`` ranges (host time on both); ``shadow_s``, the part of it that
+  rounds the fp32 master into the compute-dtype shadow (``shadow[b]``, bf16 compute only).
 
 Overlapping records of one kind count once (interval union). ``roofline_s`` is the largest of
 the four: the step a perfect overlap would take; ``roofline_ratio`` = measured step / roofline.
@@ -56,7 +57,7 @@ def _intersection_seconds(xs: list[tuple[float, float]], ys: list[tuple[float, f
 def anatomy(events: Iterable[Any], steps: int, step_seconds: float) -> dict[str, Any]:
     """Per-step seconds of each resource in ``events`` (a profiler's ``events()``) covering ``steps``
     whole steps whose measured mean is ``step_seconds``."""
-    host: dict[str, list[tuple[float, float]]] = {k: [] for k in ("compute", "h2d", "d2h", "adam")}
+    host: dict[str, list[tuple[float, float]]] = {k: [] for k in ("compute", "h2d", "d2h", "adam", "shadow")}
     device: dict[str, list[tuple[float, float]]] = {k: [] for k in ("compute", "h2d", "d2h")}
     for ev in events:
         span = (ev.time_range.start, ev.time_range.end)
@@ -70,7 +71,7 @@ def anatomy(events: Iterable[Any], steps: int, step_seconds: float) -> dict[str,
                 device["compute"].append(span)
         elif name.startswith(COMPUTE_LABELS):
             host["compute"].append(span)
-        elif name.startswith(("h2d[", "d2h[", "adam[")):
+        elif name.startswith(("h2d[", "d2h[", "adam[", "shadow[")):
             host[name[:name.index("[")]].append(span)
     cuda = bool(device["compute"])
     if cuda:
@@ -86,4 +87,5 @@ def anatomy(events: Iterable[Any], steps: int, step_seconds: float) -> dict[str,
     return {**per_step, "step_s": step_seconds, "roofline_s": roofline,
             "roofline_ratio": step_seconds / roofline if roofline > 0 else None,
             "bound_by": max(per_step, key=per_step.get)[:-2], "source": "cuda" if cuda else "cpu",
+            "shadow_s": union_seconds(host["shadow"]) / steps,
             "adam_traced": bool(host["adam"])}
