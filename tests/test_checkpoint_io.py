@@ -125,8 +125,9 @@ def test_peak_ram_while_loading_a_checkpoint(tmp_path) -> None:
     assert out.returncode == 0, out.stderr
     m = json.loads(out.stdout.strip().splitlines()[-1])
     print("checkpoint load (MiB):", {k: round(v / 2**20, 2) for k, v in m.items()})
-    # The pieces in flight plus tensorstore's and the allocator's slack (~12 MiB measured), never a copy of an
-    # array: a whole-array tensorstore read held one (array_bytes, 56 MiB here; measured 63 MiB of peak).
-    bound = 2 * checkpoint_io.READ_PIECE_BYTES * checkpoint_io.READS_IN_FLIGHT + 8 * 2**20
-    assert bound < m["array_bytes"] / 2, m
+    # The pieces in flight plus what tensorstore's threads and the allocator keep of freed pieces (12-24 MiB
+    # measured), never a copy of an array: a whole-array tensorstore read held one (array_bytes, 56 MiB here;
+    # measured 63 MiB of peak).
+    bound = 2 * checkpoint_io.READ_PIECE_BYTES * checkpoint_io.READS_IN_FLIGHT + 16 * 2**20
+    assert bound < 0.6 * m["array_bytes"], m
     assert m["load_peak"] - m["at_load"] <= bound, m
