@@ -36,6 +36,8 @@ T_HALF_TOKENS = 128
 # Elementwise kernels (norms, RoPE, SiLU, residual adds, softmax bookkeeping) on top of matmul time.
 NONMATMUL_FACTOR = 1.10
 # AdamW also writes the compute-dtype shadow the next H2D sends: ~6 more bytes per param on ~28.
+# Used where the profile has no measured shadow rate; fp32 compute has no shadow pass (the master
+# is what travels) unless the master spills.
 ADAM_SHADOW_FACTOR = 1.15
 
 
@@ -135,8 +137,12 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
     host_ckpt = plan.checkpoints == "host"
     ckpt_bytes = T * h * c                                   # one block boundary: T x h x c
     eager = plan.optimizer_mode == "eager"
-    adam_rate = hw.cpu_adam_params_per_s / ADAM_SHADOW_FACTOR
     spilled = memory_model.spilled_kinds(plan)
+    # Seconds per parameter: AdamW, then the shadow pass where there is one (measured, or the factor).
+    adam_per_param = 1.0 / hw.cpu_adam_params_per_s
+    if c != 4 or "master" in spilled:
+        adam_per_param = (adam_per_param + 1.0 / hw.cpu_shadow_params_per_s if hw.cpu_shadow_params_per_s > 0
+                          else adam_per_param * ADAM_SHADOW_FACTOR)
     reads = len(spilled)                                     # fp32 kinds read back per block update
     writes = len(spilled)                                    # master/m/v behind AdamW; grads in backward
     if spilled and (hw.disk_read_gbps <= 0 or hw.disk_write_gbps <= 0):
@@ -144,9 +150,9 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
                          "(megatrain-plan profile --spill-dir DIR, or --nvme GBPS)")
 
     def adam_s(numel: int) -> float:
-        # t = numel x 1.15 / (AdamW params/s); with spill the disk runs beside it (reads ahead, writes
-        # behind): t = max(that, numel x 4 x (reads / read GB/s + writes / write GB/s) / 1e9).
-        compute = numel / adam_rate
+        # t = numel x (1 / AdamW params/s + 1 / shadow params/s); with spill the disk runs beside it (reads
+        # ahead, writes behind): t = max(that, numel x 4 x (reads / read GB/s + writes / write GB/s) / 1e9).
+        compute = numel * adam_per_param
         if not spilled:
             return compute
         disk = numel * 4 * (reads / hw.disk_read_gbps + writes / hw.disk_write_gbps) / 1e9

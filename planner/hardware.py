@@ -57,6 +57,9 @@ class HardwareProfile:
     transfer_by_size: tuple[tuple[int, float, float, float], ...] = ()
     # Optional CPU AdamW params/s by thread count: (threads, params/s).
     adam_by_threads: tuple[tuple[int, float], ...] = ()
+    # CPU rounding of fp32 masters into the bf16 shadow (params/s, all cores), the pass after AdamW
+    # when compute is not fp32; 0: not measured (the cost model then assumes ADAM_SHADOW_FACTOR).
+    cpu_shadow_params_per_s: float = 0.0
     version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:
@@ -73,6 +76,9 @@ class HardwareProfile:
         if self.host_ram_bytes <= 0 or self.cores <= 0:
             raise HardwareError(f"host_ram_bytes={self.host_ram_bytes}, cores={self.cores} must be > 0; "
                                 f"pass --ram or fix the profile")
+        if not isinstance(self.cpu_shadow_params_per_s, (int, float)) or self.cpu_shadow_params_per_s < 0:
+            raise HardwareError(f"cpu_shadow_params_per_s={self.cpu_shadow_params_per_s!r} must be a number >= 0 "
+                                "(0: not measured); run megatrain-plan profile or fix it")
         for f in ("h2d_gbps", "d2h_gbps", "duplex_gbps", "cpu_adam_params_per_s"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or v <= 0:

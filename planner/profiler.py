@@ -102,6 +102,20 @@ def _best_of(fn: Callable[[], float], repeats: int) -> float:
     return min(fn() for _ in range(repeats))
 
 
+def cpu_shadow_rate(numel: int) -> float:
+    """Params/s of rounding fp32 into bf16 on the CPU (all threads): the runtime's shadow refresh."""
+    import torch
+    src, dst = torch.randn(numel), torch.empty(numel, dtype=torch.bfloat16)
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - t0
+
+    once()
+    return numel / _best_of(once, 3)
+
+
 def cpu_adam_rate(numel: int, threads: list[int]) -> list[tuple[int, float]]:
     """(threads, params/s) of torch's fused CPU AdamW over one flat fp32 buffer: the runtime's optimizer."""
     import torch
@@ -250,6 +264,8 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
     notes = []
     log(f"CPU AdamW (torch fused, flat fp32 buffer) over threads {threads}")
     adam = cpu_adam_rate(1 << 22 if not on_gpu else 1 << 26, threads)
+    log("CPU fp32 -> bf16 shadow rounding")
+    shadow = cpu_shadow_rate(1 << 22 if not on_gpu else 1 << 26)
     read_gbps = write_gbps = 0.0
     if spill_dir:
         log(f"disk read/write in {spill_dir}")
@@ -281,7 +297,7 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
         cgroup_limit_bytes=cg, memlock_bytes=memlock_bytes(), disk_read_gbps=read_gbps,
         disk_write_gbps=write_gbps, interconnect=link, cores=cores,
         source=f"measured by megatrain-plan profile on {_now()}" + (f"; {'; '.join(notes)}" if notes else ""),
-        transfer_by_size=tuple(table), adam_by_threads=tuple(adam))
+        transfer_by_size=tuple(table), adam_by_threads=tuple(adam), cpu_shadow_params_per_s=shadow)
 
 
 def detect() -> HardwareProfile:

@@ -45,7 +45,9 @@ def hardware_line(hw: HardwareProfile) -> str:
     gpu = "no GPU (device = CPU)" if hw.device_is_host else f"{hw.gpu_name} {gib(hw.gpu_mem_bytes)}"
     return (f"{gpu}; host RAM {gib(hw.host_budget_bytes)} usable of {gib(hw.host_ram_bytes)}; "
             f"H2D {hw.h2d_gbps:.1f} / D2H {hw.d2h_gbps:.1f} / both {hw.duplex_gbps:.1f} GB/s; "
-            f"AdamW {hw.cpu_adam_params_per_s / 1e9:.2f} Gparam/s; {hw.cores} cores; {hw.interconnect}")
+            f"AdamW {hw.cpu_adam_params_per_s / 1e9:.2f} Gparam/s"
+            + (f" + bf16 shadow {hw.cpu_shadow_params_per_s / 1e9:.2f} Gparam/s" if hw.cpu_shadow_params_per_s else "")
+            + f"; {hw.cores} cores; {hw.interconnect}")
 
 
 def memory_table(mem: MemoryEstimate) -> str:

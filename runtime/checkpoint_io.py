@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import functools
 import json
 import os
 import re
@@ -52,6 +53,7 @@ import warnings
 import zlib
 from typing import Iterator, TYPE_CHECKING, Any, Mapping
 
+import numpy as np
 import torch
 
 from megatrain.planner.plan import Plan
@@ -452,10 +454,102 @@ def _read_into(src: Any, lo: int, dst: torch.Tensor, crc: _Crc32s) -> None:
                 pass
 
 
+MISSING_CHUNK = 2**64 - 1  # a shard index entry (offset, nbytes) of a chunk never stored: all fill value
+
+
+def _direct_layout(path: str) -> tuple[int, int, int] | None:
+    """(numel, elements per shard, per inner chunk) where ``path/zarr.json`` describes exactly the layout ``_spec``
+    writes (1-d float32, fill 0, shards of raw little-endian inner chunks, the index at the end); else None."""
+    try:
+        with open(os.path.join(path, "zarr.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+        (numel,) = meta["shape"]
+        (outer,) = meta["chunk_grid"]["configuration"]["chunk_shape"]
+        (codec,) = meta["codecs"]
+        config = dict(codec["configuration"])
+        (inner,) = config["chunk_shape"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # tensorstore reads it, or says what is wrong
+    if meta.get("attributes", {}) == {}:
+        meta.pop("attributes", None)
+    if meta.get("dimension_names", [None]) == [None]:
+        meta.pop("dimension_names", None)
+    if config.get("index_location", "end") == "end":
+        config.pop("index_location", None)
+    if meta.get("chunk_key_encoding") == {"name": "default", "configuration": {"separator": "/"}}:
+        meta["chunk_key_encoding"] = {"name": "default"}
+    expected = {"zarr_format": 3, "node_type": "array", "shape": [numel], "data_type": "float32", "fill_value": 0.0,
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [outer]}},
+                "chunk_key_encoding": {"name": "default"},
+                "codecs": [{"name": "sharding_indexed", "configuration": {}}]}
+    wanted = _spec(path, max(1, numel))["metadata"]["codecs"][0]["configuration"]
+    if {**meta, "codecs": [{**codec, "configuration": {}}]} != expected or \
+            {**config, "chunk_shape": None} != {**wanted, "chunk_shape": None}:
+        return None
+    if not all(type(v) is int and v > 0 for v in (numel, outer, inner)) or outer % inner:
+        return None
+    return numel, outer, inner
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            raise ValueError(f"the file ends at byte {offset + got}, inside a chunk")
+        got += n
+
+
+def _read_direct(path: str, layout: tuple[int, int, int], lo: int, dst: torch.Tensor, crc: _Crc32s,
+                 crc_worker: cf.Executor) -> None:
+    """``[lo, lo + dst.numel())`` of the array at path into dst: one ``preadv`` per inner chunk from its shard file
+    (what tensorstore reads, without its intermediate buffer); each chunk's CRC32s computed by crc_worker (one
+    thread, in order) while the next is read. A missing chunk or shard file is the fill value, zeros."""
+    numel, outer, inner = layout
+    per_shard = outer // inner
+    index_bytes = 16 * per_shard + 4  # (offset, nbytes) little-endian uint64 per inner chunk, then its crc32c
+    raw = memoryview(dst.view(torch.uint8).numpy())
+    pending = []
+    try:
+        pos, end = lo, lo + dst.numel()
+        while pos < end:
+            shard = pos // outer
+            shard_end = min(end, (shard + 1) * outer)
+            try:
+                fd = os.open(os.path.join(path, "c", str(shard)), os.O_RDONLY)
+            except FileNotFoundError:
+                fd = -1  # tensorstore writes no shard that is all fill value (the manifest lists every file)
+            try:
+                if fd >= 0:
+                    data_bytes = os.fstat(fd).st_size - index_bytes
+                    if data_bytes < 0:
+                        raise ValueError(f"shard {shard} is shorter than its index")
+                    index = bytearray(index_bytes)
+                    _pread_into(fd, memoryview(index), data_bytes)
+                    entries = np.frombuffer(index, dtype="<u8", count=2 * per_shard).reshape(per_shard, 2)
+                while pos < shard_end:
+                    k = pos // inner - shard * per_shard
+                    stop = min(shard_end, (pos // inner + 1) * inner)
+                    offset, nbytes = (MISSING_CHUNK, MISSING_CHUNK) if fd < 0 else map(int, entries[k])
+                    if (offset, nbytes) == (MISSING_CHUNK, MISSING_CHUNK):
+                        dst[pos - lo:stop - lo].zero_()
+                    elif nbytes != 4 * inner or offset + nbytes > data_bytes:
+                        raise ValueError(f"shard {shard}'s index puts chunk {k} at bytes [{offset}, {offset + nbytes})"
+                                         f" of {data_bytes} (chunks are {4 * inner} bytes)")
+                    else:
+                        _pread_into(fd, raw[4 * (pos - lo):4 * (stop - lo)], offset + 4 * (pos % inner))
+                    pending.append(crc_worker.submit(crc.update, dst[pos - lo:stop - lo]))
+                    pos = stop
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+    finally:
+        for f in pending:  # in order; all done before dst is used or dropped
+            f.result()
+
+
 def restore(engine: "Engine", path: str, manifest: dict[str, Any]) -> None:
     """Read the arrays of a step directory into the engine's store, verify their CRC32s, restore the steps."""
-    import tensorstore as ts
-
     if manifest["tensors"] != _tensor_table(engine):
         raise InputError(f"{path}: the checkpoint's parameter layout differs from this megatrain's; "
                          "load it with the megatrain version that wrote it")
@@ -463,35 +557,9 @@ def restore(engine: "Engine", path: str, manifest: dict[str, Any]) -> None:
     store = engine.store
     live = {kind: SpilledArena(store, kind) if kind in store.spilled else store._arena(kind).tensor
             for kind in ("master", "exp_avg", "exp_avg_sq")}
-    for name, dst in live.items():
-        meta = manifest["arrays"][name]
-        full = os.path.join(path, meta["path"])
-        crc = _Crc32s()
-        try:
-            src = ts.open(_spec(full), open=True, read=True).result()
-            if tuple(src.shape) != (dst.numel(),):
-                raise InputError(f"{full} has shape {tuple(src.shape)}, this model needs ({dst.numel()},); "
-                                 "the checkpoint does not match its manifest")
-            if isinstance(dst, SpilledArena):
-                for b in range(len(store.numels)):  # one block at a time through RAM into its spill file
-                    lo, n = store.offsets[b], store.numels[b]
-                    block = torch.empty(n, dtype=torch.float32)
-                    _read_into(src, lo, block, crc)  # verified below: the bytes read, before the spill write
-                    store.write_block(name, b, block)
-            else:
-                _read_into(src, 0, dst, crc)
-        except InputError:
-            raise
-        except Exception as err:  # tensorstore reports I/O and format errors as ValueError and others
-            raise InputError(f"cannot read {full} ({str(err).splitlines()[0][:200]}); the checkpoint is corrupt: "
-                             "load the previous step directory instead") from None
-        got = crc.digest()
-        if got != meta["crc32"]:
-            bad = next(i for i, (a, b) in enumerate(zip(got, meta["crc32"])) if a != b) if len(got) == len(
-                meta["crc32"]) else 0
-            lo = bad * CRC_CHUNK_BYTES
-            raise InputError(f"{full}: checksum mismatch in bytes [{lo}, {lo + CRC_CHUNK_BYTES}); the checkpoint is "
-                             "corrupt: load the previous step directory instead")
+    with cf.ThreadPoolExecutor(1, thread_name_prefix="megatrain-checkpoint-crc") as crc_worker:
+        for name, dst in live.items():
+            _restore_array(path, manifest["arrays"][name], store, name, dst, crc_worker)
     block_steps = manifest["engine"]["block_steps"]
     for b, value in enumerate(block_steps):
         store.steps[b].fill_(value)
@@ -499,3 +567,43 @@ def restore(engine: "Engine", path: str, manifest: dict[str, Any]) -> None:
     engine._restore_step_count(int(manifest["engine"]["step_count"]))
     engine.checkpoint_extra = manifest["extra"]
     engine.hf_config = manifest["engine"]["hf_config"]
+
+
+def _restore_array(path: str, meta: dict[str, Any], store: Any, name: str, dst: "torch.Tensor | SpilledArena",
+                   crc_worker: cf.Executor) -> None:
+    """One array of the checkpoint into dst (a RAM arena, or a spilled kind block by block), CRC32s verified."""
+    import tensorstore as ts
+
+    full = os.path.join(path, meta["path"])
+    crc = _Crc32s()
+    try:
+        layout = _direct_layout(full)
+        if layout is not None:
+            shape = (layout[0],)
+            read = functools.partial(_read_direct, full, layout, crc_worker=crc_worker)
+        else:  # another layout: tensorstore reads it (the same pieces, one more copy)
+            src = ts.open(_spec(full), open=True, read=True).result()
+            shape, read = tuple(src.shape), functools.partial(_read_into, src)
+        if shape != (dst.numel(),):
+            raise InputError(f"{full} has shape {shape}, this model needs ({dst.numel()},); "
+                             "the checkpoint does not match its manifest")
+        if isinstance(dst, SpilledArena):
+            for b in range(len(store.numels)):  # one block at a time through RAM into its spill file
+                lo, n = store.offsets[b], store.numels[b]
+                block = torch.empty(n, dtype=torch.float32)
+                read(lo, block, crc)  # verified below: the bytes read, before the spill write
+                store.write_block(name, b, block)
+        else:
+            read(0, dst, crc)
+    except InputError:
+        raise
+    except Exception as err:  # tensorstore and _read_direct report I/O and format errors as ValueError and others
+        raise InputError(f"cannot read {full} ({str(err).splitlines()[0][:200]}); the checkpoint is corrupt: "
+                         "load the previous step directory instead") from None
+    got = crc.digest()
+    if got != meta["crc32"]:
+        bad = next(i for i, (a, b) in enumerate(zip(got, meta["crc32"])) if a != b) if len(got) == len(
+            meta["crc32"]) else 0
+        lo = bad * CRC_CHUNK_BYTES
+        raise InputError(f"{full}: checksum mismatch in bytes [{lo}, {lo + CRC_CHUNK_BYTES}); the checkpoint is "
+                         "corrupt: load the previous step directory instead")

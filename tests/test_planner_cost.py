@@ -107,3 +107,25 @@ def test_cpu_device_serialises_adam() -> None:
     m = PRESETS["Qwen2.5-0.5B"]
     est = cost_model.estimate(m, Workload(256, 2), Plan(), cpu)
     assert est.optimizer_exposed_seconds == pytest.approx(m.numel_total * cost_model.ADAM_SHADOW_FACTOR / 1e9)
+
+
+def test_adamw_time_counts_the_shadow_pass_only_where_there_is_one() -> None:
+    """fp32 compute sends the master itself: AdamW alone. bf16: AdamW plus the measured fp32 -> bf16
+    rounding pass, or AdamW x ADAM_SHADOW_FACTOR when the profile has no shadow rate."""
+    n = M8.numel_total
+    plan = Plan(micro_batch_size=2)
+
+    def adam(work: Workload, **kw: object) -> float:
+        est = cost_model.estimate(M8, work, plan, _hw(cpu_adam_params_per_s=1e9, **kw))
+        return est.forward.adam_s + est.backward.adam_s
+
+    fp32, bf16 = Workload(1024, 4, compute_dtype="fp32"), Workload(1024, 4, compute_dtype="bf16")
+    assert adam(fp32) == pytest.approx(n / 1e9)
+    assert adam(fp32, cpu_shadow_params_per_s=2e9) == pytest.approx(n / 1e9)
+    assert adam(bf16) == pytest.approx(n / 1e9 * cost_model.ADAM_SHADOW_FACTOR)
+    assert adam(bf16, cpu_shadow_params_per_s=2e9) == pytest.approx(n / 1e9 + n / 2e9)
+
+
+def test_a_negative_shadow_rate_is_refused() -> None:
+    with pytest.raises(hardware.HardwareError, match="cpu_shadow_params_per_s"):
+        _hw(cpu_shadow_params_per_s=-1.0)

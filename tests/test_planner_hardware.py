@@ -92,7 +92,7 @@ def test_matching_preset_names() -> None:
 def test_measure_on_this_machine(tmp_path) -> None:
     pytest.importorskip("torch")
     hw = profiler.measure(str(tmp_path))
-    assert hw.cpu_adam_params_per_s > 0 and hw.adam_by_threads
+    assert hw.cpu_adam_params_per_s > 0 and hw.adam_by_threads and hw.cpu_shadow_params_per_s > 0
     assert hw.disk_read_gbps > 0 and hw.disk_write_gbps > 0
     assert all(v > 0 for v in hw.matmul_tflops.values())
     assert HardwareProfile.from_json(hw.to_json()) == hw
