@@ -60,8 +60,13 @@ def make_optimizer(model: ReferenceLM, opt: OptimizerConfig) -> torch.optim.Adam
 
 
 def reference_step(model: ReferenceLM, optim: torch.optim.AdamW, input_ids: torch.Tensor, labels: torch.Tensor,
-                   micro_batch_size: int, max_grad_norm: float | None, lr: float) -> torch.Tensor:
-    """Gradient accumulation over the same micro-batches, in the same order, then clip and AdamW."""
+                   micro_batch_size: int, max_grad_norm: float | None, lr: float,
+                   master: ReferenceLM | None = None) -> torch.Tensor:
+    """Gradient accumulation over the same micro-batches, in the same order, then clip and AdamW.
+
+    ``master``: for a model on the GPU, its fp32 twin in host memory that ``optim`` steps (torch's
+    fused CPU AdamW, as megatrain's host optimizer); the GPU model's gradients go to it after
+    clipping, and its updated parameters come back."""
     shifted = shift_labels(labels)
     n_tokens = (shifted != IGNORE_INDEX).sum()
     total = torch.zeros(())
@@ -76,6 +81,14 @@ def reference_step(model: ReferenceLM, optim: torch.optim.AdamW, input_ids: torc
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     for group in optim.param_groups:
         group["lr"] = lr
+    if master is not None:
+        for p, host in zip(model.parameters(), master.parameters()):
+            host.grad = p.grad.detach().cpu()
     optim.step()
     optim.zero_grad(set_to_none=True)
+    if master is not None:
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, host in zip(model.parameters(), master.parameters()):
+                p.copy_(host)
     return total

@@ -123,21 +123,26 @@ def run_case(config, plan, optimizer, batch, seq, lrs, seed, device="cpu"):
         reference = ReferenceLM(config).to(device)
         reference.load_state_dict(engine.state_dict())
         initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
-        optim = make_optimizer(reference, optimizer)
+        # On a GPU the reference's optimizer runs where megatrain's does: fused AdamW on fp32 host twins.
+        master = None
+        if device != "cpu":
+            master = ReferenceLM(config)
+            master.load_state_dict(engine.state_dict())
+        optim = make_optimizer(master or reference, optimizer)
         for (ids, labels), lr in zip(_batches(config, batch, seq, len(lrs), seed), lrs):
             loss = engine.step(ids, labels, lr=lr)
             expected = reference_step(reference, optim, ids.to(device), labels.to(device),
-                                      plan.micro_batch_size, optimizer.max_grad_norm, lr)
+                                      plan.micro_batch_size, optimizer.max_grad_norm, lr, master)
             if sources:
                 assert abs(loss.item() - expected.item()) <= 1e-6 * abs(expected.item()) + 1e-7, (loss, expected)
             else:
                 assert torch.equal(loss.cpu(), expected.cpu()), (loss.item(), expected.item())
 
         ours = engine.state_dict()
-        theirs = {n: p.detach().cpu() for n, p in reference.named_parameters()}
+        theirs = {n: p.detach().cpu() for n, p in (master or reference).named_parameters()}
         ours = {n: ours[n] for n in theirs}
         state = engine.optimizer_state_dict()
-        ref_state = {n: optim.state[p] for n, p in reference.named_parameters()}
+        ref_state = {n: optim.state[p] for n, p in (master or reference).named_parameters()}
         moments = {key: ({n: state[n][key] for n in theirs}, {n: ref_state[n][key].cpu() for n in theirs})
                    for key in ("exp_avg", "exp_avg_sq")}
         b2, steps = optimizer.betas[1], len(lrs)
@@ -181,3 +186,23 @@ def test_matches_pytorch_training_cuda(case):
         run_case(*case, device="cuda")
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_reference_with_host_master_twin_steps_identically(tied):
+    """The CUDA test's reference steps fp32 host twins of its parameters (as megatrain does); on a
+    CPU that path must give bitwise the same training as stepping the model itself."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    opt = OptimizerConfig(lr=1e-3, max_grad_norm=1.0, weight_decay=0.1)
+    torch.manual_seed(0)
+    plain, model, master = ReferenceLM(cfg), ReferenceLM(cfg), ReferenceLM(cfg)
+    model.load_state_dict(plain.state_dict())
+    master.load_state_dict(plain.state_dict())
+    opt_plain, opt_master = make_optimizer(plain, opt), make_optimizer(master, opt)
+    for ids, labels in _batches(cfg, 4, 8, 3, seed=1):
+        a = reference_step(plain, opt_plain, ids, labels, 2, 1.0, 1e-3)
+        b = reference_step(model, opt_master, ids, labels, 2, 1.0, 1e-3, master=master)
+        assert torch.equal(a, b)
+    for x, y, z in zip(plain.parameters(), model.parameters(), master.parameters()):
+        assert torch.equal(x, y) and torch.equal(x, z)
