@@ -42,7 +42,6 @@ fi
 case $part in
   checks)
     run 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests
-    run 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine_api.py tests/test_schedule.py
     run 150 python3 benchmarks/throughput.py --model 1b --seq 2048 --batch 32 --micro-batch 8 --steps 4
     run 150 python3 benchmarks/step_anatomy.py --model 1b --seq 2048 --batch 16 --micro-batch 4 \
       --variant planner,host-ckpt,eager --steps 3 --traced 2

@@ -522,7 +522,7 @@ def _read_direct(path: str, layout: tuple[int, int, int], lo: int, dst: torch.Te
     """``[lo, lo + dst.numel())`` of the array at path into dst: one ``preadv`` per inner chunk from its shard file
     (what tensorstore reads, without its intermediate buffer); each chunk's CRC32s computed by crc_worker (one
     thread, in order) while the next is read. A missing chunk or shard file is the fill value, zeros."""
-    numel, outer, inner = layout
+    _, outer, inner = layout
     per_shard = outer // inner
     index_bytes = 16 * per_shard + 4  # (offset, nbytes) little-endian uint64 per inner chunk, then its crc32c
     raw = memoryview(dst.view(torch.uint8).numpy())
@@ -608,7 +608,7 @@ def _restore_array(path: str, meta: dict[str, Any], store: Any, name: str, dst: 
             for b in range(len(store.numels)):  # one block at a time through RAM into its spill file
                 lo, n = store.offsets[b], store.numels[b]
                 block = torch.empty(n, dtype=torch.float32)
-                read(lo, block, crc)  # verified below: the bytes read, before the spill write
+                read(lo, block, crc)  # CRC of the bytes read, checked below once every block is in
                 store.write_block(name, b, block)
         else:
             read(0, dst, crc)
