@@ -1,13 +1,14 @@
 """Model shapes: what a decoder-only transformer costs in parameters, bytes and FLOPs.
 
-A ModelShape comes from a Hugging Face ``config.json`` (a path or a dict) or a
-named preset. Everything the memory and cost models need about a model is here,
+A ModelShape comes from a Hugging Face ``config.json`` (a path or a dict, read by
+``hf_config``, the reader the runtime uses too) or a named preset. Everything the memory and cost models need about a model is here,
 per block, in the runtime's block order: embedding, each decoder layer, head
 (final norm + lm_head; when embeddings are tied the head holds only the norm and
 borrows the embedding's weight, so the embedding block is loaded a second time).
 
-Each block is one flat buffer in the runtime; each parameter's offset is aligned
-to ``ALIGN_ELEMENTS`` elements, so a block's buffer is slightly larger than its
+The parameters of each block come from ``block_parameters``, the table the
+runtime lays its blocks out from. Each block is one flat buffer in the runtime;
+each parameter's offset is aligned to ``ALIGN_ELEMENTS`` elements, so a block's buffer is slightly larger than its
 parameter count. ``block_numel`` is the aligned size (what slots and arenas hold);
 ``params`` counts the model's real parameters (what FLOPs and MFU count).
 
@@ -15,13 +16,12 @@ Pure stdlib.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-# Every parameter's offset inside a block's flat buffer is a multiple of this many elements.
-ALIGN_ELEMENTS = 64
+from . import hf_config
+from .block_parameters import ALIGN_ELEMENTS, aligned, embedding_parameters, head_parameters, layer_parameters
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_ALIASES: dict[str, str] = {
@@ -41,11 +41,6 @@ def dtype_bytes(dtype: str) -> int:
     if name is None:
         raise ModelShapeError(f"dtype={dtype!r} is unknown; use one of {', '.join(sorted(DTYPE_ALIASES))}")
     return DTYPE_BYTES[name]
-
-
-def aligned(numel: int) -> int:
-    """Elements a parameter of ``numel`` elements occupies in a block's flat buffer."""
-    return -(-numel // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
 
 
 @dataclass(frozen=True)
@@ -96,30 +91,19 @@ class ModelShape:
 
     def embedding_params(self) -> list[int]:
         """embed_tokens.weight: vocab x hidden."""
-        return [self.vocab_size * self.hidden_size]
+        return [p.numel for p in embedding_parameters(vocab_size=self.vocab_size, hidden_size=self.hidden_size)]
 
     def layer_params(self) -> list[int]:
-        """One decoder layer's parameters, in the order the runtime lays them out."""
-        h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
-            self.intermediate_size
-        p = [h]                                   # input_layernorm
-        p += [h * q, h * kv, h * kv]              # q_proj, k_proj, v_proj weights
-        if self.attention_bias:
-            p += [q, kv, kv]                      # q, k, v biases
-        if self.qk_norm:
-            p += [self.head_dim, self.head_dim]   # q_norm, k_norm
-        p += [q * h]                              # o_proj
-        if self.o_proj_bias:
-            p += [h]                              # o_proj bias
-        p += [h]                                  # post_attention_layernorm
-        p += [h * i, h * i, i * h]                # gate_proj, up_proj, down_proj
-        if self.mlp_bias:
-            p += [i, i, h]                        # their biases
-        return p
+        """One decoder layer's parameters, in the order the runtime lays them out (``block_parameters``)."""
+        return [p.numel for p in layer_parameters(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, attention_bias=self.attention_bias,
+            o_proj_bias=self.o_proj_bias, mlp_bias=self.mlp_bias, qk_norm=self.qk_norm)]
 
     def head_params(self) -> list[int]:
         """Final norm, plus lm_head (vocab x hidden) unless it is the embedding's weight."""
-        return [self.hidden_size] + ([] if self.tie_word_embeddings else [self.vocab_size * self.hidden_size])
+        return [p.numel for p in head_parameters(hidden_size=self.hidden_size, vocab_size=self.vocab_size,
+                                                 tie_word_embeddings=self.tie_word_embeddings)]
 
     @property
     def params_embedding(self) -> int:
@@ -259,68 +243,47 @@ class ModelShape:
         }
 
 
-# ---- reading config.json ---------------------------------------------------------------------
-
-_SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-
+# ---- reading config.json (``hf_config`` is the one reader) ----------------------------------------
 
 def from_config(config: Mapping[str, Any], name: str | None = None) -> ModelShape:
-    """A ModelShape from a Hugging Face config dict (Llama, Qwen2, Qwen3, Mistral)."""
-    if not isinstance(config, Mapping):
-        raise ModelShapeError(f"a model config is a JSON object, got {type(config).__name__}; pass a config.json")
-    mtype = str(config.get("model_type", "llama"))
-    label = name or str(config.get("_name_or_path") or mtype)
-    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                           "vocab_size") if k not in config]
-    if missing:
-        raise ModelShapeError(f"{label}: config has no {', '.join(missing)}; pass a decoder config.json "
-                              f"(model_type one of {', '.join(_SUPPORTED_TYPES)})")
-    # Two spellings: older configs carry rope_theta / rope_scaling, transformers 5.x only rope_parameters.
-    rope_params = config.get("rope_parameters")
-    rope_scaling = config.get("rope_scaling")
-    rope_theta = config.get("rope_theta")
-    if isinstance(rope_params, Mapping):
-        rope_theta = rope_params.get("rope_theta", rope_theta)
-        if rope_params.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    """A ModelShape from a Hugging Face config dict (Llama, Qwen2, Qwen3, Mistral), read by ``hf_config``."""
+    label = name or (str(config.get("_name_or_path") or config.get("model_type", "llama"))
+                     if isinstance(config, Mapping) else "config")
     try:
-        return ModelShape(
-            name=label,
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=config["num_attention_heads"],
-            num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-            vocab_size=config["vocab_size"],
-            head_dim=config.get("head_dim") or 0,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", mtype == "qwen2")),
-            o_proj_bias=bool(config.get("attention_bias", False)) and mtype != "qwen2",
-            mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=mtype == "qwen3",
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-            model_type=mtype,
-        )
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ModelShapeError):
-            raise
-        raise ModelShapeError(f"{label}: config field has the wrong type ({e}); fix the config.json") from None
+        d = hf_config.parse(config)
+    except hf_config.HFConfigError as e:
+        raise ModelShapeError(f"{label}: {e}") from None
+    return ModelShape(
+        name=label,
+        hidden_size=d.hidden_size,
+        intermediate_size=d.intermediate_size,
+        num_layers=d.num_hidden_layers,
+        num_heads=d.num_attention_heads,
+        num_kv_heads=d.num_key_value_heads,
+        vocab_size=d.vocab_size,
+        head_dim=d.head_dim or 0,
+        tie_word_embeddings=d.tie_word_embeddings,
+        attention_bias=d.attention_bias,
+        o_proj_bias=d.o_proj_bias,
+        mlp_bias=d.mlp_bias,
+        qk_norm=d.qk_norm,
+        rope_theta=d.rope_theta,
+        rope_scaling=d.rope_scaling,
+        max_position_embeddings=d.max_position_embeddings,
+        model_type=d.model_type,
+    )
 
 
 def from_config_file(path: str) -> ModelShape:
     """A ModelShape from a config.json path (or a folder that holds one)."""
     p = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.exists(p):
+        raise ModelShapeError(f"no model config at {p}; pass a preset name ({', '.join(PRESETS)}) "
+                              "or a config.json path")
     try:
-        with open(p, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise ModelShapeError(f"cannot read model config {p}: {e.strerror}; pass a preset name "
-                              f"({', '.join(PRESETS)}) or a config.json path") from None
-    except json.JSONDecodeError as e:
-        raise ModelShapeError(f"model config {p} is not valid JSON ({e.msg} at line {e.lineno}); "
-                              f"pass a Hugging Face config.json") from None
+        data = hf_config.read_config_json(p)
+    except hf_config.HFConfigError as e:
+        raise ModelShapeError(str(e)) from None
     return from_config(data, name=os.path.basename(os.path.dirname(os.path.abspath(p))) or p)
 
 

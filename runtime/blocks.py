@@ -5,16 +5,30 @@ Each class is instantiated once on the meta device as a stateless template
 slot. Submodule and parameter names, and their registration order, are those
 of Hugging Face transformers (``LlamaDecoderLayer`` and friends), so layout
 tables map one-to-one to Hugging Face state-dict names and the parameter order
-matches ``model.parameters()``.
+matches ``model.parameters()``. That order is the one table of
+``megatrain.planner.block_parameters``; ``templates.py`` checks the two agree.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import functools
+from typing import Callable
+
 from torch import nn
 
-from .config import ModelConfig
+from .config import SUPPORTED_ACTIVATIONS, ModelConfig
 from .rope import apply_rotary
+
+# The MLP's activation by its transformers ACT2FN name, computed as transformers computes it.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,  # exact (erf) GELU
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
+assert set(ACTIVATIONS) == set(SUPPORTED_ACTIVATIONS)
 
 
 class RMSNorm(nn.Module):
@@ -69,9 +83,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.act_fn = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

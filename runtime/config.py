@@ -1,16 +1,25 @@
-"""Model and optimizer configuration: frozen, validated, Hugging Face field names."""
+"""Model and optimizer configuration: frozen, validated, Hugging Face field names.
+
+A ``config.json`` is read by the planner's ``hf_config`` (the one reader, shared with the
+planner's model shapes); its module docstring holds the audit of every field: each is
+honoured as transformers honours it or refused with one line.
+"""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
+
+from megatrain.planner import hf_config
+from megatrain.planner.hf_config import SUPPORTED_ACTIVATIONS, SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES
 
 from .errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+__all__ = ["ModelConfig", "OptimizerConfig", "read_config_json", "SUPPORTED_ACTIVATIONS", "SUPPORTED_MODEL_TYPES",
+           "SUPPORTED_ROPE_TYPES"]
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -22,7 +31,9 @@ class ModelConfig:
     and that type's parameters. ``qk_norm`` is Qwen3's RMSNorm on queries and keys.
     ``attention_bias`` puts a bias on q, k and v; ``o_proj_bias`` (default: the same
     as ``attention_bias``) on the output projection; Qwen2 has the first and not the
-    second.
+    second. ``hidden_act`` is the MLP's activation, by its transformers ``ACT2FN`` name.
+    ``sliding_window`` is the attention window (``None``: full attention); megatrain
+    runs sequences up to the window, where it changes nothing.
     """
 
     vocab_size: int
@@ -45,19 +56,52 @@ class ModelConfig:
     sliding_window: int | None = None
     initializer_range: float = 0.02
     model_type: str = "llama"
+    hidden_act: str = "silu"
 
     def __post_init__(self) -> None:
+        self._check_types()
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if self.o_proj_bias is None:
+            object.__setattr__(self, "o_proj_bias", self.attention_bias)
+        object.__setattr__(self, "rope_theta", float(self.rope_theta))
+        object.__setattr__(self, "rms_norm_eps", float(self.rms_norm_eps))
+        scaling = _field(hf_config.rope_scaling, self.rope_scaling, self.max_position_embeddings)
+        object.__setattr__(self, "rope_scaling", None if scaling is None else _FrozenDict(scaling))
+        self._validate_ranges()
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.pad_token_id is not None and not (0 <= self.pad_token_id < self.vocab_size):
+            # Hugging Face treats an out-of-range pad id as absent for the embedding.
+            object.__setattr__(self, "pad_token_id", None)
+
+    def _check_types(self) -> None:
+        """Every field of the right type (the one-line error names it), before any arithmetic on it."""
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "max_position_embeddings"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
-        if self.num_key_value_heads is None:
-            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        for name in ("num_key_value_heads", "head_dim", "pad_token_id", "sliding_window"):
+            _field(hf_config.optional_integer, name, getattr(self, name))
+        for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
+            _field(hf_config.number, name, getattr(self, name))
+        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "qk_norm"):
+            _field(hf_config.boolean, name, getattr(self, name))
+        if self.o_proj_bias is not None:
+            _field(hf_config.boolean, "o_proj_bias", self.o_proj_bias)
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"model_type={self.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        _field(hf_config.activation, "hidden_act", self.hidden_act)
+
+    def _validate_ranges(self) -> None:
+        """The one place for numeric range checks of the model fields (types are already checked)."""
         kv = self.num_key_value_heads
-        if not isinstance(kv, int) or kv < 1:
+        if kv < 1:  # type: ignore[operator]
             raise ConfigError(f"num_key_value_heads={kv!r} must be a positive integer")
-        if self.num_attention_heads % kv != 0:
+        if self.num_attention_heads % kv != 0:  # type: ignore[operator]
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={kv}; choose num_key_value_heads among the divisors of "
@@ -70,41 +114,12 @@ class ModelConfig:
                     f"{self.num_attention_heads}; set head_dim explicitly or choose num_attention_heads "
                     f"among {_divisors(self.hidden_size)}"
                 )
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2:
+        elif self.head_dim < 2 or self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim!r} must be an even integer >= 2 (rotary embeddings pair dimensions)")
-        if self.o_proj_bias is None:
-            object.__setattr__(self, "o_proj_bias", self.attention_bias)
-        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
+        if not self.rope_theta > 0:
             raise ConfigError(f"rope_theta={self.rope_theta!r} must be a positive number")
-        object.__setattr__(self, "rope_theta", float(self.rope_theta))
-        if not (self.rms_norm_eps > 0):
+        if not self.rms_norm_eps > 0:
             raise ConfigError(f"rms_norm_eps={self.rms_norm_eps!r} must be positive")
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"model_type={self.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        if self.pad_token_id is not None and not (0 <= self.pad_token_id < self.vocab_size):
-            # Hugging Face treats an out-of-range pad id as absent for the embedding.
-            object.__setattr__(self, "pad_token_id", None)
-        if self.rope_scaling is not None:
-            scaling = dict(self.rope_scaling)
-            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-            if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ConfigError(
-                    f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-                )
-            scaling["rope_type"] = rope_type
-            scaling.pop("type", None)
-            if rope_type == "default":
-                object.__setattr__(self, "rope_scaling", None)
-            else:
-                needed = ("factor",) if rope_type == "linear" else (
-                    "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-                missing = [k for k in needed if k not in scaling]
-                if missing:
-                    raise ConfigError(f"rope_scaling of type {rope_type!r} lacks {', '.join(missing)}; add them to the config")
-                object.__setattr__(self, "rope_scaling", _FrozenDict(scaling))
 
     # ---- derived sizes -------------------------------------------------
     @property
@@ -124,45 +139,25 @@ class ModelConfig:
     # ---- Hugging Face config.json --------------------------------------
     @classmethod
     def from_hf(cls, source: str | os.PathLike | Mapping[str, Any]) -> "ModelConfig":
-        """Read a Hugging Face ``config.json`` (a path to it, its directory, or the parsed dict)."""
-        data = _read_config_json(source) if not isinstance(source, Mapping) else dict(source)
-        model_type = data.get("model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-        missing = [k for k in required if k not in data]
-        if missing:
-            raise ConfigError(f"config.json lacks {', '.join(missing)}; is it a causal language model config?")
-        rope_theta, rope_scaling = _read_rope(data)
-        attention_bias = bool(data.get("attention_bias", model_type == "qwen2"))
-        o_proj_bias = False if model_type == "qwen2" else attention_bias
-        sliding_window = data.get("sliding_window")
-        if model_type == "qwen2" and not data.get("use_sliding_window", False):
-            sliding_window = None
-        return cls(
-            vocab_size=data["vocab_size"],
-            hidden_size=data["hidden_size"],
-            intermediate_size=data["intermediate_size"],
-            num_hidden_layers=data["num_hidden_layers"],
-            num_attention_heads=data["num_attention_heads"],
-            num_key_value_heads=data.get("num_key_value_heads"),
-            head_dim=data.get("head_dim"),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            rms_norm_eps=data.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            o_proj_bias=o_proj_bias,
-            mlp_bias=bool(data.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
-            max_position_embeddings=data.get("max_position_embeddings", 4096),
-            pad_token_id=data.get("pad_token_id"),
-            sliding_window=sliding_window,
-            initializer_range=data.get("initializer_range", 0.02),
-            model_type=model_type,
-        )
+        """Read a Hugging Face ``config.json`` (a path to it, its directory, or the parsed dict).
+
+        The rules for each field are ``megatrain.planner.hf_config``'s (transformers' for the family).
+        """
+        reader = hf_config.parse if isinstance(source, Mapping) else hf_config.read
+        return cls(**_field(reader, source).fields())
+
+
+def read_config_json(source: str | os.PathLike) -> dict[str, Any]:
+    """The parsed JSON object of a ``config.json`` (a path to it, or its directory)."""
+    return _field(hf_config.read_config_json, source)
+
+
+def _field(read: Callable[..., _T], *args: Any) -> _T:
+    """``read(*args)`` with the reader's one-line error raised as a ``ConfigError``."""
+    try:
+        return read(*args)
+    except hf_config.HFConfigError as e:
+        raise ConfigError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -215,34 +210,6 @@ class _FrozenDict(dict):
 
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(tuple(sorted((k, repr(v)) for k, v in self.items())))
-
-
-def _read_config_json(source: str | os.PathLike) -> dict[str, Any]:
-    path = os.fspath(source)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"no config.json at {path}; pass a Hugging Face model directory or its config.json") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); fix or re-download it") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} holds a {type(data).__name__}, not a config object")
-    return data
-
-
-def _read_rope(data: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """Both spellings: ``rope_theta`` + ``rope_scaling`` (older) and ``rope_parameters`` (transformers 5)."""
-    params = data.get("rope_parameters")
-    if isinstance(params, Mapping) and params:
-        params = dict(params)
-        theta = params.pop("rope_theta", data.get("rope_theta", 10000.0))
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        return float(theta), (None if rope_type == "default" else params)
-    scaling = data.get("rope_scaling")
-    return float(data.get("rope_theta", 10000.0)), (dict(scaling) if scaling else None)
 
 
 def _divisors(n: int) -> str:

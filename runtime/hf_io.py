@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .config import ModelConfig, _read_config_json
+from .config import ModelConfig, read_config_json
 from .errors import ConfigError, InputError
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ def read_header(path: str) -> list[TensorInfo]:
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """config.json of a model directory, checked to be a supported causal LM."""
-    data = _read_config_json(path)
+    data = read_config_json(path)
     archs = data.get("architectures") or []
     if archs and not any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs):
         raise ConfigError(f"{os.fspath(path)}: architectures={archs} is not a causal language model; megatrain loads "
@@ -284,7 +284,7 @@ def hf_config_dict(engine: "Engine", dtype: torch.dtype) -> dict[str, Any]:
             "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
             "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "tie_word_embeddings": c.tie_word_embeddings,
             "max_position_embeddings": c.max_position_embeddings, "pad_token_id": c.pad_token_id,
-            "initializer_range": c.initializer_range, "hidden_act": "silu",
+            "initializer_range": c.initializer_range, "hidden_act": c.hidden_act,
             "rope_theta": c.rope_theta,
             "rope_parameters": {"rope_theta": c.rope_theta, **(dict(c.rope_scaling) if c.rope_scaling else
                                                                  {"rope_type": "default"})},
@@ -298,6 +298,7 @@ def hf_config_dict(engine: "Engine", dtype: torch.dtype) -> dict[str, Any]:
         if c.model_type in ("qwen2", "qwen3"):
             data["use_sliding_window"] = c.sliding_window is not None
             data["sliding_window"] = c.sliding_window
+            data["max_window_layers"] = 0  # the window on every layer
     data.setdefault("architectures", [_ARCHITECTURES[c.model_type]])
     data["dtype"] = data["torch_dtype"] = str(dtype).removeprefix("torch.")
     again = ModelConfig.from_hf(data)

@@ -9,8 +9,10 @@ views of the slot's flat buffer into the template with
 ``torch.func.functional_call``: no per-layer copy into module parameters, no
 autograd graph across blocks, no persistent per-layer modules on the device.
 
-Layout order: the template's registration order (that of Hugging Face), each
-offset aligned to ``ALIGN`` elements; padding stays zero.
+Layout: the parameter table of ``megatrain.planner.block_parameters`` (the one
+the planner sizes blocks from), which is the templates' registration order (that
+of Hugging Face; checked when the templates are built), each offset aligned to
+``ALIGN`` elements; padding stays zero.
 """
 from __future__ import annotations
 
@@ -22,10 +24,13 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from megatrain.planner import block_parameters
+from megatrain.planner.block_parameters import ALIGN_ELEMENTS, Param
+
 from .blocks import DecoderLayer, EmbeddingBlock, HeadBlock
 from .config import ModelConfig
 
-ALIGN = 64  # elements: 256 B in fp32, 128 B in bf16
+ALIGN = ALIGN_ELEMENTS  # elements: 256 B in fp32, 128 B in bf16
 
 
 class BlockKind(enum.Enum):
@@ -84,7 +89,21 @@ def _hf_prefix(kind: BlockKind, layer: int | None, local_name: str) -> str:
 
 
 def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+    return block_parameters.aligned(n)
+
+
+def parameter_table(config: ModelConfig, kind: BlockKind) -> tuple[Param, ...]:
+    """The parameters of a block of ``kind``, in layout order, from the planner's one table."""
+    if kind is BlockKind.EMBED:
+        return block_parameters.embedding_parameters(vocab_size=config.vocab_size, hidden_size=config.hidden_size)
+    if kind is BlockKind.HEAD:
+        return block_parameters.head_parameters(hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                                                tie_word_embeddings=config.tie_word_embeddings)
+    return block_parameters.layer_parameters(
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,  # type: ignore[arg-type]
+        head_dim=config.head_dim, attention_bias=config.attention_bias,  # type: ignore[arg-type]
+        o_proj_bias=bool(config.o_proj_bias), mlp_bias=config.mlp_bias, qk_norm=config.qk_norm)
 
 
 class Templates:
@@ -98,6 +117,10 @@ class Templates:
                 BlockKind.LAYER: DecoderLayer(config),
                 BlockKind.HEAD: HeadBlock(config),
             }
+        self.tables = {kind: parameter_table(config, kind) for kind in BlockKind}
+        for kind, module in self.modules.items():
+            registered = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
+            assert registered == [(p.name, p.shape) for p in self.tables[kind]], (kind, registered)
         blocks = [self._block(0, BlockKind.EMBED, None, decays)]
         for i in range(config.num_hidden_layers):
             blocks.append(self._block(len(blocks), BlockKind.LAYER, i, decays))
@@ -106,9 +129,9 @@ class Templates:
 
     def _block(self, index: int, kind: BlockKind, layer: int | None, decays: Callable[[str], bool]) -> Block:
         entries, offset = [], 0
-        for name, p in self.modules[kind].named_parameters():
-            hf_name = _hf_prefix(kind, layer, name) + name
-            entry = ParamEntry(name, hf_name, tuple(p.shape), offset, decays(hf_name))
+        for p in self.tables[kind]:
+            hf_name = _hf_prefix(kind, layer, p.name) + p.name
+            entry = ParamEntry(p.name, hf_name, p.shape, offset, decays(hf_name))
             entries.append(entry)
             offset = _align(offset + entry.numel)
         return Block(index, kind, layer, BlockLayout(tuple(entries), offset))

@@ -109,16 +109,18 @@ def _config(**extra: object) -> dict[str, object]:
     return base
 
 
+LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
 def test_config_old_rope_spelling() -> None:
-    scaling = {"rope_type": "llama3", "factor": 8.0}
-    m = ms.from_config(_config(rope_theta=500000.0, rope_scaling=scaling))
-    assert m.rope_theta == 500000.0 and m.rope_scaling == scaling
+    m = ms.from_config(_config(rope_theta=500000.0, rope_scaling={"type": "llama3", **LLAMA3}))
+    assert m.rope_theta == 500000.0 and m.rope_scaling == {"rope_type": "llama3", **LLAMA3}
 
 
 def test_config_new_rope_parameters_spelling() -> None:
-    m = ms.from_config(_config(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}))
+    m = ms.from_config(_config(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA3}))
     assert m.rope_theta == 500000.0
-    assert m.rope_scaling == {"rope_type": "llama3", "factor": 8.0}
+    assert m.rope_scaling == {"rope_type": "llama3", **LLAMA3}
     m = ms.from_config(_config(rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
     assert m.rope_theta == 1e6 and m.rope_scaling is None
 
