@@ -6,7 +6,8 @@ loss within 1e-5 in float32, then the parameters after a few steps of
 megatrain against the transformers model trained by ``torch.optim.AdamW`` with
 ``clip_grad_norm_`` (bound: ``numerics.assert_update_close``; sources of
 difference: transformers' attention kernel and its loss reduction differ in
-summation order from megatrain's).
+summation order from megatrain's). Each supported ``hidden_act`` and the
+sliding-window rules are checked the same way.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan  # noqa: E402
+from megatrain.runtime import Engine, InputError, ModelConfig, OptimizerConfig, Plan  # noqa: E402
 from numerics import assert_update_close  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -38,9 +39,11 @@ MODELS = {
 }
 
 
-def _hf_model(family: str, tied: bool):
+def _hf_model(family: str, tied: bool, **extra):
     torch.manual_seed(1234)
     config = FAMILIES[family](tied)
+    for key, value in extra.items():
+        setattr(config, key, value)
     model = MODELS[family](config).float()
     with torch.no_grad():  # random norms and biases too, so that a misplaced one shows
         for name, p in model.named_parameters():
@@ -63,6 +66,61 @@ def test_logits_loss_and_training_match_transformers(family: str, tied: bool) ->
     config, hf = _hf_model(family, tied)
     mt_config = ModelConfig.from_hf(config.to_dict())
     assert mt_config.qk_norm == (family == "qwen3")
+    _assert_matches_transformers(config, hf, mt_config)
+
+
+# Each activation is told apart from SiLU: on these weights SiLU's logits are off by more than 10x the tolerance.
+@pytest.mark.parametrize("family, act", [("llama", "gelu"), ("llama", "relu"), ("qwen2", "gelu_pytorch_tanh"),
+                                         ("mistral", "swish"), ("qwen3", "gelu")])
+def test_every_hidden_act_matches_transformers(family: str, act: str) -> None:
+    config, hf = _hf_model(family, False, hidden_act=act)
+    assert config.to_dict()["hidden_act"] == act
+    mt_config = ModelConfig.from_hf(config.to_dict())
+    assert mt_config.hidden_act == act
+    _assert_matches_transformers(config, hf, mt_config, steps=2)
+    if act != "swish":  # the check can fail: the same weights under SiLU give other logits
+        silu = ModelConfig(**{**mt_config.to_dict(), "hidden_act": "silu"})
+        with Engine(silu, plan=Plan(micro_batch_size=1), compute_dtype=torch.float32, device="cpu") as engine:
+            engine.load_state_dict(hf.state_dict())
+            ids, _ = _batch(config.vocab_size)
+            with torch.no_grad():
+                assert (engine.logits(ids) - hf(ids).logits).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("family, extra", [
+    ("qwen3", dict(use_sliding_window=False, sliding_window=8)),
+    ("qwen2", dict(use_sliding_window=False, sliding_window=8)),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2)),  # no layer slides
+])
+def test_a_window_transformers_does_not_apply_is_full_attention(family: str, extra: dict) -> None:
+    """Sequences of 20 tokens, longer than the window of 8: transformers attends to all of them, and so do we."""
+    torch.manual_seed(1234)
+    config = (transformers.Qwen3Config if family == "qwen3" else transformers.Qwen2Config)(
+        **COMMON, **extra, **({"head_dim": 12} if family == "qwen3" else {}))
+    hf = MODELS[family](config).float()
+    mt_config = ModelConfig.from_hf(config.to_dict())
+    assert mt_config.sliding_window is None
+    _assert_matches_transformers(config, hf, mt_config, steps=1)
+
+
+@pytest.mark.parametrize("family, extra", [
+    ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    ("mistral", dict(sliding_window=8)),
+])
+def test_a_window_transformers_applies_is_refused_beyond_it(family: str, extra: dict) -> None:
+    cls = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config,
+           "mistral": transformers.MistralConfig}[family]
+    mt_config = ModelConfig.from_hf(cls(**COMMON, **extra).to_dict())
+    assert mt_config.sliding_window == 8
+    with Engine(mt_config, plan=Plan(micro_batch_size=1), compute_dtype=torch.float32, device="cpu") as engine:
+        ids, labels = _batch(mt_config.vocab_size)
+        with pytest.raises(InputError, match="sliding_window=8"):
+            engine.step(ids, labels)
+        engine.step(ids[:, :8], labels[:, :8])  # within the window it changes nothing
+
+
+def _assert_matches_transformers(config, hf, mt_config: ModelConfig, steps: int = 3) -> None:
     optimizer = OptimizerConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0)
     engine = Engine(mt_config, optimizer, plan=Plan(micro_batch_size=1, loss_chunk_tokens=16),
                     compute_dtype=torch.float32, device="cpu")
@@ -77,7 +135,7 @@ def test_logits_loss_and_training_match_transformers(family: str, tied: bool) ->
         initial = {n: p.detach().clone() for n, p in hf.named_parameters()}
         hf_opt = torch.optim.AdamW(hf.parameters(), lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps,
                                    weight_decay=optimizer.weight_decay)
-        for step in range(3):
+        for step in range(steps):
             ids, labels = _batch(config.vocab_size, seed=step)
             n_items = int((labels[:, 1:] != -100).sum())
             hf_loss = 0.0
