@@ -1,15 +1,16 @@
 """Model shapes: what a decoder-only transformer costs in parameters, bytes and FLOPs.
 
 A ModelShape comes from a Hugging Face ``config.json`` (a path or a dict, read by
-``hf_config``, the reader the runtime uses too) or a named preset. Everything the memory and cost models need about a model is here,
-per block, in the runtime's block order: embedding, each decoder layer, head
+``hf_config``, the reader the runtime uses too) or a named preset. Everything the
+memory and cost models need about a model is here, per block, in the runtime's
+block order: embedding, each decoder layer, head
 (final norm + lm_head; when embeddings are tied the head holds only the norm and
 borrows the embedding's weight, so the embedding block is loaded a second time).
 
 The parameters of each block come from ``block_parameters``, the table the
 runtime lays its blocks out from. Each block is one flat buffer in the runtime;
-each parameter's offset is aligned to ``ALIGN_ELEMENTS`` elements, so a block's buffer is slightly larger than its
-parameter count. ``block_numel`` is the aligned size (what slots and arenas hold);
+each parameter's offset is aligned to ``ALIGN_ELEMENTS`` elements, so a block's
+buffer is slightly larger than its parameter count. ``block_numel`` is the aligned size (what slots and arenas hold);
 ``params`` counts the model's real parameters (what FLOPs and MFU count).
 
 Pure stdlib.

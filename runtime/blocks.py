@@ -10,11 +10,11 @@ matches ``model.parameters()``. That order is the one table of
 """
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 import functools
 from typing import Callable
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import SUPPORTED_ACTIVATIONS, ModelConfig
