@@ -214,7 +214,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
     try:
         best = result.require()
     except InfeasibleError as e:
-        raise InfeasibleError(f"{e}{_spill_hint(work, hw)}") from None
+        disk_full = any(o.budget == "NVMe" for o in result.overruns)
+        raise InfeasibleError(f"{e}{'; or a --spill-dir with more free space' if disk_full else _spill_hint(work, hw)}") \
+            from None
     assert best.cost is not None
     if args.out:
         best.plan.save(args.out)
