@@ -171,8 +171,13 @@ def search(model: ModelShape, work: Workload, hw: HardwareProfile) -> SearchResu
 
 
 def fits(model: ModelShape, work: Workload, hw: HardwareProfile) -> bool:
-    """Whether any plan fits every budget (memory only; nothing is timed)."""
-    return any(_fit_chunk(model, work, plan, hw).feasible for plan in candidates(model, work, hw))
+    """Whether any plan fits every budget (memory only; nothing is timed). Memory grows with the loss
+    chunk, so each candidate is tried with its smallest chunk only."""
+    for plan in candidates(model, work, hw):
+        p = plan.replace(loss_chunk_tokens=_chunks(plan.micro_batch_size * work.seq_len)[-1])
+        if not overruns(memory_model.estimate(model, work, p, hw), work, hw):
+            return True
+    return False
 
 
 def longest_context(model: ModelShape, hw: HardwareProfile, batch: int = 1, compute_dtype: str = "bfloat16",

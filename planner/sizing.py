@@ -165,12 +165,13 @@ def what_fits(model: ModelShape, work: Workload, hw: HardwareProfile,
     the fastest plan there, and whether it fits without spilling."""
     ctx = search.longest_context(model, hw, 1, work.compute_dtype, work.clipping, spill_dir=work.spill_dir,
                                  spill_free_bytes=work.spill_free_bytes)
-    for b in sorted(batches, reverse=True):
+    smallest = dataclasses.replace(work, batch=min(batches))
+    for b in sorted(batches, reverse=True) if search.fits(model, smallest, hw) else ():
         w = dataclasses.replace(work, batch=b)
         if not search.fits(model, w, hw):
             continue
         best = search.search(model, w, hw).require()
         in_ram = best.plan.spill == "none" or search.fits(model, dataclasses.replace(w, spill="none"), hw)
         return ModelAnswer(model, b, best, in_ram, search.spill_cost_seconds(model, w, best, hw), "feasible", ctx)
-    r = search.search(model, dataclasses.replace(work, batch=min(batches)), hw)
+    r = search.search(model, smallest, hw)
     return ModelAnswer(model, 0, None, False, 0.0, r.reason(), ctx)

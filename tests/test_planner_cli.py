@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -87,21 +88,20 @@ def test_ram_json_and_table() -> None:
     # With an NVMe, the smallest RAM size fits at least what it fits without.
     small = [e for e in ladder if e["ram_bytes"] == 64 * 2**30]
     assert max(e["batch"] for e in small if e["nvme"]) >= max(e["batch"] for e in small if not e["nvme"])
-    r = run("ram", "--model", "Qwen2.5-7B", "--tokens-per-second", "5000", "--hardware", "H100-SXM")
-    assert r.returncode == 0 and "price assumed" in r.stdout and "+NVMe" in r.stdout
+    assert not data["price_assumed"] and data["price_per_gb"] == 3
 
 
 def test_ram_out_of_reach_names_the_best_and_its_bound() -> None:
     r = run("ram", "--model", "Qwen2.5-7B", "--tokens-per-second", "1e9", "--hardware", "RTX-3090",
-            "--max-batch", "64", "--json")
+            "--max-batch", "16", "--json")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert not data["reachable"] and 0 < data["best_tokens_per_second"] < 1e9
     assert data["bound_by"]
     r = run("ram", "--model", "Qwen2.5-7B", "--tokens-per-second", "1e9", "--hardware", "RTX-3090",
-            "--max-batch", "64")
+            "--max-batch", "16")
     assert r.returncode == 0 and "out of reach" in r.stdout and "the best is" in r.stdout and "bound by" in r.stdout
-    assert "at most" not in r.stdout
+    assert not re.search(r"at most [0-9,]+ tok/s", r.stdout)
 
 
 def test_overview_with_a_preset_and_json() -> None:
@@ -153,7 +153,7 @@ def test_profile_writes_a_profile(tmp_path) -> None:
       "--spill", "all"), "--spill-dir"),
     (("plan", "--model", "Llama-3.1-8B", "--seq", "1024", "--batch", "1", "--hardware", "H100-SXM",
       "--spill-d", "/tmp"), "unrecognized arguments: --spill-d"),
-    (("size", "--model", "Llama-3.1-8B", "--seq", "1024", "--bat", "1"), "unrecognized arguments: --bat"),
+    (("size", "--model", "Llama-3.1-8B", "--seq", "1024", "--bat", "1"), "--batch --tokens-per-step is required"),
     (("ram", "--model", "Llama-3.1-8B", "--nvme-size", "huge"), "--nvme-size"),
 ])
 def test_bad_input_is_one_line_exit_2(args: tuple[str, ...], needle: str) -> None:

@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from megatrain.planner import cli
+from megatrain.planner import cli, profiler
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
@@ -30,7 +30,13 @@ def test_readme_names_planner_commands() -> None:
 def test_readme_planner_command_runs(argv: list[str], monkeypatch, tmp_path, capsys) -> None:
     monkeypatch.chdir(tmp_path)                                   # profile --out, plan --out write here
     monkeypatch.setenv("MEGATRAIN_HARDWARE", str(tmp_path / "no-profile.json"))  # this machine, detected
+    # profile's benchmarks run in test_planner_cli; here its command line, checks and output file.
+    monkeypatch.setattr(profiler, "measure", lambda spill_dir=None, log=None: profiler.detect())
     rc = cli.main(argv)
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert out.out.strip() and "issue" not in out.out
+    if argv[:1] == ["ram"]:
+        assert "+NVMe" in out.out and "price assumed" in out.out
+    if argv[:1] == ["profile"]:
+        assert (tmp_path / argv[argv.index("--out") + 1]).exists()
