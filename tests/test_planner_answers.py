@@ -43,7 +43,7 @@ def test_size_reports_the_nvme_of_every_answer(capsys) -> None:
         assert e["host_ram_bytes"] <= e["host_ram_available_bytes"]
     assert any(e["nvme_bytes"] > 0 for e in rows)     # a 128 GiB workstation spills
     rc, out, err = _main(capsys, "size", "--model", "Llama-3.1-8B", "--seq", "4096", "--batch", "8")
-    assert rc == 0 and "on NVMe" in out and "without NVMe" in out and "issue" not in out
+    assert rc == 0 and "on NVMe" in out and "without NVMe" in out and "issue #" not in out
 
 
 def test_overview_on_a_24g_cpu_machine_trains_with_spill(capsys, monkeypatch, tmp_path) -> None:

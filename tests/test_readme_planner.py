@@ -35,7 +35,7 @@ def test_readme_planner_command_runs(argv: list[str], monkeypatch, tmp_path, cap
     rc = cli.main(argv)
     out = capsys.readouterr()
     assert rc == 0, out.err
-    assert out.out.strip() and "issue" not in out.out
+    assert out.out.strip() and "issue #" not in out.out
     if argv[:1] == ["ram"]:
         assert "+NVMe" in out.out and "price assumed" in out.out
     if argv[:1] == ["profile"]:
