@@ -478,7 +478,7 @@ def cmd_overview(args: argparse.Namespace) -> None:
     why = (f" (auto: this hardware multiplies fp32 faster than bf16, {rates.get('float32', 0):.3g} vs "
            f"{rates.get('bfloat16', 0):.3g} TFLOP/s)" if args.dtype == "auto" and dtype == "float32" else "")
     where = (f"{spill_dir}, {report.gib(free)} free" if free is not None else f"{hw.gpu_name}'s host NVMe, any size")
-    lines = [f"{'this machine' if not preset else hw.gpu_name}: {report.hardware_line(hw)}",
+    lines = [f"{'this machine' if not preset else 'hardware'}: {report.hardware_line(hw)}",
              f"  source: {hw.source}",
              f"spill disk: {where}; {_disk_text(hw, measured)}",
              f"compute dtype: {dtype}{why}", "",
