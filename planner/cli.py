@@ -229,10 +229,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
             "hardware": {"gpu_name": hw.gpu_name, "source": hw.source}, "plans_considered": result.considered}
     c = best.cost
     p = best.plan
-    spill = (f"spill: {_spill_text(best)}, in {p.spill_dir} ({hw.disk_read_gbps:.1f} / {hw.disk_write_gbps:.1f} "
-             f"GB/s read / write" + (f", {report.gib(work.spill_free_bytes)} free" if work.spill_free_bytes is not None
-                                     else "") + ")" if p.spill != "none" else "spill: nothing on disk"
-             + ("" if work.spill_dir or work.spill == "none" else " (pass --spill-dir DIR to allow it)"))
+    if p.spill != "none":
+        free = f", {report.gib(work.spill_free_bytes)} free" if work.spill_free_bytes is not None else ""
+        spill = (f"spill: {_spill_text(best)}, in {p.spill_dir} (read {hw.disk_read_gbps:.1f} / write "
+                 f"{hw.disk_write_gbps:.1f} GB/s{free})")
+    else:
+        spill = "spill: nothing on disk" + ("" if work.spill_dir or work.spill == "none"
+                                            else " (pass --spill-dir DIR to allow it)")
     text = "\n".join([
         f"{model.name} ({model_shapes.params_label(model.params)} params), {work.batch} x {work.seq_len} tokens "
         f"per step, {work.compute_dtype}, clipping {'on' if work.clipping else 'off'}",
