@@ -23,7 +23,8 @@ def profiles(draw: st.DrawFn) -> HardwareProfile:
                                                                 "float32": draw(st.floats(0.05, 100.0))},
         cpu_adam_params_per_s=draw(st.floats(1e7, 2e10)), host_ram_bytes=ram,
         host_available_bytes=int(ram * draw(st.floats(0.1, 1.0))), cores=draw(st.integers(1, 256)),
-        cgroup_limit_bytes=draw(st.sampled_from([0, 8 * GiB, 64 * GiB])))
+        cgroup_limit_bytes=draw(st.sampled_from([0, 8 * GiB, 64 * GiB])),
+        disk_read_gbps=draw(st.sampled_from([0.0, 0.5, 7.0])), disk_write_gbps=draw(st.sampled_from([0.5, 5.0])))
 
 
 @st.composite
@@ -42,7 +43,8 @@ def models(draw: st.DrawFn) -> ModelShape:
 
 workloads = st.builds(Workload, seq_len=st.sampled_from([128, 1000, 2048, 4096, 16384]),
                       batch=st.integers(1, 64), compute_dtype=st.sampled_from(["bf16", "fp32"]),
-                      clipping=st.booleans())
+                      clipping=st.booleans(), spill_dir=st.sampled_from([None, "/nvme"]),
+                      spill_free_bytes=st.sampled_from([None, 0, 64 * GiB, 1 << 40]))
 
 
 @given(hw=profiles(), model=models(), work=workloads)
@@ -53,6 +55,9 @@ def test_plans_fit_and_refusals_are_true(hw: HardwareProfile, model: ModelShape,
         # Recompute memory independently of the search's own bookkeeping.
         mem = memory_model.estimate(model, work, best.plan, hw)
         assert mem.overruns(hw) == []
+        assert work.spill_free_bytes is None or mem.nvme_bytes <= work.spill_free_bytes
+        assert best.plan.spill == "none" or (best.plan.spill_dir == work.spill_dir is not None
+                                             and hw.disk_read_gbps > 0)
         if hw.device_is_host:
             assert mem.device_bytes + mem.host_bytes <= hw.host_budget_bytes
         else:
@@ -64,21 +69,23 @@ def test_plans_fit_and_refusals_are_true(hw: HardwareProfile, model: ModelShape,
         assert Plan.from_json(best.plan.to_json()) == best.plan
         return
     assert result.overruns, "an infeasible answer names a budget"
-    budgets = {"gpu memory": hw.gpu_mem_bytes, "host RAM": hw.host_budget_bytes}
+    budgets = {"gpu memory": hw.gpu_mem_bytes, "host RAM": hw.host_budget_bytes, "NVMe": work.spill_free_bytes}
     for o in result.overruns:
         assert o.available == budgets[o.budget]
         assert o.needed > o.available, o.message()
     # And it really is infeasible: no candidate (with its smallest loss chunk) fits.
     for plan in search.candidates(model, work, hw):
         p = plan.replace(loss_chunk_tokens=min(64, plan.loss_chunk_tokens))
-        assert memory_model.estimate(model, work, p, hw).overruns(hw)
+        mem = memory_model.estimate(model, work, p, hw)
+        assert mem.overruns(hw) or (work.spill_free_bytes is not None and mem.nvme_bytes > work.spill_free_bytes)
     # A budget every plan exceeds is reported with the least any plan needs.
     for o in result.overruns:
         needs = []
         for plan in search.candidates(model, work, hw):
             p = plan.replace(loss_chunk_tokens=min(64, plan.loss_chunk_tokens))
             mem = memory_model.estimate(model, work, p, hw)
-            needs.append(mem.device_bytes if o.budget == "gpu memory" and not hw.device_is_host
+            needs.append(mem.nvme_bytes if o.budget == "NVMe"
+                         else mem.device_bytes if o.budget == "gpu memory" and not hw.device_is_host
                          else mem.device_bytes + mem.host_bytes if hw.device_is_host else mem.host_bytes)
         assert o.needed >= min(needs)
 
