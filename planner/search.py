@@ -87,11 +87,16 @@ def micro_batch_sizes(batch: int) -> list[int]:
 def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = None) -> list[Plan]:
     """Every plan the search considers, before the loss chunk is chosen (chunk = micro-batch tokens).
 
-    Spill plans only where ``hw`` has disk figures to time them with (none without ``hw``'s say-so).
+    Spill plans only where the workload names a spill directory (the search never picks one) and ``hw``
+    has the disk's figures to time them with; a forced spill without those figures is refused.
     """
     modes = ("deferred",) if work.clipping else ("eager", "deferred")
     disk = hw is not None and hw.disk_read_gbps > 0 and hw.disk_write_gbps > 0
-    spills = [s for s in work.spill_choices() if s == "none" or disk] or ["none"]
+    if work.spill in ("optimizer", "all") and not disk:
+        raise InfeasibleError(f"spill={work.spill!r} needs the disk's read and write speed, which this hardware "
+                              f"profile lacks: pass --nvme GBPS, or measure it with megatrain-plan profile "
+                              f"--spill-dir {work.spill_dir}")
+    spills = [s for s in work.spill_choices() if s == "none" or disk]
     out = []
     for mbs in micro_batch_sizes(work.batch):
         for depth in PREFETCH_DEPTHS:
@@ -105,7 +110,7 @@ def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = N
                                 out.append(Plan(num_slots=depth + 1, prefetch_depth=depth, micro_batch_size=mbs,
                                                 checkpoints=ckpt, optimizer_mode=mode, host_grad_slabs=slabs,
                                                 loss_chunk_tokens=mbs * work.seq_len, spill=spill,
-                                                spill_dir=None if spill == "none" else (work.spill_dir or "."),
+                                                spill_dir=None if spill == "none" else work.spill_dir,
                                                 spill_staging=staging))
     return out
 
@@ -114,13 +119,22 @@ def _chunks(tokens: int) -> list[int]:
     return [tokens] + [c for c in LOSS_CHUNKS if c < tokens]
 
 
+def overruns(mem: MemoryEstimate, work: Workload, hw: HardwareProfile) -> list[Overrun]:
+    """The budgets ``mem`` exceeds: GPU memory and host RAM on ``hw``, and the free space of the spill disk
+    when the workload knows it."""
+    out = mem.overruns(hw)
+    if work.spill_free_bytes is not None and mem.nvme_bytes > work.spill_free_bytes:
+        out.append(Overrun("NVMe", mem.nvme_bytes, work.spill_free_bytes))
+    return out
+
+
 def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile) -> PlanChoice:
     """The plan with the largest loss chunk that fits; else the smallest chunk, with its overruns."""
     choice = None
     for chunk in _chunks(plan.micro_batch_size * work.seq_len):
         p = plan.replace(loss_chunk_tokens=chunk)
         mem = memory_model.estimate(model, work, p, hw)
-        over = tuple(mem.overruns(hw))
+        over = tuple(overruns(mem, work, hw))
         choice = PlanChoice(p, mem, None, over)
         if not over:
             return choice
@@ -150,20 +164,30 @@ def search(model: ModelShape, work: Workload, hw: HardwareProfile) -> SearchResu
         fastest = min(c.cost.step_seconds for c in fit if c.cost is not None)
         close = [c for c in fit if c.cost is not None and c.cost.step_seconds <= fastest * (1 + TIME_TOLERANCE)]
         best = min(close, key=lambda c: (c.memory.device_bytes, c.memory.host_bytes))
+        # The plan records the workload it was made for; the runtime refuses another one.
+        best = PlanChoice(best.plan.replace(workload=work.fingerprint(model)), best.memory, best.cost)
         return SearchResult(best, considered)
     return SearchResult(None, considered, _explain(misfit, hw))
 
 
 def fits(model: ModelShape, work: Workload, hw: HardwareProfile) -> bool:
-    """Whether any plan fits every budget (memory only; nothing is timed)."""
-    return any(_fit_chunk(model, work, plan, hw).feasible for plan in candidates(model, work, hw))
+    """Whether any plan fits every budget (memory only; nothing is timed). Memory grows with the loss
+    chunk, so each candidate is tried with its smallest chunk only."""
+    for plan in candidates(model, work, hw):
+        p = plan.replace(loss_chunk_tokens=_chunks(plan.micro_batch_size * work.seq_len)[-1])
+        if not overruns(memory_model.estimate(model, work, p, hw), work, hw):
+            return True
+    return False
 
 
 def longest_context(model: ModelShape, hw: HardwareProfile, batch: int = 1, compute_dtype: str = "bfloat16",
-                    clipping: bool = True, limit: int = 1 << 22) -> int:
-    """The longest sequence (a multiple of 1024, at most ``limit``) with a plan that fits; 0 if none."""
+                    clipping: bool = True, limit: int = 1 << 22, spill_dir: str | None = None,
+                    spill_free_bytes: int | None = None) -> int:
+    """The longest sequence (a multiple of 1024, at most ``limit``) with a plan that fits; 0 if none.
+    With ``spill_dir``, plans may spill there (within ``spill_free_bytes`` when known)."""
     def ok(seq: int) -> bool:
-        return fits(model, Workload(seq, batch, compute_dtype, clipping), hw)
+        return fits(model, Workload(seq, batch, compute_dtype, clipping, spill_dir=spill_dir,
+                                    spill_free_bytes=spill_free_bytes), hw)
 
     if not ok(1024):
         return 0
@@ -181,7 +205,7 @@ def _explain(choices: list[PlanChoice], hw: HardwareProfile) -> tuple[Overrun, .
     """Why nothing fits: each budget that even its most frugal plan exceeds; if each budget alone can be
     met but never both at once, the overruns of the plan closest to fitting."""
     out = []
-    for budget in ("gpu memory", "host RAM"):
+    for budget in ("gpu memory", "host RAM", "NVMe"):
         needs = [min((o.needed for o in c.overruns if o.budget == budget), default=None) for c in choices]
         if all(n is not None for n in needs):
             # Every plan exceeds this budget; say by how little the most frugal one does.
@@ -198,14 +222,41 @@ def _explain(choices: list[PlanChoice], hw: HardwareProfile) -> tuple[Overrun, .
 
 
 def minimum_memory(model: ModelShape, work: Workload, hw: HardwareProfile) -> dict[str, PlanChoice]:
-    """The plans needing the least GPU memory and the least host RAM (budgets ignored), with the
-    smallest loss chunk: what ``megatrain-plan size`` reports as the minimum to buy."""
+    """The plans needing the least GPU memory ("gpu"), the least host RAM ("host", spilling where the
+    workload allows it) and the least host RAM with nothing on disk ("host_no_spill"), budgets ignored,
+    with the smallest loss chunk: what ``megatrain-plan size`` reports as the minimum to buy."""
     best: dict[str, PlanChoice] = {}
     for plan in candidates(model, work, hw):
         p = plan.replace(loss_chunk_tokens=min(LOSS_CHUNKS[-1], plan.loss_chunk_tokens))
         mem = memory_model.estimate(model, work, p, hw)
-        for key, value in (("gpu", mem.device_bytes), ("host", mem.host_bytes)):
-            if key not in best or value < getattr(best[key].memory, "device_bytes" if key == "gpu"
-                                                   else "host_bytes"):
+        keys = [("gpu", mem.device_bytes), ("host", mem.host_bytes)]
+        if p.spill == "none":
+            keys.append(("host_no_spill", mem.host_bytes))
+        for key, value in keys:
+            if key not in best or value < (best[key].memory.device_bytes if key == "gpu"
+                                           else best[key].memory.host_bytes):
                 best[key] = PlanChoice(p, mem, None)
     return best
+
+
+def disk_traffic_bytes(mem: MemoryEstimate) -> int:
+    """Bytes the spill disk moves per step: every spilled kind is read once and written once per step
+    (master, m and v around AdamW; deferred gradients written in backward, read by AdamW)."""
+    return 2 * mem.nvme_bytes
+
+
+def spill_cost_seconds(model: ModelShape, work: Workload, choice: PlanChoice, hw: HardwareProfile) -> float:
+    """What spilling adds to the step: the plan's step time minus the same plan's with nothing spilled
+    (memory aside)."""
+    assert choice.cost is not None
+    if choice.plan.spill == "none":
+        return 0.0
+    resident = cost_model.estimate(model, work, choice.plan.replace(spill="none", spill_dir=None), hw)
+    return max(0.0, choice.cost.step_seconds - resident.step_seconds)
+
+
+def preferred_compute_dtype(hw: HardwareProfile) -> str:
+    """bf16 unless this hardware multiplies fp32 faster (a CPU without bf16 matmul units)."""
+    rates = hw.matmul_tflops
+    bf16, fp32 = rates.get("bfloat16", 0.0), rates.get("float32", 0.0)
+    return "float32" if fp32 > bf16 else "bfloat16"

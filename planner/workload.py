@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .model_shapes import DTYPE_ALIASES, dtype_bytes
+from .model_shapes import DTYPE_ALIASES, ModelShape, dtype_bytes
+from .plan import WorkloadFingerprint, shape_digest
 
 
 class WorkloadError(ValueError):
@@ -28,8 +29,10 @@ class Workload:
     clipping: bool = True
     # What may spill to disk: "auto" (the search decides), or forced "none" / "optimizer" / "all".
     spill: str = "auto"
-    # Where spill files go, when a plan spills (the runtime needs an existing directory).
+    # Where spill files go. No directory, no spill plan: the planner never picks one itself.
     spill_dir: str | None = None
+    # Free bytes on the disk under spill_dir (None: not known, not checked).
+    spill_free_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for f in ("seq_len", "batch"):
@@ -38,6 +41,12 @@ class Workload:
                 raise WorkloadError(f"{f}={v!r} must be an integer >= 1 (sequences / tokens per sequence)")
         if self.spill not in ("auto", "none", "optimizer", "all"):
             raise WorkloadError(f"spill={self.spill!r} must be auto, none, optimizer or all")
+        if self.spill in ("optimizer", "all") and not self.spill_dir:
+            raise WorkloadError(f"spill={self.spill!r} needs a directory for the spill files: pass --spill-dir DIR "
+                                "on a fast local disk")
+        if self.spill_free_bytes is not None and (not isinstance(self.spill_free_bytes, int)
+                                                  or self.spill_free_bytes < 0):
+            raise WorkloadError(f"spill_free_bytes={self.spill_free_bytes!r} must be an integer >= 0 (bytes)")
         name = DTYPE_ALIASES.get(str(self.compute_dtype).lower())
         if name is None:
             raise WorkloadError(f"compute_dtype={self.compute_dtype!r} is unknown; use bf16, fp16 or fp32")
@@ -53,7 +62,21 @@ class Workload:
         return dtype_bytes(self.compute_dtype)
 
     def spill_choices(self) -> tuple[str, ...]:
-        return ("none", "optimizer", "all") if self.spill == "auto" else (self.spill,)
+        """What the search may choose: with "auto", spill only where there is a directory for it."""
+        if self.spill == "auto":
+            return ("none", "optimizer", "all") if self.spill_dir else ("none",)
+        return (self.spill,)
+
+    def fingerprint(self, model: ModelShape) -> WorkloadFingerprint:
+        """What a plan for this workload records, so that the runtime can refuse another workload."""
+        dims = {"hidden_size": model.hidden_size, "intermediate_size": model.intermediate_size,
+                "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_heads,
+                "num_key_value_heads": model.num_kv_heads, "head_dim": model.head_dim,
+                "vocab_size": model.vocab_size, "tie_word_embeddings": model.tie_word_embeddings,
+                "attention_bias": model.attention_bias, "o_proj_bias": model.o_proj_bias,
+                "mlp_bias": model.mlp_bias, "qk_norm": model.qk_norm}
+        return WorkloadFingerprint(model.name, model.params, shape_digest(dims), self.seq_len, self.batch,
+                                   self.compute_dtype)
 
     def micro_batches(self, micro_batch_size: int) -> int:
         """M = ceil(batch / micro_batch_size)."""

@@ -16,7 +16,7 @@ from typing import Mapping
 
 import torch
 
-from megatrain.planner.plan import Plan, PlanError, default_plan
+from megatrain.planner.plan import Plan, PlanError, default_plan, shape_digest
 
 from .chunked_loss import IGNORE_INDEX, shift_labels
 from .config import ModelConfig, OptimizerConfig
@@ -74,6 +74,9 @@ class Engine:
                 f"compute_dtype={compute_dtype} is not supported; use torch.bfloat16 (fast) or torch.float32 (exact)"
             )
         self.compute_dtype = compute_dtype
+        if self.plan.workload is not None:  # a plan's memory bounds hold only for the model and dtype it was made for
+            self.plan.workload.check_model(shape_digest(model_config.to_dict()),
+                                           str(compute_dtype).removeprefix("torch."))
         self.device = _pick_device(device)
         self.seed = seed
         self.event_log = EventLog()
@@ -102,6 +105,8 @@ class Engine:
         Returns the mean loss over all predicted tokens as a 0-dim fp32 tensor on the device.
         """
         batch = self._batch(input_ids, labels)
+        if self.plan.workload is not None:  # host-side shape ints: no device sync
+            self.plan.workload.check_batch(*input_ids.shape)
         lr = self.optimizer.lr if lr is None else lr
         if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr < 0:
             raise InputError(f"lr={lr!r} must be a number >= 0")

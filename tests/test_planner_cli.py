@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -68,11 +69,39 @@ def test_ram_json_and_table() -> None:
             "--price-per-gb", "3", "--json")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
-    assert data["tokens_per_second"] >= 5000
+    assert data["reachable"] and data["tokens_per_second"] >= 5000
     assert data["ram_to_buy_bytes"] >= data["host_ram_bytes"]
     assert data["ram_cost"] == pytest.approx(data["ram_to_buy_bytes"] / 1e9 * 3)
-    r = run("ram", "--model", "Qwen2.5-7B", "--tokens-per-second", "5000", "--hardware", "H100-SXM")
-    assert r.returncode == 0 and "price assumed" in r.stdout
+    assert data["nvme_to_buy_bytes"] == data["nvme_bytes"]
+    # The ladder: every RAM size, without and with the NVMe; more RAM never fits a smaller batch.
+    ladder = data["ladder"]
+    assert len(ladder) == 12 and {e["nvme"] for e in ladder} == {False, True}
+    for nvme in (False, True):
+        rows = sorted((e for e in ladder if e["nvme"] == nvme), key=lambda e: e["ram_bytes"])
+        assert [e["ram_bytes"] // 2**30 for e in rows] == [64, 128, 256, 512, 1024, 2048]
+        assert [e["batch"] for e in rows] == sorted(e["batch"] for e in rows)
+        for e in rows:
+            if e["batch"]:
+                assert e["host_ram_bytes"] <= 0.94 * e["ram_bytes"]
+                assert (e["nvme_bytes"] > 0) == (e["spill"] != "none") and (e["spill"] == "none" or nvme)
+                assert e["nvme_bytes"] <= data["nvme"]["size_bytes"]
+    # With an NVMe, the smallest RAM size fits at least what it fits without.
+    small = [e for e in ladder if e["ram_bytes"] == 64 * 2**30]
+    assert max(e["batch"] for e in small if e["nvme"]) >= max(e["batch"] for e in small if not e["nvme"])
+    assert not data["price_assumed"] and data["price_per_gb"] == 3
+
+
+def test_ram_out_of_reach_names_the_best_and_its_bound() -> None:
+    r = run("ram", "--model", "Qwen2.5-7B", "--tokens-per-second", "1e9", "--hardware", "RTX-3090",
+            "--max-batch", "16", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert not data["reachable"] and 0 < data["best_tokens_per_second"] < 1e9
+    assert data["bound_by"]
+    r = run("ram", "--model", "Qwen2.5-7B", "--tokens-per-second", "1e9", "--hardware", "RTX-3090",
+            "--max-batch", "16")
+    assert r.returncode == 0 and "out of reach" in r.stdout and "the best is" in r.stdout and "bound by" in r.stdout
+    assert not re.search(r"at most [0-9,]+ tok/s", r.stdout)
 
 
 def test_overview_with_a_preset_and_json() -> None:
@@ -81,6 +110,11 @@ def test_overview_with_a_preset_and_json() -> None:
     data = json.loads(r.stdout)
     assert len(data["models"]) == 13
     assert data["largest_model"] is not None and data["longest_context"]["seq_len"] > 0
+    assert data["compute_dtype"] == "bfloat16"
+    for e in data["models"]:
+        assert e["fits"] in ("ram", "spill", "no") and (e["fits"] == "no") == (not e["feasible"])
+        if e["feasible"]:
+            assert (e["nvme_bytes"] > 0) == (e["fits"] == "spill") and e["batch"] in (1, 2, 4, 8, 16)
     r = run("--hardware", "RTX-4090")
     assert r.returncode == 0 and "largest model it can train" in r.stdout
 
@@ -114,9 +148,13 @@ def test_profile_writes_a_profile(tmp_path) -> None:
     (("plan", "--model", "Qwen2.5-7B", "--seq", "0", "--batch", "1"), "--seq"),
     (("plan", "--model", "Qwen2.5-7B", "--seq", "64", "--batch", "1", "--dtype", "int4"), "bf16"),
     (("frobnicate",), "plan"),
-    (("ram", "--model", "Qwen2.5-7B", "--tokens-per-second", "1e9", "--hardware", "RTX-3090",
-      "--max-batch", "64"), "out of reach"),
     (("profile", "--spill-dir", "/nonexistent/dir"), "--spill-dir"),
+    (("plan", "--model", "Llama-3.1-8B", "--seq", "1024", "--batch", "1", "--hardware", "H100-SXM",
+      "--spill", "all"), "--spill-dir"),
+    (("plan", "--model", "Llama-3.1-8B", "--seq", "1024", "--batch", "1", "--hardware", "H100-SXM",
+      "--spill-d", "/tmp"), "unrecognized arguments: --spill-d"),
+    (("size", "--model", "Llama-3.1-8B", "--seq", "1024", "--bat", "1"), "--batch --tokens-per-step is required"),
+    (("ram", "--model", "Llama-3.1-8B", "--nvme-size", "huge"), "--nvme-size"),
 ])
 def test_bad_input_is_one_line_exit_2(args: tuple[str, ...], needle: str) -> None:
     r = run(*args)

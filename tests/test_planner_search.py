@@ -1,6 +1,7 @@
 """Plan search: a returned plan never exceeds a budget; an infeasible answer names one really exceeded."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -8,7 +9,7 @@ from megatrain.planner import hardware, memory_model, search
 from megatrain.planner.hardware import GiB, HardwareProfile
 from megatrain.planner.model_shapes import PRESETS, ModelShape
 from megatrain.planner.plan import Plan
-from megatrain.planner.workload import Workload
+from megatrain.planner.workload import Workload, WorkloadError
 
 
 @st.composite
@@ -22,7 +23,8 @@ def profiles(draw: st.DrawFn) -> HardwareProfile:
                                                                 "float32": draw(st.floats(0.05, 100.0))},
         cpu_adam_params_per_s=draw(st.floats(1e7, 2e10)), host_ram_bytes=ram,
         host_available_bytes=int(ram * draw(st.floats(0.1, 1.0))), cores=draw(st.integers(1, 256)),
-        cgroup_limit_bytes=draw(st.sampled_from([0, 8 * GiB, 64 * GiB])))
+        cgroup_limit_bytes=draw(st.sampled_from([0, 8 * GiB, 64 * GiB])),
+        disk_read_gbps=draw(st.sampled_from([0.0, 0.5, 7.0])), disk_write_gbps=draw(st.sampled_from([0.5, 5.0])))
 
 
 @st.composite
@@ -41,7 +43,8 @@ def models(draw: st.DrawFn) -> ModelShape:
 
 workloads = st.builds(Workload, seq_len=st.sampled_from([128, 1000, 2048, 4096, 16384]),
                       batch=st.integers(1, 64), compute_dtype=st.sampled_from(["bf16", "fp32"]),
-                      clipping=st.booleans())
+                      clipping=st.booleans(), spill_dir=st.sampled_from([None, "/nvme"]),
+                      spill_free_bytes=st.sampled_from([None, 0, 64 * GiB, 1 << 40]))
 
 
 @given(hw=profiles(), model=models(), work=workloads)
@@ -52,6 +55,9 @@ def test_plans_fit_and_refusals_are_true(hw: HardwareProfile, model: ModelShape,
         # Recompute memory independently of the search's own bookkeeping.
         mem = memory_model.estimate(model, work, best.plan, hw)
         assert mem.overruns(hw) == []
+        assert work.spill_free_bytes is None or mem.nvme_bytes <= work.spill_free_bytes
+        assert best.plan.spill == "none" or (best.plan.spill_dir == work.spill_dir is not None
+                                             and hw.disk_read_gbps > 0)
         if hw.device_is_host:
             assert mem.device_bytes + mem.host_bytes <= hw.host_budget_bytes
         else:
@@ -63,21 +69,23 @@ def test_plans_fit_and_refusals_are_true(hw: HardwareProfile, model: ModelShape,
         assert Plan.from_json(best.plan.to_json()) == best.plan
         return
     assert result.overruns, "an infeasible answer names a budget"
-    budgets = {"gpu memory": hw.gpu_mem_bytes, "host RAM": hw.host_budget_bytes}
+    budgets = {"gpu memory": hw.gpu_mem_bytes, "host RAM": hw.host_budget_bytes, "NVMe": work.spill_free_bytes}
     for o in result.overruns:
         assert o.available == budgets[o.budget]
         assert o.needed > o.available, o.message()
     # And it really is infeasible: no candidate (with its smallest loss chunk) fits.
     for plan in search.candidates(model, work, hw):
         p = plan.replace(loss_chunk_tokens=min(64, plan.loss_chunk_tokens))
-        assert memory_model.estimate(model, work, p, hw).overruns(hw)
+        mem = memory_model.estimate(model, work, p, hw)
+        assert mem.overruns(hw) or (work.spill_free_bytes is not None and mem.nvme_bytes > work.spill_free_bytes)
     # A budget every plan exceeds is reported with the least any plan needs.
     for o in result.overruns:
         needs = []
         for plan in search.candidates(model, work, hw):
             p = plan.replace(loss_chunk_tokens=min(64, plan.loss_chunk_tokens))
             mem = memory_model.estimate(model, work, p, hw)
-            needs.append(mem.device_bytes if o.budget == "gpu memory" and not hw.device_is_host
+            needs.append(mem.nvme_bytes if o.budget == "NVMe"
+                         else mem.device_bytes if o.budget == "gpu memory" and not hw.device_is_host
                          else mem.device_bytes + mem.host_bytes if hw.device_is_host else mem.host_bytes)
         assert o.needed >= min(needs)
 
@@ -102,9 +110,54 @@ def test_clipping_forces_deferred_and_no_clip_may_choose_eager() -> None:
     eager = search.search(m, Workload(4096, 4, clipping=False, spill="none"), hw)
     assert eager.feasible                         # ...14 B/param plus slabs do
     assert eager.require().plan.optimizer_mode == "eager"
-    spilled = search.search(m, Workload(4096, 4, clipping=True), hw).require()  # ...and with spill, clipping fits
+    # ...and with a spill directory, clipping fits
+    spilled = search.search(m, Workload(4096, 4, clipping=True, spill_dir="/nvme"), hw).require()
     assert spilled.plan.spill != "none" and spilled.plan.optimizer_mode == "deferred"
+    assert spilled.plan.spill_dir == "/nvme"
     assert sum(c.nbytes for c in spilled.memory.components if c.where == "nvme") > 0
+
+
+def test_spill_needs_a_directory_and_disk_figures() -> None:
+    m, hw = PRESETS["Llama-3.1-8B"], hardware.preset("RTX-4090")
+    # auto without a directory: the search never invents one, so nothing spills and 8B does not fit.
+    r = search.search(m, Workload(4096, 4), hw)
+    assert not r.feasible and all(p.spill == "none" for p in search.candidates(m, Workload(4096, 4), hw))
+    with pytest.raises(WorkloadError, match="--spill-dir"):
+        Workload(4096, 4, spill="all")
+    no_disk = hw.replace(disk_read_gbps=0.0, disk_write_gbps=0.0)
+    with pytest.raises(search.InfeasibleError, match="--nvme"):
+        search.search(m, Workload(4096, 4, spill="optimizer", spill_dir="/nvme"), no_disk)
+    # auto with a directory but no disk figures: no spill plan (nothing to time it with).
+    assert not search.search(m, Workload(4096, 4, spill_dir="/nvme"), no_disk).feasible
+    # forced spill is honoured
+    forced = search.search(m, Workload(4096, 4, spill="all", spill_dir="/nvme"), hw).require()
+    assert forced.plan.spill == "all" and forced.plan.spill_dir == "/nvme"
+
+
+def test_spill_respects_free_disk_space() -> None:
+    m, hw = PRESETS["Llama-3.1-8B"], hardware.preset("RTX-4090")
+    roomy = search.search(m, Workload(4096, 4, spill_dir="/nvme", spill_free_bytes=1 << 40), hw).require()
+    nvme = roomy.memory.nvme_bytes
+    assert nvme > 0
+    tight = search.search(m, Workload(4096, 4, spill_dir="/nvme", spill_free_bytes=nvme - 1), hw)
+    if tight.feasible:   # a smaller spill (optimizer only) may still fit
+        assert tight.require().memory.nvme_bytes <= nvme - 1
+    full = search.search(m, Workload(4096, 4, spill_dir="/nvme", spill_free_bytes=0), hw)
+    assert not full.feasible and "host RAM" in full.reason()
+
+
+def test_search_records_the_workload() -> None:
+    m, hw = PRESETS["Llama-3.2-1B"], hardware.preset("H100-SXM")
+    plan = search.search(m, Workload(2048, 8, "fp32"), hw).require().plan
+    w = plan.workload
+    assert w is not None and (w.seq_len, w.batch, w.compute_dtype, w.params) == (2048, 8, "float32", m.params)
+    assert w.model == "Llama-3.2-1B" and Plan.from_json(plan.to_json()) == plan
+
+
+def test_preferred_compute_dtype_follows_the_profile() -> None:
+    assert search.preferred_compute_dtype(hardware.preset("H100-SXM")) == "bfloat16"
+    cpu = hardware.preset("H100-SXM").replace(gpu_mem_bytes=0, matmul_tflops={"float32": 0.06, "bfloat16": 0.0005})
+    assert search.preferred_compute_dtype(cpu) == "float32"
 
 
 def test_plan_is_valid_and_bounds_follow_each_other() -> None:

@@ -1,0 +1,177 @@
+"""Sizing answers: what a machine can train, and what RAM (and NVMe) to buy, built from the plan search.
+
+The search answers "the fastest plan for this workload on this hardware". The questions people ask
+``megatrain-plan`` are one level up: which batch fits, with or without spilling to disk, on each RAM
+size of a ladder; the least RAM that reaches a throughput; what spilling costs. Each answer here is a
+set of searches, and each figure in it comes from a searched plan. Pure stdlib.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from . import search
+from .hardware import GiB, HardwareProfile
+from .model_shapes import ModelShape
+from .search import PlanChoice
+from .workload import Workload
+
+# Disk speed assumed for a spill disk nobody has measured (GB/s, read and write): a SATA-class SSD,
+# well below any NVMe. ``megatrain-plan profile --spill-dir DIR`` measures the real one.
+ASSUMED_DISK_GBPS = 1.0
+# Share of installed RAM a run can use (the OS and page cache keep the rest); as in hardware.preset.
+USABLE_RAM_FRACTION = 0.94
+# The RAM sizes of the purchase table.
+RAM_LADDER = tuple(n * GiB for n in (64, 128, 256, 512, 1024, 2048))
+# Batches the overview tries, largest first, when none is given.
+OVERVIEW_BATCHES = (16, 8, 4, 2, 1)
+# Doubling the batch counts as "no longer faster" below this gain (throughput has saturated).
+SATURATION_GAIN = 0.01
+
+
+def with_disk(hw: HardwareProfile) -> tuple[HardwareProfile, bool]:
+    """(hw with disk figures, whether they were measured): unmeasured disks get ASSUMED_DISK_GBPS."""
+    if hw.disk_read_gbps > 0 and hw.disk_write_gbps > 0:
+        return hw, True
+    return hw.replace(disk_read_gbps=ASSUMED_DISK_GBPS, disk_write_gbps=ASSUMED_DISK_GBPS), False
+
+
+def with_ram(hw: HardwareProfile, ram_bytes: int) -> HardwareProfile:
+    """``hw`` with ``ram_bytes`` installed, USABLE_RAM_FRACTION of it usable by the run."""
+    return hw.replace(host_ram_bytes=ram_bytes, host_available_bytes=int(ram_bytes * USABLE_RAM_FRACTION),
+                      cgroup_limit_bytes=0)
+
+
+def largest_batch(model: ModelShape, work: Workload, hw: HardwareProfile, max_batch: int, start: int = 1) -> int:
+    """The largest power-of-two batch (at most ``max_batch``; at least ``start``, which must fit when
+    > 1) with a plan that fits; 0 when not even ``start`` does."""
+    b = start
+    if not search.fits(model, dataclasses.replace(work, batch=b), hw):
+        return 0
+    while b * 2 <= max_batch and search.fits(model, dataclasses.replace(work, batch=b * 2), hw):
+        b *= 2
+    return b
+
+
+@dataclass(frozen=True)
+class LadderRow:
+    """One RAM size of the purchase table, without or with the NVMe: the largest batch that fits and
+    the fastest plan at that batch (None when nothing fits)."""
+
+    ram_bytes: int
+    nvme: bool
+    batch: int
+    choice: PlanChoice | None
+
+
+def ram_ladder(model: ModelShape, work: Workload, hw: HardwareProfile, max_batch: int,
+               ladder: tuple[int, ...] = RAM_LADDER) -> list[LadderRow]:
+    """For each RAM size, with nothing spilled (``nvme`` False) and with spill allowed to
+    ``work.spill_dir`` within ``work.spill_free_bytes`` (True): the largest batch and its plan."""
+    rows = []
+    for nvme in (False, True):
+        w = work if nvme else dataclasses.replace(work, spill="none")
+        start = 1
+        for ram in ladder:
+            h = with_ram(hw, ram)
+            b = largest_batch(model, w, h, max_batch, start)
+            choice = search.search(model, dataclasses.replace(w, batch=b), h).best if b else None
+            rows.append(LadderRow(ram, nvme, b, choice))
+            start = max(start, b)     # more RAM never fits less
+    return rows
+
+
+@dataclass(frozen=True)
+class TargetAnswer:
+    """The least host RAM reaching a throughput target, without and with the NVMe; or, when no plan
+    reaches it, the fastest plan found and why it cannot go faster."""
+
+    target: float
+    without_nvme: tuple[int, PlanChoice] | None     # (batch, plan) needing the least RAM, nothing spilled
+    with_nvme: tuple[int, PlanChoice] | None        # the same with spill allowed
+    fastest: tuple[int, PlanChoice] | None          # the fastest plan at any batch tried
+    saturated: bool                                 # larger batches stopped helping before max_batch
+
+    @property
+    def reachable(self) -> bool:
+        return self.without_nvme is not None or self.with_nvme is not None
+
+    def bound(self, max_batch: int) -> str:
+        """What keeps the fastest plan from going faster."""
+        assert self.fastest is not None and self.fastest[1].cost is not None
+        batch, c = self.fastest[0], self.fastest[1].cost
+        if not self.saturated and batch * 2 > max_batch:
+            return f"the batch limit (--max-batch {max_batch}); {c.bottleneck} is busiest"
+        return f"{c.bottleneck} (MFU {c.mfu:.0%}); larger batches no longer help"
+
+
+def least_ram_for(model: ModelShape, work: Workload, hw: HardwareProfile, target: float,
+                  max_batch: int) -> TargetAnswer:
+    """Plan with unlimited host RAM at batches 1, 2, 4, ... (until ``max_batch``, or until doubling the
+    batch twice in a row no longer raises the throughput) and keep the plan needing the least host RAM
+    among those reaching ``target`` tokens/s, with nothing spilled and with spill allowed
+    (``work.spill_dir``, within ``work.spill_free_bytes``)."""
+    unlimited = hw.replace(host_ram_bytes=1 << 60, host_available_bytes=1 << 60, cgroup_limit_bytes=0)
+    best: dict[bool, tuple[int, PlanChoice]] = {}
+    fastest: tuple[int, PlanChoice] | None = None
+    flat = 0
+    batch = 1
+    while batch <= max_batch and flat < 2:
+        fit, _ = search.feasible_choices(model, dataclasses.replace(work, batch=batch), unlimited)
+        top = max(fit, key=_rate, default=None)
+        if top is not None:
+            gain = _rate(top) / _rate(fastest[1]) - 1 if fastest is not None else 1.0
+            if fastest is None or gain > 0:
+                fastest = (batch, top)
+            flat = flat + 1 if gain < SATURATION_GAIN else 0
+        for spill in (False, True):
+            enough = [c for c in fit if _rate(c) >= target and (spill or c.plan.spill == "none")]
+            least = min(enough, key=lambda c: c.memory.host_bytes, default=None)
+            if least is not None and (spill not in best or least.memory.host_bytes < best[spill][1].memory.host_bytes):
+                best[spill] = (batch, least)
+        batch *= 2
+    return TargetAnswer(target, best.get(False), best.get(True), fastest, saturated=flat >= 2)
+
+
+def _rate(c: PlanChoice) -> float:
+    assert c.cost is not None
+    return c.cost.tokens_per_second
+
+
+@dataclass(frozen=True)
+class ModelAnswer:
+    """What one machine does with one model: whether it trains in RAM alone, only with spill, or not at
+    all; at which batch; and what the spill costs per step."""
+
+    model: ModelShape
+    batch: int                        # 0 when nothing fits
+    choice: PlanChoice | None
+    in_ram: bool                      # a plan spilling nothing fits at that batch
+    spill_cost_seconds: float         # step time the chosen plan's spill adds (0 without spill)
+    reason: str                       # why nothing fits, when nothing does
+    longest_context: int              # at batch 1, spill allowed
+
+    @property
+    def fits(self) -> str:
+        """"ram", "spill" or "no"."""
+        if self.choice is None:
+            return "no"
+        return "ram" if self.choice.plan.spill == "none" else "spill"
+
+
+def what_fits(model: ModelShape, work: Workload, hw: HardwareProfile,
+              batches: tuple[int, ...] = OVERVIEW_BATCHES) -> ModelAnswer:
+    """The largest of ``batches`` with a plan that fits (spilling to ``work.spill_dir`` where allowed),
+    the fastest plan there, and whether it fits without spilling."""
+    ctx = search.longest_context(model, hw, 1, work.compute_dtype, work.clipping, spill_dir=work.spill_dir,
+                                 spill_free_bytes=work.spill_free_bytes)
+    smallest = dataclasses.replace(work, batch=min(batches))
+    for b in sorted(batches, reverse=True) if search.fits(model, smallest, hw) else ():
+        w = dataclasses.replace(work, batch=b)
+        if not search.fits(model, w, hw):
+            continue
+        best = search.search(model, w, hw).require()
+        in_ram = best.plan.spill == "none" or search.fits(model, dataclasses.replace(w, spill="none"), hw)
+        return ModelAnswer(model, b, best, in_ram, search.spill_cost_seconds(model, w, best, hw), "feasible", ctx)
+    r = search.search(model, smallest, hw)
+    return ModelAnswer(model, 0, None, False, 0.0, r.reason(), ctx)

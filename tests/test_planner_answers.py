@@ -1,0 +1,131 @@
+"""megatrain-plan's answers include the NVMe tier: size, the overview and plan --spill (in-process)."""
+from __future__ import annotations
+
+import collections
+import json
+import shutil
+
+import pytest
+
+from megatrain.planner import cli, model_shapes, search, sizing
+from megatrain.planner.hardware import GiB, HardwareProfile
+from megatrain.planner.workload import Workload
+
+# A 24 GiB, 2-core CPU machine as `megatrain-plan profile` measures one: fp32 matmul far faster than bf16,
+# disk not measured.
+CPU_24G = HardwareProfile(
+    gpu_name="cpu", gpu_mem_bytes=0, h2d_gbps=5.0, d2h_gbps=5.0, duplex_gbps=5.0,
+    matmul_tflops={"float32": 0.05, "bfloat16": 0.0005}, cpu_adam_params_per_s=0.6e9, host_ram_bytes=24 * GiB,
+    host_available_bytes=22 * GiB, cores=2, interconnect="none", source="fixed test profile")
+FREE = 60 * GiB
+
+
+def _main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_size_reports_the_nvme_of_every_answer(capsys) -> None:
+    rc, out, err = _main(capsys, "size", "--model", "Llama-3.1-8B", "--seq", "4096", "--batch", "8", "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    n = data["params"]
+    # fp32 master + AdamW m, v take 12 bytes/param; they live in RAM or on the NVMe, never nowhere.
+    assert data["host_ram_bytes"] + data["nvme_bytes"] >= 12 * n
+    assert data["nvme_bytes"] > 0 and data["spill"] != "none"          # the minimum-RAM answer spills...
+    assert data["disk_traffic_bytes_per_step"] == 2 * data["nvme_bytes"]
+    assert data["host_ram_no_spill_bytes"] >= 12 * n > data["host_ram_bytes"]   # ...and says what RAM alone needs
+    rows = [e for e in data["hardware"] if e["feasible"]]
+    assert len(rows) == len(data["hardware"])
+    for e in rows:
+        assert e["host_ram_bytes"] + e["nvme_bytes"] >= 12 * n, e["hardware"]
+        assert e["host_ram_bytes"] <= e["host_ram_available_bytes"]
+    assert any(e["nvme_bytes"] > 0 for e in rows)     # a 128 GiB workstation spills
+    rc, out, err = _main(capsys, "size", "--model", "Llama-3.1-8B", "--seq", "4096", "--batch", "8")
+    assert rc == 0 and "on NVMe" in out and "without NVMe" in out and "issue #" not in out
+
+
+def test_overview_on_a_24g_cpu_machine_trains_with_spill(capsys, monkeypatch, tmp_path) -> None:
+    profile = tmp_path / "hw.json"
+    CPU_24G.save(str(profile))
+    _free_disk(monkeypatch, FREE)
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _main(capsys, "--hardware", str(profile), "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["compute_dtype"] == "float32"         # bf16 matmul is 100x slower on this CPU
+    assert data["disk"] == {"spill_dir": str(tmp_path), "free_bytes": FREE, "read_gbps": sizing.ASSUMED_DISK_GBPS,
+                            "write_gbps": sizing.ASSUMED_DISK_GBPS, "speed_measured": False}
+    models = {e["model"]: e for e in data["models"]}
+    one_b = models["Llama-3.2-1B"]
+    assert one_b["fits"] == "spill" and 0 < one_b["nvme_bytes"] <= FREE and one_b["tokens_per_second"] > 0
+    assert one_b["spill_cost_seconds"] > 0
+    assert not search.fits(model_shapes.PRESETS["Llama-3.2-1B"],
+                           Workload(4096, 1, "fp32", spill="none"), CPU_24G)   # RAM alone cannot
+    # Every model's answer agrees with the least memory any plan of it needs at batch 1.
+    hw, _ = sizing.with_disk(CPU_24G)
+    for name in ("Llama-3.2-3B", "Llama-3.1-8B"):
+        least = search.minimum_memory(model_shapes.PRESETS[name],
+                                      Workload(4096, 1, "fp32", spill_dir=str(tmp_path), spill_free_bytes=FREE), hw)
+        mem = least["host"].memory
+        fits = mem.device_bytes + mem.host_bytes <= CPU_24G.host_budget_bytes and mem.nvme_bytes <= FREE
+        assert (models[name]["fits"] != "no") == fits, name
+        if not fits:
+            assert "host RAM" in models[name]["reason"]
+    assert data["largest_model"] in models and models[data["largest_model"]]["feasible"]
+    rc, out, err = _main(capsys, "--hardware", str(profile))
+    assert rc == 0, err
+    assert "with spill" in out and "60.0 GiB free" in out and "assumed" in out and "float32" in out
+
+
+def _free_disk(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(free + GiB, GiB, free))
+
+
+def test_plan_spill_is_honoured_or_refused_with_the_fix(capsys, monkeypatch, tmp_path) -> None:
+    args = ("plan", "--model", "Llama-3.1-8B", "--seq", "1024", "--batch", "4", "--hardware", "RTX-4090")
+    _free_disk(monkeypatch, 1 << 40)
+    for spill in ("optimizer", "all"):
+        rc, out, err = _main(capsys, *args, "--spill", spill, "--spill-dir", str(tmp_path), "--json")
+        assert rc == 0, err
+        data = json.loads(out)
+        assert data["spill"] == data["plan"]["spill"] == spill and data["plan"]["spill_dir"] == str(tmp_path)
+        assert data["nvme_bytes"] > 0 and data["disk"]["free_bytes"] == 1 << 40
+    _free_disk(monkeypatch, 10 * GiB)     # too small for 8B's AdamW state
+    rc, out, err = _main(capsys, *args, "--spill", "optimizer", "--spill-dir", str(tmp_path))
+    assert rc == 2 and "NVMe: needs" in err and "more free space" in err
+    _free_disk(monkeypatch, FREE)
+    profile = tmp_path / "hw.json"
+    CPU_24G.save(str(profile))
+    rc, out, err = _main(capsys, "plan", "--model", "Llama-3.2-1B", "--seq", "1024", "--batch", "1", "--hardware",
+                         str(profile), "--spill", "all", "--spill-dir", str(tmp_path))
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "--nvme" in err and "profile --spill-dir" in err
+    rc, out, err = _main(capsys, "plan", "--model", "Llama-3.2-1B", "--seq", "1024", "--batch", "1", "--hardware",
+                         str(profile), "--spill", "all", "--spill-dir", str(tmp_path), "--nvme", "2", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["spill"] == "all"
+    # auto without --spill-dir spills nothing, and an infeasible answer says how spilling would help.
+    rc, out, err = _main(capsys, *args, "--ram", "48G")
+    assert rc == 2 and "--spill-dir" in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_out_carries_its_workload(capsys, tmp_path) -> None:
+    out_path = tmp_path / "plan.json"
+    rc, out, err = _main(capsys, "plan", "--model", "Llama-3.2-1B", "--seq", "2048", "--batch", "8", "--hardware",
+                         "H100-SXM", "--out", str(out_path))
+    assert rc == 0, err
+    w = json.loads(out_path.read_text())["workload"]
+    assert (w["model"], w["seq_len"], w["batch"], w["compute_dtype"]) == ("Llama-3.2-1B", 2048, 8, "bfloat16")
+
+
+def test_profile_refuses_an_unwritable_destination_before_measuring(capsys, tmp_path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    rc, out, err = _main(capsys, "profile", "--out", str(blocker / "hw.json"))
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "--out" in err
+    assert "measuring" not in err and blocker.read_text() == "x"
+    rc, out, err = _main(capsys, "profile", "--out", str(tmp_path))
+    assert rc == 2 and "is a directory" in err
