@@ -85,7 +85,7 @@ def existing_entries(path: str) -> list[str]:
 
 def refuse_existing(path: str, resumable: bool) -> None:
     """A fresh run into a directory that already holds something: one line with the two ways forward."""
-    entries = existing_entries(path)
+    entries = [e for e in existing_entries(path) if e != LOCK_FILE]  # a lock alone: a run that died at start
     if not entries:
         return
     what = "an earlier run" if resumable else f"{len(entries)} file(s) ({', '.join(entries[:3])})"

@@ -106,6 +106,7 @@ class Run:
         self.out = config.out
         self.notes: list[str] = []
         self.resumed: Resumed | None = None
+        self.changes: list[str] = []  # options a resume changes, "name old -> new"
         self.plan_description = ""
 
     # ------------------------------------------------------------------ setup
@@ -163,6 +164,9 @@ class Run:
         lock = run_dir.RunLock(out)
         try:
             lock.acquire(lambda line: print(f"megatrain-train: {line}", file=sys.stderr))
+            for change in self.changes:
+                print(f"megatrain-train: resume: {change}", file=sys.stderr)
+            self.notes += [f"changed on resume: {change}" for change in self.changes]
             if overwrite:
                 removed = run_dir.remove_run_files(out)
                 if removed:
@@ -214,9 +218,7 @@ class Run:
         self.rows_done = int(extra["rows_done"])
         self.tokens_done = int(extra["tokens_done"])
         self.resumed = Resumed(path, extra, args["model_config"], args["plan"], run)
-        for change in changes:
-            print(f"megatrain-train: resume: {change}", file=sys.stderr)
-        self.notes += [f"changed on resume: {change}" for change in changes]
+        self.changes = changes
 
     def _refuse_branching(self, out: str) -> None:
         """Resuming an older checkpoint of a run that went further would make two histories in one directory."""
