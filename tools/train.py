@@ -161,6 +161,7 @@ class Run:
         plan = self._choose_plan(model, dtype)
 
         created = run_dir.make_dir("out", out)
+        spill_created = False
         lock = run_dir.RunLock(out)
         try:
             lock.acquire(lambda line: print(f"megatrain-train: {line}", file=sys.stderr))
@@ -174,7 +175,7 @@ class Run:
                           file=sys.stderr)
             if plan.spill != "none":
                 assert plan.spill_dir is not None
-                run_dir.make_dir("spill_dir", plan.spill_dir)
+                spill_created = run_dir.make_dir("spill_dir", plan.spill_dir)
             engine = self._engine(plan, dtype, device, source)
             try:
                 if own_run:
@@ -187,8 +188,11 @@ class Run:
                 engine.close()
         finally:
             lock.release()
+            # A run that wrote nothing (it stopped before its first step) leaves no directory it made behind.
+            if spill_created and plan.spill_dir is not None and not run_dir.existing_entries(plan.spill_dir):
+                os.rmdir(plan.spill_dir)
             if created and not run_dir.existing_entries(out):
-                os.rmdir(out)  # nothing was written: leave no trace of a run that did not start
+                os.rmdir(out)
 
     def _read_resume(self) -> None:
         """The checkpoint, its run directory and its settings with the options given now on top."""
