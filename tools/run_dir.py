@@ -30,9 +30,10 @@ METRICS_FILE = "metrics.jsonl"
 STEP_DIR = re.compile(r"step-(\d+)")
 LOCK_FILE = "megatrain.lock"
 SPILL_DIR = "spill"
-# Everything a run writes in its directory; --overwrite deletes these and nothing else.
+# What a run writes in its directory; --overwrite deletes these and nothing else. (Spill files under
+# SPILL_DIR are the runtime's: each run's in its own subdirectory, reclaimed by the runtime.)
 RUN_FILES = ("metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "summary.json.tmp", "training.png",
-             "trace.json", CHECKPOINT_DIR, SPILL_DIR)
+             "trace.json", CHECKPOINT_DIR)
 
 
 def check_writable_dir(option: str, path: str) -> None:
@@ -47,9 +48,18 @@ def check_writable_dir(option: str, path: str) -> None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise TrainConfigError(f"{option}: {path} cannot be created because {parent} is a file; name a directory")
-    if not os.access(parent, os.W_OK | os.X_OK) or parent == "/proc" or parent.startswith(("/proc/", "/sys/")):
+    if not os.access(parent, os.W_OK | os.X_OK) or _no_storage(parent):
         raise TrainConfigError(f"{option}: cannot create {path} ({parent} is not writable); choose a writable "
                                f"directory")
+
+
+def _no_storage(path: str) -> bool:
+    """A read-only filesystem, or one with no blocks at all (/proc, /sys): nothing can be written there."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return bool(st.f_flag & os.ST_RDONLY) or st.f_blocks == 0
 
 
 def make_dir(option: str, path: str) -> bool:

@@ -168,14 +168,14 @@ class Run:
             for change in self.changes:
                 print(f"megatrain-train: resume: {change}", file=sys.stderr)
             self.notes += [f"changed on resume: {change}" for change in self.changes]
+            if plan.spill != "none":
+                assert plan.spill_dir is not None
+                spill_created = run_dir.make_dir("spill_dir", plan.spill_dir)  # before --overwrite deletes anything
             if overwrite:
                 removed = run_dir.remove_run_files(out)
                 if removed:
                     print(f"megatrain-train: --overwrite: deleted the earlier run's {', '.join(removed)} in {out}",
                           file=sys.stderr)
-            if plan.spill != "none":
-                assert plan.spill_dir is not None
-                spill_created = run_dir.make_dir("spill_dir", plan.spill_dir)
             engine = self._engine(plan, dtype, device, source)
             try:
                 if own_run:

@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", metavar="TOML", help="a TOML file of options (keys as below, with underscores)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the earlier run in --out: delete its metrics, summary, checkpoints, plot and "
-                             "spill files (nothing else); command line only")
+                             "trace (nothing else); command line only")
     for name, f in FIELDS.items():
         flag = "--" + name.replace("_", "-")
         if f.type in ("bool", bool):
