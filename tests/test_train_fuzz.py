@@ -49,6 +49,9 @@ def world(tmp_path_factory):
     (files / "plan.json").write_text('{"num_slots": 1}')
     (files / "tokenizer.json").write_text("{}")
     (files / "a_file").write_text("x")
+    (files / "short.json").write_text(
+        '{"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, '
+        '"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 16}')
     model = files / "model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "llama"}')
@@ -69,6 +72,7 @@ def bad_inputs(files) -> list[list[str]]:
         ["--tokenizer", f + "/tokenizer.json"], ["--plan", f + "/plan.json"], ["--resume", f + "/a_file"],
         ["--resume", f], ["--spill-dir", "/proc/nope"], ["--spill-dir", f + "/a_file"],
         ["--separator-id", "100000"], ["--seq-len", "1"], ["--batch", "0"], ["--lr", "nan"], ["--lr", "-1"],
+        ["--model", f + "/short.json", "--data", f + "/bad_utf8.jsonl"],  # a warning too: said only if it runs
         ["--beta2", "1"], ["--spill", "disk"], ["--init", "zeros"], ["--compute-dtype", "fp8"],
     ]
 

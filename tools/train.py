@@ -107,6 +107,7 @@ class Run:
         self.notes: list[str] = []
         self.resumed: Resumed | None = None
         self.changes: list[str] = []  # options a resume changes, "name old -> new"
+        self.warnings: list[str] = []
         self.plan_description = ""
 
     # ------------------------------------------------------------------ setup
@@ -119,40 +120,10 @@ class Run:
             raise TrainConfigError(f"steps: the checkpoint is at step {self.start_step} already; raise --steps "
                                    f"(now {c.total_steps}) to train further")
         overwrite = bool(self.values.get("overwrite"))
-        run_dir.check_writable_dir("out", out)
-        if c.spill_dir:
-            run_dir.check_writable_dir("spill_dir", c.spill_dir)
-        run_dir.refuse_if_running(out)
-        own_run = self.resumed is not None and self.resumed.run is not None and _same_dir(self.resumed.run, out)
-        if own_run:
-            if overwrite:
-                raise TrainConfigError(f"overwrite: {out} is the run being resumed, and --overwrite would delete "
-                                       f"its checkpoints; leave --overwrite out")
-            self._refuse_branching(out)
-        elif not overwrite:
-            run_dir.refuse_existing(out, resumable=os.path.isdir(os.path.join(out, run_dir.CHECKPOINT_DIR)))
-        elif self.resumed is not None and _inside(self.resumed.path, out):
-            raise TrainConfigError(f"overwrite: the checkpoint being resumed ({self.resumed.path}) is in {out}, "
-                                   f"which --overwrite would clear; choose another --out")
-
+        own_run = self._check_run_dir(out, overwrite)
         device = _device(c.device)
         dtype = _compute_dtype(c.compute_dtype, device)
-        self.tokenizer = tokenizers.load(c.tokenizer, c.separator_id)
-        if self.resumed is not None:
-            model, source = self.resumed.model, None
-            if self.tokenizer.vocab_size > model.vocab_size:
-                raise TrainConfigError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model's vocab_size "
-                                       f"is {model.vocab_size}; resume with the run's own tokenizer")
-        else:
-            source = model_source.resolve(c.model, self.tokenizer.vocab_size, c.seq_len, c.init)
-            model = source.config
-        if self.tokenizer.separator_id >= model.vocab_size:
-            raise TrainConfigError(f"separator_id={self.tokenizer.separator_id} is outside the model's vocabulary "
-                                   f"(ids 0..{model.vocab_size - 1}); pass an id the model has, or -1")
-        warning = model_source.position_warning(model, c.seq_len)
-        if warning:
-            self.notes.append(warning)
-            print(f"megatrain-train: warning: {warning}", file=sys.stderr)
+        model, source = self._check_model()
         corpus = Corpus(c.data, self.tokenizer, c.text_field, c.token_dtype)
         corpus.check_token_ids(model.vocab_size)
         rows = packing.pack(packing.repeat_epochs(corpus.documents), c.seq_len, self.tokenizer.separator_id)
@@ -165,9 +136,12 @@ class Run:
         lock = run_dir.RunLock(out)
         try:
             lock.acquire(lambda line: print(f"megatrain-train: {line}", file=sys.stderr))
+            # Said once every input is known good, so that a refusal stays one line.
+            for warning in self.warnings:
+                print(f"megatrain-train: warning: {warning}", file=sys.stderr)
             for change in self.changes:
                 print(f"megatrain-train: resume: {change}", file=sys.stderr)
-            self.notes += [f"changed on resume: {change}" for change in self.changes]
+            self.notes += self.warnings + [f"changed on resume: {change}" for change in self.changes]
             if plan.spill != "none":
                 assert plan.spill_dir is not None
                 spill_created = run_dir.make_dir("spill_dir", plan.spill_dir)  # before --overwrite deletes anything
@@ -193,6 +167,46 @@ class Run:
                 os.rmdir(plan.spill_dir)
             if created and not run_dir.existing_entries(out):
                 os.rmdir(out)
+
+    def _check_run_dir(self, out: str, overwrite: bool) -> bool:
+        """May this run write into ``out``? True when it resumes its own run there. Writes nothing."""
+        c = self.config
+        run_dir.check_writable_dir("out", out)
+        if c.spill_dir:
+            run_dir.check_writable_dir("spill_dir", c.spill_dir)
+        run_dir.refuse_if_running(out)
+        own_run = self.resumed is not None and self.resumed.run is not None and _same_dir(self.resumed.run, out)
+        if own_run:
+            if overwrite:
+                raise TrainConfigError(f"overwrite: {out} is the run being resumed, and --overwrite would delete "
+                                       f"its checkpoints; leave --overwrite out")
+            self._refuse_branching(out)
+        elif not overwrite:
+            run_dir.refuse_existing(out, resumable=os.path.isdir(os.path.join(out, run_dir.CHECKPOINT_DIR)))
+        elif self.resumed is not None and _inside(self.resumed.path, out):
+            raise TrainConfigError(f"overwrite: the checkpoint being resumed ({self.resumed.path}) is in {out}, "
+                                   f"which --overwrite would clear; choose another --out")
+        return own_run
+
+    def _check_model(self) -> tuple[ModelConfig, model_source.ModelSource | None]:
+        """The tokenizer and the model (the resumed run's, or --model's source), checked against each other."""
+        c = self.config
+        self.tokenizer = tokenizers.load(c.tokenizer, c.separator_id)
+        if self.resumed is not None:
+            model, source = self.resumed.model, None
+            if self.tokenizer.vocab_size > model.vocab_size:
+                raise TrainConfigError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model's vocab_size "
+                                       f"is {model.vocab_size}; resume with the run's own tokenizer")
+        else:
+            source = model_source.resolve(c.model, self.tokenizer.vocab_size, c.seq_len, c.init)
+            model = source.config
+        if self.tokenizer.separator_id >= model.vocab_size:
+            raise TrainConfigError(f"separator_id={self.tokenizer.separator_id} is outside the model's vocabulary "
+                                   f"(ids 0..{model.vocab_size - 1}); pass an id the model has, or -1")
+        warning = model_source.position_warning(model, c.seq_len)
+        if warning:
+            self.warnings.append(warning)
+        return model, source
 
     def _read_resume(self) -> None:
         """The checkpoint, its run directory and its settings with the options given now on top."""
