@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -132,3 +134,18 @@ def test_ctrl_c_during_start_up_exits_130_and_leaves_nothing(tmp_path, capsys, m
     err = capsys.readouterr().err
     assert err.strip() == "megatrain-train: interrupted before training started" and "Traceback" not in err
     assert os.listdir(tmp_path) == []  # the run directory it made (and its spill directory) are gone again
+
+
+@pytest.mark.parametrize("delay", [0.3, 6.0])
+def test_ctrl_c_while_starting_is_one_line_130(tmp_path, delay):
+    """Whether it lands while modules load or while the data is read (a FIFO nobody writes: start-up never ends)."""
+    fifo = tmp_path / "stalled.txt"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, "-m", "megatrain.tools.train", "--data", str(fifo), "--out",
+                             str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.strip() == "megatrain-train: interrupted before training started", err
+    assert sorted(os.listdir(tmp_path)) == ["stalled.txt"]

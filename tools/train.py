@@ -21,22 +21,24 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-import torch
+from .interrupt import EXIT_INTERRUPTED, INTERRUPTED_AT_START, InterruptGuard, start_up
 
-from megatrain.planner import model_shapes, search
-from megatrain.planner.hardware import HardwareError
-from megatrain.planner.plan import Plan, PlanError
-from megatrain.planner.profiler import this_machine
-from megatrain.planner.workload import Workload, WorkloadError
-from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig, checkpoint_io
+with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) == "megatrain-train"):
+    import torch
 
-from . import lr_schedule, metrics, model_source, packing, run_dir, tokenizer as tokenizers, train_config
-from .data import Corpus
-from .interrupt import EXIT_INTERRUPTED, InterruptGuard
-from .plot import plot
-from .progress import Progress
-from .trace import StepTracer
-from .train_config import TrainConfig, TrainConfigError
+    from megatrain.planner import model_shapes, search
+    from megatrain.planner.hardware import HardwareError
+    from megatrain.planner.plan import Plan, PlanError
+    from megatrain.planner.profiler import this_machine
+    from megatrain.planner.workload import Workload, WorkloadError
+    from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig, checkpoint_io
+
+    from . import lr_schedule, metrics, model_source, packing, run_dir, tokenizer as tokenizers, train_config
+    from .data import Corpus
+    from .plot import plot
+    from .progress import Progress
+    from .trace import StepTracer
+    from .train_config import TrainConfig, TrainConfigError
 
 EXIT_USAGE = 2
 # Errors a person fixes by changing an option or a file: printed as one line, exit status 2. The planner's
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         return _usage_error(f"{where}{e.strerror or e}; check the path and the disk")
     except KeyboardInterrupt:  # before training started (during setup): nothing to save
-        print("\nmegatrain-train: interrupted before training started", file=sys.stderr)
+        sys.stderr.write(INTERRUPTED_AT_START)
         return EXIT_INTERRUPTED
 
 
