@@ -24,6 +24,8 @@ from .tokenizer import Tokenizer
 from .train_config import TrainConfigError
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
+# Token ids checked per piece of a pre-tokenized file (bounds the memory of the check: 8 MiB of int64).
+ID_CHECK_PIECE = 1 << 20
 DATA_SUFFIXES = TEXT_SUFFIXES + (".jsonl", ".parquet", ".npy", ".bin")
 
 
@@ -51,6 +53,26 @@ class Corpus:
         for f in self.files:
             if f.endswith(".parquet"):
                 _require_pyarrow(f)
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Pre-tokenized files (.npy, .bin) hold ids in [0, vocab_size): checked before the first step, in pieces.
+
+        Text is tokenized by a tokenizer whose ids the model covers (checked where the model is chosen).
+        """
+        for path in self.files:
+            if not path.endswith((".npy", ".bin")):
+                continue
+            for array in self._read(path) if path.endswith(".bin") else _whole_npy(path):
+                flat = array.reshape(-1)
+                for lo in range(0, len(flat), ID_CHECK_PIECE):
+                    piece = np.asarray(flat[lo:lo + ID_CHECK_PIECE])
+                    if not len(piece):
+                        continue
+                    low, high = int(piece.min()), int(piece.max())
+                    if low < 0 or high >= vocab_size:
+                        bad = low if low < 0 else high
+                        raise TrainConfigError(f"data: {path} holds token id {bad}, outside the model's vocabulary "
+                                               f"(ids 0..{vocab_size - 1}); tokenize it with the model's tokenizer")
 
     def describe(self) -> str:
         if not self.files:
@@ -87,8 +109,13 @@ class Corpus:
                 yield self._encode(f.read())
 
     def _jsonl(self, path: str) -> Iterator[np.ndarray]:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise TrainConfigError(f"data: {path} line {lineno} is not UTF-8 (byte {e.start + 1}: "
+                                           f"{raw[e.start:e.start + 1]!r}); re-encode the file as UTF-8") from None
                 if not line.strip():
                     continue
                 try:
@@ -105,7 +132,11 @@ class Corpus:
     def _parquet(self, path: str) -> Iterator[np.ndarray]:
         import pyarrow.parquet as pq
 
-        table = pq.ParquetFile(path)
+        try:
+            table = pq.ParquetFile(path)
+        except Exception as e:  # pyarrow raises its own ArrowInvalid / OSError kinds for a bad file
+            raise TrainConfigError(f"data: {path} is not a readable parquet file ({str(e).splitlines()[0]}); "
+                                   f"check the file or convert it to .jsonl") from None
         if self.text_field not in table.schema_arrow.names:
             raise TrainConfigError(f"data: {path} has no column {self.text_field!r} (has "
                                    f"{', '.join(table.schema_arrow.names)}); set --text-field")
@@ -113,6 +144,13 @@ class Corpus:
             for text in record_batch.column(0).to_pylist():
                 if text:
                     yield self._encode(text)
+
+
+def _whole_npy(path: str) -> Iterator[np.ndarray]:
+    """The whole array of a .npy file (memory-mapped), checked as ``_npy`` checks it."""
+    rows = _npy(path)
+    if next(rows, None) is not None:
+        yield np.load(path, mmap_mode="r", allow_pickle=False)
 
 
 def _npy(path: str) -> Iterator[np.ndarray]:

@@ -7,12 +7,31 @@ are committed atomically, so the previous one stays valid.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sys
 import threading
 from types import FrameType
+from typing import Iterator
 
 EXIT_INTERRUPTED = 130
+INTERRUPTED_AT_START = "\nmegatrain-train: interrupted before training started\n"
+
+
+@contextlib.contextmanager
+def start_up(command: bool) -> Iterator[None]:
+    """Ctrl-C while the command loads its modules (torch takes seconds): one line and status 130, no traceback.
+
+    Only when running as the command (``command``); a program that imports the module gets its KeyboardInterrupt.
+    """
+    try:
+        yield
+    except KeyboardInterrupt:
+        if not command:
+            raise
+        sys.stderr.write(INTERRUPTED_AT_START)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 class InterruptGuard:

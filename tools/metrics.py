@@ -60,8 +60,36 @@ class MetricsLog:
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The step records of a metrics.jsonl; a line that is not one (a torn last line of a killed run) is skipped."""
+    records = []
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:  # JSON or UTF-8 error: a line cut short by a kill, or not ours
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                records.append(record)
+    return records
+
+
+def truncate_after(path: str, step: int) -> int:
+    """Keep the records up to ``step`` (a resumed run continues from there): one history. Atomic; rows dropped."""
+    if not os.path.exists(path):
+        return 0
+    with open(path, "rb") as f:
+        total = sum(1 for line in f if line.strip())
+    kept = [r for r in read_metrics(path) if r["step"] <= step]
+    if len(kept) == total:
+        return 0
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in kept:
+            f.write(json.dumps(r) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return total - len(kept)
 
 
 def summarize(records: list[dict[str, Any]], num_parameters: int, peak_tflops: float | None,

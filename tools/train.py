@@ -7,40 +7,46 @@
     megatrain-train --resume run1                     # continue where run1 stopped (its settings, plus yours)
 
 Writes OUT/metrics.jsonl (one line per step), OUT/summary.json, OUT/checkpoints/, OUT/training.png
-(with matplotlib) and OUT/trace.json (--trace). Ctrl-C saves a checkpoint and exits with status 130;
-a second Ctrl-C exits at once. A bad option or input: one line on stderr, status 2.
+(with matplotlib) and OUT/trace.json (--trace). OUT must be new or empty (--overwrite replaces an
+earlier run's files; --resume continues it, in its own directory); see tools/run_dir.py. Ctrl-C saves
+a checkpoint and exits with status 130 (also during start-up, with nothing written yet); a second
+Ctrl-C exits at once. A bad option or input: one line on stderr, status 2, before anything is written.
 """
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import os
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-import torch
+from .interrupt import EXIT_INTERRUPTED, INTERRUPTED_AT_START, InterruptGuard, start_up
 
-from megatrain.planner import model_shapes, search
-from megatrain.planner.hardware import HardwareError
-from megatrain.planner.plan import Plan, PlanError
-from megatrain.planner.profiler import detect
-from megatrain.planner.workload import Workload, WorkloadError
-from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig
+with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) == "megatrain-train"):
+    import torch
 
-from . import lr_schedule, metrics, model_source, packing, tokenizer as tokenizers, train_config
-from .data import Corpus
-from .interrupt import EXIT_INTERRUPTED, InterruptGuard
-from .plot import plot
-from .progress import Progress
-from .trace import StepTracer
-from .train_config import TrainConfig, TrainConfigError
+    from megatrain.planner import model_shapes, search
+    from megatrain.planner.hardware import HardwareError
+    from megatrain.planner.plan import Plan, PlanError
+    from megatrain.planner.profiler import this_machine
+    from megatrain.planner.workload import Workload, WorkloadError
+    from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig, checkpoint_io
+
+    from . import lr_schedule, metrics, model_source, packing, run_dir, tokenizer as tokenizers, train_config
+    from .data import Corpus
+    from .plot import plot
+    from .progress import Progress
+    from .trace import StepTracer
+    from .train_config import TrainConfig, TrainConfigError
 
 EXIT_USAGE = 2
-# Errors a person fixes by changing an option or a file: printed as one line, exit status 2.
+# Errors a person fixes by changing an option or a file: printed as one line, exit status 2. The planner's
+# errors are ValueError subclasses with one-line messages (caught by their module, see main).
 USER_ERRORS = (MegatrainError, PlanError, WorkloadError, HardwareError, model_shapes.ModelShapeError,
                search.InfeasibleError)
-CHECKPOINT_DIR = "checkpoints"
+# Disk speed assumed to time a spill the user forced (--spill optimizer/all) on a profile without disk figures.
+ASSUMED_DISK_GBPS = 1.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,11 +55,22 @@ def main(argv: list[str] | None = None) -> int:
         config = train_config.build(values)
         return Run(config, values).execute()
     except USER_ERRORS as e:
-        print(f"megatrain-train: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _usage_error(str(e))
+    except ValueError as e:
+        if not type(e).__module__.startswith("megatrain."):
+            raise
+        return _usage_error(str(e))
+    except OSError as e:  # a path the checks could not foresee: permissions, a full disk, a file that vanished
+        where = f"{e.filename}: " if e.filename else ""
+        return _usage_error(f"{where}{e.strerror or e}; check the path and the disk")
     except KeyboardInterrupt:  # before training started (during setup): nothing to save
-        print("\nmegatrain-train: interrupted before training started", file=sys.stderr)
+        sys.stderr.write(INTERRUPTED_AT_START)
         return EXIT_INTERRUPTED
+
+
+def _usage_error(message: str) -> int:
+    print(f"megatrain-train: error: {message.splitlines()[0] if message else 'invalid input'}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 @dataclass
@@ -67,39 +84,188 @@ class Pending:
     tokens: int               # tokens predicted in this step (labels not -100 after the shift)
 
 
+@dataclass
+class Resumed:
+    """The checkpoint a run resumes, read (manifest only) before anything is written."""
+
+    path: str                 # the step directory
+    extra: dict[str, Any]     # what megatrain-train saved with it
+    model: ModelConfig
+    plan: Plan
+    run: str | None           # the run directory it belongs to (None: a checkpoint outside a run directory)
+
+
 class Run:
-    """One invocation: set up, train, finish. ``values`` are the options given explicitly (for --resume)."""
+    """One invocation. ``execute``: read and check every input, then take the run directory, then train.
+
+    Nothing is written before every input (options, resume checkpoint, tokenizer, model, data, plan, output
+    and spill directories) has been checked. ``values`` are the options given explicitly.
+    """
 
     def __init__(self, config: TrainConfig, values: dict[str, Any]) -> None:
         self.config = config
         self.values = values
         self.out = config.out
         self.notes: list[str] = []
+        self.resumed: Resumed | None = None
+        self.changes: list[str] = []  # options a resume changes, "name old -> new"
+        self.warnings: list[str] = []
+        self.plan_description = ""
 
     # ------------------------------------------------------------------ setup
     def execute(self) -> int:
-        resume_dir = _checkpoint_root(self.config.resume) if self.config.resume else None
-        device = _device(self.config.device)
-        if resume_dir is not None:
-            engine = self._resume(resume_dir, device)
-        else:
-            engine = self._new_engine(device)
-        try:
-            return self._train(engine)
-        finally:
-            engine.close()
+        if self.config.resume:
+            self._read_resume()
+        c = self.config
+        out = self.out
+        if self.resumed is not None and self.start_step >= c.total_steps:
+            raise TrainConfigError(f"steps: the checkpoint is at step {self.start_step} already; raise --steps "
+                                   f"(now {c.total_steps}) to train further")
+        overwrite = bool(self.values.get("overwrite"))
+        own_run = self._check_run_dir(out, overwrite)
+        device = _device(c.device)
+        dtype = _compute_dtype(c.compute_dtype, device)
+        model, source = self._check_model()
+        corpus = Corpus(c.data, self.tokenizer, c.text_field, c.token_dtype)
+        corpus.check_token_ids(model.vocab_size)
+        rows = packing.pack(packing.repeat_epochs(corpus.documents), c.seq_len, self.tokenizer.separator_id)
+        batches = packing.batches(rows, c.batch, skip_rows=self.rows_done if self.resumed else 0)
+        first = _next_batch(batches)  # the data yields a batch: checked before anything is written
+        plan = self._choose_plan(model, dtype)
 
-    def _new_engine(self, device: torch.device) -> Engine:
+        created = run_dir.make_dir("out", out)
+        spill_created = False
+        lock = run_dir.RunLock(out)
+        try:
+            lock.acquire(lambda line: print(f"megatrain-train: {line}", file=sys.stderr))
+            # Said once every input is known good, so that a refusal stays one line.
+            for warning in self.warnings:
+                print(f"megatrain-train: warning: {warning}", file=sys.stderr)
+            for change in self.changes:
+                print(f"megatrain-train: resume: {change}", file=sys.stderr)
+            self.notes += self.warnings + [f"changed on resume: {change}" for change in self.changes]
+            if plan.spill != "none":
+                assert plan.spill_dir is not None
+                spill_created = run_dir.make_dir("spill_dir", plan.spill_dir)  # before --overwrite deletes anything
+            if overwrite:
+                removed = run_dir.remove_run_files(out)
+                if removed:
+                    print(f"megatrain-train: --overwrite: deleted the earlier run's {', '.join(removed)} in {out}",
+                          file=sys.stderr)
+            engine = self._engine(plan, dtype, device, source)
+            try:
+                if own_run:
+                    dropped = metrics.truncate_after(os.path.join(out, run_dir.METRICS_FILE), self.start_step)
+                    if dropped:
+                        self.notes.append(f"dropped {dropped} metrics row(s) after step {self.start_step} "
+                                          f"(the run continues from its checkpoint)")
+                return self._train(engine, corpus, itertools.chain([first], batches))
+            finally:
+                engine.close()
+        finally:
+            lock.release()
+            # A run that wrote nothing (it stopped before its first step) leaves no directory it made behind.
+            if spill_created and plan.spill_dir is not None and not run_dir.existing_entries(plan.spill_dir):
+                os.rmdir(plan.spill_dir)
+            if created and not run_dir.existing_entries(out):
+                os.rmdir(out)
+
+    def _check_run_dir(self, out: str, overwrite: bool) -> bool:
+        """May this run write into ``out``? True when it resumes its own run there. Writes nothing."""
+        c = self.config
+        run_dir.check_writable_dir("out", out)
+        if c.spill_dir:
+            run_dir.check_writable_dir("spill_dir", c.spill_dir)
+        run_dir.refuse_if_running(out)
+        own_run = self.resumed is not None and self.resumed.run is not None and _same_dir(self.resumed.run, out)
+        if own_run:
+            if overwrite:
+                raise TrainConfigError(f"overwrite: {out} is the run being resumed, and --overwrite would delete "
+                                       f"its checkpoints; leave --overwrite out")
+            self._refuse_branching(out)
+        elif not overwrite:
+            run_dir.refuse_existing(out, resumable=os.path.isdir(os.path.join(out, run_dir.CHECKPOINT_DIR)))
+        elif self.resumed is not None and _inside(self.resumed.path, out):
+            raise TrainConfigError(f"overwrite: the checkpoint being resumed ({self.resumed.path}) is in {out}, "
+                                   f"which --overwrite would clear; choose another --out")
+        return own_run
+
+    def _check_model(self) -> tuple[ModelConfig, model_source.ModelSource | None]:
+        """The tokenizer and the model (the resumed run's, or --model's source), checked against each other."""
         c = self.config
         self.tokenizer = tokenizers.load(c.tokenizer, c.separator_id)
-        source = model_source.resolve(c.model, self.tokenizer.vocab_size, c.seq_len)
-        dtype = _compute_dtype(c.compute_dtype, device)
-        plan = self._with_spill(self._plan(source.config, dtype))
+        if self.resumed is not None:
+            model, source = self.resumed.model, None
+            if self.tokenizer.vocab_size > model.vocab_size:
+                raise TrainConfigError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model's vocab_size "
+                                       f"is {model.vocab_size}; resume with the run's own tokenizer")
+        else:
+            source = model_source.resolve(c.model, self.tokenizer.vocab_size, c.seq_len, c.init)
+            model = source.config
+        if self.tokenizer.separator_id >= model.vocab_size:
+            raise TrainConfigError(f"separator_id={self.tokenizer.separator_id} is outside the model's vocabulary "
+                                   f"(ids 0..{model.vocab_size - 1}); pass an id the model has, or -1")
+        warning = model_source.position_warning(model, c.seq_len)
+        if warning:
+            self.warnings.append(warning)
+        return model, source
+
+    def _read_resume(self) -> None:
+        """The checkpoint, its run directory and its settings with the options given now on top."""
+        path = checkpoint_io.resolve(_checkpoint_root(self.config.resume))
+        manifest = checkpoint_io.read_manifest(path)
+        extra = dict(manifest.get("extra") or {})
+        if "train_config" not in extra:
+            raise TrainConfigError(f"resume: {path} was not written by megatrain-train (no training state); "
+                                   f"load it with Engine.load_checkpoint in your own loop")
+        args = checkpoint_io.engine_arguments(manifest)
+        run = run_dir.run_of_checkpoint(path)
+        given = {k: v for k, v in self.values.items() if k != "overwrite"}
+        if "out" in given:
+            self.out = given["out"]
+        elif run is not None:
+            self.out = run
+        else:
+            raise TrainConfigError(f"resume: {path} is not inside a run directory (RUN/checkpoints/step-N); pass "
+                                   f"--out to say where the resumed run writes")
+        saved = {k: v for k, v in extra["train_config"].items() if k not in ("out", "resume")}
+        changes = train_config.resume_changes(saved, given)
+        merged = dict(saved)
+        merged.update(given)
+        merged.update(out=self.out, resume=self.config.resume)
+        self.config = train_config.build(merged)
+        self.start_step = int(extra["step"])
+        self.rows_done = int(extra["rows_done"])
+        self.tokens_done = int(extra["tokens_done"])
+        self.resumed = Resumed(path, extra, args["model_config"], args["plan"], run)
+        self.changes = changes
+
+    def _refuse_branching(self, out: str) -> None:
+        """Resuming an older checkpoint of a run that went further would make two histories in one directory."""
+        assert self.resumed is not None
+        root = os.path.join(out, run_dir.CHECKPOINT_DIR)
+        later = sorted(int(m.group(1)) for name in run_dir.existing_entries(root)
+                       if (m := run_dir.STEP_DIR.fullmatch(name)) and int(m.group(1)) > self.start_step)
+        if later:
+            raise TrainConfigError(f"resume: {out} went on to step {later[-1]} after step {self.start_step}; "
+                                   f"continue from step {self.start_step} in a new run directory with --out NEW, "
+                                   f"or resume the latest with --resume {out}")
+
+    def _engine(self, plan: Plan, dtype: torch.dtype, device: torch.device,
+                source: model_source.ModelSource | None) -> Engine:
+        c = self.config
+        if self.resumed is not None:
+            engine = Engine.load_checkpoint(self.resumed.path, device=device, plan=plan)
+            extra = self.resumed.extra
+            if engine.step_count != self.start_step:
+                self.notes.append(f"engine step {engine.step_count} differs from the saved run step {self.start_step}")
+            if "torch_rng" in extra:
+                torch.set_rng_state(torch.tensor(extra["torch_rng"], dtype=torch.uint8))
+            self.model_description = f"resumed from {self.resumed.path} at step {self.start_step}"
+            return engine
+        assert source is not None
         optimizer = _optimizer(c)
         if source.pretrained is not None:
-            if not hasattr(Engine, "from_pretrained"):
-                raise TrainConfigError(f"model: loading weights from {source.pretrained} needs "
-                                       f"Engine.from_pretrained, which this megatrain lacks (issue #4)")
             engine = Engine.from_pretrained(source.pretrained, optimizer=optimizer, plan=plan, compute_dtype=dtype,
                                             device=device)
         else:
@@ -109,91 +275,67 @@ class Run:
         self.start_step, self.rows_done, self.tokens_done = 0, 0, 0
         return engine
 
-    def _resume(self, root: str, device: torch.device) -> Engine:
-        if not hasattr(Engine, "load_checkpoint"):
-            raise TrainConfigError("resume: this megatrain has no Engine.load_checkpoint yet (issue #4)")
-        plan = Plan.load(self.values["plan"]) if self.values.get("plan") else None
-        if plan is not None:
-            plan = self._with_spill(plan)
-        engine = Engine.load_checkpoint(root, device=device, plan=plan)
-        extra = dict(getattr(engine, "checkpoint_extra", None) or {})
-        if "train_config" not in extra:
-            engine.close()
-            raise TrainConfigError(f"resume: {root} was not written by megatrain-train (no training state); "
-                                   f"load it with Engine.load_checkpoint in your own loop")
-        # The saved run's settings, with the options given now on top.
-        saved = dict(extra["train_config"])
-        saved.update(self.values)
-        saved["resume"] = self.config.resume
-        self.config = train_config.build(saved)
-        self.out = self.config.out
-        self.tokenizer = tokenizers.load(self.config.tokenizer, self.config.separator_id)
-        self.start_step = int(extra["step"])
-        self.rows_done = int(extra["rows_done"])
-        self.tokens_done = int(extra["tokens_done"])
-        if engine.step_count != self.start_step:
-            self.notes.append(f"engine step {engine.step_count} differs from the saved run step {self.start_step}")
-        if "torch_rng" in extra:
-            torch.set_rng_state(torch.tensor(extra["torch_rng"], dtype=torch.uint8))
-        self.model_description = f"resumed from {root} at step {self.start_step}"
-        return engine
+    def _choose_plan(self, model: ModelConfig, dtype: torch.dtype) -> Plan:
+        """--plan, else the resumed run's plan, else the planner's; spill files under --spill-dir or OUT/spill.
 
-    def _plan(self, model: ModelConfig, dtype: torch.dtype) -> Plan:
+        --spill forces what spills (auto: the planner decides, or the plan given / resumed keeps its choice).
+        """
         c = self.config
+        spill_root = c.spill_dir or os.path.join(self.out, run_dir.SPILL_DIR)
+        research = self.resumed is not None and self.values.get("spill") == "auto"
         if c.plan:
-            self.plan_description = c.plan
-            return Plan.load(c.plan)
-        work = Workload(c.seq_len, c.batch, compute_dtype="bf16" if dtype == torch.bfloat16 else "fp32",
-                        clipping=c.max_grad_norm > 0)
-        result = search.search(model_shapes.from_config(model.to_dict()), work, detect())
-        plan = result.require().plan
-        self.plan_description = (f"planner: micro-batch {plan.micro_batch_size}, {plan.num_slots} slots, "
-                                 f"checkpoints on {plan.checkpoints}, {plan.optimizer_mode} optimizer")
+            plan, self.plan_description = Plan.load(c.plan), c.plan
+        elif self.resumed is not None and not research:
+            plan, self.plan_description = self.resumed.plan, "the resumed run's"
+        else:
+            return self._search(model, dtype, spill_root)
+        spill = plan.spill if c.spill == "auto" else c.spill
+        return self._placed(plan.replace(spill=spill, spill_dir=None if spill == "none" else spill_root))
+
+    def _search(self, model: ModelConfig, dtype: torch.dtype, spill_root: str) -> Plan:
+        c = self.config
+        hw = this_machine()
+        if c.spill in ("optimizer", "all") and not (hw.disk_read_gbps > 0 and hw.disk_write_gbps > 0):
+            hw = hw.with_overrides(nvme_gbps=ASSUMED_DISK_GBPS)
+            self.notes.append(f"disk speed not measured: the plan assumes {ASSUMED_DISK_GBPS:g} GB/s (megatrain-plan "
+                              f"profile --spill-dir {spill_root} measures it)")
+        work = Workload(c.seq_len, c.batch, compute_dtype=_dtype_name(dtype), clipping=c.max_grad_norm > 0,
+                        spill=c.spill, spill_dir=spill_root)
+        plan = search.search(model_shapes.from_config(model.to_dict()), work, hw).require().plan
+        if c.spill != "auto" and plan.spill != c.spill:  # a profile the search could not time the forced spill with
+            plan = plan.replace(spill=c.spill)
+        plan = plan.replace(spill_dir=None if plan.spill == "none" else spill_root)
+        self.plan_description = (f"planner (hardware: {hw.source}): micro-batch {plan.micro_batch_size}, "
+                                 f"{plan.num_slots} slots, checkpoints on {plan.checkpoints}, "
+                                 f"{plan.optimizer_mode} optimizer")
+        return self._placed(plan)
+
+    def _placed(self, plan: Plan) -> Plan:
+        if plan.spill != "none":
+            kinds = "AdamW m and v" if plan.spill == "optimizer" else "master, m, v and grads"
+            self.plan_description += f", spilling {kinds} to {plan.spill_dir}"
         return plan
 
-    def _with_spill(self, plan: Plan) -> Plan:
-        """--spill-dir: the plan's spill files go there; a plan that spills nothing spills the AdamW state."""
-        if not self.config.spill_dir:
-            return plan
-        if "spill_dir" not in {f.name for f in dataclasses.fields(Plan)}:
-            raise TrainConfigError("spill_dir: this megatrain's runtime has no NVMe tier yet (issue #6); "
-                                   "leave --spill-dir out")
-        os.makedirs(self.config.spill_dir, exist_ok=True)
-        spill = plan.spill if plan.spill != "none" else "optimizer"
-        self.plan_description = f"{getattr(self, 'plan_description', 'saved plan')}, spilling {spill} to " \
-                                f"{self.config.spill_dir}"
-        return plan.replace(spill=spill, spill_dir=self.config.spill_dir)
-
     # ------------------------------------------------------------------ training
-    def _train(self, engine: Engine) -> int:
+    def _train(self, engine: Engine, corpus: Corpus, batch_iter: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> int:
         c = self.config
         total = c.total_steps
-        if self.start_step >= total:
-            raise TrainConfigError(f"steps: the checkpoint is at step {self.start_step} already; raise --steps "
-                                   f"(now {total}) to train further")
-        os.makedirs(self.out, exist_ok=True)
-        corpus = Corpus(c.data, self.tokenizer, c.text_field, c.token_dtype)
-        rows = packing.pack(packing.repeat_epochs(corpus.documents), c.seq_len, self.tokenizer.separator_id)
-        batch_iter = packing.batches(rows, c.batch, skip_rows=self.rows_done)
         schedule = lr_schedule.from_config(c.lr, c.min_lr, c.warmup_steps, total)
         peak, peak_source = metrics.matmul_peak_tflops(engine.device, _dtype_name(engine.compute_dtype))
         n_params = engine.num_parameters
-        can_save = hasattr(engine, "save_checkpoint")
-        if not can_save:
-            self.notes.append("checkpoints not saved: this megatrain has no Engine.save_checkpoint yet (issue #4)")
         print(f"megatrain-train: {n_params / 1e6:.2f}M parameters ({self.model_description}) on {engine.device} "
               f"in {_dtype_name(engine.compute_dtype)}; data: {corpus.describe()}; {total} steps of "
-              f"{c.batch} x {c.seq_len} tokens; plan: {getattr(self, 'plan_description', 'from the checkpoint')}; "
+              f"{c.batch} x {c.seq_len} tokens; plan: {self.plan_description}; "
               f"output: {self.out}", file=sys.stderr, flush=True)
 
-        metrics_path = os.path.join(self.out, "metrics.jsonl")
+        metrics_path = os.path.join(self.out, run_dir.METRICS_FILE)
         log = metrics.MetricsLog(metrics_path, append=self.start_step > 0)
         progress = Progress(c.progress, total, self.start_step, c.log_every)
         tracer = StepTracer(os.path.join(self.out, "trace.json"), self.start_step + 1, total, engine.device) \
             if c.trace else None
         records: list[dict[str, Any]] = []
         state = {"last_time": time.perf_counter(), "start": time.perf_counter()}
-        ckpt_root = os.path.join(self.out, CHECKPOINT_DIR)
+        ckpt_root = os.path.join(self.out, run_dir.CHECKPOINT_DIR)
         saved_at: int | None = None
         exit_code = 0
 
@@ -221,11 +363,9 @@ class Run:
 
         def save(step: int, blocking: bool) -> None:
             nonlocal saved_at
-            if not can_save:
-                return
             extra = {"step": step, "rows_done": self.rows_done, "tokens_done": self.tokens_done,
-                     "schedule": schedule.to_dict(), "train_config": c.to_dict(),
-                     "torch_rng": torch.get_rng_state().tolist(), "metrics": os.path.abspath(metrics_path)}
+                     "schedule": schedule.to_dict(), "train_config": train_config.absolute_paths(c),
+                     "torch_rng": torch.get_rng_state().tolist()}
             handle = engine.save_checkpoint(ckpt_root, extra=extra, keep=c.keep, blocking=blocking)
             if blocking and handle is not None and hasattr(handle, "wait"):
                 handle.wait()
@@ -257,16 +397,14 @@ class Run:
                         save(step, blocking=interrupt.requested)
                     if interrupt.requested:
                         exit_code = EXIT_INTERRUPTED
-                        progress.message(f"interrupted at step {step}"
-                                         + (f"; checkpoint saved in {ckpt_root}" if can_save else ""))
+                        progress.message(f"interrupted at step {step}; checkpoint saved in {ckpt_root}")
                         break
                 else:
                     if pending is not None:
                         finish(pending)
                         pending = None
                     save(total, blocking=True)
-                if can_save and hasattr(engine, "wait_for_checkpoint"):
-                    engine.wait_for_checkpoint()
+                engine.wait_for_checkpoint()
         finally:
             progress.close()
             log.close()
@@ -276,8 +414,7 @@ class Run:
         engine.synchronize()
         summary = metrics.summarize(records, n_params, peak, engine.device, {
             "peak_source": peak_source, "out": os.path.abspath(self.out), "metrics": metrics_path,
-            "checkpoint": (f"{ckpt_root} (step {saved_at})" if saved_at is not None else
-                           "none" + ("" if can_save else " (this megatrain cannot save checkpoints yet)")),
+            "checkpoint": f"{ckpt_root} (step {saved_at})" if saved_at is not None else "none",
             "trace": tracer.describe() if tracer is not None else None,
             "exit_code": exit_code, "notes": self.notes,
         })
@@ -299,8 +436,17 @@ def _next_batch(batch_iter: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tupl
 
 def _checkpoint_root(path: str) -> str:
     """An earlier run's --out holds its checkpoints in a subdirectory; accept either."""
-    inner = os.path.join(path, CHECKPOINT_DIR)
+    inner = os.path.join(path, run_dir.CHECKPOINT_DIR)
     return inner if os.path.isdir(inner) else path
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _inside(path: str, directory: str) -> bool:
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
 def _device(name: str) -> torch.device:

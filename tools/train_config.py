@@ -22,6 +22,13 @@ COMPUTE_DTYPES = ("auto", "bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
 PROGRESS_STYLES = ("auto", "tqdm", "rich", "plain", "none")
 TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
+SPILL_CHOICES = ("auto", "none", "optimizer", "all")
+INIT_CHOICES = ("auto", "random")
+# Options a resumed run cannot change: they define the model, its optimizer state or the data position.
+# The others (lr, steps, save cadence, plan, device, ...) apply from the resume on, and are printed.
+FIXED_ON_RESUME = ("model", "init", "data", "tokenizer", "text_field", "token_dtype", "separator_id", "seq_len",
+                   "batch", "compute_dtype", "seed", "beta1", "beta2", "weight_decay", "max_grad_norm")
+PATH_KEYS = ("data", "tokenizer", "plan", "spill_dir", "model")
 
 
 class TrainConfigError(MegatrainError):
@@ -33,8 +40,10 @@ class TrainConfig:
     """Everything one ``megatrain-train`` run needs. Field names are the TOML keys."""
 
     # What to train: "demo", a planner preset (random init, e.g. "Llama-3.2-1B"), a Hugging Face
-    # model directory (weights loaded when it has *.safetensors), or a config.json (random init).
+    # model directory (its *.safetensors weights), or a config.json (random init).
     model: str = DEMO_MODEL
+    # "auto": a model directory's weights (refused when it has none megatrain reads); "random": random init.
+    init: str = "auto"
     # Training text or tokens: files or directories (.txt/.md, .jsonl, .parquet, .npy, .bin).
     # Empty: the Python standard library's pydoc topics (the demo corpus).
     data: tuple[str, ...] = ()
@@ -67,6 +76,9 @@ class TrainConfig:
     resume: str = ""
     # A plan.json from megatrain-plan; empty: the planner chooses one for this machine.
     plan: str = ""
+    # What may live in spill files on disk: "auto" (the planner decides), "none", "optimizer" (m, v), "all".
+    spill: str = "auto"
+    # Where spill files go; empty: OUT/spill.
     spill_dir: str = ""
     compute_dtype: str = "auto"
     device: str = "auto"
@@ -99,6 +111,8 @@ class TrainConfig:
         _one_of("device", self.device, DEVICES)
         _one_of("progress", self.progress, PROGRESS_STYLES)
         _one_of("token_dtype", self.token_dtype, TOKEN_DTYPES)
+        _one_of("spill", self.spill, SPILL_CHOICES)
+        _one_of("init", self.init, INIT_CHOICES)
         _require(self, "separator_id", self.separator_id >= -1, "must be a token id >= 0 (or -1 for the tokenizer's)")
         _require(self, "out", bool(self.out), "must name an output directory")
         for path in self.data:
@@ -130,7 +144,8 @@ FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Tr
 # One-line help per key (shown by --help); the TOML key is the option name with underscores.
 HELP: dict[str, str] = {
     "model": "'demo' (default), a preset (e.g. Llama-3.2-1B; random init), a Hugging Face model "
-             "directory, or a config.json (random init)",
+             "directory (its safetensors weights), or a config.json (random init)",
+    "init": "auto: a model directory's safetensors weights (default); random: random init from its config",
     "data": "training files or directories: .txt/.md, .jsonl, .parquet, .npy, .bin (default: Python's "
             "pydoc topics)",
     "tokenizer": "a tokenizer.json (needs `tokenizers`) or 'byte' (default)",
@@ -150,13 +165,17 @@ HELP: dict[str, str] = {
     "tokens": "train this many tokens instead of --steps",
     "save_every": "checkpoint every N steps (0: at the end and on Ctrl-C only)",
     "keep": "checkpoints to keep (3)",
-    "resume": "continue from a checkpoint directory or an earlier --out",
+    "resume": "continue an earlier run (its --out, or one of its checkpoints), writing into that run "
+              "unless --out is given",
     "plan": "a plan.json from megatrain-plan (default: the planner chooses)",
-    "spill_dir": "put the plan's spill files here (a plan that spills nothing then spills the AdamW state)",
+    "spill": "what may live in spill files on disk: auto (the planner decides; default), none, optimizer "
+             "(AdamW m, v) or all (master, m, v, grads)",
+    "spill_dir": "where spill files go, on a fast local disk (default: OUT/spill)",
     "compute_dtype": "auto (bf16 on a GPU, fp32 on a CPU), bf16 or fp32",
     "device": "auto, cpu or cuda",
     "seed": "random seed of the initial weights (0)",
-    "out": "output directory: metrics.jsonl, summary.json, checkpoints, plot (megatrain-run)",
+    "out": "the run directory: metrics.jsonl, summary.json, checkpoints, plot (megatrain-run); it must be "
+           "new or empty (see --resume, --overwrite)",
     "trace": "write a torch.profiler Chrome trace of a few steps to OUT/trace.json",
     "progress": "progress display: auto, tqdm, rich, plain or none",
     "log_every": "with plain progress, one line every N steps (10)",
@@ -177,10 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a language model with fp32 master weights and AdamW state in host memory. "
                     "With no arguments: a demo on text that ships with Python.",
         argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
         epilog="Every option can also be set in a TOML file (--config run.toml) under the same name with "
                "underscores; the command line overrides the file.",
     )
     parser.add_argument("--config", metavar="TOML", help="a TOML file of options (keys as below, with underscores)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the earlier run in --out: delete its metrics, summary, checkpoints, plot and "
+                             "trace (nothing else); command line only")
     for name, f in FIELDS.items():
         flag = "--" + name.replace("_", "-")
         if f.type in ("bool", bool):
@@ -190,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
             choices = {"compute_dtype": COMPUTE_DTYPES, "device": DEVICES, "progress": PROGRESS_STYLES,
-                       "token_dtype": TOKEN_DTYPES}.get(name)
+                       "token_dtype": TOKEN_DTYPES, "spill": SPILL_CHOICES, "init": INIT_CHOICES}.get(name)
             parser.add_argument(flag, type=kind, choices=choices, metavar=name.upper(), help=HELP[name])
     return parser
 
@@ -218,6 +241,9 @@ def from_mapping(values: Mapping[str, Any], source: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in values.items():
         f = FIELDS.get(key)
+        if key == "overwrite":
+            raise TrainConfigError(f"{source}: overwrite is a command-line option only (--overwrite), so that "
+                                   f"replacing a run is always asked for explicitly")
         if f is None:
             hint = key.replace("-", "_")
             fix = f"did you mean {hint!r}?" if hint in FIELDS else f"valid keys: {', '.join(FIELDS)}"
@@ -259,6 +285,7 @@ def read_values(argv: Sequence[str] | None) -> dict[str, Any]:
     """The options set explicitly: the TOML file's, then the command line's on top (checked, typed)."""
     args = vars(build_parser().parse_args(argv))
     values: dict[str, Any] = {}
+    overwrite = args.pop("overwrite", False)
     config_path = args.pop("config", None)
     if config_path is not None:
         file_values = from_mapping(read_toml(config_path), config_path)
@@ -269,12 +296,14 @@ def read_values(argv: Sequence[str] | None) -> dict[str, Any]:
                 file_values[key] = _relative_to(base, key, file_values[key])
         values.update(file_values)
     values.update(from_mapping(args, "command line"))
+    if overwrite:
+        values["overwrite"] = True
     return values
 
 
 def build(values: Mapping[str, Any]) -> TrainConfig:
     try:
-        return TrainConfig(**values)
+        return TrainConfig(**{k: v for k, v in values.items() if k != "overwrite"})
     except TypeError as e:  # a value of the wrong type reached a comparison
         raise TrainConfigError(f"invalid option value ({e})") from None
 
@@ -282,6 +311,55 @@ def build(values: Mapping[str, Any]) -> TrainConfig:
 def parse(argv: Sequence[str] | None) -> TrainConfig:
     """Defaults, then the TOML file, then the command line. Raises TrainConfigError (one line)."""
     return build(read_values(argv))
+
+
+def absolute_paths(config: TrainConfig) -> dict[str, Any]:
+    """``config.to_dict()`` with its input paths absolute (what a checkpoint records: valid from any directory)."""
+    d = config.to_dict()
+    d["data"] = [os.path.abspath(p) for p in config.data]
+    for key in ("tokenizer", "plan", "spill_dir", "model"):
+        d[key] = _relative_to(os.getcwd(), key, d[key])
+        if d[key] and os.path.exists(d[key]):
+            d[key] = os.path.abspath(d[key])
+    return d
+
+
+def resume_changes(saved: Mapping[str, Any], given: Mapping[str, Any]) -> list[str]:
+    """The options given now that differ from the resumed run's, as "name old -> new" (those it may change).
+
+    Raises TrainConfigError for one it cannot change (``FIXED_ON_RESUME``).
+    """
+    changes = []
+    for key, value in given.items():
+        if key not in FIELDS or key in ("resume", "out"):
+            continue
+        old = saved.get(key, getattr(TrainConfig, key, None))
+        if _same(key, old, value):
+            continue
+        if key in FIXED_ON_RESUME:
+            flag = "--" + key.replace("_", "-")
+            raise TrainConfigError(f"resume: {flag} {_show(value)} differs from the resumed run's {_show(old)}; "
+                                   f"{key} cannot change in a resumed run: leave {flag} out, or start a new run "
+                                   f"with a new --out")
+        changes.append(f"{key} {_show(old)} -> {_show(value)}")
+    return changes
+
+
+def _same(key: str, old: Any, new: Any) -> bool:
+    if key in PATH_KEYS:
+        def norm(v: Any) -> Any:
+            paths = [v] if isinstance(v, str) else list(v or ())
+            return [os.path.realpath(p) if p and os.path.exists(p) else p for p in paths]
+        return norm(old) == norm(new)
+    if isinstance(old, (int, float)) and isinstance(new, (int, float)) and not isinstance(old, bool):
+        return float(old) == float(new)
+    return old == new
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value)) or "(none)"
+    return str(value) if value != "" else "(none)"
 
 
 def _relative_to(base: str, key: str, value: Any) -> Any:
