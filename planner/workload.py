@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatrain.errors import MegatrainError
+
 from .model_shapes import DTYPE_ALIASES, dtype_bytes
 
 
-class WorkloadError(ValueError):
+class WorkloadError(MegatrainError):
     """A sequence length, batch or dtype the planner cannot plan for. One line: what, and the fix."""
 
 

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .config_ranges import check_model_ranges, check_optimizer_ranges
 from .errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -47,6 +48,7 @@ class ModelConfig:
     model_type: str = "llama"
 
     def __post_init__(self) -> None:
+        check_model_ranges(self)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "max_position_embeddings"):
             value = getattr(self, name)
@@ -182,6 +184,7 @@ class OptimizerConfig:
     no_decay: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        check_optimizer_ranges(self)
         if not (isinstance(self.lr, (int, float)) and self.lr >= 0):
             raise ConfigError(f"lr={self.lr!r} must be a number >= 0")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):

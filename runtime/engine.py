@@ -9,8 +9,9 @@ without waiting for the GPU; call ``.item()`` when you want the number.
 """
 from __future__ import annotations
 
-import os
 import atexit
+import math
+import os
 import weakref
 from typing import Mapping
 
@@ -21,7 +22,7 @@ from megatrain.planner.plan import Plan, PlanError, default_plan
 from .chunked_loss import IGNORE_INDEX, shift_labels
 from .config import ModelConfig, OptimizerConfig
 from .cpu_adamw import AdamHyper
-from .errors import ConfigError, InputError
+from .errors import ClosedError, ConfigError, InputError
 from .event_log import EventLog
 from .executor import Batch, Executor
 from .host_store import HostStore
@@ -53,6 +54,7 @@ class Engine:
         *,
         _skip_init: bool = False,  # from_pretrained / load_checkpoint overwrite every weight anyway
     ) -> None:
+        self._closed = False  # close() releases whatever of the engine was built; then every method refuses
         if not isinstance(model_config, ModelConfig):
             raise ConfigError(
                 f"model_config is a {type(model_config).__name__}; build one with ModelConfig(...) or ModelConfig.from_hf(path)"
@@ -101,10 +103,11 @@ class Engine:
 
         Returns the mean loss over all predicted tokens as a 0-dim fp32 tensor on the device.
         """
-        batch = self._batch(input_ids, labels)
+        self._check_open()
         lr = self.optimizer.lr if lr is None else lr
-        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr < 0:
-            raise InputError(f"lr={lr!r} must be a number >= 0")
+        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
+            raise InputError(f"lr={lr!r} must be a finite number >= 0 (e.g. 3e-4)")
+        batch = self._batch(input_ids, labels)
         b1, b2 = self.optimizer.betas
         hyper = AdamHyper(float(lr), b1, b2, self.optimizer.eps, self.optimizer.weight_decay)
         return self.executor.train_step(batch, hyper)
@@ -112,6 +115,7 @@ class Engine:
     @property
     def grad_norm(self) -> torch.Tensor | None:
         """The last step's global gradient norm (before clipping), a device scalar."""
+        self._check_open()
         return self.executor.grad_norm
 
     @property
@@ -122,10 +126,12 @@ class Engine:
         all finished: absent until one has); ``roofline_s`` = max(compute, H2D, D2H, AdamW busy) and
         ``roofline_ratio`` = step / roofline (1.0: fully overlapped). On CUDA, reading it waits for that step
         to finish on the GPU (once); on a CPU the copies' host time is what they cost."""
+        self._check_open()
         return self.executor.timer.breakdown(self.executor.adam.busy_seconds)
 
     @property
     def step_count(self) -> int:
+        self._check_open()
         return self.executor.step_no
 
     @property
@@ -134,6 +140,7 @@ class Engine:
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Evaluation forward: [B, S] ids -> [B, S, vocab] fp32 logits (materialised; keep inputs small)."""
+        self._check_open()
         ids = self._check_ids(input_ids, "input_ids")
         self._check_seq(ids.shape[1])
         return self.executor.forward_logits(self._to_device(ids))
@@ -142,6 +149,7 @@ class Engine:
     def synchronize(self) -> None:
         """Wait until every queued optimizer update has been applied to the host store (and spill files),
         and the device has finished what was queued (its copies may still read the host store)."""
+        self._check_open()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.executor.adam.wait_all(self.executor.step_no)
@@ -149,6 +157,7 @@ class Engine:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Float32 copies of the master weights under Hugging Face names (tied lm_head included, as HF does)."""
+        self._check_open()
         self.synchronize()
         out: dict[str, torch.Tensor] = {}
         for block in self.templates.blocks:
@@ -161,6 +170,7 @@ class Engine:
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy weights (any float dtype) into the fp32 masters. Keys and shapes must match exactly."""
+        self._check_open()
         self.synchronize()
         expected = {e.hf_name: (b, e) for b in self.templates.blocks for e in b.layout.entries}
         optional = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
@@ -186,6 +196,7 @@ class Engine:
 
     def optimizer_state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """AdamW state per parameter under Hugging Face names: exp_avg, exp_avg_sq, step (as torch.optim keeps it)."""
+        self._check_open()
         self.synchronize()
         out: dict[str, dict[str, torch.Tensor]] = {}
         for block in self.templates.blocks:
@@ -225,6 +236,7 @@ class Engine:
                         max_shard_bytes: int = 5 * 10**9) -> None:
         """Write a directory transformers.AutoModelForCausalLM.from_pretrained loads: config.json and safetensors
         shards of at most ``max_shard_bytes`` (plus the index when there are several)."""
+        self._check_open()
         from . import hf_io
 
         hf_io.save_pretrained(self, path, dtype, max_shard_bytes)
@@ -238,6 +250,7 @@ class Engine:
         stall) and written by a background thread; ``handle.wait()`` or ``wait_for_checkpoint()`` waits.
         The newest ``keep`` checkpoints stay. See runtime/checkpoint_io.py for the commit protocol.
         """
+        self._check_open()
         from .checkpoint_io import CheckpointWriter
 
         if self._checkpoint_writer is None:
@@ -246,6 +259,7 @@ class Engine:
 
     def wait_for_checkpoint(self) -> str | None:
         """Wait for the checkpoint being written (raising its error, if any); its directory, or None."""
+        self._check_open()
         return None if self._checkpoint_writer is None else self._checkpoint_writer.wait()
 
     @classmethod
@@ -276,7 +290,11 @@ class Engine:
             executor.adam._updated = [step] * len(executor.adam._updated)
 
     def close(self) -> None:
-        """Stop the optimizer worker and unpin host memory. The engine is unusable afterwards."""
+        """Stop the optimizer worker and unpin host memory. Afterwards every method raises ClosedError at once;
+        closing again does nothing."""
+        if getattr(self, "_closed", True):
+            return  # closed already
+        self._closed = True
         writer = getattr(self, "_checkpoint_writer", None)
         if writer is not None and writer.last is not None:
             writer.last._join_quietly()  # a background checkpoint write finishes before the engine goes
@@ -302,6 +320,11 @@ class Engine:
             pass
 
     # ------------------------------------------------------------------ internals
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", True):
+            raise ClosedError("this Engine is closed (close() or the end of its with-block); "
+                              "build a new one, or Engine.load_checkpoint(...) to continue a run")
+
     def _initialize(self, seed: int) -> None:
         """Hugging Face's init: normal(0, initializer_range) weights, zero biases, unit norms, zero pad row."""
         std = self.config.initializer_range
