@@ -75,6 +75,7 @@ import concurrent.futures as cf
 import errno
 import functools
 import json
+import math
 import os
 import re
 import shutil
@@ -531,8 +532,17 @@ def read_manifest(path: str) -> dict[str, Any]:
         for name in ARRAYS:
             manifest["arrays"][name]["crc32"]
         manifest["engine"]["model_config"]
+        counts = [manifest["engine"]["step_count"], *manifest["engine"]["block_steps"]]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
         raise InputError(f"{mpath} is corrupt or truncated; load the previous step directory instead") from None
+    bad = [c for c in counts if not (isinstance(c, (int, float)) and not isinstance(c, bool)
+                                     and math.isfinite(c) and c >= 0 and c == int(c))]
+    if bad:
+        raise InputError(f"{mpath} holds the step count {bad[0]!r} (optimizer steps are whole numbers >= 0): the "
+                         "manifest is corrupt; load the previous step directory instead")
+    if not all(isinstance(rel, str) and type(size) is int for rel, size in files.items()):
+        raise InputError(f"{mpath} lists its files wrongly: the manifest is corrupt; load the previous step "
+                         "directory instead")
     for rel, size in files.items():
         full = os.path.join(path, rel)
         if not os.path.isfile(full):
@@ -687,6 +697,14 @@ def _read_direct(path: str, layout: tuple[int, int, int], lo: int, dst: torch.Te
 
 def restore(engine: "Engine", path: str, manifest: dict[str, Any]) -> None:
     """Read the arrays of a step directory into the engine's store, verify their CRC32s, restore the steps."""
+    try:
+        _restore(engine, path, manifest)
+    except (KeyError, TypeError, AttributeError, IndexError):
+        raise InputError(f"{os.path.join(path, MANIFEST)} is corrupt (a field is missing or of the wrong type); "
+                         "load the previous step directory instead") from None
+
+
+def _restore(engine: "Engine", path: str, manifest: dict[str, Any]) -> None:
     if manifest["tensors"] != _tensor_table(engine):
         raise InputError(f"{path}: the checkpoint's parameter layout differs from this megatrain's; "
                          "load it with the megatrain version that wrote it")
@@ -698,6 +716,9 @@ def restore(engine: "Engine", path: str, manifest: dict[str, Any]) -> None:
         for name, dst in live.items():
             _restore_array(path, manifest["arrays"][name], store, name, dst, crc_worker)
     block_steps = manifest["engine"]["block_steps"]
+    if len(block_steps) != len(store.steps):
+        raise InputError(f"{path}: the manifest has step counts for {len(block_steps)} blocks, the model has "
+                         f"{len(store.steps)}; the checkpoint is corrupt: load the previous step directory instead")
     for b, value in enumerate(block_steps):
         store.steps[b].fill_(value)
         store.refresh_shadow(b)

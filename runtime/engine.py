@@ -71,12 +71,14 @@ class Engine:
                 f"optimizer_mode='eager' cannot clip gradients (max_grad_norm={self.optimizer.max_grad_norm}): "
                 "use optimizer_mode='deferred', or OptimizerConfig(max_grad_norm=None)"
             )
-        if compute_dtype not in COMPUTE_DTYPES:
+        if not isinstance(compute_dtype, torch.dtype) or compute_dtype not in COMPUTE_DTYPES:
             raise ConfigError(
                 f"compute_dtype={compute_dtype} is not supported; use torch.bfloat16 (fast) or torch.float32 (exact)"
             )
         self.compute_dtype = compute_dtype
         self.device = _pick_device(device)
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**40:
+            raise ConfigError(f"seed={seed!r} must be an integer in [0, 2**40)")
         self.seed = seed
         self.event_log = EventLog()
         self.templates = Templates(model_config, self.optimizer.decays)
