@@ -430,15 +430,19 @@ def _write_error(err: Exception, directory: str, final: str, arrays: Mapping[str
     if full:
         need = sum(t.numel() for t in arrays.values()) * 4
         try:
-            free = f"{shutil.disk_usage(directory).free / 2**30:.2f} GiB free"
+            free = f"{_size(shutil.disk_usage(directory).free)} free"
         except OSError:
             free = "free space unknown"
         return CheckpointError(f"cannot write checkpoint {where}: the disk is full (the checkpoint needs "
-                               f"{need / 2**30:.2f} GiB, {free} in {directory}); free space or save elsewhere "
+                               f"{_size(need)}, {free} in {directory}); free space or save elsewhere "
                                "(the previous checkpoint is untouched)")
     reason = err.strerror if isinstance(err, OSError) and err.strerror else _one_line(err)
     return CheckpointError(f"cannot write checkpoint {where}: {reason}; check the directory "
                            "(the previous checkpoint is untouched)")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _make_directory(directory: Any) -> str:

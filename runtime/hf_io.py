@@ -292,6 +292,10 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
         raise
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def _remove_quietly(path: str) -> None:
     try:
         os.remove(path)
@@ -304,10 +308,10 @@ def _export_error(err: OSError, directory: str, total: int) -> CheckpointError:
     where = err.filename or directory
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         try:
-            free = f"{shutil.disk_usage(directory).free / 2**30:.2f} GiB free"
+            free = f"{_size(shutil.disk_usage(directory).free)} free"
         except OSError:
             free = "free space unknown"
-        return CheckpointError(f"cannot write {where}: the disk is full (the export needs {total / 2**30:.2f} GiB, "
+        return CheckpointError(f"cannot write {where}: the disk is full (the export needs {_size(total)}, "
                                f"{free}); free space or export elsewhere")
     return CheckpointError(f"cannot write {where}: {err.strerror or err}; check the directory's permissions")
 

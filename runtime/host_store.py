@@ -318,9 +318,13 @@ class HostStore:
 
 
 def _no_space(spill_dir: str, kinds: Sequence[str], need: int, free: int) -> SpillSpaceError:
-    return SpillSpaceError(f"the spill files ({', '.join(f'{k}.bin' for k in kinds)}) need {need / 2**30:.2f} GiB in "
-                           f"all but {spill_dir} has {free / 2**30:.2f} GiB free; free space, choose another "
+    return SpillSpaceError(f"the spill files ({', '.join(f'{k}.bin' for k in kinds)}) need {_size(need)} in all but "
+                           f"{spill_dir} has {_size(free)} free; free space, choose another "
                            "spill_dir, or spill less")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _round_up(n: int, k: int) -> int:
