@@ -92,6 +92,7 @@ from megatrain.planner.plan import Plan
 
 from .config import ModelConfig, OptimizerConfig
 from .errors import CheckpointError, ConfigError, InputError, MegatrainError
+from .paths import user_path
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -447,12 +448,7 @@ def _size(nbytes: int) -> str:
 
 def _make_directory(directory: Any) -> str:
     """The checkpoint directory, created if needed; one line if it cannot be."""
-    try:
-        path = os.fspath(directory)
-    except TypeError:
-        raise ConfigError(f"directory={directory!r} must be a path (str or os.PathLike)") from None
-    if not isinstance(path, str) or not path:
-        raise ConfigError(f"directory={directory!r} must be a non-empty path")
+    path = user_path(directory, "directory")
     try:
         os.makedirs(path, exist_ok=True)
     except (OSError, ValueError) as e:
@@ -498,7 +494,7 @@ def _fsync_dir(path: str) -> None:
 # ---------------------------------------------------------------------- reading
 def resolve(directory: str | os.PathLike) -> str:
     """The complete step directory to load: ``directory`` itself, the one ``latest`` names, or the newest complete."""
-    directory = os.fspath(directory)
+    directory = user_path(directory, "directory")
     if os.path.isfile(os.path.join(directory, MANIFEST)):
         if directory.rstrip("/").endswith(".tmp"):
             raise InputError(f"{directory} is an unfinished checkpoint (*.tmp); load its parent directory instead")

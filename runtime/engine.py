@@ -26,6 +26,7 @@ from .errors import ClosedError, ConfigError, InputError
 from .event_log import EventLog
 from .executor import Batch, Executor
 from .host_store import HostStore
+from .paths import user_path
 from .spill_io import make_io
 from .templates import Templates
 
@@ -223,6 +224,7 @@ class Engine:
         into the fp32 masters: peak extra RAM is one tensor (see runtime/hf_io.py)."""
         from . import hf_io
 
+        path = user_path(path, "path")
         hf_config = hf_io.read_config(path)
         files = hf_io.find_shards(path)
         engine = cls(ModelConfig.from_hf(hf_config), optimizer, plan, compute_dtype, device, _skip_init=True)

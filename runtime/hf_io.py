@@ -31,6 +31,7 @@ import torch
 
 from .config import ModelConfig, _read_config_json
 from .errors import CheckpointError, ConfigError, InputError
+from .paths import user_path
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -211,11 +212,9 @@ def save_pretrained(engine: "Engine", path: str | os.PathLike, dtype: torch.dtyp
         raise ConfigError(f"max_shard_bytes={max_shard_bytes!r} must be a positive integer (bytes)")
     config = hf_config_dict(engine, dtype)
     engine.synchronize()
+    path = user_path(path, "path")
     try:
-        path = os.fspath(path)
         os.makedirs(path, exist_ok=True)
-    except TypeError:
-        raise ConfigError(f"path={path!r} must be a directory path (str or os.PathLike)") from None
     except OSError as e:
         raise CheckpointError(f"cannot create the export directory {path}: {e.strerror}; choose a writable "
                               "directory") from None
