@@ -225,6 +225,8 @@ class Engine:
         from . import hf_io
 
         path = user_path(path, "path")
+        if not os.path.isdir(path):
+            raise InputError(f"{path} is not a directory; pass a Hugging Face model directory (config.json + *.safetensors)")
         hf_config = hf_io.read_config(path)
         files = hf_io.find_shards(path)
         engine = cls(ModelConfig.from_hf(hf_config), optimizer, plan, compute_dtype, device, _skip_init=True)
