@@ -265,7 +265,8 @@ def _engine_manifest(engine: "Engine", step: int, extra: Any) -> dict[str, Any]:
         "engine": {
             "model_config": engine.config.to_dict(),
             "optimizer": {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay,
-                          "max_grad_norm": opt.max_grad_norm, "no_decay": list(opt.no_decay)},
+                          "max_grad_norm": opt.max_grad_norm, "no_decay": list(opt.no_decay),
+                          "skip_nonfinite": opt.skip_nonfinite},
             "plan": engine.plan.to_dict(),
             "compute_dtype": _DTYPE_NAMES[engine.compute_dtype],
             "seed": engine.seed,

@@ -182,6 +182,7 @@ class OptimizerConfig:
     weight_decay: float = 0.01
     max_grad_norm: float | None = 1.0
     no_decay: tuple[str, ...] = field(default_factory=tuple)
+    skip_nonfinite: bool = False  # a non-finite gradient skips the update (runtime/cpu_adamw.py)
 
     def __post_init__(self) -> None:
         check_optimizer_ranges(self)

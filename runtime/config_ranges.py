@@ -87,6 +87,7 @@ def check_optimizer_ranges(c: Any) -> None:
     number("weight_decay", c.weight_decay, 0, strict=False, hint=", e.g. 0.01 (0: none)")
     if c.max_grad_norm is not None:
         number("max_grad_norm", c.max_grad_norm, 0, strict=True, hint=", or None for no clipping")
+    flag("skip_nonfinite", c.skip_nonfinite)
     no_decay = c.no_decay
     if not isinstance(no_decay, str) and not (isinstance(no_decay, (tuple, list)) and
                                                all(isinstance(p, str) for p in no_decay)):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import warnings
 import weakref
 from typing import Mapping
 
@@ -95,6 +96,7 @@ class Engine:
             self._initialize(seed)
         self.hf_config: dict | None = None  # the config.json this engine was loaded from, kept for export
         self.checkpoint_extra: dict | None = None  # the caller's ``extra`` of the checkpoint this engine resumed
+        self.skipped_steps: list[int] = []  # steps whose update was skipped for a non-finite gradient
         self._checkpoint_writer = None  # checkpoint_io.CheckpointWriter, created on the first save
         self.executor = Executor(self.templates, self.store, self.plan, compute_dtype, self.device,
                                  self.optimizer.max_grad_norm, self.event_log)
@@ -111,8 +113,10 @@ class Engine:
         if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
             raise InputError(f"lr={lr!r} must be a finite number >= 0 (e.g. 3e-4)")
         batch = self._batch(input_ids, labels)
+        self._report_skipped()
         b1, b2 = self.optimizer.betas
-        hyper = AdamHyper(float(lr), b1, b2, self.optimizer.eps, self.optimizer.weight_decay)
+        hyper = AdamHyper(float(lr), b1, b2, self.optimizer.eps, self.optimizer.weight_decay,
+                          self.optimizer.skip_nonfinite)
         return self.executor.train_step(batch, hyper)
 
     @property
@@ -157,6 +161,7 @@ class Engine:
             torch.cuda.synchronize(self.device)
         self.executor.adam.wait_all(self.executor.step_no)
         self.store.flush()
+        self._report_skipped()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Float32 copies of the master weights under Hugging Face names (tied lm_head included, as HF does)."""
@@ -326,6 +331,15 @@ class Engine:
             pass
 
     # ------------------------------------------------------------------ internals
+    def _report_skipped(self) -> None:
+        """Warn about steps whose update the AdamW worker skipped (OptimizerConfig(skip_nonfinite=True))."""
+        steps = [s for s in self.executor.adam.take_skipped() if s not in self.skipped_steps]
+        if steps:
+            self.skipped_steps.extend(steps)
+            warnings.warn(f"step {', '.join(map(str, steps))}: the gradient is not finite (NaN or inf), so the update "
+                          "was skipped (skip_nonfinite=True); check the data, the learning rate and the loss",
+                          RuntimeWarning, stacklevel=3)
+
     def _check_open(self) -> None:
         if getattr(self, "_closed", True):
             raise ClosedError("this Engine is closed (close() or the end of its with-block); "
