@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -53,13 +54,20 @@ def test_betas_none_is_one_line() -> None:
     assert "betas=None" in _one_line(err)
 
 
-@pytest.fixture()
-def saved(tmp_path):
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
     with Engine(CONFIG, compute_dtype=torch.float32, device="cpu") as engine:
         ids = torch.randint(0, 32, (2, 8))
         engine.step(ids, ids)
-        engine.save_checkpoint(tmp_path / "ckpt", blocking=True)
-    return tmp_path / "ckpt" / "step-00000001"
+        engine.save_checkpoint(root, blocking=True)
+    return root / "step-00000001"
+
+
+@pytest.fixture()
+def saved(checkpoint, tmp_path):
+    shutil.copytree(checkpoint, tmp_path / "step-00000001")
+    return tmp_path / "step-00000001"
 
 
 @pytest.mark.parametrize("field, value", [
