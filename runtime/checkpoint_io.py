@@ -367,11 +367,19 @@ def _commit(handle: CheckpointHandle, directory: str, step: int, arrays: dict[st
             os.rename(tmp, final)
             _fsync_dir(directory)
             _point_latest(directory, os.path.basename(final))
-        _prune(directory, os.path.basename(final), keep)
     except BaseException as e:
         if made_tmp:
             shutil.rmtree(tmp, ignore_errors=True)
         handle._error = _write_error(e, directory, final, arrays) if isinstance(e, Exception) else e
+        handle.write_s = time.perf_counter() - start
+        return
+    try:  # committed: an error from here on concerns only the older checkpoints beyond ``keep``
+        _prune(directory, os.path.basename(final), keep)
+    except BaseException as e:
+        reason = (e.strerror or str(e)) if isinstance(e, OSError) else _one_line(e)
+        handle._error = e if not isinstance(e, Exception) else CheckpointError(
+            f"checkpoint {final} is saved, but removing older ones beyond keep={keep} failed ({reason}); "
+            "remove them by hand")
     finally:
         handle.write_s = time.perf_counter() - start
 

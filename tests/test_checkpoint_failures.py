@@ -174,3 +174,17 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_failed_prune_says_the_new_checkpoint_is_saved(tmp_path, monkeypatch) -> None:
+    def refuse(directory, newest, keep):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "step-00000001"))
+
+    with make_engine() as engine:
+        engine.step(*batch(0))
+        monkeypatch.setattr(checkpoint_io, "_prune", refuse)
+        with pytest.raises(CheckpointError, match="step-00000001 is saved, but removing older ones") as err:
+            engine.save_checkpoint(tmp_path).wait()
+        assert "\n" not in str(err.value)
+        with Engine.load_checkpoint(tmp_path) as loaded:
+            assert loaded.step_count == 1 and same(weights(loaded), weights(engine))
