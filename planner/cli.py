@@ -21,6 +21,8 @@ import sys
 import tempfile
 from typing import Any, NoReturn, Sequence
 
+from megatrain.errors import MegatrainError
+
 from . import hardware as hwmod
 from . import model_shapes, profiler, report, search, sizing
 from .hardware import GiB, HardwareError, HardwareProfile
@@ -41,7 +43,7 @@ DEFAULT_NVME_SIZE = "4T"
 NVME_DIR = "<nvme>"
 
 
-class CliError(ValueError):
+class CliError(MegatrainError):
     """A command-line value the planner cannot use. One line: what, and the fix."""
 
 

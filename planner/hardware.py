@@ -13,13 +13,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from megatrain.errors import MegatrainError
+
 MiB = 1024 ** 2
 GiB = 1024 ** 3
 GB = 1e9
 PROFILE_VERSION = 1
 
 
-class HardwareError(ValueError):
+class HardwareError(MegatrainError):
     """A hardware name, file or figure cannot be used. One line: what, and the fix."""
 
 

@@ -64,6 +64,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
+from megatrain.errors import MegatrainError
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # transformers' ACT2FN names whose function megatrain's blocks implement.
@@ -83,7 +85,7 @@ _DEFAULT_MAX_WINDOW_LAYERS = 28
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-class HFConfigError(ValueError):
+class HFConfigError(MegatrainError):
     """A config.json (or one of its fields) cannot be used. One line: the field, the value, the fix."""
 
 

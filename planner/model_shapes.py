@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from megatrain.errors import MegatrainError
+
 from . import hf_config
 from .block_parameters import ALIGN_ELEMENTS, aligned, embedding_parameters, head_parameters, layer_parameters
 
@@ -32,7 +34,7 @@ DTYPE_ALIASES: dict[str, str] = {
 }
 
 
-class ModelShapeError(ValueError):
+class ModelShapeError(MegatrainError):
     """A model name, config file or config field cannot be used. One line: what, and the fix."""
 
 

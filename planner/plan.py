@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from megatrain.errors import MegatrainError
+
 PLAN_VERSION = 1
 
 CHECKPOINT_PLACEMENTS = ("device", "host")
@@ -24,7 +26,7 @@ SPILL_CHOICES = ("none", "optimizer", "all")
 IO_BACKENDS = ("auto", "posix", "kvikio")
 
 
-class PlanError(ValueError):
+class PlanError(MegatrainError):
     """A Plan field is out of range, or a plan file cannot be read.
 
     The message is one line: the field, the value, and how to fix it.

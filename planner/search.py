@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatrain.errors import MegatrainError
+
 from . import cost_model, memory_model
 from .cost_model import CostEstimate
 from .hardware import HardwareProfile
@@ -31,7 +33,7 @@ TIME_TOLERANCE = 0.01
 LOSS_CHUNKS = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
 
 
-class InfeasibleError(ValueError):
+class InfeasibleError(MegatrainError):
     """No plan fits. The message names each budget exceeded and by how much."""
 
 

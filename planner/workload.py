@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatrain.errors import MegatrainError
+
 from .model_shapes import DTYPE_ALIASES, ModelShape, dtype_bytes
 from .plan import WorkloadFingerprint, shape_digest
 
 
-class WorkloadError(ValueError):
+class WorkloadError(MegatrainError):
     """A sequence length, batch or dtype the planner cannot plan for. One line: what, and the fix."""
 
 

@@ -3,6 +3,7 @@ from megatrain.planner.plan import Plan, PlanError
 
 from .config import ModelConfig, OptimizerConfig
 from .engine import Engine
-from .errors import ConfigError, InputError, MegatrainError
+from .errors import CheckpointError, ClosedError, ConfigError, InputError, MegatrainError
 
-__all__ = ["Engine", "ModelConfig", "OptimizerConfig", "Plan", "PlanError", "MegatrainError", "ConfigError", "InputError"]
+__all__ = ["Engine", "ModelConfig", "OptimizerConfig", "Plan", "PlanError", "MegatrainError", "ConfigError",
+           "InputError", "CheckpointError", "ClosedError"]

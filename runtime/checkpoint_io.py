@@ -13,6 +13,23 @@ ignores every ``*.tmp`` and every directory without a manifest, so a crash at
 any moment leaves the previous checkpoint loadable and the new one either
 complete or ignored. One writer per directory at a time.
 
+Re-saving a step that already has a complete directory (a save right after
+loading it) never removes the old copy before the new one is reachable: the new
+one is renamed to ``step-<N>.resave`` (complete, visible to readers), ``latest``
+is pointed at it, the old ``step-<N>`` goes, the new one is renamed to
+``step-<N>`` and ``latest`` pointed back. A reader whose ``latest`` names one
+of the two spellings that is gone takes the other. A crash anywhere in between
+leaves a loadable step N; the next save first finishes an interrupted switch
+(the ``.resave`` copy is the newer), so its ``*.tmp`` clean-up never holds the
+only copy.
+
+[Note: failed checkpoint writes]
+A failed write removes its ``step-<N>.tmp`` and leaves the previous checkpoint
+as it was. Its error (one line; a full disk says how much space the
+checkpoint needs) is reported once: raised by ``handle.wait()`` /
+``wait_for_checkpoint()``, or, if nobody waited, warned by the next save,
+which then goes ahead. A later save works once the cause is gone.
+
 [Note: asynchronous checkpoints]
 ``save_checkpoint(blocking=False)`` waits for queued AdamW updates, copies the
 master, exp_avg and exp_avg_sq arenas into a snapshot (memcpy speed; this copy
@@ -55,8 +72,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import errno
 import functools
 import json
+import math
 import os
 import re
 import shutil
@@ -72,7 +91,8 @@ import torch
 from megatrain.planner.plan import Plan
 
 from .config import ModelConfig, OptimizerConfig
-from .errors import ConfigError, InputError
+from .errors import CheckpointError, ConfigError, InputError, MegatrainError
+from .paths import user_path
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -85,7 +105,8 @@ LATEST = "latest"
 CRC_CHUNK_BYTES = 64 * 2**20  # one CRC32 per 64 MiB of an array: names the corrupt range, cheap to verify
 READ_PIECE_BYTES = 4 * 2**20  # reads move whole inner chunks of at least this many bytes...
 READS_IN_FLIGHT = 2  # ...this many at a time (the CRC of one while the next is read)
-_STEP_DIR = re.compile(r"step-(\d+)")
+RESAVE = ".resave"  # a re-saved step's new copy while it replaces the old one
+_STEP_DIR = re.compile(r"step-(\d+)(?:\.resave)?")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
@@ -112,11 +133,16 @@ class CheckpointHandle:
             raise self._error
         return self.path
 
-    def _join_quietly(self) -> None:
+    def _report_unwaited(self, then: str) -> None:
+        """Warn once about a failed write nobody waited for (see [Note: failed checkpoint writes])."""
         if self._thread is not None:
             self._thread.join()
         if self._error is not None and not self._reported:
-            warnings.warn(f"a checkpoint write to {self.path} failed and was never waited for: {self._error!r}")
+            self._reported = True
+            warnings.warn(f"{_one_line(self._error)}; {then}", RuntimeWarning, stacklevel=4)
+
+    def _join_quietly(self) -> None:
+        self._report_unwaited("nothing was saved")
 
 
 class CheckpointWriter:
@@ -126,7 +152,11 @@ class CheckpointWriter:
         self.last: CheckpointHandle | None = None
 
     def wait(self) -> str | None:
-        return None if self.last is None else self.last.wait()
+        """The last save's committed directory; its error raised once (None afterwards, and with no save)."""
+        last = self.last
+        if last is None or (last._reported and last.done() and last._error is not None):
+            return None
+        return last.wait()
 
     def save(self, engine: "Engine", directory: str | os.PathLike, extra: Mapping[str, Any] | None,
              keep: int, blocking: bool) -> CheckpointHandle:
@@ -134,11 +164,11 @@ class CheckpointWriter:
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ConfigError(f"keep={keep!r} must be an integer >= 1 (complete checkpoints to keep)")
         extra = _check_extra(extra)
-        self.wait()  # the previous write first: one snapshot at a time
-        directory = os.fspath(directory)
-        os.makedirs(directory, exist_ok=True)
-        engine.synchronize()
+        directory = _make_directory(directory)
         step = engine.step_count
+        if self.last is not None:  # the previous write first (one snapshot at a time); its failure reported once
+            self.last._report_unwaited(f"saving step {step} now")
+        engine.synchronize()
         manifest = _engine_manifest(engine, step, extra)
         store = engine.store
         live = {kind: SpilledArena(store, kind) if kind in store.spilled else store._arena(kind).tensor
@@ -235,7 +265,8 @@ def _engine_manifest(engine: "Engine", step: int, extra: Any) -> dict[str, Any]:
         "engine": {
             "model_config": engine.config.to_dict(),
             "optimizer": {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay,
-                          "max_grad_norm": opt.max_grad_norm, "no_decay": list(opt.no_decay)},
+                          "max_grad_norm": opt.max_grad_norm, "no_decay": list(opt.no_decay),
+                          "skip_nonfinite": opt.skip_nonfinite},
             "plan": engine.plan.to_dict(),
             "compute_dtype": _DTYPE_NAMES[engine.compute_dtype],
             "seed": engine.seed,
@@ -293,13 +324,16 @@ def _commit(handle: CheckpointHandle, directory: str, step: int, arrays: dict[st
     import tensorstore as ts
 
     start = time.perf_counter()
+    final = handle.path
+    tmp = final + ".tmp"
+    made_tmp = False
     try:
-        final = handle.path
-        tmp = final + ".tmp"
+        _finish_interrupted_resaves(directory)  # first: afterwards no *.tmp can be the only copy of a step
         for name in os.listdir(directory):  # leftovers of crashed writes (one writer per directory)
             if name.endswith(".tmp") and os.path.isdir(os.path.join(directory, name)):
                 shutil.rmtree(os.path.join(directory, name))
         os.makedirs(tmp)
+        made_tmp = True
         manifest["arrays"] = {}
         with cf.ThreadPoolExecutor(1, thread_name_prefix="megatrain-checkpoint-fsync") as fsyncs:
             flushed = []
@@ -322,30 +356,123 @@ def _commit(handle: CheckpointHandle, directory: str, step: int, arrays: dict[st
         manifest["files"] = dict(sorted(files.items()))
         _write_durably(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1, allow_nan=False) + "\n")
         _fsync_dir(tmp)
-        replaced = None
-        if os.path.exists(final):  # re-saving a step (e.g. after resuming): swap, keep no half state
-            replaced = final + ".replaced.tmp"
-            os.rename(final, replaced)
-        os.rename(tmp, final)
-        _fsync_dir(directory)
-        _write_durably(os.path.join(directory, LATEST + ".tmp"), os.path.basename(final) + "\n")
-        os.replace(os.path.join(directory, LATEST + ".tmp"), os.path.join(directory, LATEST))
-        _fsync_dir(directory)
-        if replaced is not None:
-            shutil.rmtree(replaced)
+        made_tmp = False  # complete from here on: never removed as a failed write
+        if _is_complete(final):  # re-saving a step (e.g. after loading it): the old copy stays until the switch
+            os.rename(tmp, final + RESAVE)
+            _fsync_dir(directory)
+            _switch_resave(directory, os.path.basename(final))
+        else:
+            if os.path.lexists(final):  # an incomplete directory under the final name: never a checkpoint
+                _remove(directory, os.path.basename(final))
+            os.rename(tmp, final)
+            _fsync_dir(directory)
+            _point_latest(directory, os.path.basename(final))
+    except BaseException as e:
+        if made_tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        handle._error = _write_error(e, directory, final, arrays) if isinstance(e, Exception) else e
+        handle.write_s = time.perf_counter() - start
+        return
+    try:  # committed: an error from here on concerns only the older checkpoints beyond ``keep``
         _prune(directory, os.path.basename(final), keep)
     except BaseException as e:
-        handle._error = e
+        reason = (e.strerror or str(e)) if isinstance(e, OSError) else _one_line(e)
+        handle._error = e if not isinstance(e, Exception) else CheckpointError(
+            f"checkpoint {final} is saved, but removing older ones beyond keep={keep} failed ({reason}); "
+            "remove them by hand")
     finally:
         handle.write_s = time.perf_counter() - start
+
+
+def _is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def _point_latest(directory: str, name: str) -> None:
+    """``latest`` names ``name``, atomically and durably."""
+    _write_durably(os.path.join(directory, LATEST + ".tmp"), name + "\n")
+    os.replace(os.path.join(directory, LATEST + ".tmp"), os.path.join(directory, LATEST))
+    _fsync_dir(directory)
+
+
+def _remove(directory: str, name: str) -> None:
+    """Remove a step directory: renamed to ``*.tmp`` first, so readers never see it half deleted."""
+    doomed = os.path.join(directory, name + ".deleting.tmp")
+    os.rename(os.path.join(directory, name), doomed)
+    _fsync_dir(directory)
+    shutil.rmtree(doomed)
+
+
+def _switch_resave(directory: str, name: str) -> None:
+    """``name + RESAVE`` (complete, the newer copy of the step) replaces ``name``; at every moment one of the two
+    is complete and ``latest`` names it or the other spelling (see [Note: checkpoint commit protocol])."""
+    _point_latest(directory, name + RESAVE)
+    if os.path.lexists(os.path.join(directory, name)):
+        _remove(directory, name)
+    os.rename(os.path.join(directory, name + RESAVE), os.path.join(directory, name))
+    _fsync_dir(directory)
+    _point_latest(directory, name)
+
+
+def _finish_interrupted_resaves(directory: str) -> None:
+    """A crash during a re-save leaves a complete ``step-<N>.resave``: it is the newer copy, so it takes over."""
+    for entry in sorted(os.listdir(directory)):
+        if entry.endswith(RESAVE) and _STEP_DIR.fullmatch(entry):
+            if _is_complete(os.path.join(directory, entry)):
+                _switch_resave(directory, entry[:-len(RESAVE)])
+            else:
+                _remove(directory, entry)
+
+
+def _one_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0][:300] if lines else type(err).__name__
+
+
+def _write_error(err: Exception, directory: str, final: str, arrays: Mapping[str, Any]) -> Exception:
+    """A failed checkpoint write as one line: the directory, and for a full disk the space the checkpoint needs."""
+    if isinstance(err, MegatrainError):
+        return err
+    text = str(err)
+    full = (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or \
+        "RESOURCE_EXHAUSTED" in text or "No space left" in text or "Disk quota exceeded" in text
+    where = getattr(err, "filename", None) or final
+    if full:
+        need = sum(t.numel() for t in arrays.values()) * 4
+        try:
+            free = f"{_size(shutil.disk_usage(directory).free)} free"
+        except OSError:
+            free = "free space unknown"
+        return CheckpointError(f"cannot write checkpoint {where}: the disk is full (the checkpoint needs "
+                               f"{_size(need)}, {free} in {directory}); free space or save elsewhere "
+                               "(the previous checkpoint is untouched)")
+    reason = err.strerror if isinstance(err, OSError) and err.strerror else _one_line(err)
+    return CheckpointError(f"cannot write checkpoint {where}: {reason}; check the directory "
+                           "(the previous checkpoint is untouched)")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _make_directory(directory: Any) -> str:
+    """The checkpoint directory, created if needed; one line if it cannot be."""
+    path = user_path(directory, "directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "strerror", None) or _one_line(e)
+        raise CheckpointError(f"cannot create the checkpoint directory {path}: {reason}; choose a writable "
+                              "directory") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot write in the checkpoint directory {path}; choose a writable directory")
+    return path
 
 
 def _prune(directory: str, newest: str, keep: int) -> None:
     complete = [(step, name) for step, name in _complete(directory) if name != newest]
     for _, name in complete[:max(0, len(complete) - (keep - 1))]:
-        doomed = os.path.join(directory, name + ".deleting.tmp")
-        os.rename(os.path.join(directory, name), doomed)  # invisible to readers before any file goes
-        shutil.rmtree(doomed)
+        _remove(directory, name)  # invisible to readers before any file goes
 
 
 def _complete(directory: str) -> list[tuple[int, str]]:
@@ -376,7 +503,7 @@ def _fsync_dir(path: str) -> None:
 # ---------------------------------------------------------------------- reading
 def resolve(directory: str | os.PathLike) -> str:
     """The complete step directory to load: ``directory`` itself, the one ``latest`` names, or the newest complete."""
-    directory = os.fspath(directory)
+    directory = user_path(directory, "directory")
     if os.path.isfile(os.path.join(directory, MANIFEST)):
         if directory.rstrip("/").endswith(".tmp"):
             raise InputError(f"{directory} is an unfinished checkpoint (*.tmp); load its parent directory instead")
@@ -387,8 +514,11 @@ def resolve(directory: str | os.PathLike) -> str:
     if os.path.isfile(latest):
         with open(latest, encoding="utf-8") as f:
             name = f.read().strip()
-        if _STEP_DIR.fullmatch(name) and os.path.isfile(os.path.join(directory, name, MANIFEST)):
-            return os.path.join(directory, name)
+        if _STEP_DIR.fullmatch(name):  # mid-switch of a re-save, the other spelling is the complete one
+            other = name[:-len(RESAVE)] if name.endswith(RESAVE) else name + RESAVE
+            for candidate in (name, other):
+                if os.path.isfile(os.path.join(directory, candidate, MANIFEST)):
+                    return os.path.join(directory, candidate)
     complete = _complete(directory)
     if not complete:
         raise InputError(f"no complete checkpoint in {directory} (a step-<N> directory with {MANIFEST}); "
@@ -411,8 +541,17 @@ def read_manifest(path: str) -> dict[str, Any]:
         for name in ARRAYS:
             manifest["arrays"][name]["crc32"]
         manifest["engine"]["model_config"]
+        counts = [manifest["engine"]["step_count"], *manifest["engine"]["block_steps"]]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
         raise InputError(f"{mpath} is corrupt or truncated; load the previous step directory instead") from None
+    bad = [c for c in counts if not (isinstance(c, (int, float)) and not isinstance(c, bool)
+                                     and math.isfinite(c) and c >= 0 and c == int(c))]
+    if bad:
+        raise InputError(f"{mpath} holds the step count {bad[0]!r} (optimizer steps are whole numbers >= 0): the "
+                         "manifest is corrupt; load the previous step directory instead")
+    if not all(isinstance(rel, str) and type(size) is int for rel, size in files.items()):
+        raise InputError(f"{mpath} lists its files wrongly: the manifest is corrupt; load the previous step "
+                         "directory instead")
     for rel, size in files.items():
         full = os.path.join(path, rel)
         if not os.path.isfile(full):
@@ -567,6 +706,14 @@ def _read_direct(path: str, layout: tuple[int, int, int], lo: int, dst: torch.Te
 
 def restore(engine: "Engine", path: str, manifest: dict[str, Any]) -> None:
     """Read the arrays of a step directory into the engine's store, verify their CRC32s, restore the steps."""
+    try:
+        _restore(engine, path, manifest)
+    except (KeyError, TypeError, AttributeError, IndexError):
+        raise InputError(f"{os.path.join(path, MANIFEST)} is corrupt (a field is missing or of the wrong type); "
+                         "load the previous step directory instead") from None
+
+
+def _restore(engine: "Engine", path: str, manifest: dict[str, Any]) -> None:
     if manifest["tensors"] != _tensor_table(engine):
         raise InputError(f"{path}: the checkpoint's parameter layout differs from this megatrain's; "
                          "load it with the megatrain version that wrote it")
@@ -578,6 +725,9 @@ def restore(engine: "Engine", path: str, manifest: dict[str, Any]) -> None:
         for name, dst in live.items():
             _restore_array(path, manifest["arrays"][name], store, name, dst, crc_worker)
     block_steps = manifest["engine"]["block_steps"]
+    if len(block_steps) != len(store.steps):
+        raise InputError(f"{path}: the manifest has step counts for {len(block_steps)} blocks, the model has "
+                         f"{len(store.steps)}; the checkpoint is corrupt: load the previous step directory instead")
     for b, value in enumerate(block_steps):
         store.steps[b].fill_(value)
         store.refresh_shadow(b)

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, TypeVar
 from megatrain.planner import hf_config
 from megatrain.planner.hf_config import SUPPORTED_ACTIVATIONS, SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES
 
+from .config_ranges import check_model_ranges, check_optimizer_ranges
 from .errors import ConfigError
 
 __all__ = ["ModelConfig", "OptimizerConfig", "read_config_json", "SUPPORTED_ACTIVATIONS", "SUPPORTED_MODEL_TYPES",
@@ -98,6 +99,7 @@ class ModelConfig:
 
     def _validate_ranges(self) -> None:
         """The one place for numeric range checks of the model fields (types are already checked)."""
+        check_model_ranges(self)
         kv = self.num_key_value_heads
         if kv < 1:  # type: ignore[operator]
             raise ConfigError(f"num_key_value_heads={kv!r} must be a positive integer")
@@ -175,8 +177,10 @@ class OptimizerConfig:
     weight_decay: float = 0.01
     max_grad_norm: float | None = 1.0
     no_decay: tuple[str, ...] = field(default_factory=tuple)
+    skip_nonfinite: bool = False  # a non-finite gradient skips the update (runtime/cpu_adamw.py)
 
     def __post_init__(self) -> None:
+        check_optimizer_ranges(self)
         if not (isinstance(self.lr, (int, float)) and self.lr >= 0):
             raise ConfigError(f"lr={self.lr!r} must be a number >= 0")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):

@@ -24,11 +24,26 @@ jobs in flight: for each queued job it takes a staging set and issues the reads
 of the block's spilled state ahead, updates the oldest once its reads land, and
 writes its state back behind; a staging set returns to the pool when its writes
 finish. Without spill there is one job in flight and no I/O.
+
+[Note: non-finite updates]
+With ``OptimizerConfig(skip_nonfinite=True)`` a non-finite gradient skips the
+update instead of writing NaN into the masters and AdamW state (the block's
+master, m, v and AdamW step stay as they were); the worker records the step and
+the engine warns. No host sync is added: the worker looks at what it already
+has on the host. With clipping (deferred mode) that is the clip coefficient,
+``max_norm / (norm + 1e-6)``, NaN or 0 exactly when the global norm is NaN or
+infinite: the whole step is skipped, every block alike. Without clipping (eager
+mode, or deferred without ``max_grad_norm``) there is no global norm on the
+host before updates start, so each block checks its own gradient (one extra
+read of it) and only blocks with a non-finite gradient are skipped; in eager
+mode the blocks updated before one is found keep their update. A NaN or
+infinite loss makes every gradient non-finite, so the whole step goes either way.
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import math
 import queue
 import threading
 import time
@@ -52,6 +67,7 @@ class AdamHyper:
     beta2: float
     eps: float
     weight_decay: float
+    skip_nonfinite: bool = False  # see [Note: non-finite updates]
 
 
 @dataclass
@@ -77,6 +93,7 @@ class AdamWorker:
         self._busy: dict[int, list[float]] = {}
         self._busy_complete: float | None = None  # the latest step whose every block is updated
         self._error: BaseException | None = None
+        self._skipped: list[int] = []  # steps with a skipped block update, not yet taken by take_skipped()
         self._thread = threading.Thread(target=self._run, name="megatrain-adamw", daemon=True)
         self._thread.start()
 
@@ -113,6 +130,12 @@ class AdamWorker:
             self._busy_complete = entry[0]
             for s in [s for s in self._busy if s <= step]:
                 del self._busy[s]
+
+    def take_skipped(self) -> list[int]:
+        """Steps (each once) whose update was skipped for a non-finite gradient since the last call."""
+        with self._cond:
+            steps, self._skipped = sorted(set(self._skipped)), []
+        return steps
 
     def raise_if_failed(self) -> None:
         if self._error is not None:
@@ -173,31 +196,40 @@ class AdamWorker:
             staged = store.staging.buffers(staging) if staging is not None else {}  # type: ignore[union-attr]
             buf = lambda kind, ram: staged[kind][:n] if kind in staged else ram(b)  # noqa: E731
             grads = job.grads if job.grads is not None else staged["grads"][:n]
-            if job.clip is not None:
-                grads.mul_(job.clip[0])
-            master = buf("master", store.master_of)
-            m, v = buf("exp_avg", store.exp_avg_of), buf("exp_avg_sq", store.exp_avg_sq_of)
-            step = store.steps[b]
-            step.add_(1)
-            views = [job.layout.view_list(t) for t in (master, grads, m, v)]
-            for decay, wd in ((True, h.weight_decay), (False, 0.0)):
-                pick = [i for i, e in enumerate(job.layout.entries) if e.decay == decay]
-                if pick:
-                    p, g, ea, eas = ([vs[i] for i in pick] for vs in views)
-                    torch._fused_adamw_(
-                        p, g, ea, eas, [], [step] * len(pick),
-                        lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=wd, eps=h.eps,
-                        amsgrad=False, maximize=False,
-                    )
-            if store.shadow is not store.master:
-                with record_function(f"shadow[{b}]"):  # the compute-dtype copy that travels H2D
-                    store.refresh_shadow(b, master)
+            if h.skip_nonfinite and not _finite(job, grads):
+                with self._cond:
+                    self._skipped.append(job.step)
+            else:
+                self._apply(job, grads, buf)
             self._account(job.step, time.perf_counter() - t0)
         if staging is not None:
             self._write_behind(b, staging, staged)
         if job.on_done is not None:
             job.on_done()
         self.log.record("adam_end", job.step, b)
+
+    def _apply(self, job: AdamJob, grads: torch.Tensor, buf: Callable) -> None:
+        """The update of one block: clip, fused AdamW on its views, the compute-dtype shadow."""
+        b, store, h = job.block, self.store, job.hyper
+        if job.clip is not None:
+            grads.mul_(job.clip[0])
+        master = buf("master", store.master_of)
+        m, v = buf("exp_avg", store.exp_avg_of), buf("exp_avg_sq", store.exp_avg_sq_of)
+        step = store.steps[b]
+        step.add_(1)
+        views = [job.layout.view_list(t) for t in (master, grads, m, v)]
+        for decay, wd in ((True, h.weight_decay), (False, 0.0)):
+            pick = [i for i, e in enumerate(job.layout.entries) if e.decay == decay]
+            if pick:
+                p, g, ea, eas = ([vs[i] for i in pick] for vs in views)
+                torch._fused_adamw_(
+                    p, g, ea, eas, [], [step] * len(pick),
+                    lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=wd, eps=h.eps,
+                    amsgrad=False, maximize=False,
+                )
+        if store.shadow is not store.master:
+            with record_function(f"shadow[{b}]"):  # the compute-dtype copy that travels H2D
+                store.refresh_shadow(b, master)
 
     def _write_behind(self, b: int, staging: int, staged: dict[str, torch.Tensor]) -> None:
         """Write the block's updated spilled state back; the staging set is free once all writes land."""
@@ -217,3 +249,12 @@ class AdamWorker:
             store.staging.release(staging)  # type: ignore[union-attr]
         for kind in kinds:
             store.write_async(kind, b, staged[kind]).add_done_callback(written)
+
+
+def _finite(job: AdamJob, grads: torch.Tensor) -> bool:
+    """Whether the job's update may run (see [Note: non-finite updates]): the clip coefficient when there is one
+    (on the host already, waited for: no device sync), else this block's own gradient."""
+    if job.clip is not None:
+        coefficient = float(job.clip[0])
+        return math.isfinite(coefficient) and coefficient > 0
+    return bool(torch.isfinite(grads).all())

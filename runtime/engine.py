@@ -9,8 +9,10 @@ without waiting for the GPU; call ``.item()`` when you want the number.
 """
 from __future__ import annotations
 
-import os
 import atexit
+import math
+import os
+import warnings
 import weakref
 from typing import Mapping
 
@@ -21,10 +23,11 @@ from megatrain.planner.plan import Plan, PlanError, default_plan, shape_digest
 from .chunked_loss import IGNORE_INDEX, shift_labels
 from .config import ModelConfig, OptimizerConfig
 from .cpu_adamw import AdamHyper
-from .errors import ConfigError, InputError
+from .errors import ClosedError, ConfigError, InputError
 from .event_log import EventLog
 from .executor import Batch, Executor
 from .host_store import HostStore
+from .paths import user_path
 from .spill_io import make_io
 from .templates import Templates
 
@@ -53,6 +56,7 @@ class Engine:
         *,
         _skip_init: bool = False,  # from_pretrained / load_checkpoint overwrite every weight anyway
     ) -> None:
+        self._closed = False  # close() releases whatever of the engine was built; then every method refuses
         if not isinstance(model_config, ModelConfig):
             raise ConfigError(
                 f"model_config is a {type(model_config).__name__}; build one with ModelConfig(...) or ModelConfig.from_hf(path)"
@@ -69,15 +73,17 @@ class Engine:
                 f"optimizer_mode='eager' cannot clip gradients (max_grad_norm={self.optimizer.max_grad_norm}): "
                 "use optimizer_mode='deferred', or OptimizerConfig(max_grad_norm=None)"
             )
-        if compute_dtype not in COMPUTE_DTYPES:
+        if not isinstance(compute_dtype, torch.dtype) or compute_dtype not in COMPUTE_DTYPES:
             raise ConfigError(
-                f"compute_dtype={compute_dtype} is not supported; use torch.bfloat16 (fast) or torch.float32 (exact)"
+                f"compute_dtype={compute_dtype!r} is not supported; use torch.bfloat16 (fast) or torch.float32 (exact)"
             )
         self.compute_dtype = compute_dtype
         if self.plan.workload is not None:  # a plan's memory bounds hold only for the model and dtype it was made for
             self.plan.workload.check_model(shape_digest(model_config.to_dict()),
                                            str(compute_dtype).removeprefix("torch."))
         self.device = _pick_device(device)
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**40:
+            raise ConfigError(f"seed={seed!r} must be an integer in [0, 2**40)")
         self.seed = seed
         self.event_log = EventLog()
         self.templates = Templates(model_config, self.optimizer.decays)
@@ -93,6 +99,7 @@ class Engine:
             self._initialize(seed)
         self.hf_config: dict | None = None  # the config.json this engine was loaded from, kept for export
         self.checkpoint_extra: dict | None = None  # the caller's ``extra`` of the checkpoint this engine resumed
+        self.skipped_steps: list[int] = []  # steps whose update was skipped for a non-finite gradient
         self._checkpoint_writer = None  # checkpoint_io.CheckpointWriter, created on the first save
         self.executor = Executor(self.templates, self.store, self.plan, compute_dtype, self.device,
                                  self.optimizer.max_grad_norm, self.event_log)
@@ -104,19 +111,23 @@ class Engine:
 
         Returns the mean loss over all predicted tokens as a 0-dim fp32 tensor on the device.
         """
+        self._check_open()
+        lr = self.optimizer.lr if lr is None else lr
+        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
+            raise InputError(f"lr={lr!r} must be a finite number >= 0 (e.g. 3e-4)")
         batch = self._batch(input_ids, labels)
         if self.plan.workload is not None:  # host-side shape ints: no device sync
             self.plan.workload.check_batch(*input_ids.shape)
-        lr = self.optimizer.lr if lr is None else lr
-        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr < 0:
-            raise InputError(f"lr={lr!r} must be a number >= 0")
+        self._report_skipped()
         b1, b2 = self.optimizer.betas
-        hyper = AdamHyper(float(lr), b1, b2, self.optimizer.eps, self.optimizer.weight_decay)
+        hyper = AdamHyper(float(lr), b1, b2, self.optimizer.eps, self.optimizer.weight_decay,
+                          self.optimizer.skip_nonfinite)
         return self.executor.train_step(batch, hyper)
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
         """The last step's global gradient norm (before clipping), a device scalar."""
+        self._check_open()
         return self.executor.grad_norm
 
     @property
@@ -127,10 +138,12 @@ class Engine:
         all finished: absent until one has); ``roofline_s`` = max(compute, H2D, D2H, AdamW busy) and
         ``roofline_ratio`` = step / roofline (1.0: fully overlapped). On CUDA, reading it waits for that step
         to finish on the GPU (once); on a CPU the copies' host time is what they cost."""
+        self._check_open()
         return self.executor.timer.breakdown(self.executor.adam.busy_seconds)
 
     @property
     def step_count(self) -> int:
+        self._check_open()
         return self.executor.step_no
 
     @property
@@ -139,6 +152,7 @@ class Engine:
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Evaluation forward: [B, S] ids -> [B, S, vocab] fp32 logits (materialised; keep inputs small)."""
+        self._check_open()
         ids = self._check_ids(input_ids, "input_ids")
         self._check_seq(ids.shape[1])
         return self.executor.forward_logits(self._to_device(ids))
@@ -147,13 +161,16 @@ class Engine:
     def synchronize(self) -> None:
         """Wait until every queued optimizer update has been applied to the host store (and spill files),
         and the device has finished what was queued (its copies may still read the host store)."""
+        self._check_open()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.executor.adam.wait_all(self.executor.step_no)
         self.store.flush()
+        self._report_skipped()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Float32 copies of the master weights under Hugging Face names (tied lm_head included, as HF does)."""
+        self._check_open()
         self.synchronize()
         out: dict[str, torch.Tensor] = {}
         for block in self.templates.blocks:
@@ -166,6 +183,7 @@ class Engine:
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy weights (any float dtype) into the fp32 masters. Keys and shapes must match exactly."""
+        self._check_open()
         self.synchronize()
         expected = {e.hf_name: (b, e) for b in self.templates.blocks for e in b.layout.entries}
         optional = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
@@ -191,6 +209,7 @@ class Engine:
 
     def optimizer_state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """AdamW state per parameter under Hugging Face names: exp_avg, exp_avg_sq, step (as torch.optim keeps it)."""
+        self._check_open()
         self.synchronize()
         out: dict[str, dict[str, torch.Tensor]] = {}
         for block in self.templates.blocks:
@@ -215,6 +234,9 @@ class Engine:
         into the fp32 masters: peak extra RAM is one tensor (see runtime/hf_io.py)."""
         from . import hf_io
 
+        path = user_path(path, "path")
+        if not os.path.isdir(path):
+            raise InputError(f"{path} is not a directory; pass a Hugging Face model directory (config.json + *.safetensors)")
         hf_config = hf_io.read_config(path)
         files = hf_io.find_shards(path)
         engine = cls(ModelConfig.from_hf(hf_config), optimizer, plan, compute_dtype, device, _skip_init=True)
@@ -230,6 +252,7 @@ class Engine:
                         max_shard_bytes: int = 5 * 10**9) -> None:
         """Write a directory transformers.AutoModelForCausalLM.from_pretrained loads: config.json and safetensors
         shards of at most ``max_shard_bytes`` (plus the index when there are several)."""
+        self._check_open()
         from . import hf_io
 
         hf_io.save_pretrained(self, path, dtype, max_shard_bytes)
@@ -243,6 +266,7 @@ class Engine:
         stall) and written by a background thread; ``handle.wait()`` or ``wait_for_checkpoint()`` waits.
         The newest ``keep`` checkpoints stay. See runtime/checkpoint_io.py for the commit protocol.
         """
+        self._check_open()
         from .checkpoint_io import CheckpointWriter
 
         if self._checkpoint_writer is None:
@@ -251,6 +275,7 @@ class Engine:
 
     def wait_for_checkpoint(self) -> str | None:
         """Wait for the checkpoint being written (raising its error, if any); its directory, or None."""
+        self._check_open()
         return None if self._checkpoint_writer is None else self._checkpoint_writer.wait()
 
     @classmethod
@@ -281,7 +306,11 @@ class Engine:
             executor.adam._updated = [step] * len(executor.adam._updated)
 
     def close(self) -> None:
-        """Stop the optimizer worker and unpin host memory. The engine is unusable afterwards."""
+        """Stop the optimizer worker and unpin host memory. Afterwards every method raises ClosedError at once;
+        closing again does nothing."""
+        if getattr(self, "_closed", True):
+            return  # closed already
+        self._closed = True
         writer = getattr(self, "_checkpoint_writer", None)
         if writer is not None and writer.last is not None:
             writer.last._join_quietly()  # a background checkpoint write finishes before the engine goes
@@ -307,6 +336,20 @@ class Engine:
             pass
 
     # ------------------------------------------------------------------ internals
+    def _report_skipped(self) -> None:
+        """Warn about steps whose update the AdamW worker skipped (OptimizerConfig(skip_nonfinite=True))."""
+        steps = [s for s in self.executor.adam.take_skipped() if s not in self.skipped_steps]
+        if steps:
+            self.skipped_steps.extend(steps)
+            warnings.warn(f"step {', '.join(map(str, steps))}: the gradient is not finite (NaN or inf), so the update "
+                          "was skipped (skip_nonfinite=True); check the data, the learning rate and the loss",
+                          RuntimeWarning, stacklevel=3)
+
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", True):
+            raise ClosedError("this Engine is closed (close() or the end of its with-block); "
+                              "build a new one, or Engine.load_checkpoint(...) to continue a run")
+
     def _initialize(self, seed: int) -> None:
         """Hugging Face's init: normal(0, initializer_range) weights, zero biases, unit norms, zero pad row."""
         std = self.config.initializer_range
@@ -401,7 +444,7 @@ def _pick_device(device: str | torch.device | None) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError):
+    except (RuntimeError, TypeError, ValueError):
         raise ConfigError(f"device={device!r} is not a device; use 'cuda', 'cuda:0', 'cpu' or None (auto)") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():

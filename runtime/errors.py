@@ -2,15 +2,13 @@
 
 Each carries a one-line message that names the field or argument, the value,
 and the fix. Commands print the message, not a traceback. Internal invariants
-use ``assert`` instead.
+use ``assert`` instead. Every one derives from ``MegatrainError`` (defined in
+``megatrain/errors.py``, shared with the planner, re-exported here unchanged).
 """
 from __future__ import annotations
 
+from megatrain.errors import MegatrainError
 from megatrain.planner.plan import PlanError
-
-
-class MegatrainError(ValueError):
-    """Base class: something the user can fix, explained in one line."""
 
 
 class ConfigError(MegatrainError):
@@ -21,4 +19,12 @@ class InputError(MegatrainError):
     """A batch passed to the engine has the wrong shape, dtype or values."""
 
 
-__all__ = ["MegatrainError", "ConfigError", "InputError", "PlanError"]
+class CheckpointError(MegatrainError):
+    """A checkpoint or export could not be written (disk full, permissions); the previous one is untouched."""
+
+
+class ClosedError(MegatrainError):
+    """The engine was closed; build or load a new one."""
+
+
+__all__ = ["MegatrainError", "ConfigError", "InputError", "CheckpointError", "ClosedError", "PlanError"]

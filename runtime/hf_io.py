@@ -18,9 +18,11 @@ truncated files are errors that name the file and tensor: never a partial load.
 """
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
+import shutil
 import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .config import ModelConfig, read_config_json
-from .errors import ConfigError, InputError
+from .errors import CheckpointError, ConfigError, InputError
+from .paths import user_path
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -209,8 +212,12 @@ def save_pretrained(engine: "Engine", path: str | os.PathLike, dtype: torch.dtyp
         raise ConfigError(f"max_shard_bytes={max_shard_bytes!r} must be a positive integer (bytes)")
     config = hf_config_dict(engine, dtype)
     engine.synchronize()
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
+    path = user_path(path, "path")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create the export directory {path}: {e.strerror}; choose a writable "
+                              "directory") from None
     itemsize = torch.empty((), dtype=dtype).element_size()
     entries = [(b, e) for b in engine.templates.blocks for e in b.layout.entries]
     shards: list[list[tuple[Any, Any]]] = [[]]
@@ -224,18 +231,21 @@ def save_pretrained(engine: "Engine", path: str | os.PathLike, dtype: torch.dtyp
         size += nbytes
     names = ([SINGLE_FILE] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    for stale in glob.glob(os.path.join(path, "model-*-of-*.safetensors")) + [os.path.join(path, SINGLE_FILE),
-                                                                                os.path.join(path, INDEX_FILE)]:
-        if os.path.basename(stale) not in names and os.path.exists(stale):
-            os.remove(stale)  # a previous export's shards would shadow or mix with this one
+    total = sum(e.numel for _, e in entries) * itemsize
     weight_map = {}
-    for name, shard in zip(names, shards):
-        _write_shard(engine, os.path.join(path, name), shard, dtype)
-        weight_map.update({e.hf_name: name for _, e in shard})
-    if len(shards) > 1:
-        total = sum(e.numel for _, e in entries) * itemsize
-        _write_json(os.path.join(path, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
-    _write_json(os.path.join(path, "config.json"), config)
+    try:  # each file is written as <name>.tmp and renamed: a failure leaves no partial file behind
+        for name, shard in zip(names, shards):
+            _write_shard(engine, os.path.join(path, name), shard, dtype)
+            weight_map.update({e.hf_name: name for _, e in shard})
+        for stale in glob.glob(os.path.join(path, "model-*-of-*.safetensors")) + [os.path.join(path, SINGLE_FILE),
+                                                                                    os.path.join(path, INDEX_FILE)]:
+            if os.path.basename(stale) not in names and os.path.exists(stale):
+                os.remove(stale)  # a previous export's shards would shadow or mix with this one
+        if len(shards) > 1:
+            _write_json(os.path.join(path, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
+        _write_json(os.path.join(path, "config.json"), config)
+    except OSError as e:
+        raise _export_error(e, path, total) from None
 
 
 def _write_shard(engine: "Engine", path: str, shard: list[tuple[Any, Any]], dtype: torch.dtype) -> None:
@@ -249,24 +259,60 @@ def _write_shard(engine: "Engine", path: str, shard: list[tuple[Any, Any]], dtyp
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        cached: tuple[int, torch.Tensor] | None = None  # a spilled block is read once for all its tensors
-        for block, e in shard:
-            if cached is None or cached[0] != block.index:
-                cached = (block.index, engine.store.read_block("master", block.index))
-            src = cached[1][e.offset:e.offset + e.numel]
-            t = src if dtype == torch.float32 else src.to(dtype)  # one tensor converted at a time
-            f.write(memoryview(t.view(torch.uint8).numpy()))
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            cached: tuple[int, torch.Tensor] | None = None  # a spilled block is read once for all its tensors
+            for block, e in shard:
+                if cached is None or cached[0] != block.index:
+                    cached = (block.index, engine.store.read_block("master", block.index))
+                src = cached[1][e.offset:e.offset + e.numel]
+                t = src if dtype == torch.float32 else src.to(dtype)  # one tensor converted at a time
+                f.write(memoryview(t.view(torch.uint8).numpy()))
+        os.replace(tmp, path)
+    except BaseException as e:
+        _remove_quietly(tmp)
+        if isinstance(e, OSError) and not e.filename:
+            e.filename = path  # a failed write() names no file
+        raise
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException as e:
+        _remove_quietly(tmp)
+        if isinstance(e, OSError) and not e.filename:
+            e.filename = path
+        raise
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _export_error(err: OSError, directory: str, total: int) -> CheckpointError:
+    """An export's OSError as one line naming the file; for a full disk, the space the weights need."""
+    where = err.filename or directory
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = f"{_size(shutil.disk_usage(directory).free)} free"
+        except OSError:
+            free = "free space unknown"
+        return CheckpointError(f"cannot write {where}: the disk is full (the export needs {_size(total)}, "
+                               f"{free}); free space or export elsewhere")
+    return CheckpointError(f"cannot write {where}: {err.strerror or err}; check the directory's permissions")
 
 
 def hf_config_dict(engine: "Engine", dtype: torch.dtype) -> dict[str, Any]:

@@ -26,13 +26,13 @@ import concurrent.futures as cf
 import os
 import queue
 import shutil
-import tempfile
 import threading
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from .spill_io import DIRECT_ALIGN, FileIO, SpillError, aligned_empty
+from . import spill_dirs
+from .spill_io import DIRECT_ALIGN, FileIO, SpillSpaceError, aligned_empty
 from .templates import Block
 
 if TYPE_CHECKING:
@@ -173,12 +173,7 @@ class HostStore:
 
     # ---- spill files ------------------------------------------------------------------
     def _open_spill(self, spill_dir: str, staging: int) -> None:
-        if not os.path.isdir(spill_dir):
-            raise SpillError(f"spill_dir {spill_dir} is not a directory; create it (on a fast local disk) or fix the path")
-        try:
-            self.spill_root = tempfile.mkdtemp(prefix="megatrain-spill-", dir=spill_dir)
-        except OSError as e:
-            raise SpillError(f"cannot write in spill_dir {spill_dir}: {e.strerror}; choose a writable directory") from None
+        self.spill_root = spill_dirs.create(spill_dir)  # named after this process; dead owners' ones reclaimed
         self.block_bytes = [_round_up(n * 4, DIRECT_ALIGN) for n in self.numels]
         self.file_offsets, at = [], 0
         for nbytes in self.block_bytes:
@@ -186,8 +181,14 @@ class HostStore:
             at += nbytes
         self.file_bytes = at
         try:
+            free = shutil.disk_usage(self.spill_root).free
+            if self.nvme_bytes > free:  # the total, before any file takes its share
+                raise _no_space(spill_dir, self.spilled, self.nvme_bytes, free)
             for kind in self.spilled:
                 self.files[kind] = self.io.open(os.path.join(self.spill_root, f"{kind}.bin"), at)  # type: ignore[union-attr]
+        except SpillSpaceError:
+            self.close()
+            raise _no_space(spill_dir, self.spilled, self.nvme_bytes, shutil.disk_usage(spill_dir).free) from None
         except BaseException:
             self.close()
             raise
@@ -314,6 +315,16 @@ class HostStore:
         if self.spill_root is not None:
             shutil.rmtree(self.spill_root, ignore_errors=True)
             self.spill_root = None
+
+
+def _no_space(spill_dir: str, kinds: Sequence[str], need: int, free: int) -> SpillSpaceError:
+    return SpillSpaceError(f"the spill files ({', '.join(f'{k}.bin' for k in kinds)}) need {_size(need)} in all but "
+                           f"{spill_dir} has {_size(free)} free; free space, choose another "
+                           "spill_dir, or spill less")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _round_up(n: int, k: int) -> int:

@@ -35,6 +35,10 @@ class SpillError(MegatrainError):
     """The spill directory or its files cannot be used, or spill I/O failed."""
 
 
+class SpillSpaceError(SpillError):
+    """The disk under spill_dir has less free space than the spill files need."""
+
+
 class FileIO(Protocol):
     name: str
 
@@ -63,7 +67,7 @@ def preallocate(fd: int, nbytes: int, path: str) -> None:
     except OSError as e:
         if e.errno == errno.ENOSPC:
             free = os.statvfs(os.path.dirname(path) or ".")
-            raise SpillError(
+            raise SpillSpaceError(
                 f"spill file {path} needs {nbytes / 2**30:.2f} GiB but the disk has "
                 f"{free.f_bavail * free.f_frsize / 2**30:.2f} GiB free; free space or choose another spill_dir"
             ) from None

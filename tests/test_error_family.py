@@ -1,0 +1,137 @@
+"""One exception family: every user-fixable error is a MegatrainError with a one-line message.
+
+Includes the disk-full paths (checkpoint, export, spill): one line naming the file and the space needed, no
+temporary file left behind, the previous files untouched.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import megatrain.errors
+from megatrain.planner.hardware import HardwareError
+from megatrain.planner.plan import PlanError
+from megatrain.planner.workload import WorkloadError
+from megatrain.runtime import (CheckpointError, ClosedError, ConfigError, Engine, InputError, MegatrainError,
+                               ModelConfig, OptimizerConfig, Plan)
+from megatrain.runtime import hf_io
+from megatrain.runtime.spill_io import SpillError
+
+CONFIG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2)
+
+
+def _one_line(err) -> str:
+    msg = str(err.value)
+    assert isinstance(err.value, MegatrainError) and "\n" not in msg, repr(err.value)
+    return msg
+
+
+def test_every_error_type_is_a_megatrain_error() -> None:
+    assert MegatrainError is megatrain.errors.MegatrainError  # re-exported unchanged
+    for cls in (PlanError, WorkloadError, HardwareError, ConfigError, InputError, CheckpointError, ClosedError,
+                SpillError):
+        assert issubclass(cls, MegatrainError), cls
+    assert issubclass(MegatrainError, ValueError)  # code that caught ValueError keeps working
+
+
+def test_the_planner_still_imports_no_runtime() -> None:
+    code = ("import sys, megatrain.planner.plan, megatrain.planner.workload, megatrain.planner.hardware; "
+            "bad = [m for m in sys.modules if m.startswith('megatrain.runtime') or m == 'torch']; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_betas_none_is_one_line() -> None:
+    with pytest.raises(MegatrainError) as err:
+        OptimizerConfig(betas=None)
+    assert "betas=None" in _one_line(err)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    with Engine(CONFIG, compute_dtype=torch.float32, device="cpu") as engine:
+        ids = torch.randint(0, 32, (2, 8))
+        engine.step(ids, ids)
+        engine.save_checkpoint(root, blocking=True)
+    return root / "step-00000001"
+
+
+@pytest.fixture()
+def saved(checkpoint, tmp_path):
+    shutil.copytree(checkpoint, tmp_path / "step-00000001")
+    return tmp_path / "step-00000001"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("block_steps", "1"), ("block_steps", ["1", "1", "1", "1"]), ("block_steps", [1.0]), ("block_steps", [1.5] * 4),
+    ("block_steps", None), ("step_count", "1"), ("step_count", -1), ("seed", "x"), ("compute_dtype", ["f32"]),
+    ("optimizer", {"lr": "x"}), ("model_config", {"vocab_size": "32"}), ("plan", []),
+])
+def test_bad_manifest_fields_are_one_line(saved, field, value) -> None:
+    path = saved / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["engine"][field] = value
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(MegatrainError) as err:
+        Engine.load_checkpoint(saved)
+    _one_line(err)
+
+
+def test_export_disk_full_names_the_file_and_leaves_no_tmp(tmp_path, monkeypatch) -> None:
+    out = tmp_path / "hf"
+    with Engine(CONFIG, compute_dtype=torch.float32, device="cpu") as engine:
+        engine.save_pretrained(out)
+        before = {p: (out / p).read_bytes() for p in os.listdir(out)}
+        real_open = open
+
+        class Full:
+            def __init__(self, f) -> None:
+                self.f = f
+
+            def write(self, data) -> int:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc) -> None:
+                self.f.close()
+
+        monkeypatch.setattr(hf_io, "open", lambda p, mode="r", **kw: Full(real_open(p, mode, **kw))
+                            if "w" in mode else real_open(p, mode, **kw), raising=False)
+        ids = torch.randint(0, 32, (2, 8))
+        engine.step(ids, ids)
+        with pytest.raises(CheckpointError) as err:
+            engine.save_pretrained(out)
+        msg = _one_line(err)
+        need = engine.num_parameters * 2  # bf16
+        assert "model.safetensors" in msg and "disk is full" in msg and f"{need / 2**20:.1f} MiB" in msg, msg
+    assert {p: (out / p).read_bytes() for p in os.listdir(out)} == before, "the failed export changed the old one"
+
+
+def test_spill_space_error_reports_the_total(tmp_path, monkeypatch) -> None:
+    plan = Plan(spill="all", spill_dir=str(tmp_path), io_backend="posix")
+    with Engine(CONFIG, plan=plan, compute_dtype=torch.float32, device="cpu") as engine:
+        need = engine.store.nvme_bytes
+        files = len(engine.store.spilled)
+    assert files > 1
+
+    from megatrain.runtime import host_store
+
+    class Usage:
+        free = need // files  # room for one file, not for all of them
+
+    monkeypatch.setattr(host_store.shutil, "disk_usage", lambda path: Usage)
+    with pytest.raises(SpillError) as err:
+        Engine(CONFIG, plan=plan, compute_dtype=torch.float32, device="cpu")
+    msg = _one_line(err)
+    assert f"need {need / 2**20:.1f} MiB in all" in msg and f"{Usage.free / 2**20:.1f} MiB free" in msg, msg
+    assert os.listdir(tmp_path) == []
