@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .calibration import Calibration, CalibrationError
+
 MiB = 1024 ** 2
 GiB = 1024 ** 3
 GB = 1e9
@@ -60,6 +62,9 @@ class HardwareProfile:
     # CPU rounding of fp32 masters into the bf16 shadow (params/s, all cores), the pass after AdamW
     # when compute is not fp32; 0: not measured (the cost model then assumes ADAM_SHADOW_FACTOR).
     cpu_shadow_params_per_s: float = 0.0
+    # Cost and memory constants fitted from real training steps on this machine (megatrain-plan calibrate),
+    # with their source; None: the models use their default constants.
+    calibration: Calibration | None = None
     version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:
@@ -69,6 +74,14 @@ class HardwareProfile:
         object.__setattr__(self, "matmul_tflops", dict(self.matmul_tflops))
         object.__setattr__(self, "transfer_by_size", tuple(tuple(r) for r in self.transfer_by_size))
         object.__setattr__(self, "adam_by_threads", tuple(tuple(r) for r in self.adam_by_threads))
+        if isinstance(self.calibration, Mapping):
+            try:
+                object.__setattr__(self, "calibration", Calibration.from_dict(self.calibration))
+            except CalibrationError as e:
+                raise HardwareError(str(e)) from None
+        if self.calibration is not None and not isinstance(self.calibration, Calibration):
+            raise HardwareError(f"calibration={self.calibration!r} must be the object megatrain-plan calibrate "
+                                "writes, or absent")
         for f in ("gpu_mem_bytes", "host_ram_bytes", "host_available_bytes", "cores", "cgroup_limit_bytes"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -95,6 +108,25 @@ class HardwareProfile:
     def device_is_host(self) -> bool:
         """No GPU: the 'device' is the CPU and shares host RAM."""
         return self.gpu_mem_bytes == 0
+
+    def fitted(self, compute_dtype: str) -> Calibration | None:
+        """The calibration for ``compute_dtype`` ("fp32", "bf16" or a torch name), if this profile has one."""
+        cal = self.calibration
+        if cal is None:
+            return None
+        names = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+        return cal if names.get(cal.compute_dtype, cal.compute_dtype) == names.get(compute_dtype, compute_dtype) \
+            else None
+
+    def constants(self, compute_dtype: str) -> str:
+        """Which constants the cost and memory models use for ``compute_dtype``, in words."""
+        cal = self.fitted(compute_dtype)
+        if cal is not None:
+            return cal.describe()
+        if self.calibration is not None:
+            return (f"defaults (this profile is calibrated for {self.calibration.compute_dtype} only; run "
+                    f"megatrain-plan calibrate --dtype {compute_dtype})")
+        return "defaults (run megatrain-plan calibrate to fit them on this machine)"
 
     @property
     def host_budget_bytes(self) -> int:
@@ -136,6 +168,7 @@ class HardwareProfile:
         d = dataclasses.asdict(self)
         d["transfer_by_size"] = [list(r) for r in self.transfer_by_size]
         d["adam_by_threads"] = [list(r) for r in self.adam_by_threads]
+        d["calibration"] = self.calibration.to_dict() if self.calibration is not None else None
         return d
 
     def to_json(self, indent: int | None = 2) -> str:
