@@ -210,7 +210,7 @@ def fit(runs: Sequence[RunSample], compute_dtype: str, overhead_run: RunSample |
                 count), with r the rate of the narrowest run measured without overhead; else 0
     rate      r(h) = flops / (compute_s - o x units) / 1e12, per run; runs of one width: their median
     AdamW     sum(params) / sum(adam_s); copies: sum(bytes) / sum(s) / 1e9 per direction
-    process   P = the smallest baseline RSS (imports only; the same in every run)
+    process   P = the median baseline RSS (imports done, no engine yet: the same in every run)
     temps     growth - listed = a + b x transient, by ``fit_line``
     """
     if not runs:
@@ -240,7 +240,7 @@ def fit(runs: Sequence[RunSample], compute_dtype: str, overhead_run: RunSample |
     h2d = rate(sum(r.h2d_bytes for r in runs), sum(r.h2d_s for r in runs), "H2D copy") / 1e9
     d2h = rate(sum(r.d2h_bytes for r in runs), sum(r.d2h_s for r in runs), "D2H copy") / 1e9
     all_runs = list(runs) + ([overhead_run] if overhead_run is not None else [])
-    process = min(r.baseline_rss_bytes for r in all_runs)
+    process = statistics.median(r.baseline_rss_bytes for r in all_runs)
     a, b = fit_line([r.transient_bytes for r in all_runs],
                     [r.peak_rss_growth_bytes - r.listed_bytes for r in all_runs])
     return Calibration(
