@@ -147,9 +147,10 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
         rate = peak * 1e12 * t / (t + T_HALF_TOKENS) / NONMATMUL_FACTOR
         launch_fwd, launch_bwd = LAUNCH_FWD_S, LAUNCH_BWD_S
         h2d_gbps, d2h_gbps = hw.h2d_gbps, hw.d2h_gbps
-    # Without a GPU the copies are memcpys on the host; with one, H2D and D2H at once share the link:
-    # each direction runs at scale x its own rate, scale = min(1, duplex / (h2d + d2h)).
-    duplex_scale = min(1.0, hw.duplex_gbps / (h2d_gbps + d2h_gbps))
+    # Without a GPU the copies are memcpys on the host, one after another; with one, H2D and D2H at once
+    # share the link: each direction runs at scale x its own rate, scale = min(1, duplex / (h2d + d2h)).
+    # Rates fitted in the step already hold that sharing: scale = 1.
+    duplex_scale = 1.0 if hw.device_is_host or cal is not None else min(1.0, hw.duplex_gbps / (h2d_gbps + d2h_gbps))
     host_ckpt = plan.checkpoints == "host"
     ckpt_bytes = T * h * c                                   # one block boundary: T x h x c
     eager = plan.optimizer_mode == "eager"
