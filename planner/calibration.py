@@ -6,7 +6,8 @@ imports the runtime. The fitted terms replace the cost and memory models'
 default constants where a profile carries them:
 
   achieved matmul rate by width  r(h)  TFLOP/s of the whole step's compute (matmuls, elementwise kernels,
-                                       attention) at hidden size h; between calibrated widths linear in log2(h)
+                                       attention) at hidden size h; between calibrated widths linear in log2(h);
+                                       times eff(t) = t / (t + t_half) for t tokens per micro-batch
   per-block overhead             o     seconds per decoder layer per micro-batch (forward, recompute and
                                        backward together) that do not scale with FLOPs: launches, Python
   AdamW and copy rates                 as measured inside the step (params/s; GB/s per direction)
@@ -92,6 +93,7 @@ class RunSample:
     listed_bytes: int
     transient_bytes: int
     spread: float = 0.0
+    tokens_per_micro_batch: int = 0         # t = micro-batch size x sequence length (0: not known)
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,9 @@ class Calibration:
     process_bytes: int
     temporaries_bytes: int                   # a: fixed part of what the listed buffers miss
     temporaries_factor: float                # b: per byte of layer working set + logits chunk
+    # eff(t) = t / (t + t_half) with t tokens per micro-batch; tflops_by_width holds r(h) at eff = 1, the
+    # rate at t is r(h) x eff(t). 0: no dependence on t was measured.
+    t_half_tokens: float = 0.0
     # where they came from: command, date, runs, samples per figure, the largest spread
     source: str = "unspecified"
     samples: int = 0
@@ -126,7 +131,7 @@ class Calibration:
             if not isinstance(v, (int, float)) or v <= 0:
                 raise CalibrationError(f"calibration {f}={v!r} must be a positive number; run megatrain-plan "
                                        "calibrate again")
-        for f in ("block_overhead_s", "temporaries_factor", "spread"):
+        for f in ("block_overhead_s", "temporaries_factor", "spread", "t_half_tokens"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or v < 0:
                 raise CalibrationError(f"calibration {f}={v!r} must be a number >= 0; run megatrain-plan "
@@ -152,6 +157,11 @@ class Calibration:
                 return r0 + (r1 - r0) * x
         raise AssertionError("unreachable: widths are sorted")
 
+    def rate_tflops(self, hidden_size: int, tokens_per_micro_batch: int) -> float:
+        """Achieved TFLOP/s at width h and t tokens per micro-batch: r(h) x t / (t + t_half)."""
+        t = tokens_per_micro_batch
+        return self.tflops(hidden_size) * (t / (t + self.t_half_tokens) if self.t_half_tokens > 0 else 1.0)
+
     def temporaries(self, transient_bytes: int) -> int:
         """What the listed buffers miss at peak: a + b x (layer working set + logits chunk)."""
         return int(self.temporaries_bytes + self.temporaries_factor * transient_bytes)
@@ -164,7 +174,7 @@ class Calibration:
                 "block_overhead_s": self.block_overhead_s, "adam_params_per_s": self.adam_params_per_s,
                 "h2d_gbps": self.h2d_gbps, "d2h_gbps": self.d2h_gbps, "process_bytes": self.process_bytes,
                 "temporaries_bytes": self.temporaries_bytes, "temporaries_factor": self.temporaries_factor,
-                "source": self.source, "samples": self.samples, "spread": self.spread,
+                "t_half_tokens": self.t_half_tokens, "source": self.source, "samples": self.samples, "spread": self.spread,
                 "runs": [dict(r) for r in self.runs]}
 
     @classmethod
@@ -208,7 +218,8 @@ def fit(runs: Sequence[RunSample], compute_dtype: str, overhead_run: RunSample |
 
     overhead  o = (compute_s - flops / r) / units of ``overhead_run`` (a model so small that FLOPs hardly
                 count), with r the rate of the narrowest run measured without overhead; else 0
-    rate      r(h) = flops / (compute_s - o x units) / 1e12, per run; runs of one width: their median
+    rate      r = flops / (compute_s - o x units) / 1e12 per run; t_half from runs of one width at two
+              micro-batch sizes (``fit_t_half``); r(h) = median over the width's runs of r / eff(t)
     AdamW     sum(params) / sum(adam_s); copies: sum(bytes) / sum(s) / 1e9 per direction
     process   P = the median baseline RSS (imports done, no engine yet: the same in every run)
     temps     growth - listed = a + b x transient, by ``fit_line``
@@ -220,15 +231,19 @@ def fit(runs: Sequence[RunSample], compute_dtype: str, overhead_run: RunSample |
         narrow = min(runs, key=lambda r: r.hidden_size)
         r0 = narrow.flops / narrow.compute_s                   # FLOP/s with the overhead still inside
         o = max(0.0, (overhead_run.compute_s - overhead_run.flops / r0) / overhead_run.overhead_units)
-    by_width: dict[int, list[float]] = {}
+    by_width: dict[int, list[tuple[int, float]]] = {}     # width -> [(t, TFLOP/s)]
     for r in runs:
         pure = r.compute_s - o * r.overhead_units
         if pure <= 0:
             raise CalibrationError(f"run {r.name}: the per-block overhead ({o * 1e3:.2f} ms x "
                                    f"{r.overhead_units:g}) exceeds its compute time {r.compute_s:.3f} s; "
                                    "calibrate with larger models")
-        by_width.setdefault(r.hidden_size, []).append(r.flops / pure / 1e12)
-    rates = tuple((w, statistics.median(v)) for w, v in by_width.items())
+        by_width.setdefault(r.hidden_size, []).append((r.tokens_per_micro_batch, r.flops / pure / 1e12))
+    t_half = statistics.median(halves) if (halves := [fit_t_half(v) for v in by_width.values()
+                                                        if len({t for t, _ in v if t > 0}) >= 2]) else 0.0
+    # r(h) = median over the width's runs of rate / eff(t)
+    rates = tuple((w, statistics.median(x / (t / (t + t_half) if t_half > 0 and t > 0 else 1.0) for t, x in v))
+                  for w, v in by_width.items())
 
     def rate(num: float, den: float, what: str) -> float:
         if den <= 0 or num <= 0:
@@ -246,8 +261,23 @@ def fit(runs: Sequence[RunSample], compute_dtype: str, overhead_run: RunSample |
     return Calibration(
         compute_dtype=compute_dtype, tflops_by_width=rates, block_overhead_s=o, adam_params_per_s=adam,
         h2d_gbps=h2d, d2h_gbps=d2h, process_bytes=int(process), temporaries_bytes=int(round(a)),
-        temporaries_factor=b, source=source, samples=samples, spread=max(r.spread for r in all_runs),
+        temporaries_factor=b, t_half_tokens=t_half, source=source, samples=samples, spread=max(r.spread for r in all_runs),
         runs=tuple(_run_row(r) for r in all_runs))
+
+
+def fit_t_half(points: Sequence[tuple[int, float]]) -> float:
+    """t_half of eff(t) = t / (t + t_half) from the rates at the smallest and largest t of one width:
+    q = (r1 / r2) x (t2 / t1) = (t2 + th) / (t1 + th)  ->  th = (t2 - q t1) / (q - 1); 0 when the rate
+    does not rise with t (q <= 1 or th < 0), at most MAX_T_HALF."""
+    known = sorted((t, r) for t, r in points if t > 0)
+    (t1, r1), (t2, r2) = known[0], known[-1]
+    q = r1 / r2 * t2 / t1
+    if q <= 1.0 + 1e-9 or t1 == t2:
+        return 0.0
+    return min(MAX_T_HALF, max(0.0, (t2 - q * t1) / (q - 1.0)))
+
+
+MAX_T_HALF = 4096.0
 
 
 def _run_row(r: RunSample) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import pytest
 
 from megatrain.planner import cost_model, memory_model, model_shapes
 from megatrain.planner.calibration import (SPREAD_WARN, Calibration, CalibrationError, RunSample, fit, fit_line,
-                                           robust)
+                                           fit_t_half, robust)
 from megatrain.planner.hardware import HardwareError, HardwareProfile
 from megatrain.planner.plan import Plan
 from megatrain.planner.workload import Workload
@@ -107,6 +107,22 @@ def test_fit_by_hand() -> None:
     assert cal.spread == 0.4 and cal.samples == 3 and cal.source == "hand"
 
 
+def test_t_half_by_hand() -> None:
+    # truth: r_inf = 0.1, t_half = 256 -> eff(256) = 0.5, eff(1024) = 0.8: rates 0.05 and 0.08
+    # q = (0.05 / 0.08) x (1024 / 256) = 2.5; t_half = (1024 - 2.5 x 256) / 1.5 = 256
+    assert fit_t_half([(1024, 0.08), (256, 0.05)]) == pytest.approx(256)
+    assert fit_t_half([(256, 0.08), (1024, 0.08)]) == 0.0          # no rise with t: no dependence
+    assert fit_t_half([(256, 0.09), (1024, 0.08)]) == 0.0
+    runs = [_run("a", 512, 1e12, 0, 1e12 / 0.05e12, tokens_per_micro_batch=256),
+            _run("b", 512, 1e12, 0, 1e12 / 0.08e12, tokens_per_micro_batch=1024),
+            _run("c", 1024, 1e12, 0, 1e12 / 0.16e12, tokens_per_micro_batch=1024)]
+    cal = fit(runs, "fp32")
+    assert cal.t_half_tokens == pytest.approx(256)
+    # r(h) at eff = 1: 0.05 / 0.5 and 0.08 / 0.8 -> 0.1; 0.16 / 0.8 = 0.2
+    assert dict(cal.tflops_by_width) == pytest.approx({512: 0.1, 1024: 0.2})
+    assert cal.rate_tflops(1024, 768) == pytest.approx(0.2 * 768 / 1024)
+
+
 def test_fit_refuses_overhead_larger_than_compute() -> None:
     narrow = _run("a", 256, 1e12, 1000, 1.0)
     tiny = _run("o", 64, 1e6, 10, 5.0)
@@ -158,13 +174,14 @@ def test_a_bad_calibration_is_one_line() -> None:
 # ---- the models use fitted terms ----------------------------------------------------------------
 
 def test_cost_model_uses_fitted_terms_on_a_cpu() -> None:
-    cal = _cal()
+    cal = _cal(t_half_tokens=256.0)
     hw = _cpu(calibration=cal)
     work = Workload(seq_len=128, batch=4, compute_dtype="fp32")
     plan = Plan(micro_batch_size=2)
     est = cost_model.estimate(SMALL, work, plan, hw)
     L, T = SMALL.num_layers, work.tokens
-    rate = 0.2e12                                            # h = 512: halfway in log2 between 256 and 1024
+    # h = 512: halfway in log2 between 256 and 1024 -> 0.2; t = 256 tokens: eff = 256 / (256 + 256)
+    rate = 0.2e12 * 0.5
     units = cost_model.overhead_units(SMALL, work, plan)
     M, chunks = 2, 1
     assert units == pytest.approx((M + L * M) * 0.25 / 0.9 + (M * chunks + L * M + M) * 0.65 / 0.9)

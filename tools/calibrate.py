@@ -1,4 +1,4 @@
-"""``megatrain-plan calibrate``: fit the planner's cost and memory constants from real training steps.
+"""megatrain-plan calibrate: fit the planner's cost and memory constants from real training steps.
 
     megatrain-plan calibrate                 # fp32, a few small models, a couple of minutes on a CPU
     python -m megatrain.tools.calibrate      # the same
@@ -26,10 +26,12 @@ import time
 from typing import Any, Callable, Sequence
 
 PROG = "megatrain-plan calibrate"
+FITTED_NOTE = "cost and memory constants fitted by megatrain-plan calibrate"
 DTYPES = ("fp32", "bf16")
 
-# (name, config.json fields, seq, batch, micro-batch size): widths 256 .. 1024, sizes ~6M .. ~100M parameters.
-# The first is the overhead run: so small that per-block costs, not FLOPs, make its step.
+# (name, config.json fields, seq, batch, micro-batch size): widths 256 .. 1024, sizes ~6M .. ~110M parameters;
+# h512 twice, at 1024 and 256 tokens per micro-batch, for the rate's dependence on t.
+# The overhead run is so small that per-block costs, not FLOPs, make its step.
 OVERHEAD_RUN = ("overhead", dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
                                  num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1), 16, 4, 1)
 RUNS = (
@@ -37,6 +39,8 @@ RUNS = (
                   num_attention_heads=4, num_key_value_heads=2), 256, 4, 4),
     ("h512", dict(model_type="llama", vocab_size=16384, hidden_size=512, intermediate_size=1408,
                   num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4), 256, 4, 4),
+    ("h512-mb1", dict(model_type="llama", vocab_size=16384, hidden_size=512, intermediate_size=1408,
+                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4), 256, 4, 1),
     ("h768", dict(model_type="qwen2", vocab_size=24576, hidden_size=768, intermediate_size=2048,
                   num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=4), 256, 2, 2),
     ("h1024", dict(model_type="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
@@ -148,7 +152,7 @@ def reduce_run(name: str, config: dict[str, Any], seq: int, batch: int, dtype: s
         baseline_rss_bytes=measured["baseline_rss_bytes"], peak_rss_growth_bytes=measured["peak_rss_growth_bytes"],
         listed_bytes=memory_model.listed_host_bytes(est, hw.device_is_host),
         transient_bytes=memory_model.transient_bytes(shape, work, plan),
-        spread=max(step.spread, compute.spread))
+        spread=max(step.spread, compute.spread), tokens_per_micro_batch=min(plan.micro_batch_size, batch) * seq)
 
 
 def base_profile(log: Callable[[str], None]) -> tuple[Any, str]:
@@ -174,7 +178,7 @@ def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: s
     plain = hw.replace(calibration=None)
     runs, warnings = [], []
     overhead = None
-    todo = [OVERHEAD_RUN, *(RUNS[:2] if quick else RUNS)]
+    todo = [OVERHEAD_RUN, *(RUNS[:3] if quick else RUNS)]
     for name, config, seq, batch, mbs in todo:
         shape = model_shapes.from_config(config)
         work = Workload(seq_len=seq, batch=batch, compute_dtype=dtype, clipping=True)
@@ -202,7 +206,9 @@ def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: s
     source = (f"`{command}` on {when}: {len(todo)} runs x {steps} steps, {kept} of each kept, "
               f"spread up to {spread:.0%}")
     cal = fit(runs, dtype, overhead_run=overhead, source=source, samples=steps)
-    return hw.replace(calibration=cal), path, warnings
+    # The profile's source line, which the planner prints, says the constants are fitted (once).
+    base = hw.source.split(FITTED_NOTE)[0].rstrip("; ")
+    return hw.replace(calibration=cal, source=f"{base}; {FITTED_NOTE} ({dtype}) on {when}"), path, warnings
 
 
 def save_atomically(hw: Any, path: str) -> None:
@@ -225,6 +231,7 @@ def summary(hw: Any, path: str) -> str:
     widths = ", ".join(f"h={w}: {r:.3f}" for w, r in cal.tflops_by_width)
     return "\n".join([
         f"achieved TFLOP/s ({cal.compute_dtype}) by width: {widths}",
+        f"times t / (t + {cal.t_half_tokens:.0f}) at t tokens per micro-batch",
         f"per-block overhead: {cal.block_overhead_s * 1e3:.3f} ms per layer per micro-batch",
         f"AdamW in the step: {cal.adam_params_per_s / 1e9:.3f} Gparam/s; copies: H2D {cal.h2d_gbps:.1f} GB/s, "
         f"D2H {cal.d2h_gbps:.1f} GB/s",
@@ -239,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps per model after one warm-up (3)")
     p.add_argument("--percentile", type=float, default=0.0,
                    help="which sample of each figure to keep: 0 the fastest (default), 50 the median")
-    p.add_argument("--quick", action="store_true", help="the two smallest models only (tests, smoke runs)")
+    p.add_argument("--quick", action="store_true", help="the three smallest runs only (smoke runs)")
     p.add_argument("--out", help="profile to write (default: the saved profile the planner reads)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.add_argument("--child", help=argparse.SUPPRESS)
