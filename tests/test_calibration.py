@@ -140,33 +140,39 @@ def test_rate_interpolates_in_log_width_and_clamps() -> None:
 # ---- the profile --------------------------------------------------------------------------------
 
 def test_profile_round_trips_the_calibration_with_its_source(tmp_path) -> None:
-    hw = _cpu(calibration=_cal(runs=({"name": "h256", "step_s": 1.0},)))
+    hw = _cpu(calibrations=(_cal(runs=({"name": "h256", "step_s": 1.0},)),))
     path = tmp_path / "hw.json"
     hw.save(str(path))
     back = HardwareProfile.load(str(path))
     assert back == hw
-    assert back.calibration.source == "test calibration" and back.calibration.spread == 0.1
-    assert back.calibration.runs == ({"name": "h256", "step_s": 1.0},)
-    assert json.loads(path.read_text())["calibration"]["tflops_by_width"] == [[256, 0.1], [1024, 0.3]]
+    cal = back.fitted("fp32")
+    assert cal.source == "test calibration" and cal.spread == 0.1 and cal.samples == 3
+    assert cal.runs == ({"name": "h256", "step_s": 1.0},)
+    assert json.loads(path.read_text())["calibrations"][0]["tflops_by_width"] == [[256, 0.1], [1024, 0.3]]
+    # a second dtype joins the first; calibrating a dtype again replaces its entry
+    both = back.with_calibration(_cal(compute_dtype="bf16", source="bf16 run"))
+    assert both.fitted("bf16").source == "bf16 run" and both.fitted("float32").source == "test calibration"
+    again = both.with_calibration(_cal(source="newer"))
+    assert len(again.calibrations) == 2 and again.fitted("fp32").source == "newer"
 
 
 def test_a_profile_without_calibration_still_loads(tmp_path) -> None:
     data = _cpu().to_dict()
-    del data["calibration"]                                 # written before calibration existed
+    del data["calibrations"]                                # written before calibration existed
     path = tmp_path / "old.json"
     path.write_text(json.dumps(data))
     hw = HardwareProfile.load(str(path))
-    assert hw.calibration is None and hw.fitted("fp32") is None
+    assert hw.calibrations == () and hw.fitted("fp32") is None
     assert "defaults" in hw.constants("fp32")
 
 
 def test_a_bad_calibration_is_one_line() -> None:
-    data = _cpu(calibration=_cal()).to_dict()
-    data["calibration"]["h2d_gbps"] = -1
+    data = _cpu(calibrations=(_cal(),)).to_dict()
+    data["calibrations"][0]["h2d_gbps"] = -1
     with pytest.raises(HardwareError, match="h2d_gbps") as e:
         HardwareProfile.from_dict(data)
     assert "\n" not in str(e.value)
-    data["calibration"] = {"compute_dtype": "fp32"}
+    data["calibrations"] = [{"compute_dtype": "fp32"}]
     with pytest.raises(HardwareError, match="calibrate again"):
         HardwareProfile.from_dict(data)
 
@@ -175,7 +181,7 @@ def test_a_bad_calibration_is_one_line() -> None:
 
 def test_cost_model_uses_fitted_terms_on_a_cpu() -> None:
     cal = _cal(t_half_tokens=256.0)
-    hw = _cpu(calibration=cal)
+    hw = _cpu(calibrations=(cal,))
     work = Workload(seq_len=128, batch=4, compute_dtype="fp32")
     plan = Plan(micro_batch_size=2)
     est = cost_model.estimate(SMALL, work, plan, hw)
@@ -200,7 +206,7 @@ def test_cost_model_uses_fitted_terms_on_a_cpu() -> None:
 def test_cost_model_keeps_defaults_for_another_dtype() -> None:
     work = Workload(seq_len=128, batch=4, compute_dtype="bf16")
     plan = Plan(micro_batch_size=2)
-    fitted = cost_model.estimate(SMALL, work, plan, _cpu(calibration=_cal()))
+    fitted = cost_model.estimate(SMALL, work, plan, _cpu(calibrations=(_cal(),)))
     plain = cost_model.estimate(SMALL, work, plan, _cpu())
     assert fitted.step_seconds == plain.step_seconds
     assert "calibrated for fp32 only" in fitted.constants and "defaults" in plain.constants
@@ -209,7 +215,7 @@ def test_cost_model_keeps_defaults_for_another_dtype() -> None:
 def test_memory_model_uses_fitted_fixed_terms() -> None:
     work = Workload(seq_len=128, batch=4, compute_dtype="fp32")
     plan = Plan(micro_batch_size=2)
-    fitted = {c.name: c.nbytes for c in memory_model.estimate(SMALL, work, plan, _cpu(calibration=_cal())).components}
+    fitted = {c.name: c.nbytes for c in memory_model.estimate(SMALL, work, plan, _cpu(calibrations=(_cal(),))).components}
     plain = {c.name: c.nbytes for c in memory_model.estimate(SMALL, work, plan, _cpu()).components}
     assert plain["process"] == memory_model.HOST_PROCESS_BYTES and "temporaries" not in plain
     assert fitted["process"] == 300_000_000

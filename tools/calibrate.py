@@ -175,7 +175,7 @@ def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: s
     from megatrain.planner.workload import Workload
 
     hw, path = base_profile(log)
-    plain = hw.replace(calibration=None)
+    plain = hw.replace(calibrations=())
     runs, warnings = [], []
     overhead = None
     todo = [OVERHEAD_RUN, *(RUNS[:3] if quick else RUNS)]
@@ -210,7 +210,9 @@ def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: s
     cal = fit(runs, dtype, overhead_run=overhead, source=source, samples=steps)
     # The profile's source line, which the planner prints, says the constants are fitted (once).
     base = hw.source.split(FITTED_NOTE)[0].rstrip("; ")
-    return hw.replace(calibration=cal, source=f"{base}; {FITTED_NOTE} ({dtype}) on {when}"), path, warnings
+    fitted = ", ".join(sorted({c.compute_dtype for c in hw.calibrations} | {dtype}))
+    return (hw.with_calibration(cal).replace(source=f"{base}; {FITTED_NOTE} ({fitted}), latest on {when}"), path,
+            warnings)
 
 
 def save_atomically(hw: Any, path: str) -> None:
@@ -228,8 +230,8 @@ def save_atomically(hw: Any, path: str) -> None:
         raise
 
 
-def summary(hw: Any, path: str) -> str:
-    cal = hw.calibration
+def summary(hw: Any, dtype: str, path: str) -> str:
+    cal = hw.fitted(dtype)
     widths = ", ".join(f"h={w}: {r:.3f}" for w, r in cal.tflops_by_width)
     return "\n".join([
         f"achieved TFLOP/s ({cal.compute_dtype}) by width: {widths}",
@@ -279,10 +281,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for w in warnings:
         print(f"{PROG}: warning: {w}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"calibration": hw.calibration.to_dict(), "saved_to": out, "warnings": warnings},
+        print(json.dumps({"calibration": hw.fitted(args.dtype).to_dict(), "saved_to": out, "warnings": warnings},
                          indent=2, sort_keys=True))
     else:
-        print(summary(hw, out))
+        print(summary(hw, args.dtype, out))
     return 0
 
 
