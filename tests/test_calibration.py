@@ -232,12 +232,15 @@ def test_memory_model_uses_fitted_fixed_terms() -> None:
 # ---- the command --------------------------------------------------------------------------------
 
 def test_calibrate_refuses_bad_input_in_one_line(tmp_path) -> None:
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}')
     for args, needle in ((["--dtype", "fp8"], "--dtype"), (["--out", str(tmp_path)], "directory"),
-                         (["--steps", "0"], "--steps")):
+                         (["--steps", "0"], "--steps"), (["--out", str(notes)], "not a hardware profile")):
         p = subprocess.run([sys.executable, "-m", "megatrain.planner.cli", "calibrate", *args],
                            capture_output=True, text=True)
         assert p.returncode == 2, p.stderr
         assert needle in p.stderr and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+    assert notes.read_text() == '{"mine": 1}'                        # never overwritten
 
 
 def test_a_measured_run_reduces_to_a_sample() -> None:

@@ -155,26 +155,34 @@ def reduce_run(name: str, config: dict[str, Any], seq: int, batch: int, dtype: s
         spread=max(step.spread, compute.spread), tokens_per_micro_batch=min(plan.micro_batch_size, batch) * seq)
 
 
-def base_profile(log: Callable[[str], None]) -> tuple[Any, str]:
-    """The saved profile and its path; measured first (megatrain-plan profile's figures) when there is none."""
+def base_profile(out: str | None, log: Callable[[str], None]) -> tuple[Any, str]:
+    """The profile to calibrate and where it goes: ``out``, else the saved profile the planner reads; measured
+    first (megatrain-plan profile's figures) when that file does not exist yet. An existing file that is not
+    a hardware profile is refused, never overwritten."""
     from megatrain.planner import profiler
-    from megatrain.planner.hardware import HardwareProfile
+    from megatrain.planner.hardware import HardwareError, HardwareProfile
 
-    path = os.environ.get("MEGATRAIN_HARDWARE") or profiler.CACHE_PATH
+    path = out or os.environ.get("MEGATRAIN_HARDWARE") or profiler.CACHE_PATH
+    if os.path.isdir(path):
+        raise CalibrateError(f"--out={path!r} is a directory; pass a file path such as hardware.json")
     if os.path.exists(path):
-        return HardwareProfile.load(path), path
-    log(f"no saved profile at {path}: measuring this machine first")
+        try:
+            return HardwareProfile.load(path), path
+        except HardwareError as e:
+            raise CalibrateError(f"{path} exists and is not a hardware profile this release reads ({e}); pass "
+                                 "another --out, or move that file away") from None
+    log(f"no profile at {path} yet: measuring this machine first")
     return profiler.measure(None, log=log), path
 
 
-def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: str,
+def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: str, out: str | None,
               log: Callable[[str], None]) -> tuple[Any, str, list[str]]:
     """Run the calibration models, fit, and return (profile with the calibration, its path, warnings)."""
     from megatrain.planner import model_shapes, search
     from megatrain.planner.calibration import SPREAD_WARN, fit
     from megatrain.planner.workload import Workload
 
-    hw, path = base_profile(log)
+    hw, path = base_profile(out, log)
     plain = hw.replace(calibrations=())
     runs, warnings = [], []
     overhead = None
@@ -251,7 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--percentile", type=float, default=0.0,
                    help="which sample of each figure to keep: 0 the fastest (default), 50 the median")
     p.add_argument("--quick", action="store_true", help="the three smallest runs only (smoke runs)")
-    p.add_argument("--out", help="profile to write (default: the saved profile the planner reads)")
+    p.add_argument("--out", help="profile to update or create (default: the saved profile the planner reads, "
+                                 "$MEGATRAIN_HARDWARE or ~/.cache/megatrain/hardware.json)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -269,11 +278,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise CalibrateError(f"--percentile={args.percentile:g} must be within 0..100")
         if args.out and os.path.isdir(args.out):
             raise CalibrateError(f"--out={args.out!r} is a directory; pass a file path such as hardware.json")
+        if args.out and os.path.exists(args.out):
+            base_profile(args.out, lambda s: None)  # refuses a file that is not a profile before any run
         log = (lambda s: None) if args.json else (lambda s: print(f"calibrating: {s}", file=sys.stderr, flush=True))
         command = "megatrain-plan calibrate" + "".join(f" {shlex.quote(a)}" for a in (argv if argv is not None
                                                                                      else sys.argv[1:]))
-        hw, path, warnings = calibrate(args.dtype, args.steps, args.percentile, args.quick, command, log)
-        out = args.out or path
+        hw, out, warnings = calibrate(args.dtype, args.steps, args.percentile, args.quick, command, args.out, log)
         save_atomically(hw, out)
     except (CalibrateError, HardwareError, CalibrationError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
