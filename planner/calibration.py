@@ -5,9 +5,11 @@ through the runtime and hands this module plain numbers per run; nothing here
 imports the runtime. The fitted terms replace the cost and memory models'
 default constants where a profile carries them:
 
-  achieved matmul rate by width  r(h)  TFLOP/s of the whole step's compute (matmuls, elementwise kernels,
+  achieved rate by width         r(h)  TFLOP/s of the decoder layers' compute (matmuls, elementwise kernels,
                                        attention) at hidden size h; between calibrated widths linear in log2(h);
                                        times eff(t) = t / (t + t_half) for t tokens per micro-batch
+  head rate by width        r_head(h)  the head's shape class (norm, chunked [t, h] x [h, V] and cross-entropy,
+                                       forward and backward), timed alone with the runtime's head function
   per-block overhead             o     seconds per decoder layer per micro-batch (forward, recompute and
                                        backward together) that do not scale with FLOPs: launches, Python
   AdamW and copy rates                 as measured inside the step (params/s; GB/s per direction)
@@ -30,6 +32,9 @@ from typing import Any, Mapping, Sequence
 
 # A figure whose samples spread by more than this (max / min - 1) was measured on a busy machine.
 SPREAD_WARN = 0.25
+# A head timed alone at more than this share of its run's compute was measured on a busy machine (the head is
+# one block of many): the run's head then counts with its layers.
+HEAD_SHARE_MAX = 0.8
 
 
 class CalibrationError(ValueError):
@@ -94,6 +99,9 @@ class RunSample:
     transient_bytes: int
     spread: float = 0.0
     tokens_per_micro_batch: int = 0         # t = micro-batch size x sequence length (0: not known)
+    head_flops: float = 0.0                  # the head's FLOPs in the step, and its seconds timed alone
+    head_s: float = 0.0                      # (0: not timed; the head then counts with the layers)
+    head_units: float = 0.0                  # the head's share of overhead_units
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,9 @@ class Calibration:
     # eff(t) = t / (t + t_half) with t tokens per micro-batch; tflops_by_width holds r(h) at eff = 1, the
     # rate at t is r(h) x eff(t). 0: no dependence on t was measured.
     t_half_tokens: float = 0.0
+    # ((hidden size, TFLOP/s), ...) of the head (final norm, chunked lm_head and cross-entropy, forward and
+    # backward, timed alone); empty: the head runs at the layers' rate.
+    head_tflops_by_width: tuple[tuple[int, float], ...] = ()
     # where they came from: command, date, runs, samples per figure, the largest spread
     source: str = "unspecified"
     samples: int = 0
@@ -123,6 +134,11 @@ class Calibration:
         object.__setattr__(self, "tflops_by_width",
                            tuple(sorted((int(w), float(r)) for w, r in self.tflops_by_width)))
         object.__setattr__(self, "runs", tuple(dict(r) for r in self.runs))
+        object.__setattr__(self, "head_tflops_by_width",
+                           tuple(sorted((int(w), float(r)) for w, r in self.head_tflops_by_width)))
+        if any(w <= 0 or r <= 0 for w, r in self.head_tflops_by_width):
+            raise CalibrationError(f"head_tflops_by_width={self.head_tflops_by_width!r} needs positive (width, "
+                                   "TFLOP/s) pairs; run megatrain-plan calibrate again")
         if not self.tflops_by_width or any(w <= 0 or r <= 0 for w, r in self.tflops_by_width):
             raise CalibrationError(f"tflops_by_width={self.tflops_by_width!r} needs positive (width, TFLOP/s) "
                                    "pairs; run megatrain-plan calibrate again")
@@ -145,17 +161,11 @@ class Calibration:
     def tflops(self, hidden_size: int) -> float:
         """Achieved TFLOP/s at ``hidden_size``: linear in log2(width) between calibrated widths, the
         nearest calibrated width's figure outside them."""
-        pts = self.tflops_by_width
-        if hidden_size <= pts[0][0]:
-            return pts[0][1]
-        if hidden_size >= pts[-1][0]:
-            return pts[-1][1]
-        for (w0, r0), (w1, r1) in zip(pts, pts[1:]):
-            if w0 <= hidden_size <= w1:
-                # r = r0 + (r1 - r0) x (log2 h - log2 w0) / (log2 w1 - log2 w0)
-                x = (math.log2(hidden_size) - math.log2(w0)) / (math.log2(w1) - math.log2(w0))
-                return r0 + (r1 - r0) * x
-        raise AssertionError("unreachable: widths are sorted")
+        return _interpolate(self.tflops_by_width, hidden_size)
+
+    def head_tflops(self, hidden_size: int) -> float:
+        """The head's TFLOP/s at ``hidden_size``, interpolated as ``tflops``."""
+        return _interpolate(self.head_tflops_by_width, hidden_size)
 
     def rate_tflops(self, hidden_size: int, tokens_per_micro_batch: int) -> float:
         """Achieved TFLOP/s at width h and t tokens per micro-batch: r(h) x t / (t + t_half)."""
@@ -174,7 +184,8 @@ class Calibration:
                 "block_overhead_s": self.block_overhead_s, "adam_params_per_s": self.adam_params_per_s,
                 "h2d_gbps": self.h2d_gbps, "d2h_gbps": self.d2h_gbps, "process_bytes": self.process_bytes,
                 "temporaries_bytes": self.temporaries_bytes, "temporaries_factor": self.temporaries_factor,
-                "t_half_tokens": self.t_half_tokens, "source": self.source, "samples": self.samples, "spread": self.spread,
+                "t_half_tokens": self.t_half_tokens,
+                "head_tflops_by_width": [list(p) for p in self.head_tflops_by_width], "source": self.source, "samples": self.samples, "spread": self.spread,
                 "runs": [dict(r) for r in self.runs]}
 
     @classmethod
@@ -183,10 +194,25 @@ class Calibration:
             raise CalibrationError(f"calibration is a JSON object, got {type(data).__name__}; run "
                                    "megatrain-plan calibrate again")
         try:
-            return cls(**{**data, "tflops_by_width": tuple(tuple(p) for p in data.get("tflops_by_width", ()))})
+            return cls(**{**data, "tflops_by_width": tuple(tuple(p) for p in data.get("tflops_by_width", ())),
+                          "head_tflops_by_width": tuple(tuple(p) for p in data.get("head_tflops_by_width", ()))})
         except TypeError as e:
             raise CalibrationError(f"calibration has a missing, unknown or mistyped field ({e}); run "
                                    "megatrain-plan calibrate again") from None
+
+
+def _interpolate(pts: Sequence[tuple[int, float]], hidden_size: int) -> float:
+    """r at h from sorted (width, r) points: linear in log2(width) between them, the end figures outside."""
+    if hidden_size <= pts[0][0]:
+        return pts[0][1]
+    if hidden_size >= pts[-1][0]:
+        return pts[-1][1]
+    for (w0, r0), (w1, r1) in zip(pts, pts[1:]):
+        if w0 <= hidden_size <= w1:
+            # r = r0 + (r1 - r0) x (log2 h - log2 w0) / (log2 w1 - log2 w0)
+            x = (math.log2(hidden_size) - math.log2(w0)) / (math.log2(w1) - math.log2(w0))
+            return r0 + (r1 - r0) * x
+    raise AssertionError("unreachable: widths are sorted")
 
 
 # ---- fitting ---------------------------------------------------------------------------------
@@ -216,6 +242,8 @@ def fit(runs: Sequence[RunSample], compute_dtype: str, overhead_run: RunSample |
         source: str = "unspecified", samples: int = 0) -> Calibration:
     """Fit every term from the runs (see the module docstring for the model).
 
+    head      where a run timed its head alone: r_head(h) = head FLOPs / head seconds, and the run's own
+              FLOPs, seconds and overhead units below are without the head
     overhead  o = (compute_s - flops / r) / units of ``overhead_run`` (a model so small that FLOPs hardly
                 count), with r the rate of the narrowest run measured without overhead; else 0
     rate      r = flops / (compute_s - o x units) / 1e12 per run; t_half from runs of one width at two
@@ -226,19 +254,34 @@ def fit(runs: Sequence[RunSample], compute_dtype: str, overhead_run: RunSample |
     """
     if not runs:
         raise CalibrationError("no runs to fit; run megatrain-plan calibrate with at least one model")
+    def head_timed(r: RunSample) -> bool:
+        # a head timed alone as long as the whole step was measured on a busy machine: not usable
+        return 0 < r.head_s < HEAD_SHARE_MAX * r.compute_s
+
+    def body(r: RunSample) -> tuple[float, float, float]:
+        """(FLOPs, seconds, overhead units) of the run without its head where the head was timed alone."""
+        if head_timed(r):
+            return r.flops - r.head_flops, r.compute_s - r.head_s, r.overhead_units - r.head_units
+        return r.flops, r.compute_s, r.overhead_units
+
     o = 0.0
-    if overhead_run is not None and overhead_run.overhead_units > 0:
-        narrow = min(runs, key=lambda r: r.hidden_size)
-        r0 = narrow.flops / narrow.compute_s                   # FLOP/s with the overhead still inside
-        o = max(0.0, (overhead_run.compute_s - overhead_run.flops / r0) / overhead_run.overhead_units)
+    if overhead_run is not None and body(overhead_run)[2] > 0:
+        nf, ns, _ = body(min(runs, key=lambda r: r.hidden_size))
+        r0 = nf / ns                                           # FLOP/s with the overhead still inside
+        of, os_, ou = body(overhead_run)
+        o = max(0.0, (os_ - of / r0) / ou)
     by_width: dict[int, list[tuple[int, float]]] = {}     # width -> [(t, TFLOP/s)]
+    heads: dict[int, list[float]] = {}                    # width -> [head TFLOP/s]
     for r in runs:
-        pure = r.compute_s - o * r.overhead_units
+        if head_timed(r):
+            heads.setdefault(r.hidden_size, []).append(r.head_flops / r.head_s / 1e12)
+        flops, seconds, units = body(r)
+        pure = seconds - o * units
         if pure <= 0:
             raise CalibrationError(f"run {r.name}: the per-block overhead ({o * 1e3:.2f} ms x "
                                    f"{r.overhead_units:g}) exceeds its compute time {r.compute_s:.3f} s; "
                                    "calibrate with larger models")
-        by_width.setdefault(r.hidden_size, []).append((r.tokens_per_micro_batch, r.flops / pure / 1e12))
+        by_width.setdefault(r.hidden_size, []).append((r.tokens_per_micro_batch, flops / pure / 1e12))
     t_half = statistics.median(halves) if (halves := [fit_t_half(v) for v in by_width.values()
                                                         if len({t for t, _ in v if t > 0}) >= 2]) else 0.0
     # r(h) = median over the width's runs of rate / eff(t)
@@ -261,7 +304,8 @@ def fit(runs: Sequence[RunSample], compute_dtype: str, overhead_run: RunSample |
     return Calibration(
         compute_dtype=compute_dtype, tflops_by_width=rates, block_overhead_s=o, adam_params_per_s=adam,
         h2d_gbps=h2d, d2h_gbps=d2h, process_bytes=int(process), temporaries_bytes=int(round(a)),
-        temporaries_factor=b, t_half_tokens=t_half, source=source, samples=samples, spread=max(r.spread for r in all_runs),
+        temporaries_factor=b, t_half_tokens=t_half,
+        head_tflops_by_width=tuple((w, statistics.median(v)) for w, v in heads.items()), source=source, samples=samples, spread=max(r.spread for r in all_runs),
         runs=tuple(_run_row(r) for r in all_runs))
 
 

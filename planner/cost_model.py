@@ -199,6 +199,9 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
     head_load = (H + (E if model.tie_word_embeddings else 0)) * c
     chunks = -(-t // min(plan.loss_chunk_tokens, t))
     head_comp = T * (model.head_flops_fwd() + model.head_flops_bwd()) / rate + M * chunks * launch_bwd
+    if cal is not None and cal.head_tflops_by_width:
+        # Fitted head class, timed alone with its chunk loop: T x (2 + 4) x V x h / r_head(h)
+        head_comp = T * (model.head_flops_fwd() + model.head_flops_bwd()) / (cal.head_tflops(h) * 1e12)
     head_d2h = 0.0 if model.tie_word_embeddings else _copy_s(H * 4, d2h_f)
     # Eager mode: each drain lands in one of S host slabs; a slab frees when its AdamW ends.
     slab_users: list[int] = []
@@ -302,6 +305,14 @@ def overhead_units(model: ModelShape, work: Workload, plan: Plan) -> float:
     chunks = -(-t // min(plan.loss_chunk_tokens, t))
     f = LAUNCH_FWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
     return (M + L * M) * f + (M * chunks + L * M + M) * (1 - f)
+
+
+def head_overhead_units(model: ModelShape, work: Workload, plan: Plan) -> float:
+    """The head's share of ``overhead_units``: M x chunks x b."""
+    mbs = min(plan.micro_batch_size, work.batch)
+    M, t = work.micro_batches(mbs), mbs * work.seq_len
+    chunks = -(-t // min(plan.loss_chunk_tokens, t))
+    return M * chunks * LAUNCH_BWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
 
 
 def _busy(steps: list[_Step]) -> tuple[float, float, float]:

@@ -123,6 +123,24 @@ def test_t_half_by_hand() -> None:
     assert cal.rate_tflops(1024, 768) == pytest.approx(0.2 * 768 / 1024)
 
 
+def test_fit_with_the_head_timed_alone_by_hand() -> None:
+    # 5e12 FLOPs in 30 s, of which the head's 1e12 took 5 s alone: head 0.2 TFLOP/s, layers 4e12 / 25 s
+    run = _run("a", 512, 5e12, 100, 30.0, head_flops=1e12, head_s=5.0, head_units=20)
+    cal = fit([run], "fp32")
+    assert dict(cal.head_tflops_by_width) == pytest.approx({512: 0.2})
+    assert dict(cal.tflops_by_width) == pytest.approx({512: 0.16})
+    # overhead run (head not timed): o = (2.5 s - 1e9 / (4e12 / 25 s)) / 100 units, from the layers' rate
+    tiny = _run("o", 64, 1e9, 100, 2.5)
+    cal = fit([run], "fp32", overhead_run=tiny)
+    o = (2.5 - 1e9 / (4e12 / 25)) / 100
+    assert cal.block_overhead_s == pytest.approx(o)
+    assert dict(cal.tflops_by_width) == pytest.approx({512: 4e12 / (25 - o * 80) / 1e12})
+    assert Calibration.from_dict(cal.to_dict()) == cal
+    # a head timed alone as long as its whole run (a busy machine) is not used: the run counts as one class
+    busy = fit([_run("a", 512, 5e12, 100, 30.0, head_flops=1e12, head_s=29.0, head_units=20)], "fp32")
+    assert busy.head_tflops_by_width == () and dict(busy.tflops_by_width) == pytest.approx({512: 5 / 30})
+
+
 def test_fit_refuses_overhead_larger_than_compute() -> None:
     narrow = _run("a", 256, 1e12, 1000, 1.0)
     tiny = _run("o", 64, 1e6, 10, 5.0)
@@ -203,6 +221,19 @@ def test_cost_model_uses_fitted_terms_on_a_cpu() -> None:
     assert est.constants == "fitted (test calibration)" and est.to_dict()["constants"] == est.constants
 
 
+def test_cost_model_uses_the_fitted_head_rate() -> None:
+    cal = _cal(head_tflops_by_width=((256, 0.05), (1024, 0.2)))
+    work = Workload(seq_len=128, batch=4, compute_dtype="fp32")
+    plan = Plan(micro_batch_size=2)
+    with_head = cost_model.estimate(SMALL, work, plan, _cpu(calibrations=(cal,)))
+    without = cost_model.estimate(SMALL, work, plan, _cpu(calibrations=(_cal(),)))
+    T, F_head = work.tokens, SMALL.head_flops_fwd() + SMALL.head_flops_bwd()
+    # the head: T x F_head / r_head(512) (0.05 + 0.15 x 0.5 = 0.125 TFLOP/s) instead of T x F_head / r(512)
+    # plus its launches (M x chunks x b x o)
+    old_head = T * F_head / 0.2e12 + 2e-3 * cost_model.head_overhead_units(SMALL, work, plan)
+    assert with_head.step_seconds - without.step_seconds == pytest.approx(T * F_head / 0.125e12 - old_head)
+
+
 def test_cost_model_keeps_defaults_for_another_dtype() -> None:
     work = Workload(seq_len=128, batch=4, compute_dtype="bf16")
     plan = Plan(micro_batch_size=2)
@@ -250,7 +281,7 @@ def test_a_measured_run_reduces_to_a_sample() -> None:
     name, config, seq, batch, mbs = calibrate.OVERHEAD_RUN
     plan = Plan(micro_batch_size=mbs)
     measured = calibrate.child({"config": config, "seq": seq, "batch": batch, "dtype": "fp32",
-                                "plan": plan.to_json(indent=None), "steps": 2})
+                                "plan": plan.to_json(indent=None), "steps": 2, "head_samples": 2})
     assert len(measured["steps"]) == 2 and measured["baseline_rss_bytes"] > 0
     s = calibrate.reduce_run(name, config, seq, batch, "fp32", plan, measured, _cpu(), 0.0)
     shape = model_shapes.from_config(config)
@@ -258,4 +289,6 @@ def test_a_measured_run_reduces_to_a_sample() -> None:
     assert s.overhead_units == cost_model.overhead_units(shape, Workload(seq, batch, "fp32"), plan)
     assert s.step_s > 0 and 0 < s.compute_s <= s.step_s and s.h2d_s > 0 and s.d2h_s > 0
     assert s.adam_params == shape.numel_total and s.adam_s > 0
+    assert len(measured["head_s"]) == 2 and s.head_s == min(measured["head_s"]) > 0
+    assert s.head_flops == (shape.head_flops_fwd() + shape.head_flops_bwd()) * seq * batch
     assert math.isfinite(s.spread)

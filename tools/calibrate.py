@@ -84,9 +84,48 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             steps[-1]["adam_busy_s"] = last["adam_busy_s"]
         cuda = engine.device.type == "cuda"
         peak_device = int(torch.cuda.max_memory_allocated()) if cuda else None
+        device = engine.device
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the process's peak resident set
-    return {"steps": steps, "baseline_rss_bytes": int(baseline), "peak_rss_bytes": int(peak),
-            "peak_rss_growth_bytes": int(max(0, peak - baseline)), "peak_device_bytes": peak_device, "cuda": cuda}
+    out = {"steps": steps, "baseline_rss_bytes": int(baseline), "peak_rss_bytes": int(peak),
+           "peak_rss_growth_bytes": int(max(0, peak - baseline)), "peak_device_bytes": peak_device, "cuda": cuda}
+    if spec.get("head_samples", 0) > 0:
+        plan = Plan.from_json(spec["plan"])
+        out["head_s"] = head_seconds(hf["hidden_size"], hf["vocab_size"], min(plan.micro_batch_size, batch), seq,
+                                     -(-batch // plan.micro_batch_size), plan.loss_chunk_tokens, dtype, device,
+                                     spec["head_samples"])
+    return out
+
+
+def head_seconds(h: int, vocab: int, mbs: int, seq: int, micro_batches: int, chunk: int, dtype: Any, device: Any,
+                 samples: int) -> list[float]:
+    """Seconds of the step's head (final norm, chunked lm_head + cross-entropy, and their backward) for every
+    micro-batch, timed alone with the runtime's own head function on the run's shapes: the head is one shape
+    class (a [t, h] x [h, vocab] matmul), the decoder layers another."""
+    import torch
+
+    from megatrain.runtime.chunked_loss import head_forward_backward
+
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(vocab, h, generator=gen) * 0.02).to(device=device, dtype=dtype)
+    grad = torch.zeros(vocab, h, device=device)
+    norm_params = {"norm.weight": torch.ones(h, device=device, dtype=dtype)}
+    x = torch.randn(mbs, seq, h, generator=gen).to(device=device, dtype=dtype)
+    labels = torch.randint(0, vocab, (mbs, seq), generator=gen).to(device)
+    n_tokens = torch.tensor(float(micro_batches * mbs * seq), device=device)
+
+    def norm(p: dict[str, Any], t: Any) -> Any:
+        return torch.nn.functional.rms_norm(t.float(), (h,), None, 1e-5).to(dtype) * p["norm.weight"]
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        for _ in range(micro_batches):
+            head_forward_backward(norm, norm_params, weight, x, labels, n_tokens, chunk, grad)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the timing needs the kernels done
+        return time.perf_counter() - t0
+
+    once()
+    return [once() for _ in range(samples)]
 
 
 def current_rss() -> int:
@@ -99,10 +138,10 @@ def current_rss() -> int:
 
 
 def run_model(config: dict[str, Any], seq: int, batch: int, dtype: str, plan_json: str, steps: int,
-              log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+              head_samples: int = 0) -> dict[str, Any]:
     """``child`` in a fresh Python process (its peak RSS is this run's alone)."""
     spec = json.dumps({"config": config, "seq": seq, "batch": batch, "dtype": dtype, "plan": plan_json,
-                       "steps": steps})
+                       "steps": steps, "head_samples": head_samples})
     proc = subprocess.run([sys.executable, "-m", "megatrain.tools.calibrate", "--child", spec],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
@@ -141,6 +180,7 @@ def reduce_run(name: str, config: dict[str, Any], seq: int, batch: int, dtype: s
         # compute = step - H2D busy - D2H busy - AdamW busy, per sample.
         compute = robust([s["step_s"] - s.get("h2d_busy_s", 0.0) - s.get("d2h_busy_s", 0.0)
                           - s.get("adam_busy_s", adam.value if adam else 0.0) for s in steps], percentile)
+    head = robust(measured["head_s"], percentile) if measured.get("head_s") else None
     h2d_bytes, d2h_bytes = cost_model.traffic(shape, work, plan)
     est = memory_model.estimate(shape, work, plan, hw)
     return RunSample(
@@ -152,7 +192,9 @@ def reduce_run(name: str, config: dict[str, Any], seq: int, batch: int, dtype: s
         baseline_rss_bytes=measured["baseline_rss_bytes"], peak_rss_growth_bytes=measured["peak_rss_growth_bytes"],
         listed_bytes=memory_model.listed_host_bytes(est, hw.device_is_host),
         transient_bytes=memory_model.transient_bytes(shape, work, plan),
-        spread=max(step.spread, compute.spread), tokens_per_micro_batch=min(plan.micro_batch_size, batch) * seq)
+        spread=max(step.spread, compute.spread), tokens_per_micro_batch=min(plan.micro_batch_size, batch) * seq,
+        head_flops=(shape.head_flops_fwd() + shape.head_flops_bwd()) * work.tokens if head else 0.0,
+        head_s=head.value if head else 0.0, head_units=cost_model.head_overhead_units(shape, work, plan))
 
 
 def base_profile(out: str | None, log: Callable[[str], None]) -> tuple[Any, str]:
@@ -179,7 +221,7 @@ def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: s
               log: Callable[[str], None]) -> tuple[Any, str, list[str]]:
     """Run the calibration models, fit, and return (profile with the calibration, its path, warnings)."""
     from megatrain.planner import model_shapes, search
-    from megatrain.planner.calibration import SPREAD_WARN, fit
+    from megatrain.planner.calibration import HEAD_SHARE_MAX, SPREAD_WARN, fit
     from megatrain.planner.workload import Workload
 
     hw, path = base_profile(out, log)
@@ -198,13 +240,17 @@ def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: s
         log(f"{name}: {model_shapes.params_label(shape.params)} params, {batch} x {seq} tokens")
         # the overhead run's steps take milliseconds: three times the samples cost next to nothing
         n = 3 * steps if name == OVERHEAD_RUN[0] else steps
-        measured = run_model(config, seq, batch, dtype, plan.to_json(indent=None), n, log)
+        measured = run_model(config, seq, batch, dtype, plan.to_json(indent=None), n, head_samples=steps)
         sample = reduce_run(name, config, seq, batch, dtype, plan, measured, plain, percentile)
         if sample.spread > SPREAD_WARN:
             warnings.append(f"{name}: step times spread {sample.spread:.0%} across its samples (a busy machine?); "
                             f"the fit keeps the {'fastest' if percentile == 0 else f'p{percentile:g}'} sample; "
                             "run again on a quiet machine for tighter figures")
+        if sample.head_s >= HEAD_SHARE_MAX * sample.compute_s and name != OVERHEAD_RUN[0]:
+            warnings.append(f"{name}: its head alone took {sample.head_s:.3f} s of a {sample.compute_s:.3f} s step "
+                            "(a busy machine?); the fit counts this run's head with its layers")
         log(f"  step {sample.step_s:.3f} s (spread {sample.spread:.0%}), compute {sample.compute_s:.3f} s, "
+            f"head alone {sample.head_s:.3f} s, "
             f"peak RSS growth {sample.peak_rss_growth_bytes / 2**30:.3f} GiB")
         if name == OVERHEAD_RUN[0]:
             overhead = sample
