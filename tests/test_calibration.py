@@ -292,3 +292,10 @@ def test_a_measured_run_reduces_to_a_sample() -> None:
     assert len(measured["head_s"]) == 2 and s.head_s == min(measured["head_s"]) > 0
     assert s.head_flops == (shape.head_flops_fwd() + shape.head_flops_bwd()) * seq * batch
     assert math.isfinite(s.spread)
+
+
+def test_the_planner_reads_fitted_terms_without_the_runtime() -> None:
+    code = ("import sys; from megatrain.planner import calibration, cli, cost_model, hardware, memory_model; "
+            "print(sorted(m for m in sys.modules if m.startswith(('megatrain.runtime', 'megatrain.tools', 'torch'))))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert p.stdout.strip() == "[]"
