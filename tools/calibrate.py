@@ -288,8 +288,9 @@ def summary(hw: Any, dtype: str, path: str) -> str:
     cal = hw.fitted(dtype)
     widths = ", ".join(f"h={w}: {r:.3f}" for w, r in cal.tflops_by_width)
     return "\n".join([
-        f"achieved TFLOP/s ({cal.compute_dtype}) by width: {widths}",
-        f"times t / (t + {cal.t_half_tokens:.0f}) at t tokens per micro-batch",
+        f"achieved TFLOP/s ({cal.compute_dtype}) of the layers by width: {widths}",
+        f"times t / (t + {cal.t_half_tokens:.0f}) at t tokens per micro-batch; head: "
+        + (", ".join(f"h={w}: {r:.3f}" for w, r in cal.head_tflops_by_width) or "with the layers"),
         f"per-block overhead: {cal.block_overhead_s * 1e3:.3f} ms per layer per micro-batch",
         f"AdamW in the step: {cal.adam_params_per_s / 1e9:.3f} Gparam/s; copies: H2D {cal.h2d_gbps:.1f} GB/s, "
         f"D2H {cal.d2h_gbps:.1f} GB/s",
