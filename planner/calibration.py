@@ -185,7 +185,8 @@ class Calibration:
                 "h2d_gbps": self.h2d_gbps, "d2h_gbps": self.d2h_gbps, "process_bytes": self.process_bytes,
                 "temporaries_bytes": self.temporaries_bytes, "temporaries_factor": self.temporaries_factor,
                 "t_half_tokens": self.t_half_tokens,
-                "head_tflops_by_width": [list(p) for p in self.head_tflops_by_width], "source": self.source, "samples": self.samples, "spread": self.spread,
+                "head_tflops_by_width": [list(p) for p in self.head_tflops_by_width], "source": self.source,
+                "samples": self.samples, "spread": self.spread,
                 "runs": [dict(r) for r in self.runs]}
 
     @classmethod
@@ -305,7 +306,8 @@ def fit(runs: Sequence[RunSample], compute_dtype: str, overhead_run: RunSample |
         compute_dtype=compute_dtype, tflops_by_width=rates, block_overhead_s=o, adam_params_per_s=adam,
         h2d_gbps=h2d, d2h_gbps=d2h, process_bytes=int(process), temporaries_bytes=int(round(a)),
         temporaries_factor=b, t_half_tokens=t_half,
-        head_tflops_by_width=tuple((w, statistics.median(v)) for w, v in heads.items()), source=source, samples=samples, spread=max(r.spread for r in all_runs),
+        head_tflops_by_width=tuple((w, statistics.median(v)) for w, v in heads.items()), source=source,
+        samples=samples, spread=max(r.spread for r in all_runs),
         runs=tuple(_run_row(r) for r in all_runs))
 
 

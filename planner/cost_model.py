@@ -135,9 +135,9 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
     peak = hw.tflops(work.compute_dtype)
     cal = hw.fitted(work.compute_dtype)
     if cal is not None:
-        # Fitted: rate = r(h) x eff(t), the achieved TFLOP/s of whole steps at this width and micro-batch
-        # (elementwise work and small-shape efficiency included); launches = o split between forward and backward visits as the
-        # defaults are; AdamW and copies at the rates measured inside the step.
+        # Fitted: rate = r(h) x eff(t), the layers' achieved TFLOP/s at this width and micro-batch (elementwise
+        # work and small-shape efficiency included); launches = o split between forward and backward visits
+        # as the defaults are; AdamW and copies at the rates measured inside the step.
         rate = cal.rate_tflops(h, t) * 1e12            # r(h) x t / (t + t_half)
         launch_fwd = cal.block_overhead_s * LAUNCH_FWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
         launch_bwd = cal.block_overhead_s * LAUNCH_BWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)

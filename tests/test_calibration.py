@@ -246,7 +246,8 @@ def test_cost_model_keeps_defaults_for_another_dtype() -> None:
 def test_memory_model_uses_fitted_fixed_terms() -> None:
     work = Workload(seq_len=128, batch=4, compute_dtype="fp32")
     plan = Plan(micro_batch_size=2)
-    fitted = {c.name: c.nbytes for c in memory_model.estimate(SMALL, work, plan, _cpu(calibrations=(_cal(),))).components}
+    calibrated = _cpu(calibrations=(_cal(),))
+    fitted = {c.name: c.nbytes for c in memory_model.estimate(SMALL, work, plan, calibrated).components}
     plain = {c.name: c.nbytes for c in memory_model.estimate(SMALL, work, plan, _cpu()).components}
     assert plain["process"] == memory_model.HOST_PROCESS_BYTES and "temporaries" not in plain
     assert fitted["process"] == 300_000_000
