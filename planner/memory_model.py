@@ -177,7 +177,8 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
     if cal is None:
         host("process", HOST_PROCESS_BYTES, "constant: Python, torch, data loader", pinned=False)
     else:
-        host("process", cal.process_bytes, f"fitted: resident bytes before the engine ({cal.source})", pinned=False)
+        host("process", cal.process_bytes, "fitted: resident bytes before the engine (megatrain-plan calibrate)",
+             pinned=False)
         # What autograd, the allocator and the loss keep beyond the listed buffers at the step's peak:
         # a + b x (layer working set + logits chunk), fitted from peak RSS growth.
         transient = transient_bytes(model, work, plan)
