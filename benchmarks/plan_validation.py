@@ -1,17 +1,21 @@
-"""The planner's predictions against the runtime's measurements: step time and peak memory.
+"""The planner's predictions against the runtime's measurements: step time and peak host RSS.
 
-    python benchmarks/plan_validation.py            # CPU here, or the GPU where there is one
-    python benchmarks/plan_validation.py --quick    # two small configs
+    megatrain-plan calibrate                        # once: fit the constants on this machine
+    python benchmarks/plan_validation.py            # fp32, ~10M .. ~300M parameters (a few minutes on a CPU)
+    python benchmarks/plan_validation.py --quick    # the three smallest configs
 
-This machine is profiled once (``megatrain-plan profile``'s measurement); then for
-each config the planner chooses a plan, predicts step time and memory, and a fresh
-subprocess runs real steps of the runtime with that plan, measuring the median
-step time, peak device memory (CUDA) and the growth of peak host RSS over the
-process before the engine existed. Errors are (predicted - measured) / measured.
-On a CPU the "device" buffers live in host memory, so they are compared with the
-RSS growth together with the host buffers; the planner's fixed allowance for the
-process itself is left out of the prediction, since the baseline RSS is.
-Writes ``benchmarks/results/<date>_<device>_plan_validation.{json,md}``.
+The planner plans with the saved hardware profile (``megatrain-plan profile`` /
+``calibrate``; its fitted constants where it has them, the defaults otherwise,
+and the table says which). For each config the planner chooses a plan and
+predicts step time and memory; a fresh subprocess (tools/calibrate.py's
+measured run) runs a warm-up and ``--steps`` timed steps of the runtime with
+that plan and reports the fastest step (``--percentile`` to keep another) and
+its spread, and the process's peak resident set. Errors are
+(predicted - measured) / measured. On a CPU the "device" buffers live in host
+memory, so peak RSS is compared with every buffer the planner counts plus its
+process and temporaries terms; on a GPU, peak device memory with the device
+buffers as well. The configs are not the calibration's models.
+Writes ``benchmarks/results/<date>_<device>_plan_validation.{json,md,png}``.
 """
 from __future__ import annotations
 
@@ -19,141 +23,168 @@ import argparse
 import datetime
 import json
 import os
-import resource
-import statistics
-import subprocess
+import platform
 import sys
-import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+
+def _llama(h: int, i: int, layers: int, heads: int, kv: int, vocab: int, **kw: object) -> dict[str, object]:
+    return dict(model_type="llama", vocab_size=vocab, hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv, **kw)
+
+
+# name: (config.json fields, seq, batch); all fp32
 CONFIGS = {
-    "12M-fp32": (dict(model_type="llama", vocab_size=8192, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=4), 256, 8, "fp32"),
-    "52M-fp32": (dict(model_type="llama", vocab_size=16384, hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
-                      num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True), 256, 4, "fp32"),
-    "110M-bf16": (dict(model_type="qwen2", vocab_size=32000, hidden_size=768, intermediate_size=2048,
-                       num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4), 512, 4, "bf16"),
+    "10M": (_llama(256, 768, 6, 4, 2, 12000), 256, 4),
+    "50M": (_llama(512, 1536, 8, 8, 4, 16384, tie_word_embeddings=True), 256, 4),
+    "110M": (dict(_llama(768, 2048, 10, 12, 4, 32000), model_type="qwen2"), 256, 2),
+    "200M": (_llama(1024, 2816, 12, 16, 8, 32000), 256, 2),
+    "300M": (_llama(1024, 2816, 20, 16, 8, 32000), 256, 2),
 }
 GPU_CONFIGS = {
-    "1B-bf16": (dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
-                     rope_theta=500000.0), 2048, 32, "bf16"),
+    "1B-fp32": (_llama(2048, 8192, 16, 32, 8, 128256, tie_word_embeddings=True, rope_theta=500000.0), 2048, 8),
 }
+STEP_GOAL, HOST_GOAL = 0.15, 0.10
 
 
-def child(name: str, plan_json: str, steps: int) -> None:
-    """Run the runtime with the given plan; print one JSON line of measurements."""
-    import torch
-
-    from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
-
-    hf, seq, batch, dtype = {**CONFIGS, **GPU_CONFIGS}[name]
-    baseline_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    engine = Engine(ModelConfig.from_hf(hf), OptimizerConfig(lr=1e-4, max_grad_norm=1.0), plan=Plan.from_json(plan_json),
-                    compute_dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
-    gen = torch.Generator().manual_seed(0)
-    times = []
-    for i in range(steps):
-        ids = torch.randint(0, hf["vocab_size"], (batch, seq), generator=gen)
-        t0 = time.perf_counter()
-        engine.step(ids, ids).item()
-        times.append(time.perf_counter() - t0)
-        print(f"    step {i + 1}/{steps}: {times[-1]:.3f} s", file=sys.stderr, flush=True)
-    engine.synchronize()
-    cuda = engine.device.type == "cuda"
-    out = {"step_seconds": statistics.median(times[1:] or times), "times": times,
-           "peak_rss_growth_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline_rss,
-           "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None}
-    engine.close()
-    print(json.dumps(out))
+def machine() -> dict[str, object]:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version()}
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="the two smallest configs, 3 steps each")
-    p.add_argument("--steps", type=int, default=4)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--quick", action="store_true", help="the three smallest configs")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per config after one warm-up (3)")
+    p.add_argument("--percentile", type=float, default=0.0, help="which step to keep: 0 the fastest, 50 the median")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
-    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.child:
-        child(args.child[0], args.child[1], int(args.child[2]))
-        return 0
 
-    from megatrain.planner import cost_model, memory_model, model_shapes, search
-    from megatrain.planner.profiler import measure
+    from megatrain.planner import cost_model, memory_model, model_shapes, profiler, search
+    from megatrain.planner.calibration import SPREAD_WARN, robust
     from megatrain.planner.workload import Workload
+    from megatrain.tools.calibrate import run_model
 
-    print("profiling this machine ...", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory() as spill:
-        hw = measure(spill_dir=spill, log=lambda s: print(f"  {s}", file=sys.stderr, flush=True))
+    hw = profiler.this_machine()
+    constants = hw.constants("fp32")
+    print(f"hardware: {hw.source}\nconstants: {constants}", file=sys.stderr, flush=True)
     configs = dict(CONFIGS)
     if not hw.device_is_host:
         configs.update(GPU_CONFIGS)
     if args.quick:
-        configs = dict(list(CONFIGS.items())[:2])
-        args.steps = 3
+        configs = dict(list(CONFIGS.items())[:3])
     rows = []
-    for name, (hf, seq, batch, dtype) in configs.items():
+    for name, (hf, seq, batch) in configs.items():
         shape = model_shapes.from_config(hf)
-        work = Workload(seq_len=seq, batch=batch, compute_dtype=dtype, clipping=True)
+        work = Workload(seq_len=seq, batch=batch, compute_dtype="fp32", clipping=True)
         result = search.search(shape, work, hw)
         if result.best is None:
-            rows.append({"config": name, "status": "infeasible"})
+            rows.append({"config": name, "status": f"infeasible: {result.reason()}"})
             continue
         plan = result.best.plan
         cost = cost_model.estimate(shape, work, plan, hw)
         mem = memory_model.estimate(shape, work, plan, hw)
-        process = sum(c.nbytes for c in mem.components if c.name == "process")
-        print(f"{name}: {batch} x {seq} tokens, plan {plan.to_json(indent=None)}", file=sys.stderr, flush=True)
-        proc = subprocess.run([sys.executable, __file__, "--child", name, plan.to_json(indent=None), str(args.steps)],
-                              stdout=subprocess.PIPE, text=True)
-        if proc.returncode != 0:
-            rows.append({"config": name, "status": f"failed with exit status {proc.returncode}"})
+        print(f"{name}: {model_shapes.params_label(shape.params)} params, {batch} x {seq} tokens, plan "
+              f"{plan.to_json(indent=None)}", file=sys.stderr, flush=True)
+        try:
+            measured = run_model(hf, seq, batch, "fp32", plan.to_json(indent=None), args.steps)
+        except ValueError as e:
+            rows.append({"config": name, "status": f"failed: {e}"})
             continue
-        measured = json.loads(proc.stdout.strip().splitlines()[-1])
+        step = robust([s["step_s"] for s in measured["steps"]], args.percentile)
         if hw.device_is_host:
-            predicted_host = mem.device_bytes + mem.host_bytes - process
-            predicted_device = None
+            predicted_host = mem.device_bytes + mem.host_bytes
         else:
-            predicted_host = mem.host_bytes - process
-            predicted_device = mem.device_bytes
-        row = {"config": name, "status": "ok", "params": shape.params, "tokens": work.tokens, "plan": plan.to_dict(),
-               "predicted_step_seconds": cost.step_seconds, "measured_step_seconds": measured["step_seconds"],
-               "step_error": cost.step_seconds / measured["step_seconds"] - 1,
-               "predicted_host_bytes": predicted_host, "measured_host_bytes": measured["peak_rss_growth_bytes"],
-               "host_error": predicted_host / measured["peak_rss_growth_bytes"] - 1,
-               "predicted_device_bytes": predicted_device, "measured_device_bytes": measured["peak_device_bytes"],
-               "device_error": (predicted_device / measured["peak_device_bytes"] - 1) if predicted_device else None,
-               "bottleneck": cost.bottleneck, "step_times": measured["times"]}
-        rows.append(row)
+            predicted_host = mem.host_bytes
+        predicted_device = None if hw.device_is_host else mem.device_bytes
+        rows.append({
+            "config": name, "status": "ok", "params": shape.params, "tokens": work.tokens, "plan": plan.to_dict(),
+            "predicted_step_seconds": cost.step_seconds, "measured_step_seconds": step.value,
+            "step_spread": step.spread, "step_error": cost.step_seconds / step.value - 1,
+            "predicted_host_bytes": predicted_host, "measured_peak_rss_bytes": measured["peak_rss_bytes"],
+            "host_error": predicted_host / measured["peak_rss_bytes"] - 1,
+            "measured_baseline_rss_bytes": measured["baseline_rss_bytes"],
+            "predicted_device_bytes": predicted_device, "measured_device_bytes": measured["peak_device_bytes"],
+            "device_error": (predicted_device / measured["peak_device_bytes"] - 1) if predicted_device else None,
+            "bottleneck": cost.bottleneck, "step_times": [s["step_s"] for s in measured["steps"]],
+            "memory": mem.rows()})
+        r = rows[-1]
+        print(f"  step {r['predicted_step_seconds']:.3f} s predicted, {r['measured_step_seconds']:.3f} s measured "
+              f"({r['step_error']:+.1%}, spread {step.spread:.0%}); peak RSS {predicted_host / 2**30:.3f} GiB "
+              f"predicted, {measured['peak_rss_bytes'] / 2**30:.3f} measured ({r['host_error']:+.1%})",
+              file=sys.stderr, flush=True)
 
     device = "cpu" if hw.device_is_host else hw.gpu_name.replace(" ", "-")
-    report = {"date": datetime.date.today().isoformat(), "device": device, "hardware": json.loads(hw.to_json()),
-              "results": rows}
+    today = datetime.date.today().isoformat()
+    command = "python benchmarks/plan_validation.py" + "".join(f" {a}" for a in sys.argv[1:])
+    report = {"date": today, "device": device, "command": command, "machine": machine(), "constants": constants,
+              "hardware": hw.to_dict(), "goal": {"step_error": STEP_GOAL, "host_error": HOST_GOAL},
+              "kept": "fastest step" if args.percentile == 0 else f"p{args.percentile:g} step", "results": rows}
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{report['date']}_{device}_plan_validation")
+    stem = os.path.join(args.out, f"{today}_{device}_plan_validation")
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=2)
     pct = lambda x: "-" if x is None else f"{x:+.1%}"  # noqa: E731
-    lines = [f"# Planner vs runtime, {device} ({report['date']})", "",
-             "| config | step predicted s | step measured s | error | host predicted GiB | host measured GiB | error "
-             "| device error | bound by |", "|---|---|---|---|---|---|---|---|---|"]
+    ok = [r for r in rows if r["status"] == "ok"]
+    lines = [f"# Planner vs runtime, {device} ({today})", "",
+             f"`{command}`; constants: {constants}.", "",
+             "| config | params | step predicted s | step measured s | error | spread | peak RSS predicted GiB "
+             "| peak RSS measured GiB | error | device error | bound by |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['config']} | {r['status']} | | | | | | | |")
+            lines.append(f"| {r['config']} | {r['status']} | | | | | | | | | |")
             continue
-        lines.append(f"| {r['config']} | {r['predicted_step_seconds']:.3f} | {r['measured_step_seconds']:.3f} | "
-                     f"{pct(r['step_error'])} | {r['predicted_host_bytes'] / 2**30:.3f} | "
-                     f"{r['measured_host_bytes'] / 2**30:.3f} | {pct(r['host_error'])} | {pct(r['device_error'])} | "
-                     f"{r['bottleneck']} |")
-    lines += ["", "Host on a CPU: peak RSS growth over the process before the engine, against every buffer the planner "
-              "counts (device ones included: the device is the CPU) less its fixed process allowance."]
+        lines.append(f"| {r['config']} | {model_shapes.params_label(r['params'])} | "
+                     f"{r['predicted_step_seconds']:.3f} | {r['measured_step_seconds']:.3f} | {pct(r['step_error'])} | "
+                     f"{r['step_spread']:.0%} | {r['predicted_host_bytes'] / 2**30:.3f} | "
+                     f"{r['measured_peak_rss_bytes'] / 2**30:.3f} | {pct(r['host_error'])} | "
+                     f"{pct(r['device_error'])} | {r['bottleneck']} |")
+    within = sum(abs(r["step_error"]) <= STEP_GOAL and abs(r["host_error"]) <= HOST_GOAL for r in ok)
+    noisy = [r["config"] for r in ok if r["step_spread"] > SPREAD_WARN]
+    lines += ["", f"Goal: step time within {STEP_GOAL:.0%}, peak host RSS within {HOST_GOAL:.0%}: {within} of "
+              f"{len(ok)} configs. Measured step: the {report['kept']} of {args.steps} after a warm-up, in a fresh "
+              "process per config; spread = (slowest - fastest) / fastest. Peak RSS: the process's peak resident "
+              "set, against every buffer the planner counts (device ones included where the device is the CPU) "
+              "plus its process and temporaries terms."]
+    if noisy:
+        lines.append(f"Step times spread over {SPREAD_WARN:.0%} in {', '.join(noisy)}: the machine was busy; "
+                     "re-run on a quiet machine.")
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+    print(f"plot: {plot(ok, stem + '.png')}", file=sys.stderr)
     return 0
+
+
+def plot(rows: list[dict[str, object]], path: str) -> str:
+    """Predicted over measured step time and peak RSS against parameters."""
+    if not rows:
+        return "none (no successful configs)"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "skipped (matplotlib is not installed)"
+    params = [r["params"] / 1e6 for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(params, [1 + r["step_error"] for r in rows], "o-", label="step time")
+    ax.plot(params, [1 + r["host_error"] for r in rows], "s-", label="peak host RSS")
+    for lo, hi, color in ((1 - STEP_GOAL, 1 + STEP_GOAL, "tab:blue"), (1 - HOST_GOAL, 1 + HOST_GOAL, "tab:orange")):
+        ax.axhspan(lo, hi, color=color, alpha=0.08)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters (M)")
+    ax.set_ylabel("predicted / measured")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":

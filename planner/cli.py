@@ -17,6 +17,7 @@ import math
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 from typing import Any, NoReturn, Sequence
@@ -519,12 +520,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-clip", action="store_true", help="overview: no gradient clipping")
     p.add_argument("--spill-dir", help="overview: where spill files would go (default: the current directory)")
     _hardware_args(p)
-    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="{profile,plan,size,ram}")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="{profile,calibrate,plan,size,ram}")
 
     sp = sub.add_parser("profile", help="measure this machine into hardware.json")
     sp.add_argument("--out", help=f"where to write it (default {profiler.CACHE_PATH}, which other commands read)")
     sp.add_argument("--spill-dir", help="measure disk read/write GB/s in this folder")
     sp.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    # Runs the runtime, which the planner never imports: main() hands it to its own process.
+    sub.add_parser("calibrate", add_help=False, help="fit the cost and memory constants from real training steps "
+                                                     "on this machine (--help for its options)")
 
     sp = sub.add_parser("plan", help="choose the plan for a model, sequence and batch")
     _workload_args(sp, need_batch=True)
@@ -560,6 +565,9 @@ USER_ERRORS = (CliError, ModelShapeError, HardwareError, WorkloadError, Infeasib
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["calibrate"]:  # tools/calibrate.py drives the runtime; the planner only reads its result
+        return subprocess.call([sys.executable, "-m", "megatrain.tools.calibrate", *argv[1:]])
     args = build_parser().parse_args(argv)
     try:
         COMMANDS[args.command](args)

@@ -71,6 +71,9 @@ class CostEstimate:
     hardware_flops: float     # what the GPU runs: forward + recompute + backward + head, attention included
     attention_flops: float    # attention forward + backward per step, stated separately
     peak_tflops: float
+    h2d_bytes: float = 0.0    # what one step copies host -> device (weights, host checkpoints)
+    d2h_bytes: float = 0.0    # and device -> host (fp32 grads, host checkpoints)
+    constants: str = "defaults"  # where the efficiency terms came from (hw.constants)
 
     @property
     def tokens_per_second(self) -> float:
@@ -97,7 +100,8 @@ class CostEstimate:
                 "model_tflops": self.model_tflops, "mfu": self.mfu, "forward": phase(self.forward),
                 "backward": phase(self.backward), "optimizer_exposed_seconds": self.optimizer_exposed_seconds,
                 "attention_tflops": self.attention_flops / self.step_seconds / 1e12,
-                "hardware_tflops": self.hardware_flops / self.step_seconds / 1e12, "bottleneck": self.bottleneck}
+                "hardware_tflops": self.hardware_flops / self.step_seconds / 1e12, "bottleneck": self.bottleneck,
+                "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes, "constants": self.constants}
 
 
 @dataclass
@@ -129,18 +133,34 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
     t = mbs * seq
     K, depth, G = plan.num_slots, plan.prefetch_depth, plan.device_grad_buffers
     peak = hw.tflops(work.compute_dtype)
-    # rate = peak x t / (t + T_HALF) / NONMATMUL_FACTOR  (FLOP/s)
-    rate = peak * 1e12 * t / (t + T_HALF_TOKENS) / NONMATMUL_FACTOR
-    # Without a GPU the copies are memcpys on the host; with one, H2D and D2H at once share the link:
-    # each direction runs at scale x its own rate, scale = min(1, duplex / (h2d + d2h)).
-    duplex_scale = min(1.0, hw.duplex_gbps / (hw.h2d_gbps + hw.d2h_gbps))
+    cal = hw.fitted(work.compute_dtype)
+    if cal is not None:
+        # Fitted: rate = r(h) x eff(t), the layers' achieved TFLOP/s at this width and micro-batch (elementwise
+        # work and small-shape efficiency included); launches = o split between forward and backward visits
+        # as the defaults are; AdamW and copies at the rates measured inside the step.
+        rate = cal.rate_tflops(h, t) * 1e12            # r(h) x t / (t + t_half)
+        launch_fwd = cal.block_overhead_s * LAUNCH_FWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
+        launch_bwd = cal.block_overhead_s * LAUNCH_BWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
+        h2d_gbps, d2h_gbps = cal.h2d_gbps, cal.d2h_gbps
+    else:
+        # rate = peak x t / (t + T_HALF) / NONMATMUL_FACTOR  (FLOP/s)
+        rate = peak * 1e12 * t / (t + T_HALF_TOKENS) / NONMATMUL_FACTOR
+        launch_fwd, launch_bwd = LAUNCH_FWD_S, LAUNCH_BWD_S
+        h2d_gbps, d2h_gbps = hw.h2d_gbps, hw.d2h_gbps
+    # Without a GPU the copies are memcpys on the host, one after another; with one, H2D and D2H at once
+    # share the link: each direction runs at scale x its own rate, scale = min(1, duplex / (h2d + d2h)).
+    # Rates fitted in the step already hold that sharing: scale = 1.
+    duplex_scale = 1.0 if hw.device_is_host or cal is not None else min(1.0, hw.duplex_gbps / (h2d_gbps + d2h_gbps))
     host_ckpt = plan.checkpoints == "host"
     ckpt_bytes = T * h * c                                   # one block boundary: T x h x c
     eager = plan.optimizer_mode == "eager"
     spilled = memory_model.spilled_kinds(plan)
     # Seconds per parameter: AdamW, then the shadow pass where there is one (measured, or the factor).
     adam_per_param = 1.0 / hw.cpu_adam_params_per_s
-    if c != 4 or "master" in spilled:
+    if cal is not None:
+        # measured in the step: the shadow pass, where there is one, is inside it
+        adam_per_param = 1.0 / cal.adam_params_per_s
+    elif c != 4 or "master" in spilled:
         adam_per_param = (adam_per_param + 1.0 / hw.cpu_shadow_params_per_s if hw.cpu_shadow_params_per_s > 0
                           else adam_per_param * ADAM_SHADOW_FACTOR)
     reads = len(spilled)                                     # fp32 kinds read back per block update
@@ -161,15 +181,15 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
     E, Lw, H = model.numel_embedding, model.numel_layer, model.numel_head
     steps: list[_Step] = []
     fwd_scale = duplex_scale if host_ckpt else 1.0
-    h2d_f, d2h_f = hw.h2d_gbps * fwd_scale, hw.d2h_gbps * fwd_scale
-    h2d_b, d2h_b = hw.h2d_gbps * duplex_scale, hw.d2h_gbps * duplex_scale
+    h2d_f, d2h_f = h2d_gbps * fwd_scale, d2h_gbps * fwd_scale
+    h2d_b, d2h_b = h2d_gbps * duplex_scale, d2h_gbps * duplex_scale
 
     # ---- forward ----------------------------------------------------------------------------
     # Embedding: load E x c; compute is a gather (launches only).
-    steps.append(_Step(_copy_s(E * c, h2d_f), M * LAUNCH_FWD_S, 0.0))
+    steps.append(_Step(_copy_s(E * c, h2d_f), M * launch_fwd, 0.0))
     for _ in range(L):
         # compute_fwd(M) = T x flops_fwd(seq) / rate + M x launch
-        comp = T * model.layer_flops_fwd(seq) / rate + M * LAUNCH_FWD_S
+        comp = T * model.layer_flops_fwd(seq) / rate + M * launch_fwd
         # host checkpoints: D2H of the block's input (T x h x c), staged in one of K device areas.
         d2h = _copy_s(ckpt_bytes, d2h_f) if host_ckpt else 0.0
         wait = len(steps) - K if host_ckpt and len(steps) - K >= 1 else None
@@ -178,7 +198,10 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
     # backward: T x (2 + 4) x V x h / rate + M x chunks x launch; untied head drains its fp32 grads.
     head_load = (H + (E if model.tie_word_embeddings else 0)) * c
     chunks = -(-t // min(plan.loss_chunk_tokens, t))
-    head_comp = T * (model.head_flops_fwd() + model.head_flops_bwd()) / rate + M * chunks * LAUNCH_BWD_S
+    head_comp = T * (model.head_flops_fwd() + model.head_flops_bwd()) / rate + M * chunks * launch_bwd
+    if cal is not None and cal.head_tflops_by_width:
+        # Fitted head class, timed alone with its chunk loop: T x (2 + 4) x V x h / r_head(h)
+        head_comp = T * (model.head_flops_fwd() + model.head_flops_bwd()) / (cal.head_tflops(h) * 1e12)
     head_d2h = 0.0 if model.tie_word_embeddings else _copy_s(H * 4, d2h_f)
     # Eager mode: each drain lands in one of S host slabs; a slab frees when its AdamW ends.
     slab_users: list[int] = []
@@ -201,7 +224,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
         # load = layer x c (+ its checkpoint T x h x c when on the host); compute = (recompute + bwd)
         # = T x (flops_fwd + flops_bwd)(seq) / rate + M x launch; drain = layer x 4 (fp32 grads).
         load = _copy_s(Lw * c + (ckpt_bytes if host_ckpt else 0), h2d_b)
-        comp = T * (model.layer_flops_recompute(seq) + model.layer_flops_bwd(seq)) / rate + M * LAUNCH_BWD_S
+        comp = T * (model.layer_flops_recompute(seq) + model.layer_flops_bwd(seq)) / rate + M * launch_bwd
         wait = grad_users[-G] if len(grad_users) >= G else None   # a grad buffer frees when its drain ends
         grad_users.append(len(steps))
         steps.append(_Step(load, comp, _copy_s(Lw * 4, d2h_b), wait_d2h_of=wait, backward=True,
@@ -209,7 +232,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
     # Embedding backward: no weights; scatter-add dy (launches only); drain E x 4.
     wait = grad_users[-G] if len(grad_users) >= G else None
     # Tied: the head's part of the shared weight's gradient joins it here (adds H for the norm).
-    steps.append(_Step(0.0, M * LAUNCH_BWD_S, _copy_s(E * 4, d2h_b), wait_d2h_of=wait, backward=True,
+    steps.append(_Step(0.0, M * launch_bwd, _copy_s(E * 4, d2h_b), wait_d2h_of=wait, backward=True,
                        adam_s=adam_s(E + (H if model.tie_word_embeddings else 0)) if eager else 0.0,
                        wait_adam_of=slab()))
 
@@ -226,8 +249,12 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
 
     ev = _simulate(steps, K, depth)
     end = ev["end"]
+    fwd_end = ev["cend"][n_fwd - 1]
     if hw.device_is_host:
-        # No GPU: AdamW shares the cores with compute; nothing overlaps it.
+        # No GPU: the copies run in program order on the calling thread and AdamW shares the cores with
+        # compute; nothing overlaps: step = sum(load + compute + drain) + AdamW.
+        fwd_end = sum(st.load_s + st.compute_s + st.d2h_s for st in steps[:n_fwd])
+        end = fwd_end + sum(st.load_s + st.compute_s + st.d2h_s for st in steps[n_fwd:])
         exposed = total_adam
         step = end + exposed
     elif eager:
@@ -242,16 +269,50 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
             st.earliest_load = 0.0
         exposed = max(0.0, end - _simulate(steps, K, depth)["end"])
         step = end
-    fwd_end = ev["cend"][n_fwd - 1]
     fwd = PhaseTime(fwd_end, *_busy(steps[:n_fwd]),
                     adam_s=(0.0 if eager or hw.device_is_host else total_adam))
     bwd = PhaseTime(step - fwd_end, *_busy(steps[n_fwd:]),
                     adam_s=(total_adam if eager or hw.device_is_host else 0.0))
     attn = T * L * (model.attention_flops_fwd(seq) + model.attention_flops_bwd(seq))
+    h2d_bytes, d2h_bytes = traffic(model, work, plan)
     return CostEstimate(step_seconds=step, forward=fwd, backward=bwd, optimizer_exposed_seconds=exposed,
                         tokens=T, model_flops=model.model_flops_per_token() * T,
                         hardware_flops=model.hardware_flops_per_token(seq) * T, attention_flops=attn,
-                        peak_tflops=peak)
+                        peak_tflops=peak, h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes,
+                        constants=hw.constants(work.compute_dtype))
+
+
+def traffic(model: ModelShape, work: Workload, plan: Plan) -> tuple[float, float]:
+    """(H2D, D2H) bytes one step moves, the sums of the copies ``estimate`` schedules:
+    H2D = (E + L x layer + head [+ E tied]) x c forward + L x layer x c backward [+ L x T x h x c host ckpts]
+    D2H = (L x layer + E [+ head untied]) x 4 fp32 grads [+ L x T x h x c host ckpts]"""
+    c, L = work.compute_bytes, model.num_layers
+    E, Lw, H = model.numel_embedding, model.numel_layer, model.numel_head
+    ckpt = L * work.tokens * model.hidden_size * c if plan.checkpoints == "host" else 0
+    tied = model.tie_word_embeddings
+    h2d = (E + 2 * L * Lw + H + (E if tied else 0)) * c + ckpt
+    d2h = (L * Lw + E + (0 if tied else H)) * 4 + ckpt
+    return float(h2d), float(d2h)
+
+
+def overhead_units(model: ModelShape, work: Workload, plan: Plan) -> float:
+    """The step's fixed per-block costs counted in decoder-layer visits (forward + recompute + backward
+    of one layer for one micro-batch = 1), the unit of a fitted ``block_overhead_s``:
+    units = (M (embedding) + L M) x f + (M x chunks (head) + L M + M (embedding backward)) x b,
+    f = LAUNCH_FWD / (LAUNCH_FWD + LAUNCH_BWD), b = 1 - f."""
+    mbs = min(plan.micro_batch_size, work.batch)
+    M, L, t = work.micro_batches(mbs), model.num_layers, mbs * work.seq_len
+    chunks = -(-t // min(plan.loss_chunk_tokens, t))
+    f = LAUNCH_FWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
+    return (M + L * M) * f + (M * chunks + L * M + M) * (1 - f)
+
+
+def head_overhead_units(model: ModelShape, work: Workload, plan: Plan) -> float:
+    """The head's share of ``overhead_units``: M x chunks x b."""
+    mbs = min(plan.micro_batch_size, work.batch)
+    M, t = work.micro_batches(mbs), mbs * work.seq_len
+    chunks = -(-t // min(plan.loss_chunk_tokens, t))
+    return M * chunks * LAUNCH_BWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
 
 
 def _busy(steps: list[_Step]) -> tuple[float, float, float]:

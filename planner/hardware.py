@@ -15,6 +15,8 @@ from typing import Any, Mapping
 
 from megatrain.errors import MegatrainError
 
+from .calibration import Calibration, CalibrationError
+
 MiB = 1024 ** 2
 GiB = 1024 ** 3
 GB = 1e9
@@ -62,6 +64,9 @@ class HardwareProfile:
     # CPU rounding of fp32 masters into the bf16 shadow (params/s, all cores), the pass after AdamW
     # when compute is not fp32; 0: not measured (the cost model then assumes ADAM_SHADOW_FACTOR).
     cpu_shadow_params_per_s: float = 0.0
+    # Cost and memory constants fitted from real training steps on this machine (megatrain-plan calibrate),
+    # one per compute dtype, with their source; for a dtype without one the models use their defaults.
+    calibrations: tuple[Calibration, ...] = ()
     version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:
@@ -71,6 +76,18 @@ class HardwareProfile:
         object.__setattr__(self, "matmul_tflops", dict(self.matmul_tflops))
         object.__setattr__(self, "transfer_by_size", tuple(tuple(r) for r in self.transfer_by_size))
         object.__setattr__(self, "adam_by_threads", tuple(tuple(r) for r in self.adam_by_threads))
+        if not isinstance(self.calibrations, (list, tuple)):
+            raise HardwareError(f"calibrations={self.calibrations!r} must be the list megatrain-plan calibrate "
+                                "writes, or absent")
+        try:
+            cals = tuple(c if isinstance(c, Calibration) else Calibration.from_dict(c) for c in self.calibrations)
+        except CalibrationError as e:
+            raise HardwareError(str(e)) from None
+        object.__setattr__(self, "calibrations", cals)
+        dtypes = [_dtype_name(c.compute_dtype) for c in cals]
+        if len(set(dtypes)) != len(dtypes):
+            raise HardwareError(f"calibrations has more than one entry for a dtype ({', '.join(dtypes)}); run "
+                                "megatrain-plan calibrate again")
         for f in ("gpu_mem_bytes", "host_ram_bytes", "host_available_bytes", "cores", "cgroup_limit_bytes"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -97,6 +114,27 @@ class HardwareProfile:
     def device_is_host(self) -> bool:
         """No GPU: the 'device' is the CPU and shares host RAM."""
         return self.gpu_mem_bytes == 0
+
+    def fitted(self, compute_dtype: str) -> Calibration | None:
+        """The calibration for ``compute_dtype`` ("fp32", "bf16" or a torch name), if this profile has one."""
+        return next((c for c in self.calibrations if _dtype_name(c.compute_dtype) == _dtype_name(compute_dtype)),
+                    None)
+
+    def with_calibration(self, cal: Calibration) -> "HardwareProfile":
+        """This profile with ``cal`` as the calibration of its dtype (replacing an older one of that dtype)."""
+        keep = tuple(c for c in self.calibrations if _dtype_name(c.compute_dtype) != _dtype_name(cal.compute_dtype))
+        return dataclasses.replace(self, calibrations=keep + (cal,))
+
+    def constants(self, compute_dtype: str) -> str:
+        """Which constants the cost and memory models use for ``compute_dtype``, in words."""
+        cal = self.fitted(compute_dtype)
+        if cal is not None:
+            return cal.describe()
+        if self.calibrations:
+            return (f"defaults (this profile is calibrated for "
+                    f"{', '.join(c.compute_dtype for c in self.calibrations)} only; run megatrain-plan calibrate "
+                    f"--dtype {compute_dtype})")
+        return "defaults (run megatrain-plan calibrate to fit them on this machine)"
 
     @property
     def host_budget_bytes(self) -> int:
@@ -138,6 +176,7 @@ class HardwareProfile:
         d = dataclasses.asdict(self)
         d["transfer_by_size"] = [list(r) for r in self.transfer_by_size]
         d["adam_by_threads"] = [list(r) for r in self.adam_by_threads]
+        d["calibrations"] = [c.to_dict() for c in self.calibrations]
         return d
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -270,6 +309,10 @@ GPU_PRESETS: dict[str, GpuPreset] = {g.name: g for g in (
               "NVIDIA Ampere GA102 whitepaper (RTX 3090: 71 bf16 fp32-accumulate / 35.6 tf32 / 35.6 fp32 "
               "dense TFLOPS) x 0.8; " + _PCIE4),
 )}
+
+
+def _dtype_name(dtype: str) -> str:
+    return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)
 
 
 def preset(gpu: str, host: str | None = None) -> HardwareProfile:

@@ -107,8 +107,9 @@ class MemoryEstimate:
 
 
 def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile | None = None) -> MemoryEstimate:
-    """Every buffer of ``plan`` for ``model`` and ``work``. ``hw`` only decides whether the device is a GPU
-    (CUDA context, allocator slack, pinned host arenas) or the CPU itself."""
+    """Every buffer of ``plan`` for ``model`` and ``work``. ``hw`` decides whether the device is a GPU
+    (CUDA context, allocator slack, pinned host arenas) or the CPU itself, and, where it carries a
+    calibration for the compute dtype, the fixed terms (process baseline, temporaries) are its fitted ones."""
     on_gpu = hw is None or not hw.device_is_host
     c = work.compute_bytes
     h, V, L = model.hidden_size, model.vocab_size, model.num_layers
@@ -172,11 +173,42 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
              pinned=False)
     if plan.checkpoints == "host":
         host("activation checkpoints", L * T * h * c, f"L x T x h x c = {L} x {T} x {h} x {c}")
-    host("process", HOST_PROCESS_BYTES, "constant: Python, torch, data loader", pinned=False)
+    cal = hw.fitted(work.compute_dtype) if hw is not None else None
+    if cal is None:
+        host("process", HOST_PROCESS_BYTES, "constant: Python, torch, data loader", pinned=False)
+    else:
+        host("process", cal.process_bytes, "fitted: resident bytes before the engine (megatrain-plan calibrate)",
+             pinned=False)
+        # What autograd, the allocator and the loss keep beyond the listed buffers at the step's peak:
+        # a + b x (layer working set + logits chunk), fitted from peak RSS growth.
+        transient = transient_bytes(model, work, plan)
+        host("temporaries", cal.temporaries(transient),
+             f"fitted: a + b x (working set + logits chunk) = {cal.temporaries_bytes} + "
+             f"{cal.temporaries_factor:.3f} x {transient}", pinned=False)
     if not spilled:
         comps.append(Component("spill files", "nvme", 0, "0: nothing spills in this plan"))
     return MemoryEstimate(tuple(comps))
 
+
+def transient_bytes(model: ModelShape, work: Workload, plan: Plan) -> int:
+    """The step's transient device working set, what fitted temporaries scale with:
+    layer working set + logits chunk = t x w + layer x c + chunk x V x (c + 8)."""
+    c = work.compute_bytes
+    t = min(plan.micro_batch_size, work.batch) * work.seq_len
+    chunk = min(plan.loss_chunk_tokens, t)
+    return (t * model.layer_working_bytes_per_token(work.compute_dtype) + model.numel_layer * c
+            + chunk * model.vocab_size * (c + 4 + 4))
+
+
+def listed_host_bytes(est: MemoryEstimate, device_is_host: bool) -> int:
+    """Bytes of the buffers the runtime allocates that live in host RAM (device ones too when the device
+    is the CPU), without the fixed terms: what peak RSS growth is compared with."""
+    return sum(x.nbytes for x in est.components
+               if (x.where == "host" or (device_is_host and x.where == "device")) and x.name not in FIXED_TERMS)
+
+
+# Components that are not buffers of the runtime: constants or fitted from runs.
+FIXED_TERMS = ("process", "temporaries", "CUDA context", "allocator slack")
 
 SPILL_ALIGN = 4096  # bytes: spill files hold each block at a 4 KiB-aligned offset (O_DIRECT)
 

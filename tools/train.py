@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -300,7 +301,7 @@ class Run:
             self.notes.append(f"disk speed not measured: the plan assumes {ASSUMED_DISK_GBPS:g} GB/s (megatrain-plan "
                               f"profile --spill-dir {spill_root} measures it)")
         work = Workload(c.seq_len, c.batch, compute_dtype=_dtype_name(dtype), clipping=c.max_grad_norm > 0,
-                        spill=c.spill, spill_dir=spill_root)
+                        spill=c.spill, spill_dir=spill_root, spill_free_bytes=_free_bytes_under(spill_root))
         plan = search.search(model_shapes.from_config(model.to_dict()), work, hw).require().plan
         if c.spill != "auto" and plan.spill != c.spill:  # a profile the search could not time the forced spill with
             plan = plan.replace(spill=c.spill)
@@ -475,3 +476,11 @@ def _optimizer(c: TrainConfig) -> OptimizerConfig:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _free_bytes_under(path: str) -> int:
+    """Free bytes on the disk that will hold ``path`` (its nearest existing folder: it is made later)."""
+    folder = os.path.abspath(path)
+    while not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    return int(shutil.disk_usage(folder).free)

@@ -1,0 +1,302 @@
+"""Fitted constants: the fitting arithmetic by hand, robust sampling, the profile round trip, and the cost
+and memory models using fitted terms where a profile has them (defaults otherwise)."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from megatrain.planner import cost_model, memory_model, model_shapes
+from megatrain.planner.calibration import (SPREAD_WARN, Calibration, CalibrationError, RunSample, fit, fit_line,
+                                           fit_t_half, robust)
+from megatrain.planner.hardware import HardwareError, HardwareProfile
+from megatrain.planner.plan import Plan
+from megatrain.planner.workload import Workload
+
+MB = 1e6
+SMALL = model_shapes.from_config(dict(model_type="llama", vocab_size=1000, hidden_size=512, intermediate_size=1024,
+                                      num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4))
+
+
+def _cpu(**kw: object) -> HardwareProfile:
+    base = dict(gpu_name="cpu", gpu_mem_bytes=0, h2d_gbps=5.0, d2h_gbps=5.0, duplex_gbps=5.0,
+                matmul_tflops={"float32": 0.1, "bfloat16": 0.01}, cpu_adam_params_per_s=1e9,
+                host_ram_bytes=64 << 30, host_available_bytes=60 << 30, cores=2)
+    return HardwareProfile(**{**base, **kw})
+
+
+def _cal(**kw: object) -> Calibration:
+    base = dict(compute_dtype="fp32", tflops_by_width=((256, 0.1), (1024, 0.3)), block_overhead_s=2e-3,
+                adam_params_per_s=5e8, h2d_gbps=8.0, d2h_gbps=4.0, process_bytes=300_000_000,
+                temporaries_bytes=50_000_000, temporaries_factor=0.5, source="test calibration", samples=3,
+                spread=0.1)
+    return Calibration(**{**base, **kw})
+
+
+def _run(name: str, h: int, flops: float, units: float, compute_s: float, **kw: object) -> RunSample:
+    base = dict(name=name, hidden_size=h, params=1, flops=flops, overhead_units=units, compute_s=compute_s,
+                h2d_bytes=1e9, h2d_s=0.1, d2h_bytes=1e9, d2h_s=0.2, adam_params=1_000_000, adam_s=0.01,
+                step_s=compute_s, baseline_rss_bytes=300_000_000, peak_rss_growth_bytes=0, listed_bytes=0,
+                transient_bytes=0)
+    return RunSample(**{**base, **kw})
+
+
+# ---- robust sampling ----------------------------------------------------------------------------
+
+def test_robust_keeps_the_fastest_and_records_the_spread() -> None:
+    r = robust([1.5, 1.0, 1.2, 2.0])
+    assert (r.value, r.spread, r.samples) == (1.0, 1.0, 4)          # spread = (2.0 - 1.0) / 1.0
+    assert r.noisy
+    assert robust([1.0, 1.1, 1.05]).noisy is False                   # 10% < SPREAD_WARN
+    assert robust([1.0, 1.0 + SPREAD_WARN + 0.01]).noisy
+
+
+def test_robust_percentile_is_nearest_rank() -> None:
+    xs = [4.0, 1.0, 3.0, 2.0]
+    assert robust(xs, 50).value == 2.0     # ceil(0.5 x 4) - 1 = index 1 of [1, 2, 3, 4]
+    assert robust(xs, 75).value == 3.0
+    assert robust(xs, 100).value == 4.0
+    assert robust([7.0]).spread == 0.0
+    with pytest.raises(CalibrationError, match="no samples"):
+        robust([])
+    with pytest.raises(CalibrationError, match="percentile"):
+        robust([1.0], 101)
+
+
+# ---- fitting arithmetic -------------------------------------------------------------------------
+
+def test_fit_line_by_hand() -> None:
+    assert fit_line([1, 2, 3], [3, 5, 7]) == pytest.approx((1.0, 2.0))
+    assert fit_line([1, 2, 3], [7, 5, 3]) == pytest.approx((5.0, 0.0))     # falling: mean, no slope
+    # y = 2x - 1 would need a < 0: through the origin instead, b = sum(xy) / sum(x^2) = (1+6+15) / 14
+    assert fit_line([1, 2, 3], [1, 3, 5]) == pytest.approx((0.0, 22 / 14))
+    assert fit_line([4], [9]) == (9.0, 0.0)
+    with pytest.raises(CalibrationError):
+        fit_line([], [])
+
+
+def test_fit_by_hand() -> None:
+    # narrow run: 1e12 FLOPs in 10.5 s with 100 overhead units -> r0 = 1e12 / 10.5 FLOP/s with overhead inside
+    narrow = _run("a", 256, 1e12, 100, 10.5, baseline_rss_bytes=300 * MB, peak_rss_growth_bytes=int(150 * MB),
+                  listed_bytes=int(100 * MB), transient_bytes=int(100 * MB), adam_params=1_000_000, adam_s=0.01,
+                  h2d_bytes=1e9, h2d_s=0.1, d2h_bytes=1e9, d2h_s=0.2)
+    wide = _run("b", 512, 4e12, 100, 20.21, baseline_rss_bytes=320 * MB, peak_rss_growth_bytes=int(350 * MB),
+                listed_bytes=int(200 * MB), transient_bytes=int(200 * MB), adam_params=3_000_000, adam_s=0.03,
+                h2d_bytes=3e9, h2d_s=0.3, d2h_bytes=3e9, d2h_s=0.6, spread=0.4)
+    # overhead run: 0.2205 s = 1e9 / r0 (0.0105 s) + 100 x o  ->  o = 2.1 ms
+    tiny = _run("o", 64, 1e9, 100, 0.2205, baseline_rss_bytes=310 * MB, peak_rss_growth_bytes=int(50 * MB),
+                listed_bytes=0, transient_bytes=0)
+    cal = fit([narrow, wide], "fp32", overhead_run=tiny, source="hand", samples=3)
+    assert cal.block_overhead_s == pytest.approx(2.1e-3)
+    # r = flops / (compute - o x units): 1e12 / 10.29 s and 4e12 / 20 s
+    assert dict(cal.tflops_by_width) == pytest.approx({256: 1 / 10.29, 512: 0.2})
+    assert cal.adam_params_per_s == pytest.approx(4e6 / 0.04)
+    assert cal.h2d_gbps == pytest.approx(10.0) and cal.d2h_gbps == pytest.approx(5.0)
+    assert cal.process_bytes == 310 * MB                           # median of 300, 320, 310 MB
+    # growth - listed = 50, 150, 50 MB at transients 100, 200, 0 MB; least squares by hand:
+    # mean x = 100 MB, mean y = 250/3 MB, b = (0 + 100 x 200/3 + (-100) x (-100/3)) MB^2 / 20000 MB^2 = 0.5,
+    # a = 250/3 - 0.5 x 100 = 100/3 MB
+    xs, ys = [100 * MB, 200 * MB, 0], [50 * MB, 150 * MB, 50 * MB]
+    mx, my = sum(xs) / 3, sum(ys) / 3
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    assert cal.temporaries_factor == pytest.approx(b) == pytest.approx(0.5)
+    assert cal.temporaries_bytes == pytest.approx(my - b * mx, abs=1) == pytest.approx(100 / 3 * MB, abs=1)
+    assert cal.spread == 0.4 and cal.samples == 3 and cal.source == "hand"
+
+
+def test_t_half_by_hand() -> None:
+    # truth: r_inf = 0.1, t_half = 256 -> eff(256) = 0.5, eff(1024) = 0.8: rates 0.05 and 0.08
+    # q = (0.05 / 0.08) x (1024 / 256) = 2.5; t_half = (1024 - 2.5 x 256) / 1.5 = 256
+    assert fit_t_half([(1024, 0.08), (256, 0.05)]) == pytest.approx(256)
+    assert fit_t_half([(256, 0.08), (1024, 0.08)]) == 0.0          # no rise with t: no dependence
+    assert fit_t_half([(256, 0.09), (1024, 0.08)]) == 0.0
+    runs = [_run("a", 512, 1e12, 0, 1e12 / 0.05e12, tokens_per_micro_batch=256),
+            _run("b", 512, 1e12, 0, 1e12 / 0.08e12, tokens_per_micro_batch=1024),
+            _run("c", 1024, 1e12, 0, 1e12 / 0.16e12, tokens_per_micro_batch=1024)]
+    cal = fit(runs, "fp32")
+    assert cal.t_half_tokens == pytest.approx(256)
+    # r(h) at eff = 1: 0.05 / 0.5 and 0.08 / 0.8 -> 0.1; 0.16 / 0.8 = 0.2
+    assert dict(cal.tflops_by_width) == pytest.approx({512: 0.1, 1024: 0.2})
+    assert cal.rate_tflops(1024, 768) == pytest.approx(0.2 * 768 / 1024)
+
+
+def test_fit_with_the_head_timed_alone_by_hand() -> None:
+    # 5e12 FLOPs in 30 s, of which the head's 1e12 took 5 s alone: head 0.2 TFLOP/s, layers 4e12 / 25 s
+    run = _run("a", 512, 5e12, 100, 30.0, head_flops=1e12, head_s=5.0, head_units=20)
+    cal = fit([run], "fp32")
+    assert dict(cal.head_tflops_by_width) == pytest.approx({512: 0.2})
+    assert dict(cal.tflops_by_width) == pytest.approx({512: 0.16})
+    # overhead run (head not timed): o = (2.5 s - 1e9 / (4e12 / 25 s)) / 100 units, from the layers' rate
+    tiny = _run("o", 64, 1e9, 100, 2.5)
+    cal = fit([run], "fp32", overhead_run=tiny)
+    o = (2.5 - 1e9 / (4e12 / 25)) / 100
+    assert cal.block_overhead_s == pytest.approx(o)
+    assert dict(cal.tflops_by_width) == pytest.approx({512: 4e12 / (25 - o * 80) / 1e12})
+    assert Calibration.from_dict(cal.to_dict()) == cal
+    # a head timed alone as long as its whole run (a busy machine) is not used: the run counts as one class
+    busy = fit([_run("a", 512, 5e12, 100, 30.0, head_flops=1e12, head_s=29.0, head_units=20)], "fp32")
+    assert busy.head_tflops_by_width == () and dict(busy.tflops_by_width) == pytest.approx({512: 5 / 30})
+
+
+def test_fit_refuses_overhead_larger_than_compute() -> None:
+    narrow = _run("a", 256, 1e12, 1000, 1.0)
+    tiny = _run("o", 64, 1e6, 10, 5.0)
+    with pytest.raises(CalibrationError, match="overhead"):
+        fit([narrow], "fp32", overhead_run=tiny)
+
+
+def test_rate_interpolates_in_log_width_and_clamps() -> None:
+    cal = _cal()
+    assert cal.tflops(512) == pytest.approx(0.2)        # log2 512 is halfway between 256 and 1024
+    assert cal.tflops(128) == 0.1 and cal.tflops(4096) == 0.3
+    assert cal.temporaries(100) == 50_000_050
+
+
+# ---- the profile --------------------------------------------------------------------------------
+
+def test_profile_round_trips_the_calibration_with_its_source(tmp_path) -> None:
+    hw = _cpu(calibrations=(_cal(runs=({"name": "h256", "step_s": 1.0},)),))
+    path = tmp_path / "hw.json"
+    hw.save(str(path))
+    back = HardwareProfile.load(str(path))
+    assert back == hw
+    cal = back.fitted("fp32")
+    assert cal.source == "test calibration" and cal.spread == 0.1 and cal.samples == 3
+    assert cal.runs == ({"name": "h256", "step_s": 1.0},)
+    assert json.loads(path.read_text())["calibrations"][0]["tflops_by_width"] == [[256, 0.1], [1024, 0.3]]
+    # a second dtype joins the first; calibrating a dtype again replaces its entry
+    both = back.with_calibration(_cal(compute_dtype="bf16", source="bf16 run"))
+    assert both.fitted("bf16").source == "bf16 run" and both.fitted("float32").source == "test calibration"
+    again = both.with_calibration(_cal(source="newer"))
+    assert len(again.calibrations) == 2 and again.fitted("fp32").source == "newer"
+
+
+def test_a_profile_without_calibration_still_loads(tmp_path) -> None:
+    data = _cpu().to_dict()
+    del data["calibrations"]                                # written before calibration existed
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    hw = HardwareProfile.load(str(path))
+    assert hw.calibrations == () and hw.fitted("fp32") is None
+    assert "defaults" in hw.constants("fp32")
+
+
+def test_a_bad_calibration_is_one_line() -> None:
+    data = _cpu(calibrations=(_cal(),)).to_dict()
+    data["calibrations"][0]["h2d_gbps"] = -1
+    with pytest.raises(HardwareError, match="h2d_gbps") as e:
+        HardwareProfile.from_dict(data)
+    assert "\n" not in str(e.value)
+    data["calibrations"] = [{"compute_dtype": "fp32"}]
+    with pytest.raises(HardwareError, match="calibrate again"):
+        HardwareProfile.from_dict(data)
+
+
+# ---- the models use fitted terms ----------------------------------------------------------------
+
+def test_cost_model_uses_fitted_terms_on_a_cpu() -> None:
+    cal = _cal(t_half_tokens=256.0)
+    hw = _cpu(calibrations=(cal,))
+    work = Workload(seq_len=128, batch=4, compute_dtype="fp32")
+    plan = Plan(micro_batch_size=2)
+    est = cost_model.estimate(SMALL, work, plan, hw)
+    L, T = SMALL.num_layers, work.tokens
+    # h = 512: halfway in log2 between 256 and 1024 -> 0.2; t = 256 tokens: eff = 256 / (256 + 256)
+    rate = 0.2e12 * 0.5
+    units = cost_model.overhead_units(SMALL, work, plan)
+    M, chunks = 2, 1
+    assert units == pytest.approx((M + L * M) * 0.25 / 0.9 + (M * chunks + L * M + M) * 0.65 / 0.9)
+    h2d, d2h = cost_model.traffic(SMALL, work, plan)
+    E, Lw, H = SMALL.numel_embedding, SMALL.numel_layer, SMALL.numel_head
+    assert (h2d, d2h) == ((E + 2 * L * Lw + H) * 4, (L * Lw + E + H) * 4)
+    lat = cost_model.COPY_LATENCY_S
+    # CPU: everything in series; loads: E, L layers, head forward + L layers backward; drains: head, L, E
+    expected = (T * SMALL.hardware_flops_per_token(128) / rate + 2e-3 * units
+                + h2d / 8e9 + (2 * L + 2) * lat + d2h / 4e9 + (L + 2) * lat + SMALL.numel_total / 5e8)
+    assert est.step_seconds == pytest.approx(expected, rel=1e-9)
+    assert est.optimizer_exposed_seconds == pytest.approx(SMALL.numel_total / 5e8)
+    assert est.constants == "fitted (test calibration)" and est.to_dict()["constants"] == est.constants
+
+
+def test_cost_model_uses_the_fitted_head_rate() -> None:
+    cal = _cal(head_tflops_by_width=((256, 0.05), (1024, 0.2)))
+    work = Workload(seq_len=128, batch=4, compute_dtype="fp32")
+    plan = Plan(micro_batch_size=2)
+    with_head = cost_model.estimate(SMALL, work, plan, _cpu(calibrations=(cal,)))
+    without = cost_model.estimate(SMALL, work, plan, _cpu(calibrations=(_cal(),)))
+    T, F_head = work.tokens, SMALL.head_flops_fwd() + SMALL.head_flops_bwd()
+    # the head: T x F_head / r_head(512) (0.05 + 0.15 x 0.5 = 0.125 TFLOP/s) instead of T x F_head / r(512)
+    # plus its launches (M x chunks x b x o)
+    old_head = T * F_head / 0.2e12 + 2e-3 * cost_model.head_overhead_units(SMALL, work, plan)
+    assert with_head.step_seconds - without.step_seconds == pytest.approx(T * F_head / 0.125e12 - old_head)
+
+
+def test_cost_model_keeps_defaults_for_another_dtype() -> None:
+    work = Workload(seq_len=128, batch=4, compute_dtype="bf16")
+    plan = Plan(micro_batch_size=2)
+    fitted = cost_model.estimate(SMALL, work, plan, _cpu(calibrations=(_cal(),)))
+    plain = cost_model.estimate(SMALL, work, plan, _cpu())
+    assert fitted.step_seconds == plain.step_seconds
+    assert "calibrated for fp32 only" in fitted.constants and "defaults" in plain.constants
+
+
+def test_memory_model_uses_fitted_fixed_terms() -> None:
+    work = Workload(seq_len=128, batch=4, compute_dtype="fp32")
+    plan = Plan(micro_batch_size=2)
+    calibrated = _cpu(calibrations=(_cal(),))
+    fitted = {c.name: c.nbytes for c in memory_model.estimate(SMALL, work, plan, calibrated).components}
+    plain = {c.name: c.nbytes for c in memory_model.estimate(SMALL, work, plan, _cpu()).components}
+    assert plain["process"] == memory_model.HOST_PROCESS_BYTES and "temporaries" not in plain
+    assert fitted["process"] == 300_000_000
+    # transient = t x w + layer x c + chunk x V x (c + 8), t = 2 x 128, chunk = min(loss chunk, t) = 256
+    t = 256
+    transient = t * SMALL.layer_working_bytes_per_token("fp32") + SMALL.numel_layer * 4 + t * 1000 * 12
+    assert memory_model.transient_bytes(SMALL, work, plan) == transient
+    assert fitted["temporaries"] == int(50_000_000 + 0.5 * transient)
+    # every buffer of the runtime is unchanged: fitted terms come on top
+    assert {k: v for k, v in fitted.items() if k not in memory_model.FIXED_TERMS} == \
+        {k: v for k, v in plain.items() if k not in memory_model.FIXED_TERMS}
+
+
+# ---- the command --------------------------------------------------------------------------------
+
+def test_calibrate_refuses_bad_input_in_one_line(tmp_path) -> None:
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}')
+    for args, needle in ((["--dtype", "fp8"], "--dtype"), (["--out", str(tmp_path)], "directory"),
+                         (["--steps", "0"], "--steps"), (["--out", str(notes)], "not a hardware profile")):
+        p = subprocess.run([sys.executable, "-m", "megatrain.planner.cli", "calibrate", *args],
+                           capture_output=True, text=True)
+        assert p.returncode == 2, p.stderr
+        assert needle in p.stderr and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+    assert notes.read_text() == '{"mine": 1}'                        # never overwritten
+
+
+def test_a_measured_run_reduces_to_a_sample() -> None:
+    """The driver against the real runtime: one tiny run in this process, its breakdown keys, a sample."""
+    from megatrain.tools import calibrate
+
+    name, config, seq, batch, mbs = calibrate.OVERHEAD_RUN
+    plan = Plan(micro_batch_size=mbs)
+    measured = calibrate.child({"config": config, "seq": seq, "batch": batch, "dtype": "fp32",
+                                "plan": plan.to_json(indent=None), "steps": 2, "head_samples": 2})
+    assert len(measured["steps"]) == 2 and measured["baseline_rss_bytes"] > 0
+    s = calibrate.reduce_run(name, config, seq, batch, "fp32", plan, measured, _cpu(), 0.0)
+    shape = model_shapes.from_config(config)
+    assert s.params == shape.params and s.flops == shape.hardware_flops_per_token(seq) * seq * batch
+    assert s.overhead_units == cost_model.overhead_units(shape, Workload(seq, batch, "fp32"), plan)
+    assert s.step_s > 0 and 0 < s.compute_s <= s.step_s and s.h2d_s > 0 and s.d2h_s > 0
+    assert s.adam_params == shape.numel_total and s.adam_s > 0
+    assert len(measured["head_s"]) == 2 and s.head_s == min(measured["head_s"]) > 0
+    assert s.head_flops == (shape.head_flops_fwd() + shape.head_flops_bwd()) * seq * batch
+    assert math.isfinite(s.spread)
+
+
+def test_the_planner_reads_fitted_terms_without_the_runtime() -> None:
+    code = ("import sys; from megatrain.planner import calibration, cli, cost_model, hardware, memory_model; "
+            "print(sorted(m for m in sys.modules if m.startswith(('megatrain.runtime', 'megatrain.tools', 'torch'))))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert p.stdout.strip() == "[]"
