@@ -16,6 +16,9 @@ gradient scale (Adam's sqrt(v_hat)) is within 10x of eps, where updates ~ g / ep
 amplify ulp-level noise, or below 1% of its tensor's mean, where the gradient is
 what is left of much larger terms cancelling (e.g. through a 4-wide q/k norm),
 so its relative rounding noise reaches several percent in both trainings.
+An element is held to the noise-floor bound when it was at the floor in any
+step (its update in that step may flip), not only after the last one; the
+moments are compared where the last step left them.
 
 1. TIED_MICROBATCHES: with tied embeddings and more than one micro-batch, the
    reference adds (head part + embedding part) per micro-batch and then across
@@ -37,7 +40,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
@@ -129,7 +132,10 @@ def run_case(config, plan, optimizer, batch, seq, lrs, seed, device="cpu"):
             master = ReferenceLM(config)
             master.load_state_dict(engine.state_dict())
         optim = make_optimizer(master or reference, optimizer)
-        for (ids, labels), lr in zip(_batches(config, batch, seq, len(lrs), seed), lrs):
+        b2 = optimizer.betas[1]
+        floor: dict[str, torch.Tensor] = {}  # per element: at the gradient noise floor in some step
+        last_floor: dict[str, torch.Tensor] = {}
+        for step, ((ids, labels), lr) in enumerate(zip(_batches(config, batch, seq, len(lrs), seed), lrs)):
             loss = engine.step(ids, labels, lr=lr)
             expected = reference_step(reference, optim, ids.to(device), labels.to(device),
                                       plan.micro_batch_size, optimizer.max_grad_norm, lr, master)
@@ -137,6 +143,14 @@ def run_case(config, plan, optimizer, batch, seq, lrs, seed, device="cpu"):
                 assert abs(loss.item() - expected.item()) <= 1e-6 * abs(expected.item()) + 1e-7, (loss, expected)
             else:
                 assert torch.equal(loss.cpu(), expected.cpu()), (loss.item(), expected.item())
+            # An element at the noise floor in ANY step may flip that step's update (its sign, at most ~lr),
+            # even if its gradient is large in the steps after: mark it from every step's second moment.
+            for n, p in (master or reference).named_parameters():
+                v_hat = optim.state[p]["exp_avg_sq"].detach().cpu().double() / (1 - b2 ** (step + 1))
+                rms = v_hat.sqrt()
+                at_floor = rms <= max(10 * optimizer.eps, 0.01 * rms.mean().item())
+                floor[n] = at_floor if n not in floor else floor[n] | at_floor
+                last_floor[n] = at_floor  # the moments are compared where the last step left them
 
         ours = engine.state_dict()
         theirs = {n: p.detach().cpu() for n, p in (master or reference).named_parameters()}
@@ -145,14 +159,9 @@ def run_case(config, plan, optimizer, batch, seq, lrs, seed, device="cpu"):
         ref_state = {n: optim.state[p] for n, p in (master or reference).named_parameters()}
         moments = {key: ({n: state[n][key] for n in theirs}, {n: ref_state[n][key].cpu() for n in theirs})
                    for key in ("exp_avg", "exp_avg_sq")}
-        b2, steps = optimizer.betas[1], len(lrs)
-        floor = {}
-        for n in theirs:
-            rms = (moments["exp_avg_sq"][1][n].double() / (1 - b2 ** steps)).sqrt()  # Adam's denominator
-            floor[n] = rms <= max(10 * optimizer.eps, 0.01 * rms.mean().item())
         if sources:
             assert_moments_close(moments["exp_avg"][0], moments["exp_avg_sq"][0], moments["exp_avg"][1],
-                                 moments["exp_avg_sq"][1], optimizer.eps, floor)
+                                 moments["exp_avg_sq"][1], optimizer.eps, last_floor)
         else:
             for key, (a, b) in moments.items():
                 bad = [n for n in theirs if not torch.equal(a[n], b[n])]
@@ -169,8 +178,21 @@ def run_case(config, plan, optimizer, batch, seq, lrs, seed, device="cpu"):
         engine.close()
 
 
+# Found by a CI-sized run: an element of v_proj at the noise floor in step 1 only (gradient 6e-10 against a
+# tensor mean of 1e-2), large in step 2; judged by the last step's moments alone it looked out of bounds.
+_FLOOR_IN_FIRST_STEP = (
+    ModelConfig(vocab_size=126, hidden_size=24, intermediate_size=27, num_hidden_layers=2, num_attention_heads=9,
+                num_key_value_heads=3, head_dim=8, rope_theta=500000.0, initializer_range=0.05,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 16}),
+    Plan(micro_batch_size=3, optimizer_mode="deferred", host_grad_slabs=1, loss_chunk_tokens=9),
+    OptimizerConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_grad_norm=1.0, no_decay=()),
+    3, 6, [1e-4, 1e-4], 105)
+
+
 @settings(deadline=None)
 @given(cases())
+@example(_FLOOR_IN_FIRST_STEP)
 def test_matches_pytorch_training_cpu(case):
     run_case(*case)
 

@@ -474,13 +474,14 @@ def _optimizer(c: TrainConfig) -> OptimizerConfig:
                            max_grad_norm=c.max_grad_norm if c.max_grad_norm > 0 else None, no_decay=("norm", "bias"))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _free_bytes_under(path: str) -> int:
     """Free bytes on the disk that will hold ``path`` (its nearest existing folder: it is made later)."""
     folder = os.path.abspath(path)
     while not os.path.isdir(folder):
         folder = os.path.dirname(folder)
     return int(shutil.disk_usage(folder).free)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
