@@ -561,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"plan": cmd_plan, "size": cmd_size, "ram": cmd_ram, "profile": cmd_profile, None: cmd_overview}
-USER_ERRORS = (CliError, ModelShapeError, HardwareError, WorkloadError, InfeasibleError, PlanError)
+USER_ERRORS = (MegatrainError,)  # every error a user can fix: PlanError, HardwareError, ... derive from it
 
 
 def main(argv: Sequence[str] | None = None) -> int:
