@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 import torch
 
-from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.planner.buffer_kinds import STATE_KINDS, BufferKind
 
 from .errors import InputError
 
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 FORMAT = "megatrain-checkpoint"
 VERSION = 1
-ARRAYS = ("master", "exp_avg", "exp_avg_sq")
+ARRAYS = tuple(k.value for k in STATE_KINDS)  # one array per state kind, named after it
 MANIFEST = "manifest.json"
 CRC_CHUNK_BYTES = 64 * 2**20  # one CRC32 per 64 MiB of an array: names the corrupt range, cheap to verify
 READ_PIECE_BYTES = 4 * 2**20  # reads move whole inner chunks of at least this many bytes...
