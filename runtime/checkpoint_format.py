@@ -11,21 +11,20 @@ config), the caller's ``extra``, the block and tensor tables, the CRC32 of each
 is ``training_checkpoint``'s.
 
 [Note: checkpoint I/O speed]
-Measured (80M parameters, 0.96 GB, 2-core VM; page cache dropped): the first
-release read at 0.3-0.65 GB/s against 2.6-4.2 GB/s for a plain ``readinto``.
-A whole-array tensorstore read (or write) of a sharded array holds every shard
-it touches at once (one extra copy of the array: +1 GiB peak for a 1 GiB array)
-at ~0.8 GB/s even from the page cache; read one inner chunk at a time it does
-2.5-4 GB/s, but still copies each chunk through its own buffer, and the CRC32
-pass (zlib, ~3.5 GB/s on one core) ran after the read. So:
+Each array moves in pieces, with at most one extra copy in flight: a
+whole-array tensorstore read or write of a sharded array would hold every shard
+it touches at once (one extra copy of the array), and a CRC32 pass after the
+transfer would read the array a second time. So:
 
 * Reads: for exactly the layout ``spec`` writes (checked field by field in
   ``zarr.json``; anything else goes through tensorstore, in the same pieces)
   each 4 MiB inner chunk is ``preadv``-ed from its shard file (offset from the
   shard's index) straight into the destination, and a worker thread computes
-  its CRC32 while the next chunk is read. Same bytes, same format, one copy:
-  2.3-3.1 GB/s. The manifest's CRC32s are still verified over the destination:
-  a bad index or chunk is a checksum error or a one-line "cannot read" error.
+  its CRC32 while the next chunk is read: the bytes tensorstore would read,
+  without its intermediate buffer (benchmarks/checkpoint_io.py measures it
+  against a plain ``readinto``). The manifest's CRC32s are verified over the
+  destination: a bad index or chunk is a checksum error or a one-line "cannot
+  read" error.
 * Writes: tensorstore, one shard (``write_chunk``, up to 256 MiB) at a time,
   its CRC32 computed while tensorstore encodes it (a spilled kind's blocks are
   gathered into whole shards: no shard is rewritten); the arrays one after
