@@ -193,6 +193,10 @@ class Engine:
         """The config.json this engine was loaded from (from_pretrained, or a checkpoint of such), kept for export."""
         return self.state.hf_config
 
+    @hf_config.setter
+    def hf_config(self, value: dict | None) -> None:
+        self.state.hf_config = value
+
     # ------------------------------------------------------------------ Hugging Face and checkpoints
     @classmethod
     def from_pretrained(
@@ -218,7 +222,7 @@ class Engine:
         except BaseException:
             engine.close()
             raise
-        engine.state.hf_config = hf_config
+        engine.hf_config = hf_config
         return engine
 
     def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
