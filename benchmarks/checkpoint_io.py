@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan, checkpoint_io
+from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan, training_checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -76,7 +76,7 @@ def plain_read(engine: Engine, root: str) -> float:
 def timed_load(directory: str) -> tuple[Engine, float]:
     """Engine.load_checkpoint(directory) and the seconds spent in its checkpoint reading (all but construction)."""
     spent = [0.0]
-    originals = {name: getattr(checkpoint_io, name) for name in ("resolve", "read_manifest", "restore")}
+    originals = {name: getattr(training_checkpoint, name) for name in ("resolve", "read_manifest", "restore")}
 
     def timing(fn):
         def run(*args, **kwargs):
@@ -88,12 +88,12 @@ def timed_load(directory: str) -> tuple[Engine, float]:
         return run
 
     for name, fn in originals.items():
-        setattr(checkpoint_io, name, timing(fn))
+        setattr(training_checkpoint, name, timing(fn))
     try:
         engine = Engine.load_checkpoint(directory, device="cpu")
     finally:
         for name, fn in originals.items():
-            setattr(checkpoint_io, name, fn)
+            setattr(training_checkpoint, name, fn)
     return engine, spent[0]
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import buffer_kinds
+from .buffer_kinds import BufferKind, spill_block_bytes
 from .hardware import GiB, HardwareProfile
 from .model_shapes import ModelShape
 from .plan import Plan
@@ -152,15 +154,16 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
     # ---- host (and spill files) --------------------------------------------------------------
     spilled = spilled_kinds(plan)
     F = model.spill_file_bytes  # one fp32 kind in a spill file: each block rounded up to 4 KiB
-    for kind, label in (("master", "fp32 master"), ("exp_avg", "Adam m"), ("exp_avg_sq", "Adam v")):
+    for kind, label in ((BufferKind.MASTER, "fp32 master"), (BufferKind.EXP_AVG, "Adam m"),
+                        (BufferKind.EXP_AVG_SQ, "Adam v")):
         if kind in spilled:
             comps.append(Component(f"{label} (spill file)", "nvme", F, f"sum over blocks of 4 KiB-rounded block x 4 = {F}"))
         else:
             host(label, 4 * N, f"4 x N = 4 x {N}")
-    if c != 4 or "master" in spilled:  # in fp32 the shadow is the master itself, unless the master spills
+    if c != 4 or BufferKind.MASTER in spilled:  # in fp32 the shadow is the master itself, unless the master spills
         host("compute-dtype shadow", c * N, f"c x N = {c} x {N}")
-    Bs = -(-Bmax * 4 // SPILL_ALIGN) * SPILL_ALIGN // 4   # Bmax rounded up to 4 KiB of fp32
-    if plan.optimizer_mode == "deferred" and "grads" in spilled:
+    Bs = spill_block_bytes(Bmax) // 4   # Bmax rounded up to 4 KiB of fp32
+    if plan.optimizer_mode == "deferred" and BufferKind.GRADS in spilled:
         comps.append(Component("fp32 grads (spill file)", "nvme", F, f"sum over blocks of 4 KiB-rounded block x 4 = {F}"))
         host("fp32 grad slabs", S * Bs * 4, f"S x Bmax(4 KiB) x 4 = {S} x {Bs} x 4")
     elif plan.optimizer_mode == "deferred":
@@ -210,12 +213,7 @@ def listed_host_bytes(est: MemoryEstimate, device_is_host: bool) -> int:
 # Components that are not buffers of the runtime: constants or fitted from runs.
 FIXED_TERMS = ("process", "temporaries", "CUDA context", "allocator slack")
 
-SPILL_ALIGN = 4096  # bytes: spill files hold each block at a 4 KiB-aligned offset (O_DIRECT)
-
-
-def spilled_kinds(plan: Plan) -> tuple[str, ...]:
-    """The fp32 kinds a plan keeps in spill files (the runtime's host_store.SPILLED_KINDS; eager mode
-    keeps its gradients in slabs, never in a file)."""
-    kinds = {"none": (), "optimizer": ("exp_avg", "exp_avg_sq"),
-             "all": ("master", "exp_avg", "exp_avg_sq", "grads")}[plan.spill]
-    return tuple(k for k in kinds if k != "grads" or plan.optimizer_mode == "deferred")
+def spilled_kinds(plan: Plan) -> tuple[BufferKind, ...]:
+    """The fp32 kinds a plan keeps in spill files: the rule the runtime's host store follows
+    (``buffer_kinds.spilled_kinds``)."""
+    return buffer_kinds.spilled_kinds(plan.spill, plan.optimizer_mode == "deferred")

@@ -24,6 +24,7 @@ from typing import Any, Mapping
 from megatrain.errors import MegatrainError
 
 from . import hf_config
+from .buffer_kinds import spill_block_bytes
 from .block_parameters import ALIGN_ELEMENTS, aligned, embedding_parameters, head_parameters, layer_parameters
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -151,7 +152,7 @@ class ModelShape:
     def spill_file_bytes(self) -> int:
         """One fp32 kind of every distinct block in a spill file, each block rounded up to 4 KiB."""
         blocks = [self.numel_embedding] + [self.numel_layer] * self.num_layers + [self.numel_head]
-        return sum(-(-n * 4 // 4096) * 4096 for n in blocks)
+        return sum(spill_block_bytes(n) for n in blocks)
 
     def block_bytes(self, dtype: str) -> dict[str, int]:
         """Bytes of each distinct block's flat buffer in ``dtype``."""

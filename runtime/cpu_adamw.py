@@ -18,12 +18,9 @@ forward, which loads block 0 first, waits the least. In both, the next load of
 block b waits for ``wait_updated(b)``. The job queue holds at most one job per
 block (its bound); the worker releases an eager-mode gradient slab when done.
 
-[Note: spill pipeline]
-With spilled kinds (host_store.py), the worker keeps up to ``spill_staging``
-jobs in flight: for each queued job it takes a staging set and issues the reads
-of the block's spilled state ahead, updates the oldest once its reads land, and
-writes its state back behind; a staging set returns to the pool when its writes
-finish. Without spill there is one job in flight and no I/O.
+With spilled kinds the worker keeps up to ``spill_staging`` jobs in flight, reading
+ahead and writing behind through the spill files' staging sets (spill_files.py,
+[Note: spill pipeline]).
 
 [Note: non-finite updates]
 With ``OptimizerConfig(skip_nonfinite=True)`` a non-finite gradient skips the
@@ -42,7 +39,6 @@ infinite loss makes every gradient non-finite, so the whole step goes either way
 from __future__ import annotations
 
 import collections
-import concurrent.futures as cf
 import math
 import queue
 import threading
@@ -55,7 +51,10 @@ from torch.profiler import record_function
 
 from .errors import MegatrainError
 from .event_log import EventLog
+from megatrain.planner.buffer_kinds import BufferKind
+
 from .host_store import HostStore
+from .spill_files import Staged
 from .streams import Event
 from .templates import BlockLayout
 
@@ -112,6 +111,11 @@ class AdamWorker:
         for b in range(len(self._updated)):
             self.wait_updated(b, step)
 
+    def restore(self, step: int) -> None:
+        """After a checkpoint load, before any job: every block's update up to ``step`` counts as applied."""
+        with self._cond:
+            self._updated = [step] * len(self._updated)
+
     def close(self) -> None:
         if self._thread.is_alive():
             self._jobs.put(None)
@@ -144,8 +148,9 @@ class AdamWorker:
             raise RuntimeError(f"the CPU AdamW worker failed: {self._error!r}") from self._error
 
     def _run(self) -> None:
-        depth = self.store.staging_count if self.store.spilled else 1
-        inflight: collections.deque[tuple[AdamJob, int | None, list[cf.Future]]] = collections.deque()
+        files = self.store.spill_files
+        depth = files.staging.count if files is not None else 1
+        inflight: collections.deque[tuple[AdamJob, Staged | None]] = collections.deque()
         closing = False
         try:
             while True:
@@ -158,11 +163,11 @@ class AdamWorker:
                     if job is None:
                         closing = True
                     else:
-                        inflight.append(self._begin(job))
+                        inflight.append((job, self._begin(job)))
                 if not inflight:
                     return
-                job, staging, reads = inflight.popleft()
-                self._update(job, staging, reads)
+                job, staged = inflight.popleft()
+                self._update(job, staged)
                 with self._cond:
                     self._updated[job.block] = job.step
                     self._cond.notify_all()
@@ -171,50 +176,48 @@ class AdamWorker:
                 self._error = e
                 self._cond.notify_all()
 
-    def _begin(self, job: AdamJob) -> tuple[AdamJob, int | None, list[cf.Future]]:
-        store = self.store
-        if not store.spilled:
-            return job, None, []
-        assert store.staging is not None
-        index = store.staging.acquire()  # waits while every set is still being written back
-        buffers = store.staging.buffers(index)
-        kinds = [k for k in store.spilled if k != "grads" or job.grads is None]
-        return job, index, [store.read_async(k, job.block, buffers[k]) for k in kinds]
+    def _begin(self, job: AdamJob) -> Staged | None:
+        files = self.store.spill_files
+        if files is None:
+            return None
+        kinds = [k for k in files.kinds if k is not BufferKind.GRADS or job.grads is None]
+        return files.stage(job.block, kinds)
 
-    def _update(self, job: AdamJob, staging: int | None, reads: list[cf.Future]) -> None:
+    def _update(self, job: AdamJob, staged: Staged | None) -> None:
         b, store, h = job.block, self.store, job.hyper
         n = store.numels[b]
         self.log.record("adam_begin", job.step, b)
         with record_function(f"adam_wait[{b}]"):  # the drain, the spilled reads, the clip coefficient
             job.grads_ready.synchronize()
-            for r in reads:
+            for r in (staged.reads if staged is not None else ()):
                 r.result()
             if job.clip is not None:
                 job.clip[1].synchronize()
         with record_function(f"adam[{b}]"):  # the update itself: what adam_busy_s and traces count
             t0 = time.perf_counter()
-            staged = store.staging.buffers(staging) if staging is not None else {}  # type: ignore[union-attr]
-            buf = lambda kind, ram: staged[kind][:n] if kind in staged else ram(b)  # noqa: E731
-            grads = job.grads if job.grads is not None else staged["grads"][:n]
+            buffers = staged.buffers if staged is not None else {}
+            buf = lambda kind: buffers[kind][:n] if kind in buffers else store.read_block(kind, b)  # noqa: E731
+            grads = job.grads if job.grads is not None else buffers[BufferKind.GRADS][:n]
             if h.skip_nonfinite and not _finite(job, grads):
                 with self._cond:
                     self._skipped.append(job.step)
             else:
                 self._apply(job, grads, buf)
             self._account(job.step, time.perf_counter() - t0)
-        if staging is not None:
-            self._write_behind(b, staging, staged)
+        if staged is not None:
+            assert store.spill_files is not None
+            store.spill_files.write_behind(b, staged)
         if job.on_done is not None:
             job.on_done()
         self.log.record("adam_end", job.step, b)
 
-    def _apply(self, job: AdamJob, grads: torch.Tensor, buf: Callable) -> None:
+    def _apply(self, job: AdamJob, grads: torch.Tensor, buf: Callable[[BufferKind], torch.Tensor]) -> None:
         """The update of one block: clip, fused AdamW on its views, the compute-dtype shadow."""
         b, store, h = job.block, self.store, job.hyper
         if job.clip is not None:
             grads.mul_(job.clip[0])
-        master = buf("master", store.master_of)
-        m, v = buf("exp_avg", store.exp_avg_of), buf("exp_avg_sq", store.exp_avg_sq_of)
+        master = buf(BufferKind.MASTER)
+        m, v = buf(BufferKind.EXP_AVG), buf(BufferKind.EXP_AVG_SQ)
         step = store.steps[b]
         step.add_(1)
         views = [job.layout.view_list(t) for t in (master, grads, m, v)]
@@ -230,25 +233,6 @@ class AdamWorker:
         if store.shadow is not store.master:
             with record_function(f"shadow[{b}]"):  # the compute-dtype copy that travels H2D
                 store.refresh_shadow(b, master)
-
-    def _write_behind(self, b: int, staging: int, staged: dict[str, torch.Tensor]) -> None:
-        """Write the block's updated spilled state back; the staging set is free once all writes land."""
-        store = self.store
-        kinds = [k for k in ("master", "exp_avg", "exp_avg_sq") if k in staged]
-        pending = [len(kinds)]
-        lock = threading.Lock()
-
-        def written(_: cf.Future) -> None:
-            with lock:
-                pending[0] -= 1
-                last = pending[0] == 0
-            if last:
-                store.staging.release(staging)  # type: ignore[union-attr]
-
-        if not kinds:
-            store.staging.release(staging)  # type: ignore[union-attr]
-        for kind in kinds:
-            store.write_async(kind, b, staged[kind]).add_done_callback(written)
 
 
 def _finite(job: AdamJob, grads: torch.Tensor) -> bool:

@@ -14,7 +14,7 @@ import math
 import os
 import warnings
 import weakref
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
@@ -27,9 +27,13 @@ from .errors import ClosedError, ConfigError, InputError
 from .event_log import EventLog
 from .executor import Batch, Executor
 from .host_store import HostStore
+from .model_state import ModelState
 from .paths import user_path
 from .spill_io import make_io
 from .templates import Templates
+
+if TYPE_CHECKING:
+    from .training_checkpoint import CheckpointHandle, CheckpointWriter
 
 COMPUTE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -95,12 +99,13 @@ class Engine:
             io=make_io(self.plan.io_backend, self.plan.io_threads) if spilling else None,
             staging=self.plan.spill_staging,
         )
+        # Whole-state reads and writes (state dicts, Hugging Face files, checkpoints) first settle: see synchronize.
+        self.state = ModelState(self.templates, self.store, settle=self.synchronize)
         if not _skip_init:
-            self._initialize(seed)
-        self.hf_config: dict | None = None  # the config.json this engine was loaded from, kept for export
+            self.state.initialize(seed)
         self.checkpoint_extra: dict | None = None  # the caller's ``extra`` of the checkpoint this engine resumed
         self.skipped_steps: list[int] = []  # steps whose update was skipped for a non-finite gradient
-        self._checkpoint_writer = None  # checkpoint_io.CheckpointWriter, created on the first save
+        self._checkpoint_writer: "CheckpointWriter | None" = None  # created on the first save
         self.executor = Executor(self.templates, self.store, self.plan, compute_dtype, self.device,
                                  self.optimizer.max_grad_norm, self.event_log)
         _OPEN_ENGINES.add(self)
@@ -171,54 +176,26 @@ class Engine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Float32 copies of the master weights under Hugging Face names (tied lm_head included, as HF does)."""
         self._check_open()
-        self.synchronize()
-        out: dict[str, torch.Tensor] = {}
-        for block in self.templates.blocks:
-            views = block.layout.views(self.store.read_block("master", block.index))
-            for e in block.layout.entries:
-                out[e.hf_name] = views[e.local_name].clone()
-        if self.config.tie_word_embeddings:
-            out["lm_head.weight"] = out["model.embed_tokens.weight"]
-        return out
+        return self.state.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy weights (any float dtype) into the fp32 masters. Keys and shapes must match exactly."""
         self._check_open()
-        self.synchronize()
-        expected = {e.hf_name: (b, e) for b in self.templates.blocks for e in b.layout.entries}
-        optional = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
-        missing = sorted(set(expected) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(expected) - optional)
-        if missing or unexpected:
-            parts = ([f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"] if missing else []) + (
-                [f"unexpected {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}"] if unexpected else [])
-            raise InputError(f"state_dict does not match this model ({'; '.join(parts)}); check the ModelConfig")
-        for name, (block, entry) in expected.items():
-            tensor = state_dict[name]
-            if tuple(tensor.shape) != entry.shape:
-                raise InputError(f"{name} has shape {tuple(tensor.shape)}, this model expects {entry.shape}; check the ModelConfig")
-            if not tensor.is_floating_point():
-                raise InputError(f"{name} has dtype {tensor.dtype}; weights must be floating point")
-        for block in self.templates.blocks:
-            master = self.store.read_block("master", block.index).clone()
-            views = block.layout.views(master)
-            for entry in block.layout.entries:
-                views[entry.local_name].copy_(state_dict[entry.hf_name])
-            self.store.write_block("master", block.index, master)
-            self.store.refresh_shadow(block.index, master)
+        self.state.load_state_dict(state_dict)
 
     def optimizer_state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """AdamW state per parameter under Hugging Face names: exp_avg, exp_avg_sq, step (as torch.optim keeps it)."""
         self._check_open()
-        self.synchronize()
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for block in self.templates.blocks:
-            m = block.layout.views(self.store.read_block("exp_avg", block.index))
-            v = block.layout.views(self.store.read_block("exp_avg_sq", block.index))
-            for e in block.layout.entries:
-                out[e.hf_name] = {"exp_avg": m[e.local_name].clone(), "exp_avg_sq": v[e.local_name].clone(),
-                                  "step": self.store.steps[block.index].clone()}
-        return out
+        return self.state.optimizer_state_dict()
+
+    @property
+    def hf_config(self) -> dict | None:
+        """The config.json this engine was loaded from (from_pretrained, or a checkpoint of such), kept for export."""
+        return self.state.hf_config
+
+    @hf_config.setter
+    def hf_config(self, value: dict | None) -> None:
+        self.state.hf_config = value
 
     # ------------------------------------------------------------------ Hugging Face and checkpoints
     @classmethod
@@ -241,7 +218,7 @@ class Engine:
         files = hf_io.find_shards(path)
         engine = cls(ModelConfig.from_hf(hf_config), optimizer, plan, compute_dtype, device, _skip_init=True)
         try:
-            hf_io.load_weights(engine, files)
+            hf_io.load_weights(engine.state, files)
         except BaseException:
             engine.close()
             raise
@@ -255,23 +232,25 @@ class Engine:
         self._check_open()
         from . import hf_io
 
-        hf_io.save_pretrained(self, path, dtype, max_shard_bytes)
+        hf_io.save_pretrained(self.state, path, dtype, max_shard_bytes)
 
     def save_checkpoint(self, directory: str | os.PathLike, extra: Mapping[str, object] | None = None,
-                        keep: int = 3, blocking: bool = False):  # -> checkpoint_io.CheckpointHandle
+                        keep: int = 3, blocking: bool = False) -> "CheckpointHandle":
         """Save the full training state to ``directory/step-<N>`` and point ``directory/latest`` at it.
 
         ``extra``: a JSON-serialisable dict (RNG state, data position, schedule), returned by
         ``load_checkpoint`` as ``engine.checkpoint_extra``. Not blocking: the state is snapshotted (the only
         stall) and written by a background thread; ``handle.wait()`` or ``wait_for_checkpoint()`` waits.
-        The newest ``keep`` checkpoints stay. See runtime/checkpoint_io.py for the commit protocol.
+        The newest ``keep`` checkpoints stay. See runtime/training_checkpoint.py for the commit protocol.
         """
         self._check_open()
-        from .checkpoint_io import CheckpointWriter
+        from . import training_checkpoint
 
         if self._checkpoint_writer is None:
-            self._checkpoint_writer = CheckpointWriter()
-        return self._checkpoint_writer.save(self, directory, extra, keep, blocking)
+            self._checkpoint_writer = training_checkpoint.CheckpointWriter()
+        settings = training_checkpoint.engine_settings(self.config, self.optimizer, self.plan, self.compute_dtype,
+                                                       self.seed)
+        return self._checkpoint_writer.save(self.state, self.step_count, settings, directory, extra, keep, blocking)
 
     def wait_for_checkpoint(self) -> str | None:
         """Wait for the checkpoint being written (raising its error, if any); its directory, or None."""
@@ -283,27 +262,23 @@ class Engine:
                         plan: Plan | None = None) -> "Engine":
         """Resume: the checkpoint ``directory/latest`` names (or a ``step-<N>`` directory itself), verified against
         its manifest's checksums. ``plan`` replaces the saved plan (e.g. on another machine)."""
-        from . import checkpoint_io
+        from . import training_checkpoint
 
-        path = checkpoint_io.resolve(directory)
-        manifest = checkpoint_io.read_manifest(path)
-        args = checkpoint_io.engine_arguments(manifest)
+        path = training_checkpoint.resolve(directory)
+        manifest = training_checkpoint.read_manifest(path)
+        args = training_checkpoint.engine_arguments(manifest)
         if plan is not None:
             args["plan"] = plan
         engine = cls(**args, device=device, _skip_init=True)
         try:
-            checkpoint_io.restore(engine, path, manifest)
+            restored = training_checkpoint.restore(engine.state, path, manifest)
         except BaseException:
             engine.close()
             raise
+        engine.executor.step_no = restored.step  # the executor continues from there, every update applied
+        engine.executor.adam.restore(restored.step)
+        engine.checkpoint_extra = restored.extra
         return engine
-
-    def _restore_step_count(self, step: int) -> None:
-        """After a checkpoint load: the executor continues from optimizer step ``step``, all updates applied."""
-        executor = self.executor
-        executor.step_no = step
-        with executor.adam._cond:
-            executor.adam._updated = [step] * len(executor.adam._updated)
 
     def close(self) -> None:
         """Stop the optimizer worker and unpin host memory. Afterwards every method raises ClosedError at once;
@@ -312,8 +287,8 @@ class Engine:
             return  # closed already
         self._closed = True
         writer = getattr(self, "_checkpoint_writer", None)
-        if writer is not None and writer.last is not None:
-            writer.last._join_quietly()  # a background checkpoint write finishes before the engine goes
+        if writer is not None:
+            writer.close()  # a background checkpoint write finishes before the engine goes
         executor = getattr(self, "executor", None)
         if executor is not None:
             if self.device.type == "cuda":
@@ -349,28 +324,6 @@ class Engine:
         if getattr(self, "_closed", True):
             raise ClosedError("this Engine is closed (close() or the end of its with-block); "
                               "build a new one, or Engine.load_checkpoint(...) to continue a run")
-
-    def _initialize(self, seed: int) -> None:
-        """Hugging Face's init: normal(0, initializer_range) weights, zero biases, unit norms, zero pad row."""
-        std = self.config.initializer_range
-        for block in self.templates.blocks:
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + block.index)
-            master = torch.zeros(block.layout.numel) if "master" in self.store.spilled else \
-                self.store.master_of(block.index)
-            views = block.layout.views(master)
-            for e in block.layout.entries:
-                t = views[e.local_name]
-                if e.local_name.endswith("norm.weight"):
-                    t.fill_(1.0)
-                elif e.local_name.endswith(".bias"):
-                    t.zero_()
-                else:
-                    t.normal_(0.0, std, generator=gen)
-                    if e.local_name == "embed_tokens.weight" and self.config.pad_token_id is not None:
-                        t[self.config.pad_token_id].zero_()
-            if "master" in self.store.spilled:
-                self.store.write_block("master", block.index, master)
-            self.store.refresh_shadow(block.index, master)
 
     def _check_ids(self, t: object, name: str) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):

@@ -17,8 +17,8 @@ load for its update.
 """
 from __future__ import annotations
 
-import queue
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.profiler import record_function
@@ -62,7 +62,6 @@ class Executor:
         self.compute_dtype, self.device = compute_dtype, device
         self.max_grad_norm = max_grad_norm
         self.eager = plan.optimizer_mode == "eager"
-        self.grads_spilled = "grads" in store.spilled
         self.log = log
         self.streams = Streams(device)
         self.timer = StepTimer(self.streams.cuda)
@@ -118,7 +117,7 @@ class Executor:
         n_fwd = len(fwd)
         self.loader.start(step, fwd + bwd, on_load=self._load_checkpoints(n_fwd),
                           can_issue=lambda j: j < n_fwd or saved_layers[0] == len(layers))
-        pending: list[tuple[Block, torch.Tensor | None, Event, int | None]] = []  # deferred-mode jobs
+        pending: list[tuple[Block, torch.Tensor | None, Event, Callable[[], None] | None]] = []  # deferred-mode jobs
         j = 0
 
         # ---- forward: embedding, then each layer (saving its inputs)
@@ -216,61 +215,36 @@ class Executor:
             self.clip_dev.copy_(torch.clamp(self.max_grad_norm / (self.grad_norm + 1e-6), max=1.0))
             self.clip_copied = self._drain_scalar(self.clip_dev, self.clip_host)
             clip = (self.clip_host, self.clip_copied)
-        for block, host, done, slab in sorted(pending, key=lambda p: p[0].index):
-            self._submit(step, block, host, done, clip, hyper, slab)
+        for block, host, done, release in sorted(pending, key=lambda p: p[0].index):
+            self._submit(step, block, host, done, clip, hyper, release)
         self.timer.end(self.streams.compute)
         return loss
 
     def _finish_block(
         self, step: int, block: Block, g_index: int | None, g_buf: torch.Tensor, hyper: AdamHyper
-    ) -> list[tuple[Block, torch.Tensor | None, Event, int | None]]:
+    ) -> list[tuple[Block, torch.Tensor | None, Event, Callable[[], None] | None]]:
         """Record the block's gradient norms, drain its grads to the host, queue (eager) its update."""
         norms = torch._foreach_norm(block.layout.view_list(g_buf), 2.0)
         self.norms.index_copy_(0, self.norm_index[block.index], torch.stack(norms))
-        slab: int | None = None
-        store = self.store
-        if self.eager or self.grads_spilled:
-            slab = self._acquire_slab()
-            host = store.slabs.slab(slab, block.layout.numel)  # type: ignore[union-attr]
-        else:
-            host = store.grads_of(block.index)
+        with self.timer.host("adam"):  # waits only while every eager-mode slab awaits its update
+            sink = self.store.grad_sink(block.index, check=self.adam.raise_if_failed)
         with record_function(f"d2h[{block.index}]"):
-            done = self.grad_buffers.drain(g_index, g_buf, host)
+            done = self.grad_buffers.drain(g_index, g_buf, sink.host)
         if g_index is None:
             self.tied_drained = done
         self.log.record("d2h", step, block.index)
-        if self.grads_spilled:
-            # Deferred mode with spilled grads: the slab goes to the grads file behind the drain;
-            # AdamW reads the block back from there (its read waits for this write).
-            slabs, s = store.slabs, slab
-            assert slabs is not None and s is not None
-            store.write_after("grads", block.index, slabs.slab(s, store.block_bytes[block.index] // 4), done,
-                              then=lambda: slabs.release(s))
+        sink.on_drained(done)
+        if sink.for_adam is None:  # spilled grads: AdamW reads the block back from the grads file
             return [(block, None, self.streams.event(), None)]
         if self.eager:
-            self._submit(step, block, host, done, None, hyper, slab)
+            self._submit(step, block, sink.for_adam, done, None, hyper, sink.release)
             return []
-        return [(block, host, done, slab)]
-
-    def _acquire_slab(self) -> int:
-        """An eager-mode host gradient slab; waits only while every slab awaits its update."""
-        assert self.store.slabs is not None
-        with self.timer.host("adam"):
-            while True:
-                try:
-                    return self.store.slabs.acquire(timeout=1.0)
-                except queue.Empty:
-                    self.adam.raise_if_failed()
+        return [(block, sink.for_adam, done, sink.release)]
 
     def _submit(self, step: int, block: Block, host: torch.Tensor | None, done: Event,
-                clip: tuple[torch.Tensor, Event] | None, hyper: AdamHyper, slab: int | None) -> None:
-        on_done = None
-        if slab is not None:
-            slabs = self.store.slabs
-            assert slabs is not None
-            on_done = lambda: slabs.release(slab)  # noqa: E731
+                clip: tuple[torch.Tensor, Event] | None, hyper: AdamHyper, release: Callable[[], None] | None) -> None:
         self.log.record("adam_submit", step, block.index)
-        self.adam.submit(AdamJob(step, block.index, host, done, clip, hyper, block.layout, on_done))
+        self.adam.submit(AdamJob(step, block.index, host, done, clip, hyper, block.layout, release))
 
     def _drain_scalar(self, value: torch.Tensor, host: torch.Tensor) -> Event:
         ready = self.streams.recorded(self.streams.compute)

@@ -29,12 +29,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatrain.planner.buffer_kinds import BufferKind
+
 from .config import ModelConfig, read_config_json
 from .errors import CheckpointError, ConfigError, InputError
 from .paths import user_path
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .model_state import ModelState
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -144,52 +146,56 @@ def find_shards(path: str | os.PathLike) -> list[str]:
     return files
 
 
-def load_weights(engine: "Engine", files: list[str]) -> None:
-    """Stream every tensor of ``files`` into the engine's fp32 masters (see [Note: streaming safetensors])."""
-    engine.synchronize()
-    store = engine.store
-    expected = {e.hf_name: (b, e) for b in engine.templates.blocks for e in b.layout.entries}
-    tied = engine.config.tie_word_embeddings
+def load_weights(state: "ModelState", files: list[str]) -> None:
+    """Stream every tensor of ``files`` into the model's fp32 masters (see [Note: streaming safetensors])."""
+    state.settle()
+    expected = {e.hf_name: (b, e) for b in state.blocks for e in b.layout.entries}
     headers = {f: read_header(f) for f in files}  # every header checked before any byte is loaded
-    seen: dict[str, str] = {}
+    where = _check_tensors(state, headers, expected)
+    handles: dict[str, Any] = {}
+    try:
+        for f in files:
+            handles[f] = open(f, "rb", buffering=0)
+        for block in state.blocks:  # a spilled master goes through RAM one block at a time, read and written once
+            with state.edit_block(block.index) as master:
+                for entry in block.layout.entries:
+                    f, t = where[entry.hf_name]
+                    dst = master[entry.offset:entry.offset + entry.numel]
+                    if t.dtype == torch.float32:
+                        _read_into(handles[f], f, t, dst)
+                    else:
+                        tmp = torch.empty(entry.numel, dtype=t.dtype)
+                        _read_into(handles[f], f, t, tmp)
+                        dst.copy_(tmp)
+    finally:
+        for fh in handles.values():
+            fh.close()
+
+
+def _check_tensors(state: "ModelState", headers: dict[str, list[TensorInfo]],
+                   expected: dict[str, tuple[Any, Any]]) -> dict[str, tuple[str, TensorInfo]]:
+    """Each expected tensor's (file, header entry), every name and shape checked across all files first."""
+    tied = state.config.tie_word_embeddings
+    seen: dict[str, tuple[str, TensorInfo]] = {}
     for f, infos in headers.items():
         for t in infos:
             if t.name in seen:
-                raise InputError(f"{t.name} appears in both {seen[t.name]} and {f}; remove the duplicate shard")
-            seen[t.name] = f
+                raise InputError(f"{t.name} appears in both {seen[t.name][0]} and {f}; remove the duplicate shard")
+            seen[t.name] = (f, t)
             if t.name in expected:
                 shape = expected[t.name][1].shape
                 if t.shape != shape:
                     raise InputError(f"{f}: {t.name} has shape {t.shape}, the config implies {shape}; "
                                      "the config.json does not match the weights")
             elif not ((tied and t.name == "lm_head.weight") or t.name.endswith(_IGNORED_SUFFIXES)):
-                raise InputError(f"{f}: unexpected tensor {t.name} for a {engine.config.model_type} model; "
+                raise InputError(f"{f}: unexpected tensor {t.name} for a {state.config.model_type} model; "
                                  "the config.json does not match the weights")
     missing = [n for n in expected if n not in seen]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise InputError(f"{missing[0]}{more} is in no safetensors file of {os.path.dirname(files[0])}; "
+        raise InputError(f"{missing[0]}{more} is in no safetensors file of {os.path.dirname(next(iter(headers)))}; "
                          "download every shard or check config.json")
-    spilled = "master" in store.spilled
-    for f, infos in headers.items():
-        with open(f, "rb", buffering=0) as fh:
-            for t in infos:
-                if t.name not in expected:
-                    continue
-                block, entry = expected[t.name]
-                # A spilled master: its block goes through RAM, one block at a time.
-                master = store.read_block("master", block.index).clone() if spilled else store.master_of(block.index)
-                dst = master[entry.offset:entry.offset + entry.numel]
-                if t.dtype == torch.float32:
-                    _read_into(fh, f, t, dst)
-                else:
-                    tmp = torch.empty(entry.numel, dtype=t.dtype)
-                    _read_into(fh, f, t, tmp)
-                    dst.copy_(tmp)
-                if spilled:
-                    store.write_block("master", block.index, master)
-    for block in engine.templates.blocks:
-        store.refresh_shadow(block.index)
+    return seen
 
 
 def _read_into(fh: Any, path: str, t: TensorInfo, dst: torch.Tensor) -> None:
@@ -203,15 +209,15 @@ def _read_into(fh: Any, path: str, t: TensorInfo, dst: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------- writing
-def save_pretrained(engine: "Engine", path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
+def save_pretrained(state: "ModelState", path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
     """Write config.json and safetensors shards (+ index when several) that transformers loads."""
     if dtype not in (torch.bfloat16, torch.float32, torch.float16):
         raise ConfigError(f"dtype={dtype} is not supported for export; use torch.bfloat16, torch.float16 or torch.float32")
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ConfigError(f"max_shard_bytes={max_shard_bytes!r} must be a positive integer (bytes)")
-    config = hf_config_dict(engine, dtype)
-    engine.synchronize()
+    config = hf_config_dict(state, dtype)
+    state.settle()
     path = user_path(path, "path")
     try:
         os.makedirs(path, exist_ok=True)
@@ -219,7 +225,7 @@ def save_pretrained(engine: "Engine", path: str | os.PathLike, dtype: torch.dtyp
         raise CheckpointError(f"cannot create the export directory {path}: {e.strerror}; choose a writable "
                               "directory") from None
     itemsize = torch.empty((), dtype=dtype).element_size()
-    entries = [(b, e) for b in engine.templates.blocks for e in b.layout.entries]
+    entries = [(b, e) for b in state.blocks for e in b.layout.entries]
     shards: list[list[tuple[Any, Any]]] = [[]]
     size = 0
     for be in entries:
@@ -235,7 +241,7 @@ def save_pretrained(engine: "Engine", path: str | os.PathLike, dtype: torch.dtyp
     weight_map = {}
     try:  # each file is written as <name>.tmp and renamed: a failure leaves no partial file behind
         for name, shard in zip(names, shards):
-            _write_shard(engine, os.path.join(path, name), shard, dtype)
+            _write_shard(state, os.path.join(path, name), shard, dtype)
             weight_map.update({e.hf_name: name for _, e in shard})
         for stale in glob.glob(os.path.join(path, "model-*-of-*.safetensors")) + [os.path.join(path, SINGLE_FILE),
                                                                                     os.path.join(path, INDEX_FILE)]:
@@ -248,7 +254,7 @@ def save_pretrained(engine: "Engine", path: str | os.PathLike, dtype: torch.dtyp
         raise _export_error(e, path, total) from None
 
 
-def _write_shard(engine: "Engine", path: str, shard: list[tuple[Any, Any]], dtype: torch.dtype) -> None:
+def _write_shard(state: "ModelState", path: str, shard: list[tuple[Any, Any]], dtype: torch.dtype) -> None:
     itemsize = torch.empty((), dtype=dtype).element_size()
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -265,7 +271,7 @@ def _write_shard(engine: "Engine", path: str, shard: list[tuple[Any, Any]], dtyp
             cached: tuple[int, torch.Tensor] | None = None  # a spilled block is read once for all its tensors
             for block, e in shard:
                 if cached is None or cached[0] != block.index:
-                    cached = (block.index, engine.store.read_block("master", block.index))
+                    cached = (block.index, state.read_block(BufferKind.MASTER, block.index))
                 src = cached[1][e.offset:e.offset + e.numel]
                 t = src if dtype == torch.float32 else src.to(dtype)  # one tensor converted at a time
                 f.write(memoryview(t.view(torch.uint8).numpy()))
@@ -315,14 +321,14 @@ def _export_error(err: OSError, directory: str, total: int) -> CheckpointError:
     return CheckpointError(f"cannot write {where}: {err.strerror or err}; check the directory's permissions")
 
 
-def hf_config_dict(engine: "Engine", dtype: torch.dtype) -> dict[str, Any]:
-    """The config.json to export: the one the engine was loaded from, else one built from its ModelConfig.
+def hf_config_dict(state: "ModelState", dtype: torch.dtype) -> dict[str, Any]:
+    """The config.json to export: the one the model was loaded from, else one built from its ModelConfig.
 
-    Either way it must read back as the engine's ModelConfig, or the export would be a different model.
+    Either way it must read back as the model's ModelConfig, or the export would be a different model.
     """
-    c = engine.config
-    if engine.hf_config is not None:
-        data = dict(engine.hf_config)
+    c = state.config
+    if state.hf_config is not None:
+        data = dict(state.hf_config)
     else:
         data = {
             "model_type": c.model_type, "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,

@@ -1,45 +1,38 @@
 """The host store: every block's fp32 master, compute-dtype shadow, AdamW m and v, and fp32 grads.
 
-One arena per buffer kind, allocated once at start; block b owns the fixed
-range ``[offset[b], offset[b] + numel[b])`` of each (its layout's flat buffer).
-With CUDA the arenas are pinned by registering each whole allocation with the
-driver (``cudaHostRegister``): torch's own pinned allocator rounds every request
-up to a power of two. Without CUDA they are ordinary memory and the same code runs.
+One arena per buffer kind (``BufferKind``), allocated once at start; block b
+owns the fixed range ``[offset[b], offset[b] + numel[b])`` of each (its layout's
+flat buffer). With CUDA the arenas are pinned by registering each whole
+allocation with the driver (``cudaHostRegister``): torch's own pinned allocator
+rounds every request up to a power of two. Without CUDA they are ordinary
+memory and the same code runs.
 
 Host RAM: 4 (master) + 8 (m, v) + 2 (bf16 shadow; 0 in fp32, where the shadow
 is the master itself) bytes per parameter, plus 4 for the full gradient arena in
 deferred mode, or ``slabs x largest block x 4`` bytes in eager mode.
 
-[Note: spill]
-With a spill plan, some fp32 kinds live in preallocated spill files instead
-(``optimizer``: m and v; ``all``: master, m, v and the deferred-mode gradients),
-each block at a fixed 4 KiB-aligned offset. They are touched only through
-staging sets (``StagingPool``): AdamW reads a block's spilled state into one,
-updates it there, and writes it back behind; ``read_block`` / ``write_block``
-serve the cold paths (init, state dicts, checkpoints). A block's reads wait for
-its previous writes. The compute-dtype shadow (what travels H2D) always stays
-in RAM; in fp32 with a spilled master it is an fp32 copy in RAM.
+With a spill plan the kinds ``buffer_kinds.spilled_kinds`` names live in spill
+files instead (``spill_files.py``, [Note: spill]); ``read_block`` /
+``write_block`` are the one way to a block's bytes either way, and
+``grad_sink`` says where a block's gradient lands on the host.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
-import os
 import queue
-import shutil
-import threading
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
 
-from . import spill_dirs
-from .spill_io import DIRECT_ALIGN, FileIO, SpillSpaceError, aligned_empty
+from megatrain.planner.buffer_kinds import BufferKind, spill_block_bytes, spilled_kinds
+
+from .spill_files import SpillFiles, StagingPool
+from .spill_io import FileIO
 from .templates import Block
 
 if TYPE_CHECKING:
     from .streams import Event
 
-KINDS = ("master", "exp_avg", "exp_avg_sq", "grads")
-SPILLED_KINDS = {"none": (), "optimizer": ("exp_avg", "exp_avg_sq"), "all": ("master", "exp_avg", "exp_avg_sq", "grads")}
+__all__ = ["BufferKind", "GradSink", "GradSlabs", "HostArena", "HostStore"]
 
 
 class HostArena:
@@ -85,6 +78,14 @@ class GradSlabs:
     def acquire(self, timeout: float | None = None) -> int:
         return self._free.get(timeout=timeout)
 
+    def acquire_checked(self, check: Callable[[], None]) -> int:
+        """A free slab; while none is, ``check()`` runs every second (it may raise to stop waiting)."""
+        while True:
+            try:
+                return self._free.get(timeout=1.0)
+            except queue.Empty:
+                check()
+
     def slab(self, index: int, numel: int) -> torch.Tensor:
         start = index * self.numel
         return self.arena.tensor[start:start + numel]
@@ -93,26 +94,13 @@ class GradSlabs:
         self._free.put_nowait(index)
 
 
-class StagingPool:
-    """Bounded sets of aligned fp32 host buffers between spill files and CPU AdamW.
+class GradSink(NamedTuple):
+    """Where block b's fp32 gradient drains to on the host, and what follows the drain."""
 
-    Bound: ``count`` sets x spilled kinds x largest block (rounded up to 4 KiB) x 4 bytes.
-    """
-
-    def __init__(self, count: int, kinds: Sequence[str], block_bytes: int) -> None:
-        self._sets = [{k: aligned_empty(block_bytes).view(torch.float32) for k in kinds} for _ in range(count)]
-        self._free: queue.Queue[int] = queue.Queue()
-        for i in range(count):
-            self._free.put(i)
-
-    def acquire(self) -> int:
-        return self._free.get()
-
-    def buffers(self, index: int) -> dict[str, torch.Tensor]:
-        return self._sets[index]
-
-    def release(self, index: int) -> None:
-        self._free.put_nowait(index)
+    host: torch.Tensor  # [numel] fp32: the D2H copy's destination
+    on_drained: Callable[["Event"], None]  # call once the drain is queued, with its completion event
+    for_adam: torch.Tensor | None  # what AdamW reads the gradient from; None: from the grads spill file
+    release: Callable[[], None] | None  # call once AdamW is done with ``host`` (frees an eager-mode slab)
 
 
 class HostStore:
@@ -137,168 +125,115 @@ class HostStore:
         self.total_numel = total
         self.max_block_numel = max(self.numels)
         self.compute_dtype = compute_dtype
-        self.spilled: tuple[str, ...] = SPILLED_KINDS[spill]
-        if not full_grads:  # eager mode: gradients pass through slabs, never through a grads arena or file
-            self.spilled = tuple(k for k in self.spilled if k != "grads")
+        # Eager mode: gradients pass through slabs, never through a grads arena or file.
+        self.spilled: tuple[BufferKind, ...] = spilled_kinds(spill, full_grads)
         ram = lambda kind, name: None if kind in self.spilled else HostArena(total, torch.float32, pin, name)  # noqa: E731
-        self.master = ram("master", "fp32 master")
-        self.exp_avg = ram("exp_avg", "AdamW exp_avg")
-        self.exp_avg_sq = ram("exp_avg_sq", "AdamW exp_avg_sq")
+        self.master = ram(BufferKind.MASTER, "fp32 master")
+        self.exp_avg = ram(BufferKind.EXP_AVG, "AdamW exp_avg")
+        self.exp_avg_sq = ram(BufferKind.EXP_AVG_SQ, "AdamW exp_avg_sq")
         # In fp32 compute the shadow is the RAM master itself: nothing to round, nothing to store twice.
         if compute_dtype == torch.float32 and self.master is not None:
             self.shadow = self.master
         else:
             self.shadow = HostArena(total, compute_dtype, pin, "shadow")
-        self.grads = ram("grads", "fp32 grads") if full_grads else None
+        self.grads = ram(BufferKind.GRADS, "fp32 grads") if full_grads else None
         # Gradients land in slabs in eager mode, and on their way to the grads file when it spills.
-        need_slabs = not full_grads or "grads" in self.spilled
+        self.grads_spilled = BufferKind.GRADS in self.spilled
+        need_slabs = not full_grads or self.grads_spilled
         # A spilled block is written whole, rounded up to 4 KiB: slabs feeding the grads file are that long.
-        slab_numel = _round_up(self.max_block_numel, DIRECT_ALIGN // 4) if "grads" in self.spilled else self.max_block_numel
+        slab_numel = spill_block_bytes(self.max_block_numel) // 4 if self.grads_spilled else self.max_block_numel
         self.slabs = GradSlabs(grad_slabs, slab_numel, pin) if need_slabs else None
         # AdamW step count per block, as torch.optim keeps it: a float32 CPU scalar tensor.
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in blocks]
-
-        self.io = io
-        self.spill_root: str | None = None
-        self.files: dict[str, int] = {}
-        self.staging: StagingPool | None = None
-        self.staging_count = staging
-        # Writes that must wait for a D2H drain first run from here, so no caller blocks on the GPU.
-        self._after_pool: cf.ThreadPoolExecutor | None = None
-        self._writes: dict[tuple[str, int], cf.Future] = {}  # last write of each (kind, block)
-        self._writes_lock = threading.Lock()
+        self.spill_files: SpillFiles | None = None
         if self.spilled:
             assert io is not None and spill_dir is not None
-            self._open_spill(spill_dir, staging)
+            try:
+                self.spill_files = SpillFiles(self.numels, self.spilled, spill_dir, io, staging)
+            except BaseException:
+                self.close()
+                raise
 
     # ---- spill files ------------------------------------------------------------------
-    def _open_spill(self, spill_dir: str, staging: int) -> None:
-        self.spill_root = spill_dirs.create(spill_dir)  # named after this process; dead owners' ones reclaimed
-        self.block_bytes = [_round_up(n * 4, DIRECT_ALIGN) for n in self.numels]
-        self.file_offsets, at = [], 0
-        for nbytes in self.block_bytes:
-            self.file_offsets.append(at)
-            at += nbytes
-        self.file_bytes = at
-        try:
-            free = shutil.disk_usage(self.spill_root).free
-            if self.nvme_bytes > free:  # the total, before any file takes its share
-                raise _no_space(spill_dir, self.spilled, self.nvme_bytes, free)
-            for kind in self.spilled:
-                self.files[kind] = self.io.open(os.path.join(self.spill_root, f"{kind}.bin"), at)  # type: ignore[union-attr]
-        except SpillSpaceError:
-            self.close()
-            raise _no_space(spill_dir, self.spilled, self.nvme_bytes, shutil.disk_usage(spill_dir).free) from None
-        except BaseException:
-            self.close()
-            raise
-        self.staging = StagingPool(staging, self.spilled, max(self.block_bytes))
-
     @property
     def nvme_bytes(self) -> int:
-        return len(self.spilled) * self.file_bytes if self.spilled else 0
+        return 0 if self.spill_files is None else self.spill_files.nbytes
 
-    def read_async(self, kind: str, b: int, out: torch.Tensor) -> cf.Future:
-        """Spilled ``kind`` of block b into ``out`` (fp32, >= block bytes), after its previous write."""
-        self.wait_write(kind, b)
-        return self.io.read(self.files[kind], self.file_offsets[b], out.view(torch.uint8)[:self.block_bytes[b]])  # type: ignore[union-attr]
+    @property
+    def spill_root(self) -> str | None:
+        return None if self.spill_files is None else self.spill_files.root
 
-    def write_async(self, kind: str, b: int, src: torch.Tensor) -> cf.Future:
-        future = self.io.write(self.files[kind], self.file_offsets[b], src.view(torch.uint8)[:self.block_bytes[b]])  # type: ignore[union-attr]
-        with self._writes_lock:
-            self._writes[(kind, b)] = future
-        return future
-
-    def write_after(self, kind: str, b: int, src: torch.Tensor, ready: "Event", then: Callable[[], None]) -> None:
-        """Write ``src`` (>= block bytes) as block b's ``kind`` once ``ready`` (a D2H drain) has happened.
-
-        Registered at once, so a later read of the block waits for it; ``then`` runs when it is done.
-        """
-        placeholder: cf.Future = cf.Future()
-        with self._writes_lock:
-            self._writes[(kind, b)] = placeholder
-        if self._after_pool is None:
-            self._after_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-drain-write")
-        io, handle, offset, view = self.io, self.files[kind], self.file_offsets[b], src.view(torch.uint8)[:self.block_bytes[b]]
-
-        def run() -> None:
-            try:
-                ready.synchronize()
-                io.write(handle, offset, view).result()  # type: ignore[union-attr]
-                placeholder.set_result(None)
-            except BaseException as e:
-                placeholder.set_exception(e)
-            finally:
-                then()
-        self._after_pool.submit(run)
-
-    def wait_write(self, kind: str, b: int) -> None:
-        with self._writes_lock:
-            future = self._writes.get((kind, b))
-        if future is not None:
-            future.result()
+    @property
+    def staging(self) -> StagingPool | None:
+        return None if self.spill_files is None else self.spill_files.staging
 
     def flush(self) -> None:
-        """Wait for every write behind (raises the first I/O error)."""
-        with self._writes_lock:
-            futures = list(self._writes.values())
-        for f in futures:
-            f.result()
+        """Wait for every write behind to the spill files (raises the first I/O error)."""
+        if self.spill_files is not None:
+            self.spill_files.flush()
 
     # ---- block access -------------------------------------------------------------------
-    def _arena(self, kind: str) -> HostArena | None:
-        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grads": self.grads}[kind]
+    def arena(self, kind: BufferKind) -> HostArena | None:
+        """The RAM arena of ``kind`` (every block in order); None when the kind is spilled or not kept."""
+        return {BufferKind.MASTER: self.master, BufferKind.EXP_AVG: self.exp_avg,
+                BufferKind.EXP_AVG_SQ: self.exp_avg_sq, BufferKind.GRADS: self.grads}[kind]
 
     def _range(self, arena: HostArena | None, b: int) -> torch.Tensor:
-        assert arena is not None, "this kind is spilled: use read_block / write_block or a staging set"
+        assert arena is not None, "this kind is spilled or not kept"
         return arena.tensor[self.offsets[b]:self.offsets[b] + self.numels[b]]
 
-    def read_block(self, kind: str, b: int) -> torch.Tensor:
-        """Block b's fp32 ``kind`` ([numel]): a view of RAM, or a copy read from its spill file."""
-        if kind not in self.spilled:
-            return self._range(self._arena(kind), b)
-        buf = aligned_empty(self.block_bytes[b]).view(torch.float32)
-        self.read_async(kind, b, buf).result()
-        return buf[:self.numels[b]]
+    def read_block(self, kind: BufferKind, b: int) -> torch.Tensor:
+        """Block b's fp32 ``kind`` ([numel]): a view of RAM (writes to it are the store's), or, spilled, a
+        copy read from its file."""
+        if kind in self.spilled:
+            assert self.spill_files is not None
+            return self.spill_files.read_block(kind, b)
+        return self._range(self.arena(kind), b)
 
-    def write_block(self, kind: str, b: int, src: torch.Tensor) -> None:
+    def write_block(self, kind: BufferKind, b: int, src: torch.Tensor) -> None:
         """Store ``src`` ([numel] fp32) as block b's ``kind`` (RAM copy, or a synchronous file write)."""
-        if kind not in self.spilled:
-            self._range(self._arena(kind), b).copy_(src)
-            return
-        buf = aligned_empty(self.block_bytes[b]).view(torch.float32)
-        buf.zero_()
-        buf[:self.numels[b]].copy_(src)
-        self.write_async(kind, b, buf).result()
-
-    def master_of(self, b: int) -> torch.Tensor:
-        return self._range(self.master, b)
+        if kind in self.spilled:
+            assert self.spill_files is not None
+            self.spill_files.write_block(kind, b, src)
+        else:
+            self._range(self.arena(kind), b).copy_(src)
 
     def shadow_of(self, b: int) -> torch.Tensor:
+        """Block b's compute-dtype shadow in RAM: what travels H2D."""
         return self._range(self.shadow, b)
-
-    def exp_avg_of(self, b: int) -> torch.Tensor:
-        return self._range(self.exp_avg, b)
-
-    def exp_avg_sq_of(self, b: int) -> torch.Tensor:
-        return self._range(self.exp_avg_sq, b)
-
-    def grads_of(self, b: int) -> torch.Tensor:
-        return self._range(self.grads, b)
 
     def refresh_shadow(self, b: int, master: torch.Tensor | None = None) -> None:
         """Round block b's master (``master`` if given, else the stored one) into its compute-dtype shadow."""
         if self.shadow is not self.master:
-            self.shadow_of(b).copy_(self.read_block("master", b) if master is None else master)
+            self.shadow_of(b).copy_(self.read_block(BufferKind.MASTER, b) if master is None else master)
+
+    # ---- gradients ----------------------------------------------------------------------
+    def grad_sink(self, b: int, check: Callable[[], None] = lambda: None) -> GradSink:
+        """Where block b's gradient drains to: deferred mode, its range of the grads arena; eager mode, a
+        slab AdamW frees when done; spilled grads, a slab written to the grads file behind the drain (AdamW
+        reads the block back from there, after that write). Waiting for a free slab calls ``check`` every
+        second (e.g. to raise the AdamW worker's error instead of waiting for ever)."""
+        if self.slabs is None:
+            host = self._range(self.grads, b)
+            return GradSink(host, lambda done: None, host, None)
+        slabs, slab = self.slabs, self.slabs.acquire_checked(check)
+        host = slabs.slab(slab, self.numels[b])
+        if not self.grads_spilled:
+            return GradSink(host, lambda done: None, host, lambda: slabs.release(slab))
+        files = self.spill_files
+        assert files is not None
+        padded = slabs.slab(slab, files.block_bytes[b] // 4)
+
+        def on_drained(done: "Event") -> None:
+            files.write_after(BufferKind.GRADS, b, padded, done, then=lambda: slabs.release(slab))
+        return GradSink(host, on_drained, None, None)
 
     @property
     def nbytes(self) -> int:
         arenas = [self.master, self.exp_avg, self.exp_avg_sq, self.grads, self.slabs.arena if self.slabs else None]
         if self.shadow is not self.master:
             arenas.append(self.shadow)
-        staging = 0
-        if self.staging is not None:
-            staging = sum(t.numel() * 4 for s in self.staging._sets for t in s.values())
+        staging = 0 if self.staging is None else self.staging.nbytes
         return sum(a.nbytes for a in arenas if a is not None) + staging
 
     def close(self) -> None:
@@ -306,26 +241,6 @@ class HostStore:
                       self.slabs.arena if self.slabs else None):
             if arena is not None:
                 arena.close()
-        if self._after_pool is not None:
-            self._after_pool.shutdown(wait=True)
-            self._after_pool = None
-        if self.io is not None:
-            self.io.close()
-            self.io = None
-        if self.spill_root is not None:
-            shutil.rmtree(self.spill_root, ignore_errors=True)
-            self.spill_root = None
-
-
-def _no_space(spill_dir: str, kinds: Sequence[str], need: int, free: int) -> SpillSpaceError:
-    return SpillSpaceError(f"the spill files ({', '.join(f'{k}.bin' for k in kinds)}) need {_size(need)} in all but "
-                           f"{spill_dir} has {_size(free)} free; free space, choose another "
-                           "spill_dir, or spill less")
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
-
-
-def _round_up(n: int, k: int) -> int:
-    return (n + k - 1) // k * k
+        if self.spill_files is not None:
+            self.spill_files.close()
+            self.spill_files = None

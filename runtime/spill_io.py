@@ -4,7 +4,7 @@
 release the GIL), looping over short transfers. Each file is opened twice: a
 buffered descriptor for anything, and, where the filesystem takes it, an
 ``O_DIRECT`` one used for transfers whose buffer address, offset and length are
-all multiples of ``DIRECT_ALIGN`` (the staging buffers are allocated so). A
+all multiples of ``SPILL_ALIGN`` (the staging buffers are allocated so). A
 filesystem that refuses O_DIRECT (tmpfs, some overlays) falls back to buffered
 I/O for that file, silently and correctly.
 
@@ -26,9 +26,9 @@ from typing import Protocol
 
 import torch
 
-from .errors import MegatrainError
+from megatrain.planner.buffer_kinds import SPILL_ALIGN
 
-DIRECT_ALIGN = 4096
+from .errors import MegatrainError
 
 
 class SpillError(MegatrainError):
@@ -49,9 +49,9 @@ class FileIO(Protocol):
 
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
-    """An uint8 host tensor of ``nbytes`` whose address is DIRECT_ALIGN-aligned (for O_DIRECT)."""
-    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8)
-    shift = (-raw.data_ptr()) % DIRECT_ALIGN
+    """An uint8 host tensor of ``nbytes`` whose address is SPILL_ALIGN-aligned (for O_DIRECT)."""
+    raw = torch.empty(nbytes + SPILL_ALIGN, dtype=torch.uint8)
+    shift = (-raw.data_ptr()) % SPILL_ALIGN
     return raw[shift:shift + nbytes]
 
 
@@ -113,7 +113,7 @@ class PosixIO:
             fd = os.open(path, os.O_RDWR | flag)
         except OSError:
             return None
-        probe = aligned_empty(DIRECT_ALIGN)
+        probe = aligned_empty(SPILL_ALIGN)
         try:  # some filesystems accept the flag at open and refuse the transfer
             os.preadv(fd, [_bytes(probe)], 0)
         except OSError:
@@ -128,8 +128,8 @@ class PosixIO:
     def _fd_for(self, handle: int, offset: int, t: torch.Tensor) -> int:
         fd, direct, _ = self._fds[handle]
         nbytes = t.numel() * t.element_size()
-        if direct is not None and offset % DIRECT_ALIGN == 0 and nbytes % DIRECT_ALIGN == 0 \
-                and t.data_ptr() % DIRECT_ALIGN == 0:
+        if direct is not None and offset % SPILL_ALIGN == 0 and nbytes % SPILL_ALIGN == 0 \
+                and t.data_ptr() % SPILL_ALIGN == 0:
             return direct
         return fd
 

@@ -12,7 +12,7 @@ autograd graph across blocks, no persistent per-layer modules on the device.
 Layout: the parameter table of ``megatrain.planner.block_parameters`` (the one
 the planner sizes blocks from), which is the templates' registration order (that
 of Hugging Face; checked when the templates are built), each offset aligned to
-``ALIGN`` elements; padding stays zero.
+``block_parameters.ALIGN_ELEMENTS`` elements; padding stays zero.
 """
 from __future__ import annotations
 
@@ -25,12 +25,10 @@ from torch import nn
 from torch.func import functional_call
 
 from megatrain.planner import block_parameters
-from megatrain.planner.block_parameters import ALIGN_ELEMENTS, Param
+from megatrain.planner.block_parameters import Param
 
 from .blocks import DecoderLayer, EmbeddingBlock, HeadBlock
 from .config import ModelConfig
-
-ALIGN = ALIGN_ELEMENTS  # elements: 256 B in fp32, 128 B in bf16
 
 
 class BlockKind(enum.Enum):

@@ -1,6 +1,6 @@
 """A failed checkpoint write is reported once and stops nothing; re-saving a step never leaves it unloadable.
 
-See [Note: failed checkpoint writes] and [Note: checkpoint commit protocol] in runtime/checkpoint_io.py.
+See [Note: failed checkpoint writes] and [Note: checkpoint commit protocol] in runtime/training_checkpoint.py.
 The re-save test kills a writer (SIGKILL) just before each rename of the protocol in turn.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatrain.runtime import CheckpointError, Engine, MegatrainError, ModelConfig, OptimizerConfig
-from megatrain.runtime import checkpoint_io
+from megatrain.runtime import checkpoint_format, training_checkpoint
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2)
 DISK_FULL = ValueError('RESOURCE_EXHAUSTED: Error writing local file "c/0": No space left on device [OS error: 28]')
@@ -43,7 +43,7 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def _fail_writes(monkeypatch) -> None:
     def full(arr, t):
         raise DISK_FULL
-    monkeypatch.setattr(checkpoint_io, "_write_array", full)
+    monkeypatch.setattr(checkpoint_format, "write_array", full)
 
 
 def test_failed_save_is_raised_once_and_later_saves_work(tmp_path, monkeypatch) -> None:
@@ -182,7 +182,7 @@ def test_a_failed_prune_says_the_new_checkpoint_is_saved(tmp_path, monkeypatch) 
 
     with make_engine() as engine:
         engine.step(*batch(0))
-        monkeypatch.setattr(checkpoint_io, "_prune", refuse)
+        monkeypatch.setattr(training_checkpoint, "_prune", refuse)
         with pytest.raises(CheckpointError, match="step-00000001 is saved, but removing older ones") as err:
             engine.save_checkpoint(tmp_path).wait()
         assert "\n" not in str(err.value)

@@ -1,6 +1,6 @@
 """Checkpoint array I/O: pieces, shards and CRC32s at small chunk sizes, and the peak RAM of a load.
 
-See [Note: checkpoint I/O speed] in runtime/checkpoint_io.py: arrays are written one shard at a time
+See [Note: checkpoint I/O speed] in runtime/checkpoint_format.py: arrays are written one shard at a time
 (a spilled kind's blocks gathered into whole shards) and read one inner chunk at a time straight into
 the destination (directly from the shard files for the layout _spec writes, through tensorstore for any
 other), the CRC32s computed on the way. These tests shrink the chunks so that every boundary case (a block
@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from megatrain.runtime import Engine, InputError, ModelConfig, OptimizerConfig, checkpoint_io
+from megatrain.runtime import Engine, InputError, ModelConfig, OptimizerConfig, checkpoint_format
 
 INNER, OUTER = 1000, 5000  # elements per inner chunk and per shard
 NUMELS = [3000, 7000, 2345]  # blocks: the second spans two shard boundaries, the last shard is short
@@ -28,7 +28,7 @@ NUMELS = [3000, 7000, 2345]  # blocks: the second spans two shard boundaries, th
 def small_array(path, numel: int):
     import tensorstore as ts
 
-    spec = checkpoint_io._spec(str(path), numel)
+    spec = checkpoint_format.spec(str(path), numel)
     spec["metadata"]["chunk_grid"]["configuration"]["chunk_shape"] = [OUTER]
     spec["metadata"]["codecs"][0]["configuration"]["chunk_shape"] = [INNER]
     return ts.open(spec).result()
@@ -55,14 +55,14 @@ def reference_crcs(data: torch.Tensor, chunk_bytes: int) -> list[int]:
 
 
 def test_shards_pieces_and_crcs_at_every_boundary(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(checkpoint_io, "CRC_CHUNK_BYTES", 4 * 1500)  # CRC ranges that cut pieces and blocks
-    monkeypatch.setattr(checkpoint_io, "READ_PIECE_BYTES", 4 * 2 * INNER)  # reads of two inner chunks
+    monkeypatch.setattr(checkpoint_format, "CRC_CHUNK_BYTES", 4 * 1500)  # CRC ranges that cut pieces and blocks
+    monkeypatch.setattr(checkpoint_format, "READ_PIECE_BYTES", 4 * 2 * INNER)  # reads of two inner chunks
     data = torch.randn(sum(NUMELS))
     want = reference_crcs(data, 4 * 1500)
     store = FakeStore(data)
-    for name, source in (("ram", data), ("spilled", checkpoint_io.SpilledArena(store, "master"))):
+    for name, source in (("ram", data), ("spilled", checkpoint_format.SpilledArena(store, "master"))):
         arr = small_array(tmp_path / name, data.numel())
-        assert checkpoint_io._write_array(arr, source) == want, name
+        assert checkpoint_format.write_array(arr, source) == want, name
         assert torch.equal(torch.from_numpy(arr.read().result()), data), name
     assert store.reads == len(NUMELS)  # each block read once: the CRC32s came from the same pass
 
@@ -70,7 +70,7 @@ def test_shards_pieces_and_crcs_at_every_boundary(tmp_path, monkeypatch) -> None
     # directly from its shard files (the layout _spec writes) and through tensorstore.
     whole = small_array(tmp_path / "whole", data.numel())
     whole.write(data.numpy()).result()
-    assert checkpoint_io._direct_layout(str(tmp_path / "whole")) == (data.numel(), OUTER, INNER)
+    assert checkpoint_format.direct_layout(str(tmp_path / "whole")) == (data.numel(), OUTER, INNER)
     for lo, n in [(0, data.numel()), (0, 3000), (3000, 7000), (10000, 2345), (2999, 3002), (4999, 1)]:
         for dst, crc in read_both(tmp_path / "whole", whole, lo, n):
             assert torch.equal(dst, data[lo:lo + n]), (lo, n)
@@ -80,9 +80,9 @@ def test_shards_pieces_and_crcs_at_every_boundary(tmp_path, monkeypatch) -> None
 def read_both(path, arr, lo: int, n: int):
     """[lo, lo + n) of the array read by _read_direct and by _read_into: (destination, CRC32s) each."""
     with ThreadPoolExecutor(1) as worker:
-        for read in (functools.partial(checkpoint_io._read_direct, str(path), checkpoint_io._direct_layout(str(path)),
-                                       crc_worker=worker), functools.partial(checkpoint_io._read_into, arr)):
-            dst, crc = torch.full((n,), float("nan")), checkpoint_io._Crc32s()
+        for read in (functools.partial(checkpoint_format.read_direct, str(path), checkpoint_format.direct_layout(str(path)),
+                                       crc_worker=worker), functools.partial(checkpoint_format.read_into, arr)):
+            dst, crc = torch.full((n,), float("nan")), checkpoint_format.Crc32s()
             read(lo, dst, crc)
             yield dst, crc
 
@@ -93,33 +93,33 @@ def test_missing_chunks_and_shards_read_as_zeros(tmp_path) -> None:
     data[1000:2000] = 0.0  # an inner chunk not stored
     data[5000:10000] = 0.0  # a whole shard: no file
     arr = small_array(tmp_path / "sparse", data.numel())
-    assert checkpoint_io._write_array(arr, data) == reference_crcs(data, checkpoint_io.CRC_CHUNK_BYTES)
+    assert checkpoint_format.write_array(arr, data) == reference_crcs(data, checkpoint_format.CRC_CHUNK_BYTES)
     assert sorted(p.name for p in (tmp_path / "sparse" / "c").iterdir()) == ["0", "2"]
     for dst, crc in read_both(tmp_path / "sparse", arr, 0, data.numel()):
-        assert torch.equal(dst, data) and crc.digest() == reference_crcs(data, checkpoint_io.CRC_CHUNK_BYTES)
+        assert torch.equal(dst, data) and crc.digest() == reference_crcs(data, checkpoint_format.CRC_CHUNK_BYTES)
 
 
 def test_other_layouts_are_read_by_tensorstore(tmp_path, monkeypatch) -> None:
     import tensorstore as ts
 
-    spec = checkpoint_io._spec(str(tmp_path / "plain"), 5000)
+    spec = checkpoint_format.spec(str(tmp_path / "plain"), 5000)
     spec["metadata"]["codecs"] = [{"name": "bytes", "configuration": {"endian": "little"}}]  # unsharded
     ts.open(spec).result()
-    spec = checkpoint_io._spec(str(tmp_path / "gzip"), 5000)
+    spec = checkpoint_format.spec(str(tmp_path / "gzip"), 5000)
     spec["metadata"]["codecs"][0]["configuration"]["codecs"].append({"name": "gzip"})
     ts.open(spec).result()
-    spec = checkpoint_io._spec(str(tmp_path / "start"), 5000)
+    spec = checkpoint_format.spec(str(tmp_path / "start"), 5000)
     spec["metadata"]["codecs"][0]["configuration"]["index_location"] = "start"
     ts.open(spec).result()
     for name in ("plain", "gzip", "start", "absent"):
-        assert checkpoint_io._direct_layout(str(tmp_path / name)) is None, name
+        assert checkpoint_format.direct_layout(str(tmp_path / name)) is None, name
     with Engine(CONFIG, OptimizerConfig(lr=1e-3), compute_dtype=torch.float32, device="cpu", seed=3) as e:
         e.step(*batch())
         e.save_checkpoint(tmp_path / "ckpt", blocking=True)
         want = state(e)
     with Engine.load_checkpoint(tmp_path / "ckpt") as direct:
         assert all(torch.equal(a, b) for a, b in zip(state(direct), want))
-    monkeypatch.setattr(checkpoint_io, "_direct_layout", lambda path: None)
+    monkeypatch.setattr(checkpoint_format, "direct_layout", lambda path: None)
     with Engine.load_checkpoint(tmp_path / "ckpt") as through_tensorstore:
         assert all(torch.equal(a, b) for a, b in zip(state(through_tensorstore), want))
 
@@ -129,7 +129,7 @@ def test_corrupt_shard_index_is_a_one_line_error(tmp_path) -> None:
         e.step(*batch())
         e.save_checkpoint(tmp_path, blocking=True)
     shard = tmp_path / "step-00000001" / "master" / "c" / "0"
-    numel, outer, inner = checkpoint_io._direct_layout(str(shard.parent.parent))
+    numel, outer, inner = checkpoint_format.direct_layout(str(shard.parent.parent))
     assert numel > inner  # two chunks in the shard
     raw = bytearray(shard.read_bytes())  # the chunks, then (offset, nbytes) per chunk, then the index's crc32c
     raw[len(raw) - 4 - 16 * (outer // inner) + 7] ^= 0x40  # the first chunk's offset, far past the end of the file
@@ -157,7 +157,7 @@ def state(e: Engine) -> list[torch.Tensor]:
 PEAK_SCRIPT = textwrap.dedent("""
     import json, resource, sys
     import tensorstore  # its one-off library load (~25 MiB resident) is not the loader's
-    from megatrain.runtime import Engine, checkpoint_io
+    from megatrain.runtime import Engine, checkpoint_format, training_checkpoint
 
     def rss():
         with open("/proc/self/statm") as f:
@@ -167,19 +167,20 @@ PEAK_SCRIPT = textwrap.dedent("""
         with open("/proc/self/status") as f:
             return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
 
-    restore, seen = checkpoint_io.restore, {}
+    restore, seen = training_checkpoint.restore, {}
 
     def measured(engine, path, manifest):  # the engine is built: from here on only the arrays arrive
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # Linux >= 4.0: VmHWM := the current RSS
         seen["at_load"] = rss()
-        restore(engine, path, manifest)
+        restored = restore(engine, path, manifest)
         seen["load_peak"] = hwm()
         seen["array_bytes"] = engine.store.total_numel * 4
+        return restored
 
-    checkpoint_io.restore = measured
+    training_checkpoint.restore = measured
     if sys.argv[2] == "tensorstore":
-        checkpoint_io._direct_layout = lambda path: None
+        checkpoint_format.direct_layout = lambda path: None
     Engine.load_checkpoint(sys.argv[1], device="cpu").close()
     print(json.dumps(seen))
 """)

@@ -124,12 +124,12 @@ def test_spill_space_error_reports_the_total(tmp_path, monkeypatch) -> None:
         files = len(engine.store.spilled)
     assert files > 1
 
-    from megatrain.runtime import host_store
+    from megatrain.runtime import spill_files
 
     class Usage:
         free = need // files  # room for one file, not for all of them
 
-    monkeypatch.setattr(host_store.shutil, "disk_usage", lambda path: Usage)
+    monkeypatch.setattr(spill_files.shutil, "disk_usage", lambda path: Usage)
     with pytest.raises(SpillError) as err:
         Engine(CONFIG, plan=plan, compute_dtype=torch.float32, device="cpu")
     msg = _one_line(err)

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig, Plan, PlanError
-from megatrain.runtime.spill_io import DIRECT_ALIGN, PosixIO, SpillError, aligned_empty
+from megatrain.planner.buffer_kinds import SPILL_ALIGN as DIRECT_ALIGN
+from megatrain.runtime.spill_io import PosixIO, SpillError, aligned_empty
 
 
 @st.composite

@@ -32,7 +32,7 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from megatrain.planner.plan import Plan, PlanError
     from megatrain.planner.profiler import this_machine
     from megatrain.planner.workload import Workload, WorkloadError
-    from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig, checkpoint_io
+    from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig, training_checkpoint
 
     from . import lr_schedule, metrics, model_source, packing, run_dir, tokenizer as tokenizers, train_config
     from .data import Corpus
@@ -213,13 +213,13 @@ class Run:
 
     def _read_resume(self) -> None:
         """The checkpoint, its run directory and its settings with the options given now on top."""
-        path = checkpoint_io.resolve(_checkpoint_root(self.config.resume))
-        manifest = checkpoint_io.read_manifest(path)
+        path = training_checkpoint.resolve(_checkpoint_root(self.config.resume))
+        manifest = training_checkpoint.read_manifest(path)
         extra = dict(manifest.get("extra") or {})
         if "train_config" not in extra:
             raise TrainConfigError(f"resume: {path} was not written by megatrain-train (no training state); "
                                    f"load it with Engine.load_checkpoint in your own loop")
-        args = checkpoint_io.engine_arguments(manifest)
+        args = training_checkpoint.engine_arguments(manifest)
         run = run_dir.run_of_checkpoint(path)
         given = {k: v for k, v in self.values.items() if k != "overwrite"}
         if "out" in given:

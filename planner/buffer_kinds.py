@@ -1,0 +1,40 @@
+"""The host buffer kinds of a model's fp32 state, which of them a plan spills, and the spill files' alignment.
+
+One definition for both sides: the planner's memory model sizes what the runtime's host store
+allocates, so both ask ``spilled_kinds`` which kinds live in spill files instead of RAM.
+
+Pure stdlib: the runtime imports it, and it imports nothing of the runtime.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class BufferKind(enum.StrEnum):
+    """One fp32 buffer per parameter, kept per block in the host store (or its spill file)."""
+
+    MASTER = "master"  # the fp32 master weights
+    EXP_AVG = "exp_avg"  # AdamW's first moment (m)
+    EXP_AVG_SQ = "exp_avg_sq"  # AdamW's second moment (v)
+    GRADS = "grads"  # the fp32 gradients (deferred mode: a whole arena; eager mode: slabs only)
+
+
+# The kinds a checkpoint saves and an optimizer update rewrites: the training state proper.
+STATE_KINDS = (BufferKind.MASTER, BufferKind.EXP_AVG, BufferKind.EXP_AVG_SQ)
+
+_SPILLED = {"none": (), "optimizer": (BufferKind.EXP_AVG, BufferKind.EXP_AVG_SQ),
+            "all": (BufferKind.MASTER, BufferKind.EXP_AVG, BufferKind.EXP_AVG_SQ, BufferKind.GRADS)}
+
+# Bytes: a spill file holds each block at an offset and length that are multiples of this (O_DIRECT).
+SPILL_ALIGN = 4096
+
+
+def spilled_kinds(spill: str, deferred: bool) -> tuple[BufferKind, ...]:
+    """The kinds a plan with ``spill`` ("none", "optimizer", "all") keeps in spill files. Eager mode
+    (``deferred`` False) passes its gradients through RAM slabs, never through a file."""
+    return tuple(k for k in _SPILLED[spill] if k is not BufferKind.GRADS or deferred)
+
+
+def spill_block_bytes(numel: int) -> int:
+    """Bytes one fp32 block of ``numel`` elements takes in a spill file: rounded up to SPILL_ALIGN."""
+    return -(-numel * 4 // SPILL_ALIGN) * SPILL_ALIGN
