@@ -151,7 +151,7 @@ class Plan:
     def __post_init__(self) -> None:
         if self.version != PLAN_VERSION:
             raise PlanError(
-                f"plan version {self.version} is not supported (this megatrain reads version "
+                f"plan version {self.version!r} is not supported (this megatrain reads version "
                 f"{PLAN_VERSION}); write the plan again with this release's megatrain-plan"
             )
         _at_least("num_slots", self.num_slots, 2, "the pipeline needs one slot computing and one loading")
