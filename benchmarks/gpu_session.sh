@@ -5,7 +5,9 @@
 #   bash benchmarks/gpu_session.sh peers    # peers sweep, 480 s budget (DeepSpeed wheels in .whl/)
 #   bash benchmarks/gpu_session.sh large    # 3B step anatomy at 2048/8192, planner validation (~8 min)
 #
-# Before `peers`, here: ../shared/tools/device-wheels deepspeed, and pass carry [".whl"].
+# Before `peers`, fetch the DeepSpeed wheels into .whl/ where there is network access
+# (`pip download deepspeed --no-deps -d .whl`; kvikio for the GDS backend: `pip download kvikio-cu12 -d .whl`)
+# and copy .whl/ along with the checkout.
 # Everything comes back under $OUT (at most 8 files): one log per part and results.tgz, the new
 # files of benchmarks/results/. Unpack it into benchmarks/results/ here before the next call:
 # `peers --resume` goes on from the sweep results it finds there.
