@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# What a session lent a GPU runs, in parts that each fit one 10-minute device call.
+# The GPU measurements, in parts of under ten minutes each, for a GPU machine reached in short sessions.
 #
 #   bash benchmarks/gpu_session.sh checks   # CUDA tests, 1B throughput, 1B step anatomy   (~8 min)
 #   bash benchmarks/gpu_session.sh peers    # peers sweep, 480 s budget (DeepSpeed wheels in .whl/)
 #   bash benchmarks/gpu_session.sh large    # 3B step anatomy at 2048/8192, planner validation (~8 min)
 #
-# Before `peers`, here: ../shared/tools/device-wheels deepspeed, and pass carry [".whl"].
-# Everything comes back under $OUT (at most 8 files): one log per part and results.tgz, the new
-# files of benchmarks/results/. Unpack it into benchmarks/results/ here before the next call:
-# `peers --resume` goes on from the sweep results it finds there.
+# Before `peers`, fetch the DeepSpeed wheels into .whl/ where there is network access
+# (`pip download deepspeed --no-deps -d .whl`; kvikio for the GDS backend: `pip download kvikio-cu12 -d .whl`)
+# and copy .whl/ along with the checkout.
+# Everything is written under $OUT (default ./gpu_out): one log per part and results.tgz, the new
+# files of benchmarks/results/. Unpack it into benchmarks/results/ of the checkout the next part
+# starts from: `peers --resume` goes on from the sweep results it finds there.
 set -uo pipefail
 part=${1:?usage: gpu_session.sh checks|peers|large}
 out=${OUT:-$PWD/gpu_out}

@@ -16,7 +16,8 @@ weight decay 0.1 on every parameter):
   fsdp2      fully_shard at world size 1: CPUOffloadPolicy + bf16 MixedPrecisionPolicy and
              fused CPU AdamW on CUDA; plain fp32 sharding on a CPU (nothing to offload to)
   deepspeed  ZeRO-3, parameters and optimizer offloaded to pinned CPU memory,
-             DeepSpeedCPUAdam, bf16 (CUDA only; wheels: ../shared/tools/device-wheels)
+             DeepSpeedCPUAdam, bf16 (CUDA only; `pip install deepspeed`, or
+             offline: `pip download deepspeed --no-deps -d .whl` and install from .whl/)
 
 Per system: status (ok / out of memory with its peak / failed / not run), median step
 time after the warm-up, tokens/s, model TFLOP/s (6 x N x tokens / step time; recompute
@@ -25,13 +26,13 @@ at the start of the run, peak GPU memory, peak host RSS, host memory used (pinne
 included), the loss of every step and the final loss's difference from PyTorch's.
 megatrain's per-step time breakdown when its engine gives one. Writes
 benchmarks/results/<date>_<device>_peers.{json,md} and a PNG of tokens/s against model
-size (when matplotlib is importable). The parts are in benchmarks/peers/.
+size (when matplotlib is importable). The parts are in benchmarks/peer_runners/.
 """
 from __future__ import annotations
 
 import sys
 
-from peers.cli import main  # the package benchmarks/peers/, beside this file
+from peer_runners.cli import main  # the package benchmarks/peer_runners/, beside this file
 
 if __name__ == "__main__":
     sys.exit(main(__doc__))

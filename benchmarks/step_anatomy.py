@@ -28,9 +28,9 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from peers import probe, report  # noqa: E402
-from peers.run_megatrain import import_megatrain, plan_for  # noqa: E402
-from peers.spec import MODELS, RunSpec, model_config, model_label  # noqa: E402
+from peer_runners import probe, report  # noqa: E402
+from peer_runners.run_megatrain import import_megatrain, plan_for  # noqa: E402
+from peer_runners.spec import MODELS, RunSpec, model_config, model_label  # noqa: E402
 
 VARIANTS = {  # plan changes tried beside the planner's own choice
     "planner": {},

@@ -67,7 +67,7 @@ class CostEstimate:
     # CPU AdamW time the step waits for (eager: what outlasts backward; deferred: what delays forward).
     optimizer_exposed_seconds: float
     tokens: int
-    model_flops: float        # 6 x params x tokens (design.md section 7)
+    model_flops: float        # 6 x params x tokens (DESIGN.md section 7)
     hardware_flops: float     # what the GPU runs: forward + recompute + backward + head, attention included
     attention_flops: float    # attention forward + backward per step, stated separately
     peak_tflops: float
@@ -125,161 +125,234 @@ def _copy_s(nbytes: float, gbps: float) -> float:
 
 
 def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile) -> CostEstimate:
-    c = work.compute_bytes
-    L, h = model.num_layers, model.hidden_size
-    T, seq = work.tokens, work.seq_len
-    mbs = min(plan.micro_batch_size, work.batch)
-    M = work.micro_batches(mbs)
-    t = mbs * seq
-    K, depth, G = plan.num_slots, plan.prefetch_depth, plan.device_grad_buffers
-    peak = hw.tflops(work.compute_dtype)
-    cal = hw.fitted(work.compute_dtype)
-    if cal is not None:
-        # Fitted: rate = r(h) x eff(t), the layers' achieved TFLOP/s at this width and micro-batch (elementwise
-        # work and small-shape efficiency included); launches = o split between forward and backward visits
-        # as the defaults are; AdamW and copies at the rates measured inside the step.
-        rate = cal.rate_tflops(h, t) * 1e12            # r(h) x t / (t + t_half)
-        launch_fwd = cal.block_overhead_s * LAUNCH_FWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
-        launch_bwd = cal.block_overhead_s * LAUNCH_BWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
-        h2d_gbps, d2h_gbps = cal.h2d_gbps, cal.d2h_gbps
-    else:
-        # rate = peak x t / (t + T_HALF) / NONMATMUL_FACTOR  (FLOP/s)
-        rate = peak * 1e12 * t / (t + T_HALF_TOKENS) / NONMATMUL_FACTOR
-        launch_fwd, launch_bwd = LAUNCH_FWD_S, LAUNCH_BWD_S
-        h2d_gbps, d2h_gbps = hw.h2d_gbps, hw.d2h_gbps
-    # Without a GPU the copies are memcpys on the host, one after another; with one, H2D and D2H at once
-    # share the link: each direction runs at scale x its own rate, scale = min(1, duplex / (h2d + d2h)).
-    # Rates fitted in the step already hold that sharing: scale = 1.
-    duplex_scale = 1.0 if hw.device_is_host or cal is not None else min(1.0, hw.duplex_gbps / (h2d_gbps + d2h_gbps))
-    host_ckpt = plan.checkpoints == "host"
-    ckpt_bytes = T * h * c                                   # one block boundary: T x h x c
+    """The step's time, phase by phase: rates, the block visits of forward and backward, AdamW, the replay."""
+    batch = _Batch.of(work, plan)
+    rates = _Rates.of(model, work, batch, hw)
+    adam = _AdamTime(work, plan, hw)
+    slabs = _HostSlabs(plan)
+    steps = _forward_steps(model, work, plan, batch, rates, adam, slabs)
+    n_fwd = len(steps)
+    steps += _backward_steps(model, work, plan, batch, rates, adam, slabs)
+    if plan.optimizer_mode != "eager" and not hw.device_is_host:
+        _gate_loads_on_deferred_adam(model, steps, adam)
+    total_adam = adam(model.numel_total)
+    fwd_end, step, exposed = _step_time(steps, n_fwd, plan, hw, total_adam)
     eager = plan.optimizer_mode == "eager"
-    spilled = memory_model.spilled_kinds(plan)
-    # Seconds per parameter: AdamW, then the shadow pass where there is one (measured, or the factor).
-    adam_per_param = 1.0 / hw.cpu_adam_params_per_s
-    if cal is not None:
-        # measured in the step: the shadow pass, where there is one, is inside it
-        adam_per_param = 1.0 / cal.adam_params_per_s
-    elif c != 4 or "master" in spilled:
-        adam_per_param = (adam_per_param + 1.0 / hw.cpu_shadow_params_per_s if hw.cpu_shadow_params_per_s > 0
-                          else adam_per_param * ADAM_SHADOW_FACTOR)
-    reads = len(spilled)                                     # fp32 kinds read back per block update
-    writes = len(spilled)                                    # master/m/v behind AdamW; grads in backward
-    if spilled and (hw.disk_read_gbps <= 0 or hw.disk_write_gbps <= 0):
-        raise ValueError("a spill plan needs the disk's read and write GB/s in the hardware profile "
-                         "(megatrain-plan profile --spill-dir DIR, or --nvme GBPS)")
+    fwd = PhaseTime(fwd_end, *_busy(steps[:n_fwd]),
+                    adam_s=(0.0 if eager or hw.device_is_host else total_adam))
+    bwd = PhaseTime(step - fwd_end, *_busy(steps[n_fwd:]),
+                    adam_s=(total_adam if eager or hw.device_is_host else 0.0))
+    T, seq = batch.tokens, batch.seq
+    attn = T * model.num_layers * (model.attention_flops_fwd(seq) + model.attention_flops_bwd(seq))
+    h2d_bytes, d2h_bytes = traffic(model, work, plan)
+    return CostEstimate(step_seconds=step, forward=fwd, backward=bwd, optimizer_exposed_seconds=exposed,
+                        tokens=T, model_flops=model.model_flops_per_token() * T,
+                        hardware_flops=model.hardware_flops_per_token(seq) * T, attention_flops=attn,
+                        peak_tflops=rates.peak_tflops, h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes,
+                        constants=hw.constants(work.compute_dtype))
 
-    def adam_s(numel: int) -> float:
+
+@dataclass(frozen=True)
+class _Batch:
+    """The step's tokens as the plan cuts them."""
+
+    tokens: int          # T = batch x seq
+    seq: int
+    micro_batches: int   # M = ceil(batch / mbs)
+    micro_tokens: int    # t = mbs x seq, tokens per micro-batch
+    loss_chunks: int     # chunks per micro-batch = ceil(t / min(loss_chunk_tokens, t))
+
+    @classmethod
+    def of(cls, work: Workload, plan: Plan) -> "_Batch":
+        mbs = min(plan.micro_batch_size, work.batch)
+        t = mbs * work.seq_len
+        return cls(work.tokens, work.seq_len, work.micro_batches(mbs), t, -(-t // min(plan.loss_chunk_tokens, t)))
+
+
+@dataclass(frozen=True)
+class _Rates:
+    """What work costs on this machine: compute FLOP/s, launches per block visit, copy bandwidths."""
+
+    flops_per_s: float         # the decoder layers' achieved rate at this width and micro-batch
+    head_flops_per_s: float    # the head's, when fitted apart (0: the layers' rate plus launches)
+    launch_fwd_s: float        # per block per micro-batch, forward
+    launch_bwd_s: float        # per block per micro-batch, recompute + backward
+    h2d_gbps: float
+    d2h_gbps: float
+    duplex_scale: float        # each direction's share of the link when both run
+    peak_tflops: float
+
+    @classmethod
+    def of(cls, model: ModelShape, work: Workload, batch: _Batch, hw: HardwareProfile) -> "_Rates":
+        h, t = model.hidden_size, batch.micro_tokens
+        peak = hw.tflops(work.compute_dtype)
+        cal = hw.fitted(work.compute_dtype)
+        if cal is not None:
+            # Fitted: rate = r(h) x eff(t), the layers' achieved TFLOP/s at this width and micro-batch (elementwise
+            # work and small-shape efficiency included); launches = o split between forward and backward visits
+            # as the defaults are; copies at the rates measured inside the step.
+            rate = cal.rate_tflops(h, t) * 1e12            # r(h) x t / (t + t_half)
+            launch_fwd = cal.block_overhead_s * LAUNCH_FWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
+            launch_bwd = cal.block_overhead_s * LAUNCH_BWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
+            h2d_gbps, d2h_gbps = cal.h2d_gbps, cal.d2h_gbps
+            head_rate = cal.head_tflops(h) * 1e12 if cal.head_tflops_by_width else 0.0
+        else:
+            # rate = peak x t / (t + T_HALF) / NONMATMUL_FACTOR  (FLOP/s)
+            rate = peak * 1e12 * t / (t + T_HALF_TOKENS) / NONMATMUL_FACTOR
+            launch_fwd, launch_bwd = LAUNCH_FWD_S, LAUNCH_BWD_S
+            h2d_gbps, d2h_gbps = hw.h2d_gbps, hw.d2h_gbps
+            head_rate = 0.0
+        # Without a GPU the copies are memcpys on the host, one after another; with one, H2D and D2H at once
+        # share the link: each direction runs at scale x its own rate, scale = min(1, duplex / (h2d + d2h)).
+        # Rates fitted in the step already hold that sharing: scale = 1.
+        duplex = 1.0 if hw.device_is_host or cal is not None else min(1.0, hw.duplex_gbps / (h2d_gbps + d2h_gbps))
+        return cls(rate, head_rate, launch_fwd, launch_bwd, h2d_gbps, d2h_gbps, duplex, peak)
+
+
+class _AdamTime:
+    """Seconds of CPU AdamW for ``numel`` parameters, spill traffic included."""
+
+    def __init__(self, work: Workload, plan: Plan, hw: HardwareProfile) -> None:
+        cal = hw.fitted(work.compute_dtype)
+        self.spilled = memory_model.spilled_kinds(plan)
+        # Seconds per parameter: AdamW, then the shadow pass where there is one (measured, or the factor).
+        per_param = 1.0 / hw.cpu_adam_params_per_s
+        if cal is not None:
+            # measured in the step: the shadow pass, where there is one, is inside it
+            per_param = 1.0 / cal.adam_params_per_s
+        elif work.compute_bytes != 4 or "master" in self.spilled:
+            per_param = (per_param + 1.0 / hw.cpu_shadow_params_per_s if hw.cpu_shadow_params_per_s > 0
+                         else per_param * ADAM_SHADOW_FACTOR)
+        self.per_param = per_param
+        self.reads = len(self.spilled)    # fp32 kinds read back per block update
+        self.writes = len(self.spilled)   # master/m/v behind AdamW; grads in backward
+        if self.spilled and (hw.disk_read_gbps <= 0 or hw.disk_write_gbps <= 0):
+            raise ValueError("a spill plan needs the disk's read and write GB/s in the hardware profile "
+                             "(megatrain-plan profile --spill-dir DIR, or --nvme GBPS)")
+        self.read_gbps, self.write_gbps = hw.disk_read_gbps, hw.disk_write_gbps
+
+    def __call__(self, numel: int) -> float:
         # t = numel x (1 / AdamW params/s + 1 / shadow params/s); with spill the disk runs beside it (reads
         # ahead, writes behind): t = max(that, numel x 4 x (reads / read GB/s + writes / write GB/s) / 1e9).
-        compute = numel * adam_per_param
-        if not spilled:
+        compute = numel * self.per_param
+        if not self.spilled:
             return compute
-        disk = numel * 4 * (reads / hw.disk_read_gbps + writes / hw.disk_write_gbps) / 1e9
+        disk = numel * 4 * (self.reads / self.read_gbps + self.writes / self.write_gbps) / 1e9
         return max(compute, disk)
 
-    E, Lw, H = model.numel_embedding, model.numel_layer, model.numel_head
-    steps: list[_Step] = []
-    fwd_scale = duplex_scale if host_ckpt else 1.0
-    h2d_f, d2h_f = h2d_gbps * fwd_scale, d2h_gbps * fwd_scale
-    h2d_b, d2h_b = h2d_gbps * duplex_scale, d2h_gbps * duplex_scale
 
-    # ---- forward ----------------------------------------------------------------------------
+class _HostSlabs:
+    """Eager mode: each drain lands in one of S host slabs; a slab frees when its AdamW ends."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.eager = plan.optimizer_mode == "eager"
+        self.count = plan.host_grad_slabs
+        self.users: list[int] = []
+
+    def take(self, step_index: int) -> int | None:
+        """The step whose AdamW must end before step ``step_index``'s drain has a slab (eager mode)."""
+        wait_for = self.users[-self.count] if self.eager and len(self.users) >= self.count else None
+        self.users.append(step_index)
+        return wait_for
+
+
+def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: _Batch, rates: _Rates, adam: _AdamTime,
+                   slabs: _HostSlabs) -> list[_Step]:
+    """Embedding, the layers, and the head (whose loss and backward run in the forward pass)."""
+    c, K, M, T = work.compute_bytes, plan.num_slots, batch.micro_batches, batch.tokens
+    host_ckpt = plan.checkpoints == "host"
+    ckpt_bytes = T * model.hidden_size * c                   # one block boundary: T x h x c
+    E, Lw, H = model.numel_embedding, model.numel_layer, model.numel_head
+    scale = rates.duplex_scale if host_ckpt else 1.0
+    h2d, d2h = rates.h2d_gbps * scale, rates.d2h_gbps * scale
     # Embedding: load E x c; compute is a gather (launches only).
-    steps.append(_Step(_copy_s(E * c, h2d_f), M * launch_fwd, 0.0))
-    for _ in range(L):
+    steps = [_Step(_copy_s(E * c, h2d), M * rates.launch_fwd_s, 0.0)]
+    for _ in range(model.num_layers):
         # compute_fwd(M) = T x flops_fwd(seq) / rate + M x launch
-        comp = T * model.layer_flops_fwd(seq) / rate + M * launch_fwd
+        comp = T * model.layer_flops_fwd(batch.seq) / rates.flops_per_s + M * rates.launch_fwd_s
         # host checkpoints: D2H of the block's input (T x h x c), staged in one of K device areas.
-        d2h = _copy_s(ckpt_bytes, d2h_f) if host_ckpt else 0.0
+        drain = _copy_s(ckpt_bytes, d2h) if host_ckpt else 0.0
         wait = len(steps) - K if host_ckpt and len(steps) - K >= 1 else None
-        steps.append(_Step(_copy_s(Lw * c, h2d_f), comp, d2h, d2h_at_start=True, wait_d2h_of=wait))
+        steps.append(_Step(_copy_s(Lw * c, h2d), comp, drain, d2h_at_start=True, wait_d2h_of=wait))
     # Head: load (norm [+ lm_head]) x c, plus the embedding again when tied; compute its forward and
     # backward: T x (2 + 4) x V x h / rate + M x chunks x launch; untied head drains its fp32 grads.
     head_load = (H + (E if model.tie_word_embeddings else 0)) * c
-    chunks = -(-t // min(plan.loss_chunk_tokens, t))
-    head_comp = T * (model.head_flops_fwd() + model.head_flops_bwd()) / rate + M * chunks * launch_bwd
-    if cal is not None and cal.head_tflops_by_width:
+    head_flops = T * (model.head_flops_fwd() + model.head_flops_bwd())
+    head_comp = head_flops / rates.flops_per_s + M * batch.loss_chunks * rates.launch_bwd_s
+    if rates.head_flops_per_s:
         # Fitted head class, timed alone with its chunk loop: T x (2 + 4) x V x h / r_head(h)
-        head_comp = T * (model.head_flops_fwd() + model.head_flops_bwd()) / (cal.head_tflops(h) * 1e12)
-    head_d2h = 0.0 if model.tie_word_embeddings else _copy_s(H * 4, d2h_f)
-    # Eager mode: each drain lands in one of S host slabs; a slab frees when its AdamW ends.
-    slab_users: list[int] = []
-    S = plan.host_grad_slabs
-
-    def slab() -> int | None:
-        wait_for = slab_users[-S] if eager and len(slab_users) >= S else None
-        slab_users.append(len(steps))
-        return wait_for
-
+        head_comp = head_flops / rates.head_flops_per_s
     head_untied = not model.tie_word_embeddings
-    steps.append(_Step(_copy_s(head_load, h2d_f), head_comp, head_d2h,
-                       adam_s=adam_s(H) if eager and head_untied else 0.0,
-                       wait_adam_of=slab() if head_untied else None))
-    n_fwd = len(steps)
+    head_d2h = _copy_s(H * 4, d2h) if head_untied else 0.0
+    steps.append(_Step(_copy_s(head_load, h2d), head_comp, head_d2h,
+                       adam_s=adam(H) if slabs.eager and head_untied else 0.0,
+                       wait_adam_of=slabs.take(len(steps)) if head_untied else None))
+    return steps
 
-    # ---- backward ---------------------------------------------------------------------------
+
+def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: _Batch, rates: _Rates, adam: _AdamTime,
+                    slabs: _HostSlabs) -> list[_Step]:
+    """The layers in reverse, then the embedding; indices continue after the forward's steps."""
+    c, G, M, T = work.compute_bytes, plan.device_grad_buffers, batch.micro_batches, batch.tokens
+    first = model.num_layers + 2                              # the forward's visits come first
+    ckpt_bytes = T * model.hidden_size * c if plan.checkpoints == "host" else 0
+    Lw = model.numel_layer
+    h2d, d2h = rates.h2d_gbps * rates.duplex_scale, rates.d2h_gbps * rates.duplex_scale
+    steps: list[_Step] = []
     grad_users: list[int] = []
-    for _ in range(L):
+    for _ in range(model.num_layers):
         # load = layer x c (+ its checkpoint T x h x c when on the host); compute = (recompute + bwd)
         # = T x (flops_fwd + flops_bwd)(seq) / rate + M x launch; drain = layer x 4 (fp32 grads).
-        load = _copy_s(Lw * c + (ckpt_bytes if host_ckpt else 0), h2d_b)
-        comp = T * (model.layer_flops_recompute(seq) + model.layer_flops_bwd(seq)) / rate + M * launch_bwd
+        load = _copy_s(Lw * c + ckpt_bytes, h2d)
+        flops = T * (model.layer_flops_recompute(batch.seq) + model.layer_flops_bwd(batch.seq))
+        comp = flops / rates.flops_per_s + M * rates.launch_bwd_s
         wait = grad_users[-G] if len(grad_users) >= G else None   # a grad buffer frees when its drain ends
-        grad_users.append(len(steps))
-        steps.append(_Step(load, comp, _copy_s(Lw * 4, d2h_b), wait_d2h_of=wait, backward=True,
-                           adam_s=adam_s(Lw) if eager else 0.0, wait_adam_of=slab()))
+        index = first + len(steps)
+        grad_users.append(index)
+        steps.append(_Step(load, comp, _copy_s(Lw * 4, d2h), wait_d2h_of=wait, backward=True,
+                           adam_s=adam(Lw) if slabs.eager else 0.0, wait_adam_of=slabs.take(index)))
     # Embedding backward: no weights; scatter-add dy (launches only); drain E x 4.
     wait = grad_users[-G] if len(grad_users) >= G else None
     # Tied: the head's part of the shared weight's gradient joins it here (adds H for the norm).
-    steps.append(_Step(0.0, M * launch_bwd, _copy_s(E * 4, d2h_b), wait_d2h_of=wait, backward=True,
-                       adam_s=adam_s(E + (H if model.tie_word_embeddings else 0)) if eager else 0.0,
-                       wait_adam_of=slab()))
+    E = model.numel_embedding + (model.numel_head if model.tie_word_embeddings else 0)
+    steps.append(_Step(0.0, M * rates.launch_bwd_s, _copy_s(model.numel_embedding * 4, d2h), wait_d2h_of=wait,
+                       backward=True, adam_s=adam(E) if slabs.eager else 0.0,
+                       wait_adam_of=slabs.take(first + len(steps))))
+    return steps
 
-    # ---- optimizer --------------------------------------------------------------------------
-    if not eager and not hw.device_is_host:
-        # Deferred: AdamW runs in forward order after the previous backward (t = 0 here), one block
-        # after another; the next forward's load of block i waits for adam_done(i) = sum_{j<=i} adam(j).
-        done = 0.0
-        fwd_numel = [E] + [Lw] * L + [H]
-        for i, numel in enumerate(fwd_numel):
-            done += adam_s(numel)
-            steps[i].earliest_load = done
-    total_adam = adam_s(model.numel_total)
 
-    ev = _simulate(steps, K, depth)
-    end = ev["end"]
-    fwd_end = ev["cend"][n_fwd - 1]
+def _gate_loads_on_deferred_adam(model: ModelShape, steps: list[_Step], adam: _AdamTime) -> None:
+    """Deferred mode: AdamW runs in forward order after the previous backward (t = 0 here), one block after
+    another; the next forward's load of block i waits for adam_done(i) = sum_{j<=i} adam(j)."""
+    done = 0.0
+    fwd_numel = [model.numel_embedding] + [model.numel_layer] * model.num_layers + [model.numel_head]
+    for i, numel in enumerate(fwd_numel):
+        done += adam(numel)
+        steps[i].earliest_load = done
+
+
+def _step_time(steps: list[_Step], n_fwd: int, plan: Plan, hw: HardwareProfile,
+               total_adam: float) -> tuple[float, float, float]:
+    """(end of forward, step seconds, exposed AdamW seconds) from the replay of the block visits."""
+    K, depth = plan.num_slots, plan.prefetch_depth
     if hw.device_is_host:
         # No GPU: the copies run in program order on the calling thread and AdamW shares the cores with
         # compute; nothing overlaps: step = sum(load + compute + drain) + AdamW.
         fwd_end = sum(st.load_s + st.compute_s + st.d2h_s for st in steps[:n_fwd])
         end = fwd_end + sum(st.load_s + st.compute_s + st.d2h_s for st in steps[n_fwd:])
-        exposed = total_adam
-        step = end + exposed
-    elif eager:
+        return fwd_end, end + total_adam, total_adam
+    ev = _simulate(steps, K, depth)
+    end, fwd_end = ev["end"], ev["cend"][n_fwd - 1]
+    if plan.optimizer_mode == "eager":
         # Eager: AdamW overlaps backward; the next forward starts with the embedding, updated last,
         # so exposed = adam_end - backward_end.
         exposed = max(0.0, ev["adam_end"] - end)
-        step = end + exposed
-    else:
-        # Deferred: the delay AdamW puts on the next forward is inside the simulated time;
-        # exposed = end(with AdamW gating) - end(without).
-        for st in steps:
-            st.earliest_load = 0.0
-        exposed = max(0.0, end - _simulate(steps, K, depth)["end"])
-        step = end
-    fwd = PhaseTime(fwd_end, *_busy(steps[:n_fwd]),
-                    adam_s=(0.0 if eager or hw.device_is_host else total_adam))
-    bwd = PhaseTime(step - fwd_end, *_busy(steps[n_fwd:]),
-                    adam_s=(total_adam if eager or hw.device_is_host else 0.0))
-    attn = T * L * (model.attention_flops_fwd(seq) + model.attention_flops_bwd(seq))
-    h2d_bytes, d2h_bytes = traffic(model, work, plan)
-    return CostEstimate(step_seconds=step, forward=fwd, backward=bwd, optimizer_exposed_seconds=exposed,
-                        tokens=T, model_flops=model.model_flops_per_token() * T,
-                        hardware_flops=model.hardware_flops_per_token(seq) * T, attention_flops=attn,
-                        peak_tflops=peak, h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes,
-                        constants=hw.constants(work.compute_dtype))
+        return fwd_end, end + exposed, exposed
+    # Deferred: the delay AdamW puts on the next forward is inside the simulated time;
+    # exposed = end(with AdamW gating) - end(without).
+    for st in steps:
+        st.earliest_load = 0.0
+    return fwd_end, end, max(0.0, end - _simulate(steps, K, depth)["end"])
 
 
 def traffic(model: ModelShape, work: Workload, plan: Plan) -> tuple[float, float]:
@@ -300,19 +373,16 @@ def overhead_units(model: ModelShape, work: Workload, plan: Plan) -> float:
     of one layer for one micro-batch = 1), the unit of a fitted ``block_overhead_s``:
     units = (M (embedding) + L M) x f + (M x chunks (head) + L M + M (embedding backward)) x b,
     f = LAUNCH_FWD / (LAUNCH_FWD + LAUNCH_BWD), b = 1 - f."""
-    mbs = min(plan.micro_batch_size, work.batch)
-    M, L, t = work.micro_batches(mbs), model.num_layers, mbs * work.seq_len
-    chunks = -(-t // min(plan.loss_chunk_tokens, t))
+    batch = _Batch.of(work, plan)
+    M, L, chunks = batch.micro_batches, model.num_layers, batch.loss_chunks
     f = LAUNCH_FWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
     return (M + L * M) * f + (M * chunks + L * M + M) * (1 - f)
 
 
 def head_overhead_units(model: ModelShape, work: Workload, plan: Plan) -> float:
     """The head's share of ``overhead_units``: M x chunks x b."""
-    mbs = min(plan.micro_batch_size, work.batch)
-    M, t = work.micro_batches(mbs), mbs * work.seq_len
-    chunks = -(-t // min(plan.loss_chunk_tokens, t))
-    return M * chunks * LAUNCH_BWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
+    batch = _Batch.of(work, plan)
+    return batch.micro_batches * batch.loss_chunks * LAUNCH_BWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
 
 
 def _busy(steps: list[_Step]) -> tuple[float, float, float]:

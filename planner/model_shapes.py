@@ -200,7 +200,7 @@ class ModelShape:
         return 4.0 * self.vocab_size * self.hidden_size
 
     def model_flops_per_token(self) -> float:
-        """FLOPs per token that model TFLOP/s counts (design.md section 7): 6 x params, no recompute,
+        """FLOPs per token that model TFLOP/s counts (DESIGN.md section 7): 6 x params, no recompute,
         no attention."""
         return 6.0 * self.params
 

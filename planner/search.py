@@ -1,6 +1,6 @@
 """Plan search: the fastest Plan that fits every budget, or the budget that no plan fits.
 
-The space (design.md section 5): micro-batch size (hence the micro-batch count
+The space (DESIGN.md section 5): micro-batch size (hence the micro-batch count
 M = ceil(batch / size)), slots and prefetch depth (K = depth + 1: the runtime
 never loads more than ``depth`` ahead, so a further slot would only cost
 memory), checkpoint placement, eager vs deferred optimizer (deferred when

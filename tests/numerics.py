@@ -3,7 +3,7 @@
 Two trainings that differ only in summation order differ, after a few AdamW
 steps, by sign flips on the few elements whose gradient is ~0 in both: so
 differences are measured against the size of the update, not elementwise
-against the weights (design.md section 8).
+against the weights (DESIGN.md section 8).
 """
 from __future__ import annotations
 

@@ -17,10 +17,10 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from peers import report  # noqa: E402
-from peers.child import status_of  # noqa: E402
-from peers.spec import RunSpec, model_config  # noqa: E402
-from peers.sweep import sweep_batch  # noqa: E402
+from peer_runners import report  # noqa: E402
+from peer_runners.child import status_of  # noqa: E402
+from peer_runners.spec import RunSpec, model_config  # noqa: E402
+from peer_runners.sweep import sweep_batch  # noqa: E402
 
 RAN_HERE = ("megatrain", "pytorch", "fsdp2")
 

@@ -1,6 +1,6 @@
 """What a run measured: one JSON line per step in ``metrics.jsonl``, and the end-of-run summary.
 
-Model FLOPs follow design.md section 7: 6 x N x (non-padded tokens) per step, recompute not
+Model FLOPs follow DESIGN.md section 7: 6 x N x (non-padded tokens) per step, recompute not
 counted, attention FLOPs not included; MFU divides by the matmul peak of the compute dtype when
 one is known (a GPU preset, or a profile measured by ``megatrain-plan profile``).
 """

@@ -83,6 +83,7 @@ class Pending:
     grad_norm: torch.Tensor | None
     lr: float
     tokens: int               # tokens predicted in this step (labels not -100 after the shift)
+    breakdown: dict[str, float] | None = None   # the engine's step breakdown, on the steps that read it
 
 
 @dataclass
@@ -96,8 +97,24 @@ class Resumed:
     run: str | None           # the run directory it belongs to (None: a checkpoint outside a run directory)
 
 
+@dataclass
+class Setup:
+    """What ``Run._setup`` checked before anything is written: the model, the data, the plan, where it runs."""
+
+    own_run: bool             # it resumes its own run, in its own directory
+    overwrite: bool
+    device: torch.device      # --device resolved once, here; the Engine is handed it and the rest reads engine.device
+    dtype: torch.dtype
+    model: ModelConfig
+    source: model_source.ModelSource | None   # None: resumed (the checkpoint holds the weights)
+    corpus: Corpus
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]   # the first batch (already read) included
+    plan: Plan
+
+
 class Run:
-    """One invocation. ``execute``: read and check every input, then take the run directory, then train.
+    """One invocation. ``execute``: read and check every input (``_setup``), then take the run directory and
+    train (``_run``: the loop is ``TrainingLoop``), then write the summary (``_finish``).
 
     Nothing is written before every input (options, resume checkpoint, tokenizer, model, data, plan, output
     and spill directories) has been checked. ``values`` are the options given explicitly.
@@ -112,55 +129,66 @@ class Run:
         self.changes: list[str] = []  # options a resume changes, "name old -> new"
         self.warnings: list[str] = []
         self.plan_description = ""
+        self.model_description = ""
+        # Where the run starts: 0 for a new run, the checkpoint's position for a resumed one.
+        self.start_step = 0
+        self.rows_done = 0
+        self.tokens_done = 0
+
+    def execute(self) -> int:
+        return self._run(self._setup())
 
     # ------------------------------------------------------------------ setup
-    def execute(self) -> int:
+    def _setup(self) -> Setup:
+        """Every input read and checked; nothing written."""
         if self.config.resume:
             self._read_resume()
         c = self.config
-        out = self.out
         if self.resumed is not None and self.start_step >= c.total_steps:
             raise TrainConfigError(f"steps: the checkpoint is at step {self.start_step} already; raise --steps "
                                    f"(now {c.total_steps}) to train further")
         overwrite = bool(self.values.get("overwrite"))
-        own_run = self._check_run_dir(out, overwrite)
+        own_run = self._check_run_dir(self.out, overwrite)
         device = _device(c.device)
         dtype = _compute_dtype(c.compute_dtype, device)
-        model, source = self._check_model()
-        corpus = Corpus(c.data, self.tokenizer, c.text_field, c.token_dtype)
+        tokenizer, model, source = self._check_model()
+        corpus = Corpus(c.data, tokenizer, c.text_field, c.token_dtype)
         corpus.check_token_ids(model.vocab_size)
-        rows = packing.pack(packing.repeat_epochs(corpus.documents), c.seq_len, self.tokenizer.separator_id)
-        batches = packing.batches(rows, c.batch, skip_rows=self.rows_done if self.resumed else 0)
+        rows = packing.pack(packing.repeat_epochs(corpus.documents), c.seq_len, tokenizer.separator_id)
+        batches = packing.batches(rows, c.batch, skip_rows=self.rows_done)
         first = _next_batch(batches)  # the data yields a batch: checked before anything is written
         plan = self._choose_plan(model, dtype)
+        return Setup(own_run, overwrite, device, dtype, model, source, corpus, itertools.chain([first], batches),
+                     plan)
 
+    def _run(self, setup: Setup) -> int:
+        """Take the run directory (and the spill directory), build the engine, train, write the summary."""
+        out, plan = self.out, setup.plan
         created = run_dir.make_dir("out", out)
         spill_created = False
         lock = run_dir.RunLock(out)
         try:
             lock.acquire(lambda line: print(f"megatrain-train: {line}", file=sys.stderr))
-            # Said once every input is known good, so that a refusal stays one line.
-            for warning in self.warnings:
-                print(f"megatrain-train: warning: {warning}", file=sys.stderr)
-            for change in self.changes:
-                print(f"megatrain-train: resume: {change}", file=sys.stderr)
-            self.notes += self.warnings + [f"changed on resume: {change}" for change in self.changes]
+            self._say_warnings()
             if plan.spill != "none":
                 assert plan.spill_dir is not None
                 spill_created = run_dir.make_dir("spill_dir", plan.spill_dir)  # before --overwrite deletes anything
-            if overwrite:
+            if setup.overwrite:
                 removed = run_dir.remove_run_files(out)
                 if removed:
                     print(f"megatrain-train: --overwrite: deleted the earlier run's {', '.join(removed)} in {out}",
                           file=sys.stderr)
-            engine = self._engine(plan, dtype, device, source)
+            engine = self._engine(plan, setup.dtype, setup.device, setup.source)
             try:
-                if own_run:
+                if setup.own_run:
                     dropped = metrics.truncate_after(os.path.join(out, run_dir.METRICS_FILE), self.start_step)
                     if dropped:
                         self.notes.append(f"dropped {dropped} metrics row(s) after step {self.start_step} "
                                           f"(the run continues from its checkpoint)")
-                return self._train(engine, corpus, itertools.chain([first], batches))
+                self._banner(engine, setup.corpus)
+                loop = TrainingLoop(self, engine)
+                loop.run(setup.batches)
+                return self._finish(engine, loop)
             finally:
                 engine.close()
         finally:
@@ -170,6 +198,14 @@ class Run:
                 os.rmdir(plan.spill_dir)
             if created and not run_dir.existing_entries(out):
                 os.rmdir(out)
+
+    def _say_warnings(self) -> None:
+        """Said once every input is known good, so that a refusal stays one line."""
+        for warning in self.warnings:
+            print(f"megatrain-train: warning: {warning}", file=sys.stderr)
+        for change in self.changes:
+            print(f"megatrain-train: resume: {change}", file=sys.stderr)
+        self.notes += self.warnings + [f"changed on resume: {change}" for change in self.changes]
 
     def _check_run_dir(self, out: str, overwrite: bool) -> bool:
         """May this run write into ``out``? True when it resumes its own run there. Writes nothing."""
@@ -191,25 +227,25 @@ class Run:
                                    f"which --overwrite would clear; choose another --out")
         return own_run
 
-    def _check_model(self) -> tuple[ModelConfig, model_source.ModelSource | None]:
+    def _check_model(self) -> tuple[tokenizers.Tokenizer, ModelConfig, model_source.ModelSource | None]:
         """The tokenizer and the model (the resumed run's, or --model's source), checked against each other."""
         c = self.config
-        self.tokenizer = tokenizers.load(c.tokenizer, c.separator_id)
+        tokenizer = tokenizers.load(c.tokenizer, c.separator_id)
         if self.resumed is not None:
             model, source = self.resumed.model, None
-            if self.tokenizer.vocab_size > model.vocab_size:
-                raise TrainConfigError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model's vocab_size "
+            if tokenizer.vocab_size > model.vocab_size:
+                raise TrainConfigError(f"tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size "
                                        f"is {model.vocab_size}; resume with the run's own tokenizer")
         else:
-            source = model_source.resolve(c.model, self.tokenizer.vocab_size, c.seq_len, c.init)
+            source = model_source.resolve(c.model, tokenizer.vocab_size, c.seq_len, c.init)
             model = source.config
-        if self.tokenizer.separator_id >= model.vocab_size:
-            raise TrainConfigError(f"separator_id={self.tokenizer.separator_id} is outside the model's vocabulary "
+        if tokenizer.separator_id >= model.vocab_size:
+            raise TrainConfigError(f"separator_id={tokenizer.separator_id} is outside the model's vocabulary "
                                    f"(ids 0..{model.vocab_size - 1}); pass an id the model has, or -1")
         warning = model_source.position_warning(model, c.seq_len)
         if warning:
             self.warnings.append(warning)
-        return model, source
+        return tokenizer, model, source
 
     def _read_resume(self) -> None:
         """The checkpoint, its run directory and its settings with the options given now on top."""
@@ -273,7 +309,6 @@ class Run:
             engine = Engine(source.config, optimizer=optimizer, plan=plan, compute_dtype=dtype, device=device,
                             seed=c.seed)
         self.model_description = source.description
-        self.start_step, self.rows_done, self.tokens_done = 0, 0, 0
         return engine
 
     def _choose_plan(self, model: ModelConfig, dtype: torch.dtype) -> Plan:
@@ -318,114 +353,135 @@ class Run:
         return plan
 
     # ------------------------------------------------------------------ training
-    def _train(self, engine: Engine, corpus: Corpus, batch_iter: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    def _banner(self, engine: Engine, corpus: Corpus) -> None:
         c = self.config
-        total = c.total_steps
-        schedule = lr_schedule.from_config(c.lr, c.min_lr, c.warmup_steps, total)
-        peak, peak_source = metrics.matmul_peak_tflops(engine.device, _dtype_name(engine.compute_dtype))
-        n_params = engine.num_parameters
-        print(f"megatrain-train: {n_params / 1e6:.2f}M parameters ({self.model_description}) on {engine.device} "
-              f"in {_dtype_name(engine.compute_dtype)}; data: {corpus.describe()}; {total} steps of "
-              f"{c.batch} x {c.seq_len} tokens; plan: {self.plan_description}; "
+        print(f"megatrain-train: {engine.num_parameters / 1e6:.2f}M parameters ({self.model_description}) on "
+              f"{engine.device} in {_dtype_name(engine.compute_dtype)}; data: {corpus.describe()}; "
+              f"{c.total_steps} steps of {c.batch} x {c.seq_len} tokens; plan: {self.plan_description}; "
               f"output: {self.out}", file=sys.stderr, flush=True)
 
-        metrics_path = os.path.join(self.out, run_dir.METRICS_FILE)
-        log = metrics.MetricsLog(metrics_path, append=self.start_step > 0)
-        progress = Progress(c.progress, total, self.start_step, c.log_every)
-        tracer = StepTracer(os.path.join(self.out, "trace.json"), self.start_step + 1, total, engine.device) \
-            if c.trace else None
-        records: list[dict[str, Any]] = []
-        state = {"last_time": time.perf_counter(), "start": time.perf_counter()}
-        ckpt_root = os.path.join(self.out, run_dir.CHECKPOINT_DIR)
-        saved_at: int | None = None
-        exit_code = 0
-
-        def finish(p: Pending) -> None:
-            """Read a step's numbers (waits for that step only) and record them."""
-            loss = float(p.loss.item())
-            now = time.perf_counter()
-            dt = now - state["last_time"]
-            state["last_time"] = now
-            self.tokens_done += p.tokens
-            tps = p.tokens / dt if dt > 0 else 0.0
-            tflops = 6 * n_params * tps / 1e12
-            record = {
-                "step": p.step, "loss": loss, "tokens_per_second": tps, "lr": p.lr,
-                "grad_norm": float(p.grad_norm.item()) if p.grad_norm is not None else None,
-                "tokens": self.tokens_done, "step_tokens": p.tokens, "step_time_s": dt,
-                "elapsed_s": now - state["start"], "model_tflops": tflops,
-                "mfu": tflops / peak if peak else None,
-                "gpu_memory_bytes": metrics.gpu_peak_bytes(engine.device),
-                "host_memory_bytes": metrics.host_peak_bytes(),
-            }
-            records.append(record)
-            log.write(record)
-            progress.update(record)
-
-        def save(step: int, blocking: bool) -> None:
-            nonlocal saved_at
-            extra = {"step": step, "rows_done": self.rows_done, "tokens_done": self.tokens_done,
-                     "schedule": schedule.to_dict(), "train_config": train_config.absolute_paths(c),
-                     "torch_rng": torch.get_rng_state().tolist()}
-            handle = engine.save_checkpoint(ckpt_root, extra=extra, keep=c.keep, blocking=blocking)
-            if blocking and handle is not None and hasattr(handle, "wait"):
-                handle.wait()
-            saved_at = step
-
-        pending: Pending | None = None
-        try:
-            with InterruptGuard() as interrupt:
-                for step in range(self.start_step + 1, total + 1):
-                    ids, labels = _next_batch(batch_iter)
-                    self.rows_done += c.batch
-                    lr = schedule.lr(step)
-                    if tracer is not None:
-                        tracer.before_step(step)
-                    loss = engine.step(ids, labels, lr=lr)
-                    launched = Pending(step, loss, engine.grad_norm, lr, int((labels[:, 1:] != -100).sum()))
-                    if pending is not None:
-                        finish(pending)
-                    pending = launched
-                    if engine.device.type != "cuda":  # a CPU step is done when step() returns: no lag to gain
-                        finish(pending)
-                        pending = None
-                    if tracer is not None:
-                        tracer.after_step(step, engine.synchronize)
-                    if interrupt.requested or (c.save_every and step % c.save_every == 0 and step < total):
-                        if pending is not None:
-                            finish(pending)
-                            pending = None
-                        save(step, blocking=interrupt.requested)
-                    if interrupt.requested:
-                        exit_code = EXIT_INTERRUPTED
-                        progress.message(f"interrupted at step {step}; checkpoint saved in {ckpt_root}")
-                        break
-                else:
-                    if pending is not None:
-                        finish(pending)
-                        pending = None
-                    save(total, blocking=True)
-                engine.wait_for_checkpoint()
-        finally:
-            progress.close()
-            log.close()
-            if tracer is not None:
-                tracer.close(engine.synchronize)
-
+    # ------------------------------------------------------------------ finish
+    def _finish(self, engine: Engine, loop: "TrainingLoop") -> int:
+        """The summary (summary.json, the plot, the lines on stderr); returns the exit status."""
+        c = self.config
         engine.synchronize()
-        summary = metrics.summarize(records, n_params, peak, engine.device, {
-            "peak_source": peak_source, "out": os.path.abspath(self.out), "metrics": metrics_path,
-            "checkpoint": f"{ckpt_root} (step {saved_at})" if saved_at is not None else "none",
-            "trace": tracer.describe() if tracer is not None else None,
-            "exit_code": exit_code, "notes": self.notes,
+        summary = metrics.summarize(loop.records, engine.num_parameters, loop.peak, engine.device, {
+            "peak_source": loop.peak_source, "out": os.path.abspath(self.out), "metrics": loop.metrics_path,
+            "checkpoint": f"{loop.ckpt_root} (step {loop.saved_at})" if loop.saved_at is not None else "none",
+            "trace": loop.tracer.describe() if loop.tracer is not None else None,
+            "exit_code": loop.exit_code, "notes": self.notes,
         })
-        summary["plot"] = plot(metrics.read_metrics(metrics_path), os.path.join(self.out, "training.png")) \
+        summary["plot"] = plot(metrics.read_metrics(loop.metrics_path), os.path.join(self.out, "training.png")) \
             if c.plot else "off (--no-plot)"
         metrics.write_summary(os.path.join(self.out, "summary.json"), summary)
         print(metrics.format_summary(summary), file=sys.stderr)
         for note in self.notes:
             print(f"note: {note}", file=sys.stderr)
-        return exit_code
+        return loop.exit_code
+
+
+class TrainingLoop:
+    """The steps of one run, from its first to its last or to Ctrl-C: metrics rows, checkpoints, progress.
+
+    On a GPU a step's loss is read one step later (``Pending``), so the device never waits for the host.
+    """
+
+    def __init__(self, run: Run, engine: Engine) -> None:
+        c = run.config
+        self.config = c
+        self.engine = engine
+        self.start_step = run.start_step
+        self.rows_done = run.rows_done       # data position and tokens predicted, saved with each checkpoint
+        self.tokens_done = run.tokens_done
+        self.schedule = lr_schedule.from_config(c.lr, c.min_lr, c.warmup_steps, c.total_steps)
+        self.peak, self.peak_source = metrics.matmul_peak_tflops(engine.device, _dtype_name(engine.compute_dtype))
+        self.metrics_path = os.path.join(run.out, run_dir.METRICS_FILE)
+        self.ckpt_root = os.path.join(run.out, run_dir.CHECKPOINT_DIR)
+        self.tracer = StepTracer(os.path.join(run.out, "trace.json"), run.start_step + 1, c.total_steps,
+                                 engine.device) if c.trace else None
+        self.records: list[dict[str, Any]] = []
+        self.pending: Pending | None = None
+        self.saved_at: int | None = None
+        self.exit_code = 0
+        self.started = self.last_time = time.perf_counter()
+
+    def run(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        c, engine = self.config, self.engine
+        log = metrics.MetricsLog(self.metrics_path, append=self.start_step > 0)
+        progress = Progress(c.progress, c.total_steps, self.start_step, c.log_every)
+        try:
+            with InterruptGuard() as interrupt:
+                for step in range(self.start_step + 1, c.total_steps + 1):
+                    ids, labels = _next_batch(batches)
+                    self.rows_done += c.batch
+                    lr = self.schedule.lr(step)
+                    if self.tracer is not None:
+                        self.tracer.before_step(step)
+                    # [step breakdown] The one place the step's time breakdown is asked for and read: every
+                    # log_every steps, into that step's metrics row (on CUDA reading it waits for that step).
+                    timed = step % c.log_every == 0
+                    loss = engine.step(ids, labels, lr=lr)
+                    breakdown = engine.last_step_breakdown if timed else None
+                    launched = Pending(step, loss, engine.grad_norm, lr, int((labels[:, 1:] != -100).sum()),
+                                       breakdown)
+                    self._flush(log, progress)
+                    self.pending = launched
+                    if engine.device.type != "cuda":  # a CPU step is done when step() returns: no lag to gain
+                        self._flush(log, progress)
+                    if self.tracer is not None:
+                        self.tracer.after_step(step, engine.synchronize)
+                    if interrupt.requested or (c.save_every and step % c.save_every == 0 and step < c.total_steps):
+                        self._flush(log, progress)
+                        self._save(step, blocking=interrupt.requested)
+                    if interrupt.requested:
+                        self.exit_code = EXIT_INTERRUPTED
+                        progress.message(f"interrupted at step {step}; checkpoint saved in {self.ckpt_root}")
+                        break
+                else:
+                    self._flush(log, progress)
+                    self._save(c.total_steps, blocking=True)
+                engine.wait_for_checkpoint()
+        finally:
+            progress.close()
+            log.close()
+            if self.tracer is not None:
+                self.tracer.close(engine.synchronize)
+
+    def _flush(self, log: metrics.MetricsLog, progress: Progress) -> None:
+        """Read the pending step's numbers (waits for that step only) and record them."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return
+        loss = float(p.loss.item())
+        now = time.perf_counter()
+        dt = now - self.last_time
+        self.last_time = now
+        self.tokens_done += p.tokens
+        tps = p.tokens / dt if dt > 0 else 0.0
+        tflops = 6 * self.engine.num_parameters * tps / 1e12
+        record: dict[str, Any] = {
+            "step": p.step, "loss": loss, "tokens_per_second": tps, "lr": p.lr,
+            "grad_norm": float(p.grad_norm.item()) if p.grad_norm is not None else None,
+            "tokens": self.tokens_done, "step_tokens": p.tokens, "step_time_s": dt,
+            "elapsed_s": now - self.started, "model_tflops": tflops,
+            "mfu": tflops / self.peak if self.peak else None,
+            "gpu_memory_bytes": metrics.gpu_peak_bytes(self.engine.device),
+            "host_memory_bytes": metrics.host_peak_bytes(),
+        }
+        if p.breakdown is not None:
+            record["breakdown"] = p.breakdown
+        self.records.append(record)
+        log.write(record)
+        progress.update(record)
+
+    def _save(self, step: int, blocking: bool) -> None:
+        extra = {"step": step, "rows_done": self.rows_done, "tokens_done": self.tokens_done,
+                 "schedule": self.schedule.to_dict(), "train_config": train_config.absolute_paths(self.config),
+                 "torch_rng": torch.get_rng_state().tolist()}
+        handle = self.engine.save_checkpoint(self.ckpt_root, extra=extra, keep=self.config.keep, blocking=blocking)
+        if blocking and handle is not None:
+            handle.wait()
+        self.saved_at = step
 
 
 def _next_batch(batch_iter: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -484,4 +540,3 @@ def _free_bytes_under(path: str) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

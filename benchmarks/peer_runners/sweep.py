@@ -79,7 +79,7 @@ class Comparison:
         if self.device != "cuda":
             return "not run: needs CUDA"
         if importlib.util.find_spec("deepspeed") is None:
-            return "not run: not installed (install the wheels of ../shared/tools/device-wheels)"
+            return "not run: not installed (pip install deepspeed, or its wheels from pip download into .whl/)"
         build = self.settings.get("deepspeed_cpu_adam_build")
         if build is not None and build["status"] != "ok":
             return f"not run: DeepSpeedCPUAdam did not build: {build['status']}"

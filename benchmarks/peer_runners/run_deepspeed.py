@@ -48,7 +48,8 @@ class DeepspeedTrainer:
         try:
             import deepspeed
         except ImportError as e:
-            raise NotRun(f"not installed ({e}); install the wheels of ../shared/tools/device-wheels") from None
+            raise NotRun(f"not installed ({e}); pip install deepspeed (offline: wheels from "
+                         f"pip download deepspeed --no-deps -d .whl, then pip install .whl/*.whl)") from None
         self.spec = spec
         torch.cuda.set_device(0)
         deepspeed.init_distributed(dist_backend="nccl")

@@ -93,7 +93,7 @@ def run(spec: RunSpec) -> tuple[dict[str, Any], Any]:
         if cuda:
             torch.cuda.set_device(0)
         progress.write(phase="setup")
-        trainer = importlib.import_module(f"peers.run_{spec.system}").build(spec)
+        trainer = importlib.import_module(f"peer_runners.run_{spec.system}").build(spec)
         result.update(params=trainer.params, details=trainer.details)
         data = batches(spec)
         if cuda:

@@ -1,0 +1,344 @@
+"""The import graph of ``megatrain.*``, read from the source with ``ast`` (nothing is imported).
+
+DESIGN.md's layering, checked on every module of runtime/, planner/, tools/ and megatrain/:
+
+- no import cycle: every import counts, at module level, inside a function or under ``TYPE_CHECKING``
+  (a cycle through a lazy import is still two modules that cannot be understood apart);
+- planner/ never imports the runtime, the tools, or torch (except ``planner/profiler.py``, which measures
+  the GPU); the runtime never imports the tools;
+- no module reaches into another module's private names: ``from x import _name``, ``module._name`` on an
+  imported module, or ``obj._name`` where ``_name`` is a private attribute only another file defines.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# folder -> import name (pyproject.toml's package-dir)
+PACKAGES = {"megatrain": "megatrain", "runtime": "megatrain.runtime", "planner": "megatrain.planner",
+            "tools": "megatrain.tools"}
+# The one planner module allowed to import torch (inside the functions that measure a device).
+PLANNER_TORCH_OK = {"megatrain.planner.profiler"}
+# Private-looking names that are public API of the standard library (namedtuple's methods).
+STDLIB_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+
+
+@dataclass
+class Module:
+    name: str                      # megatrain.runtime.engine
+    path: Path
+    tree: ast.Module
+    is_package: bool
+    # module it imports -> the first line that does so
+    imports: dict[str, int] = field(default_factory=dict)
+    external: dict[str, int] = field(default_factory=dict)   # top-level names of other distributions (torch)
+
+    @property
+    def package(self) -> str:
+        return self.name if self.is_package else self.name.rpartition(".")[0]
+
+    def where(self, line: int) -> str:
+        return f"{self.path.relative_to(ROOT)}:{line}"
+
+
+def _discover() -> dict[str, Module]:
+    modules: dict[str, Module] = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).glob("*.py")):
+            is_package = path.name == "__init__.py"
+            name = package if is_package else f"{package}.{path.stem}"
+            modules[name] = Module(name, path, ast.parse(path.read_text(), str(path)), is_package)
+    return modules
+
+
+def _absolute(mod: Module, node: ast.ImportFrom) -> str:
+    """The module an ``ImportFrom`` names, relative levels resolved against ``mod``'s package."""
+    if not node.level:
+        return node.module or ""
+    parts = mod.package.split(".")
+    base = ".".join(parts[: len(parts) - node.level + 1])
+    return f"{base}.{node.module}" if node.module else base
+
+
+def _link(modules: dict[str, Module]) -> None:
+    for mod in modules.values():
+        for node in ast.walk(mod.tree):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                source = _absolute(mod, node)
+                for alias in node.names:
+                    sub = f"{source}.{alias.name}"
+                    targets.append(sub if sub in modules else source)
+            for target in targets:
+                if target.split(".")[0] != "megatrain":
+                    mod.external.setdefault(target.split(".")[0], node.lineno)
+                    continue
+                # `import megatrain.runtime.x`: the deepest module of ours the dotted name reaches
+                while target not in modules and "." in target:
+                    target = target.rpartition(".")[0]
+                if target in modules and target != mod.name:
+                    mod.imports.setdefault(target, node.lineno)
+
+
+@pytest.fixture(scope="module")
+def modules() -> dict[str, Module]:
+    found = _discover()
+    _link(found)
+    return found
+
+
+def _knots(modules: dict[str, Module]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in modules[v].imports:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for name in sorted(modules):
+        if name not in index:
+            visit(name)
+    return components
+
+
+def _cycles(modules: dict[str, Module]) -> list[list[str]]:
+    """One shortest cycle through each knot."""
+    return [_one_cycle(modules, set(c)) for c in _knots(modules)]
+
+
+def _one_cycle(modules: dict[str, Module], component: set[str]) -> list[str]:
+    """A shortest path from the component's first module back to itself, inside the component."""
+    start = min(component)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in modules[v].imports:
+                if w == start:
+                    return paths[v] + [start]
+                if w in component and w not in paths:
+                    paths[w] = paths[v] + [w]
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle through {start}")
+
+
+def _describe(modules: dict[str, Module], cycle: list[str], members: set[str]) -> str:
+    steps = [f"{a} ({modules[a].where(modules[a].imports[b])})" for a, b in zip(cycle, cycle[1:])]
+    others = sorted(members - set(cycle))
+    tail = f"; the same knot holds {', '.join(others)}" if others else ""
+    return " -> ".join(steps + [cycle[-1]]) + tail
+
+
+def test_the_graph_sees_every_module(modules: dict[str, Module]) -> None:
+    # The reader itself must work: known edges are found, lazy and TYPE_CHECKING imports included.
+    assert "megatrain.runtime.engine" in modules and "megatrain.planner.plan" in modules
+    assert "megatrain.planner.plan" in modules["megatrain.runtime.engine"].imports
+    assert "megatrain.errors" in modules["megatrain.planner.plan"].imports
+    assert "megatrain.runtime" in modules["megatrain.tools.train"].imports
+    assert "torch" in modules["megatrain.planner.profiler"].external  # imported inside functions only
+    assert len(modules) > 50
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    def fake(name: str, *imports: str) -> Module:
+        return Module(name, ROOT / "x.py", ast.parse(""), False, {i: 1 for i in imports})
+
+    graph = {m.name: m for m in (fake("a", "b"), fake("b", "c"), fake("c", "a", "d"), fake("d"), fake("e", "d"))}
+    assert _cycles(graph) == [["a", "b", "c", "a"]]
+    del graph["c"].imports["a"]
+    assert _cycles(graph) == []
+
+
+def test_no_import_cycle(modules: dict[str, Module]) -> None:
+    cycles = [_describe(modules, _one_cycle(modules, set(k)), set(k)) for k in _knots(modules)]
+    assert not cycles, "import cycles in megatrain.*:\n" + "\n".join(cycles)
+
+
+def test_planner_imports_neither_runtime_nor_tools_nor_torch(modules: dict[str, Module]) -> None:
+    bad = []
+    for mod in modules.values():
+        if not mod.name.startswith("megatrain.planner"):
+            continue
+        for target, line in mod.imports.items():
+            if target.startswith(("megatrain.runtime", "megatrain.tools")):
+                bad.append(f"{mod.where(line)}: imports {target}")
+        if "torch" in mod.external and mod.name not in PLANNER_TORCH_OK:
+            bad.append(f"{mod.where(mod.external['torch'])}: imports torch")
+    assert not bad, "the planner must stay free of the runtime, the tools and torch:\n" + "\n".join(bad)
+
+
+def test_runtime_does_not_import_tools(modules: dict[str, Module]) -> None:
+    bad = [f"{mod.where(line)}: imports {target}" for mod in modules.values()
+           if mod.name.startswith("megatrain.runtime") for target, line in mod.imports.items()
+           if target.startswith("megatrain.tools")]
+    assert not bad, "\n".join(bad)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _module_aliases(mod: Module, modules: dict[str, Module]) -> dict[str, str]:
+    """Local names bound to one of our modules: ``from . import x``, ``import megatrain.runtime.x as x``."""
+    aliases: dict[str, str] = {}
+    for node in ast.walk(mod.tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules and alias.asname:
+                    aliases[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom):
+            source = _absolute(mod, node)
+            for alias in node.names:
+                if f"{source}.{alias.name}" in modules:
+                    aliases[alias.asname or alias.name] = f"{source}.{alias.name}"
+    return aliases
+
+
+def test_no_private_names_from_other_modules(modules: dict[str, Module]) -> None:
+    bad = _private_module_names(modules)
+    assert not bad, "private names of another module:\n" + "\n".join(bad)
+
+
+def _private_module_names(modules: dict[str, Module]) -> list[str]:
+    """``from x import _name`` and ``x._name`` where x is another of our modules."""
+    bad = []
+    for mod in modules.values():
+        aliases = _module_aliases(mod, modules)
+        for node in ast.walk(mod.tree):
+            if isinstance(node, ast.ImportFrom):
+                source = _absolute(mod, node)
+                if source.split(".")[0] != "megatrain":
+                    continue
+                for alias in node.names:
+                    if _private(alias.name) and f"{source}.{alias.name}" not in modules:
+                        bad.append(f"{mod.where(node.lineno)}: from {source} import {alias.name}")
+            elif isinstance(node, ast.Attribute) and _private(node.attr):
+                dotted = _dotted(node.value)
+                target = aliases.get(dotted, dotted) if dotted else None
+                if target in modules and target != mod.name:
+                    bad.append(f"{mod.where(node.lineno)}: {dotted}.{node.attr} ({target})")
+    return bad
+
+
+def _dotted(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        inner = _dotted(node.value)
+        return f"{inner}.{node.attr}" if inner else None
+    return None
+
+
+def _root_name(node: ast.expr) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _foreign_names(mod: Module) -> set[str]:
+    """Local names bound to modules of other distributions (``torch``, ``np``)."""
+    names: set[str] = set()
+    for node in ast.walk(mod.tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.asname or alias.name.split(".")[0] for alias in node.names
+                      if alias.name.split(".")[0] != "megatrain"}
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] != "megatrain":
+            names |= {alias.asname or alias.name for alias in node.names}
+    return names
+
+
+def _defined_privates(mod: Module) -> set[str]:
+    """Private attribute names this file owns: its functions, methods and classes, names assigned at module
+    or class level, and ``self._x`` / ``cls._x`` assignments."""
+    names: set[str] = set()
+    for node in ast.walk(mod.tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                for sub in ast.walk(t):
+                    if isinstance(sub, ast.Name):
+                        names.add(sub.id)
+                    elif (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
+                          and sub.value.id in ("self", "cls")):
+                        names.add(sub.attr)
+    return {n for n in names if _private(n)}
+
+
+def test_no_private_attributes_of_other_modules_objects(modules: dict[str, Module]) -> None:
+    bad = _private_attributes(modules)
+    assert not bad, "private attributes of objects other modules own:\n" + "\n".join(bad)
+
+
+def _private_attributes(modules: dict[str, Module]) -> list[str]:
+    """``obj._name`` (read, written or called) where ``_name`` is private to another file: reaching into
+    an object another module owns. ``self._x`` / ``cls._x`` are the class's own business."""
+    owned = {name: _defined_privates(mod) for name, mod in modules.items()}
+    bad = []
+    for mod in modules.values():
+        foreign = _foreign_names(mod)
+        for node in ast.walk(mod.tree):
+            if not (isinstance(node, ast.Attribute) and _private(node.attr)) or node.attr in STDLIB_UNDERSCORE:
+                continue
+            root = _root_name(node)
+            if root in ("self", "cls") and isinstance(node.value, ast.Name):
+                continue
+            if root in foreign:  # torch._C._profiler: another distribution's business
+                continue
+            if node.attr in owned[mod.name]:
+                continue
+            owners = sorted(other for other, names in owned.items() if node.attr in names)
+            if owners:
+                bad.append(f"{mod.where(node.lineno)}: {ast.unparse(node)} (private to {', '.join(owners)})")
+    return bad
+
+
+def test_the_private_checks_find_reaching_in() -> None:
+    sources = {
+        "megatrain.runtime.store": "import torch\nclass Store:\n    def __init__(self):\n        self._arena = 1\n"
+                                   "    def _grow(self):\n        return self._arena + torch._C._x\n_LIMIT = 3\n",
+        "megatrain.runtime.user": "from . import store\nfrom .store import _LIMIT\n"
+                                  "import megatrain.runtime.store as st\n"
+                                  "def f(s):\n    return s._arena, s.owner._grow(), store._LIMIT, st._LIMIT, s._own\n"
+                                  "class Own:\n    _own = 0\n",
+    }
+    fake = {name: Module(name, ROOT / "runtime" / f"{name.rpartition('.')[2]}.py", ast.parse(src), False)
+            for name, src in sources.items()}
+    _link(fake)
+    assert fake["megatrain.runtime.user"].imports == {"megatrain.runtime.store": 1}
+    found = sorted(line.split(": ", 1)[1] for line in _private_module_names(fake))
+    assert found == ["from megatrain.runtime.store import _LIMIT", "st._LIMIT (megatrain.runtime.store)",
+                     "store._LIMIT (megatrain.runtime.store)"]
+    found = sorted(line.split(": ", 1)[1] for line in _private_attributes(fake))
+    owner = "(private to megatrain.runtime.store)"
+    assert found == [f"s._arena {owner}", f"s.owner._grow {owner}", f"st._LIMIT {owner}", f"store._LIMIT {owner}"]
