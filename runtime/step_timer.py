@@ -20,21 +20,28 @@ span less its stalls, so it still holds kernel-launch gaps and host waits that
 left the GPU idle: an upper bound of kernel time (a torch.profiler trace,
 ``benchmarks/step_anatomy.py``, gives the kernels' own sum).
 
+[Note: opt-in timing]
+Timing is asked for one step at a time (``arm()``, from
+``Engine.time_next_step()``): only that step records timing events and reads
+clocks. Every other step pays one attribute check per wait or copy; the waits
+themselves are plain ``stream.wait_event`` calls, with or without timing.
 Nothing here syncs during the step; ``breakdown()`` reads the events of the
-last finished step (waiting for its end once) when someone asks.
+last step (waiting for its end once) when someone asks, and is None when that
+step was not timed.
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from typing import ContextManager, Iterator
 
 import torch
 
-from .streams import Event, Stream
+from .streams import Stream
 
 KINDS = ("h2d", "d2h", "ckpt", "adam")
 LINKS = ("h2d", "d2h")  # the copy engines whose busy time bounds the step
+_UNTIMED: ContextManager[None] = contextlib.nullcontext()  # what every bracket is in a step not timed
 
 
 class StepTimer:
@@ -49,74 +56,89 @@ class StepTimer:
         self._wall = 0.0
         self._done: dict[str, float] | None = None
         self._pending = False
-        self._active = False  # only a training step is timed (not evaluation's loads)
+        self._armed = False  # the next step is timed
+        self._active = False  # this step is timed (only a training step is: not evaluation's loads)
+
+    def arm(self) -> None:
+        """Time the next training step (see [Note: opt-in timing])."""
+        self._armed = True
 
     def begin(self, compute: Stream) -> None:
+        self._active, self._armed = self._armed, False
+        self._pending, self._done = False, None  # the breakdown is the last step's: none until it is timed
+        if not self._active:
+            return
         self._host = dict.fromkeys(KINDS, 0.0)
         self._stalls, self._busy = [], []
         self._busy_host = dict.fromkeys(LINKS, 0.0)
         self._wall0 = time.perf_counter()
-        self._active = True
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record(compute.raw)
             self._span = (start, start)
 
     def end(self, compute: Stream) -> None:
+        if not self._active:
+            return
         self._wall = time.perf_counter() - self._wall0
         self._active = False
         if self.cuda and self._span is not None:
             stop = torch.cuda.Event(enable_timing=True)
             stop.record(compute.raw)
             self._span = (self._span[0], stop)
-        self._pending, self._done = True, None
+        self._pending = True
 
-    def wait(self, kind: str, event: Event, stream: Stream) -> None:
-        """``event.wait_on(stream)``, timing the stall it causes on CUDA."""
-        if not self.cuda or not event.recorded or not self._active:
-            event.wait_on(stream)
-            return
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        before.record(stream.raw)
-        event.wait_on(stream)
-        after.record(stream.raw)
-        self._stalls.append((kind, before, after))
+    def stall(self, kind: str, stream: Stream) -> ContextManager[None]:
+        """Bracket a ``stream.wait_event`` to time the stall it causes (CUDA; on a CPU the copies' host time is)."""
+        if not (self._active and self.cuda):
+            return _UNTIMED
+        return self._events(self._stalls, kind, stream)
 
-    @contextlib.contextmanager
-    def host(self, kind: str) -> Iterator[None]:
-        """Host time of a copy (CPU only: on CUDA copies are asynchronous) or of a wait on AdamW (both)."""
-        if (self.cuda and kind != "adam") or not self._active:
-            yield
-            return
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._host[kind] += time.perf_counter() - t0
+    def host(self, kind: str) -> ContextManager[None]:
+        """Host time blocked on the AdamW worker (``kind`` "adam": both devices) or of a copy (CPU only)."""
+        if not self._active or (self.cuda and kind != "adam"):
+            return _UNTIMED
+        return self._host_seconds(self._host, kind)
 
-    @contextlib.contextmanager
-    def busy(self, link: str, stream: Stream) -> Iterator[None]:
-        """Time the copies issued inside on ``stream`` (``link``: "h2d" or "d2h"); enter after its waits."""
+    def copy(self, link: str, stream: Stream, kind: str | None = None) -> ContextManager[None]:
+        """Time the copies issued inside on ``stream`` (``link``: "h2d" or "d2h"; enter after its waits) as that
+        link's busy time, and on a CPU as exposed ``kind`` (default: the link) too."""
         if not self._active:
-            yield
-            return
-        if not self.cuda:
-            t0 = time.perf_counter()
-            try:
-                yield
-            finally:
-                self._busy_host[link] += time.perf_counter() - t0
-            return
+            return _UNTIMED
+        if self.cuda:
+            return self._events(self._busy, link, stream)
+        return self._cpu_copy(link, kind or link)
+
+    @contextlib.contextmanager
+    def _events(self, into: list, kind: str, stream: Stream) -> Iterator[None]:
         before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         before.record(stream.raw)
         try:
             yield
         finally:
             after.record(stream.raw)
-            self._busy.append((link, before, after))
+            into.append((kind, before, after))
+
+    @contextlib.contextmanager
+    def _host_seconds(self, into: dict[str, float], kind: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            into[kind] += time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def _cpu_copy(self, link: str, kind: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - t0
+            self._busy_host[link] += seconds
+            self._host[kind] += seconds
 
     def breakdown(self, adam_busy: float | None = None) -> dict[str, float] | None:
-        """Seconds of the last finished step: step, compute, exposed h2d / d2h / ckpt traffic / adam,
+        """Seconds of the last finished step (None when it was not timed): step, compute, exposed h2d / d2h / ckpt traffic / adam,
         and each resource's busy time with the roofline they imply (``adam_busy``: the worker's
         update seconds for a whole step, from the AdamWorker; the roofline leaves AdamW out without it)."""
         if not self._pending:
