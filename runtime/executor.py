@@ -162,14 +162,8 @@ class Executor:
                 g_list = layer.layout.view_list(g_buf)
                 with record_function(f"bwd[{layer.index}]"):
                     for m, rows in enumerate(batch.micro):
-                        x_in = self.checkpoints.get(load.layer, m, rows).detach().requires_grad_()
-                        leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
-                        with torch.enable_grad():
-                            out_m = self.templates.run(BlockKind.LAYER, leaves, x_in, cos, sin)
-                        grads = torch.autograd.grad(out_m, (x_in, *leaves.values()), dy[m])
-                        dy[m] = grads[0]
-                        by_name = dict(zip(leaves.keys(), grads[1:]))
-                        torch._foreach_add_(g_list, [by_name[e.local_name] for e in layer.layout.entries])
+                        x_in = self.checkpoints.get(load.layer, m, rows)
+                        dy[m] = self._layer_backward(layer, params, x_in, dy[m], (cos, sin), g_list)
             pending += self._finish_block(step, layer, g_index, g_buf, hyper)
 
         # ---- embedding backward: a scatter-add of dy into the rows used; no weights needed
@@ -193,6 +187,19 @@ class Executor:
             self._submit(step, update.block, update.grads, update.grads_ready, clip, hyper, update.slab)
         self.timer.end(self.streams.compute)
         return loss
+
+    def _layer_backward(self, layer: Block, params: dict[str, torch.Tensor], x_in: torch.Tensor, dy: torch.Tensor,
+                        rotary: tuple[torch.Tensor, torch.Tensor], g_list: list[torch.Tensor]) -> torch.Tensor:
+        """One micro-batch through ``layer`` again from its checkpoint x_in ([b, S, hidden]), autograd on: the
+        parameter gradients add into ``g_list`` (fp32, layout order); returns the gradient w.r.t. x_in."""
+        x_in = x_in.detach().requires_grad_()
+        leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+        with torch.enable_grad():
+            out = self.templates.run(BlockKind.LAYER, leaves, x_in, *rotary)
+        grads = torch.autograd.grad(out, (x_in, *leaves.values()), dy)
+        by_name = dict(zip(leaves.keys(), grads[1:]))
+        torch._foreach_add_(g_list, [by_name[e.local_name] for e in layer.layout.entries])
+        return grads[0]
 
     def _lm_grad(self, head_grads: dict[str, torch.Tensor]) -> torch.Tensor:
         """Where lm_head's gradient ([vocab, hidden] fp32) adds up: the head's own buffer, or with tied
@@ -250,7 +257,7 @@ class Executor:
     def _acquire_slab(self) -> int:
         """An eager-mode host gradient slab; waits only while every slab awaits its update."""
         assert self.store.slabs is not None
-        with self.timer.host("adam"):
+        with self.timer.adam_wait(self.streams.compute):
             while True:
                 try:
                     return self.store.slabs.acquire(timeout=1.0)
@@ -275,8 +282,8 @@ class Executor:
             return self.streams.recorded(self.streams.d2h)
 
     def _wait_updated(self, block: int, step: int) -> None:
-        """The loader's wait for AdamW's update of ``block`` for ``step``: host time blocked on the optimizer."""
-        with self.timer.host("adam"):
+        """The loader's wait for AdamW's update of ``block`` for ``step``: exposed optimizer time, if any."""
+        with self.timer.adam_wait(self.streams.compute):
             self.adam.wait_updated(block, step)
 
     def _on_load(self, load: Load, slot: int) -> None:

@@ -5,8 +5,11 @@ stream waiting for them. Each such wait is bracketed by two timing events on
 the compute stream, so its elapsed time is the stall (zero when the copy was
 already done). Compute is the compute stream's span less its stalls. On a CPU
 every copy runs in program order on the calling thread, so their host time is
-what they cost. On both, host time blocked on the AdamW worker (a block's
-update before its next load, an eager gradient slab) is the exposed optimizer.
+what they cost. The exposed optimizer is the host blocked on the AdamW worker
+(a block's update before its next load, an eager gradient slab) where it holds
+the step up: on a CPU all of that host time; on CUDA only the compute stream's
+idle time it causes (two timing events around the wait: while the GPU still
+runs work queued before it, the wait costs nothing).
 
 [Note: roofline]
 Besides what is exposed, the timer keeps how long each resource was busy, for
@@ -16,8 +19,8 @@ around each copy on its stream, after the wait that orders it, so only the
 copy counts; host time on a CPU) and the AdamW worker's update time (without
 its waits for drains and disk reads, measured by the worker: the latest step
 whose updates all finished). On CUDA ``compute_s`` is the compute stream's
-span less its stalls, so it still holds kernel-launch gaps and host waits that
-left the GPU idle: an upper bound of kernel time (a torch.profiler trace,
+span less its stalls, so it still holds kernel-launch gaps and other host
+time that left the GPU idle: an upper bound of kernel time (a torch.profiler trace,
 ``benchmarks/step_anatomy.py``, gives the kernels' own sum).
 
 [Note: opt-in timing]
@@ -47,7 +50,7 @@ _UNTIMED: ContextManager[None] = contextlib.nullcontext()  # what every bracket 
 class StepTimer:
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
-        self._host = dict.fromkeys(KINDS, 0.0)  # host seconds, per kind
+        self._host = dict.fromkeys(KINDS, 0.0)  # CPU: host seconds, per kind
         self._stalls: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._busy: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # copies on the side streams
         self._busy_host = dict.fromkeys(LINKS, 0.0)  # CPU: host seconds of the copies, per link
@@ -94,11 +97,13 @@ class StepTimer:
             return _UNTIMED
         return self._events(self._stalls, kind, stream)
 
-    def host(self, kind: str) -> ContextManager[None]:
-        """Host time blocked on the AdamW worker (``kind`` "adam": both devices) or of a copy (CPU only)."""
-        if not self._active or (self.cuda and kind != "adam"):
+    def adam_wait(self, compute: Stream) -> ContextManager[None]:
+        """Bracket a host wait for the AdamW worker: exposed optimizer time (on CUDA, the compute stream's idle)."""
+        if not self._active:
             return _UNTIMED
-        return self._host_seconds(self._host, kind)
+        if self.cuda:
+            return self._events(self._stalls, "adam", compute)
+        return self._host_seconds("adam")
 
     def copy(self, link: str, stream: Stream, kind: str | None = None) -> ContextManager[None]:
         """Time the copies issued inside on ``stream`` (``link``: "h2d" or "d2h"; enter after its waits) as that
@@ -120,12 +125,12 @@ class StepTimer:
             into.append((kind, before, after))
 
     @contextlib.contextmanager
-    def _host_seconds(self, into: dict[str, float], kind: str) -> Iterator[None]:
+    def _host_seconds(self, kind: str) -> Iterator[None]:
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            into[kind] += time.perf_counter() - t0
+            self._host[kind] += time.perf_counter() - t0
 
     @contextlib.contextmanager
     def _cpu_copy(self, link: str, kind: str) -> Iterator[None]:
@@ -153,8 +158,7 @@ class StepTimer:
             stalls = dict.fromkeys(KINDS, 0.0)
             for kind, before, after in self._stalls:
                 stalls[kind] += before.elapsed_time(after) / 1e3
-            exposed = {k: stalls[k] for k in ("h2d", "d2h", "ckpt")}
-            exposed["adam"] = self._host["adam"]
+            exposed = stalls
             compute = max(0.0, span - sum(stalls.values()))
             step = max(self._wall, span)
             busy = dict.fromkeys(LINKS, 0.0)
