@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -32,11 +33,24 @@ from throughput import MODELS, batches, machine  # noqa: E402
 
 
 def child(args) -> None:
-    """One engine, ``--steps`` steps after ``--warmup``: alternately untimed and (where it can) timed."""
+    """One engine, ``--steps`` steps after ``--warmup``: alternately untimed and (where it can) timed.
+
+    Per step: its seconds and how many times the step timer read its clock (on a CPU it times with
+    the clock; on CUDA it records events at the same places)."""
     import torch
 
     import megatrain.runtime as runtime
     from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
+    from megatrain.runtime import step_timer
+
+    reads = [0]
+    clock = time.perf_counter
+
+    def counted() -> float:
+        reads[0] += 1
+        return clock()
+
+    step_timer.time = types.SimpleNamespace(perf_counter=counted)  # the timer's clock only
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -44,20 +58,22 @@ def child(args) -> None:
     plan = Plan(micro_batch_size=args.micro_batch, num_slots=args.slots, prefetch_depth=args.slots - 1)
     data = batches(cfg["vocab_size"], args.batch, args.seq, 2)
     opt_in = hasattr(Engine, "time_next_step")
-    times: dict[str, list[float]] = {"untimed": [], "timed": []} if opt_in else {"always timed": []}
+    steps: list[tuple[str, float, int]] = []  # (kind, seconds, timer clock reads)
     with Engine(ModelConfig(**cfg), OptimizerConfig(lr=1e-4, max_grad_norm=1.0), plan=plan, compute_dtype=dtype,
                 device=device, seed=0) as engine:
         for i in range(args.warmup + args.steps):
             kind = ("timed" if i % 2 else "untimed") if opt_in else "always timed"
             if kind == "timed":
                 engine.time_next_step()
-            ids = data[i % 2]
+            ids = data[(i // 2) % 2]  # each batch once untimed and once timed
+            reads[0] = 0
             t0 = time.perf_counter()
             engine.step(ids, ids).item()  # .item(): the step's end, as a training loop sees it
             if i >= args.warmup:
-                times[kind].append(time.perf_counter() - t0)
+                steps.append((kind, time.perf_counter() - t0, reads[0]))
         engine.synchronize()
-    print(json.dumps({"times": times, "runtime": os.path.dirname(runtime.__file__), "device": str(device)}))
+    pairs = [b[1] / a[1] for a, b in zip(steps, steps[1:]) if (a[0], b[0]) == ("untimed", "timed")]
+    print(json.dumps({"steps": steps, "pairs": pairs, "runtime": os.path.dirname(runtime.__file__), "device": str(device)}))
 
 
 def extract(rev: str, into: str) -> str:
@@ -103,8 +119,9 @@ def main() -> int:
         child(args)
         return 0
 
-    systems: dict[str, dict[str, list[float]]] = {"this tree": {}}
+    systems: dict[str, list[tuple[str, float, int]]] = {}
     runtimes: dict[str, str] = {}
+    pairs: list[float] = []  # timed / untimed of adjacent steps in one process: least touched by other load
     with tempfile.TemporaryDirectory() as tmp:
         paths = {"this tree": None}
         if args.baseline:
@@ -114,17 +131,24 @@ def main() -> int:
                 print(f"round {r + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
                 out = run_child(args, path)
                 runtimes[name] = out["runtime"]
-                for kind, ts in out["times"].items():
-                    systems.setdefault(name, {}).setdefault(kind, []).extend(ts)
+                systems.setdefault(name, []).extend(tuple(x) for x in out["steps"])
+                pairs += out["pairs"]
     device = out["device"]
-    rows = [{"system": name, "steps": kind, "n": len(ts), "median_s": statistics.median(ts), "min_s": min(ts)}
-            for name, kinds in systems.items() for kind, ts in kinds.items()]
+    rows = []
+    for name, steps in systems.items():
+        for kind in dict.fromkeys(k for k, _, _ in steps):
+            ts = [t for k, t, _ in steps if k == kind]
+            q1, _, q3 = statistics.quantiles(ts, n=4)
+            rows.append({"system": name, "steps": kind, "n": len(ts), "median_s": statistics.median(ts),
+                         "min_s": min(ts), "iqr_s": q3 - q1,
+                         "timer_clock_reads_per_step": sorted({c for k, _, c in steps if k == kind})})
     median = {(r["system"], r["steps"]): r["median_s"] for r in rows}
-    ratios = {"timed / untimed (this tree)": median[("this tree", "timed")] / median[("this tree", "untimed")]}
+    ratios = {"timed / untimed, median of adjacent pairs (this tree)": statistics.median(pairs),
+              "timed / untimed, medians (this tree)": median[("this tree", "timed")] / median[("this tree", "untimed")]}
     if args.baseline:
         base = median[(f"baseline {args.baseline}", "always timed")]
-        ratios[f"untimed / baseline {args.baseline}"] = median[("this tree", "untimed")] / base
-        ratios[f"timed / baseline {args.baseline}"] = median[("this tree", "timed")] / base
+        ratios[f"untimed / baseline {args.baseline}, medians"] = median[("this tree", "untimed")] / base
+        ratios[f"timed / baseline {args.baseline}, medians"] = median[("this tree", "timed")] / base
     info = machine()
     label = "cpu" if device == "cpu" else (info.get("gpu") or device).replace(" ", "-")
     report = {"date": datetime.date.today().isoformat(), "machine": info, "device": device, "args": vars(args),
@@ -137,8 +161,10 @@ def main() -> int:
              f"{args.micro_batch}, {label} ({report['date']})", "",
              f"{args.rounds} processes per tree, {args.steps} measured steps each after {args.warmup} warm-up; "
              f"{info.get('cores')} cores ({info.get('cpu')}), torch {info.get('torch')}.", "",
-             "| system | steps | n | median s | min s |", "|---|---|---|---|---|"]
-    lines += [f"| {r['system']} | {r['steps']} | {r['n']} | {r['median_s']:.4f} | {r['min_s']:.4f} |" for r in rows]
+             "| system | steps | n | median s | min s | interquartile range s | timer clock reads per step |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['system']} | {r['steps']} | {r['n']} | {r['median_s']:.4f} | {r['min_s']:.4f} | {r['iqr_s']:.4f} "
+              f"| {', '.join(map(str, r['timer_clock_reads_per_step']))} |" for r in rows]
     lines += [""] + [f"- {k}: **{v:.3f}x**" for k, v in ratios.items()]
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -9,6 +9,8 @@ from its checkpoint with autograd on and backpropagated, the parameter
 gradients accumulating in one fp32 device buffer, which then drains to the host
 while the next layer computes. The embedding's backward needs no weights.
 Weight traffic per step is fixed; compute grows with the number of micro-batches.
+The loads, in order, are step_schedule.py's ([Note: load sequence]); each block
+computes inside ``with loader.resident(load)``.
 
 Per-parameter gradient norms go into one device vector as each block finishes
 (no host sync); clipping uses them as ``clip_grad_norm_`` does. The host waits
@@ -133,7 +135,7 @@ class Executor:
         self.checkpoints.flush()
 
         # ---- head: loss and its gradient at once, chunk by chunk (with a tied lm_head, the embedding's table)
-        head = s.head_loads[0].block
+        head = s.head.block
         with self.loader.resident_together(s.head_loads) as held:
             head_params = held[0]
             g_index, g_buf = self.grad_buffers.acquire(head.layout.numel)
@@ -168,18 +170,19 @@ class Executor:
 
         # ---- embedding backward: a scatter-add of dy into the rows used; no weights needed
         embed = s.embed.block
+        e_index: int | None = None  # tied: the embedding's own buffer, which holds lm_head's gradient already
         if self.tied_grad is not None:
-            g_index, g_buf = None, self.tied_grad
+            e_buf = self.tied_grad
         else:
-            g_index, g_buf = self.grad_buffers.acquire(embed.layout.numel)
-        table = embed.layout.views(g_buf)["embed_tokens.weight"]
+            e_index, e_buf = self.grad_buffers.acquire(embed.layout.numel)
+        table = embed.layout.views(e_buf)["embed_tokens.weight"]
         pad = -1 if self.config.pad_token_id is None else self.config.pad_token_id
         with record_function(f"bwd[{embed.index}]"):
             for m, rows in enumerate(batch.micro):
                 table.add_(torch.ops.aten.embedding_dense_backward(
                     dy[m], batch.input_ids[rows], self.config.vocab_size, pad, False))
         del dy
-        pending += self._finish_block(step, embed, g_index, g_buf, hyper)
+        pending += self._finish_block(step, embed, e_index, e_buf, hyper)
 
         # ---- global norm, clip coefficient, and the deferred updates in forward order
         clip = self._clip_coefficient()

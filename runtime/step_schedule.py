@@ -42,6 +42,10 @@ class StepSchedule:
         return (self.embed, *self.layers, *self.head_loads, *self.backward)
 
     @property
+    def head(self) -> Load:
+        return self.head_loads[0]
+
+    @property
     def tied(self) -> bool:
         return len(self.head_loads) == 2
 
