@@ -13,8 +13,8 @@ embedding again for a tied head; backward: layers in reverse). Load j goes to
 slot ``j % K``; it may be issued once load ``j - K`` was released, and the loader
 keeps ``prefetch_depth`` loads ahead of the one computing (step_schedule.py
 builds the sequences). Compute holds a load inside ``with loader.resident(load)``:
-entering it is the LOADING -> IN_USE transition, leaving it IN_USE -> FREE. Memory: K x largest block x
-compute-dtype bytes on the device.
+entering it is the LOADING -> IN_USE transition, leaving it IN_USE -> FREE.
+Memory: K x largest block x compute-dtype bytes on the device.
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ class WeightLoader:
         self._horizon = max(self._horizon, j)
         self._prefetch()
         assert j < self._issued, f"load {j} could not be issued: its slot is still in use"
-        slot = j % len(self.slots)
+        slot = self._slot(j)
         self.slots.transition(slot, SlotState.LOADING, SlotState.IN_USE)
         with self.timer.stall("h2d", self.streams.compute):
             self.streams.compute.wait_event(self.slots.loaded[slot])
@@ -128,13 +128,16 @@ class WeightLoader:
 
     def _release(self, j: int) -> None:
         """Compute has issued its last use of load j: the slot may be refilled once the GPU gets there."""
-        slot = j % len(self.slots)
+        slot = self._slot(j)
         self.slots.transition(slot, SlotState.IN_USE, SlotState.FREE)
         self.slots.released[slot].record(self.streams.compute)
         self._released[j] = True
         load = self.sequence[j]
         self.log.record("release", self.step, load.block.index, slot=slot, load=j, phase=load.phase)
         self._prefetch()
+
+    def _slot(self, j: int) -> int:
+        return j % len(self.slots)  # [Note: slot lifecycle]: load j goes to slot j % K
 
     def _prefetch(self) -> None:
         limit = min(len(self.sequence) - 1, self._horizon + self.depth)
@@ -150,8 +153,8 @@ class WeightLoader:
 
     def _issue(self, j: int) -> None:
         load = self.sequence[j]
-        block, slot = load.block.index, j % len(self.slots)
-        self.wait_updated(block, self.step - 1)
+        block, slot = load.block.index, self._slot(j)
+        self.wait_updated(block, self.step - 1)  # the previous step's update: the shadow this load copies
         self.slots.transition(slot, SlotState.FREE, SlotState.LOADING)
         self.slots.block[slot] = block
         numel = self.store.numels[block]
