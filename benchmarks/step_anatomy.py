@@ -83,6 +83,8 @@ def measure(spec: RunSpec, variant: str, args: argparse.Namespace, hw: Any, echo
             torch.cuda.reset_peak_memory_stats()
         breakdowns, steps = [], []
         for i in range(args.warmup + args.steps):
+            if i >= args.warmup:
+                engine.time_next_step()
             t0 = time.perf_counter()
             loss = engine.step(ids[i % 2], ids[i % 2]).item()
             steps.append(time.perf_counter() - t0)

@@ -20,7 +20,7 @@ import torch
 
 from megatrain.planner.plan import Plan, PlanError, default_plan, shape_digest
 
-from .chunked_loss import IGNORE_INDEX, shift_labels
+from .head_loss import IGNORE_INDEX, shift_labels
 from .config import ModelConfig, OptimizerConfig
 from .cpu_adamw import AdamHyper
 from .errors import ClosedError, ConfigError, InputError
@@ -135,6 +135,11 @@ class Engine:
         self._check_open()
         return self.executor.grad_norm
 
+    def time_next_step(self) -> None:
+        """Time the next ``step()`` for ``last_step_breakdown`` (only a step asked for records timing events)."""
+        self._check_open()
+        self.executor.timer.arm()
+
     @property
     def last_step_breakdown(self) -> dict[str, float] | None:
         """Seconds of the last step: ``step_s``, ``compute_s``, and the exposed ``h2d_exposed_s``,
@@ -142,7 +147,8 @@ class Engine:
         resource was busy, ``h2d_busy_s``, ``d2h_busy_s`` and ``adam_busy_s`` (the latest step whose updates
         all finished: absent until one has); ``roofline_s`` = max(compute, H2D, D2H, AdamW busy) and
         ``roofline_ratio`` = step / roofline (1.0: fully overlapped). On CUDA, reading it waits for that step
-        to finish on the GPU (once); on a CPU the copies' host time is what they cost."""
+        to finish on the GPU (once); on a CPU the copies' host time is what they cost.
+        None when that step was not timed: ask with ``time_next_step()`` before it."""
         self._check_open()
         return self.executor.timer.breakdown(self.executor.adam.busy_seconds)
 

@@ -9,6 +9,8 @@ from its checkpoint with autograd on and backpropagated, the parameter
 gradients accumulating in one fp32 device buffer, which then drains to the host
 while the next layer computes. The embedding's backward needs no weights.
 Weight traffic per step is fixed; compute grows with the number of micro-batches.
+The loads, in order, are step_schedule.py's ([Note: load sequence]); each block
+computes inside ``with loader.resident(load)``.
 
 Per-parameter gradient norms go into one device vector as each block finishes
 (no host sync); clipping uses them as ``clip_grad_norm_`` does. The host waits
@@ -18,20 +20,21 @@ load for its update.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch.profiler import record_function
 
 from megatrain.planner.plan import Plan
 
-from .checkpoints import DeviceCheckpoints, HostCheckpoints
-from .chunked_loss import chunked_logits, head_forward_backward
+from .activation_checkpoints import DeviceCheckpoints, HostCheckpoints
 from .cpu_adamw import AdamHyper, AdamJob, AdamWorker
 from .event_log import EventLog
 from .grad_buffers import GradBuffers
+from .head_loss import chunked_logits, head_forward_backward
 from .host_store import HostStore
 from .rope import inverse_frequencies, rotary_tables
+from .step_schedule import Load, evaluation_schedule, training_schedule
 from .step_timer import StepTimer
 from .streams import Event, Streams
 from .templates import Block, BlockKind, Templates
@@ -44,6 +47,14 @@ class Batch:
     labels: torch.Tensor  # [B, S] int64 on the device, already shifted (position t predicts t + 1)
     n_tokens: torch.Tensor  # [] int64 on the device: tokens predicted in the whole batch
     micro: list[slice]  # rows of each micro-batch, in order
+
+
+class PendingUpdate(NamedTuple):
+    """A deferred-mode block update: submitted after backward, in forward order, with the clip coefficient."""
+    block: Block
+    grads: torch.Tensor | None  # fp32 host [numel] the drain writes; None: AdamW reads them from the grads file
+    grads_ready: Event  # the drain's completion
+    release: Callable[[], None] | None  # gives the grads' host slab back once AdamW has read it (eager / spilled)
 
 
 class Executor:
@@ -69,11 +80,12 @@ class Executor:
         blocks = templates.blocks
         self.slots = WeightSlots(plan.num_slots, store.max_block_numel, compute_dtype, device, self.streams)
         self.grad_buffers = GradBuffers(plan.device_grad_buffers, store.max_block_numel, device, self.streams, self.timer)
-        self.tied = self.config.tie_word_embeddings
+        self.schedule = training_schedule(templates)  # the step's loads: [Note: load sequence]
+        self.evaluation = evaluation_schedule(templates)
         # Tied embeddings: the head's lm_head gradient lands here in forward and the embedding's
         # own in backward; one extra fp32 buffer of the embedding's size, resident for the whole step.
         self.tied_grad = (torch.zeros(templates.embed.layout.numel, dtype=torch.float32, device=device)
-                          if self.tied else None)
+                          if self.schedule.tied else None)
         self.tied_drained: Event = self.streams.event()
         self.checkpoints: DeviceCheckpoints | HostCheckpoints = (
             HostCheckpoints(plan.num_slots, compute_dtype, device, self.streams, pin, self.timer)
@@ -81,8 +93,8 @@ class Executor:
         )
         self.adam = AdamWorker(store, len(blocks), log)
         self.step_no = 0  # optimizer steps completed or in flight
-        self.loader = WeightLoader(self.slots, store, self.streams, plan.prefetch_depth,
-                                   lambda b: self.adam.wait_updated(b, self.step_no - 1), log, self.timer)
+        self.loader = WeightLoader(self.slots, store, self.streams, plan.prefetch_depth, self._wait_updated,
+                                   self._on_load, log, self.timer)
         order = {name: i for i, name in enumerate(templates.hf_parameter_order())}
         self.norm_index = [torch.tensor([order[e.hf_name] for e in b.layout.entries], device=device) for b in blocks]
         # Per-parameter gradient norms in model.parameters() order, filled as blocks finish.
@@ -101,132 +113,123 @@ class Executor:
     def train_step(self, batch: Batch, hyper: AdamHyper) -> torch.Tensor:
         """One optimizer step over ``batch``; returns the mean loss as a device scalar (no sync)."""
         self.step_no += 1
-        step = self.step_no
+        step, s = self.step_no, self.schedule
         self.timer.begin(self.streams.compute)
-        blocks = self.templates.blocks
-        embed, head, layers = self.templates.embed, self.templates.head, self.templates.layers
         cos, sin = self._rotary(batch.input_ids.shape[1])
-        b_size, seq = batch.input_ids.shape
-        self.checkpoints.begin(len(layers), b_size, seq, self.config.hidden_size)
-
-        fwd = [(embed.index, "fwd")] + [(l.index, "fwd") for l in layers] + [(head.index, "fwd")]
-        if self.tied:
-            fwd.append((embed.index, "fwd"))
-        bwd = [(l.index, "bwd") for l in reversed(layers)]
-        saved_layers = [0]  # forward layers whose checkpoints are all saved
-        n_fwd = len(fwd)
-        self.loader.start(step, fwd + bwd, on_load=self._load_checkpoints(n_fwd),
-                          can_issue=lambda j: j < n_fwd or saved_layers[0] == len(layers))
-        pending: list[tuple[Block, torch.Tensor | None, Event, Callable[[], None] | None]] = []  # deferred-mode jobs
-        j = 0
+        self.checkpoints.begin(len(s.layers), *batch.input_ids.shape, self.config.hidden_size)
+        self.loader.start(step, s.loads)
+        pending: list[PendingUpdate] = []  # deferred mode: submitted once the global norm is known
 
         # ---- forward: embedding, then each layer (saving its inputs)
-        params = embed.layout.views(self.loader.acquire(j))
-        with torch.no_grad(), record_function(f"fwd[{embed.index}]"):
-            x = [self.templates.run(BlockKind.EMBED, params, batch.input_ids[rows]) for rows in batch.micro]
-        self.loader.release(j)
-        j += 1
         with torch.no_grad():
-            for layer in layers:
-                params = layer.layout.views(self.loader.acquire(j))
-                with record_function(f"fwd[{layer.index}]"):
+            with self.loader.resident(s.embed) as params, record_function(f"fwd[{s.embed.block.index}]"):
+                x = [self.templates.run(BlockKind.EMBED, params, batch.input_ids[rows]) for rows in batch.micro]
+            for load in s.layers:
+                with self.loader.resident(load) as params, record_function(f"fwd[{load.block.index}]"):
                     for m, rows in enumerate(batch.micro):
-                        self.checkpoints.save(layer.layer, m, rows, x[m])  # type: ignore[arg-type]
+                        self.checkpoints.save(load.layer, m, rows, x[m])
                         x[m] = self.templates.run(BlockKind.LAYER, params, x[m], cos, sin)
-                saved_layers[0] += 1
-                self.loader.release(j)
                 self.checkpoints.end_forward_block()
-                j += 1
         self.checkpoints.flush()
 
-        # ---- head: loss and its gradient at once, chunk by chunk
-        j_head = j
-        head_params = head.layout.views(self.loader.acquire(j_head))
-        j += 1
-        g_index, g_buf = self.grad_buffers.acquire(head.layout.numel)
-        g_views = head.layout.views(g_buf)
-        if self.tied:
-            j_embed = j
-            lm_weight = embed.layout.views(self.loader.acquire(j_embed))["embed_tokens.weight"]
-            j += 1
-            self.timer.wait("d2h", self.tied_drained, self.streams.compute)
-            self.tied_grad.zero_()  # type: ignore[union-attr]
-            lm_grad = embed.layout.views(self.tied_grad)["embed_tokens.weight"]  # type: ignore[arg-type]
-        else:
-            lm_weight, lm_grad = head_params["lm_head.weight"], g_views["lm_head.weight"]
-        norm_params = {k: v for k, v in head_params.items() if k.startswith("norm.")}
-        loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        dy: list[torch.Tensor] = []
-        with record_function(f"head[{head.index}]"):
-            for m, rows in enumerate(batch.micro):
-                out = head_forward_backward(
-                    lambda p, h: self.templates.run(BlockKind.HEAD, {**head_params, **p}, h), norm_params, lm_weight,
-                    x[m], batch.labels[rows], batch.n_tokens, self.plan.loss_chunk_tokens, lm_grad,
-                )
-                loss = loss + out.loss
-                dy.append(out.dx)
-                for name, g in out.norm.items():
-                    g_views[name].add_(g)
-        del x
-        self.loader.release(j_head)
-        if self.tied:
-            self.loader.release(j_embed)
+        # ---- head: loss and its gradient at once, chunk by chunk (with a tied lm_head, the embedding's table)
+        head = s.head.block
+        with self.loader.resident_together(s.head_loads) as held:
+            head_params = held[0]
+            g_index, g_buf = self.grad_buffers.acquire(head.layout.numel)
+            g_views = head.layout.views(g_buf)
+            lm_weight, lm_grad = s.lm_weight(held), self._lm_grad(g_views)
+            norm_params = {k: v for k, v in head_params.items() if k.startswith("norm.")}
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+            dy: list[torch.Tensor] = []
+            with record_function(f"head[{head.index}]"):
+                for m, rows in enumerate(batch.micro):
+                    out = head_forward_backward(
+                        lambda p, h: self.templates.run(BlockKind.HEAD, {**head_params, **p}, h), norm_params,
+                        lm_weight, x[m], batch.labels[rows], batch.n_tokens, self.plan.loss_chunk_tokens, lm_grad)
+                    loss = loss + out.loss
+                    dy.append(out.dx)
+                    for name, g in out.norm.items():
+                        g_views[name].add_(g)
+            del x
         pending += self._finish_block(step, head, g_index, g_buf, hyper)
 
         # ---- backward: recompute each layer from its checkpoint, backprop dy
-        for layer in reversed(layers):
-            slot = j % len(self.slots)
-            params = layer.layout.views(self.loader.acquire(j))
-            g_index, g_buf = self.grad_buffers.acquire(layer.layout.numel)
-            g_list = layer.layout.view_list(g_buf)
-            with record_function(f"bwd[{layer.index}]"):
-                for m, rows in enumerate(batch.micro):
-                    x_in = self.checkpoints.get(layer.layer, m, rows, slot).detach().requires_grad_()  # type: ignore[arg-type]
-                    leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
-                    with torch.enable_grad():
-                        out = self.templates.run(BlockKind.LAYER, leaves, x_in, cos, sin)
-                    grads = torch.autograd.grad(out, (x_in, *leaves.values()), dy[m])
-                    dy[m] = grads[0]
-                    by_name = dict(zip(leaves.keys(), grads[1:]))
-                    torch._foreach_add_(g_list, [by_name[e.local_name] for e in layer.layout.entries])
-            self.loader.release(j)
-            j += 1
+        for load in s.backward:
+            layer = load.block
+            with self.loader.resident(load) as params:
+                g_index, g_buf = self.grad_buffers.acquire(layer.layout.numel)
+                g_list = layer.layout.view_list(g_buf)
+                with record_function(f"bwd[{layer.index}]"):
+                    for m, rows in enumerate(batch.micro):
+                        x_in = self.checkpoints.get(load.layer, m, rows)
+                        dy[m] = self._layer_backward(layer, params, x_in, dy[m], (cos, sin), g_list)
             pending += self._finish_block(step, layer, g_index, g_buf, hyper)
 
         # ---- embedding backward: a scatter-add of dy into the rows used; no weights needed
-        if self.tied:
-            g_index, g_buf = None, self.tied_grad
+        embed = s.embed.block
+        e_index: int | None = None  # tied: the embedding's own buffer, which holds lm_head's gradient already
+        if self.tied_grad is not None:
+            e_buf = self.tied_grad
         else:
-            g_index, g_buf = self.grad_buffers.acquire(embed.layout.numel)
-        table = embed.layout.views(g_buf)["embed_tokens.weight"]  # type: ignore[arg-type]
+            e_index, e_buf = self.grad_buffers.acquire(embed.layout.numel)
+        table = embed.layout.views(e_buf)["embed_tokens.weight"]
         pad = -1 if self.config.pad_token_id is None else self.config.pad_token_id
         with record_function(f"bwd[{embed.index}]"):
             for m, rows in enumerate(batch.micro):
                 table.add_(torch.ops.aten.embedding_dense_backward(
                     dy[m], batch.input_ids[rows], self.config.vocab_size, pad, False))
         del dy
-        pending += self._finish_block(step, embed, g_index, g_buf, hyper)  # type: ignore[arg-type]
+        pending += self._finish_block(step, embed, e_index, e_buf, hyper)
 
         # ---- global norm, clip coefficient, and the deferred updates in forward order
-        self.grad_norm = torch.linalg.vector_norm(self.norms, 2.0)
-        clip = None
-        if self.max_grad_norm is not None:
-            self.timer.wait("d2h", self.clip_copied, self.streams.compute)
-            self.clip_dev.copy_(torch.clamp(self.max_grad_norm / (self.grad_norm + 1e-6), max=1.0))
-            self.clip_copied = self._drain_scalar(self.clip_dev, self.clip_host)
-            clip = (self.clip_host, self.clip_copied)
-        for block, host, done, release in sorted(pending, key=lambda p: p[0].index):
-            self._submit(step, block, host, done, clip, hyper, release)
+        clip = self._clip_coefficient()
+        for update in sorted(pending, key=lambda u: u.block.index):
+            self._submit(step, update.block, update.grads, update.grads_ready, clip, hyper, update.release)
         self.timer.end(self.streams.compute)
         return loss
 
+    def _layer_backward(self, layer: Block, params: dict[str, torch.Tensor], x_in: torch.Tensor, dy: torch.Tensor,
+                        rotary: tuple[torch.Tensor, torch.Tensor], g_list: list[torch.Tensor]) -> torch.Tensor:
+        """One micro-batch through ``layer`` again from its checkpoint x_in ([b, S, hidden]), autograd on: the
+        parameter gradients add into ``g_list`` (fp32, layout order); returns the gradient w.r.t. x_in."""
+        x_in = x_in.detach().requires_grad_()
+        leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+        with torch.enable_grad():
+            out = self.templates.run(BlockKind.LAYER, leaves, x_in, *rotary)
+        grads = torch.autograd.grad(out, (x_in, *leaves.values()), dy)
+        by_name = dict(zip(leaves.keys(), grads[1:]))
+        torch._foreach_add_(g_list, [by_name[e.local_name] for e in layer.layout.entries])
+        return grads[0]
+
+    def _lm_grad(self, head_grads: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Where lm_head's gradient ([vocab, hidden] fp32) adds up: the head's own buffer, or with tied
+        embeddings the embedding's (zeroed once its previous step's drain is done)."""
+        if self.tied_grad is None:
+            return head_grads["lm_head.weight"]
+        with self.timer.stall("d2h", self.streams.compute):
+            self.streams.compute.wait_event(self.tied_drained)
+        self.tied_grad.zero_()
+        return self.schedule.embed.block.layout.views(self.tied_grad)["embed_tokens.weight"]
+
+    def _clip_coefficient(self) -> tuple[torch.Tensor, Event] | None:
+        """The global norm (``grad_norm``) and, with clipping, the coefficient on its way to the host."""
+        self.grad_norm = torch.linalg.vector_norm(self.norms, 2.0)
+        if self.max_grad_norm is None:
+            return None
+        with self.timer.stall("d2h", self.streams.compute):
+            self.streams.compute.wait_event(self.clip_copied)
+        self.clip_dev.copy_(torch.clamp(self.max_grad_norm / (self.grad_norm + 1e-6), max=1.0))
+        self.clip_copied = self._drain_scalar(self.clip_dev, self.clip_host)
+        return self.clip_host, self.clip_copied
+
     def _finish_block(
         self, step: int, block: Block, g_index: int | None, g_buf: torch.Tensor, hyper: AdamHyper
-    ) -> list[tuple[Block, torch.Tensor | None, Event, Callable[[], None] | None]]:
+    ) -> list[PendingUpdate]:
         """Record the block's gradient norms, drain its grads to the host, queue (eager) its update."""
         norms = torch._foreach_norm(block.layout.view_list(g_buf), 2.0)
         self.norms.index_copy_(0, self.norm_index[block.index], torch.stack(norms))
-        with self.timer.host("adam"):  # waits only while every eager-mode slab awaits its update
+        with self.timer.adam_wait(self.streams.compute):  # waits only while every eager-mode slab awaits its update
             sink = self.store.grad_sink(block.index, check=self.adam.raise_if_failed)
         with record_function(f"d2h[{block.index}]"):
             done = self.grad_buffers.drain(g_index, g_buf, sink.host)
@@ -235,11 +238,11 @@ class Executor:
         self.log.record("d2h", step, block.index)
         sink.on_drained(done)
         if sink.for_adam is None:  # spilled grads: AdamW reads the block back from the grads file
-            return [(block, None, self.streams.event(), None)]
+            return [PendingUpdate(block, None, self.streams.event(), None)]
         if self.eager:
             self._submit(step, block, sink.for_adam, done, None, hyper, sink.release)
             return []
-        return [(block, sink.for_adam, done, sink.release)]
+        return [PendingUpdate(block, sink.for_adam, done, sink.release)]
 
     def _submit(self, step: int, block: Block, host: torch.Tensor | None, done: Event,
                 clip: tuple[torch.Tensor, Event] | None, hyper: AdamHyper, release: Callable[[], None] | None) -> None:
@@ -249,17 +252,19 @@ class Executor:
     def _drain_scalar(self, value: torch.Tensor, host: torch.Tensor) -> Event:
         ready = self.streams.recorded(self.streams.compute)
         with self.streams.d2h.use():
-            ready.wait_on(self.streams.d2h)
+            self.streams.d2h.wait_event(ready)
             host.copy_(value, non_blocking=True)
             return self.streams.recorded(self.streams.d2h)
 
-    def _load_checkpoints(self, first_backward_load: int):
-        def on_load(j: int, block: int, slot: int) -> None:
-            if j >= first_backward_load:
-                layer = self.templates.blocks[block].layer
-                assert layer is not None
-                self.checkpoints.load_into_slot(layer, slot)
-        return on_load
+    def _wait_updated(self, block: int, step: int) -> None:
+        """The loader's wait for AdamW's update of ``block`` for ``step``: exposed optimizer time, if any."""
+        with self.timer.adam_wait(self.streams.compute):
+            self.adam.wait_updated(block, step)
+
+    def _on_load(self, load: Load, slot: int) -> None:
+        """Inside a backward load, on the h2d stream: the layer's activation checkpoints into the slot's staging."""
+        if load.phase == "bwd":
+            self.checkpoints.load_into_slot(load.layer, slot)
 
     def _rotary(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         key = (seq, self.compute_dtype)
@@ -272,29 +277,18 @@ class Executor:
     def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [B, S] on the device -> logits [B, S, vocab] fp32 (materialised: for evaluation)."""
         self.adam.wait_all(self.step_no)
-        embed, head, layers = self.templates.embed, self.templates.head, self.templates.layers
+        s = self.evaluation
         cos, sin = self._rotary(input_ids.shape[1])
-        seq = [(embed.index, "fwd")] + [(l.index, "fwd") for l in layers] + [(head.index, "fwd")]
-        if self.tied:
-            seq.append((embed.index, "fwd"))
-        self.loader.start(self.step_no, seq)
-        x = self.templates.run(BlockKind.EMBED, embed.layout.views(self.loader.acquire(0)), input_ids)
-        self.loader.release(0)
-        for j, layer in enumerate(layers, start=1):
-            x = self.templates.run(BlockKind.LAYER, layer.layout.views(self.loader.acquire(j)), x, cos, sin)
-            self.loader.release(j)
-        j = len(layers) + 1
-        head_params = head.layout.views(self.loader.acquire(j))
-        normed = self.templates.run(BlockKind.HEAD, head_params, x)
-        if self.tied:
-            weight = embed.layout.views(self.loader.acquire(j + 1))["embed_tokens.weight"]
-        else:
-            weight = head_params["lm_head.weight"]
-        flat = normed.reshape(-1, normed.shape[-1])
-        logits = chunked_logits(flat, weight, self.plan.loss_chunk_tokens).float()
-        self.loader.release(j)
-        if self.tied:
-            self.loader.release(j + 1)
+        self.loader.start(self.step_no, s.loads)
+        with self.loader.resident(s.embed) as params:
+            x = self.templates.run(BlockKind.EMBED, params, input_ids)
+        for load in s.layers:
+            with self.loader.resident(load) as params:
+                x = self.templates.run(BlockKind.LAYER, params, x, cos, sin)
+        with self.loader.resident_together(s.head_loads) as held:
+            normed = self.templates.run(BlockKind.HEAD, held[0], x)
+            flat = normed.reshape(-1, normed.shape[-1])
+            logits = chunked_logits(flat, s.lm_weight(held), self.plan.loss_chunk_tokens).float()
         return logits.view(*input_ids.shape, -1)
 
     def close(self) -> None:

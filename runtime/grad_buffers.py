@@ -28,7 +28,8 @@ class GradBuffers:
         """A zeroed fp32 buffer [numel] on the compute stream, its previous drain complete."""
         index = self._next
         self._next = (self._next + 1) % len(self.buffers)
-        self.timer.wait("d2h", self.drained[index], self.streams.compute)
+        with self.timer.stall("d2h", self.streams.compute):
+            self.streams.compute.wait_event(self.drained[index])
         buf = self.buffers[index][:numel]
         buf.zero_()
         return index, buf
@@ -40,8 +41,8 @@ class GradBuffers:
         """
         ready = self.streams.recorded(self.streams.compute)
         with self.streams.d2h.use():
-            ready.wait_on(self.streams.d2h)
-            with self.timer.busy("d2h", self.streams.d2h), self.timer.host("d2h"):
+            self.streams.d2h.wait_event(ready)
+            with self.timer.copy("d2h", self.streams.d2h):
                 host.copy_(buf, non_blocking=True)
             done = self.streams.recorded(self.streams.d2h)
         if index is not None:

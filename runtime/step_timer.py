@@ -5,8 +5,11 @@ stream waiting for them. Each such wait is bracketed by two timing events on
 the compute stream, so its elapsed time is the stall (zero when the copy was
 already done). Compute is the compute stream's span less its stalls. On a CPU
 every copy runs in program order on the calling thread, so their host time is
-what they cost. On both, host time blocked on the AdamW worker (a block's
-update before its next load, an eager gradient slab) is the exposed optimizer.
+what they cost. The exposed optimizer is the host blocked on the AdamW worker
+(a block's update before its next load, an eager gradient slab) where it holds
+the step up: on a CPU all of that host time; on CUDA only the compute stream's
+idle time it causes (two timing events around the wait: while the GPU still
+runs work queued before it, the wait costs nothing).
 
 [Note: roofline]
 Besides what is exposed, the timer keeps how long each resource was busy, for
@@ -16,31 +19,38 @@ around each copy on its stream, after the wait that orders it, so only the
 copy counts; host time on a CPU) and the AdamW worker's update time (without
 its waits for drains and disk reads, measured by the worker: the latest step
 whose updates all finished). On CUDA ``compute_s`` is the compute stream's
-span less its stalls, so it still holds kernel-launch gaps and host waits that
-left the GPU idle: an upper bound of kernel time (a torch.profiler trace,
+span less its stalls, so it still holds kernel-launch gaps and other host
+time that left the GPU idle: an upper bound of kernel time (a torch.profiler trace,
 ``benchmarks/step_anatomy.py``, gives the kernels' own sum).
 
+[Note: opt-in timing]
+Timing is asked for one step at a time (``arm()``, from
+``Engine.time_next_step()``): only that step records timing events and reads
+clocks. Every other step pays one attribute check per wait or copy; the waits
+themselves are plain ``stream.wait_event`` calls, with or without timing.
 Nothing here syncs during the step; ``breakdown()`` reads the events of the
-last finished step (waiting for its end once) when someone asks.
+last step (waiting for its end once) when someone asks, and is None when that
+step was not timed.
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from typing import ContextManager, Iterator
 
 import torch
 
-from .streams import Event, Stream
+from .streams import Stream
 
 KINDS = ("h2d", "d2h", "ckpt", "adam")
 LINKS = ("h2d", "d2h")  # the copy engines whose busy time bounds the step
+_UNTIMED: ContextManager[None] = contextlib.nullcontext()  # what every bracket is in a step not timed
 
 
 class StepTimer:
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
-        self._host = dict.fromkeys(KINDS, 0.0)  # host seconds, per kind
+        self._host = dict.fromkeys(KINDS, 0.0)  # CPU: host seconds, per kind
         self._stalls: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._busy: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # copies on the side streams
         self._busy_host = dict.fromkeys(LINKS, 0.0)  # CPU: host seconds of the copies, per link
@@ -49,45 +59,73 @@ class StepTimer:
         self._wall = 0.0
         self._done: dict[str, float] | None = None
         self._pending = False
-        self._active = False  # only a training step is timed (not evaluation's loads)
+        self._armed = False  # the next step is timed
+        self._active = False  # this step is timed (only a training step is: not evaluation's loads)
+
+    def arm(self) -> None:
+        """Time the next training step (see [Note: opt-in timing])."""
+        self._armed = True
 
     def begin(self, compute: Stream) -> None:
+        self._active, self._armed = self._armed, False
+        self._pending, self._done = False, None  # the breakdown is the last step's: none until it is timed
+        if not self._active:
+            return
         self._host = dict.fromkeys(KINDS, 0.0)
         self._stalls, self._busy = [], []
         self._busy_host = dict.fromkeys(LINKS, 0.0)
         self._wall0 = time.perf_counter()
-        self._active = True
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record(compute.raw)
             self._span = (start, start)
 
     def end(self, compute: Stream) -> None:
+        if not self._active:
+            return
         self._wall = time.perf_counter() - self._wall0
         self._active = False
         if self.cuda and self._span is not None:
             stop = torch.cuda.Event(enable_timing=True)
             stop.record(compute.raw)
             self._span = (self._span[0], stop)
-        self._pending, self._done = True, None
+        self._pending = True
 
-    def wait(self, kind: str, event: Event, stream: Stream) -> None:
-        """``event.wait_on(stream)``, timing the stall it causes on CUDA."""
-        if not self.cuda or not event.recorded or not self._active:
-            event.wait_on(stream)
-            return
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        before.record(stream.raw)
-        event.wait_on(stream)
-        after.record(stream.raw)
-        self._stalls.append((kind, before, after))
+    def stall(self, kind: str, stream: Stream) -> ContextManager[None]:
+        """Bracket a ``stream.wait_event`` to time the stall it causes (CUDA; on a CPU the copies' host time is)."""
+        if not (self._active and self.cuda):
+            return _UNTIMED
+        return self._events(self._stalls, kind, stream)
+
+    def adam_wait(self, compute: Stream) -> ContextManager[None]:
+        """Bracket a host wait for the AdamW worker: exposed optimizer time (on CUDA, the compute stream's idle)."""
+        if not self._active:
+            return _UNTIMED
+        if self.cuda:
+            return self._events(self._stalls, "adam", compute)
+        return self._host_seconds("adam")
+
+    def copy(self, link: str, stream: Stream, kind: str | None = None) -> ContextManager[None]:
+        """Time the copies issued inside on ``stream`` (``link``: "h2d" or "d2h"; enter after its waits) as that
+        link's busy time, and on a CPU as exposed ``kind`` (default: the link) too."""
+        if not self._active:
+            return _UNTIMED
+        if self.cuda:
+            return self._events(self._busy, link, stream)
+        return self._cpu_copy(link, kind or link)
 
     @contextlib.contextmanager
-    def host(self, kind: str) -> Iterator[None]:
-        """Host time of a copy (CPU only: on CUDA copies are asynchronous) or of a wait on AdamW (both)."""
-        if (self.cuda and kind != "adam") or not self._active:
+    def _events(self, into: list, kind: str, stream: Stream) -> Iterator[None]:
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(stream.raw)
+        try:
             yield
-            return
+        finally:
+            after.record(stream.raw)
+            into.append((kind, before, after))
+
+    @contextlib.contextmanager
+    def _host_seconds(self, kind: str) -> Iterator[None]:
         t0 = time.perf_counter()
         try:
             yield
@@ -95,28 +133,17 @@ class StepTimer:
             self._host[kind] += time.perf_counter() - t0
 
     @contextlib.contextmanager
-    def busy(self, link: str, stream: Stream) -> Iterator[None]:
-        """Time the copies issued inside on ``stream`` (``link``: "h2d" or "d2h"); enter after its waits."""
-        if not self._active:
-            yield
-            return
-        if not self.cuda:
-            t0 = time.perf_counter()
-            try:
-                yield
-            finally:
-                self._busy_host[link] += time.perf_counter() - t0
-            return
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        before.record(stream.raw)
+    def _cpu_copy(self, link: str, kind: str) -> Iterator[None]:
+        t0 = time.perf_counter()
         try:
             yield
         finally:
-            after.record(stream.raw)
-            self._busy.append((link, before, after))
+            seconds = time.perf_counter() - t0
+            self._busy_host[link] += seconds
+            self._host[kind] += seconds
 
     def breakdown(self, adam_busy: float | None = None) -> dict[str, float] | None:
-        """Seconds of the last finished step: step, compute, exposed h2d / d2h / ckpt traffic / adam,
+        """Seconds of the last finished step (None when it was not timed): step, compute, exposed h2d / d2h / ckpt traffic / adam,
         and each resource's busy time with the roofline they imply (``adam_busy``: the worker's
         update seconds for a whole step, from the AdamWorker; the roofline leaves AdamW out without it)."""
         if not self._pending:
@@ -131,8 +158,7 @@ class StepTimer:
             stalls = dict.fromkeys(KINDS, 0.0)
             for kind, before, after in self._stalls:
                 stalls[kind] += before.elapsed_time(after) / 1e3
-            exposed = {k: stalls[k] for k in ("h2d", "d2h", "ckpt")}
-            exposed["adam"] = self._host["adam"]
+            exposed = stalls
             compute = max(0.0, span - sum(stalls.values()))
             step = max(self._wall, span)
             busy = dict.fromkeys(LINKS, 0.0)

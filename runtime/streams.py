@@ -42,6 +42,10 @@ class Stream:
     def __init__(self, raw: "torch.cuda.Stream | None") -> None:
         self.raw = raw
 
+    def wait_event(self, event: Event) -> None:
+        """Order this stream's later work after ``event`` (no host sync)."""
+        event.wait_on(self)
+
     @contextlib.contextmanager
     def use(self) -> Iterator[None]:
         if self.raw is None:

@@ -10,20 +10,26 @@ overwrites weights still being read; the host never waits for either.
 
 A step is a fixed sequence of loads (forward: embedding, layers, head, and the
 embedding again for a tied head; backward: layers in reverse). Load j goes to
-slot ``j % K``; it may be issued once load ``j - K`` was released, and the loader
-keeps ``prefetch_depth`` loads ahead of the one computing. Memory: K x largest
-block x compute-dtype bytes on the device.
+slot ``j % K``; it may be issued once load ``j - K`` was released (and, for a
+backward layer, once ``Load.after``, forward's last layer, was: its checkpoints
+are then written), and the loader keeps ``prefetch_depth`` loads ahead of the
+one computing (step_schedule.py builds the sequences). Compute holds a load
+inside ``with loader.resident(load)``: entering it is the LOADING -> IN_USE
+transition, leaving it IN_USE -> FREE. Memory: K x largest block x
+compute-dtype bytes on the device.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch.profiler import record_function
 
 from .event_log import EventLog
 from .host_store import HostStore
+from .step_schedule import Load
 from .step_timer import StepTimer
 from .streams import Event, Streams
 
@@ -52,13 +58,17 @@ class WeightSlots:
 
 # Called on the h2d stream right after a block's weights are queued into a slot, so that
 # per-slot extras (host-resident activation checkpoints) load under the same ``loaded`` event.
-OnLoad = Callable[[int, int, int], None]  # (load index, block, slot)
-# Whether load j's inputs exist yet (a backward load's checkpoints are written by forward).
-CanIssue = Callable[[int], bool]
+OnLoad = Callable[[Load, int], None]  # (load, slot)
+# Blocks the calling thread until AdamW has written block b's shadow for the given step.
+WaitUpdated = Callable[[int, int], None]  # (block, step)
 
 
 class WeightLoader:
-    """Runs one step's load sequence through the slots, ``depth`` loads ahead of compute."""
+    """Runs one step's load sequence through the slots, ``depth`` loads ahead of compute.
+
+    Compute holds a load with ``resident(load)``: entering acquires it (the compute stream ordered after
+    its H2D), leaving releases its slot to the next load (FREE once the GPU is past its last reader).
+    """
 
     def __init__(
         self,
@@ -66,52 +76,70 @@ class WeightLoader:
         store: HostStore,
         streams: Streams,
         depth: int,
-        wait_updated: Callable[[int], None],
+        wait_updated: WaitUpdated,
+        on_load: OnLoad,
         log: EventLog,
         timer: StepTimer,
     ) -> None:
         assert 1 <= depth <= len(slots) - 1
         self.slots, self.store, self.streams, self.depth = slots, store, streams, depth
-        self.wait_updated = wait_updated  # blocks until AdamW has written block b's new shadow
+        self.wait_updated = wait_updated
+        self.on_load = on_load
         self.log = log
         self.timer = timer
         self.step = 0
-        self.sequence: list[tuple[int, str]] = []
-        self.on_load: OnLoad | None = None
-        self.can_issue: CanIssue | None = None
+        self.sequence: tuple[Load, ...] = ()
         self._issued = 0  # loads issued so far
         self._released: list[bool] = []
         self._horizon = -1  # highest load index the compute has asked for
 
-    def start(self, step: int, sequence: Sequence[tuple[int, str]], on_load: OnLoad | None = None,
-              can_issue: CanIssue | None = None) -> None:
-        """Begin a sequence of (block, phase) loads; nothing may be resident from the previous one."""
+    def start(self, step: int, sequence: Sequence[Load]) -> None:
+        """Begin a sequence of loads for ``step``; nothing may be resident from the previous one."""
         assert all(s is SlotState.FREE for s in self.slots.state), "slots still resident from a previous sequence"
-        self.step, self.sequence, self.on_load, self.can_issue = step, list(sequence), on_load, can_issue
+        assert all(load.index == j for j, load in enumerate(sequence)), "loads out of sequence"
+        self.step, self.sequence = step, tuple(sequence)
         self._issued, self._released, self._horizon = 0, [False] * len(self.sequence), -1
         self._prefetch()
 
-    def acquire(self, j: int) -> torch.Tensor:
+    @contextlib.contextmanager
+    def resident(self, load: Load) -> Iterator[dict[str, torch.Tensor]]:
+        """The block's weights (views of its slot, by local name) while compute uses them."""
+        with self.resident_together((load,)) as (params,):
+            yield params
+
+    @contextlib.contextmanager
+    def resident_together(self, loads: Sequence[Load]) -> Iterator[list[dict[str, torch.Tensor]]]:
+        """Several loads resident at once (the head and a tied embedding): acquired, then released, in order."""
+        params = [load.block.layout.views(self._acquire(load.index)) for load in loads]
+        yield params
+        for load in loads:
+            self._release(load.index)
+
+    def _acquire(self, j: int) -> torch.Tensor:
         """The slot buffer holding load j, with the compute stream ordered after its H2D."""
         self._horizon = max(self._horizon, j)
         self._prefetch()
         assert j < self._issued, f"load {j} could not be issued: its slot is still in use"
-        slot = j % len(self.slots)
+        slot = self._slot(j)
         self.slots.transition(slot, SlotState.LOADING, SlotState.IN_USE)
-        self.timer.wait("h2d", self.slots.loaded[slot], self.streams.compute)
-        block, phase = self.sequence[j]
-        self.log.record("compute", self.step, block, slot=slot, load=j, phase=phase)
+        with self.timer.stall("h2d", self.streams.compute):
+            self.streams.compute.wait_event(self.slots.loaded[slot])
+        load = self.sequence[j]
+        self.log.record("compute", self.step, load.block.index, slot=slot, load=j, phase=load.phase)
         return self.slots.buffers[slot]
 
-    def release(self, j: int) -> None:
+    def _release(self, j: int) -> None:
         """Compute has issued its last use of load j: the slot may be refilled once the GPU gets there."""
-        slot = j % len(self.slots)
+        slot = self._slot(j)
         self.slots.transition(slot, SlotState.IN_USE, SlotState.FREE)
         self.slots.released[slot].record(self.streams.compute)
         self._released[j] = True
-        block, phase = self.sequence[j]
-        self.log.record("release", self.step, block, slot=slot, load=j, phase=phase)
+        load = self.sequence[j]
+        self.log.record("release", self.step, load.block.index, slot=slot, load=j, phase=load.phase)
         self._prefetch()
+
+    def _slot(self, j: int) -> int:
+        return j % len(self.slots)  # [Note: slot lifecycle]: load j goes to slot j % K
 
     def _prefetch(self) -> None:
         limit = min(len(self.sequence) - 1, self._horizon + self.depth)
@@ -119,24 +147,23 @@ class WeightLoader:
             j = self._issued
             if j >= len(self.slots) and not self._released[j - len(self.slots)]:
                 return  # its slot is still in use; issued again after the next release
-            if self.can_issue is not None and not self.can_issue(j):
+            after = self.sequence[j].after
+            if after is not None and not self._released[after]:
                 return  # its inputs are not written yet; tried again after the next release
             self._issue(j)
             self._issued += 1
 
     def _issue(self, j: int) -> None:
-        block, phase = self.sequence[j]
-        slot = j % len(self.slots)
-        with self.timer.host("adam"):
-            self.wait_updated(block)
+        load = self.sequence[j]
+        block, slot = load.block.index, self._slot(j)
+        self.wait_updated(block, self.step - 1)  # the previous step's update: the shadow this load copies
         self.slots.transition(slot, SlotState.FREE, SlotState.LOADING)
         self.slots.block[slot] = block
         numel = self.store.numels[block]
         with self.streams.h2d.use(), record_function(f"h2d[{block}]"):
-            self.slots.released[slot].wait_on(self.streams.h2d)
-            with self.timer.busy("h2d", self.streams.h2d), self.timer.host("h2d"):
+            self.streams.h2d.wait_event(self.slots.released[slot])
+            with self.timer.copy("h2d", self.streams.h2d):
                 self.slots.buffers[slot][:numel].copy_(self.store.shadow_of(block), non_blocking=True)
-            if self.on_load is not None:
-                self.on_load(j, block, slot)
+            self.on_load(load, slot)
             self.slots.loaded[slot].record(self.streams.h2d)
-        self.log.record("h2d", self.step, block, slot=slot, load=j, phase=phase)
+        self.log.record("h2d", self.step, block, slot=slot, load=j, phase=load.phase)

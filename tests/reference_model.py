@@ -15,7 +15,7 @@ from torch import nn
 
 from megatrain.runtime import ModelConfig, OptimizerConfig
 from megatrain.runtime.blocks import DecoderLayer, RMSNorm
-from megatrain.runtime.chunked_loss import IGNORE_INDEX, shift_labels
+from megatrain.runtime.head_loss import IGNORE_INDEX, shift_labels
 from megatrain.runtime.rope import inverse_frequencies, rotary_tables
 
 

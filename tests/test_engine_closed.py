@@ -26,6 +26,7 @@ def _calls(tmp_path, state):
         "wait_for_checkpoint": lambda e: e.wait_for_checkpoint(),
         "grad_norm": lambda e: e.grad_norm,
         "last_step_breakdown": lambda e: e.last_step_breakdown,
+        "time_next_step": lambda e: e.time_next_step(),
         "step_count": lambda e: e.step_count,
     }
 

@@ -70,6 +70,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 plan=Plan.from_json(spec["plan"]), compute_dtype=dtype) as engine:
         for i in range(spec["steps"] + 1):
             ids = batches[i % 2]
+            engine.time_next_step()  # every step: the fit reads each one's breakdown
             t0 = time.perf_counter()
             engine.step(ids, ids).item()
             wall = time.perf_counter() - t0
@@ -103,7 +104,7 @@ def head_seconds(h: int, vocab: int, mbs: int, seq: int, micro_batches: int, chu
     class (a [t, h] x [h, vocab] matmul), the decoder layers another."""
     import torch
 
-    from megatrain.runtime.chunked_loss import head_forward_backward
+    from megatrain.runtime.head_loss import head_forward_backward
 
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(vocab, h, generator=gen) * 0.02).to(device=device, dtype=dtype)

@@ -417,9 +417,12 @@ class TrainingLoop:
                     lr = self.schedule.lr(step)
                     if self.tracer is not None:
                         self.tracer.before_step(step)
-                    # [step breakdown] The one place the step's time breakdown is asked for and read: every
-                    # log_every steps, into that step's metrics row (on CUDA reading it waits for that step).
+                    # The one place the step's time breakdown is asked for and read: every log_every steps,
+                    # into that step's metrics row (untimed steps record no timing events; on CUDA reading it
+                    # waits for that step).
                     timed = step % c.log_every == 0
+                    if timed:
+                        engine.time_next_step()
                     loss = engine.step(ids, labels, lr=lr)
                     breakdown = engine.last_step_breakdown if timed else None
                     launched = Pending(step, loss, engine.grad_norm, lr, int((labels[:, 1:] != -100).sum()),

@@ -89,6 +89,7 @@ class MegatrainTrainer:
                         "optimizer": "megatrain CPU AdamW (torch fused CPU kernel), fp32 masters and state in host RAM"}
 
     def step(self, ids) -> float:
+        self.engine.time_next_step()  # breakdown() reads every step's
         # .item(): the step's end as a training loop that logs its loss sees it; the deferred
         # AdamW of this step may still run, overlapping the next step's forward (drain() waits for it).
         return self.engine.step(ids, ids).item()

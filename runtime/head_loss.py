@@ -1,4 +1,4 @@
-"""The head: final norm, lm_head and cross-entropy, forward and backward at once, in chunks.
+"""The head's loss: final norm, lm_head and cross-entropy, forward and backward at once, in chunks.
 
 The full [tokens, vocab] logits never exist: ``chunk`` tokens at a time, the
 logits are computed, the loss summed, and their gradient taken immediately

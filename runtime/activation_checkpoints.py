@@ -37,7 +37,7 @@ class DeviceCheckpoints:
     def load_into_slot(self, layer: int, slot: int) -> None:
         pass
 
-    def get(self, layer: int, m: int, rows: slice, slot: int) -> torch.Tensor:
+    def get(self, layer: int, m: int, rows: slice) -> torch.Tensor:
         return self._saved.pop((layer, m))
 
 
@@ -52,6 +52,7 @@ class HostCheckpoints:
         self._pending: list[tuple[torch.Tensor, Event]] = []  # device tensors still being drained
         self._previous: list[tuple[torch.Tensor, Event]] = []
         self._drained: dict[int, list[Event]] = {}  # per layer: the drains its reload must wait for
+        self._slot_of: dict[int, int] = {}  # per reloaded layer: the weight slot whose staging area holds it
 
     def begin(self, n_layers: int, batch: int, seq: int, hidden: int) -> None:
         shape = (n_layers, batch, seq, hidden)
@@ -71,8 +72,8 @@ class HostCheckpoints:
         assert self._host is not None
         ready = self.streams.recorded(self.streams.compute)
         with self.streams.d2h.use():
-            ready.wait_on(self.streams.d2h)
-            with self.timer.busy("d2h", self.streams.d2h), self.timer.host("ckpt"):
+            self.streams.d2h.wait_event(ready)
+            with self.timer.copy("d2h", self.streams.d2h, "ckpt"):
                 self._host[layer, rows].copy_(x, non_blocking=True)
             done = self.streams.recorded(self.streams.d2h)
         self._pending.append((x, done))
@@ -84,7 +85,8 @@ class HostCheckpoints:
         Bound: two blocks' worth of micro-batch inputs stay referenced while their drains run.
         """
         for _, done in self._previous:
-            self.timer.wait("ckpt", done, self.streams.compute)
+            with self.timer.stall("ckpt", self.streams.compute):
+                self.streams.compute.wait_event(done)
         self._previous, self._pending = self._pending, []
 
     def flush(self) -> None:
@@ -95,12 +97,14 @@ class HostCheckpoints:
         """On the h2d stream, inside the slot's load: this layer's checkpoints into the slot's staging area."""
         assert self._host is not None
         for done in self._drained.pop(layer, []):
-            done.wait_on(self.streams.h2d)
-        with self.timer.busy("h2d", self.streams.h2d), self.timer.host("ckpt"):
+            self.streams.h2d.wait_event(done)
+        with self.timer.copy("h2d", self.streams.h2d, "ckpt"):
             self._staging[slot].copy_(self._host[layer], non_blocking=True)
+        self._slot_of[layer] = slot
 
-    def get(self, layer: int, m: int, rows: slice, slot: int) -> torch.Tensor:
-        return self._staging[slot][rows]
+    def get(self, layer: int, m: int, rows: slice) -> torch.Tensor:
+        """Micro-batch m's input of ``layer``, from the staging area of the slot its load went to."""
+        return self._staging[self._slot_of[layer]][rows]
 
     def close(self) -> None:
         if self._arena is not None:

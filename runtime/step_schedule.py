@@ -1,0 +1,83 @@
+"""The load sequences of a training step and of evaluation: which block is resident when, in order.
+
+[Note: load sequence]
+Forward loads the embedding, each decoder layer, the head, and, with tied
+embeddings, the embedding again: its table is the head's lm_head weight, so the
+head computes while both are resident. Backward (training only) loads each
+layer again in reverse; the embedding's backward needs no weights. A backward
+load recomputes its layer from the activation checkpoints forward saved, so it
+may be issued only after the last forward layer was released (``after``): by
+then every checkpoint is written. Evaluation runs the forward part alone.
+The loader (weight_slots.py) runs a sequence through the slots; the executor
+computes on each load while it is resident.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import torch
+
+from .templates import Block, Templates
+
+
+class Load(NamedTuple):
+    index: int  # position in the sequence: the loader's load number
+    block: Block
+    phase: str  # "fwd" or "bwd"
+    layer: int = -1  # decoder layer number (its activation checkpoints); -1 for the embedding and the head
+    after: int | None = None  # a load that must be released before this one is issued (its inputs)
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    embed: Load
+    layers: tuple[Load, ...]  # forward, in order
+    head_loads: tuple[Load, ...]  # resident together: the head, then (tied) the embedding again
+    backward: tuple[Load, ...]  # layers in reverse; empty for evaluation
+    lm_weight_name: str  # lm_head's weight, in the last of ``head_loads``
+
+    @property
+    def loads(self) -> tuple[Load, ...]:
+        return (self.embed, *self.layers, *self.head_loads, *self.backward)
+
+    @property
+    def head(self) -> Load:
+        return self.head_loads[0]
+
+    @property
+    def tied(self) -> bool:
+        return len(self.head_loads) == 2
+
+    def lm_weight(self, head_params: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """lm_head's weight [vocab, hidden] among the views of ``head_loads``: the head's own or the embedding's."""
+        return head_params[-1][self.lm_weight_name]
+
+
+def training_schedule(templates: Templates) -> StepSchedule:
+    """Forward, tied re-load, backward (see [Note: load sequence])."""
+    return _schedule(templates, backward=True)
+
+
+def evaluation_schedule(templates: Templates) -> StepSchedule:
+    """The forward part of a training step: what evaluation loads."""
+    return _schedule(templates, backward=False)
+
+
+def _schedule(templates: Templates, backward: bool) -> StepSchedule:
+    embed, head, layers = templates.embed, templates.head, templates.layers
+    tied = templates.config.tie_word_embeddings
+    fwd = [Load(0, embed, "fwd")]
+    fwd += [Load(len(fwd) + i, b, "fwd", _layer(b)) for i, b in enumerate(layers)]
+    head_loads = [Load(len(fwd), head, "fwd")]
+    if tied:
+        head_loads.append(Load(len(fwd) + 1, embed, "fwd"))
+    first, last_forward_layer = len(fwd) + len(head_loads), fwd[-1].index
+    bwd = [Load(first + i, b, "bwd", _layer(b), after=last_forward_layer) for i, b in enumerate(reversed(layers))]
+    return StepSchedule(fwd[0], tuple(fwd[1:]), tuple(head_loads), tuple(bwd) if backward else (),
+                        "embed_tokens.weight" if tied else "lm_head.weight")
+
+
+def _layer(block: Block) -> int:
+    assert block.layer is not None, f"block {block.index} is not a decoder layer"
+    return block.layer
