@@ -189,3 +189,11 @@ def test_ctrl_c_saves_a_loadable_checkpoint_and_exits_130(tmp_path):
     assert engine.checkpoint_extra["step"] == steps == engine.step_count
     engine.close()
     assert json.load(open(out / "summary.json"))["exit_code"] == 130
+
+
+def test_megatrain_train_skips_non_finite_updates_by_default():
+    """The training command's optimizer skips a step whose gradient is not finite (the API's default does not)."""
+    from megatrain.tools import train as train_module
+    from megatrain.tools.train_config import TrainConfig
+
+    assert train_module._optimizer(TrainConfig()).skip_nonfinite is True

@@ -319,15 +319,24 @@ def test_bad_paths_and_files_are_one_line(tmp_path, capsys):
 # ---------------------------------------------------------------------- issue 12: --spill and --spill-dir
 @pytest.fixture
 def spilled_kinds(monkeypatch):
-    """The kinds each engine of the run kept in spill files, and where (read just before it closes)."""
+    """The kinds each engine of the run kept in spill files, and where (read just before it closes).
+
+    Only engines made during the test count: an earlier test's engine collected meanwhile closes too."""
     seen: list[tuple[tuple[str, ...], str | None, str | None]] = []
-    close = Engine.close
+    made: set[int] = set()
+    init, close = Engine.__init__, Engine.close
+
+    def track(self, *args, **kwargs):
+        made.add(id(self))
+        init(self, *args, **kwargs)
 
     def record(self):
-        if getattr(self, "store", None) is not None:
+        if id(self) in made and getattr(self, "store", None) is not None:
+            made.discard(id(self))
             seen.append((tuple(self.store.spilled), self.plan.spill_dir, getattr(self.store, "spill_root", None)))
         close(self)
 
+    monkeypatch.setattr(Engine, "__init__", track)
     monkeypatch.setattr(Engine, "close", record)
     return seen
 
