@@ -127,7 +127,7 @@ class Run:
         device = _device(c.device)
         dtype = _compute_dtype(c.compute_dtype, device)
         model, source = self._check_model()
-        corpus = Corpus(c.data, self.tokenizer, c.text_field, c.token_dtype)
+        corpus = Corpus(c.data, self.tokenizer, c.text_field, c.token_dtype, c.train_on)
         corpus.check_token_ids(model.vocab_size)
         rows = packing.pack(packing.repeat_epochs(corpus.documents), c.seq_len, self.tokenizer.separator_id)
         batches = packing.batches(rows, c.batch, skip_rows=self.rows_done if self.resumed else 0)
