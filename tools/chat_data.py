@@ -61,16 +61,17 @@ class ChatFormat:
         self.template = compile_template(source) if source else None
         self.has_generation_blocks = bool(source) and _uses_generation_tag(source)
 
-    def describe(self) -> str:
-        return "the tokenizer's chat template" if self.template is not None else "the plain chat format"
-
     def encode(self, record: Mapping[str, Any], where: str) -> tuple[np.ndarray, np.ndarray]:
         """(ids, labels) of one record, each 1-D int64. ``where`` names the record in errors (path and line)."""
         if "messages" in record:
             messages = _messages(record["messages"], where, "messages")
-            text, spans = self._render_with_spans(messages, where)
-            ids, offsets = self.tokenizer.encode_offsets(text)
-            mask = spans_to_token_mask(spans, offsets)
+            if self.train_on == "all":
+                ids = self.tokenizer.encode(self.render(messages, where))
+                mask = [1] * len(ids)
+            else:
+                text, spans = self._render_with_spans(messages, where)
+                ids, offsets = self.tokenizer.encode_offsets(text)
+                mask = spans_to_token_mask(spans, offsets)
         else:
             prompt, completion = record["prompt"], record["completion"]
             if isinstance(prompt, str) and isinstance(completion, str):
