@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+from megatrain.runtime import Engine
 from megatrain.tools import chat_data, packing, tokenizer as tokenizers, train
 from megatrain.tools.data import Corpus
 from megatrain.tools.train_config import TrainConfigError
@@ -128,12 +129,21 @@ def test_megatrain_train_fine_tunes_a_model_directory_on_chat_data(tmp_path, cap
     data = tmp_path / "chat.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in RECORDS * 8) + "\n")
     out = tmp_path / "run"
-    argv = ["--model", model, "--tokenizer", os.path.join(model, "tokenizer.json"), "--data", str(data),
+    argv = ["--model", model, "--data", str(data),  # the tokenizer: the model directory's by default
             "--out", str(out), "--seq-len", "64", "--batch", "2", "--steps", "3", "--progress", "none", "--no-plot",
             "--warmup-steps", "1", "--compute-dtype", "fp32"]
     assert train.main(argv) == 0, capsys.readouterr().err
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in rows)
+    # Only the assistant's tokens are trained on: the step's labelled tokens, counted from the packed rows.
+    tok = tokenizers.load(model)
+    labels = [r[1] for r in packing.pack(Corpus((str(data),), tok).documents(), 64, tok.separator_id)]
+    expected = sum(int((row[1:] != IGNORE).sum()) for row in labels[:6])
+    assert rows[-1]["tokens"] == expected < 3 * 2 * 63
+    engine = Engine.load_checkpoint(str(out / "checkpoints"))
+    saved = engine.checkpoint_extra["train_config"]
+    engine.close()
+    assert saved["tokenizer"] == os.path.join(model, "tokenizer.json") and saved["train_on"] == "completion"
     # train_on is part of the run: a resume cannot change it.
     capsys.readouterr()
     assert train.main(["--resume", str(out), "--steps", "4", "--train-on", "all", "--progress", "none"]) == 2

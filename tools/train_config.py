@@ -51,6 +51,7 @@ class TrainConfig:
     # Empty: the Python standard library's pydoc topics (the demo corpus).
     data: tuple[str, ...] = ()
     # A tokenizer.json (needs the `tokenizers` package), or "byte" (256 byte values + a separator).
+    # Not given: the --model directory's tokenizer.json when it has one (see ``build``), else "byte".
     tokenizer: str = "byte"
     text_field: str = "text"
     # Chat records ({"messages"} or {"prompt", "completion"}): "completion" labels the assistant's tokens
@@ -158,7 +159,8 @@ HELP: dict[str, str] = {
     "init": "auto: a model directory's safetensors weights (default); random: random init from its config",
     "data": "training files or directories: .txt/.md, .jsonl, .parquet, .npy, .bin (default: Python's "
             "pydoc topics)",
-    "tokenizer": "a tokenizer.json (needs `tokenizers`) or 'byte' (default)",
+    "tokenizer": "a tokenizer.json (needs `tokenizers`) or 'byte' (default: the --model directory's tokenizer.json "
+                 "when it has one, else byte)",
     "text_field": "the text field of .jsonl and .parquet records (text)",
     "train_on": "chat records ({\"messages\"} or {\"prompt\", \"completion\"}): completion = loss on the "
                 "assistant's tokens only (default), all = on every token",
@@ -316,8 +318,12 @@ def read_values(argv: Sequence[str] | None) -> dict[str, Any]:
 
 
 def build(values: Mapping[str, Any]) -> TrainConfig:
+    values = {k: v for k, v in values.items() if k != "overwrite"}
+    model = values.get("model")
+    if "tokenizer" not in values and isinstance(model, str) and os.path.isfile(os.path.join(model, "tokenizer.json")):
+        values["tokenizer"] = os.path.join(model, "tokenizer.json")  # a model directory's own tokenizer by default
     try:
-        return TrainConfig(**{k: v for k, v in values.items() if k != "overwrite"})
+        return TrainConfig(**values)
     except TypeError as e:  # a value of the wrong type reached a comparison
         raise TrainConfigError(f"invalid option value ({e})") from None
 
