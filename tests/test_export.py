@@ -100,3 +100,18 @@ def test_bad_arguments_are_one_line(trained_run, tmp_path, capsys, argv, fragmen
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and fragment in err and err.startswith("megatrain-export: error: ")
     assert not (tmp_path / "x").exists()
+
+
+def test_a_run_that_spilled_exports_and_leaves_no_scratch_files(trained_run, tmp_path):
+    root, model, _ = trained_run
+    run = tmp_path / "spilled"
+    assert train.main(["--model", model, "--data", str(root / "chat.jsonl"), "--out", str(run), "--seq-len", "32",
+                       "--batch", "2", "--steps", "1", "--progress", "none", "--no-plot", "--spill", "optimizer",
+                       "--compute-dtype", "fp32"]) == 0
+    exports = tmp_path / "exports"
+    exports.mkdir()
+    assert export.main([str(run), str(exports / "model"), "--dtype", "fp32"]) == 0
+    assert os.listdir(exports) == ["model"]  # the checkpoint's spill files went to a scratch directory, removed
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exports / "model")
+    assert transformers.AutoTokenizer.from_pretrained(exports / "model").eos_token == "<|im_end|>"
+    assert hf.config.vocab_size == 300
