@@ -19,6 +19,8 @@ import sys
 import tempfile
 from typing import Any
 
+from megatrain.runtime.errors import MegatrainError
+
 EXIT_USAGE = 2
 DTYPES = ("bf16", "fp32")
 # Files of a Hugging Face model directory that describe its tokenizer and generation defaults.
@@ -27,7 +29,7 @@ COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.j
                 "chat_template.json", "generation_config.json")
 
 
-class ExportError(Exception):
+class ExportError(MegatrainError):
     """A bad argument or input: one line saying how to fix it."""
 
 
@@ -48,13 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatrain.runtime import MegatrainError
-
     try:
         args = build_parser().parse_args(argv)
         written = export(args.source, args.out, args.dtype, say=lambda line: print(f"megatrain-export: {line}",
                                                                                      file=sys.stderr))
-    except (ExportError, MegatrainError) as e:
+    except MegatrainError as e:
         return _error(str(e))
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
