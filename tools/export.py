@@ -22,6 +22,7 @@ from typing import Any
 from megatrain.runtime.errors import MegatrainError
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
 DTYPES = ("bf16", "fp32")
 # Files of a Hugging Face model directory that describe its tokenizer and generation defaults.
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -59,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
         return _error(f"{where}{e.strerror or e}; check the path and the disk")
+    except KeyboardInterrupt:  # the partial export (beside OUT) is removed on the way out
+        print("megatrain-export: interrupted; OUT was not written", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(f"megatrain-export: wrote {args.out} ({', '.join(written)})", file=sys.stderr)
     return 0
 
