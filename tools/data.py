@@ -6,12 +6,12 @@ counting sequences). Sources, by file extension:
     .txt .md .text .rst (or any other file named explicitly)   one document per file
     .jsonl                                                     one document per line (``text_field``)
     .parquet                                                   one document per row (needs pyarrow)
+    .npy                                                       pre-tokenized: 1-D = one document, 2-D = one per row
+    .bin                                                       pre-tokenized raw ids (``token_dtype``), one document
 
 A .jsonl line or parquet row without ``text_field`` but with ``messages`` or ``prompt`` and ``completion``
 is a chat record: rendered and labelled by ``chat_data.ChatFormat`` (an (ids, labels) pair, the prompt's
 labels -100 unless ``train_on="all"``; see [Note: chat data]).
-    .npy                                                       pre-tokenized: 1-D = one document, 2-D = one per row
-    .bin                                                       pre-tokenized raw ids (``token_dtype``), one document
 
 Text is tokenized as it is read (nothing is held in memory but the current document);
 .npy and .bin files are memory-mapped.
@@ -103,7 +103,7 @@ class Corpus:
             self._chat = chat_data.ChatFormat(self.tokenizer, self.train_on)
         return self._chat.encode(record, where)
 
-    def _read(self, path: str) -> Iterator[np.ndarray]:
+    def _read(self, path: str) -> Iterator[np.ndarray | tuple[np.ndarray, np.ndarray]]:
         if path.endswith(".jsonl"):
             yield from self._jsonl(path)
         elif path.endswith(".parquet"):
@@ -120,7 +120,7 @@ class Corpus:
             with open(path, encoding="utf-8", errors="replace") as f:
                 yield self._encode(f.read())
 
-    def _jsonl(self, path: str) -> Iterator[np.ndarray]:
+    def _jsonl(self, path: str) -> Iterator[np.ndarray | tuple[np.ndarray, np.ndarray]]:
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
                 try:
@@ -145,7 +145,7 @@ class Corpus:
                                            f"records \"messages\", or \"prompt\" and \"completion\")")
                 yield self._encode(text)
 
-    def _parquet(self, path: str) -> Iterator[np.ndarray]:
+    def _parquet(self, path: str) -> Iterator[np.ndarray | tuple[np.ndarray, np.ndarray]]:
         import pyarrow.parquet as pq
 
         try:

@@ -19,7 +19,6 @@ EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>", 
 class Tokenizer(Protocol):
     vocab_size: int
     separator_id: int
-
     directory: str | None
 
     def encode(self, text: str) -> list[int]: ...
