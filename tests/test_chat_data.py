@@ -67,7 +67,8 @@ def test_a_template_without_generation_blocks_labels_each_assistant_turn(tok_dir
     without = chat_data.ChatFormat(tokenizers.load(plain))
     assert without.template is not None and not without.has_generation_blocks
     hf = transformers.AutoTokenizer.from_pretrained(plain)
-    for record in RECORDS[:2]:
+    assistant_first = {"messages": [{"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "Hi"}]}
+    for record in RECORDS[:2] + [assistant_first]:
         (ids, blocks), (same_ids, labels) = with_blocks.encode(record, "t"), without.encode(record, "t")
         assert ids.tolist() == same_ids.tolist()
         extra = (labels != IGNORE) & (blocks == IGNORE)

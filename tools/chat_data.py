@@ -131,7 +131,7 @@ class ChatFormat:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before = self.render(messages[:i], where, add_generation_prompt=True) if i else ""
+            before = self._generation_prompt_after(messages[:i], where)
             upto = self.render(messages[:i + 1], where)
             if not (text.startswith(upto) and upto.startswith(before)):
                 raise TrainConfigError(f"data: {where}: the chat template renders earlier turns differently as the "
@@ -139,6 +139,16 @@ class ChatFormat:
                                        f"with {{% generation %}} blocks, or --train-on all")
             spans.append((len(before), len(upto)))
         return text, spans
+
+
+    def _generation_prompt_after(self, messages: list[dict], where: str) -> str:
+        """``messages`` rendered with the generation prompt (a template may refuse an empty conversation: "")."""
+        try:
+            return self.render(messages, where, add_generation_prompt=True)
+        except TrainConfigError:
+            if messages:
+                raise
+            return ""
 
 
 def spans_to_token_mask(spans: Sequence[tuple[int, int]], offsets: Sequence[tuple[int, int]]) -> list[int]:
