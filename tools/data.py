@@ -9,6 +9,10 @@ counting sequences). Sources, by file extension:
     .npy                                                       pre-tokenized: 1-D = one document, 2-D = one per row
     .bin                                                       pre-tokenized raw ids (``token_dtype``), one document
 
+A .jsonl line or parquet row without ``text_field`` but with ``messages`` or ``prompt`` and ``completion``
+is a chat record: rendered and labelled by ``chat_data.ChatFormat`` (an (ids, labels) pair, the prompt's
+labels -100 unless ``train_on="all"``; see [Note: chat data]).
+
 Text is tokenized as it is read (nothing is held in memory but the current document);
 .npy and .bin files are memory-mapped.
 """
@@ -20,6 +24,7 @@ from typing import Iterator
 
 import numpy as np
 
+from . import chat_data
 from .tokenizer import Tokenizer
 from .train_config import TrainConfigError
 
@@ -43,8 +48,10 @@ class Corpus:
     """
 
     def __init__(self, paths: tuple[str, ...], tokenizer: Tokenizer, text_field: str = "text",
-                 token_dtype: str = "uint16") -> None:
+                 token_dtype: str = "uint16", train_on: str = "completion") -> None:
         self.tokenizer = tokenizer
+        self.train_on = train_on
+        self._chat: chat_data.ChatFormat | None = None  # made at the first chat record
         self.text_field = text_field
         self.token_dtype = np.dtype(token_dtype)
         self.files = expand(paths)
@@ -79,8 +86,8 @@ class Corpus:
             return "Python's pydoc topics (demo corpus)"
         return self.files[0] if len(self.files) == 1 else f"{len(self.files)} files ({self.files[0]}, ...)"
 
-    def documents(self) -> Iterator[np.ndarray]:
-        """One pass over the corpus: each document as a 1-D integer array."""
+    def documents(self) -> Iterator[np.ndarray | tuple[np.ndarray, np.ndarray]]:
+        """One pass over the corpus: each document as a 1-D integer array, a chat record as (ids, labels)."""
         if not self.files:
             for text in demo_documents():
                 yield self._encode(text)
@@ -91,7 +98,12 @@ class Corpus:
     def _encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text), dtype=np.int64)
 
-    def _read(self, path: str) -> Iterator[np.ndarray]:
+    def _chat_record(self, record: dict, where: str) -> tuple[np.ndarray, np.ndarray]:
+        if self._chat is None:
+            self._chat = chat_data.ChatFormat(self.tokenizer, self.train_on)
+        return self._chat.encode(record, where)
+
+    def _read(self, path: str) -> Iterator[np.ndarray | tuple[np.ndarray, np.ndarray]]:
         if path.endswith(".jsonl"):
             yield from self._jsonl(path)
         elif path.endswith(".parquet"):
@@ -108,7 +120,7 @@ class Corpus:
             with open(path, encoding="utf-8", errors="replace") as f:
                 yield self._encode(f.read())
 
-    def _jsonl(self, path: str) -> Iterator[np.ndarray]:
+    def _jsonl(self, path: str) -> Iterator[np.ndarray | tuple[np.ndarray, np.ndarray]]:
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
                 try:
@@ -124,12 +136,16 @@ class Corpus:
                     raise TrainConfigError(f"data: {path} line {lineno} is not JSON ({e.msg}); one JSON object "
                                            f"per line") from None
                 text = record.get(self.text_field) if isinstance(record, dict) else None
+                if text is None and chat_data.is_chat(record):
+                    yield self._chat_record(record, f"{path} line {lineno}")
+                    continue
                 if not isinstance(text, str):
                     raise TrainConfigError(f"data: {path} line {lineno} has no string field {self.text_field!r}; "
-                                           f"set --text-field to the field that holds the text")
+                                           f"set --text-field to the field that holds the text (or give chat "
+                                           f"records \"messages\", or \"prompt\" and \"completion\")")
                 yield self._encode(text)
 
-    def _parquet(self, path: str) -> Iterator[np.ndarray]:
+    def _parquet(self, path: str) -> Iterator[np.ndarray | tuple[np.ndarray, np.ndarray]]:
         import pyarrow.parquet as pq
 
         try:
@@ -137,9 +153,18 @@ class Corpus:
         except Exception as e:  # pyarrow raises its own ArrowInvalid / OSError kinds for a bad file
             raise TrainConfigError(f"data: {path} is not a readable parquet file ({str(e).splitlines()[0]}); "
                                    f"check the file or convert it to .jsonl") from None
-        if self.text_field not in table.schema_arrow.names:
-            raise TrainConfigError(f"data: {path} has no column {self.text_field!r} (has "
-                                   f"{', '.join(table.schema_arrow.names)}); set --text-field")
+        names = table.schema_arrow.names
+        if self.text_field not in names:
+            columns = ["messages"] if "messages" in names else ["prompt", "completion"]
+            if not set(columns) <= set(names):
+                raise TrainConfigError(f"data: {path} has no column {self.text_field!r} (has {', '.join(names)}); "
+                                       f"set --text-field, or give chat columns messages, or prompt and completion")
+            row = 0
+            for record_batch in table.iter_batches(columns=columns):
+                for record in record_batch.to_pylist():
+                    row += 1
+                    yield self._chat_record(record, f"{path} row {row}")
+            return
         for record_batch in table.iter_batches(columns=[self.text_field]):
             for text in record_batch.column(0).to_pylist():
                 if text:

@@ -11,6 +11,11 @@ a separator stands between them, so the model learns where a document ends (it p
 that what follows SEP is unrelated. A long document continues into the next row. Only the final
 row can be short: it is filled with ``pad_id`` and its padding carries the label -100 (ignored by
 the loss). Labels are otherwise the input ids: the engine shifts them inside, as Hugging Face does.
+
+A document may also come as a pair (ids, labels) of equal length (chat data: -100 on the prompt's
+tokens, see [Note: chat data] in tools/chat_data.py). Its labels travel with its tokens, and the
+separator after it is labelled like the document's last token: trained after an answer, ignored
+after a prompt.
 """
 from __future__ import annotations
 
@@ -22,9 +27,11 @@ import torch
 IGNORE_INDEX = -100
 
 
-def pack(documents: Iterable[np.ndarray], seq_len: int, separator_id: int,
+def pack(documents: Iterable[np.ndarray | tuple[np.ndarray, np.ndarray]], seq_len: int, separator_id: int,
          pad_id: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Rows (ids, labels), each [seq_len] int64, from ``documents`` (1-D integer arrays). See [Note: packing].
+    """Rows (ids, labels), each [seq_len] int64, from ``documents`` (1-D integer arrays, or (ids, labels) pairs).
+
+    See [Note: packing].
 
     Documents may be memory-mapped: each is sliced a row at a time, never copied whole.
     """
@@ -33,22 +40,29 @@ def pack(documents: Iterable[np.ndarray], seq_len: int, separator_id: int,
     sep = np.array([separator_id], dtype=np.int64)
     pieces: list[np.ndarray] = []   # the row being filled
     have = 0                        # tokens in pieces
+    label_pieces: list[np.ndarray] = []  # their labels
     for doc in documents:
-        for part in (doc, sep):
+        if isinstance(doc, tuple):
+            doc, doc_labels = doc
+            sep_labels = sep if len(doc_labels) and doc_labels[-1] != IGNORE_INDEX else np.array([IGNORE_INDEX])
+        else:
+            doc_labels, sep_labels = doc, sep
+        for part, part_labels in ((doc, doc_labels), (sep, sep_labels)):
             pos, n = 0, len(part)
             while pos < n:
                 take = min(seq_len - have, n - pos)
                 pieces.append(np.asarray(part[pos:pos + take], dtype=np.int64))
+                label_pieces.append(np.asarray(part_labels[pos:pos + take], dtype=np.int64))
                 pos += take
                 have += take
                 if have == seq_len:
-                    row = np.concatenate(pieces)
-                    yield row, row.copy()
-                    pieces, have = [], 0
+                    yield np.concatenate(pieces), np.concatenate(label_pieces)
+                    pieces, label_pieces, have = [], [], 0
     if have:
         ids = np.full(seq_len, pad, dtype=np.int64)
         labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
-        ids[:have] = labels[:have] = np.concatenate(pieces)
+        ids[:have] = np.concatenate(pieces)
+        labels[:have] = np.concatenate(label_pieces)
         yield ids, labels
 
 
@@ -58,7 +72,7 @@ def repeat_epochs(corpus_pass, max_epochs: int | None = None) -> Iterator[np.nda
     while max_epochs is None or epoch < max_epochs:
         empty = True
         for doc in corpus_pass():
-            if len(doc):
+            if len(doc[0] if isinstance(doc, tuple) else doc):
                 empty = False
                 yield doc
         if empty:

@@ -1,7 +1,8 @@
 """Tokenizers for the training command: byte-level (built in) or a Hugging Face ``tokenizer.json``.
 
-Each gives ``encode(text) -> list[int]``, ``vocab_size`` and ``separator_id`` (the token placed
-between documents when packing: an end-of-text token).
+Each gives ``encode(text) -> list[int]``, ``encode_offsets(text)`` (the ids and each token's character
+span, for chat labels), ``vocab_size`` and ``separator_id`` (the token placed between documents when
+packing: an end-of-text token). ``directory`` is where the tokenizer's files are (None: built in).
 """
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>", 
 class Tokenizer(Protocol):
     vocab_size: int
     separator_id: int
+    directory: str | None
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]: ...
 
 
 class ByteTokenizer:
@@ -27,9 +31,19 @@ class ByteTokenizer:
 
     vocab_size = 257
     separator_id = 256
+    directory = None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        for i, char in enumerate(text):
+            encoded = char.encode("utf-8")
+            ids += encoded
+            offsets += [(i, i + 1)] * len(encoded)
+        return ids, offsets
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -50,11 +64,16 @@ class HFTokenizer:
         except Exception as e:  # the tokenizers package raises a bare Exception on bad files
             raise TrainConfigError(f"tokenizer: cannot read {file} ({str(e).splitlines()[0]}); pass a "
                                    f"Hugging Face tokenizer.json") from None
+        self.directory = os.path.dirname(os.path.abspath(file))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.separator_id = separator_id if separator_id >= 0 else self._find_eos(file)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
 
     def _find_eos(self, file: str) -> int:
         names = list(EOS_NAMES)

@@ -34,7 +34,8 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from megatrain.planner.workload import Workload, WorkloadError
     from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig, training_checkpoint
 
-    from . import lr_schedule, metrics, model_source, packing, run_dir, tokenizer as tokenizers, train_config
+    from . import lr_schedule, metric_sinks, metrics, model_source, packing, run_dir, tokenizer as tokenizers, \
+        train_config
     from .data import Corpus
     from .plot import plot
     from .progress import Progress
@@ -152,8 +153,9 @@ class Run:
         device = _device(c.device)
         dtype = _compute_dtype(c.compute_dtype, device)
         tokenizer, model, source = self._check_model()
-        corpus = Corpus(c.data, tokenizer, c.text_field, c.token_dtype)
+        corpus = Corpus(c.data, tokenizer, c.text_field, c.token_dtype, c.train_on)
         corpus.check_token_ids(model.vocab_size)
+        metric_sinks.check(c)
         rows = packing.pack(packing.repeat_epochs(corpus.documents), c.seq_len, tokenizer.separator_id)
         batches = packing.batches(rows, c.batch, skip_rows=self.rows_done)
         first = _next_batch(batches)  # the data yields a batch: checked before anything is written
@@ -397,6 +399,8 @@ class TrainingLoop:
         self.peak, self.peak_source = metrics.matmul_peak_tflops(engine.device, _dtype_name(engine.compute_dtype))
         self.metrics_path = os.path.join(run.out, run_dir.METRICS_FILE)
         self.ckpt_root = os.path.join(run.out, run_dir.CHECKPOINT_DIR)
+        self.out = run.out
+        self.sink: metric_sinks.MetricSink = metric_sinks.NullSink()  # --log-to: besides metrics.jsonl
         self.tracer = StepTracer(os.path.join(run.out, "trace.json"), run.start_step + 1, c.total_steps,
                                  engine.device) if c.trace else None
         self.records: list[dict[str, Any]] = []
@@ -408,6 +412,7 @@ class TrainingLoop:
     def run(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> None:
         c, engine = self.config, self.engine
         log = metrics.MetricsLog(self.metrics_path, append=self.start_step > 0)
+        self.sink = metric_sinks.open(c, self.out, self.start_step)
         progress = Progress(c.progress, c.total_steps, self.start_step, c.log_every)
         try:
             with InterruptGuard() as interrupt:
@@ -447,6 +452,7 @@ class TrainingLoop:
         finally:
             progress.close()
             log.close()
+            self.sink.close()
             if self.tracer is not None:
                 self.tracer.close(engine.synchronize)
 
@@ -475,6 +481,7 @@ class TrainingLoop:
             record["breakdown"] = p.breakdown
         self.records.append(record)
         log.write(record)
+        self.sink.log(p.step, record)
         progress.update(record)
 
     def _save(self, step: int, blocking: bool) -> None:

@@ -24,9 +24,12 @@ PROGRESS_STYLES = ("auto", "tqdm", "rich", "plain", "none")
 TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
 SPILL_CHOICES = ("auto", "none", "optimizer", "all")
 INIT_CHOICES = ("auto", "random")
+TRAIN_ON_CHOICES = ("completion", "all")
+LOG_TO_CHOICES = ("none", "tensorboard")
 # Options a resumed run cannot change: they define the model, its optimizer state or the data position.
 # The others (lr, steps, save cadence, plan, device, ...) apply from the resume on, and are printed.
-FIXED_ON_RESUME = ("model", "init", "data", "tokenizer", "text_field", "token_dtype", "separator_id", "seq_len",
+FIXED_ON_RESUME = ("model", "init", "data", "tokenizer", "text_field", "train_on", "token_dtype", "separator_id",
+                   "seq_len",
                    "batch", "compute_dtype", "seed", "beta1", "beta2", "weight_decay", "max_grad_norm")
 PATH_KEYS = ("data", "tokenizer", "plan", "spill_dir", "model")
 
@@ -48,8 +51,12 @@ class TrainConfig:
     # Empty: the Python standard library's pydoc topics (the demo corpus).
     data: tuple[str, ...] = ()
     # A tokenizer.json (needs the `tokenizers` package), or "byte" (256 byte values + a separator).
+    # Not given: the --model directory's tokenizer.json when it has one (see ``build``), else "byte".
     tokenizer: str = "byte"
     text_field: str = "text"
+    # Chat records ({"messages"} or {"prompt", "completion"}): "completion" labels the assistant's tokens
+    # only (the rest is -100); "all" labels every token.
+    train_on: str = "completion"
     # Element type of raw .bin token files.
     token_dtype: str = "uint16"
     # Token placed between documents; -1: the tokenizer's end-of-text token.
@@ -90,6 +97,8 @@ class TrainConfig:
     # Non-interactive progress: one line every N steps.
     log_every: int = 10
     plot: bool = True
+    # Where metrics go besides OUT/metrics.jsonl: "none" or "tensorboard" (OUT/tensorboard; needs tensorboard).
+    log_to: str = "none"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data", tuple(self.data))
@@ -113,6 +122,8 @@ class TrainConfig:
         _one_of("token_dtype", self.token_dtype, TOKEN_DTYPES)
         _one_of("spill", self.spill, SPILL_CHOICES)
         _one_of("init", self.init, INIT_CHOICES)
+        _one_of("train_on", self.train_on, TRAIN_ON_CHOICES)
+        _one_of("log_to", self.log_to, LOG_TO_CHOICES)
         _require(self, "separator_id", self.separator_id >= -1, "must be a token id >= 0 (or -1 for the tokenizer's)")
         _require(self, "out", bool(self.out), "must name an output directory")
         for path in self.data:
@@ -148,8 +159,11 @@ HELP: dict[str, str] = {
     "init": "auto: a model directory's safetensors weights (default); random: random init from its config",
     "data": "training files or directories: .txt/.md, .jsonl, .parquet, .npy, .bin (default: Python's "
             "pydoc topics)",
-    "tokenizer": "a tokenizer.json (needs `tokenizers`) or 'byte' (default)",
+    "tokenizer": "a tokenizer.json (needs `tokenizers`) or 'byte' (default: the --model directory's tokenizer.json "
+                 "when it has one, else byte)",
     "text_field": "the text field of .jsonl and .parquet records (text)",
+    "train_on": "chat records ({\"messages\"} or {\"prompt\", \"completion\"}): completion = loss on the "
+                "assistant's tokens only (default), all = on every token",
     "token_dtype": f"element type of .bin token files ({', '.join(TOKEN_DTYPES)}; default uint16)",
     "separator_id": "token between documents (-1: the tokenizer's end-of-text token)",
     "seq_len": "tokens per sequence (256)",
@@ -180,6 +194,7 @@ HELP: dict[str, str] = {
     "progress": "progress display: auto, tqdm, rich, plain or none",
     "log_every": "with plain progress, one line every N steps (10)",
     "plot": "write OUT/training.png when matplotlib is installed (default on; --no-plot)",
+    "log_to": "also log metrics to: none (default) or tensorboard (OUT/tensorboard; needs tensorboard)",
 }
 
 
@@ -213,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
             choices = {"compute_dtype": COMPUTE_DTYPES, "device": DEVICES, "progress": PROGRESS_STYLES,
-                       "token_dtype": TOKEN_DTYPES, "spill": SPILL_CHOICES, "init": INIT_CHOICES}.get(name)
+                       "token_dtype": TOKEN_DTYPES, "spill": SPILL_CHOICES, "init": INIT_CHOICES,
+                       "train_on": TRAIN_ON_CHOICES, "log_to": LOG_TO_CHOICES}.get(name)
             parser.add_argument(flag, type=kind, choices=choices, metavar=name.upper(), help=HELP[name])
     return parser
 
@@ -302,8 +318,12 @@ def read_values(argv: Sequence[str] | None) -> dict[str, Any]:
 
 
 def build(values: Mapping[str, Any]) -> TrainConfig:
+    values = {k: v for k, v in values.items() if k != "overwrite"}
+    model = values.get("model")
+    if "tokenizer" not in values and isinstance(model, str) and os.path.isfile(os.path.join(model, "tokenizer.json")):
+        values["tokenizer"] = os.path.join(model, "tokenizer.json")  # a model directory's own tokenizer by default
     try:
-        return TrainConfig(**{k: v for k, v in values.items() if k != "overwrite"})
+        return TrainConfig(**values)
     except TypeError as e:  # a value of the wrong type reached a comparison
         raise TrainConfigError(f"invalid option value ({e})") from None
 

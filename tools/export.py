@@ -1,0 +1,155 @@
+"""megatrain-export: a training run (or one of its checkpoints) as a Hugging Face model directory.
+
+    megatrain-export RUN_OR_CHECKPOINT OUT [--dtype bf16|fp32]
+
+OUT then loads with ``AutoModelForCausalLM.from_pretrained(OUT)`` and ``AutoTokenizer.from_pretrained(OUT)``:
+the weights and config.json are written by ``Engine.save_pretrained`` from the checkpoint
+(``Engine.load_checkpoint``), and the tokenizer and generation files (``COPIED_FILES``) are copied from
+the directories the run recorded: its ``--model`` directory, then its ``--tokenizer``'s directory (which
+wins where both have a file). OUT must not exist or be empty: the export is written into a new
+directory beside it and renamed into place when complete, so a failed export leaves nothing behind
+and an existing directory is never written into.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any
+
+from megatrain.runtime.errors import MegatrainError
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+DTYPES = ("bf16", "fp32")
+# Files of a Hugging Face model directory that describe its tokenizer and generation defaults.
+COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
+                "chat_template.json", "generation_config.json")
+
+
+class ExportError(MegatrainError):
+    """A bad argument or input: one line saying how to fix it."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ExportError(f"{message} (see megatrain-export --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="megatrain-export", allow_abbrev=False,
+                     description="Write a megatrain-train run (its latest checkpoint, or the checkpoint named) as a "
+                                 "Hugging Face model directory: weights, config, tokenizer and generation config.")
+    parser.add_argument("source", metavar="RUN_OR_CHECKPOINT",
+                        help="a megatrain-train --out directory, its checkpoints/ directory, or one step-N in it")
+    parser.add_argument("out", metavar="OUT", help="the directory to write; it must not exist or be empty")
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="weight dtype of the export (bf16)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        written = export(args.source, args.out, args.dtype, say=lambda line: print(f"megatrain-export: {line}",
+                                                                                     file=sys.stderr))
+    except MegatrainError as e:
+        return _error(str(e))
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        return _error(f"{where}{e.strerror or e}; check the path and the disk")
+    except KeyboardInterrupt:  # the partial export (beside OUT) is removed on the way out
+        print("megatrain-export: interrupted; OUT was not written", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(f"megatrain-export: wrote {args.out} ({', '.join(written)})", file=sys.stderr)
+    return 0
+
+
+def export(source: str, out: str, dtype: str = "bf16", say: Any = None) -> list[str]:
+    """Write ``source``'s checkpoint to ``out`` (see the module docstring); the names of the files written."""
+    import torch
+
+    from megatrain.runtime import Engine, checkpoint_format, training_checkpoint
+
+    from . import run_dir
+
+    if dtype not in DTYPES:
+        raise ExportError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    _check_out(out)
+    if not os.path.exists(source):
+        raise ExportError(f"{source} does not exist; pass a megatrain-train --out directory or one of its "
+                          f"checkpoints")
+    inner = os.path.join(source, run_dir.CHECKPOINT_DIR)
+    path = training_checkpoint.resolve(inner if os.path.isdir(inner) else source)
+    manifest = checkpoint_format.read_manifest(path)
+    train_config = dict((manifest.get("extra") or {}).get("train_config") or {})
+    copies = _tokenizer_files(train_config)
+    plan = training_checkpoint.engine_arguments(manifest)["plan"]
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.export-", dir=parent)
+    spill = tempfile.mkdtemp(prefix=".megatrain-export-spill-", dir=parent) if plan.spill != "none" else None
+    try:
+        # The checkpoint's spill files (if its plan spills) go to a scratch directory of our own, removed after.
+        engine = Engine.load_checkpoint(path, device="cpu", plan=plan.replace(spill_dir=spill) if spill else None)
+        try:
+            engine.save_pretrained(staging, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+        finally:
+            engine.close()
+        for name, src in copies.items():
+            shutil.copyfile(src, os.path.join(staging, name))
+        written = sorted(os.listdir(staging))
+        _check_out(out)  # nothing appeared there meanwhile
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty: checked just above
+        os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        if spill:
+            shutil.rmtree(spill, ignore_errors=True)
+    if say is not None:
+        say(f"exported {path}")
+        if "tokenizer.json" not in copies and "tokenizer.model" not in copies:
+            say("no tokenizer files copied (the run used the byte tokenizer or recorded no model directory); "
+                "AutoTokenizer will not load this directory")
+    return written
+
+
+def _check_out(out: str) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ExportError(f"{out} is a file; name a new or empty directory for the export")
+    if os.path.isdir(out) and os.listdir(out):
+        raise ExportError(f"{out} already holds {len(os.listdir(out))} file(s); name a new or empty directory "
+                          f"(an existing directory is never written into)")
+
+
+def _tokenizer_files(train_config: dict[str, Any]) -> dict[str, str]:
+    """Name -> source path of the files to copy: the run's --model directory's, then its --tokenizer's."""
+    directories = []
+    model, tok = train_config.get("model") or "", train_config.get("tokenizer") or ""
+    if model and os.path.isdir(model):
+        directories.append(model)
+    if tok and tok != "byte":
+        directories.append(tok if os.path.isdir(tok) else os.path.dirname(tok))
+    files: dict[str, str] = {}
+    for directory in directories:
+        for name in COPIED_FILES:
+            path = os.path.join(directory, name)
+            if os.path.isfile(path):
+                files[name] = path
+    if tok and tok != "byte" and os.path.isfile(tok) and os.path.basename(tok) != "tokenizer.json":
+        files["tokenizer.json"] = tok  # a tokenizer file named otherwise is still the run's tokenizer
+    return files
+
+
+def _error(message: str) -> int:
+    print(f"megatrain-export: error: {message.splitlines()[0] if message else 'invalid input'}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
