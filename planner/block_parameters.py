@@ -16,6 +16,8 @@ Pure stdlib.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 # Every parameter's offset inside a block's flat buffer is a multiple of this many elements
@@ -30,10 +32,7 @@ class Param:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def aligned(numel: int) -> int:

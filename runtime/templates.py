@@ -17,6 +17,7 @@ of Hugging Face; checked when the templates are built), each offset aligned to
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -47,10 +48,7 @@ class ParamEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
