@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import Documents, causal_attention
 from .config import SUPPORTED_ACTIVATIONS, ModelConfig
 from .rope import apply_rotary
 
@@ -60,8 +61,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [B, S, hidden] -> [B, S, hidden]; causal over the whole sequence."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        """x: [B, S, hidden] -> [B, S, hidden]; causal over the whole sequence, or within each of ``documents``."""
         b, s, _ = x.shape
         shape = (b, s, -1, self.head_dim)
         q = self.q_proj(x).view(shape)
@@ -70,8 +72,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.head_dim ** -0.5, enable_gqa=self.n_rep > 1
+        out = causal_attention(
+            q, k, v, scale=self.head_dim ** -0.5, enable_gqa=self.n_rep > 1, documents=documents
         )  # [B, Hq, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -97,9 +99,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [B, S, hidden] (compute dtype) -> same."""
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        """x: [B, S, hidden] (compute dtype) -> same; cos, sin: [1 or B, S, head_dim] (see rope.py)."""
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, documents)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -2,10 +2,14 @@
 
     engine = Engine(ModelConfig.from_hf("config.json"), optimizer=OptimizerConfig(lr=3e-4))
     loss = engine.step(input_ids, labels)      # one optimizer step over the whole batch
+    loss = engine.step(input_ids, labels, position_ids=positions)   # packed rows: documents apart
 
 ``step`` returns the batch's mean loss as a 0-dim tensor on the compute device
 without waiting for the GPU; call ``.item()`` when you want the number.
 ``state_dict`` / ``load_state_dict`` speak Hugging Face parameter names in float32.
+``position_ids`` ([B, S], 0 where a document starts, +1 otherwise, as Hugging Face's packed-sequence
+collators write them) keep packed documents apart: RoPE positions restart and attention stays within
+each document (runtime/attention.py, [Note: document attention]).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import torch
 
 from megatrain.planner.plan import Plan, PlanError, default_plan, shape_digest
 
+from .attention import Documents
 from .head_loss import IGNORE_INDEX, shift_labels
 from .config import ModelConfig, OptimizerConfig
 from .cpu_adamw import AdamHyper
@@ -111,16 +116,21 @@ class Engine:
         _OPEN_ENGINES.add(self)
 
     # ------------------------------------------------------------------ training
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, lr: float | None = None) -> torch.Tensor:
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, lr: float | None = None,
+             position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One AdamW step over the whole batch. input_ids, labels: [B, S] integer (labels -100 = ignored).
 
-        Returns the mean loss over all predicted tokens as a 0-dim fp32 tensor on the device.
+        ``position_ids``: [B, S] integer, packed documents (each row runs of 0, 1, 2, ...; a document starts
+        where its position is 0): RoPE positions and attention restart at each document. None: one sequence
+        per row. Label the first token of each document -100 to keep the token before it (the previous
+        document's end) from predicting it. Returns the mean loss over all predicted tokens as a 0-dim fp32
+        tensor on the device.
         """
         self._check_open()
         lr = self.optimizer.lr if lr is None else lr
         if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
             raise InputError(f"lr={lr!r} must be a finite number >= 0 (e.g. 3e-4)")
-        batch = self._batch(input_ids, labels)
+        batch = self._batch(input_ids, labels, position_ids)
         if self.plan.workload is not None:  # host-side shape ints: no device sync
             self.plan.workload.check_batch(*input_ids.shape)
         self._report_skipped()
@@ -161,12 +171,17 @@ class Engine:
     def num_parameters(self) -> int:
         return sum(e.numel for b in self.templates.blocks for e in b.layout.entries)
 
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Evaluation forward: [B, S] ids -> [B, S, vocab] fp32 logits (materialised; keep inputs small)."""
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Evaluation forward: [B, S] ids -> [B, S, vocab] fp32 logits (materialised; keep inputs small).
+        ``position_ids``: packed documents, as in ``step``."""
         self._check_open()
         ids = self._check_ids(input_ids, "input_ids")
         self._check_seq(ids.shape[1])
-        return self.executor.forward_logits(self._to_device(ids))
+        positions = self._check_positions(position_ids, ids.shape)
+        if positions is None:
+            return self.executor.forward_logits(self._to_device(ids))
+        return self.executor.forward_logits(self._to_device(ids), self._to_device(positions),
+                                            Documents.from_position_ids(positions))
 
     # ------------------------------------------------------------------ weights
     def synchronize(self) -> None:
@@ -359,7 +374,29 @@ class Engine:
                 f"use sequences of at most {window} tokens"
             )
 
-    def _batch(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Batch:
+    def _check_positions(self, position_ids: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
+        """Packed rows' position ids on the host, checked; None when every row is one sequence from 0 (then the
+        step is exactly the one without position ids)."""
+        if position_ids is None:
+            return None
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in (torch.int64, torch.int32):
+            raise InputError(f"position_ids must be an integer torch.Tensor [batch, seq_len], got "
+                             f"{getattr(position_ids, 'dtype', type(position_ids).__name__)}")
+        if position_ids.shape != shape:
+            raise InputError(f"position_ids has shape {tuple(position_ids.shape)} but input_ids has {tuple(shape)}; "
+                             "give one position per token")
+        pos = position_ids.detach().to("cpu", torch.int64)
+        step_ok = (pos[:, 1:] == 0) | (pos[:, 1:] == pos[:, :-1] + 1)
+        if bool((pos[:, 0] != 0).any()) or not bool(step_ok.all()):
+            bad = torch.cat([pos[:, :1] != 0, ~step_ok], dim=1).nonzero()[0].tolist()
+            raise InputError(f"position_ids row {bad[0]} has {int(pos[bad[0], bad[1]])} at token {bad[1]}; each row "
+                             "must be runs of 0, 1, 2, ... (0 where a document starts, the previous + 1 otherwise)")
+        if not bool((pos[:, 1:] == 0).any()):
+            return None
+        return pos
+
+    def _batch(self, input_ids: torch.Tensor, labels: torch.Tensor,
+               position_ids: torch.Tensor | None = None) -> Batch:
         ids = self._check_ids(input_ids, "input_ids")
         lab = self._check_ids(labels, "labels")
         if lab.shape != ids.shape:
@@ -379,6 +416,7 @@ class Engine:
         n_tokens = int((shifted != IGNORE_INDEX).sum())
         if n_tokens == 0:
             raise InputError("labels leave no token to predict (all -100 after the shift); check the masking")
+        positions = self._check_positions(position_ids, ids.shape)
         mbs = self.plan.micro_batch_size
         micro = [slice(s, min(s + mbs, ids.shape[0])) for s in range(0, ids.shape[0], mbs)]
         return Batch(
@@ -386,6 +424,8 @@ class Engine:
             labels=self._to_device(shifted),
             n_tokens=self._to_device(torch.tensor(n_tokens)),
             micro=micro,
+            position_ids=None if positions is None else self._to_device(positions),
+            documents=None if positions is None else [Documents.from_position_ids(positions[rows]) for rows in micro],
         )
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from torch.profiler import record_function
 from megatrain.planner.plan import Plan
 
 from .activation_checkpoints import DeviceCheckpoints, HostCheckpoints
+from .attention import Documents
 from .cpu_adamw import AdamHyper, AdamJob, AdamWorker
 from .event_log import EventLog
 from .grad_buffers import GradBuffers
@@ -47,6 +48,14 @@ class Batch:
     labels: torch.Tensor  # [B, S] int64 on the device, already shifted (position t predicts t + 1)
     n_tokens: torch.Tensor  # [] int64 on the device: tokens predicted in the whole batch
     micro: list[slice]  # rows of each micro-batch, in order
+    # Packed documents ([Note: document attention]): per-token RoPE positions [B, S] int64 on the device and
+    # each micro-batch's documents (host data); None: one sequence per row, positions 0..S-1.
+    position_ids: torch.Tensor | None = None
+    documents: list[Documents | None] | None = None
+
+
+# What a layer takes besides its input, per micro-batch: cos, sin and the documents (None: the whole row).
+Positions = tuple[torch.Tensor, torch.Tensor, "Documents | None"]
 
 
 class PendingUpdate(NamedTuple):
@@ -115,7 +124,7 @@ class Executor:
         self.step_no += 1
         step, s = self.step_no, self.schedule
         self.timer.begin(self.streams.compute)
-        cos, sin = self._rotary(batch.input_ids.shape[1])
+        positions = self._positions(batch.input_ids.shape[1], batch.micro, batch.position_ids, batch.documents)
         self.checkpoints.begin(len(s.layers), *batch.input_ids.shape, self.config.hidden_size)
         self.loader.start(step, s.loads)
         pending: list[PendingUpdate] = []  # deferred mode: submitted once the global norm is known
@@ -128,7 +137,7 @@ class Executor:
                 with self.loader.resident(load) as params, record_function(f"fwd[{load.block.index}]"):
                     for m, rows in enumerate(batch.micro):
                         self.checkpoints.save(load.layer, m, rows, x[m])
-                        x[m] = self.templates.run(BlockKind.LAYER, params, x[m], cos, sin)
+                        x[m] = self.templates.run(BlockKind.LAYER, params, x[m], *positions[m])
                 self.checkpoints.end_forward_block()
         self.checkpoints.flush()
 
@@ -163,7 +172,7 @@ class Executor:
                 with record_function(f"bwd[{layer.index}]"):
                     for m, rows in enumerate(batch.micro):
                         x_in = self.checkpoints.get(load.layer, m, rows)
-                        dy[m] = self._layer_backward(layer, params, x_in, dy[m], (cos, sin), g_list)
+                        dy[m] = self._layer_backward(layer, params, x_in, dy[m], positions[m], g_list)
             pending += self._finish_block(step, layer, g_index, g_buf, hyper)
 
         # ---- embedding backward: a scatter-add of dy into the rows used; no weights needed
@@ -190,13 +199,13 @@ class Executor:
         return loss
 
     def _layer_backward(self, layer: Block, params: dict[str, torch.Tensor], x_in: torch.Tensor, dy: torch.Tensor,
-                        rotary: tuple[torch.Tensor, torch.Tensor], g_list: list[torch.Tensor]) -> torch.Tensor:
+                        positions: Positions, g_list: list[torch.Tensor]) -> torch.Tensor:
         """One micro-batch through ``layer`` again from its checkpoint x_in ([b, S, hidden]), autograd on: the
         parameter gradients add into ``g_list`` (fp32, layout order); returns the gradient w.r.t. x_in."""
         x_in = x_in.detach().requires_grad_()
         leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
         with torch.enable_grad():
-            out = self.templates.run(BlockKind.LAYER, leaves, x_in, *rotary)
+            out = self.templates.run(BlockKind.LAYER, leaves, x_in, *positions)
         grads = torch.autograd.grad(out, (x_in, *leaves.values()), dy)
         by_name = dict(zip(leaves.keys(), grads[1:]))
         torch._foreach_add_(g_list, [by_name[e.local_name] for e in layer.layout.entries])
@@ -272,19 +281,31 @@ class Executor:
             self._rope[key] = rotary_tables(self.inv_freq, seq, self.device, self.compute_dtype)
         return self._rope[key]
 
+    def _positions(self, seq: int, micro: list[slice], position_ids: torch.Tensor | None,
+                   documents: list[Documents | None] | None) -> list[Positions]:
+        """Each micro-batch's cos, sin and documents. Packed rows: the table's rows gathered by position id on
+        the device ([b, S, head_dim], the values transformers computes for those positions), no host sync."""
+        cos, sin = self._rotary(seq)
+        if position_ids is None or documents is None:
+            return [(cos, sin, None)] * len(micro)
+        return [(cos[0][position_ids[rows]], sin[0][position_ids[rows]], docs) for rows, docs in zip(micro, documents)]
+
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids: [B, S] on the device -> logits [B, S, vocab] fp32 (materialised: for evaluation)."""
+    def forward_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                       documents: Documents | None = None) -> torch.Tensor:
+        """input_ids: [B, S] on the device -> logits [B, S, vocab] fp32 (materialised: for evaluation).
+        ``position_ids`` and ``documents``: packed rows, as in ``Batch``."""
         self.adam.wait_all(self.step_no)
         s = self.evaluation
-        cos, sin = self._rotary(input_ids.shape[1])
+        (positions,) = self._positions(input_ids.shape[1], [slice(None)], position_ids,
+                                       None if documents is None else [documents])
         self.loader.start(self.step_no, s.loads)
         with self.loader.resident(s.embed) as params:
             x = self.templates.run(BlockKind.EMBED, params, input_ids)
         for load in s.layers:
             with self.loader.resident(load) as params:
-                x = self.templates.run(BlockKind.LAYER, params, x, cos, sin)
+                x = self.templates.run(BlockKind.LAYER, params, x, *positions)
         with self.loader.resident_together(s.head_loads) as held:
             normed = self.templates.run(BlockKind.HEAD, held[0], x)
             flat = normed.reshape(-1, normed.shape[-1])

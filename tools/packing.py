@@ -1,16 +1,33 @@
 """Sequence packing: documents into fixed-length training rows, boundaries marked, nothing lost.
 
 [Note: packing]
-The documents are laid end to end, each followed by the separator (an end-of-text token):
+Three ways to make rows of ``seq_len`` tokens (``--packing``):
+
+``concat``: the documents are laid end to end, each followed by the separator (an end-of-text token),
 
     doc0 SEP doc1 SEP doc2 SEP ...
 
-and the stream is cut into rows of ``seq_len`` tokens. Every token of every document appears
-exactly once, in order; wherever a row holds the end of one document and the start of the next,
-a separator stands between them, so the model learns where a document ends (it predicts SEP) and
-that what follows SEP is unrelated. A long document continues into the next row. Only the final
-row can be short: it is filled with ``pad_id`` and its padding carries the label -100 (ignored by
-the loss). Labels are otherwise the input ids: the engine shifts them inside, as Hugging Face does.
+and the stream is cut into rows. Every token of every document appears exactly once, in order;
+wherever a row holds the end of one document and the start of the next, a separator stands between
+them, so the model learns where a document ends (it predicts SEP) and that what follows SEP is
+unrelated; but it attends across the separator to the earlier documents of its row. A long
+document continues into the next row.
+
+``documents``: the same rows, with each row's position ids (0 where a document starts, +1 per
+token), which the engine uses to restart RoPE positions and keep attention within each document
+(runtime/attention.py). A document is its tokens and its separator. The first token of each
+document is labelled -100: the token before it ends another document and cannot predict it. So a
+row's loss is the token-weighted mean of its documents' losses run one by one. A document split
+across rows continues at position 0 of the next row as its own segment, as Hugging Face's
+packed-sequence collators do (``DataCollatorWithFlattening``): the continuation does not see the
+part in the previous row, and its first token is not predicted (as at every row start).
+
+``none``: one document per row: the document and its separator, truncated to ``seq_len`` (the
+rest of a longer document is dropped) and padded.
+
+In every mode only padding is filler: it carries ``pad_id`` and the label -100 (ignored by the loss);
+packed modes pad only the final row (in ``documents``, the padding is a segment of its own). Labels are
+otherwise the input ids: the engine shifts them inside, as Hugging Face does.
 
 A document may also come as a pair (ids, labels) of equal length (chat data: -100 on the prompt's
 tokens, see [Note: chat data] in tools/chat_data.py). Its labels travel with its tokens, and the
@@ -19,54 +36,115 @@ after a prompt.
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 import numpy as np
 import torch
 
 IGNORE_INDEX = -100
+MODES = ("documents", "concat", "none")
+
+Document = np.ndarray | tuple[np.ndarray, np.ndarray]
 
 
-def pack(documents: Iterable[np.ndarray | tuple[np.ndarray, np.ndarray]], seq_len: int, separator_id: int,
-         pad_id: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Rows (ids, labels), each [seq_len] int64, from ``documents`` (1-D integer arrays, or (ids, labels) pairs).
+class Row(NamedTuple):
+    ids: np.ndarray                 # [seq_len] int64
+    labels: np.ndarray              # [seq_len] int64, -100 where nothing is learned
+    positions: np.ndarray | None    # [seq_len] int64 position within its document ("documents"), else None
 
-    See [Note: packing].
+
+class Batch(NamedTuple):
+    input_ids: torch.Tensor               # [batch, seq_len] torch.long
+    labels: torch.Tensor                  # [batch, seq_len] torch.long
+    position_ids: torch.Tensor | None     # [batch, seq_len] torch.long ("documents"), else None
+
+
+def pack(documents: Iterable[Document], seq_len: int, separator_id: int, pad_id: int | None = None,
+         mode: str = "concat") -> Iterator[Row]:
+    """Rows from ``documents`` (1-D integer arrays, or (ids, labels) pairs). See [Note: packing].
 
     Documents may be memory-mapped: each is sliced a row at a time, never copied whole.
     """
-    assert seq_len >= 1
+    assert seq_len >= 1 and mode in MODES, (seq_len, mode)
     pad = separator_id if pad_id is None else pad_id
+    if mode == "none":
+        for doc in documents:
+            yield _one_row(doc, seq_len, separator_id, pad)
+        return
     sep = np.array([separator_id], dtype=np.int64)
+    with_positions = mode == "documents"
     pieces: list[np.ndarray] = []   # the row being filled
-    have = 0                        # tokens in pieces
     label_pieces: list[np.ndarray] = []  # their labels
+    position_pieces: list[np.ndarray] = []  # their positions ("documents")
+    have = 0                        # tokens in pieces
     for doc in documents:
-        if isinstance(doc, tuple):
-            doc, doc_labels = doc
-            sep_labels = sep if len(doc_labels) and doc_labels[-1] != IGNORE_INDEX else np.array([IGNORE_INDEX])
-        else:
-            doc_labels, sep_labels = doc, sep
+        doc, doc_labels, sep_labels = _parts(doc, sep)
+        at, first = 0, True  # the next token's position in its segment of this row; the document's first token
         for part, part_labels in ((doc, doc_labels), (sep, sep_labels)):
             pos, n = 0, len(part)
             while pos < n:
                 take = min(seq_len - have, n - pos)
                 pieces.append(np.asarray(part[pos:pos + take], dtype=np.int64))
-                label_pieces.append(np.asarray(part_labels[pos:pos + take], dtype=np.int64))
+                labels = np.asarray(part_labels[pos:pos + take], dtype=np.int64)
+                if with_positions:
+                    if have == 0:
+                        at = 0  # a row starts a segment: the document's continuation restarts at 0
+                    if first:  # nothing of the document stands before its first token to predict it
+                        labels = labels.copy()  # (else a view of the document's own array)
+                        labels[0] = IGNORE_INDEX
+                    position_pieces.append(np.arange(at, at + take, dtype=np.int64))
+                    at += take
+                first = False
+                label_pieces.append(labels)
                 pos += take
                 have += take
                 if have == seq_len:
-                    yield np.concatenate(pieces), np.concatenate(label_pieces)
-                    pieces, label_pieces, have = [], [], 0
+                    yield Row(np.concatenate(pieces), np.concatenate(label_pieces),
+                              np.concatenate(position_pieces) if with_positions else None)
+                    pieces, label_pieces, position_pieces, have = [], [], [], 0
     if have:
         ids = np.full(seq_len, pad, dtype=np.int64)
         labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
         ids[:have] = np.concatenate(pieces)
         labels[:have] = np.concatenate(label_pieces)
-        yield ids, labels
+        positions = None
+        if with_positions:  # the padding: a segment of its own
+            positions = np.concatenate(position_pieces + [np.arange(seq_len - have, dtype=np.int64)])
+        yield Row(ids, labels, positions)
 
 
-def repeat_epochs(corpus_pass, max_epochs: int | None = None) -> Iterator[np.ndarray]:
+def _parts(doc: Document, sep: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, labels, the separator's label) of a document: a chat pair's separator is labelled like its last token."""
+    if isinstance(doc, tuple):
+        ids, labels = doc
+        trained = len(labels) and labels[-1] != IGNORE_INDEX
+        return ids, labels, sep if trained else np.array([IGNORE_INDEX], dtype=np.int64)
+    return doc, doc, sep
+
+
+def _one_row(doc: Document, seq_len: int, separator_id: int, pad: int) -> Row:
+    """``--packing none``: the document and its separator, truncated to seq_len, padded."""
+    sep = np.array([separator_id], dtype=np.int64)
+    ids, labels, sep_labels = _parts(doc, sep)
+    take = min(len(ids), seq_len)
+    row = np.full(seq_len, pad, dtype=np.int64)
+    row_labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
+    row[:take] = np.asarray(ids[:take], dtype=np.int64)
+    row_labels[:take] = np.asarray(labels[:take], dtype=np.int64)
+    if take < seq_len:
+        row[take], row_labels[take] = separator_id, sep_labels[0]
+    return Row(row, row_labels, None)
+
+
+def resolve_mode(mode: str, first: Document | None) -> str:
+    """``auto``: ``documents`` when the data is chat records (its first document decides), ``concat`` for
+    plain text (see the README's packing paragraph for why)."""
+    if mode != "auto":
+        return mode
+    return "documents" if isinstance(first, tuple) else "concat"
+
+
+def repeat_epochs(corpus_pass, max_epochs: int | None = None) -> Iterator[Document]:
     """Documents of ``corpus_pass()`` again and again (each call is one pass over the corpus)."""
     epoch = 0
     while max_epochs is None or epoch < max_epochs:
@@ -80,9 +158,8 @@ def repeat_epochs(corpus_pass, max_epochs: int | None = None) -> Iterator[np.nda
         epoch += 1
 
 
-def batches(rows: Iterator[tuple[np.ndarray, np.ndarray]], batch: int,
-            skip_rows: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(input_ids, labels), each [batch, seq_len] torch.long, after skipping ``skip_rows`` rows (resume).
+def batches(rows: Iterator[Row], batch: int, skip_rows: int = 0) -> Iterator[Batch]:
+    """Batches of ``batch`` rows, after skipping ``skip_rows`` rows (resume).
 
     A final incomplete batch is dropped.
     """
@@ -93,6 +170,7 @@ def batches(rows: Iterator[tuple[np.ndarray, np.ndarray]], batch: int,
         group = [r for _, r in zip(range(batch), rows)]
         if len(group) < batch:
             return
-        ids = torch.from_numpy(np.stack([g[0] for g in group]))
-        labels = torch.from_numpy(np.stack([g[1] for g in group]))
-        yield ids, labels
+        ids = torch.from_numpy(np.stack([g.ids for g in group]))
+        labels = torch.from_numpy(np.stack([g.labels for g in group]))
+        positions = None if group[0].positions is None else torch.from_numpy(np.stack([g.positions for g in group]))
+        yield Batch(ids, labels, positions)

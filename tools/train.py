@@ -109,7 +109,7 @@ class Setup:
     model: ModelConfig
     source: model_source.ModelSource | None   # None: resumed (the checkpoint holds the weights)
     corpus: Corpus
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]   # the first batch (already read) included
+    batches: Iterator[packing.Batch]   # the first batch (already read) included
     plan: Plan
 
 
@@ -135,6 +135,7 @@ class Run:
         self.start_step = 0
         self.rows_done = 0
         self.tokens_done = 0
+        self.packing = "concat"  # --packing resolved against the data (see _setup)
 
     def execute(self) -> int:
         return self._run(self._setup())
@@ -156,12 +157,26 @@ class Run:
         corpus = Corpus(c.data, tokenizer, c.text_field, c.token_dtype, c.train_on)
         corpus.check_token_ids(model.vocab_size)
         metric_sinks.check(c)
-        rows = packing.pack(packing.repeat_epochs(corpus.documents), c.seq_len, tokenizer.separator_id)
+        self.packing = self._packing_mode(corpus)
+        rows = packing.pack(packing.repeat_epochs(corpus.documents), c.seq_len, tokenizer.separator_id,
+                            mode=self.packing)
         batches = packing.batches(rows, c.batch, skip_rows=self.rows_done)
         first = _next_batch(batches)  # the data yields a batch: checked before anything is written
         plan = self._choose_plan(model, dtype)
         return Setup(own_run, overwrite, device, dtype, model, source, corpus, itertools.chain([first], batches),
                      plan)
+
+    def _packing_mode(self, corpus: Corpus) -> str:
+        """--packing, with auto decided by the data's first document (chat record: documents; text: concat)."""
+        documents = corpus.documents()
+        mode = packing.resolve_mode(self.config.packing, next(documents, None))
+        documents.close()
+        bins = [f for f in corpus.files if f.endswith(".bin")]
+        if mode == "none" and bins:
+            raise TrainConfigError(f"packing: none makes one row of each document, and {bins[0]} is one document "
+                                   f"(a .bin file is a single token stream): it would train on its first seq_len "
+                                   f"tokens only; use --packing concat or documents")
+        return mode
 
     def _run(self, setup: Setup) -> int:
         """Take the run directory (and the spill directory), build the engine, train, write the summary."""
@@ -268,6 +283,7 @@ class Run:
             raise TrainConfigError(f"resume: {path} is not inside a run directory (RUN/checkpoints/step-N); pass "
                                    f"--out to say where the resumed run writes")
         saved = {k: v for k, v in extra["train_config"].items() if k not in ("out", "resume")}
+        saved.setdefault("packing", "concat")  # a run from before --packing packed its rows end to end
         changes = train_config.resume_changes(saved, given)
         merged = dict(saved)
         merged.update(given)
@@ -358,7 +374,8 @@ class Run:
     def _banner(self, engine: Engine, corpus: Corpus) -> None:
         c = self.config
         print(f"megatrain-train: {engine.num_parameters / 1e6:.2f}M parameters ({self.model_description}) on "
-              f"{engine.device} in {_dtype_name(engine.compute_dtype)}; data: {corpus.describe()}; "
+              f"{engine.device} in {_dtype_name(engine.compute_dtype)}; data: {corpus.describe()}, packing "
+              f"{self.packing}; "
               f"{c.total_steps} steps of {c.batch} x {c.seq_len} tokens; plan: {self.plan_description}; "
               f"output: {self.out}", file=sys.stderr, flush=True)
 
@@ -409,7 +426,7 @@ class TrainingLoop:
         self.exit_code = 0
         self.started = self.last_time = time.perf_counter()
 
-    def run(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def run(self, batches: Iterator[packing.Batch]) -> None:
         c, engine = self.config, self.engine
         log = metrics.MetricsLog(self.metrics_path, append=self.start_step > 0)
         self.sink = metric_sinks.open(c, self.out, self.start_step)
@@ -417,7 +434,7 @@ class TrainingLoop:
         try:
             with InterruptGuard() as interrupt:
                 for step in range(self.start_step + 1, c.total_steps + 1):
-                    ids, labels = _next_batch(batches)
+                    ids, labels, positions = _next_batch(batches)
                     self.rows_done += c.batch
                     lr = self.schedule.lr(step)
                     if self.tracer is not None:
@@ -428,7 +445,7 @@ class TrainingLoop:
                     timed = step % c.log_every == 0
                     if timed:
                         engine.time_next_step()
-                    loss = engine.step(ids, labels, lr=lr)
+                    loss = engine.step(ids, labels, lr=lr, position_ids=positions)
                     breakdown = engine.last_step_breakdown if timed else None
                     launched = Pending(step, loss, engine.grad_norm, lr, int((labels[:, 1:] != -100).sum()),
                                        breakdown)
@@ -494,7 +511,7 @@ class TrainingLoop:
         self.saved_at = step
 
 
-def _next_batch(batch_iter: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+def _next_batch(batch_iter: Iterator[packing.Batch]) -> packing.Batch:
     batch = next(batch_iter, None)
     if batch is None:
         raise TrainConfigError("data: no tokens to train on (the data is empty); check --data and --text-field")

@@ -26,10 +26,11 @@ SPILL_CHOICES = ("auto", "none", "optimizer", "all")
 INIT_CHOICES = ("auto", "random")
 TRAIN_ON_CHOICES = ("completion", "all")
 LOG_TO_CHOICES = ("none", "tensorboard")
+PACKING_CHOICES = ("auto", "documents", "concat", "none")
 # Options a resumed run cannot change: they define the model, its optimizer state or the data position.
 # The others (lr, steps, save cadence, plan, device, ...) apply from the resume on, and are printed.
 FIXED_ON_RESUME = ("model", "init", "data", "tokenizer", "text_field", "train_on", "token_dtype", "separator_id",
-                   "seq_len",
+                   "seq_len", "packing",
                    "batch", "compute_dtype", "seed", "beta1", "beta2", "weight_decay", "max_grad_norm")
 PATH_KEYS = ("data", "tokenizer", "plan", "spill_dir", "model")
 
@@ -61,6 +62,10 @@ class TrainConfig:
     token_dtype: str = "uint16"
     # Token placed between documents; -1: the tokenizer's end-of-text token.
     separator_id: int = -1
+    # How documents become rows (tools/packing.py): "documents" (end to end, attention and positions restart
+    # at each document), "concat" (end to end, a token sees the earlier documents of its row), "none" (one
+    # document per row, truncated and padded); "auto": documents for chat records, concat for plain text.
+    packing: str = "auto"
     seq_len: int = 256
     batch: int = 8
     lr: float = 2e-3
@@ -124,6 +129,7 @@ class TrainConfig:
         _one_of("init", self.init, INIT_CHOICES)
         _one_of("train_on", self.train_on, TRAIN_ON_CHOICES)
         _one_of("log_to", self.log_to, LOG_TO_CHOICES)
+        _one_of("packing", self.packing, PACKING_CHOICES)
         _require(self, "separator_id", self.separator_id >= -1, "must be a token id >= 0 (or -1 for the tokenizer's)")
         _require(self, "out", bool(self.out), "must name an output directory")
         for path in self.data:
@@ -166,6 +172,9 @@ HELP: dict[str, str] = {
                 "assistant's tokens only (default), all = on every token",
     "token_dtype": f"element type of .bin token files ({', '.join(TOKEN_DTYPES)}; default uint16)",
     "separator_id": "token between documents (-1: the tokenizer's end-of-text token)",
+    "packing": "documents into rows: documents (end to end, each attending only to itself; default for chat "
+               "data), concat (end to end, attending across; default for plain text) or none (one document "
+               "per row, truncated and padded)",
     "seq_len": "tokens per sequence (256)",
     "batch": "sequences per optimizer step (8)",
     "lr": "peak learning rate (2e-3)",
@@ -229,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
             kind = {"int": int, "float": float}.get(str(f.type), str)
             choices = {"compute_dtype": COMPUTE_DTYPES, "device": DEVICES, "progress": PROGRESS_STYLES,
                        "token_dtype": TOKEN_DTYPES, "spill": SPILL_CHOICES, "init": INIT_CHOICES,
-                       "train_on": TRAIN_ON_CHOICES, "log_to": LOG_TO_CHOICES}.get(name)
+                       "train_on": TRAIN_ON_CHOICES, "log_to": LOG_TO_CHOICES, "packing": PACKING_CHOICES}.get(name)
             parser.add_argument(flag, type=kind, choices=choices, metavar=name.upper(), help=HELP[name])
     return parser
 
