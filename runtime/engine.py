@@ -379,7 +379,8 @@ class Engine:
         step is exactly the one without position ids)."""
         if position_ids is None:
             return None
-        if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in (torch.int64, torch.int32):
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in (torch.int64, torch.int32,
+                                                                                    torch.int16, torch.uint8):
             raise InputError(f"position_ids must be an integer torch.Tensor [batch, seq_len], got "
                              f"{getattr(position_ids, 'dtype', type(position_ids).__name__)}")
         if position_ids.shape != shape:

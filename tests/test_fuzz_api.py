@@ -115,6 +115,36 @@ def test_step_inputs(engine, ids, labels, lr) -> None:
         assert all(bool(torch.isfinite(t).all()) for t in after.values())
 
 
+runs = st.lists(st.integers(1, 5), min_size=1, max_size=5)  # document lengths: valid rows, cut or spliced below
+
+
+@pytest.fixture(scope="module")
+def packed_engine():
+    """Its own engine: these steps succeed (the shared engine's step count names the checkpoints below)."""
+    e = Engine(CONFIG, compute_dtype=torch.float32, device="cpu")
+    yield e
+    e.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.one_of(tensors, junk, st.lists(st.lists(st.integers(-2, 6), min_size=6, max_size=6), min_size=2,
+                                         max_size=2).map(torch.tensor),
+                 st.tuples(runs, runs).map(lambda r: torch.stack([torch.cat([torch.arange(n) for n in row])[:6]
+                                                                  for row in r]) if all(sum(x) >= 6 for x in r)
+                                           else torch.zeros(2, 6, dtype=torch.long))))
+def test_step_position_ids(packed_engine, position_ids) -> None:
+    engine = packed_engine
+    ids = torch.arange(12).reshape(2, 6) % CONFIG.vocab_size
+    before = engine.state_dict()
+    loss = _expect_refusal_or_success(lambda: engine.step(ids, ids, position_ids=position_ids))
+    after = engine.state_dict()
+    if loss is None:
+        assert all(torch.equal(before[k], after[k]) for k in before), "a refused step changed the weights"
+    else:
+        assert all(bool(torch.isfinite(t).all()) for t in after.values())
+    _expect_refusal_or_success(lambda: engine.logits(ids, position_ids=position_ids))
+
+
 def _snapshot(root) -> dict[str, bytes]:
     out = {}
     for dirpath, _, names in os.walk(root):
