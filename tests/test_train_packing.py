@@ -77,6 +77,13 @@ def test_bad_packing_combinations_are_one_line(tmp_path, capsys):
     out = tmp_path / "run"
     assert train.main(["--out", str(out), "--data", str(tmp_path / "tokens.bin"), "--packing", "none"] + FAST) == 2
     assert "tokens.bin is one document" in _one_error_line(capsys)
+    np.save(tmp_path / "one.npy", np.arange(500) % 250)
+    assert train.main(["--out", str(out), "--data", str(tmp_path / "one.npy"), "--packing", "none"] + FAST) == 2
+    assert "one.npy is one document" in _one_error_line(capsys)
+    np.save(tmp_path / "rows.npy", (np.arange(500) % 250).reshape(10, 50))  # 2-D: a document per row, fine
+    assert train.main(["--out", str(tmp_path / "rows"), "--data", str(tmp_path / "rows.npy"), "--packing", "none",
+                       "--steps", "1"] + FAST) == 0
+    capsys.readouterr()
     assert train.main(["--out", str(out), "--packing", "sideways"] + FAST) == 2
     assert "invalid choice: 'sideways'" in _one_error_line(capsys)
     assert not out.exists()

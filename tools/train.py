@@ -171,11 +171,11 @@ class Run:
         documents = corpus.documents()
         mode = packing.resolve_mode(self.config.packing, next(documents, None))
         documents.close()
-        bins = [f for f in corpus.files if f.endswith(".bin")]
-        if mode == "none" and bins:
-            raise TrainConfigError(f"packing: none makes one row of each document, and {bins[0]} is one document "
-                                   f"(a .bin file is a single token stream): it would train on its first seq_len "
-                                   f"tokens only; use --packing concat or documents")
+        streams = [f for f in corpus.files if f.endswith(".bin") or f.endswith(".npy") and _is_1d_npy(f)]
+        if mode == "none" and streams:
+            raise TrainConfigError(f"packing: none makes one row of each document, and {streams[0]} is one document "
+                                   f"(a single token stream): it would train on its first seq_len tokens only; use "
+                                   f"--packing concat or documents")
         return mode
 
     def _run(self, setup: Setup) -> int:
@@ -516,6 +516,13 @@ def _next_batch(batch_iter: Iterator[packing.Batch]) -> packing.Batch:
     if batch is None:
         raise TrainConfigError("data: no tokens to train on (the data is empty); check --data and --text-field")
     return batch
+
+
+def _is_1d_npy(path: str) -> bool:
+    """A pre-tokenized .npy of one dimension is one document (checked readable by Corpus.check_token_ids)."""
+    import numpy as np
+
+    return np.load(path, mmap_mode="r", allow_pickle=False).ndim == 1
 
 
 def _checkpoint_root(path: str) -> str:
