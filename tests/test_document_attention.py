@@ -214,3 +214,32 @@ def test_attention_stays_within_documents_for_random_lengths(case) -> None:
     expected_grads = torch.autograd.grad(expected, (q, k, v), dy)
     for g, e in zip(grads, expected_grads):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)
+    with Engine(config, plan=Plan(micro_batch_size=2), compute_dtype=torch.float32, device="cpu", seed=7) as engine:
+        yield engine
+
+
+@settings(max_examples=15, deadline=None)
+@given(case=packed_rows(), seed=st.integers(0, 2**16))
+def test_a_packed_row_is_its_documents_alone_for_random_lengths(tiny_engine, case, seed) -> None:
+    """The engine's logits of packed rows against its own logits of each document as a row of its own, and the
+    packed step's loss against the documents' losses combined by their token counts (1e-6)."""
+    rows = case[0]
+    ids, labels, positions, docs = _packed(rows, 64, seed=seed)
+    packed = tiny_engine.logits(ids, position_ids=positions)
+    total, count = 0.0, 0
+    for r, row_docs in enumerate(docs):
+        alone = torch.cat([tiny_engine.logits(d[None])[0] for d in row_docs])
+        torch.testing.assert_close(packed[r], alone, rtol=0, atol=1e-5)
+        for d, logits in zip(row_docs, torch.split(alone, [len(d) for d in row_docs])):
+            if len(d) > 1:
+                total += torch.nn.functional.cross_entropy(logits[:-1].double(), d[1:], reduction="sum").item()
+                count += len(d) - 1
+    if count:  # lr=0: the step leaves the weights as they are
+        loss = tiny_engine.step(ids, labels, position_ids=positions, lr=0.0).item()
+        assert abs(loss - total / count) <= 1e-6, (loss, total / count)
