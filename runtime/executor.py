@@ -31,7 +31,7 @@ from .activation_checkpoints import DeviceCheckpoints, HostCheckpoints
 from .cpu_adamw import AdamHyper, AdamJob, AdamWorker
 from .event_log import EventLog
 from .grad_buffers import GradBuffers
-from .head_loss import chunked_logits, head_forward_backward
+from .head_loss import chunked_logits, head_forward_backward, head_loss
 from .host_store import HostStore
 from .rope import inverse_frequencies, rotary_tables
 from .step_schedule import Load, evaluation_schedule, training_schedule
@@ -273,6 +273,35 @@ class Executor:
         return self._rope[key]
 
     # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, batch: Batch) -> torch.Tensor:
+        """The mean loss over ``batch`` with the current weights; returns a device scalar (no sync).
+
+        The forward of ``train_step`` (the same micro-batches, blocks and loss chunks, so the same bits as the
+        loss a step on this batch reports) on the evaluation load sequence; nothing of the training state
+        changes: no gradient, no update, no step count, no activation checkpoint, no timing.
+        """
+        s = self.evaluation
+        cos, sin = self._rotary(batch.input_ids.shape[1])
+        # Each load waits for its block's latest update (step_no), as the next step's would: no global wait.
+        self.loader.start(self.step_no + 1, s.loads)
+        with self.loader.resident(s.embed) as params:
+            x = [self.templates.run(BlockKind.EMBED, params, batch.input_ids[rows]) for rows in batch.micro]
+        for load in s.layers:
+            with self.loader.resident(load) as params:
+                for m in range(len(batch.micro)):
+                    x[m] = self.templates.run(BlockKind.LAYER, params, x[m], cos, sin)
+        with self.loader.resident_together(s.head_loads) as held:
+            head_params = held[0]
+            lm_weight = s.lm_weight(held)
+            norm_params = {k: v for k, v in head_params.items() if k.startswith("norm.")}
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+            for m, rows in enumerate(batch.micro):
+                loss = loss + head_loss(lambda p, h: self.templates.run(BlockKind.HEAD, {**head_params, **p}, h),
+                                        norm_params, lm_weight, x[m], batch.labels[rows], batch.n_tokens,
+                                        self.plan.loss_chunk_tokens)
+        return loss
+
     @torch.no_grad()
     def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [B, S] on the device -> logits [B, S, vocab] fp32 (materialised: for evaluation)."""
