@@ -34,8 +34,8 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from megatrain.planner.workload import Workload, WorkloadError
     from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig, training_checkpoint
 
-    from . import lr_schedule, metric_sinks, metrics, model_source, packing, run_dir, tokenizer as tokenizers, \
-        train_config
+    from . import data_order, evaluation, export, lr_schedule, metric_sinks, metrics, model_source, run_dir, \
+        tokenizer as tokenizers, train_config
     from .data import Corpus
     from .plot import plot
     from .progress import Progress
@@ -85,6 +85,9 @@ class Pending:
     lr: float
     tokens: int               # tokens predicted in this step (labels not -100 after the shift)
     breakdown: dict[str, float] | None = None   # the engine's step breakdown, on the steps that read it
+    epoch: float = 0.0        # the data's epoch after this step's batch (data_order.TrainingData.epoch)
+    evaluation: dict[str, Any] | None = None    # eval_loss, ... when the eval set was evaluated after this step
+    finished_at: float | None = None            # when the step was known done (set before an evaluation)
 
 
 @dataclass
@@ -111,6 +114,8 @@ class Setup:
     corpus: Corpus
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]]   # the first batch (already read) included
     plan: Plan
+    data: data_order.TrainingData                          # the data position, the epoch
+    evals: evaluation.EvalSet | None
 
 
 class Run:
@@ -135,6 +140,7 @@ class Run:
         self.start_step = 0
         self.rows_done = 0
         self.tokens_done = 0
+        self.data_state: dict[str, Any] | None = None  # the data position a resumed checkpoint kept
 
     def execute(self) -> int:
         return self._run(self._setup())
@@ -156,12 +162,18 @@ class Run:
         corpus = Corpus(c.data, tokenizer, c.text_field, c.token_dtype, c.train_on)
         corpus.check_token_ids(model.vocab_size)
         metric_sinks.check(c)
-        rows = packing.pack(packing.repeat_epochs(corpus.documents), c.seq_len, tokenizer.separator_id)
-        batches = packing.batches(rows, c.batch, skip_rows=self.rows_done)
+        addresses = corpus.addresses()
+        numbers, held_out = data_order.split(len(addresses), c.eval_fraction, c.seed)
+        position = (data_order.TrainingData.resumed_position(self.data_state, len(numbers)) if self.data_state
+                    else data_order.Position(0, self.rows_done, self.rows_done))
+        data = data_order.TrainingData(corpus, addresses, numbers, c.seq_len, c.batch, tokenizer.separator_id,
+                                       c.seed, c.shuffle, position)
+        batches = data.batches()
         first = _next_batch(batches)  # the data yields a batch: checked before anything is written
+        evals = evaluation.eval_set(c, corpus, addresses, held_out, tokenizer.separator_id, model.vocab_size)
         plan = self._choose_plan(model, dtype)
         return Setup(own_run, overwrite, device, dtype, model, source, corpus, itertools.chain([first], batches),
-                     plan)
+                     plan, data, evals)
 
     def _run(self, setup: Setup) -> int:
         """Take the run directory (and the spill directory), build the engine, train, write the summary."""
@@ -188,11 +200,12 @@ class Run:
                         self.notes.append(f"dropped {dropped} metrics row(s) after step {self.start_step} "
                                           f"(the run continues from its checkpoint)")
                 self._banner(engine, setup.corpus)
-                loop = TrainingLoop(self, engine)
+                loop = TrainingLoop(self, engine, setup.data, setup.evals)
                 loop.run(setup.batches)
-                return self._finish(engine, loop)
+                summary = self._summary(engine, loop)
             finally:
                 engine.close()
+            return self._finish(summary, loop)  # the engine's memory is free for the export
         finally:
             lock.release()
             # A run that wrote nothing (it stopped before its first step) leaves no directory it made behind.
@@ -216,6 +229,9 @@ class Run:
         if c.spill_dir:
             run_dir.check_writable_dir("spill_dir", c.spill_dir)
         run_dir.refuse_if_running(out)
+        if c.export_on_finish:  # checked now, not after the training
+            run_dir.check_writable_dir("export_on_finish", c.export_on_finish)
+            export.check_target(c.export_on_finish, {"out": out, "spill_dir": c.spill_dir}, "export_on_finish")
         own_run = self.resumed is not None and self.resumed.run is not None and _same_dir(self.resumed.run, out)
         if own_run:
             if overwrite:
@@ -268,6 +284,9 @@ class Run:
             raise TrainConfigError(f"resume: {path} is not inside a run directory (RUN/checkpoints/step-N); pass "
                                    f"--out to say where the resumed run writes")
         saved = {k: v for k, v in extra["train_config"].items() if k not in ("out", "resume")}
+        if "data" not in extra:  # a run from before the data order was kept trained in corpus order
+            saved.setdefault("shuffle", False)
+        self.data_state = extra.get("data")
         changes = train_config.resume_changes(saved, given)
         merged = dict(saved)
         merged.update(given)
@@ -363,16 +382,24 @@ class Run:
               f"output: {self.out}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ finish
-    def _finish(self, engine: Engine, loop: "TrainingLoop") -> int:
-        """The summary (summary.json, the plot, the lines on stderr); returns the exit status."""
-        c = self.config
+    def _summary(self, engine: Engine, loop: "TrainingLoop") -> dict[str, Any]:
         engine.synchronize()
-        summary = metrics.summarize(loop.records, engine.num_parameters, loop.peak, engine.device, {
+        return metrics.summarize(loop.records, engine.num_parameters, loop.peak, engine.device, {
             "peak_source": loop.peak_source, "out": os.path.abspath(self.out), "metrics": loop.metrics_path,
             "checkpoint": f"{loop.ckpt_root} (step {loop.saved_at})" if loop.saved_at is not None else "none",
             "trace": loop.tracer.describe() if loop.tracer is not None else None,
             "exit_code": loop.exit_code, "notes": self.notes,
         })
+
+    def _finish(self, summary: dict[str, Any], loop: "TrainingLoop") -> int:
+        """The export, the plot, summary.json and the lines on stderr; returns the exit status."""
+        c = self.config
+        if c.export_on_finish and loop.exit_code == 0:
+            summary["export"], failure = export.export_run(loop.ckpt_root, c.export_on_finish, c.export_dtype)
+            if failure:
+                print(f"megatrain-train: error: {failure}", file=sys.stderr)
+                self.notes.append(failure)
+                summary["exit_code"] = loop.exit_code = 1
         summary["plot"] = plot(metrics.read_metrics(loop.metrics_path), os.path.join(self.out, "training.png")) \
             if c.plot else "off (--no-plot)"
         metrics.write_summary(os.path.join(self.out, "summary.json"), summary)
@@ -388,10 +415,12 @@ class TrainingLoop:
     On a GPU a step's loss is read one step later (``Pending``), so the device never waits for the host.
     """
 
-    def __init__(self, run: Run, engine: Engine) -> None:
+    def __init__(self, run: Run, engine: Engine, data: data_order.TrainingData,
+                 evals: evaluation.EvalSet | None) -> None:
         c = run.config
         self.config = c
         self.engine = engine
+        self.data, self.evals = data, evals
         self.start_step = run.start_step
         self.rows_done = run.rows_done       # data position and tokens predicted, saved with each checkpoint
         self.tokens_done = run.tokens_done
@@ -431,9 +460,12 @@ class TrainingLoop:
                     loss = engine.step(ids, labels, lr=lr)
                     breakdown = engine.last_step_breakdown if timed else None
                     launched = Pending(step, loss, engine.grad_norm, lr, int((labels[:, 1:] != -100).sum()),
-                                       breakdown)
+                                       breakdown, self.data.epoch)
                     self._flush(log, progress)
                     self.pending = launched
+                    if self.evals is not None and not interrupt.requested and (
+                            step == c.total_steps or (c.eval_every and step % c.eval_every == 0)):
+                        self._evaluate(launched, progress)
                     if engine.device.type != "cuda":  # a CPU step is done when step() returns: no lag to gain
                         self._flush(log, progress)
                     if self.tracer is not None:
@@ -463,7 +495,7 @@ class TrainingLoop:
             return
         loss = float(p.loss.item())
         now = time.perf_counter()
-        dt = now - self.last_time
+        dt = (p.finished_at or now) - self.last_time  # an evaluation after the step is not the step's time
         self.last_time = now
         self.tokens_done += p.tokens
         tps = p.tokens / dt if dt > 0 else 0.0
@@ -475,8 +507,10 @@ class TrainingLoop:
             "elapsed_s": now - self.started, "model_tflops": tflops,
             "mfu": tflops / self.peak if self.peak else None,
             "gpu_memory_bytes": metrics.gpu_peak_bytes(self.engine.device),
-            "host_memory_bytes": metrics.host_peak_bytes(),
+            "host_memory_bytes": metrics.host_peak_bytes(), "epoch": p.epoch,
         }
+        if p.evaluation is not None:
+            record.update(p.evaluation)
         if p.breakdown is not None:
             record["breakdown"] = p.breakdown
         self.records.append(record)
@@ -484,8 +518,17 @@ class TrainingLoop:
         self.sink.log(p.step, record)
         progress.update(record)
 
+    def _evaluate(self, p: Pending, progress: Progress) -> None:
+        """The eval set's loss with the weights after step p (the step's own time measured first)."""
+        assert self.evals is not None
+        p.loss.item()  # waits for the step on a GPU
+        p.finished_at = time.perf_counter()
+        p.evaluation = self.evals.evaluate(self.engine)
+        progress.message(evaluation.describe(p.step, p.evaluation))
+
     def _save(self, step: int, blocking: bool) -> None:
         extra = {"step": step, "rows_done": self.rows_done, "tokens_done": self.tokens_done,
+                 "data": self.data.state(),
                  "schedule": self.schedule.to_dict(), "train_config": train_config.absolute_paths(self.config),
                  "torch_rng": torch.get_rng_state().tolist()}
         handle = self.engine.save_checkpoint(self.ckpt_root, extra=extra, keep=self.config.keep, blocking=blocking)
