@@ -101,4 +101,7 @@ def eval_set(config: TrainConfig, corpus: Corpus, addresses: Addresses, held_out
     if len(held_out):
         return EvalSet(corpus, addresses, held_out, config.seq_len, config.batch, separator_id,
                        f"{len(held_out)} document(s) held out of the training data")
+    if config.eval_every:  # checked here, once a resumed run's options are known
+        raise TrainConfigError(f"eval_every={config.eval_every} but there is no eval set; give --eval-data or "
+                               f"--eval-fraction")
     return None

@@ -142,9 +142,6 @@ class TrainConfig:
         if self.eval_data and self.eval_fraction:
             raise TrainConfigError("eval_data and eval_fraction both given; hold out a fraction of --data or give "
                                    "--eval-data, not both")
-        if self.eval_every and not (self.eval_data or self.eval_fraction):
-            raise TrainConfigError(f"eval_every={self.eval_every} but there is no eval set; give --eval-data or "
-                                   f"--eval-fraction")
         _require(self, "separator_id", self.separator_id >= -1, "must be a token id >= 0 (or -1 for the tokenizer's)")
         _require(self, "out", bool(self.out), "must name an output directory")
         for key in ("data", "eval_data"):
