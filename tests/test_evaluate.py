@@ -31,9 +31,9 @@ def batches(n: int, batch: int = 4, seq: int = 12, seed: int = 0):
     return out
 
 
-def engine(config: ModelConfig, plan: Plan) -> Engine:
+def engine(config: ModelConfig, plan: Plan, dtype: torch.dtype = torch.float32) -> Engine:
     clip = None if plan.optimizer_mode == "eager" else 1.0
-    return Engine(config, OptimizerConfig(lr=3e-3, max_grad_norm=clip), plan=plan, compute_dtype=torch.float32,
+    return Engine(config, OptimizerConfig(lr=3e-3, max_grad_norm=clip), plan=plan, compute_dtype=dtype,
                   device="cpu", seed=7)
 
 
@@ -47,6 +47,13 @@ def test_evaluate_is_bitwise_the_loss_the_step_reports(config, name):
             stepped = e.step(ids, labels)
             assert evaluated.dtype == torch.float32 and evaluated.dim() == 0
             assert torch.equal(evaluated, stepped), (evaluated.item(), stepped.item())
+
+
+def test_evaluate_is_bitwise_the_step_loss_in_bf16_too():
+    with engine(TIED, PLANS["micro-batches, loss chunks, host checkpoints"], torch.bfloat16) as e:
+        for ids, labels in batches(3):
+            evaluated = e.evaluate(ids, labels)
+            assert torch.equal(evaluated, e.step(ids, labels))
 
 
 @pytest.mark.parametrize("name", list(PLANS))

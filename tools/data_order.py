@@ -31,7 +31,7 @@ import torch
 
 from . import packing
 from .data import Addresses, Corpus
-from .train_config import TrainConfigError
+from .train_config import TrainConfig, TrainConfigError
 
 ORDER_SHUFFLED = "splitmix64-argsort-v1"   # a checkpoint names the order its position counts in
 ORDER_IN_CORPUS = "corpus"
@@ -151,3 +151,15 @@ class TrainingData:
             self._started += 1
             if len(doc[0] if isinstance(doc, tuple) else doc):
                 yield doc
+
+
+def training_data(config: TrainConfig, corpus: Corpus, separator_id: int, saved: Mapping[str, Any] | None = None,
+                  rows_done: int = 0) -> tuple[TrainingData, np.ndarray]:
+    """The run's training data from its position (``saved``: a checkpoint's ``state()``), and the held-out
+    document numbers. A checkpoint from before the position was kept gives only ``rows_done`` (corpus order)."""
+    addresses = corpus.addresses()
+    numbers, held_out = split(len(addresses), config.eval_fraction, config.seed)
+    position = (TrainingData.resumed_position(saved, len(numbers)) if saved
+                else Position(0, rows_done, rows_done))
+    return TrainingData(corpus, addresses, numbers, config.seq_len, config.batch, separator_id, config.seed,
+                        config.shuffle, position), held_out

@@ -162,15 +162,10 @@ class Run:
         corpus = Corpus(c.data, tokenizer, c.text_field, c.token_dtype, c.train_on)
         corpus.check_token_ids(model.vocab_size)
         metric_sinks.check(c)
-        addresses = corpus.addresses()
-        numbers, held_out = data_order.split(len(addresses), c.eval_fraction, c.seed)
-        position = (data_order.TrainingData.resumed_position(self.data_state, len(numbers)) if self.data_state
-                    else data_order.Position(0, self.rows_done, self.rows_done))
-        data = data_order.TrainingData(corpus, addresses, numbers, c.seq_len, c.batch, tokenizer.separator_id,
-                                       c.seed, c.shuffle, position)
+        data, held_out = data_order.training_data(c, corpus, tokenizer.separator_id, self.data_state, self.rows_done)
         batches = data.batches()
         first = _next_batch(batches)  # the data yields a batch: checked before anything is written
-        evals = evaluation.eval_set(c, corpus, addresses, held_out, tokenizer.separator_id, model.vocab_size)
+        evals = evaluation.eval_set(c, corpus, data.addresses, held_out, tokenizer.separator_id, model.vocab_size)
         plan = self._choose_plan(model, dtype)
         return Setup(own_run, overwrite, device, dtype, model, source, corpus, itertools.chain([first], batches),
                      plan, data, evals)
