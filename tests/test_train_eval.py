@@ -156,3 +156,19 @@ def test_export_on_finish_writes_a_directory_transformers_loads(tmp_path):
                                      return_tensors="pt", return_dict=True)
     generated = hf.generate(**prompt, max_new_tokens=3, min_new_tokens=3, do_sample=False)
     assert generated.shape[1] == prompt["input_ids"].shape[1] + 3
+
+
+def test_a_failed_export_keeps_the_run_and_says_how_to_export(tmp_path, capsys, monkeypatch):
+    from megatrain.tools import export
+
+    def full_disk(source, out, dtype="bf16", say=None):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export, "export", full_disk)
+    out = tmp_path / "run"
+    assert train.main(["--out", str(out), "--steps", "2", "--export-on-finish", str(tmp_path / "model")] + FAST) == 1
+    err = capsys.readouterr().err
+    assert "export to" in err and "No space left on device" in err and "megatrain-export" in err
+    assert os.path.isdir(out / "checkpoints" / "step-00000002") and not (tmp_path / "model").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["exit_code"] == 1 and summary["export"].startswith("failed")

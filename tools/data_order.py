@@ -110,6 +110,10 @@ class TrainingData:
         self.epoch = float(position.epoch)
         self._started = 0  # documents of the current epoch handed to packing
 
+    def describe(self) -> str:
+        order = f"shuffled by seed {self.seed} each epoch" if self.shuffle else "in corpus order"
+        return f"{self.corpus.describe()} ({len(self.numbers):,} training documents, {order})"
+
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps: the position, the document count and the order it counts in."""
         return {**self.position.to_dict(), "documents": len(self.numbers),

@@ -43,6 +43,9 @@ class EvalSet:
             raise TrainConfigError(f"eval: the eval set ({where}) holds {tokens} token(s) with separators, less than "
                                    f"one row of --seq-len {seq_len}; give more eval data or a larger --eval-fraction")
 
+    def describe(self) -> str:
+        return f"; eval set: {self.where}"
+
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         rows = packing.pack(self._documents(), self.seq_len, self.separator_id)
         while group := [row for _, row in zip(range(self.batch), rows)]:

@@ -194,7 +194,7 @@ class Run:
                     if dropped:
                         self.notes.append(f"dropped {dropped} metrics row(s) after step {self.start_step} "
                                           f"(the run continues from its checkpoint)")
-                self._banner(engine, setup.corpus)
+                self._banner(engine, setup)
                 loop = TrainingLoop(self, engine, setup.data, setup.evals)
                 loop.run(setup.batches)
                 summary = self._summary(engine, loop)
@@ -369,10 +369,10 @@ class Run:
         return plan
 
     # ------------------------------------------------------------------ training
-    def _banner(self, engine: Engine, corpus: Corpus) -> None:
+    def _banner(self, engine: Engine, setup: Setup) -> None:
         c = self.config
         print(f"megatrain-train: {engine.num_parameters / 1e6:.2f}M parameters ({self.model_description}) on "
-              f"{engine.device} in {_dtype_name(engine.compute_dtype)}; data: {corpus.describe()}; "
+              f"{engine.device} in {_dtype_name(engine.compute_dtype)}; data: {setup.data.describe()}{setup.evals.describe() if setup.evals else ''}; "
               f"{c.total_steps} steps of {c.batch} x {c.seq_len} tokens; plan: {self.plan_description}; "
               f"output: {self.out}", file=sys.stderr, flush=True)
 
