@@ -6,8 +6,9 @@
     megatrain-train --config run.toml --steps 2000    # the same keys in a TOML file; the command line wins
     megatrain-train --resume run1                     # continue where run1 stopped (its settings, plus yours)
 
-Writes OUT/metrics.jsonl (one line per step), OUT/summary.json, OUT/checkpoints/, OUT/training.png
-(with matplotlib) and OUT/trace.json (--trace). OUT must be new or empty (--overwrite replaces an
+Writes OUT/metrics.jsonl (one line per step, with the held-out loss after each evaluation), OUT/summary.json,
+OUT/checkpoints/, OUT/training.png (with matplotlib), OUT/trace.json (--trace) and, with --export-on-finish DIR,
+a Hugging Face directory DIR at the end. The data order is tools/data_order.py's; evaluation tools/evaluation.py's. OUT must be new or empty (--overwrite replaces an
 earlier run's files; --resume continues it, in its own directory); see tools/run_dir.py. Ctrl-C saves
 a checkpoint and exits with status 130 (also during start-up, with nothing written yet); a second
 Ctrl-C exits at once. A bad option or input: one line on stderr, status 2, before anything is written.
