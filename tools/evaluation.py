@@ -34,14 +34,18 @@ class EvalSet:
         self.corpus, self.addresses, self.numbers = corpus, addresses, numbers
         self.seq_len, self.batch, self.separator_id = seq_len, batch, separator_id
         self.where = where  # for people: "--eval-data FILE" or "N documents held out of --data"
-        tokens = 0
-        for doc in self._documents():  # read until one full row is there (not the whole set)
+        tokens, labelled = 0, False
+        for doc in self._documents():  # read until one full row and a labelled token are there (not the whole set)
             tokens += len(doc[0] if isinstance(doc, tuple) else doc) + 1
-            if tokens >= seq_len:
+            labelled = labelled or not isinstance(doc, tuple) or bool((doc[1] != packing.IGNORE_INDEX).any())
+            if tokens >= seq_len and labelled:
                 break
         if tokens < seq_len:
             raise TrainConfigError(f"eval: the eval set ({where}) holds {tokens} token(s) with separators, less than "
                                    f"one row of --seq-len {seq_len}; give more eval data or a larger --eval-fraction")
+        if not labelled:
+            raise TrainConfigError(f"eval: no token of the eval set ({where}) is labelled (prompts only); give eval "
+                                   f"data with completions, or --train-on all")
 
     def describe(self) -> str:
         return f"; eval set: {self.where}"
