@@ -139,6 +139,22 @@ class Engine:
                           self.optimizer.skip_nonfinite)
         return self.executor.train_step(batch, hyper)
 
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean loss over ``labels``' predicted tokens with the current weights, as ``step`` computes it
+        (inputs as for ``step``), without training: no gradient, no update, no change to the step count,
+        the optimizer state or the random state. Streams the blocks through the device as a step's forward
+        does and never materialises the full logits. Returns a 0-dim fp32 tensor on the device (no sync).
+
+        The value is the same bits as the loss ``step`` returns for this batch before its update.
+        """
+        self._check_open()
+        batch = self._batch(input_ids, labels, position_ids)
+        if self.plan.workload is not None:
+            self.plan.workload.check_batch(*input_ids.shape)
+        self._report_skipped()
+        return self.executor.evaluate(batch)
+
     @property
     def grad_norm(self) -> torch.Tensor | None:
         """The last step's global gradient norm (before clipping), a device scalar."""

@@ -32,7 +32,7 @@ from .attention import Documents
 from .cpu_adamw import AdamHyper, AdamJob, AdamWorker
 from .event_log import EventLog
 from .grad_buffers import GradBuffers
-from .head_loss import chunked_logits, head_forward_backward
+from .head_loss import chunked_logits, head_forward_backward, head_loss
 from .host_store import HostStore
 from .rope import inverse_frequencies, rotary_tables
 from .step_schedule import Load, evaluation_schedule, training_schedule
@@ -291,6 +291,35 @@ class Executor:
         return [(cos[0][position_ids[rows]], sin[0][position_ids[rows]], docs) for rows, docs in zip(micro, documents)]
 
     # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, batch: Batch) -> torch.Tensor:
+        """The mean loss over ``batch`` with the current weights; returns a device scalar (no sync).
+
+        The forward of ``train_step`` (the same micro-batches, blocks and loss chunks, so the same bits as the
+        loss a step on this batch reports) on the evaluation load sequence; nothing of the training state
+        changes: no gradient, no update, no step count, no activation checkpoint, no timing.
+        """
+        s = self.evaluation
+        positions = self._positions(batch.input_ids.shape[1], batch.micro, batch.position_ids, batch.documents)
+        # Each load waits for its block's latest update (step_no), as the next step's would: no global wait.
+        self.loader.start(self.step_no + 1, s.loads)
+        with self.loader.resident(s.embed) as params:
+            x = [self.templates.run(BlockKind.EMBED, params, batch.input_ids[rows]) for rows in batch.micro]
+        for load in s.layers:
+            with self.loader.resident(load) as params:
+                for m in range(len(batch.micro)):
+                    x[m] = self.templates.run(BlockKind.LAYER, params, x[m], *positions[m])
+        with self.loader.resident_together(s.head_loads) as held:
+            head_params = held[0]
+            lm_weight = s.lm_weight(held)
+            norm_params = {k: v for k, v in head_params.items() if k.startswith("norm.")}
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+            for m, rows in enumerate(batch.micro):
+                loss = loss + head_loss(lambda p, h: self.templates.run(BlockKind.HEAD, {**head_params, **p}, h),
+                                        norm_params, lm_weight, x[m], batch.labels[rows], batch.n_tokens,
+                                        self.plan.loss_chunk_tokens)
+        return loss
+
     @torch.no_grad()
     def forward_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                        documents: Documents | None = None) -> torch.Tensor:

@@ -75,6 +75,30 @@ def head_forward_backward(
     return HeadGrads(loss.float(), grads[0], dict(zip(leaves.keys(), grads[1:])))
 
 
+def head_loss(
+    norm: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor],
+    norm_params: dict[str, torch.Tensor],
+    lm_weight: torch.Tensor,
+    x: torch.Tensor,
+    labels: torch.Tensor,
+    n_tokens: torch.Tensor,
+    chunk: int,
+) -> torch.Tensor:
+    """The loss of ``head_forward_backward`` alone (evaluation): the same operations, chunks and sums in the
+    same order, so the value is the same bits; no gradient, and still never the full logits."""
+    flat = norm(norm_params, x).reshape(-1, x.shape[-1])  # [T, hidden]
+    flat_labels = labels.reshape(-1)
+    loss: torch.Tensor | None = None
+    for start in range(0, flat.shape[0], chunk):
+        end = min(start + chunk, flat.shape[0])
+        logits = F.linear(flat[start:end], lm_weight)  # [c, vocab]
+        part = F.cross_entropy(logits.float(), flat_labels[start:end], ignore_index=IGNORE_INDEX,
+                               reduction="sum") / n_tokens
+        loss = part.double() if loss is None else loss + part.double()
+    assert loss is not None
+    return loss.float()
+
+
 def chunked_logits(flat: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch.Tensor:
     """flat: [T, hidden] -> [T, vocab] (evaluation only: materialises the logits the caller asked for)."""
     return torch.cat([F.linear(flat[s:s + chunk], weight) for s in range(0, flat.shape[0], chunk)])

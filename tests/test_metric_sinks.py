@@ -35,6 +35,16 @@ def test_tensorboard_scalars_equal_the_records(tmp_path):
     assert scalars["train/tokens"] == [(s, 64 * s) for s in range(1, 5)]
 
 
+def test_evaluation_fields_are_eval_scalars(tmp_path):
+    sink = metric_sinks.open(TrainConfig(log_to="tensorboard"), str(tmp_path))
+    sink.log(1, records([1])[0])
+    sink.log(2, {**records([2])[0], "eval_loss": 3.5, "eval_perplexity": 33.0, "eval_tokens": 640})
+    sink.close()
+    scalars = read_scalars(tmp_path / "tensorboard")
+    assert scalars["eval/loss"] == [(2, 3.5)] and scalars["eval/perplexity"] == [(2, 33.0)]
+    assert scalars["eval/tokens"] == [(2, 640)] and "train/eval_loss" not in scalars
+
+
 def test_a_resume_drops_the_events_after_its_step(tmp_path):
     sink = metric_sinks.open(TrainConfig(log_to="tensorboard"), str(tmp_path))
     for r in records(range(1, 6)):

@@ -77,7 +77,7 @@ def export(source: str, out: str, dtype: str = "bf16", say: Any = None) -> list[
 
     if dtype not in DTYPES:
         raise ExportError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    _check_out(out)
+    check_out(out)
     if not os.path.exists(source):
         raise ExportError(f"{source} does not exist; pass a megatrain-train --out directory or one of its "
                           f"checkpoints")
@@ -101,7 +101,7 @@ def export(source: str, out: str, dtype: str = "bf16", say: Any = None) -> list[
         for name, src in copies.items():
             shutil.copyfile(src, os.path.join(staging, name))
         written = sorted(os.listdir(staging))
-        _check_out(out)  # nothing appeared there meanwhile
+        check_out(out)  # nothing appeared there meanwhile
         if os.path.isdir(out):
             os.rmdir(out)  # empty: checked just above
         os.rename(staging, out)
@@ -119,7 +119,33 @@ def export(source: str, out: str, dtype: str = "bf16", say: Any = None) -> list[
     return written
 
 
-def _check_out(out: str) -> None:
+def check_target(out: str, holds: dict[str, str], option: str) -> None:
+    """``out`` may receive an export once a run ends: new or empty, and not a directory that will hold one of
+    ``holds`` (option -> path: the run directory, its spill directory), which would no longer be empty then."""
+    try:
+        check_out(out)
+    except ExportError as e:
+        raise ExportError(f"{option}: {e}") from None
+    target = os.path.realpath(out).rstrip(os.sep) + os.sep
+    for name, path in holds.items():
+        if path and (os.path.realpath(path) + os.sep).startswith(target):
+            raise ExportError(f"{option}: {out} would hold --{name.replace('_', '-')} {path}, and an export goes only "
+                              f"into a new or empty directory; name another")
+
+
+def export_run(checkpoints: str, out: str, dtype: str) -> tuple[str, str | None]:
+    """``export`` at the end of a training run: (where it went, None), or (what failed, the one line saying so)."""
+    try:
+        export(checkpoints, out, dtype)
+    except (MegatrainError, OSError) as e:
+        line = (f"export to {out} failed ({str(e).splitlines()[0]}); the run's checkpoints are in {checkpoints}: "
+                f"megatrain-export {checkpoints} NEW_DIR")
+        return f"failed: {line}", line
+    return out, None
+
+
+def check_out(out: str) -> None:
+    """``out`` may receive an export: it does not exist, or is an empty directory. Writes nothing."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise ExportError(f"{out} is a file; name a new or empty directory for the export")
     if os.path.isdir(out) and os.listdir(out):

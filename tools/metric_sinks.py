@@ -7,7 +7,7 @@
 ``check(config)`` says in one line what is missing before anything is written (the training
 command calls it with the other input checks). TensorBoard: the ``tensorboard`` package's event
 files under ``OUT/tensorboard`` (``tensorboard --logdir OUT``), every number of the record as a
-scalar ``train/<name>``; a resumed run purges the events after its checkpoint's step, as it does
+scalar ``train/<name>`` (an evaluation's ``eval_<name>`` as ``eval/<name>``); a resumed run purges the events after its checkpoint's step, as it does
 the rows of metrics.jsonl.
 """
 from __future__ import annotations
@@ -50,7 +50,8 @@ class TensorBoardSink:
             if name == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             if math.isfinite(value):
-                self._writer.add_scalar(f"train/{name}", value, global_step=step)
+                tag = f"eval/{name[len('eval_'):]}" if name.startswith("eval_") else f"train/{name}"
+                self._writer.add_scalar(tag, value, global_step=step)
 
     def close(self) -> None:
         self._writer.close()

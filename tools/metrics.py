@@ -114,7 +114,12 @@ def summarize(records: list[dict[str, Any]], num_parameters: int, peak_tflops: f
         "device": str(device),
         "gpu_peak_bytes": gpu_peak_bytes(device),
         "host_peak_bytes": host_peak_bytes(),
+        "epoch": records[-1].get("epoch") if records else None,
     }
+    evaluated = [r for r in records if "eval_loss" in r]
+    if evaluated:  # the last evaluation of this invocation
+        out.update({k: evaluated[-1][k] for k in ("eval_loss", "eval_perplexity", "eval_tokens")},
+                   eval_step=evaluated[-1]["step"])
     out.update(extra)
     return out
 
@@ -123,6 +128,8 @@ def format_summary(s: Mapping[str, Any]) -> str:
     lines = [
         f"trained steps {s['first_step']}-{s['steps']} ({s['tokens_trained']:,} tokens in all): loss "
         f"{s['first_loss']:.4f} -> {s['last_loss']:.4f}" if s["first_loss"] is not None else "trained no steps",
+        *([f"eval         loss {s['eval_loss']:.4f}, perplexity {s['eval_perplexity']:.4g} at step {s['eval_step']} "
+           f"({s['eval_tokens']:,} tokens held out)"] if s.get("eval_loss") is not None else []),
         f"throughput   {s['tokens_per_second']:,.0f} tokens/s, {s['model_tflops']:.4g} model TFLOP/s "
         f"(6 x {s['num_parameters']:,} params x tokens/s)",
         f"MFU          " + (f"{100 * s['mfu']:.1f}% of {s['peak_tflops']:g} TFLOP/s" if s["mfu"] is not None
@@ -137,6 +144,8 @@ def format_summary(s: Mapping[str, Any]) -> str:
     ]
     if s.get("trace"):
         lines.append(f"  trace      {s['trace']}")
+    if s.get("export"):
+        lines.append(f"  export     {s['export']}")
     return "\n".join(lines)
 
 

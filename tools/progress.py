@@ -46,7 +46,12 @@ def format_seconds(s: float) -> str:
 
 def describe(m: Mapping[str, Any]) -> str:
     """The fields of one metrics record a person wants to see, in one short line."""
-    parts = [f"loss {m['loss']:.4f}", f"{m['tokens_per_second']:,.0f} tok/s"]
+    parts = [f"loss {m['loss']:.4f}"]
+    if m.get("eval_loss") is not None:
+        parts.append(f"eval {m['eval_loss']:.4f}")
+    if m.get("epoch") is not None:
+        parts.append(f"epoch {m['epoch']:.2f}")
+    parts.append(f"{m['tokens_per_second']:,.0f} tok/s")
     if m.get("mfu") is not None:
         parts.append(f"MFU {100 * m['mfu']:.1f}%")
     parts.append(f"lr {m['lr']:.2e}")

@@ -6,8 +6,9 @@
     megatrain-train --config run.toml --steps 2000    # the same keys in a TOML file; the command line wins
     megatrain-train --resume run1                     # continue where run1 stopped (its settings, plus yours)
 
-Writes OUT/metrics.jsonl (one line per step), OUT/summary.json, OUT/checkpoints/, OUT/training.png
-(with matplotlib) and OUT/trace.json (--trace). OUT must be new or empty (--overwrite replaces an
+Writes OUT/metrics.jsonl (one line per step, with the held-out loss after each evaluation), OUT/summary.json,
+OUT/checkpoints/, OUT/training.png (with matplotlib), OUT/trace.json (--trace) and, with --export-on-finish DIR,
+a Hugging Face directory DIR at the end. The data order is tools/data_order.py's; evaluation tools/evaluation.py's. OUT must be new or empty (--overwrite replaces an
 earlier run's files; --resume continues it, in its own directory); see tools/run_dir.py. Ctrl-C saves
 a checkpoint and exits with status 130 (also during start-up, with nothing written yet); a second
 Ctrl-C exits at once. A bad option or input: one line on stderr, status 2, before anything is written.
@@ -34,8 +35,8 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from megatrain.planner.workload import Workload, WorkloadError
     from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig, training_checkpoint
 
-    from . import lr_schedule, metric_sinks, metrics, model_source, packing, run_dir, tokenizer as tokenizers, \
-        train_config
+    from . import data_order, evaluation, export, lr_schedule, metric_sinks, metrics, model_source, run_dir, \
+        tokenizer as tokenizers, train_config
     from .data import Corpus
     from .plot import plot
     from .progress import Progress
@@ -85,6 +86,9 @@ class Pending:
     lr: float
     tokens: int               # tokens predicted in this step (labels not -100 after the shift)
     breakdown: dict[str, float] | None = None   # the engine's step breakdown, on the steps that read it
+    epoch: float = 0.0        # the data's epoch after this step's batch (data_order.TrainingData.epoch)
+    evaluation: dict[str, Any] | None = None    # eval_loss, ... when the eval set was evaluated after this step
+    finished_at: float | None = None            # when the step was known done (set before an evaluation)
 
 
 @dataclass
@@ -111,6 +115,8 @@ class Setup:
     corpus: Corpus
     batches: Iterator[packing.Batch]   # the first batch (already read) included
     plan: Plan
+    data: data_order.TrainingData                          # the data position, the epoch
+    evals: evaluation.EvalSet | None
 
 
 class Run:
@@ -136,6 +142,7 @@ class Run:
         self.rows_done = 0
         self.tokens_done = 0
         self.packing = "concat"  # --packing resolved against the data (see _setup)
+        self.data_state: dict[str, Any] | None = None  # the data position a resumed checkpoint kept
 
     def execute(self) -> int:
         return self._run(self._setup())
@@ -157,26 +164,16 @@ class Run:
         corpus = Corpus(c.data, tokenizer, c.text_field, c.token_dtype, c.train_on)
         corpus.check_token_ids(model.vocab_size)
         metric_sinks.check(c)
-        self.packing = self._packing_mode(corpus)
-        rows = packing.pack(packing.repeat_epochs(corpus.documents), c.seq_len, tokenizer.separator_id,
-                            mode=self.packing)
-        batches = packing.batches(rows, c.batch, skip_rows=self.rows_done)
+        self.packing = data_order.packing_mode(c.packing, corpus)
+        data, held_out = data_order.training_data(c, corpus, tokenizer.separator_id, self.data_state, self.rows_done,
+                                                  self.packing)
+        batches = data.batches()
         first = _next_batch(batches)  # the data yields a batch: checked before anything is written
+        evals = evaluation.eval_set(c, corpus, data.addresses, held_out, tokenizer.separator_id, model.vocab_size,
+                                    self.packing)
         plan = self._choose_plan(model, dtype)
         return Setup(own_run, overwrite, device, dtype, model, source, corpus, itertools.chain([first], batches),
-                     plan)
-
-    def _packing_mode(self, corpus: Corpus) -> str:
-        """--packing, with auto decided by the data's first document (chat record: documents; text: concat)."""
-        documents = corpus.documents()
-        mode = packing.resolve_mode(self.config.packing, next(documents, None))
-        documents.close()
-        streams = [f for f in corpus.files if f.endswith(".bin") or f.endswith(".npy") and _is_1d_npy(f)]
-        if mode == "none" and streams:
-            raise TrainConfigError(f"packing: none makes one row of each document, and {streams[0]} is one document "
-                                   f"(a single token stream): it would train on its first seq_len tokens only; use "
-                                   f"--packing concat or documents")
-        return mode
+                     plan, data, evals)
 
     def _run(self, setup: Setup) -> int:
         """Take the run directory (and the spill directory), build the engine, train, write the summary."""
@@ -202,12 +199,13 @@ class Run:
                     if dropped:
                         self.notes.append(f"dropped {dropped} metrics row(s) after step {self.start_step} "
                                           f"(the run continues from its checkpoint)")
-                self._banner(engine, setup.corpus)
-                loop = TrainingLoop(self, engine)
+                self._banner(engine, setup)
+                loop = TrainingLoop(self, engine, setup.data, setup.evals)
                 loop.run(setup.batches)
-                return self._finish(engine, loop)
+                summary = self._summary(engine, loop)
             finally:
                 engine.close()
+            return self._finish(summary, loop)  # the engine's memory is free for the export
         finally:
             lock.release()
             # A run that wrote nothing (it stopped before its first step) leaves no directory it made behind.
@@ -231,6 +229,9 @@ class Run:
         if c.spill_dir:
             run_dir.check_writable_dir("spill_dir", c.spill_dir)
         run_dir.refuse_if_running(out)
+        if c.export_on_finish:  # checked now, not after the training
+            run_dir.check_writable_dir("export_on_finish", c.export_on_finish)
+            export.check_target(c.export_on_finish, {"out": out, "spill_dir": c.spill_dir}, "export_on_finish")
         own_run = self.resumed is not None and self.resumed.run is not None and _same_dir(self.resumed.run, out)
         if own_run:
             if overwrite:
@@ -284,6 +285,9 @@ class Run:
                                    f"--out to say where the resumed run writes")
         saved = {k: v for k, v in extra["train_config"].items() if k not in ("out", "resume")}
         saved.setdefault("packing", "concat")  # a run from before --packing packed its rows end to end
+        if "data" not in extra:  # a run from before the data order was kept trained in corpus order
+            saved.setdefault("shuffle", False)
+        self.data_state = extra.get("data")
         changes = train_config.resume_changes(saved, given)
         merged = dict(saved)
         merged.update(given)
@@ -371,25 +375,33 @@ class Run:
         return plan
 
     # ------------------------------------------------------------------ training
-    def _banner(self, engine: Engine, corpus: Corpus) -> None:
+    def _banner(self, engine: Engine, setup: Setup) -> None:
         c = self.config
         print(f"megatrain-train: {engine.num_parameters / 1e6:.2f}M parameters ({self.model_description}) on "
-              f"{engine.device} in {_dtype_name(engine.compute_dtype)}; data: {corpus.describe()}, packing "
-              f"{self.packing}; "
+              f"{engine.device} in {_dtype_name(engine.compute_dtype)}; data: {setup.data.describe()}, packing "
+              f"{self.packing}{setup.evals.describe() if setup.evals else ''}; "
               f"{c.total_steps} steps of {c.batch} x {c.seq_len} tokens; plan: {self.plan_description}; "
               f"output: {self.out}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ finish
-    def _finish(self, engine: Engine, loop: "TrainingLoop") -> int:
-        """The summary (summary.json, the plot, the lines on stderr); returns the exit status."""
-        c = self.config
+    def _summary(self, engine: Engine, loop: "TrainingLoop") -> dict[str, Any]:
         engine.synchronize()
-        summary = metrics.summarize(loop.records, engine.num_parameters, loop.peak, engine.device, {
+        return metrics.summarize(loop.records, engine.num_parameters, loop.peak, engine.device, {
             "peak_source": loop.peak_source, "out": os.path.abspath(self.out), "metrics": loop.metrics_path,
             "checkpoint": f"{loop.ckpt_root} (step {loop.saved_at})" if loop.saved_at is not None else "none",
             "trace": loop.tracer.describe() if loop.tracer is not None else None,
             "exit_code": loop.exit_code, "notes": self.notes,
         })
+
+    def _finish(self, summary: dict[str, Any], loop: "TrainingLoop") -> int:
+        """The export, the plot, summary.json and the lines on stderr; returns the exit status."""
+        c = self.config
+        if c.export_on_finish and loop.exit_code == 0:
+            summary["export"], failure = export.export_run(loop.ckpt_root, c.export_on_finish, c.export_dtype)
+            if failure:
+                print(f"megatrain-train: error: {failure}", file=sys.stderr)
+                self.notes.append(failure)
+                summary["exit_code"] = loop.exit_code = 1
         summary["plot"] = plot(metrics.read_metrics(loop.metrics_path), os.path.join(self.out, "training.png")) \
             if c.plot else "off (--no-plot)"
         metrics.write_summary(os.path.join(self.out, "summary.json"), summary)
@@ -405,10 +417,12 @@ class TrainingLoop:
     On a GPU a step's loss is read one step later (``Pending``), so the device never waits for the host.
     """
 
-    def __init__(self, run: Run, engine: Engine) -> None:
+    def __init__(self, run: Run, engine: Engine, data: data_order.TrainingData,
+                 evals: evaluation.EvalSet | None) -> None:
         c = run.config
         self.config = c
         self.engine = engine
+        self.data, self.evals = data, evals
         self.start_step = run.start_step
         self.rows_done = run.rows_done       # data position and tokens predicted, saved with each checkpoint
         self.tokens_done = run.tokens_done
@@ -448,9 +462,12 @@ class TrainingLoop:
                     loss = engine.step(ids, labels, lr=lr, position_ids=positions)
                     breakdown = engine.last_step_breakdown if timed else None
                     launched = Pending(step, loss, engine.grad_norm, lr, int((labels[:, 1:] != -100).sum()),
-                                       breakdown)
+                                       breakdown, self.data.epoch)
                     self._flush(log, progress)
                     self.pending = launched
+                    if self.evals is not None and not interrupt.requested and (
+                            step == c.total_steps or (c.eval_every and step % c.eval_every == 0)):
+                        self._evaluate(launched, progress)
                     if engine.device.type != "cuda":  # a CPU step is done when step() returns: no lag to gain
                         self._flush(log, progress)
                     if self.tracer is not None:
@@ -480,7 +497,7 @@ class TrainingLoop:
             return
         loss = float(p.loss.item())
         now = time.perf_counter()
-        dt = now - self.last_time
+        dt = (p.finished_at or now) - self.last_time  # an evaluation after the step is not the step's time
         self.last_time = now
         self.tokens_done += p.tokens
         tps = p.tokens / dt if dt > 0 else 0.0
@@ -492,8 +509,10 @@ class TrainingLoop:
             "elapsed_s": now - self.started, "model_tflops": tflops,
             "mfu": tflops / self.peak if self.peak else None,
             "gpu_memory_bytes": metrics.gpu_peak_bytes(self.engine.device),
-            "host_memory_bytes": metrics.host_peak_bytes(),
+            "host_memory_bytes": metrics.host_peak_bytes(), "epoch": p.epoch,
         }
+        if p.evaluation is not None:
+            record.update(p.evaluation)
         if p.breakdown is not None:
             record["breakdown"] = p.breakdown
         self.records.append(record)
@@ -501,8 +520,17 @@ class TrainingLoop:
         self.sink.log(p.step, record)
         progress.update(record)
 
+    def _evaluate(self, p: Pending, progress: Progress) -> None:
+        """The eval set's loss with the weights after step p (the step's own time measured first)."""
+        assert self.evals is not None
+        p.loss.item()  # waits for the step on a GPU
+        p.finished_at = time.perf_counter()
+        p.evaluation = self.evals.evaluate(self.engine)
+        progress.message(evaluation.describe(p.step, p.evaluation))
+
     def _save(self, step: int, blocking: bool) -> None:
         extra = {"step": step, "rows_done": self.rows_done, "tokens_done": self.tokens_done,
+                 "data": self.data.state(),
                  "schedule": self.schedule.to_dict(), "train_config": train_config.absolute_paths(self.config),
                  "torch_rng": torch.get_rng_state().tolist()}
         handle = self.engine.save_checkpoint(self.ckpt_root, extra=extra, keep=self.config.keep, blocking=blocking)
@@ -516,13 +544,6 @@ def _next_batch(batch_iter: Iterator[packing.Batch]) -> packing.Batch:
     if batch is None:
         raise TrainConfigError("data: no tokens to train on (the data is empty); check --data and --text-field")
     return batch
-
-
-def _is_1d_npy(path: str) -> bool:
-    """A pre-tokenized .npy of one dimension is one document (checked readable by Corpus.check_token_ids)."""
-    import numpy as np
-
-    return np.load(path, mmap_mode="r", allow_pickle=False).ndim == 1
 
 
 def _checkpoint_root(path: str) -> str:

@@ -30,9 +30,10 @@ PACKING_CHOICES = ("auto", "documents", "concat", "none")
 # Options a resumed run cannot change: they define the model, its optimizer state or the data position.
 # The others (lr, steps, save cadence, plan, device, ...) apply from the resume on, and are printed.
 FIXED_ON_RESUME = ("model", "init", "data", "tokenizer", "text_field", "train_on", "token_dtype", "separator_id",
-                   "seq_len", "packing",
-                   "batch", "compute_dtype", "seed", "beta1", "beta2", "weight_decay", "max_grad_norm")
-PATH_KEYS = ("data", "tokenizer", "plan", "spill_dir", "model")
+                   "seq_len", "packing", "batch", "compute_dtype", "seed", "shuffle", "eval_fraction", "beta1",
+                   "beta2", "weight_decay", "max_grad_norm")
+PATH_KEYS = ("data", "eval_data", "tokenizer", "plan", "spill_dir", "model", "export_on_finish")
+EXPORT_DTYPES = ("bf16", "fp32")
 
 
 class TrainConfigError(MegatrainError):
@@ -68,6 +69,13 @@ class TrainConfig:
     packing: str = "auto"
     seq_len: int = 256
     batch: int = 8
+    # A seeded shuffle of the documents every epoch (--no-shuffle: corpus order); see tools/data_order.py.
+    shuffle: bool = True
+    # Held-out evaluation: separate files, or a fraction of --data's documents (by document, fixed by --seed).
+    eval_data: tuple[str, ...] = ()
+    eval_fraction: float = 0.0
+    # Evaluate every N steps (0: only at the end, when there is an eval set).
+    eval_every: int = 0
     lr: float = 2e-3
     # Cosine decay ends at min_lr; -1 means lr / 10.
     min_lr: float = -1.0
@@ -104,13 +112,17 @@ class TrainConfig:
     plot: bool = True
     # Where metrics go besides OUT/metrics.jsonl: "none" or "tensorboard" (OUT/tensorboard; needs tensorboard).
     log_to: str = "none"
+    # At the end of the run, export the model as megatrain-export does into this new or empty directory.
+    export_on_finish: str = ""
+    export_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data", tuple(self.data))
+        object.__setattr__(self, "eval_data", tuple(self.eval_data))
         for name in ("seq_len", "batch", "keep", "log_every"):
             _require(self, name, getattr(self, name) >= 1, "must be >= 1")
         _require(self, "seq_len", self.seq_len >= 2, "must be >= 2 (a token and the one it predicts)")
-        for name in ("steps", "tokens", "save_every", "seed"):
+        for name in ("steps", "tokens", "save_every", "seed", "eval_every"):
             _require(self, name, getattr(self, name) >= 0, "must be >= 0")
         _require(self, "steps", self.steps >= 1 or self.tokens > 0, "must be >= 1 (or set --tokens)")
         _require(self, "lr", self.lr > 0 and math.isfinite(self.lr), "must be a positive number, e.g. 3e-4")
@@ -130,12 +142,19 @@ class TrainConfig:
         _one_of("train_on", self.train_on, TRAIN_ON_CHOICES)
         _one_of("log_to", self.log_to, LOG_TO_CHOICES)
         _one_of("packing", self.packing, PACKING_CHOICES)
+        _one_of("export_dtype", self.export_dtype, EXPORT_DTYPES)
+        _require(self, "eval_fraction", 0 <= self.eval_fraction < 1 and math.isfinite(self.eval_fraction),
+                 "must be in [0, 1): the fraction of the documents held out for evaluation, e.g. 0.05")
+        if self.eval_data and self.eval_fraction:
+            raise TrainConfigError("eval_data and eval_fraction both given; hold out a fraction of --data or give "
+                                   "--eval-data, not both")
         _require(self, "separator_id", self.separator_id >= -1, "must be a token id >= 0 (or -1 for the tokenizer's)")
         _require(self, "out", bool(self.out), "must name an output directory")
-        for path in self.data:
-            if not os.path.exists(path):
-                raise TrainConfigError(f"data: {path} does not exist; pass text, .jsonl, .parquet, .npy or .bin "
-                                       f"files or a directory of them")
+        for key in ("data", "eval_data"):
+            for path in getattr(self, key):
+                if not os.path.exists(path):
+                    raise TrainConfigError(f"{key}: {path} does not exist; pass text, .jsonl, .parquet, .npy or "
+                                           f".bin files or a directory of them")
         if self.tokenizer != "byte" and not os.path.exists(self.tokenizer):
             raise TrainConfigError(f"tokenizer: {self.tokenizer} does not exist; pass a tokenizer.json or 'byte'")
         if self.plan and not os.path.exists(self.plan):
@@ -154,6 +173,7 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["data"] = list(self.data)
+        d["eval_data"] = list(self.eval_data)
         return d
 
 
@@ -177,6 +197,11 @@ HELP: dict[str, str] = {
                "per row, truncated and padded)",
     "seq_len": "tokens per sequence (256)",
     "batch": "sequences per optimizer step (8)",
+    "shuffle": "shuffle the documents every epoch, seeded by --seed (default on; --no-shuffle: corpus order)",
+    "eval_data": "held-out evaluation files or directories (formats as --data)",
+    "eval_fraction": "hold out this fraction of --data's documents for evaluation (by document, chosen by --seed; "
+                     "0: none)",
+    "eval_every": "evaluate every N steps (0: only at the end; needs --eval-data or --eval-fraction)",
     "lr": "peak learning rate (2e-3)",
     "min_lr": "learning rate at the end of the cosine decay (-1: lr / 10)",
     "warmup_steps": "linear warmup steps (-1: 10%% of the steps, at most 1000)",
@@ -196,7 +221,7 @@ HELP: dict[str, str] = {
     "spill_dir": "where spill files go, on a fast local disk (default: OUT/spill)",
     "compute_dtype": "auto (bf16 on a GPU, fp32 on a CPU), bf16 or fp32",
     "device": "auto, cpu or cuda",
-    "seed": "random seed of the initial weights (0)",
+    "seed": "random seed of the initial weights, the shuffle and the held-out split (0)",
     "out": "the run directory: metrics.jsonl, summary.json, checkpoints, plot (megatrain-run); it must be "
            "new or empty (see --resume, --overwrite)",
     "trace": "write a torch.profiler Chrome trace of a few steps to OUT/trace.json",
@@ -204,6 +229,8 @@ HELP: dict[str, str] = {
     "log_every": "with plain progress, one line every N steps (10)",
     "plot": "write OUT/training.png when matplotlib is installed (default on; --no-plot)",
     "log_to": "also log metrics to: none (default) or tensorboard (OUT/tensorboard; needs tensorboard)",
+    "export_on_finish": "at the end, write the model as megatrain-export does into this new or empty directory",
+    "export_dtype": "weight dtype of --export-on-finish: bf16 (default) or fp32",
 }
 
 
@@ -232,13 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + name.replace("_", "-")
         if f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=HELP[name])
-        elif name == "data":
+        elif name in ("data", "eval_data"):
             parser.add_argument(flag, nargs="+", metavar="PATH", help=HELP[name])
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
             choices = {"compute_dtype": COMPUTE_DTYPES, "device": DEVICES, "progress": PROGRESS_STYLES,
                        "token_dtype": TOKEN_DTYPES, "spill": SPILL_CHOICES, "init": INIT_CHOICES,
-                       "train_on": TRAIN_ON_CHOICES, "log_to": LOG_TO_CHOICES, "packing": PACKING_CHOICES}.get(name)
+                       "train_on": TRAIN_ON_CHOICES, "log_to": LOG_TO_CHOICES, "packing": PACKING_CHOICES,
+                       "export_dtype": EXPORT_DTYPES}.get(name)
             parser.add_argument(flag, type=kind, choices=choices, metavar=name.upper(), help=HELP[name])
     return parser
 
@@ -291,7 +319,7 @@ def _coerce(key: str, kind: str, value: Any, source: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
         return float(value)
-    if key == "data":
+    if key in ("data", "eval_data"):
         if isinstance(value, str):
             return (value,)
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
@@ -316,7 +344,8 @@ def read_values(argv: Sequence[str] | None) -> dict[str, Any]:
         file_values = from_mapping(read_toml(config_path), config_path)
         # A relative path in the file is relative to the file, as a person reading it would expect.
         base = os.path.dirname(os.path.abspath(config_path))
-        for key in ("data", "tokenizer", "plan", "resume", "spill_dir", "out", "model"):
+        for key in ("data", "eval_data", "tokenizer", "plan", "resume", "spill_dir", "out", "model",
+                    "export_on_finish"):
             if key in file_values:
                 file_values[key] = _relative_to(base, key, file_values[key])
         values.update(file_values)
@@ -346,6 +375,9 @@ def absolute_paths(config: TrainConfig) -> dict[str, Any]:
     """``config.to_dict()`` with its input paths absolute (what a checkpoint records: valid from any directory)."""
     d = config.to_dict()
     d["data"] = [os.path.abspath(p) for p in config.data]
+    d["eval_data"] = [os.path.abspath(p) for p in config.eval_data]
+    if config.export_on_finish:
+        d["export_on_finish"] = os.path.abspath(config.export_on_finish)
     for key in ("tokenizer", "plan", "spill_dir", "model"):
         d[key] = _relative_to(os.getcwd(), key, d[key])
         if d[key] and os.path.exists(d[key]):
