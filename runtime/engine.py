@@ -22,6 +22,7 @@ from megatrain.planner.plan import Plan, PlanError, default_plan, shape_digest
 
 from .head_loss import IGNORE_INDEX, shift_labels
 from .config import ModelConfig, OptimizerConfig
+from .collectives import Collectives
 from .cpu_adamw import AdamHyper
 from .errors import ClosedError, ConfigError, InputError
 from .event_log import EventLog
@@ -29,6 +30,8 @@ from .executor import Batch, Executor
 from .host_store import HostStore
 from .model_state import ModelState
 from .paths import user_path
+from .process_group import join as join_ranks, rank_device
+from .sharded_state import ShardedModelState
 from .spill_io import make_io
 from .templates import Templates
 
@@ -85,29 +88,34 @@ class Engine:
         if self.plan.workload is not None:  # a plan's memory bounds hold only for the model and dtype it was made for
             self.plan.workload.check_model(shape_digest(model_config.to_dict()),
                                            str(compute_dtype).removeprefix("torch."))
-        self.device = _pick_device(device)
+        # Several ranks (a process group, or torchrun's environment): this rank's shards ([Note: collectives]).
+        self.topology = join_ranks()
+        self.device = _pick_device(rank_device(self.topology, device))
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**40:
             raise ConfigError(f"seed={seed!r} must be an integer in [0, 2**40)")
         self.seed = seed
         self.event_log = EventLog()
         self.templates = Templates(model_config, self.optimizer.decays)
         spilling = self.plan.spill != "none"
+        self.collectives = (None if self.topology is None else
+                            Collectives(self.topology, self.templates.blocks, self.device, self.plan.device_grad_buffers))
         self.store = HostStore(
-            self.templates.blocks, compute_dtype, full_grads=self.plan.optimizer_mode == "deferred",
+            self.templates.blocks if self.collectives is None else self.collectives.shards.blocks, compute_dtype, full_grads=self.plan.optimizer_mode == "deferred",
             grad_slabs=self.plan.host_grad_slabs, pin=self.device.type == "cuda",
             spill=self.plan.spill, spill_dir=self.plan.spill_dir,
             io=make_io(self.plan.io_backend, self.plan.io_threads) if spilling else None,
             staging=self.plan.spill_staging,
         )
         # Whole-state reads and writes (state dicts, Hugging Face files, checkpoints) first settle: see synchronize.
-        self.state = ModelState(self.templates, self.store, settle=self.synchronize)
+        self.state = (ModelState(self.templates, self.store, settle=self.synchronize) if self.collectives is None else
+                      ShardedModelState(self.templates, self.store, self.synchronize, self.collectives))
         if not _skip_init:
             self.state.initialize(seed)
         self.checkpoint_extra: dict | None = None  # the caller's ``extra`` of the checkpoint this engine resumed
         self.skipped_steps: list[int] = []  # steps whose update was skipped for a non-finite gradient
         self._checkpoint_writer: "CheckpointWriter | None" = None  # created on the first save
         self.executor = Executor(self.templates, self.store, self.plan, compute_dtype, self.device,
-                                 self.optimizer.max_grad_norm, self.event_log)
+                                 self.optimizer.max_grad_norm, self.event_log, self.collectives)
         _OPEN_ENGINES.add(self)
 
     # ------------------------------------------------------------------ training
