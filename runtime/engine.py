@@ -246,7 +246,10 @@ class Engine:
         self._check_open()
         from . import hf_io
 
-        hf_io.save_pretrained(self.state, path, dtype, max_shard_bytes)
+        if isinstance(self.state, ShardedModelState):  # rank 0 writes, gathering block by block; every rank calls it
+            self.state.on_first_rank(lambda: hf_io.save_pretrained(self.state, path, dtype, max_shard_bytes))
+        else:
+            hf_io.save_pretrained(self.state, path, dtype, max_shard_bytes)
 
     def save_checkpoint(self, directory: str | os.PathLike, extra: Mapping[str, object] | None = None,
                         keep: int = 3, blocking: bool = False) -> "CheckpointHandle":
@@ -264,6 +267,12 @@ class Engine:
             self._checkpoint_writer = training_checkpoint.CheckpointWriter()
         settings = training_checkpoint.engine_settings(self.config, self.optimizer, self.plan, self.compute_dtype,
                                                        self.seed)
+        if isinstance(self.state, ShardedModelState):  # every rank writes its shards; blocking ([Note: sharded checkpoints])
+            from . import sharded_checkpoint
+
+            path = sharded_checkpoint.save(self.state, self._checkpoint_writer, self.step_count, settings, directory,
+                                           extra, keep)
+            return training_checkpoint.CheckpointHandle(path)  # committed: wait() returns it
         return self._checkpoint_writer.save(self.state, self.step_count, settings, directory, extra, keep, blocking)
 
     def wait_for_checkpoint(self) -> str | None:
@@ -285,7 +294,12 @@ class Engine:
             args["plan"] = plan
         engine = cls(**args, device=device, _skip_init=True)
         try:
-            restored = training_checkpoint.restore(engine.state, path, manifest)
+            if isinstance(engine.state, ShardedModelState):  # every rank keeps its shards of any world size's checkpoint
+                from . import sharded_checkpoint
+
+                restored = sharded_checkpoint.restore(engine.state, path, manifest)
+            else:
+                restored = training_checkpoint.restore(engine.state, path, manifest)
         except BaseException:
             engine.close()
             raise
