@@ -85,7 +85,7 @@ class Collectives:
         copied = self.streams.recorded(self.streams.h2d)
         with self.comm.use():
             self.comm.wait_event(copied)
-            dist.all_gather_into_tensor(slot[:self.shards.padded(block)], slot[own])
+            _all_gather(slot[:self.shards.padded(block)], slot[own])
             gathered = self.streams.recorded(self.comm)
         self.streams.h2d.wait_event(gathered)
 
@@ -108,12 +108,13 @@ class Collectives:
         padded = self.shards.padded(block)
         device = torch.device("cpu") if self.topology.backend == "gloo" else self.norm_sq.device
         out = torch.empty(padded, dtype=shard.dtype, device=device)
-        dist.all_gather_into_tensor(out, shard.to(device))
+        _all_gather(out, shard.to(device))
         return out[:self.shards.full[block].layout.numel].cpu()
 
     def barrier(self) -> None:
         dist.barrier()
 
 
-# torch renamed reduce_scatter_tensor (same arguments); the older name warns where the new one exists.
+# torch renamed these two (same arguments); the older names warn where the new ones exist.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -34,8 +34,8 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from megatrain.planner.workload import Workload, WorkloadError
     from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig, training_checkpoint
 
-    from . import lr_schedule, metric_sinks, metrics, model_source, packing, run_dir, tokenizer as tokenizers, \
-        train_config
+    from . import lr_schedule, metric_sinks, metrics, model_source, packing, ranks, run_dir, \
+        tokenizer as tokenizers, train_config
     from .data import Corpus
     from .plot import plot
     from .progress import Progress
@@ -47,15 +47,17 @@ EXIT_USAGE = 2
 # errors are ValueError subclasses with one-line messages (caught by their module, see main).
 USER_ERRORS = (MegatrainError, PlanError, WorkloadError, HardwareError, model_shapes.ModelShapeError,
                search.InfeasibleError)
+# What a rank stops for while checking inputs: reported by every rank, as one line (tools/ranks.py).
+CHECK_ERRORS = (*USER_ERRORS, ValueError, OSError)
 # Disk speed assumed to time a spill the user forced (--spill optimizer/all) on a profile without disk figures.
 ASSUMED_DISK_GBPS = 1.0
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        values = train_config.read_values(argv)
-        config = train_config.build(values)
-        return Run(config, values).execute()
+        rank_set = ranks.Ranks.join()  # under torchrun: this rank; every rank checks the options alike
+        values, config = rank_set.agree(lambda: _options(argv), CHECK_ERRORS)
+        return Run(config, values, rank_set).execute()
     except USER_ERRORS as e:
         return _usage_error(str(e))
     except ValueError as e:
@@ -65,9 +67,19 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a path the checks could not foresee: permissions, a full disk, a file that vanished
         where = f"{e.filename}: " if e.filename else ""
         return _usage_error(f"{where}{e.strerror or e}; check the path and the disk")
+    except RuntimeError as e:  # under torchrun: another rank stopped (it printed why) or stopped answering
+        if not ranks.peer_failure(e):
+            raise
+        print(f"megatrain-train: error: {ranks.peer_stopped(e)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # before training started (during setup): nothing to save
         sys.stderr.write(INTERRUPTED_AT_START)
         return EXIT_INTERRUPTED
+
+
+def _options(argv: list[str] | None) -> tuple[dict[str, Any], TrainConfig]:
+    values = train_config.read_values(argv)
+    return values, train_config.build(values)
 
 
 def _usage_error(message: str) -> int:
@@ -121,7 +133,7 @@ class Run:
     and spill directories) has been checked. ``values`` are the options given explicitly.
     """
 
-    def __init__(self, config: TrainConfig, values: dict[str, Any]) -> None:
+    def __init__(self, config: TrainConfig, values: dict[str, Any], rank_set: "ranks.Ranks | None" = None) -> None:
         self.config = config
         self.values = values
         self.out = config.out
@@ -135,9 +147,12 @@ class Run:
         self.start_step = 0
         self.rows_done = 0
         self.tokens_done = 0
+        self.ranks = rank_set or ranks.Ranks(None)  # under torchrun: this process's rank (tools/ranks.py)
+        self.rows = slice(None)  # this rank's rows of each global batch
 
     def execute(self) -> int:
-        return self._run(self._setup())
+        # Every rank checks every input; an error on any rank stops all of them with its line.
+        return self._run(self.ranks.agree(self._setup, CHECK_ERRORS))
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> Setup:
@@ -150,7 +165,8 @@ class Run:
                                    f"(now {c.total_steps}) to train further")
         overwrite = bool(self.values.get("overwrite"))
         own_run = self._check_run_dir(self.out, overwrite)
-        device = _device(c.device)
+        device = self.ranks.device(_device(c.device))
+        self.rows = self.ranks.rows(c.batch)
         dtype = _compute_dtype(c.compute_dtype, device)
         tokenizer, model, source = self._check_model()
         corpus = Corpus(c.data, tokenizer, c.text_field, c.token_dtype, c.train_on)
@@ -166,10 +182,12 @@ class Run:
     def _run(self, setup: Setup) -> int:
         """Take the run directory (and the spill directory), build the engine, train, write the summary."""
         out, plan = self.out, setup.plan
-        created = run_dir.make_dir("out", out)
-        spill_created = False
+        created = spill_created = False
         lock = run_dir.RunLock(out)
-        try:
+
+        def take_directories() -> None:  # rank 0 (or the one process) alone; the other ranks wait for it
+            nonlocal created, spill_created
+            created = run_dir.make_dir("out", out)
             lock.acquire(lambda line: print(f"megatrain-train: {line}", file=sys.stderr))
             self._say_warnings()
             if plan.spill != "none":
@@ -180,8 +198,14 @@ class Run:
                 if removed:
                     print(f"megatrain-train: --overwrite: deleted the earlier run's {', '.join(removed)} in {out}",
                           file=sys.stderr)
+        try:
+            self.ranks.agree(take_directories, CHECK_ERRORS, only_first=True)
             engine = self._engine(plan, setup.dtype, setup.device, setup.source)
             try:
+                if not self.ranks.writes:  # the run's files are rank 0's
+                    follower = TrainingLoop(self, engine)
+                    follower.run(setup.batches)
+                    return follower.exit_code
                 if setup.own_run:
                     dropped = metrics.truncate_after(os.path.join(out, run_dir.METRICS_FILE), self.start_step)
                     if dropped:
@@ -402,18 +426,20 @@ class TrainingLoop:
         self.out = run.out
         self.sink: metric_sinks.MetricSink = metric_sinks.NullSink()  # --log-to: besides metrics.jsonl
         self.tracer = StepTracer(os.path.join(run.out, "trace.json"), run.start_step + 1, c.total_steps,
-                                 engine.device) if c.trace else None
+                                 engine.device) if c.trace and run.ranks.writes else None
         self.records: list[dict[str, Any]] = []
         self.pending: Pending | None = None
+        self.ranks, self.rows = run.ranks, run.rows
         self.saved_at: int | None = None
         self.exit_code = 0
         self.started = self.last_time = time.perf_counter()
 
     def run(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> None:
         c, engine = self.config, self.engine
-        log = metrics.MetricsLog(self.metrics_path, append=self.start_step > 0)
-        self.sink = metric_sinks.open(c, self.out, self.start_step)
-        progress = Progress(c.progress, c.total_steps, self.start_step, c.log_every)
+        writes = self.ranks.writes  # under torchrun, rank 0 writes the run's files
+        log = metrics.MetricsLog(self.metrics_path, append=self.start_step > 0) if writes else ranks.NullLog()
+        self.sink = metric_sinks.open(c, self.out, self.start_step) if writes else metric_sinks.NullSink()
+        progress = Progress(c.progress if writes else "none", c.total_steps, self.start_step, c.log_every)
         try:
             with InterruptGuard() as interrupt:
                 for step in range(self.start_step + 1, c.total_steps + 1):
@@ -428,7 +454,7 @@ class TrainingLoop:
                     timed = step % c.log_every == 0
                     if timed:
                         engine.time_next_step()
-                    loss = engine.step(ids, labels, lr=lr)
+                    loss = engine.step(ids[self.rows], labels[self.rows], lr=lr)  # this rank's rows
                     breakdown = engine.last_step_breakdown if timed else None
                     launched = Pending(step, loss, engine.grad_norm, lr, int((labels[:, 1:] != -100).sum()),
                                        breakdown)
@@ -438,10 +464,11 @@ class TrainingLoop:
                         self._flush(log, progress)
                     if self.tracer is not None:
                         self.tracer.after_step(step, engine.synchronize)
-                    if interrupt.requested or (c.save_every and step % c.save_every == 0 and step < c.total_steps):
+                    stop = self.ranks.any(interrupt.requested)  # under torchrun: every rank stops at the same step
+                    if stop or (c.save_every and step % c.save_every == 0 and step < c.total_steps):
                         self._flush(log, progress)
-                        self._save(step, blocking=interrupt.requested)
-                    if interrupt.requested:
+                        self._save(step, blocking=stop)
+                    if stop:
                         self.exit_code = EXIT_INTERRUPTED
                         progress.message(f"interrupted at step {step}; checkpoint saved in {self.ckpt_root}")
                         break
