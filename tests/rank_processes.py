@@ -19,14 +19,14 @@ import torch.multiprocessing as mp
 COLLECTIVE_TIMEOUT_S = 60.0
 
 
-def _child(rank: int, world: int, root: str, fn, args) -> None:
+def _child(rank: int, world: int, root: str, fn, args, collective_timeout_s: float) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # the CI machine has few cores for several ranks
     try:
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(root, 'store')}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                                world_size=world, timeout=datetime.timedelta(seconds=collective_timeout_s))
         result = ("ok", fn(rank, world, *args))
     except BaseException:
         result = ("error", traceback.format_exc())
@@ -40,11 +40,13 @@ def _child(rank: int, world: int, root: str, fn, args) -> None:
         pass
 
 
-def run_ranks(fn, world: int, tmp_path, *args, timeout_s: float = 180.0) -> list:
+def run_ranks(fn, world: int, tmp_path, *args, timeout_s: float = 180.0,
+              collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> list:
     root = str(tmp_path / f"ranks-{world}-{time.monotonic_ns()}")
     os.makedirs(root)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_child, args=(r, world, root, fn, args), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_child, args=(r, world, root, fn, args, collective_timeout_s), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s

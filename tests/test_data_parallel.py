@@ -5,9 +5,12 @@ micro-batches as the single process. The loss is the same sum over the same micr
 by the same global token count, so losses agree within 1e-6 relative; the gradients differ only in
 summation order (each rank sums its micro-batches, then the reduce-scatter sums the ranks; the
 global norm sums per-rank partial squares), so parameters are held to the update-relative noise
-bound (numerics.assert_update_close), with and without clipping.
+bound (numerics.assert_update_close), with and without clipping, with and without spill.
 """
 from __future__ import annotations
+
+import dataclasses
+import os
 
 import pytest
 import torch
@@ -39,6 +42,9 @@ def _batches(config: ModelConfig):
 def _train(rank: int, world: int, tied: bool, clip: float | None, plan: Plan) -> dict:
     """One rank's (or, world 1, the single process's) run: losses, norms and the final weights."""
     config = _config(tied)
+    if plan.spill != "none":  # each rank's spill files in a directory of its own under the one given
+        plan = dataclasses.replace(plan, spill_dir=os.path.join(plan.spill_dir, f"rank{rank}-of-{world}"))
+        os.makedirs(plan.spill_dir, exist_ok=True)
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     optimizer = OptimizerConfig(lr=1e-3, weight_decay=0.1, max_grad_norm=clip, no_decay=("norm",))
     with Engine(config, optimizer, plan=plan, compute_dtype=torch.float32, device="cpu", seed=3) as engine:
@@ -55,18 +61,21 @@ def _ranks_train(rank: int, world: int, cases: list) -> list:
     return [_train(rank, world, *case) for case in cases]
 
 
-CASES = [
-    # (tied, clip, plan): deferred with and without clipping, eager; a tied head
-    (False, 1.0, Plan(micro_batch_size=1, num_slots=3, prefetch_depth=2)),
-    (False, None, Plan(micro_batch_size=1, optimizer_mode="eager", host_grad_slabs=1)),
-    (True, 0.05, Plan(micro_batch_size=1, checkpoints="host")),
-]
+def _cases(spill_dir: str) -> list:
+    """(tied, clip, plan): deferred with and without clipping, eager; a tied head; everything spilled."""
+    return [
+        (False, 1.0, Plan(micro_batch_size=1, num_slots=3, prefetch_depth=2)),
+        (False, None, Plan(micro_batch_size=1, optimizer_mode="eager", host_grad_slabs=1)),
+        (True, 0.05, Plan(micro_batch_size=1, checkpoints="host")),
+        (False, 1.0, Plan(micro_batch_size=1, spill="all", spill_dir=spill_dir, spill_staging=2)),
+    ]
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_train_as_one_process(world, tmp_path):
-    results = run_ranks(_ranks_train, world, tmp_path, CASES)
-    for i, case in enumerate(CASES):
+    cases = _cases(str(tmp_path / "spill"))
+    results = run_ranks(_ranks_train, world, tmp_path, cases)
+    for i, case in enumerate(cases):
         single = _train(0, 1, *case)
         for rank in range(world):
             got = results[rank][i]

@@ -72,3 +72,30 @@ def test_torchrun_command(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert [r["step"] for r in metrics.read_metrics(os.path.join(out, "metrics.jsonl"))] == [1, 2]
+
+
+def _fail_on_rank_1(rank: int, world: int, argv: list[str]) -> tuple[int, str]:
+    """train.main where rank 1's second step fails (a bad input only it sees)."""
+    from megatrain.runtime import Engine, InputError
+
+    if rank == 1:
+        step, calls = Engine.step, []
+
+        def failing(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise InputError("labels hold an id outside the vocabulary (a test's bad batch on rank 1)")
+            return step(self, *args, **kwargs)
+        Engine.step = failing
+    return _main(rank, world, argv, None)
+
+
+def test_a_failure_during_training_stops_every_rank(tmp_path):
+    out = str(tmp_path / "run")
+    (status0, err0), (status1, err1) = run_ranks(_fail_on_rank_1, 2, tmp_path, ["--out", out, *FAST, "--steps", "4"],
+                                                 collective_timeout_s=15.0)  # a closed connection or the timeout
+    assert status1 == 2 and err1.count("\n") == 1 and "a test's bad batch on rank 1" in err1, err1
+    assert status0 == 1, err0
+    last = err0.strip().splitlines()[-1]
+    assert last.startswith("megatrain-train: error: another rank of this run stopped"), err0
+    assert "Traceback" not in err0
