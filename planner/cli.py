@@ -25,7 +25,7 @@ from typing import Any, NoReturn, Sequence
 from megatrain.errors import MegatrainError
 
 from . import hardware as hwmod
-from . import model_shapes, profiler, report, search, sizing
+from . import data_parallel, data_parallel_report, model_shapes, profiler, report, search, sizing
 from .hardware import GiB, HardwareError, HardwareProfile
 from .model_shapes import ModelShapeError
 from .plan import PlanError
@@ -213,7 +213,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     model = model_shapes.resolve(args.model)
     hw = _hardware(args)
     work = _workload(args, _dtype(args, hw), spill_dir=args.spill_dir, free=_free_bytes(args.spill_dir))
-    result = search.search(model, work, hw)
+    ranks = data_parallel_report.topology_of(args, hw)  # several GPUs: the plan of one rank, on its share
+    result = search.search(model, work if ranks is None else data_parallel.rank_workload(work, ranks), hw)
     try:
         best = result.require()
     except InfeasibleError as e:
@@ -254,6 +255,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
         f"TFLOP/s (6N per token), MFU {c.mfu:.1%}; bottleneck: {c.bottleneck}; "
         f"{report.seconds(1e9 / c.tokens_per_second)} per billion tokens",
     ])
+    if ranks is not None:
+        data["data_parallel"], more = data_parallel_report.section(model, work, p, hw, ranks)
+        text += "\n\n" + more
     _emit(args, data, text)
 
 
@@ -535,6 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
     _workload_args(sp, need_batch=True)
     _hardware_args(sp)
     sp.add_argument("--out", help="write the plan JSON the runtime executes")
+    data_parallel_report.add_arguments(sp, _positive_int, _positive_float)
     sp.add_argument("--json", action="store_true", help="print JSON for scripts")
 
     sp = sub.add_parser("size", help="minimum memory, and step time on each GPU preset")

@@ -73,7 +73,6 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 def build_manifest(state: "ModelState", step: int, settings: dict[str, Any], extra: Any) -> dict[str, Any]:
     """The manifest of ``state`` at optimizer step ``step`` (its ``arrays`` and ``files`` come with the write).
     ``settings``: the engine's arguments, ``engine_settings``' dict."""
-    store = state.store
     return {
         "format": FORMAT, "version": VERSION, "step": step,
         "engine": {
@@ -83,7 +82,7 @@ def build_manifest(state: "ModelState", step: int, settings: dict[str, Any], ext
             "hf_config": state.hf_config,
         },
         "extra": extra,
-        "blocks": [{"offset": store.offsets[b.index], "numel": b.layout.numel} for b in state.blocks],
+        "blocks": state.block_table(),
         "tensors": state.tensor_table(),
     }
 

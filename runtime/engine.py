@@ -27,6 +27,7 @@ from megatrain.planner.plan import Plan, PlanError, default_plan, shape_digest
 from .attention import Documents
 from .head_loss import IGNORE_INDEX, shift_labels
 from .config import ModelConfig, OptimizerConfig
+from .collectives import Collectives
 from .cpu_adamw import AdamHyper
 from .errors import ClosedError, ConfigError, InputError
 from .event_log import EventLog
@@ -34,6 +35,8 @@ from .executor import Batch, Executor
 from .host_store import HostStore
 from .model_state import ModelState
 from .paths import user_path
+from .process_group import join as join_ranks, rank_device
+from .sharded_state import ShardedModelState
 from .spill_io import make_io
 from .templates import Templates
 
@@ -90,29 +93,34 @@ class Engine:
         if self.plan.workload is not None:  # a plan's memory bounds hold only for the model and dtype it was made for
             self.plan.workload.check_model(shape_digest(model_config.to_dict()),
                                            str(compute_dtype).removeprefix("torch."))
-        self.device = _pick_device(device)
+        # Several ranks (a process group, or torchrun's environment): this rank's shards ([Note: collectives]).
+        self.topology = join_ranks()
+        self.device = _pick_device(rank_device(self.topology, device))
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**40:
             raise ConfigError(f"seed={seed!r} must be an integer in [0, 2**40)")
         self.seed = seed
         self.event_log = EventLog()
         self.templates = Templates(model_config, self.optimizer.decays)
         spilling = self.plan.spill != "none"
+        self.collectives = (None if self.topology is None else
+                            Collectives(self.topology, self.templates.blocks, self.device, self.plan.device_grad_buffers))
         self.store = HostStore(
-            self.templates.blocks, compute_dtype, full_grads=self.plan.optimizer_mode == "deferred",
+            self.templates.blocks if self.collectives is None else self.collectives.shards.blocks, compute_dtype, full_grads=self.plan.optimizer_mode == "deferred",
             grad_slabs=self.plan.host_grad_slabs, pin=self.device.type == "cuda",
             spill=self.plan.spill, spill_dir=self.plan.spill_dir,
             io=make_io(self.plan.io_backend, self.plan.io_threads) if spilling else None,
             staging=self.plan.spill_staging,
         )
         # Whole-state reads and writes (state dicts, Hugging Face files, checkpoints) first settle: see synchronize.
-        self.state = ModelState(self.templates, self.store, settle=self.synchronize)
+        self.state = (ModelState(self.templates, self.store, settle=self.synchronize) if self.collectives is None else
+                      ShardedModelState(self.templates, self.store, self.synchronize, self.collectives))
         if not _skip_init:
             self.state.initialize(seed)
         self.checkpoint_extra: dict | None = None  # the caller's ``extra`` of the checkpoint this engine resumed
         self.skipped_steps: list[int] = []  # steps whose update was skipped for a non-finite gradient
         self._checkpoint_writer: "CheckpointWriter | None" = None  # created on the first save
         self.executor = Executor(self.templates, self.store, self.plan, compute_dtype, self.device,
-                                 self.optimizer.max_grad_norm, self.event_log)
+                                 self.optimizer.max_grad_norm, self.event_log, self.collectives)
         _OPEN_ENGINES.add(self)
 
     # ------------------------------------------------------------------ training
@@ -146,7 +154,8 @@ class Engine:
         the optimizer state or the random state. Streams the blocks through the device as a step's forward
         does and never materialises the full logits. Returns a 0-dim fp32 tensor on the device (no sync).
 
-        The value is the same bits as the loss ``step`` returns for this batch before its update.
+        The value is the same bits as the loss ``step`` returns for this batch before its update. Under data
+        parallelism every rank passes the same whole batch (not its share, as for ``step``) and gets its loss.
         """
         self._check_open()
         batch = self._batch(input_ids, labels, position_ids)
@@ -269,7 +278,10 @@ class Engine:
         self._check_open()
         from . import hf_io
 
-        hf_io.save_pretrained(self.state, path, dtype, max_shard_bytes)
+        if isinstance(self.state, ShardedModelState):  # rank 0 writes, gathering block by block; every rank calls it
+            self.state.on_first_rank(lambda: hf_io.save_pretrained(self.state, path, dtype, max_shard_bytes))
+        else:
+            hf_io.save_pretrained(self.state, path, dtype, max_shard_bytes)
 
     def save_checkpoint(self, directory: str | os.PathLike, extra: Mapping[str, object] | None = None,
                         keep: int = 3, blocking: bool = False) -> "CheckpointHandle":
@@ -287,6 +299,12 @@ class Engine:
             self._checkpoint_writer = training_checkpoint.CheckpointWriter()
         settings = training_checkpoint.engine_settings(self.config, self.optimizer, self.plan, self.compute_dtype,
                                                        self.seed)
+        if isinstance(self.state, ShardedModelState):  # every rank writes its shards; blocking ([Note: sharded checkpoints])
+            from . import sharded_checkpoint
+
+            path = sharded_checkpoint.save(self.state, self._checkpoint_writer, self.step_count, settings, directory,
+                                           extra, keep)
+            return training_checkpoint.CheckpointHandle(path)  # committed: wait() returns it
         return self._checkpoint_writer.save(self.state, self.step_count, settings, directory, extra, keep, blocking)
 
     def wait_for_checkpoint(self) -> str | None:
@@ -308,7 +326,12 @@ class Engine:
             args["plan"] = plan
         engine = cls(**args, device=device, _skip_init=True)
         try:
-            restored = training_checkpoint.restore(engine.state, path, manifest)
+            if isinstance(engine.state, ShardedModelState):  # every rank keeps its shards of any world size's checkpoint
+                from . import sharded_checkpoint
+
+                restored = sharded_checkpoint.restore(engine.state, path, manifest)
+            else:
+                restored = training_checkpoint.restore(engine.state, path, manifest)
         except BaseException:
             engine.close()
             raise

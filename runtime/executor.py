@@ -29,6 +29,7 @@ from megatrain.planner.plan import Plan
 
 from .activation_checkpoints import DeviceCheckpoints, HostCheckpoints
 from .attention import Documents
+from .collectives import Collectives
 from .cpu_adamw import AdamHyper, AdamJob, AdamWorker
 from .event_log import EventLog
 from .grad_buffers import GradBuffers
@@ -76,24 +77,28 @@ class Executor:
         device: torch.device,
         max_grad_norm: float | None,
         log: EventLog,
+        collectives: Collectives | None = None,
     ) -> None:
         self.templates, self.store, self.plan = templates, store, plan
+        # Data parallel ([Note: collectives]): the store holds this rank's shards, a slot a whole padded block.
+        self.dist = collectives
+        slot_numel = store.max_block_numel if collectives is None else collectives.shards.slot_numel
         self.config = templates.config
         self.compute_dtype, self.device = compute_dtype, device
         self.max_grad_norm = max_grad_norm
         self.eager = plan.optimizer_mode == "eager"
         self.log = log
-        self.streams = Streams(device)
+        self.streams = Streams(device) if collectives is None else collectives.streams
         self.timer = StepTimer(self.streams.cuda)
         pin = device.type == "cuda"
         blocks = templates.blocks
-        self.slots = WeightSlots(plan.num_slots, store.max_block_numel, compute_dtype, device, self.streams)
-        self.grad_buffers = GradBuffers(plan.device_grad_buffers, store.max_block_numel, device, self.streams, self.timer)
+        self.slots = WeightSlots(plan.num_slots, slot_numel, compute_dtype, device, self.streams)
+        self.grad_buffers = GradBuffers(plan.device_grad_buffers, slot_numel, device, self.streams, self.timer)
         self.schedule = training_schedule(templates)  # the step's loads: [Note: load sequence]
         self.evaluation = evaluation_schedule(templates)
         # Tied embeddings: the head's lm_head gradient lands here in forward and the embedding's
         # own in backward; one extra fp32 buffer of the embedding's size, resident for the whole step.
-        self.tied_grad = (torch.zeros(templates.embed.layout.numel, dtype=torch.float32, device=device)
+        self.tied_grad = (torch.zeros(self._grad_numel(templates.embed), dtype=torch.float32, device=device)
                           if self.schedule.tied else None)
         self.tied_drained: Event = self.streams.event()
         self.checkpoints: DeviceCheckpoints | HostCheckpoints = (
@@ -101,9 +106,12 @@ class Executor:
             if plan.checkpoints == "host" else DeviceCheckpoints()
         )
         self.adam = AdamWorker(store, len(blocks), log)
+        # What AdamW updates of each block: the whole layout, or this rank's shard of it.
+        self.adam_layouts = [b.layout for b in (blocks if collectives is None else collectives.shards.blocks)]
         self.step_no = 0  # optimizer steps completed or in flight
         self.loader = WeightLoader(self.slots, store, self.streams, plan.prefetch_depth, self._wait_updated,
-                                   self._on_load, log, self.timer)
+                                   self._on_load, log, self.timer,
+                                   fill=None if collectives is None else collectives.fill_slot)
         order = {name: i for i, name in enumerate(templates.hf_parameter_order())}
         self.norm_index = [torch.tensor([order[e.hf_name] for e in b.layout.entries], device=device) for b in blocks]
         # Per-parameter gradient norms in model.parameters() order, filled as blocks finish.
@@ -124,6 +132,9 @@ class Executor:
         self.step_no += 1
         step, s = self.step_no, self.schedule
         self.timer.begin(self.streams.compute)
+        if self.dist is not None:  # every rank divides its loss by the global count of predicted tokens
+            self.dist.begin_step()
+            batch.n_tokens = self.dist.all_reduce_sum(batch.n_tokens)
         positions = self._positions(batch.input_ids.shape[1], batch.micro, batch.position_ids, batch.documents)
         self.checkpoints.begin(len(s.layers), *batch.input_ids.shape, self.config.hidden_size)
         self.loader.start(step, s.loads)
@@ -145,7 +156,7 @@ class Executor:
         head = s.head.block
         with self.loader.resident_together(s.head_loads) as held:
             head_params = held[0]
-            g_index, g_buf = self.grad_buffers.acquire(head.layout.numel)
+            g_index, g_buf = self.grad_buffers.acquire(self._grad_numel(head))
             g_views = head.layout.views(g_buf)
             lm_weight, lm_grad = s.lm_weight(held), self._lm_grad(g_views)
             norm_params = {k: v for k, v in head_params.items() if k.startswith("norm.")}
@@ -167,7 +178,7 @@ class Executor:
         for load in s.backward:
             layer = load.block
             with self.loader.resident(load) as params:
-                g_index, g_buf = self.grad_buffers.acquire(layer.layout.numel)
+                g_index, g_buf = self.grad_buffers.acquire(self._grad_numel(layer))
                 g_list = layer.layout.view_list(g_buf)
                 with record_function(f"bwd[{layer.index}]"):
                     for m, rows in enumerate(batch.micro):
@@ -181,7 +192,7 @@ class Executor:
         if self.tied_grad is not None:
             e_buf = self.tied_grad
         else:
-            e_index, e_buf = self.grad_buffers.acquire(embed.layout.numel)
+            e_index, e_buf = self.grad_buffers.acquire(self._grad_numel(embed))
         table = embed.layout.views(e_buf)["embed_tokens.weight"]
         pad = -1 if self.config.pad_token_id is None else self.config.pad_token_id
         with record_function(f"bwd[{embed.index}]"):
@@ -196,7 +207,7 @@ class Executor:
         for update in sorted(pending, key=lambda u: u.block.index):
             self._submit(step, update.block, update.grads, update.grads_ready, clip, hyper, update.release)
         self.timer.end(self.streams.compute)
-        return loss
+        return loss if self.dist is None else self.dist.all_reduce_sum(loss)
 
     def _layer_backward(self, layer: Block, params: dict[str, torch.Tensor], x_in: torch.Tensor, dy: torch.Tensor,
                         positions: Positions, g_list: list[torch.Tensor]) -> torch.Tensor:
@@ -211,6 +222,10 @@ class Executor:
         torch._foreach_add_(g_list, [by_name[e.local_name] for e in layer.layout.entries])
         return grads[0]
 
+    def _grad_numel(self, block: Block) -> int:
+        """Elements of block's device gradient buffer: its layout, padded to whole shards in data parallel."""
+        return block.layout.numel if self.dist is None else self.dist.shards.padded(block.index)
+
     def _lm_grad(self, head_grads: dict[str, torch.Tensor]) -> torch.Tensor:
         """Where lm_head's gradient ([vocab, hidden] fp32) adds up: the head's own buffer, or with tied
         embeddings the embedding's (zeroed once its previous step's drain is done)."""
@@ -223,7 +238,7 @@ class Executor:
 
     def _clip_coefficient(self) -> tuple[torch.Tensor, Event] | None:
         """The global norm (``grad_norm``) and, with clipping, the coefficient on its way to the host."""
-        self.grad_norm = torch.linalg.vector_norm(self.norms, 2.0)
+        self.grad_norm = torch.linalg.vector_norm(self.norms, 2.0) if self.dist is None else self.dist.global_norm()
         if self.max_grad_norm is None:
             return None
         with self.timer.stall("d2h", self.streams.compute):
@@ -235,13 +250,18 @@ class Executor:
     def _finish_block(
         self, step: int, block: Block, g_index: int | None, g_buf: torch.Tensor, hyper: AdamHyper
     ) -> list[PendingUpdate]:
-        """Record the block's gradient norms, drain its grads to the host, queue (eager) its update."""
-        norms = torch._foreach_norm(block.layout.view_list(g_buf), 2.0)
-        self.norms.index_copy_(0, self.norm_index[block.index], torch.stack(norms))
+        """Record the block's gradient norms, drain its grads to the host, queue (eager) its update.
+        Data parallel: the drain is of this rank's shard of the gradient summed over ranks."""
+        reduced: Event | None = None
+        if self.dist is None:
+            norms = torch._foreach_norm(block.layout.view_list(g_buf), 2.0)
+            self.norms.index_copy_(0, self.norm_index[block.index], torch.stack(norms))
+        else:
+            g_buf, reduced = self.dist.reduce_scatter(block.index, g_index, g_buf)
         with self.timer.adam_wait(self.streams.compute):  # waits only while every eager-mode slab awaits its update
             sink = self.store.grad_sink(block.index, check=self.adam.raise_if_failed)
         with record_function(f"d2h[{block.index}]"):
-            done = self.grad_buffers.drain(g_index, g_buf, sink.host)
+            done = self.grad_buffers.drain(g_index, g_buf, sink.host, after=reduced)
         if g_index is None:
             self.tied_drained = done
         self.log.record("d2h", step, block.index)
@@ -256,7 +276,7 @@ class Executor:
     def _submit(self, step: int, block: Block, host: torch.Tensor | None, done: Event,
                 clip: tuple[torch.Tensor, Event] | None, hyper: AdamHyper, release: Callable[[], None] | None) -> None:
         self.log.record("adam_submit", step, block.index)
-        self.adam.submit(AdamJob(step, block.index, host, done, clip, hyper, block.layout, release))
+        self.adam.submit(AdamJob(step, block.index, host, done, clip, hyper, self.adam_layouts[block.index], release))
 
     def _drain_scalar(self, value: torch.Tensor, host: torch.Tensor) -> Event:
         ready = self.streams.recorded(self.streams.compute)

@@ -34,12 +34,13 @@ class GradBuffers:
         buf.zero_()
         return index, buf
 
-    def drain(self, index: int | None, buf: torch.Tensor, host: torch.Tensor) -> Event:
-        """Copy ``buf`` (device fp32) into ``host`` (pinned fp32) after the compute that wrote it.
+    def drain(self, index: int | None, buf: torch.Tensor, host: torch.Tensor, after: Event | None = None) -> Event:
+        """Copy ``buf`` (device fp32) into ``host`` (pinned fp32) after the compute that wrote it (or after
+        ``after``, when another stream wrote it after that compute: a reduce-scatter).
 
         Returns the event a host thread synchronizes on before reading ``host``.
         """
-        ready = self.streams.recorded(self.streams.compute)
+        ready = self.streams.recorded(self.streams.compute) if after is None else after
         with self.streams.d2h.use():
             self.streams.d2h.wait_event(ready)
             with self.timer.copy("d2h", self.streams.d2h):

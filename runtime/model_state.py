@@ -134,6 +134,10 @@ class ModelState:
                                   "step": self.store.steps[block.index].clone()}
         return out
 
+    def block_table(self) -> list[dict[str, int]]:
+        """Where each block lives in the flat arrays (element offset, numel), in block order."""
+        return [{"offset": self.store.offsets[b.index], "numel": b.layout.numel} for b in self.templates.blocks]
+
     def tensor_table(self) -> dict[str, dict[str, Any]]:
         """Where each Hugging Face-named parameter lives in the flat arrays (element offset, shape)."""
         return {e.hf_name: {"offset": self.store.offsets[b.index] + e.offset, "shape": list(e.shape)}

@@ -74,6 +74,8 @@ __all__ = ["CheckpointHandle", "CheckpointWriter", "Restored", "engine_arguments
 LATEST = "latest"
 RESAVE = ".resave"  # a re-saved step's new copy while it replaces the old one
 _STEP_DIR = re.compile(r"step-(\d+)(?:\.resave)?")
+# Writes the checkpoint's arrays into the step's ``*.tmp`` directory; returns the manifest's ``arrays`` entries.
+WriteArrays = Callable[[str], dict[str, Any]]
 
 
 class Restored(NamedTuple):
@@ -147,8 +149,10 @@ class CheckpointWriter:
             self.last.report_unwaited("nothing was saved")
 
     def save(self, state: "ModelState", step: int, settings: dict[str, Any], directory: str | os.PathLike,
-             extra: Mapping[str, Any] | None, keep: int, blocking: bool) -> CheckpointHandle:
-        """Save ``state`` at optimizer step ``step`` to ``directory/step-<N>``; ``settings``: ``engine_settings``'."""
+             extra: Mapping[str, Any] | None, keep: int, blocking: bool,
+             write_arrays: WriteArrays | None = None) -> CheckpointHandle:
+        """Save ``state`` at optimizer step ``step`` to ``directory/step-<N>``; ``settings``: ``engine_settings``'.
+        ``write_arrays``: writes the arrays instead (a data-parallel run's ranks: sharded_checkpoint.py); blocking."""
         start = time.perf_counter()
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ConfigError(f"keep={keep!r} must be an integer >= 1 (complete checkpoints to keep)")
@@ -162,8 +166,8 @@ class CheckpointWriter:
         handle = CheckpointHandle(os.path.join(directory, f"step-{step:08d}"))
         self.last = handle
         # With spilled state there is no RAM to snapshot into: write it now, block by block, from the files.
-        if blocking or state.store.spilled:
-            _commit(handle, directory, step, live, manifest, keep)
+        if blocking or state.store.spilled or write_arrays is not None:
+            _commit(handle, directory, step, live, manifest, keep, write_arrays)
             handle.stall_s = time.perf_counter() - start
             handle.wait()
             return handle
@@ -204,7 +208,7 @@ def _fsync_tree(path: str) -> None:
 
 
 def _commit(handle: CheckpointHandle, directory: str, step: int, arrays: Mapping[str, Any],
-            manifest: dict[str, Any], keep: int) -> None:
+            manifest: dict[str, Any], keep: int, write_arrays: WriteArrays | None = None) -> None:
     """Write, fsync, manifest, rename, latest, prune (see [Note: checkpoint commit protocol])."""
     start = time.perf_counter()
     final = handle.path
@@ -217,10 +221,10 @@ def _commit(handle: CheckpointHandle, directory: str, step: int, arrays: Mapping
                 shutil.rmtree(os.path.join(directory, name))
         os.makedirs(tmp)
         made_tmp = True
-        manifest["arrays"] = {}
+        manifest["arrays"] = {} if write_arrays is None else write_arrays(tmp)
         with cf.ThreadPoolExecutor(1, thread_name_prefix="megatrain-checkpoint-fsync") as fsyncs:
             flushed = []
-            for name, t in arrays.items():  # one after another: each one's writeback overlaps the next's encoding
+            for name, t in (arrays.items() if write_arrays is None else ()):  # one after another: each one's writeback overlaps the next's encoding
                 manifest["arrays"][name] = checkpoint_format.write_named_array(tmp, name, t)
                 flushed.append(fsyncs.submit(_fsync_tree, os.path.join(tmp, name)))
             for f in flushed:

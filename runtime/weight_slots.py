@@ -59,6 +59,8 @@ class WeightSlots:
 # Called on the h2d stream right after a block's weights are queued into a slot, so that
 # per-slot extras (host-resident activation checkpoints) load under the same ``loaded`` event.
 OnLoad = Callable[[Load, int], None]  # (load, slot)
+# Data parallel: fills a slot from this rank's shadow shard on the h2d stream (collectives.py).
+Fill = Callable[[int, torch.Tensor, torch.Tensor], None]  # (block, slot buffer, shadow shard)
 # Blocks the calling thread until AdamW has written block b's shadow for the given step.
 WaitUpdated = Callable[[int, int], None]  # (block, step)
 
@@ -80,6 +82,7 @@ class WeightLoader:
         on_load: OnLoad,
         log: EventLog,
         timer: StepTimer,
+        fill: Fill | None = None,
     ) -> None:
         assert 1 <= depth <= len(slots) - 1
         self.slots, self.store, self.streams, self.depth = slots, store, streams, depth
@@ -87,6 +90,7 @@ class WeightLoader:
         self.on_load = on_load
         self.log = log
         self.timer = timer
+        self.fill = fill
         self.step = 0
         self.sequence: tuple[Load, ...] = ()
         self._issued = 0  # loads issued so far
@@ -163,7 +167,10 @@ class WeightLoader:
         with self.streams.h2d.use(), record_function(f"h2d[{block}]"):
             self.streams.h2d.wait_event(self.slots.released[slot])
             with self.timer.copy("h2d", self.streams.h2d):
-                self.slots.buffers[slot][:numel].copy_(self.store.shadow_of(block), non_blocking=True)
+                if self.fill is None:
+                    self.slots.buffers[slot][:numel].copy_(self.store.shadow_of(block), non_blocking=True)
+                else:
+                    self.fill(block, self.slots.buffers[slot], self.store.shadow_of(block))
             self.on_load(load, slot)
             self.slots.loaded[slot].record(self.streams.h2d)
         self.log.record("h2d", self.step, block, slot=slot, load=j, phase=load.phase)

@@ -8,8 +8,8 @@
 
 Writes OUT/metrics.jsonl (one line per step, with the held-out loss after each evaluation), OUT/summary.json,
 OUT/checkpoints/, OUT/training.png (with matplotlib), OUT/trace.json (--trace) and, with --export-on-finish DIR,
-a Hugging Face directory DIR at the end. The data order is tools/data_order.py's; evaluation tools/evaluation.py's. OUT must be new or empty (--overwrite replaces an
-earlier run's files; --resume continues it, in its own directory); see tools/run_dir.py. Ctrl-C saves
+a Hugging Face directory DIR at the end. The data order is tools/data_order.py's, evaluation tools/evaluation.py's,
+the steps tools/training_loop.py's. OUT must be new or empty (--overwrite replaces an earlier run's files; --resume continues it, in its own directory); see tools/run_dir.py. Ctrl-C saves
 a checkpoint and exits with status 130 (also during start-up, with nothing written yet); a second
 Ctrl-C exits at once. A bad option or input: one line on stderr, status 2, before anything is written.
 """
@@ -19,11 +19,10 @@ import itertools
 import os
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from .interrupt import EXIT_INTERRUPTED, INTERRUPTED_AT_START, InterruptGuard, start_up
+from .interrupt import EXIT_INTERRUPTED, INTERRUPTED_AT_START, start_up
 
 with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) == "megatrain-train"):
     import torch
@@ -35,12 +34,11 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from megatrain.planner.workload import Workload, WorkloadError
     from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig, training_checkpoint
 
-    from . import data_order, evaluation, export, lr_schedule, metric_sinks, metrics, model_source, run_dir, \
-        tokenizer as tokenizers, train_config
+    from . import data_order, evaluation, export, metric_sinks, metrics, model_source, packing, ranks, \
+        run_dir, tokenizer as tokenizers, train_config
     from .data import Corpus
     from .plot import plot
-    from .progress import Progress
-    from .trace import StepTracer
+    from .training_loop import TrainingLoop, dtype_name, next_batch
     from .train_config import TrainConfig, TrainConfigError
 
 EXIT_USAGE = 2
@@ -48,15 +46,17 @@ EXIT_USAGE = 2
 # errors are ValueError subclasses with one-line messages (caught by their module, see main).
 USER_ERRORS = (MegatrainError, PlanError, WorkloadError, HardwareError, model_shapes.ModelShapeError,
                search.InfeasibleError)
+# What a rank stops for while checking inputs: reported by every rank, as one line (tools/ranks.py).
+CHECK_ERRORS = (*USER_ERRORS, ValueError, OSError)
 # Disk speed assumed to time a spill the user forced (--spill optimizer/all) on a profile without disk figures.
 ASSUMED_DISK_GBPS = 1.0
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        values = train_config.read_values(argv)
-        config = train_config.build(values)
-        return Run(config, values).execute()
+        rank_set = ranks.Ranks.join()  # under torchrun: this rank; every rank checks the options alike
+        values, config = rank_set.agree(lambda: _options(argv), CHECK_ERRORS)
+        return Run(config, values, rank_set).execute()
     except USER_ERRORS as e:
         return _usage_error(str(e))
     except ValueError as e:
@@ -66,29 +66,24 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a path the checks could not foresee: permissions, a full disk, a file that vanished
         where = f"{e.filename}: " if e.filename else ""
         return _usage_error(f"{where}{e.strerror or e}; check the path and the disk")
+    except RuntimeError as e:  # under torchrun: another rank stopped (it printed why) or stopped answering
+        if not ranks.peer_failure(e):
+            raise
+        print(f"megatrain-train: error: {ranks.peer_stopped(e)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # before training started (during setup): nothing to save
         sys.stderr.write(INTERRUPTED_AT_START)
         return EXIT_INTERRUPTED
 
 
+def _options(argv: list[str] | None) -> tuple[dict[str, Any], TrainConfig]:
+    values = train_config.read_values(argv)
+    return values, train_config.build(values)
+
+
 def _usage_error(message: str) -> int:
     print(f"megatrain-train: error: {message.splitlines()[0] if message else 'invalid input'}", file=sys.stderr)
     return EXIT_USAGE
-
-
-@dataclass
-class Pending:
-    """A step whose loss is still on the device: read one step later, so the GPU never waits for the host."""
-
-    step: int
-    loss: torch.Tensor        # 0-dim fp32, on the device
-    grad_norm: torch.Tensor | None
-    lr: float
-    tokens: int               # tokens predicted in this step (labels not -100 after the shift)
-    breakdown: dict[str, float] | None = None   # the engine's step breakdown, on the steps that read it
-    epoch: float = 0.0        # the data's epoch after this step's batch (data_order.TrainingData.epoch)
-    evaluation: dict[str, Any] | None = None    # eval_loss, ... when the eval set was evaluated after this step
-    finished_at: float | None = None            # when the step was known done (set before an evaluation)
 
 
 @dataclass
@@ -127,7 +122,7 @@ class Run:
     and spill directories) has been checked. ``values`` are the options given explicitly.
     """
 
-    def __init__(self, config: TrainConfig, values: dict[str, Any]) -> None:
+    def __init__(self, config: TrainConfig, values: dict[str, Any], rank_set: "ranks.Ranks | None" = None) -> None:
         self.config = config
         self.values = values
         self.out = config.out
@@ -143,9 +138,12 @@ class Run:
         self.tokens_done = 0
         self.packing = "concat"  # --packing resolved against the data (see _setup)
         self.data_state: dict[str, Any] | None = None  # the data position a resumed checkpoint kept
+        self.ranks = rank_set or ranks.Ranks(None)  # under torchrun: this process's rank (tools/ranks.py)
+        self.rows = slice(None)  # this rank's rows of each global batch
 
     def execute(self) -> int:
-        return self._run(self._setup())
+        # Every rank checks every input; an error on any rank stops all of them with its line.
+        return self._run(self.ranks.agree(self._setup, CHECK_ERRORS))
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> Setup:
@@ -158,7 +156,8 @@ class Run:
                                    f"(now {c.total_steps}) to train further")
         overwrite = bool(self.values.get("overwrite"))
         own_run = self._check_run_dir(self.out, overwrite)
-        device = _device(c.device)
+        device = self.ranks.device(_device(c.device))
+        self.rows = self.ranks.rows(c.batch)
         dtype = _compute_dtype(c.compute_dtype, device)
         tokenizer, model, source = self._check_model()
         corpus = Corpus(c.data, tokenizer, c.text_field, c.token_dtype, c.train_on)
@@ -168,7 +167,7 @@ class Run:
         data, held_out = data_order.training_data(c, corpus, tokenizer.separator_id, self.data_state, self.rows_done,
                                                   self.packing)
         batches = data.batches()
-        first = _next_batch(batches)  # the data yields a batch: checked before anything is written
+        first = next_batch(batches)  # the data yields a batch: checked before anything is written
         evals = evaluation.eval_set(c, corpus, data.addresses, held_out, tokenizer.separator_id, model.vocab_size,
                                     self.packing)
         plan = self._choose_plan(model, dtype)
@@ -178,10 +177,12 @@ class Run:
     def _run(self, setup: Setup) -> int:
         """Take the run directory (and the spill directory), build the engine, train, write the summary."""
         out, plan = self.out, setup.plan
-        created = run_dir.make_dir("out", out)
-        spill_created = False
+        created = spill_created = False
         lock = run_dir.RunLock(out)
-        try:
+
+        def take_directories() -> None:  # rank 0 (or the one process) alone; the other ranks wait for it
+            nonlocal created, spill_created
+            created = run_dir.make_dir("out", out)
             lock.acquire(lambda line: print(f"megatrain-train: {line}", file=sys.stderr))
             self._say_warnings()
             if plan.spill != "none":
@@ -192,8 +193,14 @@ class Run:
                 if removed:
                     print(f"megatrain-train: --overwrite: deleted the earlier run's {', '.join(removed)} in {out}",
                           file=sys.stderr)
+        try:
+            self.ranks.agree(take_directories, CHECK_ERRORS, only_first=True)
             engine = self._engine(plan, setup.dtype, setup.device, setup.source)
             try:
+                if not self.ranks.writes:  # the run's files are rank 0's
+                    follower = TrainingLoop(self, engine, setup.data, setup.evals)
+                    follower.run(setup.batches)
+                    return follower.exit_code
                 if setup.own_run:
                     dropped = metrics.truncate_after(os.path.join(out, run_dir.METRICS_FILE), self.start_step)
                     if dropped:
@@ -357,7 +364,7 @@ class Run:
             hw = hw.with_overrides(nvme_gbps=ASSUMED_DISK_GBPS)
             self.notes.append(f"disk speed not measured: the plan assumes {ASSUMED_DISK_GBPS:g} GB/s (megatrain-plan "
                               f"profile --spill-dir {spill_root} measures it)")
-        work = Workload(c.seq_len, c.batch, compute_dtype=_dtype_name(dtype), clipping=c.max_grad_norm > 0,
+        work = Workload(c.seq_len, c.batch, compute_dtype=dtype_name(dtype), clipping=c.max_grad_norm > 0,
                         spill=c.spill, spill_dir=spill_root, spill_free_bytes=_free_bytes_under(spill_root))
         plan = search.search(model_shapes.from_config(model.to_dict()), work, hw).require().plan
         if c.spill != "auto" and plan.spill != c.spill:  # a profile the search could not time the forced spill with
@@ -378,7 +385,7 @@ class Run:
     def _banner(self, engine: Engine, setup: Setup) -> None:
         c = self.config
         print(f"megatrain-train: {engine.num_parameters / 1e6:.2f}M parameters ({self.model_description}) on "
-              f"{engine.device} in {_dtype_name(engine.compute_dtype)}; data: {setup.data.describe()}, packing "
+              f"{engine.device} in {dtype_name(engine.compute_dtype)}; data: {setup.data.describe()}, packing "
               f"{self.packing}{setup.evals.describe() if setup.evals else ''}; "
               f"{c.total_steps} steps of {c.batch} x {c.seq_len} tokens; plan: {self.plan_description}; "
               f"output: {self.out}", file=sys.stderr, flush=True)
@@ -411,141 +418,6 @@ class Run:
         return loop.exit_code
 
 
-class TrainingLoop:
-    """The steps of one run, from its first to its last or to Ctrl-C: metrics rows, checkpoints, progress.
-
-    On a GPU a step's loss is read one step later (``Pending``), so the device never waits for the host.
-    """
-
-    def __init__(self, run: Run, engine: Engine, data: data_order.TrainingData,
-                 evals: evaluation.EvalSet | None) -> None:
-        c = run.config
-        self.config = c
-        self.engine = engine
-        self.data, self.evals = data, evals
-        self.start_step = run.start_step
-        self.rows_done = run.rows_done       # data position and tokens predicted, saved with each checkpoint
-        self.tokens_done = run.tokens_done
-        self.schedule = lr_schedule.from_config(c.lr, c.min_lr, c.warmup_steps, c.total_steps)
-        self.peak, self.peak_source = metrics.matmul_peak_tflops(engine.device, _dtype_name(engine.compute_dtype))
-        self.metrics_path = os.path.join(run.out, run_dir.METRICS_FILE)
-        self.ckpt_root = os.path.join(run.out, run_dir.CHECKPOINT_DIR)
-        self.out = run.out
-        self.sink: metric_sinks.MetricSink = metric_sinks.NullSink()  # --log-to: besides metrics.jsonl
-        self.tracer = StepTracer(os.path.join(run.out, "trace.json"), run.start_step + 1, c.total_steps,
-                                 engine.device) if c.trace else None
-        self.records: list[dict[str, Any]] = []
-        self.pending: Pending | None = None
-        self.saved_at: int | None = None
-        self.exit_code = 0
-        self.started = self.last_time = time.perf_counter()
-
-    def run(self, batches: Iterator[packing.Batch]) -> None:
-        c, engine = self.config, self.engine
-        log = metrics.MetricsLog(self.metrics_path, append=self.start_step > 0)
-        self.sink = metric_sinks.open(c, self.out, self.start_step)
-        progress = Progress(c.progress, c.total_steps, self.start_step, c.log_every)
-        try:
-            with InterruptGuard() as interrupt:
-                for step in range(self.start_step + 1, c.total_steps + 1):
-                    ids, labels, positions = _next_batch(batches)
-                    self.rows_done += c.batch
-                    lr = self.schedule.lr(step)
-                    if self.tracer is not None:
-                        self.tracer.before_step(step)
-                    # The one place the step's time breakdown is asked for and read: every log_every steps,
-                    # into that step's metrics row (untimed steps record no timing events; on CUDA reading it
-                    # waits for that step).
-                    timed = step % c.log_every == 0
-                    if timed:
-                        engine.time_next_step()
-                    loss = engine.step(ids, labels, lr=lr, position_ids=positions)
-                    breakdown = engine.last_step_breakdown if timed else None
-                    launched = Pending(step, loss, engine.grad_norm, lr, int((labels[:, 1:] != -100).sum()),
-                                       breakdown, self.data.epoch)
-                    self._flush(log, progress)
-                    self.pending = launched
-                    if self.evals is not None and not interrupt.requested and (
-                            step == c.total_steps or (c.eval_every and step % c.eval_every == 0)):
-                        self._evaluate(launched, progress)
-                    if engine.device.type != "cuda":  # a CPU step is done when step() returns: no lag to gain
-                        self._flush(log, progress)
-                    if self.tracer is not None:
-                        self.tracer.after_step(step, engine.synchronize)
-                    if interrupt.requested or (c.save_every and step % c.save_every == 0 and step < c.total_steps):
-                        self._flush(log, progress)
-                        self._save(step, blocking=interrupt.requested)
-                    if interrupt.requested:
-                        self.exit_code = EXIT_INTERRUPTED
-                        progress.message(f"interrupted at step {step}; checkpoint saved in {self.ckpt_root}")
-                        break
-                else:
-                    self._flush(log, progress)
-                    self._save(c.total_steps, blocking=True)
-                engine.wait_for_checkpoint()
-        finally:
-            progress.close()
-            log.close()
-            self.sink.close()
-            if self.tracer is not None:
-                self.tracer.close(engine.synchronize)
-
-    def _flush(self, log: metrics.MetricsLog, progress: Progress) -> None:
-        """Read the pending step's numbers (waits for that step only) and record them."""
-        p, self.pending = self.pending, None
-        if p is None:
-            return
-        loss = float(p.loss.item())
-        now = time.perf_counter()
-        dt = (p.finished_at or now) - self.last_time  # an evaluation after the step is not the step's time
-        self.last_time = now
-        self.tokens_done += p.tokens
-        tps = p.tokens / dt if dt > 0 else 0.0
-        tflops = 6 * self.engine.num_parameters * tps / 1e12
-        record: dict[str, Any] = {
-            "step": p.step, "loss": loss, "tokens_per_second": tps, "lr": p.lr,
-            "grad_norm": float(p.grad_norm.item()) if p.grad_norm is not None else None,
-            "tokens": self.tokens_done, "step_tokens": p.tokens, "step_time_s": dt,
-            "elapsed_s": now - self.started, "model_tflops": tflops,
-            "mfu": tflops / self.peak if self.peak else None,
-            "gpu_memory_bytes": metrics.gpu_peak_bytes(self.engine.device),
-            "host_memory_bytes": metrics.host_peak_bytes(), "epoch": p.epoch,
-        }
-        if p.evaluation is not None:
-            record.update(p.evaluation)
-        if p.breakdown is not None:
-            record["breakdown"] = p.breakdown
-        self.records.append(record)
-        log.write(record)
-        self.sink.log(p.step, record)
-        progress.update(record)
-
-    def _evaluate(self, p: Pending, progress: Progress) -> None:
-        """The eval set's loss with the weights after step p (the step's own time measured first)."""
-        assert self.evals is not None
-        p.loss.item()  # waits for the step on a GPU
-        p.finished_at = time.perf_counter()
-        p.evaluation = self.evals.evaluate(self.engine)
-        progress.message(evaluation.describe(p.step, p.evaluation))
-
-    def _save(self, step: int, blocking: bool) -> None:
-        extra = {"step": step, "rows_done": self.rows_done, "tokens_done": self.tokens_done,
-                 "data": self.data.state(),
-                 "schedule": self.schedule.to_dict(), "train_config": train_config.absolute_paths(self.config),
-                 "torch_rng": torch.get_rng_state().tolist()}
-        handle = self.engine.save_checkpoint(self.ckpt_root, extra=extra, keep=self.config.keep, blocking=blocking)
-        if blocking and handle is not None:
-            handle.wait()
-        self.saved_at = step
-
-
-def _next_batch(batch_iter: Iterator[packing.Batch]) -> packing.Batch:
-    batch = next(batch_iter, None)
-    if batch is None:
-        raise TrainConfigError("data: no tokens to train on (the data is empty); check --data and --text-field")
-    return batch
-
-
 def _checkpoint_root(path: str) -> str:
     """An earlier run's --out holds its checkpoints in a subdirectory; accept either."""
     inner = os.path.join(path, run_dir.CHECKPOINT_DIR)
@@ -574,10 +446,6 @@ def _compute_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return "bf16" if dtype == torch.bfloat16 else "fp32"
 
 
 def _optimizer(c: TrainConfig) -> OptimizerConfig:

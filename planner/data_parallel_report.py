@@ -1,0 +1,61 @@
+"""``megatrain-plan plan --gpus-per-node G --nodes N``: the options and the tables of a data-parallel plan.
+
+The numbers are planner/data_parallel.py's; this module reads the options and writes the text and JSON:
+per-rank (per-GPU) memory, per-node host RAM and NVMe against the host's, the step with the collectives,
+and the predicted scaling efficiency against one GPU at the same global batch.
+
+Pure stdlib.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from . import data_parallel, report
+from .hardware import HardwareProfile
+from .model_shapes import ModelShape
+from .plan import Plan
+from .workload import Workload
+
+
+def add_arguments(p: argparse.ArgumentParser, positive_int: Any, positive_float: Any) -> None:
+    g = p.add_argument_group("several GPUs and nodes (data parallel, one rank per GPU)")
+    g.add_argument("--gpus-per-node", type=positive_int, default=1, help="ranks per node (1)")
+    g.add_argument("--nodes", type=positive_int, default=1, help="nodes (1)")
+    g.add_argument("--intra-gbps", type=positive_float, help="collective bus bandwidth per GPU inside a node, GB/s "
+                                                             "(default: NVLink 300, else half the H2D rate)")
+    g.add_argument("--network-gbps", type=positive_float, help=f"network bandwidth per node, GB/s (default "
+                                                               f"{data_parallel.NETWORK_GBPS:g})")
+
+
+def topology_of(args: argparse.Namespace, hw: HardwareProfile) -> data_parallel.Topology | None:
+    """The ranks the options ask for; None for one."""
+    if args.gpus_per_node * args.nodes == 1:
+        return None
+    return data_parallel.topology(hw, args.gpus_per_node, args.nodes, args.intra_gbps, args.network_gbps)
+
+
+def section(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile,
+            topo: data_parallel.Topology) -> tuple[dict[str, Any], str]:
+    """JSON and text of one rank's memory, the node's, and the step with its collectives."""
+    mem = data_parallel.memory(model, work, plan, hw, topo)
+    s = data_parallel.scaling(model, work, plan, hw, topo)
+    G = topo.gpus_per_node
+    node_ram, node_nvme = G * mem.host_bytes, G * mem.nvme_bytes
+    fits = node_ram <= hw.host_budget_bytes
+    data = {"world": topo.world, "gpus_per_node": G, "nodes": topo.nodes, "bandwidth": topo.source,
+            "rank_batch": work.batch // topo.world, "rank_memory": mem.rows(),
+            "per_gpu_bytes": mem.device_bytes, "per_node_host_bytes": node_ram, "per_node_nvme_bytes": node_nvme,
+            "node_host_fits": fits, **s.to_dict()}
+    text = "\n".join([
+        f"data parallel: {topo.world} ranks ({G} per node x {topo.nodes} node{'s' if topo.nodes > 1 else ''}), "
+        f"{work.batch // topo.world} sequences per rank; collectives at {topo.bus_gbps:.0f} GB/s per rank "
+        f"({topo.source})",
+        "one rank:", report.memory_table(mem), "",
+        f"per GPU {report.gib(mem.device_bytes)}; per node: host RAM {report.gib(node_ram)} "
+        f"({'fits' if fits else 'does NOT fit'} in {report.gib(hw.host_budget_bytes)}), NVMe {report.gib(node_nvme)}",
+        f"step {report.seconds(s.step_seconds)} ({report.seconds(s.comm_seconds)} of collectives, overlapped), "
+        f"{report.rate(s.tokens_per_second)} in all; one GPU on the same global batch: "
+        f"{report.seconds(s.single_step_seconds)}: speed-up {s.speedup:.2f}x, scaling efficiency {s.efficiency:.0%}",
+    ])
+    return data, text

@@ -1,0 +1,120 @@
+"""The collectives of a data-parallel step, on a communication stream with events.
+
+[Note: collectives]
+Per block, with W ranks (shard layout: shards.py, [Note: shards]):
+
+- load: the rank's compute-dtype shadow shard is copied H2D into its place in
+  the slot (h2d stream), then the slot is all-gathered in place
+  (``all_gather_into_tensor``) on the comm stream; the h2d stream waits for the
+  gather, so the slot's ``loaded`` event covers it and the loader's prefetch
+  depth covers the gather as it covers the copy.
+- gradient: after the block's micro-batches, its fp32 gradient (padded to W
+  shards) is reduce-scattered with SUM into this rank's device shard buffer on
+  the comm stream (after the compute that wrote it), the shard's sum of squares
+  is added to a device accumulator there, and the D2H drain waits for that
+  (``ready``). SUM is the average over the global batch: every rank's loss is
+  already divided by the global count of predicted tokens (``all_reduce_sum``
+  of the per-rank counts at the start of the step), as one process divides the
+  whole batch's loss.
+- global norm: one all-reduce of the per-rank partial sums of squares.
+
+Collectives are issued from the training thread only, in the same order on
+every rank (the load sequence and the backward are the same everywhere). No
+host sync: on CUDA every wait is ``stream.wait_event`` (NCCL collectives are
+issued on the comm stream and only order streams); on a CPU the streams are
+no-ops and gloo runs each collective when issued. A shard buffer is reused by
+the gradient buffer of the same index, after that buffer's ``drained`` event.
+Device memory: (grad buffers + 1) x largest shard x 4 bytes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .process_group import Topology
+from .shards import Shards
+from .streams import Event, Stream, Streams
+from .templates import Block
+
+
+class Collectives:
+    def __init__(self, topology: Topology, blocks: tuple[Block, ...], device: torch.device, grad_buffers: int) -> None:
+        """The collectives of this rank (``topology``) over ``blocks``; ``grad_buffers``: the plan's device
+        gradient buffers. ``streams`` are the step's (the executor takes them from here)."""
+        self.topology = topology
+        self.shards = Shards.of(blocks, topology.rank, topology.world_size)
+        self.streams = streams = Streams(device)
+        shards = self.shards
+        self.comm = Stream(torch.cuda.Stream(device)) if streams.cuda else streams.compute
+        largest = max(shards.numel(b.index) for b in shards.blocks)
+        # One shard buffer per device gradient buffer, plus one for a tied embedding's (index None).
+        self.grad_shards = [torch.zeros(largest, dtype=torch.float32, device=device) for _ in range(grad_buffers + 1)]
+        self.norm_sq = torch.zeros((), dtype=torch.float32, device=device)  # this rank's sum of squared grads
+
+    # ---- per step ---------------------------------------------------------------------
+    def begin_step(self) -> None:
+        with self.comm.use():
+            self.comm.wait_event(self.streams.recorded(self.streams.compute))
+            self.norm_sq.zero_()
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of ``value`` (a device tensor written on the compute stream), for the compute stream."""
+        out = value.clone()
+        with self.comm.use():
+            self.comm.wait_event(self.streams.recorded(self.streams.compute))
+            dist.all_reduce(out, op=dist.ReduceOp.SUM)
+            done = self.streams.recorded(self.comm)
+        self.streams.compute.wait_event(done)
+        return out
+
+    def global_norm(self) -> torch.Tensor:
+        """The global gradient norm: sqrt of the all-reduced partial sums of squares (for the compute stream)."""
+        with self.comm.use():
+            total = self.norm_sq.clone()
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            done = self.streams.recorded(self.comm)
+        self.streams.compute.wait_event(done)
+        return total.sqrt()
+
+    # ---- per block ----------------------------------------------------------------------
+    def fill_slot(self, block: int, slot: torch.Tensor, shadow_shard: torch.Tensor) -> None:
+        """On the h2d stream: this rank's shadow shard into its place in ``slot``, then the whole block
+        gathered into ``slot`` from every rank; later h2d work (the ``loaded`` event) follows the gather."""
+        own = self.shards.own(block)
+        slot[own].copy_(shadow_shard, non_blocking=True)
+        copied = self.streams.recorded(self.streams.h2d)
+        with self.comm.use():
+            self.comm.wait_event(copied)
+            _all_gather(slot[:self.shards.padded(block)], slot[own])
+            gathered = self.streams.recorded(self.comm)
+        self.streams.h2d.wait_event(gathered)
+
+    def reduce_scatter(self, block: int, index: int | None, grads: torch.Tensor) -> tuple[torch.Tensor, Event]:
+        """Block's gradient ``grads`` ([padded] fp32, written on the compute stream) summed over ranks; returns this
+        rank's shard (a device buffer reused after the drain of gradient buffer ``index``) and its ready event.
+        The shard's sum of squares goes into the rank's partial norm."""
+        n = self.shards.numel(block)
+        shard = self.grad_shards[-1 if index is None else index][:n]
+        with self.comm.use():
+            self.comm.wait_event(self.streams.recorded(self.streams.compute))
+            _reduce_scatter(shard, grads, op=dist.ReduceOp.SUM)
+            self.norm_sq.add_(torch.dot(shard, shard))
+            ready = self.streams.recorded(self.comm)
+        return shard, ready
+
+    # ---- whole blocks on the host (state dicts, checkpoints, export) ------------------------------
+    def gather_host(self, block: int, shard: torch.Tensor) -> torch.Tensor:
+        """Block's whole flat fp32 layout ([numel]) from every rank's host ``shard``, on every rank."""
+        padded = self.shards.padded(block)
+        device = torch.device("cpu") if self.topology.backend == "gloo" else self.norm_sq.device
+        out = torch.empty(padded, dtype=shard.dtype, device=device)
+        _all_gather(out, shard.to(device))
+        return out[:self.shards.full[block].layout.numel].cpu()
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+# torch renamed these two (same arguments); the older names warn where the new ones exist.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -1,0 +1,89 @@
+"""Where this process stands among the ranks of a data-parallel run: the topology and its initialisation.
+
+A run with several ranks is one process per device under ``torchrun`` (or any launcher that
+initialises ``torch.distributed``). ``join()`` answers, once per engine:
+
+- a process group already initialised with more than one rank: this process is one of its ranks;
+- none, but torchrun's environment (``WORLD_SIZE`` > 1, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+  ``MASTER_PORT``): the group is initialised here, NCCL with CUDA and gloo without, every collective
+  with ``timeout_s`` (a rank that stops answering fails the others instead of hanging them);
+- otherwise (or one rank): ``None``, and the engine runs as one process, exactly as without this module.
+
+With CUDA each rank's device is ``cuda:LOCAL_RANK`` unless the caller names one.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigError
+
+DEFAULT_TIMEOUT_S = 300.0  # a collective that waits longer fails (gloo: raises; NCCL: the watchdog aborts)
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int  # this process's rank, 0 .. world_size - 1
+    world_size: int
+    local_rank: int  # rank among the processes of this node (its device index with CUDA)
+    local_world_size: int  # ranks on this node
+    backend: str  # "nccl" or "gloo"
+
+    @property
+    def is_first(self) -> bool:
+        """Rank 0: the one that writes what is written once (metrics, the checkpoint's commit, exports)."""
+        return self.rank == 0
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+
+def join(timeout_s: float = DEFAULT_TIMEOUT_S) -> Topology | None:
+    """This process's place among the ranks (initialising the group from torchrun's environment if needed);
+    None for a single process."""
+    if not dist.is_available():
+        return None
+    if not dist.is_initialized():
+        world = _env_int("WORLD_SIZE", 1)
+        if world <= 1:
+            return None
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        except (RuntimeError, ValueError) as e:
+            raise ConfigError(f"cannot join the {world} ranks of this run ({_first_line(e)}); check MASTER_ADDR, "
+                              "MASTER_PORT and that every rank was started (torchrun --nproc-per-node ...)") from None
+    world = dist.get_world_size()
+    if world <= 1:
+        return None
+    return Topology(rank=dist.get_rank(), world_size=world, local_rank=_env_int("LOCAL_RANK", dist.get_rank()),
+                    local_world_size=_env_int("LOCAL_WORLD_SIZE", world), backend=str(dist.get_backend()))
+
+
+def rank_device(topology: Topology | None, device: torch.device | None) -> torch.device | None:
+    """The device a rank computes on: the caller's, else ``cuda:LOCAL_RANK`` with CUDA, else None (auto)."""
+    if topology is None or device is not None or not torch.cuda.is_available():
+        return device
+    return torch.device("cuda", topology.local_rank % torch.cuda.device_count())
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not an integer; it is set by torchrun, leave it to it") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

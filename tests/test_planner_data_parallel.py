@@ -1,0 +1,97 @@
+"""The planner's data-parallel terms: one rank's memory and the collectives, checked by hand; the runtime's
+per-rank host store against the planner's per-rank state (allocated bytes, 2 CPU ranks)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatrain.planner import cli, data_parallel, hardware, memory_model
+from megatrain.planner.model_shapes import PRESETS, from_config
+from megatrain.planner.plan import Plan
+from megatrain.planner.workload import Workload, WorkloadError
+from megatrain.runtime import Engine, ModelConfig
+from rank_processes import run_ranks
+
+H100 = hardware.preset("H100-SXM")
+PLAN = Plan(num_slots=2, prefetch_depth=1, micro_batch_size=1, optimizer_mode="deferred", device_grad_buffers=2)
+
+
+def _by_name(est: memory_model.MemoryEstimate) -> dict[tuple[str, str], int]:
+    return {(c.where, c.name): c.nbytes for c in est.components}
+
+
+def test_one_ranks_memory_by_hand() -> None:
+    m = PRESETS["Llama-3.1-8B"]
+    work = Workload(seq_len=4096, batch=16, compute_dtype="bf16")
+    topo = data_parallel.topology(H100, 8, 1)
+    got = _by_name(data_parallel.memory(m, work, PLAN, H100, topo))
+    single = _by_name(memory_model.estimate(m, Workload(seq_len=4096, batch=2, compute_dtype="bf16"), PLAN, H100))
+    emb, layer, head = 128256 * 4096, 218_112_000, 4096 + 128256 * 4096
+    shard = lambda n: -(-(-(-n // 8)) // 64) * 64  # noqa: E731  align64(ceil(n / 8))
+    NW = shard(emb) + 32 * shard(layer) + shard(head)
+    assert got[("host", "fp32 master")] == 4 * NW == got[("host", "Adam m")] == got[("host", "Adam v")]
+    assert got[("host", "compute-dtype shadow")] == 2 * NW
+    assert got[("host", "fp32 grads (full arena)")] == 4 * NW
+    assert got[("device", "gradient shards")] == 3 * shard(head) * 4
+    # Activations are the rank's batch (2 of 16 sequences): as one process with batch 2.
+    for key in [("device", "weight slots"), ("device", "activation grad"), ("device", "activation checkpoints"),
+                ("device", "logits chunk")]:
+        assert got[key] == single[key], key
+
+
+def test_collectives_time_by_hand() -> None:
+    """With a bandwidth far below everything else, the step is the collectives: r x bytes / bw per phase."""
+    m = PRESETS["Llama-3.1-8B"]
+    work = Workload(seq_len=4096, batch=16, compute_dtype="bf16")
+    topo = data_parallel.topology(H100, 4, 2, intra_gbps=300.0, network_gbps=0.4)  # 0.1 GB/s per rank
+    assert topo.bus_gbps == pytest.approx(0.1)
+    s = data_parallel.scaling(m, work, PLAN, H100, topo)
+    N, L, layer = m.numel_total, 32, m.numel_layer
+    lat = 34 * data_parallel.COLLECTIVE_LATENCY_S["gpu"]
+    fwd = lat + 7 / 8 * 2 * N / 0.1e9
+    bwd = lat + 7 / 8 * (2 * L * layer + 4 * N) / 0.1e9
+    assert s.comm_seconds == pytest.approx(fwd + bwd)
+    assert s.step_seconds == pytest.approx(fwd + bwd, rel=0.02)  # everything else is hidden under them
+    assert s.efficiency < 0.05
+
+
+def test_one_rank_is_the_single_process_and_more_ranks_scale_below_one() -> None:
+    m = PRESETS["Llama-3.1-8B"]
+    work = Workload(seq_len=4096, batch=16, compute_dtype="bf16")
+    one = data_parallel.scaling(m, work, PLAN, H100, data_parallel.topology(H100, 1, 1))
+    assert one.efficiency == 1.0 and one.comm_seconds == 0.0
+    for g in (2, 4, 8):
+        s = data_parallel.scaling(m, work, PLAN, H100, data_parallel.topology(H100, g, 1))
+        assert 0 < s.efficiency <= 1.0 and s.speedup > 1.0
+    with pytest.raises(WorkloadError, match="does not divide among 3 ranks"):
+        data_parallel.rank_workload(work, data_parallel.topology(H100, 3, 1))
+
+
+def test_plan_command_reports_ranks(capsys) -> None:
+    assert cli.main(["plan", "--model", "Llama-3.1-8B", "--seq", "4096", "--batch", "16", "--hardware", "H100-SXM",
+                     "--gpus-per-node", "8", "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "data parallel: 16 ranks (8 per node x 2 nodes), 1 sequences per rank" in out
+    assert "scaling efficiency" in out and "per node: host RAM" in out
+
+
+CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2)
+
+
+def _store_bytes(rank: int, world: int) -> int:
+    with Engine(ModelConfig(**CONFIG), plan=PLAN, compute_dtype=torch.bfloat16, device="cpu") as engine:
+        return engine.store.nbytes
+
+
+def test_a_ranks_host_store_is_a_wth_and_the_planners(tmp_path) -> None:
+    single = _store_bytes(0, 1)
+    ranks = run_ranks(_store_bytes, 2, tmp_path)
+    model = from_config({**CONFIG, "model_type": "llama"})
+    topo = data_parallel.topology(hardware.preset("H100-SXM"), 2, 1)
+    predicted = _by_name(data_parallel.memory(model, Workload(seq_len=16, batch=2, compute_dtype="bf16"), PLAN,
+                                              hardware.preset("H100-SXM"), topo))
+    state = sum(predicted[("host", n)] for n in data_parallel.STATE_COMPONENTS)
+    for got in ranks:
+        assert abs(got / single - 0.5) < 0.01, (got, single)
+        assert abs(got - state) <= 0.10 * state, (got, state)

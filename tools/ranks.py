@@ -1,0 +1,136 @@
+"""``megatrain-train`` under torchrun: which rank does what, and every rank stopping on one rank's error.
+
+With one process everything here is a pass-through. With W ranks (torchrun sets the environment;
+``runtime/process_group.py`` joins the group, gloo on CPUs, NCCL on GPUs, collectives with a timeout):
+
+- every rank reads and checks every input the same way (``agree``): the options, the model, the
+  tokenizer, the data, the plan; if any rank finds an error, every rank stops with that rank's one
+  line (exit status 2), before anything is written;
+- rank 0 alone takes the run directory (lock, ``--overwrite``), writes metrics, the plot, the summary,
+  progress and TensorBoard events (``writes``); every rank builds its engine (its shards of the state),
+  reads the same global batches and passes its rows (``rows``) to the step; checkpoints are written by
+  all ranks together (runtime/sharded_checkpoint.py);
+- a rank that fails during training prints its own line and exits; the others' next collective then
+  fails (the peer's connection closed, or the group's timeout) and they stop with a line that says so.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Mapping, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from megatrain.errors import MegatrainError
+from megatrain.runtime.process_group import Topology, join, rank_device
+
+T = TypeVar("T")
+
+
+class RankError(MegatrainError):
+    """Another rank of the run stopped it: its one-line message."""
+
+
+class Ranks:
+    def __init__(self, topology: Topology | None) -> None:
+        self.topology = topology
+
+    @classmethod
+    def join(cls) -> "Ranks":
+        return cls(join())
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self.topology is None else self.topology.world_size
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.topology is None else self.topology.rank
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes the run's files (metrics, plot, summary, progress): rank 0, or one process."""
+        return self.rank == 0
+
+    def rows(self, batch: int) -> slice:
+        """This rank's rows of a global batch of ``batch`` rows."""
+        if batch % self.world_size:
+            raise RankError(f"--batch {batch} does not divide among {self.world_size} ranks; pass a multiple of "
+                            f"{self.world_size}")
+        share = batch // self.world_size
+        return slice(self.rank * share, (self.rank + 1) * share)
+
+    def device(self, device: torch.device) -> torch.device:
+        """The rank's device: cuda:LOCAL_RANK for a CUDA run (unverified on GPUs so far), else ``device``."""
+        if self.topology is None or device.type != "cuda":
+            return device
+        chosen = rank_device(self.topology, None)
+        return device if chosen is None else chosen
+
+    def agree(self, work: Callable[[], T], errors: tuple[type[BaseException], ...], only_first: bool = False) -> T:
+        """Run ``work`` (on rank 0 alone with ``only_first``); if it raises one of ``errors`` on any rank, raise that
+        rank's error (its one line) on every rank. One collective: no rank goes on while another has stopped."""
+        if self.topology is None:
+            return work()
+        result: Any = None
+        failure: str | None = None
+        try:
+            if self.writes or not only_first:
+                result = work()
+        except errors as e:
+            failure = _one_line(e)
+        everyone: list = [None] * self.world_size
+        try:
+            dist.all_gather_object(everyone, failure)
+        except RuntimeError as e:  # a rank that stopped before agreeing (it printed why)
+            raise RankError(peer_stopped(e)) from None
+        failed = [(r, f) for r, f in enumerate(everyone) if f is not None]
+        if failed:
+            rank, line = failed[0]
+            raise RankError(line if self.world_size == 1 or rank == self.rank else f"rank {rank}: {line}")
+        return result
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank (one all-reduce of a CPU tensor under torchrun)."""
+        if self.topology is None:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int64)
+        if self.topology.backend == "nccl":  # unverified on GPUs so far
+            value = value.cuda()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def say(self, line: str) -> None:
+        """A line on stderr, from rank 0 only."""
+        if self.writes:
+            print(line, file=sys.stderr)
+
+
+def peer_failure(e: RuntimeError) -> bool:
+    """Whether ``e`` is a collective failing because another rank stopped (connection closed) or stopped answering
+    (timeout), in a run of several ranks."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    text = str(e).lower()
+    return isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "nccl", "connection", "timed out"))
+
+
+def peer_stopped(e: BaseException) -> str:
+    """The line a rank prints when another rank stopped the run (that rank printed why)."""
+    return (f"another rank of this run stopped, or stopped answering ({_one_line(e)[:160]}); its own line says why; "
+            "megatrain-train stops every rank")
+
+
+class NullLog:
+    """The metrics log of a rank that writes none."""
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
