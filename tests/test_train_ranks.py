@@ -29,8 +29,10 @@ def _main(rank: int, world: int, argv: list[str], bad_on: int | None) -> tuple[i
 
 def test_two_ranks_train_the_same_curve_as_one_process(tmp_path):
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    assert train.main(["--out", one, *FAST, "--steps", "3"]) == 0
-    (status0, err0), (status1, err1) = run_ranks(_main, 2, tmp_path, ["--out", two, *FAST, "--steps", "3"], None)
+    held_out = ["--eval-fraction", "0.01"]  # every rank evaluates the whole eval set, in step with the others
+    assert train.main(["--out", one, *FAST, *held_out, "--steps", "3"]) == 0
+    (status0, err0), (status1, err1) = run_ranks(_main, 2, tmp_path, ["--out", two, *FAST, *held_out, "--steps", "3"],
+                                                 None)
     assert (status0, status1) == (0, 0), (err0, err1)
     assert err1 == "", err1  # the other rank says nothing: rank 0 reports
     assert "trained steps 1-3" in err0
@@ -40,6 +42,8 @@ def test_two_ranks_train_the_same_curve_as_one_process(tmp_path):
     for a, b in zip(ranks, single):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["loss"], b["loss"])
         assert a["step_tokens"] == b["step_tokens"]
+    assert ranks[-1]["eval_tokens"] == single[-1]["eval_tokens"]
+    assert abs(ranks[-1]["eval_loss"] - single[-1]["eval_loss"]) <= 1e-5 * single[-1]["eval_loss"]
     assert os.path.isfile(os.path.join(two, "summary.json"))
     assert sorted(os.listdir(os.path.join(two, "checkpoints"))) == ["latest", "step-00000003"]
 

@@ -168,7 +168,8 @@ class TrainingLoop:
         p.loss.item()  # waits for the step on a GPU
         p.finished_at = time.perf_counter()
         p.evaluation = self.evals.evaluate(self.engine)
-        progress.message(evaluation.describe(p.step, p.evaluation))
+        if self.ranks.writes:  # rank 0 reports
+            progress.message(evaluation.describe(p.step, p.evaluation))
 
     def _save(self, step: int, blocking: bool) -> None:
         extra = {"step": step, "rows_done": self.rows_done, "tokens_done": self.tokens_done,
