@@ -214,7 +214,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     hw = _hardware(args)
     work = _workload(args, _dtype(args, hw), spill_dir=args.spill_dir, free=_free_bytes(args.spill_dir))
     ranks = data_parallel_report.topology_of(args, hw)  # several GPUs: the plan of one rank, on its share
-    result = search.search(model, work if ranks is None else data_parallel.rank_workload(work, ranks), hw)
+    result = search.search(model, work, hw, ranks)
     try:
         best = result.require()
     except InfeasibleError as e:
@@ -261,18 +261,28 @@ def cmd_plan(args: argparse.Namespace) -> None:
     _emit(args, data, text)
 
 
+def _ranks(args: argparse.Namespace, work: Workload, hw: HardwareProfile) -> data_parallel.Topology | None:
+    """--gpus-per-node x --nodes on ``hw`` (None for one); the global batch must divide among them."""
+    ranks = data_parallel_report.topology_of(args, hw)
+    if ranks is not None:
+        data_parallel.rank_workload(work, ranks)   # one line, exit 2, when the batch does not divide
+    return ranks
+
+
 def cmd_size(args: argparse.Namespace) -> None:
     model = model_shapes.resolve(args.model)
     probe = hwmod.preset("H100-SXM")
     work = _workload(args, _dtype(args, probe), spill_dir=args.spill_dir or NVME_DIR)
-    least = search.minimum_memory(model, work, probe)
+    G = args.gpus_per_node
+    least = search.minimum_memory(model, work, probe, _ranks(args, work, probe))
     host, gpu, resident = least["host"], least["gpu"], least.get("host_no_spill")
     per_hw: list[dict[str, Any]] = []
     rows = []
     for name in hwmod.GPU_PRESETS:
         hw = hwmod.preset(name, args.host).with_overrides(
             ram_bytes=parse_size(args.ram, "--ram") if args.ram else None, nvme_gbps=args.nvme)
-        r = search.search(model, work, hw)
+        ranks = _ranks(args, work, hw)
+        r = search.search(model, work, hw, ranks)
         entry: dict[str, Any] = {"hardware": name, "feasible": r.feasible, "reason": r.reason(),
                                  "host_ram_available_bytes": hw.host_budget_bytes,
                                  "disk_read_gbps": hw.disk_read_gbps, "disk_write_gbps": hw.disk_write_gbps}
@@ -280,34 +290,57 @@ def cmd_size(args: argparse.Namespace) -> None:
             entry.update(_choice_json(r.best))
             c, m = r.best.cost, r.best.memory
             assert c is not None
-            rows.append((name, report.gib(hw.host_budget_bytes), report.gib(m.host_bytes), report.gib(m.nvme_bytes),
-                         report.gib(search.disk_traffic_bytes(m)), report.seconds(c.step_seconds),
-                         report.rate(c.tokens_per_second), f"{c.mfu:.0%}", c.bottleneck))
+            step, rate, last, bound = c.step_seconds, c.tokens_per_second, f"{c.mfu:.0%}", c.bottleneck
+            if ranks is not None:
+                entry["data_parallel"] = dp = data_parallel_report.figures(model, work, r.best.plan, hw, ranks)
+                step, rate, last = dp["step_seconds"], dp["tokens_per_second"], f"{dp['efficiency']:.0%}"
+                bound = "collectives" if dp["collectives_bound"] else bound
+            rows.append((name, report.gib(hw.host_budget_bytes), report.gib(G * m.host_bytes),
+                         report.gib(G * m.nvme_bytes), report.gib(G * search.disk_traffic_bytes(m)))
+                        + ((report.gib(m.device_bytes),) if ranks is not None else ())
+                        + (report.seconds(step), report.rate(rate), last, bound))
         else:
-            rows.append((name, report.gib(hw.host_budget_bytes), "-", "-", "-", "-", "-", "-", r.reason()))
+            rows.append((name, report.gib(hw.host_budget_bytes)) + ("-",) * (7 if G * args.nodes > 1 else 6)
+                        + (r.reason(),))
         per_hw.append(entry)
-    fastest = min((e for e in per_hw if e["feasible"]), key=lambda e: e["step_seconds"], default=None)
+    rate_of = (lambda e: e["data_parallel"]["step_seconds"]) if G * args.nodes > 1 else (lambda e: e["step_seconds"])
+    fastest = min((e for e in per_hw if e["feasible"]), key=rate_of, default=None)
+    figures = fastest.get("data_parallel", fastest) if fastest else None
     data = {"params": model.params, "model": model.summary(),
             "workload": {"seq_len": work.seq_len, "batch": work.batch, "compute_dtype": work.compute_dtype,
                          "clipping": work.clipping, "spill": work.spill},
             "gpu_bytes": gpu.memory.device_bytes, **{k: v for k, v in _memory_json(host).items() if k != "gpu_bytes"},
             "host_ram_no_spill_bytes": resident.memory.host_bytes if resident else None,
-            "step_seconds": fastest["step_seconds"] if fastest else None,
-            "tokens_per_second": fastest["tokens_per_second"] if fastest else None,
+            "step_seconds": figures["step_seconds"] if figures else None,
+            "tokens_per_second": figures["tokens_per_second"] if figures else None,
             "fastest_hardware": fastest["hardware"] if fastest else None, "hardware": per_hw}
-    least_line = (f"minimum host RAM {report.gib(host.memory.host_bytes)} with "
+    ranks_line = []
+    if G * args.nodes > 1:
+        data.update(gpus_per_node=G, nodes=args.nodes, world=G * args.nodes,
+                    node_host_ram_bytes=G * host.memory.host_bytes, node_nvme_bytes=G * host.memory.nvme_bytes,
+                    node_host_ram_no_spill_bytes=G * resident.memory.host_bytes if resident else None,
+                    efficiency=figures["efficiency"] if figures else None)
+        ranks_line = [f"data parallel: {G * args.nodes} ranks ({G} per node x {args.nodes} node"
+                      f"{'s' if args.nodes > 1 else ''}), {work.batch // (G * args.nodes)} sequences per rank; "
+                      f"GPU memory per GPU, host RAM and NVMe per node ({G} ranks: their shards and each one's "
+                      f"buffers); step and throughput of all ranks with the collectives; efficiency against one GPU "
+                      f"on the same global batch"]
+    least_line = (f"minimum host RAM {report.gib(G * host.memory.host_bytes)}{' per node' if ranks_line else ''} with "
                   + ("nothing on disk" if host.plan.spill == "none" else
-                     f"{report.gib(host.memory.nvme_bytes)} on NVMe ({SPILL_LABELS[host.plan.spill]} spilled, "
-                     f"{report.gib(search.disk_traffic_bytes(host.memory))} disk traffic per step)"))
+                     f"{report.gib(G * host.memory.nvme_bytes)} on NVMe ({SPILL_LABELS[host.plan.spill]} spilled, "
+                     f"{report.gib(G * search.disk_traffic_bytes(host.memory))} disk traffic per step)"))
     if resident is not None and resident is not host:
-        least_line += f"; without NVMe {report.gib(resident.memory.host_bytes)}"
+        least_line += f"; without NVMe {report.gib(G * resident.memory.host_bytes)}"
+    node = " per node" if ranks_line else ""
+    heads = (("GPU preset", f"host RAM{node}", "run needs", "NVMe", "disk/step") + (("per GPU",) if ranks_line else ())
+             + ("step", "throughput", "efficiency" if ranks_line else "MFU", "bound by / why not"))
     text = "\n".join([
         f"{model.name} ({model_shapes.params_label(model.params)} params), {work.batch} x {work.seq_len} tokens "
         f"per step, {work.compute_dtype}, clipping {'on' if work.clipping else 'off'}, spill {work.spill}",
+        *ranks_line,
         f"minimum GPU memory {report.gib(gpu.memory.device_bytes)} (plan: {gpu.plan.micro_batch_size} seq "
         f"per micro-batch, checkpoints on {gpu.plan.checkpoints})", least_line, "",
-        report.table(("GPU preset", "host RAM", "run needs", "NVMe", "disk/step", "step", "throughput", "MFU",
-                      "bound by / why not"), rows, (False, True, True, True, True, True, True, True, False)),
+        report.table(heads, rows, (False,) + (True,) * (len(heads) - 2) + (False,)),
         f"(each preset with its usual host and that host's NVMe; spill plans write to {work.spill_dir})",
     ])
     _emit(args, data, text)
@@ -548,6 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "default: each GPU's usual host")
     sp.add_argument("--ram", help="override host RAM on every preset, e.g. 1T")
     sp.add_argument("--nvme", type=_positive_float, help="override the NVMe read/write GB/s on every preset")
+    data_parallel_report.add_arguments(sp, _positive_int, _positive_float)
     sp.add_argument("--json", action="store_true", help="print JSON for scripts")
 
     sp = sub.add_parser("ram", help="how much host RAM (and NVMe) to buy: batch and throughput per RAM size, "

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from . import cost_model, memory_model
 from .block_parameters import aligned
 from .hardware import HardwareProfile
-from .memory_model import Component, MemoryEstimate
+from .memory_model import Component, MemoryEstimate, Overrun
 from .model_shapes import ModelShape
 from .plan import Plan
 from .workload import Workload, WorkloadError
@@ -129,6 +129,19 @@ def memory(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, t
     return MemoryEstimate(tuple(out))
 
 
+def node_overruns(mem: MemoryEstimate, hw: HardwareProfile, topo: Topology) -> list[Overrun]:
+    """The budgets one rank's ``mem`` exceeds where G ranks share a node: its device buffers against one
+    GPU; G x its host bytes (its shards and its own buffers; without a GPU, its device buffers too)
+    against the node's host RAM."""
+    G, out = topo.gpus_per_node, []
+    if not hw.device_is_host and mem.device_bytes > hw.gpu_mem_bytes:
+        out.append(Overrun("gpu memory", mem.device_bytes, hw.gpu_mem_bytes))
+    node = G * (mem.host_bytes + (mem.device_bytes if hw.device_is_host else 0))
+    if node > hw.host_budget_bytes:
+        out.append(Overrun("host RAM", node, hw.host_budget_bytes))
+    return out
+
+
 @dataclass(frozen=True)
 class Scaling:
     """One rank's predicted step and the efficiency against one process on the whole global batch."""
@@ -139,6 +152,7 @@ class Scaling:
     tokens: int                  # global tokens per step
     world: int
     bus_gbps: float
+    collectives_bound: bool = False   # the collectives are the busiest resource of the longer phase
 
     @property
     def tokens_per_second(self) -> float:
@@ -156,7 +170,7 @@ class Scaling:
         return {"step_seconds": self.step_seconds, "single_step_seconds": self.single_step_seconds,
                 "comm_seconds": self.comm_seconds, "tokens_per_second": self.tokens_per_second,
                 "speedup": self.speedup, "efficiency": self.efficiency, "world": self.world,
-                "bus_gbps": self.bus_gbps}
+                "bus_gbps": self.bus_gbps, "collectives_bound": self.collectives_bound}
 
 
 def scaling(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, topo: Topology) -> Scaling:
@@ -174,10 +188,12 @@ def scaling(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, 
     comm_fwd = blocks * lat + ring * c * (model.numel_total + tied) / bw
     comm_bwd = blocks * lat + ring * (c * model.num_layers * model.numel_layer + 4 * model.numel_total) / bw
 
-    def phase(p: cost_model.PhaseTime, comm: float) -> float:
+    def phase(p: cost_model.PhaseTime, comm: float) -> tuple[float, bool]:
         stall = max(0.0, p.seconds - max(p.compute_s, p.h2d_s, p.d2h_s, p.adam_s))
-        return max(p.compute_s * share, p.h2d_s / W, p.d2h_s / W, p.adam_s * share / W, comm) + stall
+        busiest = max(p.compute_s * share, p.h2d_s / W, p.d2h_s / W, p.adam_s * share / W)
+        return max(busiest, comm) + stall, comm > busiest
 
-    step = (phase(rank.forward, comm_fwd) + phase(rank.backward, comm_bwd)
-            + rank.optimizer_exposed_seconds * share / W)
-    return Scaling(step, single.step_seconds, comm_fwd + comm_bwd, work.tokens, W, topo.bus_gbps)
+    (fwd, fwd_comm), (bwd, bwd_comm) = phase(rank.forward, comm_fwd), phase(rank.backward, comm_bwd)
+    step = fwd + bwd + rank.optimizer_exposed_seconds * share / W
+    return Scaling(step, single.step_seconds, comm_fwd + comm_bwd, work.tokens, W, topo.bus_gbps,
+                   fwd_comm if fwd >= bwd else bwd_comm)

@@ -1,4 +1,4 @@
-"""``megatrain-plan plan --gpus-per-node G --nodes N``: the options and the tables of a data-parallel plan.
+"""``megatrain-plan plan|size|ram --gpus-per-node G --nodes N``: the options and the figures of a data-parallel plan.
 
 The numbers are planner/data_parallel.py's; this module reads the options and writes the text and JSON:
 per-rank (per-GPU) memory, per-node host RAM and NVMe against the host's, the step with the collectives,
@@ -19,6 +19,7 @@ from .workload import Workload
 
 
 def add_arguments(p: argparse.ArgumentParser, positive_int: Any, positive_float: Any) -> None:
+    """--gpus-per-node, --nodes and the bandwidths: plan, size and ram take them alike."""
     g = p.add_argument_group("several GPUs and nodes (data parallel, one rank per GPU)")
     g.add_argument("--gpus-per-node", type=positive_int, default=1, help="ranks per node (1)")
     g.add_argument("--nodes", type=positive_int, default=1, help="nodes (1)")
@@ -35,18 +36,27 @@ def topology_of(args: argparse.Namespace, hw: HardwareProfile) -> data_parallel.
     return data_parallel.topology(hw, args.gpus_per_node, args.nodes, args.intra_gbps, args.network_gbps)
 
 
+def figures(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile,
+            topo: data_parallel.Topology) -> dict[str, Any]:
+    """The JSON of one rank's plan among ``topo``: per GPU, per node (G ranks), the step and the efficiency."""
+    mem = data_parallel.memory(model, work, plan, hw, topo)
+    G = topo.gpus_per_node
+    node_ram = G * (mem.host_bytes + (mem.device_bytes if hw.device_is_host else 0))
+    return {"world": topo.world, "gpus_per_node": G, "nodes": topo.nodes, "bandwidth": topo.source,
+            "rank_batch": work.batch // topo.world, "per_gpu_bytes": mem.device_bytes,
+            "per_node_host_bytes": node_ram, "per_node_nvme_bytes": G * mem.nvme_bytes,
+            "node_host_fits": node_ram <= hw.host_budget_bytes,
+            **data_parallel.scaling(model, work, plan, hw, topo).to_dict()}
+
+
 def section(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile,
             topo: data_parallel.Topology) -> tuple[dict[str, Any], str]:
     """JSON and text of one rank's memory, the node's, and the step with its collectives."""
     mem = data_parallel.memory(model, work, plan, hw, topo)
     s = data_parallel.scaling(model, work, plan, hw, topo)
     G = topo.gpus_per_node
-    node_ram, node_nvme = G * mem.host_bytes, G * mem.nvme_bytes
-    fits = node_ram <= hw.host_budget_bytes
-    data = {"world": topo.world, "gpus_per_node": G, "nodes": topo.nodes, "bandwidth": topo.source,
-            "rank_batch": work.batch // topo.world, "rank_memory": mem.rows(),
-            "per_gpu_bytes": mem.device_bytes, "per_node_host_bytes": node_ram, "per_node_nvme_bytes": node_nvme,
-            "node_host_fits": fits, **s.to_dict()}
+    data = {**figures(model, work, plan, hw, topo), "rank_memory": mem.rows()}
+    node_ram, node_nvme, fits = data["per_node_host_bytes"], data["per_node_nvme_bytes"], data["node_host_fits"]
     text = "\n".join([
         f"data parallel: {topo.world} ranks ({G} per node x {topo.nodes} node{'s' if topo.nodes > 1 else ''}), "
         f"{work.batch // topo.world} sequences per rank; collectives at {topo.bus_gbps:.0f} GB/s per rank "

@@ -8,6 +8,11 @@ clipping), host grad slabs for eager mode, and the loss chunk (the largest that
 fits: it costs memory, hardly time), and what spills to disk (none, AdamW m and
 v, or every fp32 kind) unless the workload forces one.
 
+With ``ranks`` (a data-parallel Topology) the workload is the global step and the plan is one rank's:
+candidates and time at the rank's share of the batch, memory as data_parallel.memory (host state
+sharded 1/W), and the budgets per node: each rank's GPU memory against one GPU, and the G ranks of a
+node together (their shards and each one's buffers) against the node's host RAM and spill disk.
+
 Memory is checked first (cheap); only plans that fit are timed. Pure stdlib.
 """
 from __future__ import annotations
@@ -16,13 +21,15 @@ from dataclasses import dataclass, field
 
 from megatrain.errors import MegatrainError
 
-from . import cost_model, memory_model
+from . import cost_model, data_parallel, memory_model
 from .cost_model import CostEstimate
 from .hardware import HardwareProfile
 from .memory_model import MemoryEstimate, Overrun
 from .model_shapes import ModelShape
 from .plan import Plan
 from .workload import Workload
+
+Ranks = data_parallel.Topology | None
 
 PREFETCH_DEPTHS = (1, 2, 3)
 # Staging sets between disk and AdamW: 1 (least RAM, no read-ahead) or 3 (reads ahead, writes behind).
@@ -121,22 +128,35 @@ def _chunks(tokens: int) -> list[int]:
     return [tokens] + [c for c in LOSS_CHUNKS if c < tokens]
 
 
-def overruns(mem: MemoryEstimate, work: Workload, hw: HardwareProfile) -> list[Overrun]:
-    """The budgets ``mem`` exceeds: GPU memory and host RAM on ``hw``, and the free space of the spill disk
-    when the workload knows it."""
-    out = mem.overruns(hw)
-    if work.spill_free_bytes is not None and mem.nvme_bytes > work.spill_free_bytes:
-        out.append(Overrun("NVMe", mem.nvme_bytes, work.spill_free_bytes))
+def overruns(mem: MemoryEstimate, work: Workload, hw: HardwareProfile, ranks: Ranks = None) -> list[Overrun]:
+    """The budgets ``mem`` (one rank's with ``ranks``) exceeds: GPU memory and host RAM on ``hw`` (per node:
+    G ranks share it), and the free space of the spill disk when the workload knows it (G ranks' files)."""
+    out = mem.overruns(hw) if ranks is None else data_parallel.node_overruns(mem, hw, ranks)
+    nvme = mem.nvme_bytes * (1 if ranks is None else ranks.gpus_per_node)
+    if work.spill_free_bytes is not None and nvme > work.spill_free_bytes:
+        out.append(Overrun("NVMe", nvme, work.spill_free_bytes))
     return out
 
 
-def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile) -> PlanChoice:
+def _rank(work: Workload, ranks: Ranks) -> Workload:
+    """The workload one rank plans for: all of it alone, its share among ``ranks``."""
+    return work if ranks is None else data_parallel.rank_workload(work, ranks)
+
+
+def _memory(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks) -> MemoryEstimate:
+    """One process's memory, or one rank's among ``ranks`` (``work`` the global step)."""
+    if ranks is None:
+        return memory_model.estimate(model, work, plan, hw)
+    return data_parallel.memory(model, work, plan, hw, ranks)
+
+
+def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None) -> PlanChoice:
     """The plan with the largest loss chunk that fits; else the smallest chunk, with its overruns."""
     choice = None
     for chunk in _chunks(plan.micro_batch_size * work.seq_len):
         p = plan.replace(loss_chunk_tokens=chunk)
-        mem = memory_model.estimate(model, work, p, hw)
-        over = tuple(overruns(mem, work, hw))
+        mem = _memory(model, work, p, hw, ranks)
+        over = tuple(overruns(mem, work, hw, ranks))
         choice = PlanChoice(p, mem, None, over)
         if not over:
             return choice
@@ -144,21 +164,25 @@ def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfil
     return choice
 
 
-def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile) -> tuple[list[PlanChoice], list[PlanChoice]]:
-    """(timed plans that fit, plans that do not fit with their overruns), over every candidate."""
+def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile,
+                     ranks: Ranks = None) -> tuple[list[PlanChoice], list[PlanChoice]]:
+    """(timed plans that fit, plans that do not fit with their overruns), over every candidate; with
+    ``ranks``, one rank's plans, timed at its share of the batch."""
     fit, misfit = [], []
-    for plan in candidates(model, work, hw):
-        choice = _fit_chunk(model, work, plan, hw)
+    rank = _rank(work, ranks)
+    for plan in candidates(model, rank, hw):
+        choice = _fit_chunk(model, work, plan, hw, ranks)
         if not choice.feasible:
             misfit.append(choice)
             continue
-        fit.append(PlanChoice(choice.plan, choice.memory, cost_model.estimate(model, work, choice.plan, hw)))
+        fit.append(PlanChoice(choice.plan, choice.memory, cost_model.estimate(model, rank, choice.plan, hw)))
     return fit, misfit
 
 
-def search(model: ModelShape, work: Workload, hw: HardwareProfile) -> SearchResult:
-    """The fastest plan that fits ``hw``; near-ties go to less GPU memory, then less host RAM."""
-    fit, misfit = feasible_choices(model, work, hw)
+def search(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks = None) -> SearchResult:
+    """The fastest plan that fits ``hw``; near-ties go to less GPU memory, then less host RAM. With
+    ``ranks``: one rank's plan for ``work`` (the global step), judged per node."""
+    fit, misfit = feasible_choices(model, work, hw, ranks)
     considered = len(fit) + len(misfit)
     if fit:
         # Among plans within TIME_TOLERANCE of the fastest, the one with the least GPU memory, then host
@@ -167,17 +191,17 @@ def search(model: ModelShape, work: Workload, hw: HardwareProfile) -> SearchResu
         close = [c for c in fit if c.cost is not None and c.cost.step_seconds <= fastest * (1 + TIME_TOLERANCE)]
         best = min(close, key=lambda c: (c.memory.device_bytes, c.memory.host_bytes))
         # The plan records the workload it was made for; the runtime refuses another one.
-        best = PlanChoice(best.plan.replace(workload=work.fingerprint(model)), best.memory, best.cost)
+        best = PlanChoice(best.plan.replace(workload=_rank(work, ranks).fingerprint(model)), best.memory, best.cost)
         return SearchResult(best, considered)
     return SearchResult(None, considered, _explain(misfit, hw))
 
 
-def fits(model: ModelShape, work: Workload, hw: HardwareProfile) -> bool:
+def fits(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks = None) -> bool:
     """Whether any plan fits every budget (memory only; nothing is timed). Memory grows with the loss
     chunk, so each candidate is tried with its smallest chunk only."""
-    for plan in candidates(model, work, hw):
+    for plan in candidates(model, _rank(work, ranks), hw):
         p = plan.replace(loss_chunk_tokens=_chunks(plan.micro_batch_size * work.seq_len)[-1])
-        if not overruns(memory_model.estimate(model, work, p, hw), work, hw):
+        if not overruns(_memory(model, work, p, hw, ranks), work, hw, ranks):
             return True
     return False
 
@@ -223,14 +247,16 @@ def _explain(choices: list[PlanChoice], hw: HardwareProfile) -> tuple[Overrun, .
     return min(choices, key=rel_excess).overruns
 
 
-def minimum_memory(model: ModelShape, work: Workload, hw: HardwareProfile) -> dict[str, PlanChoice]:
+def minimum_memory(model: ModelShape, work: Workload, hw: HardwareProfile,
+                   ranks: Ranks = None) -> dict[str, PlanChoice]:
     """The plans needing the least GPU memory ("gpu"), the least host RAM ("host", spilling where the
     workload allows it) and the least host RAM with nothing on disk ("host_no_spill"), budgets ignored,
-    with the smallest loss chunk: what ``megatrain-plan size`` reports as the minimum to buy."""
+    with the smallest loss chunk: what ``megatrain-plan size`` reports as the minimum to buy. With
+    ``ranks``, one rank's memory (a node holds G of it)."""
     best: dict[str, PlanChoice] = {}
-    for plan in candidates(model, work, hw):
+    for plan in candidates(model, _rank(work, ranks), hw):
         p = plan.replace(loss_chunk_tokens=min(LOSS_CHUNKS[-1], plan.loss_chunk_tokens))
-        mem = memory_model.estimate(model, work, p, hw)
+        mem = _memory(model, work, p, hw, ranks)
         keys = [("gpu", mem.device_bytes), ("host", mem.host_bytes)]
         if p.spill == "none":
             keys.append(("host_no_spill", mem.host_bytes))

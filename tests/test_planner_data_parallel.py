@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain.planner import cli, data_parallel, hardware, memory_model
+from megatrain.planner import cli, data_parallel, hardware, memory_model, search
 from megatrain.planner.model_shapes import PRESETS, from_config
 from megatrain.planner.plan import Plan
 from megatrain.planner.workload import Workload, WorkloadError
@@ -95,3 +95,23 @@ def test_a_ranks_host_store_is_a_wth_and_the_planners(tmp_path) -> None:
     for got in ranks:
         assert abs(got / single - 0.5) < 0.01, (got, single)
         assert abs(got - state) <= 0.10 * state, (got, state)
+
+
+def test_the_search_judges_a_node_of_ranks_against_its_host_ram() -> None:
+    """8 ranks share a 160 GiB node: one rank's plan with the checkpoints in host RAM fits the host as if it were
+    alone (what planning the rank's batch as one process answers), but 8 of them do not; the search moves the
+    checkpoints to the GPU, and the node's RAM (8 x one rank's host bytes, by hand) fits."""
+    m = PRESETS["Llama-3.1-8B"]
+    hw = H100.with_overrides(ram_bytes=160 * hardware.GiB)
+    work = Workload(seq_len=4096, batch=16, compute_dtype="bf16", spill="none")
+    topo = data_parallel.topology(hw, 8, 1)
+    alone = search.search(m, data_parallel.rank_workload(work, topo), hw).require()
+    assert alone.plan.checkpoints == "host"
+    best = search.search(m, work, hw, topo).require()
+    assert best.plan.checkpoints == "device"
+    assert 8 * best.memory.host_bytes <= hw.host_budget_bytes
+    on_host = data_parallel.memory(m, work, best.plan.replace(checkpoints="host"), hw, topo)
+    assert on_host.host_bytes <= hw.host_budget_bytes < 8 * on_host.host_bytes
+    assert [o.budget for o in search.overruns(on_host, work, hw, topo)] == ["host RAM"]
+    # The rank's plan is for its share of the batch: the runtime checks the workload it was made for.
+    assert best.plan.workload == data_parallel.rank_workload(work, topo).fingerprint(m)
