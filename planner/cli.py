@@ -12,6 +12,7 @@ Each takes ``--json``. A bad name, file or budget prints one line on stderr and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -358,7 +359,8 @@ def cmd_ram(args: argparse.Namespace) -> None:
     work = Workload(args.seq, 1, _dtype(args, hw), clipping=not args.no_clip, spill=args.spill,
                     spill_dir=args.spill_dir or NVME_DIR, spill_free_bytes=nvme_size)
     price = args.price_per_gb if args.price_per_gb is not None else DEFAULT_PRICE_PER_GB
-    ladder = sizing.ram_ladder(model, work, hw, args.max_batch)
+    ranks = _ranks(args, dataclasses.replace(work, batch=args.gpus_per_node * args.nodes), hw)
+    ladder = sizing.ram_ladder(model, work, hw, args.max_batch, ranks=ranks)
     n = len(sizing.RAM_LADDER)
     rows, ladder_json = [], []
     for plain, spill in zip(ladder[:n], ladder[n:]):
@@ -367,17 +369,29 @@ def cmd_ram(args: argparse.Namespace) -> None:
             c = r.choice
             row += ([r.batch, report.rate(c.cost.tokens_per_second)] if c is not None and c.cost is not None
                     else ["-", "does not fit"])
-            ladder_json.append({"ram_bytes": r.ram_bytes, "nvme": r.nvme, "batch": r.batch,
-                                **(_choice_json(c) if c is not None else {})})
+            entry = {"ram_bytes": r.ram_bytes, "nvme": r.nvme, "batch": r.batch,
+                     **(_choice_json(c) if c is not None else {})}
+            if ranks is not None:
+                entry["data_parallel"] = dp = (None if c is None else data_parallel_report.figures(
+                    model, dataclasses.replace(work, batch=r.batch), c.plan, sizing.with_ram(hw, r.ram_bytes), ranks))
+                row.append("-" if dp is None else f"{dp['efficiency']:.0%}")
+            ladder_json.append(entry)
         c = spill.choice
         row += [report.gib(c.memory.nvme_bytes) if c is not None else "-"]
         rows.append(row)
     nvme_desc = (f"a {report.gib(nvme_size)} NVMe at {_disk_text(hw, measured)}")
+    eff = ("efficiency",) if ranks is not None else ()
+    heads = ("host RAM", "batch", "throughput", *eff, "+NVMe: batch", "throughput", *eff, "on NVMe")
     lines = [f"{model.name} ({model_shapes.params_label(model.params)} params) on {hw.gpu_name}, {args.seq} tokens per "
-             f"sequence, {work.compute_dtype}: the largest batch (a power of two, at most {args.max_batch}) that fits "
-             f"each RAM size, and its predicted throughput; with {nvme_desc}",
-             report.table(("host RAM", "batch", "throughput", "+NVMe: batch", "throughput", "on NVMe"), rows,
-                          (True,) * 6)]
+             f"sequence, {work.compute_dtype}: the largest batch ({'a power of two' if ranks is None else f'{ranks.world} x a power of two'}, "
+             f"at most {args.max_batch}) that fits each RAM size, and its predicted throughput; with {nvme_desc}"]
+    if ranks is not None:
+        lines.append(f"data parallel: {ranks.world} ranks ({ranks.gpus_per_node} per node x {ranks.nodes} node"
+                     f"{'s' if ranks.nodes > 1 else ''}): host RAM and NVMe per node ({ranks.gpus_per_node} ranks: "
+                     f"their shards and each one's buffers), the batch global, the throughput all ranks' with the "
+                     f"collectives at {ranks.bus_gbps:.0f} GB/s per rank ({ranks.source}); efficiency against one GPU "
+                     f"on the same global batch")
+    lines.append(report.table(heads, rows, (True,) * len(heads)))
     data: dict[str, Any] = {"params": model.params, "model": model.summary(), "seq_len": args.seq,
                             "compute_dtype": work.compute_dtype, "ladder": ladder_json,
                             "nvme": {"size_bytes": nvme_size, "read_gbps": hw.disk_read_gbps,
@@ -385,9 +399,12 @@ def cmd_ram(args: argparse.Namespace) -> None:
                             "price_per_gb": price, "price_assumed": args.price_per_gb is None,
                             "hardware": {"gpu_name": hw.gpu_name, "source": hw.source},
                             "host_ram_installed_bytes": hw.host_ram_bytes}
+    if ranks is not None:
+        data.update(gpus_per_node=ranks.gpus_per_node, nodes=ranks.nodes, world=ranks.world,
+                    bandwidth=ranks.source, ram_per="node")
     target = args.tokens_per_second
     if target is not None:
-        ans = sizing.least_ram_for(model, work, hw, target, args.max_batch)
+        ans = sizing.least_ram_for(model, work, hw, target, args.max_batch, ranks)
         data["target_tokens_per_second"] = target
         data["reachable"] = ans.reachable
         lines.append("")
@@ -595,6 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                  "an assumption)")
     sp.add_argument("--max-batch", type=_positive_int, default=4096, help="largest batch to try (4096)")
     _hardware_args(sp)
+    data_parallel_report.add_arguments(sp, _positive_int, _positive_float)
     sp.add_argument("--json", action="store_true", help="print JSON for scripts")
     return p
 

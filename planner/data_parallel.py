@@ -129,6 +129,16 @@ def memory(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, t
     return MemoryEstimate(tuple(out))
 
 
+def node_memory(mem: MemoryEstimate, hw: HardwareProfile, topo: Topology) -> MemoryEstimate:
+    """What a node holds for its G ranks: G x each rank's host (and NVMe) components; the device's stay one
+    GPU's (without a GPU they live in the node's RAM too, so G x them as well)."""
+    G = topo.gpus_per_node
+    return MemoryEstimate(tuple(
+        c if c.where == "device" and not hw.device_is_host
+        else dataclasses.replace(c, nbytes=G * c.nbytes, formula=f"{G} ranks x ({c.formula})")
+        for c in mem.components))
+
+
 def node_overruns(mem: MemoryEstimate, hw: HardwareProfile, topo: Topology) -> list[Overrun]:
     """The budgets one rank's ``mem`` exceeds where G ranks share a node: its device buffers against one
     GPU; G x its host bytes (its shards and its own buffers; without a GPU, its device buffers too)

@@ -3,14 +3,17 @@
 The search answers "the fastest plan for this workload on this hardware". The questions people ask
 ``megatrain-plan`` are one level up: which batch fits, with or without spilling to disk, on each RAM
 size of a ladder; the least RAM that reaches a throughput; what spilling costs. Each answer here is a
-set of searches, and each figure in it comes from a searched plan. Pure stdlib.
+set of searches, and each figure in it comes from a searched plan. With ``ranks`` (data parallel) the
+batch is the global one (multiples of the W ranks), the RAM is a node's (G ranks share it: the search
+judges them together) and the throughput is all ranks' with the collectives (data_parallel.scaling).
+Pure stdlib.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from . import search
+from . import data_parallel, search
 from .hardware import GiB, HardwareProfile
 from .model_shapes import ModelShape
 from .search import PlanChoice
@@ -42,13 +45,14 @@ def with_ram(hw: HardwareProfile, ram_bytes: int) -> HardwareProfile:
                       cgroup_limit_bytes=0)
 
 
-def largest_batch(model: ModelShape, work: Workload, hw: HardwareProfile, max_batch: int, start: int = 1) -> int:
-    """The largest power-of-two batch (at most ``max_batch``; at least ``start``, which must fit when
-    > 1) with a plan that fits; 0 when not even ``start`` does."""
+def largest_batch(model: ModelShape, work: Workload, hw: HardwareProfile, max_batch: int, start: int = 1,
+                  ranks: search.Ranks = None) -> int:
+    """The largest batch ``start`` x a power of two (at most ``max_batch``; ``start`` must fit when > 1 and,
+    with ``ranks``, divide among them) with a plan that fits; 0 when not even ``start`` does."""
     b = start
-    if not search.fits(model, dataclasses.replace(work, batch=b), hw):
+    if not search.fits(model, dataclasses.replace(work, batch=b), hw, ranks):
         return 0
-    while b * 2 <= max_batch and search.fits(model, dataclasses.replace(work, batch=b * 2), hw):
+    while b * 2 <= max_batch and search.fits(model, dataclasses.replace(work, batch=b * 2), hw, ranks):
         b *= 2
     return b
 
@@ -65,17 +69,20 @@ class LadderRow:
 
 
 def ram_ladder(model: ModelShape, work: Workload, hw: HardwareProfile, max_batch: int,
-               ladder: tuple[int, ...] = RAM_LADDER) -> list[LadderRow]:
-    """For each RAM size, with nothing spilled (``nvme`` False) and with spill allowed to
-    ``work.spill_dir`` within ``work.spill_free_bytes`` (True): the largest batch and its plan."""
+               ladder: tuple[int, ...] = RAM_LADDER, ranks: search.Ranks = None) -> list[LadderRow]:
+    """For each RAM size (a node's, with ``ranks``), with nothing spilled (``nvme`` False) and with spill
+    allowed to ``work.spill_dir`` within ``work.spill_free_bytes`` (True): the largest batch and its plan."""
     rows = []
+    world = 1 if ranks is None else ranks.world
     for nvme in (False, True):
         w = work if nvme else dataclasses.replace(work, spill="none")
-        start = 1
+        start = world
         for ram in ladder:
             h = with_ram(hw, ram)
-            b = largest_batch(model, w, h, max_batch, start)
-            choice = search.search(model, dataclasses.replace(w, batch=b), h).best if b else None
+            b = largest_batch(model, w, h, max_batch, start, ranks)
+            choice = search.search(model, dataclasses.replace(w, batch=b), h, ranks).best if b else None
+            if choice is not None and ranks is not None:
+                choice = as_node(model, dataclasses.replace(w, batch=b), choice, h, ranks)
             rows.append(LadderRow(ram, nvme, b, choice))
             start = max(start, b)     # more RAM never fits less
     return rows
@@ -106,18 +113,22 @@ class TargetAnswer:
 
 
 def least_ram_for(model: ModelShape, work: Workload, hw: HardwareProfile, target: float,
-                  max_batch: int) -> TargetAnswer:
-    """Plan with unlimited host RAM at batches 1, 2, 4, ... (until ``max_batch``, or until doubling the
-    batch twice in a row no longer raises the throughput) and keep the plan needing the least host RAM
-    among those reaching ``target`` tokens/s, with nothing spilled and with spill allowed
-    (``work.spill_dir``, within ``work.spill_free_bytes``)."""
+                  max_batch: int, ranks: search.Ranks = None) -> TargetAnswer:
+    """Plan with unlimited host RAM at batches 1, 2, 4, ... (W, 2W, 4W, ... with ``ranks``; until
+    ``max_batch``, or until doubling the batch twice in a row no longer raises the throughput) and keep
+    the plan needing the least host RAM among those reaching ``target`` tokens/s (all ranks', with the
+    collectives), with nothing spilled and with spill allowed (``work.spill_dir``, within
+    ``work.spill_free_bytes``)."""
     unlimited = hw.replace(host_ram_bytes=1 << 60, host_available_bytes=1 << 60, cgroup_limit_bytes=0)
     best: dict[bool, tuple[int, PlanChoice]] = {}
     fastest: tuple[int, PlanChoice] | None = None
     flat = 0
-    batch = 1
+    batch = 1 if ranks is None else ranks.world
     while batch <= max_batch and flat < 2:
-        fit, _ = search.feasible_choices(model, dataclasses.replace(work, batch=batch), unlimited)
+        w = dataclasses.replace(work, batch=batch)
+        fit, _ = search.feasible_choices(model, w, unlimited, ranks)
+        if ranks is not None:
+            fit = [as_node(model, w, c, hw, ranks) for c in fit]
         top = max(fit, key=_rate, default=None)
         if top is not None:
             gain = _rate(top) / _rate(fastest[1]) - 1 if fastest is not None else 1.0
@@ -131,6 +142,18 @@ def least_ram_for(model: ModelShape, work: Workload, hw: HardwareProfile, target
                 best[spill] = (batch, least)
         batch *= 2
     return TargetAnswer(target, best.get(False), best.get(True), fastest, saturated=flat >= 2)
+
+
+def as_node(model: ModelShape, work: Workload, choice: PlanChoice, hw: HardwareProfile,
+            ranks: data_parallel.Topology) -> PlanChoice:
+    """One rank's ``choice`` seen as what to buy: a node's memory (data_parallel.node_memory) and all ranks'
+    step (``work`` global): data_parallel.scaling's step time on the global tokens; the phases stay the rank's."""
+    assert choice.cost is not None
+    s = data_parallel.scaling(model, work, choice.plan, hw, ranks)
+    cost = dataclasses.replace(choice.cost, step_seconds=s.step_seconds, tokens=work.tokens,
+                               model_flops=choice.cost.model_flops * ranks.world,
+                               peak_tflops=choice.cost.peak_tflops * ranks.world)
+    return dataclasses.replace(choice, memory=data_parallel.node_memory(choice.memory, hw, ranks), cost=cost)
 
 
 def _rate(c: PlanChoice) -> float:
