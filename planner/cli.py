@@ -16,24 +16,24 @@ import dataclasses
 import json
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Any, NoReturn, Sequence
+from typing import Any, Sequence
 
 from megatrain.errors import MegatrainError
 
 from . import hardware as hwmod
 from . import data_parallel, data_parallel_report, model_shapes, profiler, report, search, sizing
+from .cli_args import PROG, CliError, Parser as _Parser, parse_size, positive_float as _positive_float, \
+    positive_int as _positive_int
 from .hardware import GiB, HardwareError, HardwareProfile
 from .model_shapes import ModelShapeError
 from .plan import PlanError
 from .search import InfeasibleError, PlanChoice
 from .workload import Workload, WorkloadError
 
-PROG = "megatrain-plan"
 # Assumed DDR5 RDIMM price when --price-per-gb is not given (USD per GB, 2025 street prices, rough).
 DEFAULT_PRICE_PER_GB = 4.0
 # RAM is bought in steps; round what a run needs up to a multiple of this.
@@ -43,48 +43,6 @@ DEFAULT_NVME_SIZE = "4T"
 # size and ram plan for hardware you may not have: their spill plans name this stand-in for its NVMe
 # folder (not a directory; megatrain-train needs a real one, --spill-dir).
 NVME_DIR = "<nvme>"
-
-
-class CliError(MegatrainError):
-    """A command-line value the planner cannot use. One line: what, and the fix."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)   # --spill must never be read as --spill-dir
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> NoReturn:  # one line on stderr, status 2, no usage dump
-        self.exit(2, f"{PROG}: error: {message} (see {PROG} --help)\n")
-
-
-def parse_size(text: str, what: str) -> int:
-    """'512', '512G', '512GiB', '1.5T', '80GB' -> bytes; a bare number is GiB."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if not m or float(m.group(1)) <= 0:
-        raise CliError(f"{what}={text!r} is not a size; write e.g. 512G, 1.5T or 80 (GiB)")
-    scale = {"": GiB, "k": 1024, "m": 1024 ** 2, "g": GiB, "t": 1024 ** 4}[m.group(2)]
-    return int(float(m.group(1)) * scale)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
 
 
 # ---- shared arguments -----------------------------------------------------------------------
