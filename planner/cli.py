@@ -190,8 +190,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
             "disk": {"spill_dir": work.spill_dir, "free_bytes": work.spill_free_bytes,
                      "read_gbps": hw.disk_read_gbps, "write_gbps": hw.disk_write_gbps},
             "hardware": {"gpu_name": hw.gpu_name, "source": hw.source}, "plans_considered": result.considered}
-    c = best.cost
-    p = best.plan
+    c, p = best.cost, best.plan
+    share = work if ranks is None else data_parallel.rank_workload(work, ranks)   # one rank's batch
     if p.spill != "none":
         free = f", {report.gib(work.spill_free_bytes)} free" if work.spill_free_bytes is not None else ""
         spill = (f"spill: {_spill_text(best)}, in {p.spill_dir} (read {hw.disk_read_gbps:.1f} / write "
@@ -204,7 +204,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         f"per step, {work.compute_dtype}, clipping {'on' if work.clipping else 'off'}",
         f"hardware: {report.hardware_line(hw)}",
         f"  source: {hw.source}", "",
-        f"plan: {p.micro_batch_size} sequences x {work.micro_batches(p.micro_batch_size)} micro-batches, "
+        f"plan: {p.micro_batch_size} sequences x {share.micro_batches(p.micro_batch_size)} micro-batches, "
         f"{p.num_slots} slots (prefetch {p.prefetch_depth}), checkpoints on {p.checkpoints}, "
         f"optimizer {p.optimizer_mode}, loss chunk {p.loss_chunk_tokens} tokens"
         + (f", saved to {args.out}" if args.out else ""), spill, "",
@@ -341,7 +341,8 @@ def cmd_ram(args: argparse.Namespace) -> None:
     eff = ("efficiency",) if ranks is not None else ()
     heads = ("host RAM", "batch", "throughput", *eff, "+NVMe: batch", "throughput", *eff, "on NVMe")
     lines = [f"{model.name} ({model_shapes.params_label(model.params)} params) on {hw.gpu_name}, {args.seq} tokens per "
-             f"sequence, {work.compute_dtype}: the largest batch ({'a power of two' if ranks is None else f'{ranks.world} x a power of two'}, "
+             f"sequence, {work.compute_dtype}: the largest batch ({'' if ranks is None else f'{ranks.world} x '}a "
+             f"power of two, "
              f"at most {args.max_batch}) that fits each RAM size, and its predicted throughput; with {nvme_desc}"]
     if ranks is not None:
         lines.append(f"data parallel: {ranks.world} ranks ({ranks.gpus_per_node} per node x {ranks.nodes} node"
