@@ -10,6 +10,8 @@ totals are plain sums. Symbols used in the formulas:
   T   global batch tokens per step (batch x seq); t micro-batch tokens (micro_batch_size x seq)
   c   compute dtype bytes (2 for bf16/fp16, 4 for fp32)
   K   plan.num_slots; G plan.device_grad_buffers; S plan.host_grad_slabs
+  P   plan.spill_staging; Ck elements of one spill chunk: min(plan.spill_chunk_bytes, Bmax rounded up to
+      4 KiB) / 4 (buffer_kinds.spill_chunk_numel); k the number of spilled kinds
 
 Pure stdlib.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import buffer_kinds
-from .buffer_kinds import BufferKind, spill_block_bytes
+from .buffer_kinds import BufferKind, spill_chunk_numel
 from .hardware import GiB, HardwareProfile
 from .model_shapes import ModelShape
 from .plan import Plan
@@ -160,20 +162,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
             comps.append(Component(f"{label} (spill file)", "nvme", F, f"sum over blocks of 4 KiB-rounded block x 4 = {F}"))
         else:
             host(label, 4 * N, f"4 x N = 4 x {N}")
-    if c != 4 or BufferKind.MASTER in spilled:  # in fp32 the shadow is the master itself, unless the master spills
-        host("compute-dtype shadow", c * N, f"c x N = {c} x {N}")
-    Bs = spill_block_bytes(Bmax) // 4   # Bmax rounded up to 4 KiB of fp32
-    if plan.optimizer_mode == "deferred" and BufferKind.GRADS in spilled:
-        comps.append(Component("fp32 grads (spill file)", "nvme", F, f"sum over blocks of 4 KiB-rounded block x 4 = {F}"))
-        host("fp32 grad slabs", S * Bs * 4, f"S x Bmax(4 KiB) x 4 = {S} x {Bs} x 4")
-    elif plan.optimizer_mode == "deferred":
-        host("fp32 grads (full arena)", 4 * N, f"4 x N = 4 x {N}")
-    else:
-        host("fp32 grad slabs", S * Bmax * 4, f"S x Bmax x 4 = {S} x {Bmax} x 4")
-    if spilled:
-        P = plan.spill_staging
-        host("spill staging", P * len(spilled) * Bs * 4, f"P x kinds x Bmax(4 KiB) x 4 = {P} x {len(spilled)} x {Bs} x 4",
-             pinned=False)
+    host_spill_terms(model, plan, c, spilled, host, comps)
     if plan.checkpoints == "host":
         host("activation checkpoints", L * T * h * c, f"L x T x h x c = {L} x {T} x {h} x {c}")
     cal = hw.fitted(work.compute_dtype) if hw is not None else None
@@ -191,6 +180,29 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
     if not spilled:
         comps.append(Component("spill files", "nvme", 0, "0: nothing spills in this plan"))
     return MemoryEstimate(tuple(comps))
+
+
+def host_spill_terms(model: ModelShape, plan: Plan, c: int, spilled: tuple[BufferKind, ...],
+                     host, comps: list[Component]) -> None:
+    """The shadow, the gradients and the spill buffers in host RAM (and the grads spill file). Every spill
+    buffer is bounded by one chunk (Ck), never by the largest block: spilling needs less RAM than not."""
+    N, Bmax = model.numel_total, model.numel_largest_block
+    F = model.spill_file_bytes
+    if c != 4:  # in fp32 the master is the weights that travel; with the master spilled, read from its file
+        host("compute-dtype shadow", c * N, f"c x N = {c} x {N}")
+    Ck = spill_chunk_numel(Bmax, plan.spill_chunk_bytes)
+    if plan.optimizer_mode == "deferred" and BufferKind.GRADS in spilled:
+        comps.append(Component("fp32 grads (spill file)", "nvme", F, f"sum over blocks of 4 KiB-rounded block x 4 = {F}"))
+        host("fp32 grad slabs", plan.host_grad_slabs * Ck * 4,
+             f"S x Ck x 4 = {plan.host_grad_slabs} x {Ck} x 4")
+    elif plan.optimizer_mode == "deferred":
+        host("fp32 grads (full arena)", 4 * N, f"4 x N = 4 x {N}")
+    else:
+        host("fp32 grad slabs", plan.host_grad_slabs * Bmax * 4, f"S x Bmax x 4 = {plan.host_grad_slabs} x {Bmax} x 4")
+    if spilled:
+        P = plan.spill_staging
+        host("spill staging", P * len(spilled) * Ck * 4, f"P x k x Ck x 4 = {P} x {len(spilled)} x {Ck} x 4",
+             pinned=False)
 
 
 def transient_bytes(model: ModelShape, work: Workload, plan: Plan) -> int:

@@ -113,8 +113,14 @@ def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = N
                                                 checkpoints=ckpt, optimizer_mode=mode, host_grad_slabs=slabs,
                                                 loss_chunk_tokens=mbs * work.seq_len, spill=spill,
                                                 spill_dir=None if spill == "none" else work.spill_dir,
-                                                spill_staging=staging))
+                                                spill_staging=staging, **spill_io_choices(hw)))
     return out
+
+
+def spill_io_choices(hw: HardwareProfile | None) -> dict[str, object]:
+    """The spill I/O settings the profile decides: O_DIRECT or buffered, whichever it measured faster
+    (O_DIRECT where the filesystem takes it when not measured)."""
+    return {"io_direct": hw is None or hw.disk_direct_faster is not False}
 
 
 def _chunks(tokens: int) -> list[int]:
