@@ -33,7 +33,7 @@ from .event_log import EventLog
 from .grad_buffers import GradBuffers
 from .head_loss import chunked_logits, head_forward_backward
 from .host_store import HostStore
-from .rope import inverse_frequencies, rotary_tables
+from .rope import attention_scaling, inverse_frequencies, rotary_tables
 from .step_schedule import Load, evaluation_schedule, training_schedule
 from .step_timer import StepTimer
 from .streams import Event, Streams
@@ -106,8 +106,7 @@ class Executor:
         self.clip_host = torch.zeros((), dtype=torch.float32, pin_memory=pin)
         self.clip_copied: Event = self.streams.event()
         self.grad_norm: torch.Tensor | None = None
-        self.inv_freq = inverse_frequencies(self.config)
-        self._rope: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per length: fp32 cos, sin (rope.py)
 
     # ------------------------------------------------------------------ the step
     def train_step(self, batch: Batch, hyper: AdamHyper) -> torch.Tensor:
@@ -267,10 +266,13 @@ class Executor:
             self.checkpoints.load_into_slot(load.layer, slot)
 
     def _rotary(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (seq, self.compute_dtype)
-        if key not in self._rope:
-            self._rope[key] = rotary_tables(self.inv_freq, seq, self.device, self.compute_dtype)
-        return self._rope[key]
+        """fp32 cos/sin for ``seq`` positions, one pair per length (the latest few kept)."""
+        if seq not in self._rope:
+            if len(self._rope) >= 4:
+                self._rope.pop(next(iter(self._rope)))
+            inv_freq = inverse_frequencies(self.config, seq)
+            self._rope[seq] = rotary_tables(inv_freq, seq, self.device, attention_scaling(self.config))
+        return self._rope[seq]
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
