@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import SUPPORTED_ACTIVATIONS, ModelConfig
+from .attention import causal_attention
 from .rope import apply_rotary
 
 # The MLP's activation by its transformers ACT2FN name, computed as transformers computes it.
@@ -70,9 +71,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.head_dim ** -0.5, enable_gqa=self.n_rep > 1
-        )  # [B, Hq, S, D]
+        out = causal_attention(q, k, v, scale=self.head_dim ** -0.5)  # [B, Hq, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
