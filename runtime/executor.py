@@ -19,6 +19,7 @@ load for its update.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -34,6 +35,7 @@ from .grad_buffers import GradBuffers
 from .head_loss import chunked_logits, head_forward_backward
 from .host_store import HostStore
 from .rope import attention_scaling, inverse_frequencies, rotary_tables
+from .sequence_tiles import tiled_layer_backward
 from .step_schedule import Load, evaluation_schedule, training_schedule
 from .step_timer import StepTimer
 from .streams import Event, Streams
@@ -106,6 +108,7 @@ class Executor:
         self.clip_host = torch.zeros((), dtype=torch.float32, pin_memory=pin)
         self.clip_copied: Event = self.streams.event()
         self.grad_norm: torch.Tensor | None = None
+        self.mlp_tile = plan.mlp_tile_tokens or 0  # [Note: sequence tiles]
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per length: fp32 cos, sin (rope.py)
 
     # ------------------------------------------------------------------ the step
@@ -127,7 +130,7 @@ class Executor:
                 with self.loader.resident(load) as params, record_function(f"fwd[{load.block.index}]"):
                     for m, rows in enumerate(batch.micro):
                         self.checkpoints.save(load.layer, m, rows, x[m])
-                        x[m] = self.templates.run(BlockKind.LAYER, params, x[m], cos, sin)
+                        x[m] = self.templates.run(BlockKind.LAYER, params, x[m], cos, sin, self.mlp_tile)
                 self.checkpoints.end_forward_block()
         self.checkpoints.flush()
 
@@ -194,6 +197,15 @@ class Executor:
         parameter gradients add into ``g_list`` (fp32, layout order); returns the gradient w.r.t. x_in."""
         x_in = x_in.detach().requires_grad_()
         leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+        index = {e.local_name: i for i, e in enumerate(layer.layout.entries)}
+
+        def add_grads(by_name: dict[str, torch.Tensor]) -> None:
+            names = list(by_name)
+            torch._foreach_add_([g_list[index[n]] for n in names], [by_name[n] for n in names])
+
+        if 0 < self.mlp_tile < x_in.shape[1]:  # [Note: sequence tiles]
+            run = functools.partial(self.templates.run, BlockKind.LAYER)
+            return tiled_layer_backward(run, leaves, x_in, dy, rotary, self.mlp_tile, add_grads)
         with torch.enable_grad():
             out = self.templates.run(BlockKind.LAYER, leaves, x_in, *rotary)
         grads = torch.autograd.grad(out, (x_in, *leaves.values()), dy)
@@ -286,7 +298,7 @@ class Executor:
             x = self.templates.run(BlockKind.EMBED, params, input_ids)
         for load in s.layers:
             with self.loader.resident(load) as params:
-                x = self.templates.run(BlockKind.LAYER, params, x, cos, sin)
+                x = self.templates.run(BlockKind.LAYER, params, x, cos, sin, self.mlp_tile)
         with self.loader.resident_together(s.head_loads) as held:
             normed = self.templates.run(BlockKind.HEAD, held[0], x)
             flat = normed.reshape(-1, normed.shape[-1])
