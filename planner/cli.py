@@ -209,6 +209,14 @@ def _spill_hint(work: Workload, hw: HardwareProfile) -> str:
 
 # ---- commands -------------------------------------------------------------------------------
 
+def _longest_hint(model: model_shapes.ModelShape, work: Workload, hw: HardwareProfile) -> str:
+    """For a sequence that does not fit: the longest one that does, at this batch."""
+    seq = search.longest_context(model, hw, work.batch, work.compute_dtype, work.clipping,
+                                 limit=max(work.seq_len - 1024, 1024), spill_dir=work.spill_dir,
+                                 spill_free_bytes=work.spill_free_bytes)
+    return f"; the longest sequence that fits is {seq:,} tokens (--seq {seq})" if seq else ""
+
+
 def cmd_plan(args: argparse.Namespace) -> None:
     model = model_shapes.resolve(args.model)
     hw = _hardware(args)
@@ -219,8 +227,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
         best = result.require()
     except InfeasibleError as e:
         disk_full = any(o.budget == "NVMe" for o in result.overruns)
-        raise InfeasibleError(f"{e}{'; or a --spill-dir with more free space' if disk_full else _spill_hint(work, hw)}") \
-            from None
+        raise InfeasibleError(f"{e}{'; or a --spill-dir with more free space' if disk_full else _spill_hint(work, hw)}"
+                              f"{_longest_hint(model, work, hw)}") from None
     assert best.cost is not None
     if args.out:
         best.plan.save(args.out)
@@ -248,11 +256,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
         f"plan: {p.micro_batch_size} sequences x {work.micro_batches(p.micro_batch_size)} micro-batches, "
         f"{p.num_slots} slots (prefetch {p.prefetch_depth}), checkpoints on {p.checkpoints}, "
         f"optimizer {p.optimizer_mode}, loss chunk {p.loss_chunk_tokens} tokens"
+        + (f", MLP tiles of {p.mlp_tile_tokens} tokens" if p.mlp_tile_tokens else "")
         + (f", saved to {args.out}" if args.out else ""), spill, "",
         report.memory_table(best.memory), "",
         report.time_table(c), "",
         f"step {report.seconds(c.step_seconds)}, {report.rate(c.tokens_per_second)}, model {c.model_tflops:.0f} "
-        f"TFLOP/s (6N per token), MFU {c.mfu:.1%}; bottleneck: {c.bottleneck}; "
+        f"TFLOP/s without attention (6N per token), {report.with_attention_tflops(c):.0f} with attention FLOPs, "
+        f"MFU {c.mfu:.1%}; bottleneck: {c.bottleneck}; "
         f"{report.seconds(1e9 / c.tokens_per_second)} per billion tokens",
     ])
     if ranks is not None:

@@ -141,10 +141,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
         dev("checkpoint staging", K * T * h * c, f"K x T x h x c = {K} x {T} x {h} x {c}")
     # dy for every micro-batch at the block boundary being back-propagated (both placements).
     dev("activation grad", T * h * c, f"T x h x c = {T} x {h} x {c}")
-    work_tok = model.layer_working_bytes_per_token(work.compute_dtype)
-    # Autograd's per-parameter grads of one layer (compute dtype) before they are added into fp32.
-    dev("layer working set", t * work_tok + model.numel_layer * c,
-        f"t x w + layer x c = {t} x {work_tok} + {model.numel_layer} x {c}")
+    dev("layer working set", *layer_working_set(model, work, plan))
     chunk = min(plan.loss_chunk_tokens, t)
     dev("logits chunk", chunk * V * (c + 4 + 4), f"chunk x V x (c + 4 + 4) = {chunk} x {V} x {c + 8}")
     if on_gpu:
@@ -207,12 +204,35 @@ def host_spill_terms(model: ModelShape, plan: Plan, c: int, spilled: tuple[Buffe
 
 def transient_bytes(model: ModelShape, work: Workload, plan: Plan) -> int:
     """The step's transient device working set, what fitted temporaries scale with:
-    layer working set + logits chunk = t x w + layer x c + chunk x V x (c + 8)."""
+    layer working set + logits chunk (``layer_working_set`` + chunk x V x (c + 8))."""
     c = work.compute_bytes
     t = min(plan.micro_batch_size, work.batch) * work.seq_len
     chunk = min(plan.loss_chunk_tokens, t)
-    return (t * model.layer_working_bytes_per_token(work.compute_dtype) + model.numel_layer * c
-            + chunk * model.vocab_size * (c + 4 + 4))
+    return layer_working_set(model, work, plan)[0] + chunk * model.vocab_size * (c + 4 + 4)
+
+
+def layer_working_set(model: ModelShape, work: Workload, plan: Plan) -> tuple[int, str]:
+    """One layer's peak (backward after recompute) for one micro-batch, and its formula.
+
+    Untiled: t x w + layer x c (w: ``layer_working_bytes_per_token``; autograd's per-parameter grads of
+    one layer in compute dtype before they are added into fp32). With ``mlp_tile_tokens`` below the
+    sequence, the MLP's share m (``mlp_working_bytes_per_token``) is held for one tile of
+    u = micro-batch x tile tokens only, plus dh (t x h x c), the layer-input gradient the tiles fill:
+    t x (w - m) + u x m + t x h x c + layer x c."""
+    c = work.compute_bytes
+    mbs = min(plan.micro_batch_size, work.batch)
+    t = mbs * work.seq_len
+    w = model.layer_working_bytes_per_token(work.compute_dtype)
+    grads = model.numel_layer * c
+    tile = plan.mlp_tile_tokens
+    if tile is None or tile >= work.seq_len:
+        return t * w + grads, f"t x w + layer x c = {t} x {w} + {model.numel_layer} x {c}"
+    m = model.mlp_working_bytes_per_token(work.compute_dtype)
+    u = mbs * tile
+    h = model.hidden_size
+    return (t * (w - m) + u * m + t * h * c + grads,
+            f"t x (w - m) + u x m + t x h x c + layer x c = {t} x ({w} - {m}) + {u} x {m} + {t} x {h} x {c} "
+            f"+ {model.numel_layer} x {c}")
 
 
 def listed_host_bytes(est: MemoryEstimate, device_is_host: bool) -> int:

@@ -112,6 +112,8 @@ class Plan:
       host_grad_slabs     eager mode only: S x (largest block, fp32) host RAM
                           (deferred mode keeps a full fp32 gradient arena instead)
       loss_chunk_tokens   logits chunk: chunk x vocab x (compute + 4 + 4) bytes
+      mlp_tile_tokens     the MLP's intermediates: micro-batch x min(tile, S) x intermediate x 3 x compute
+                          bytes (None: untiled, S tokens)
       spill               "optimizer": AdamW m and v live in spill files on disk (8 bytes/param off RAM);
                           "all": the fp32 master and gradients too (16 bytes/param off RAM)
       spill_staging       with spill: that many sets of host staging buffers (each: one chunk per
@@ -139,6 +141,8 @@ class Plan:
     host_grad_slabs: int = 2
     # Tokens per chunk of the chunked cross-entropy (bounds the logits buffer).
     loss_chunk_tokens: int = 4096
+    # Tokens per sequence tile of the MLP with its norm, forward and backward (None: the whole sequence at once).
+    mlp_tile_tokens: int | None = None
     # What lives in spill files instead of host RAM: "none", "optimizer" (m, v) or "all" (fp32 master, m, v, grads).
     spill: str = "none"
     # Directory for the spill files (needed when spill != "none"); preallocated at start.
@@ -178,6 +182,8 @@ class Plan:
                   "one buffer accumulates while the previous one drains to the host")
         _at_least("host_grad_slabs", self.host_grad_slabs, 1, "eager mode needs somewhere to land gradients")
         _at_least("loss_chunk_tokens", self.loss_chunk_tokens, 1, "it is the number of tokens per logits chunk")
+        if self.mlp_tile_tokens is not None:
+            _at_least("mlp_tile_tokens", self.mlp_tile_tokens, 1, "it is the number of tokens per MLP tile, or null")
         _one_of("spill", self.spill, SPILL_CHOICES)
         _one_of("io_backend", self.io_backend, IO_BACKENDS)
         _at_least("spill_staging", self.spill_staging, 1, "AdamW needs one staging set to work in")
