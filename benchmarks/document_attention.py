@@ -84,7 +84,7 @@ def attention_case(args, cfg, rows, device, dtype) -> dict:
     dy = torch.randn(b, heads, s, dim, device=device, dtype=dtype)
 
     def run(docs):
-        out = causal_attention(q, k, v, scale=dim ** -0.5, enable_gqa=heads > kv, documents=docs)
+        out = causal_attention(q, k, v, scale=dim ** -0.5, documents=docs)
         torch.autograd.grad(out, (q, k, v), dy)
 
     base, ours = [], []

@@ -38,3 +38,19 @@ def spilled_kinds(spill: str, deferred: bool) -> tuple[BufferKind, ...]:
 def spill_block_bytes(numel: int) -> int:
     """Bytes one fp32 block of ``numel`` elements takes in a spill file: rounded up to SPILL_ALIGN."""
     return -(-numel * 4 // SPILL_ALIGN) * SPILL_ALIGN
+
+
+def spill_chunks(numel: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """The (first element, elements) pieces a spilled block of ``numel`` fp32 elements is read, updated and
+    written in: ``chunk_bytes / 4`` elements each (a multiple of SPILL_ALIGN bytes), the last one shorter.
+    Piece boundaries fall on multiples of 1024 elements, so torch's fused AdamW kernel (vectorised over
+    16-element cache lines, scalar only on each tensor's tail) gives the same bits in pieces as whole."""
+    assert chunk_bytes % SPILL_ALIGN == 0 and chunk_bytes > 0
+    step = chunk_bytes // 4
+    return [(lo, min(step, numel - lo)) for lo in range(0, numel, step)] or [(0, 0)]
+
+
+def spill_chunk_numel(largest_block: int, chunk_bytes: int) -> int:
+    """Elements of the largest piece of any block (what one staging buffer or slab holds), rounded up to
+    SPILL_ALIGN: min(chunk, largest block rounded up to 4 KiB) / 4."""
+    return min(chunk_bytes, spill_block_bytes(largest_block)) // 4

@@ -168,6 +168,14 @@ def _spill_hint(work: Workload, hw: HardwareProfile) -> str:
 
 # ---- commands -------------------------------------------------------------------------------
 
+def _longest_hint(model: model_shapes.ModelShape, work: Workload, hw: HardwareProfile) -> str:
+    """For a sequence that does not fit: the longest one that does, at this batch."""
+    seq = search.longest_context(model, hw, work.batch, work.compute_dtype, work.clipping,
+                                 limit=max(work.seq_len - 1024, 1024), spill_dir=work.spill_dir,
+                                 spill_free_bytes=work.spill_free_bytes)
+    return f"; the longest sequence that fits is {seq:,} tokens (--seq {seq})" if seq else ""
+
+
 def cmd_plan(args: argparse.Namespace) -> None:
     model = model_shapes.resolve(args.model)
     hw = _hardware(args)
@@ -178,8 +186,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
         best = result.require()
     except InfeasibleError as e:
         disk_full = any(o.budget == "NVMe" for o in result.overruns)
-        raise InfeasibleError(f"{e}{'; or a --spill-dir with more free space' if disk_full else _spill_hint(work, hw)}") \
-            from None
+        raise InfeasibleError(f"{e}{'; or a --spill-dir with more free space' if disk_full else _spill_hint(work, hw)}"
+                              f"{_longest_hint(model, work, hw)}") from None
     assert best.cost is not None
     if args.out:
         best.plan.save(args.out)
@@ -207,11 +215,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
         f"plan: {p.micro_batch_size} sequences x {share.micro_batches(p.micro_batch_size)} micro-batches, "
         f"{p.num_slots} slots (prefetch {p.prefetch_depth}), checkpoints on {p.checkpoints}, "
         f"optimizer {p.optimizer_mode}, loss chunk {p.loss_chunk_tokens} tokens"
+        + (f", MLP tiles of {p.mlp_tile_tokens} tokens" if p.mlp_tile_tokens else "")
         + (f", saved to {args.out}" if args.out else ""), spill, "",
         report.memory_table(best.memory), "",
         report.time_table(c), "",
         f"step {report.seconds(c.step_seconds)}, {report.rate(c.tokens_per_second)}, model {c.model_tflops:.0f} "
-        f"TFLOP/s (6N per token), MFU {c.mfu:.1%}; bottleneck: {c.bottleneck}; "
+        f"TFLOP/s without attention (6N per token), {report.with_attention_tflops(c):.0f} with attention FLOPs, "
+        f"MFU {c.mfu:.1%}; bottleneck: {c.bottleneck}; "
         f"{report.seconds(1e9 / c.tokens_per_second)} per billion tokens",
     ])
     if ranks is not None:
@@ -220,27 +230,19 @@ def cmd_plan(args: argparse.Namespace) -> None:
     _emit(args, data, text)
 
 
-def _ranks(args: argparse.Namespace, work: Workload, hw: HardwareProfile) -> data_parallel.Topology | None:
-    """--gpus-per-node x --nodes on ``hw`` (None for one); the global batch must divide among them."""
-    ranks = data_parallel_report.topology_of(args, hw)
-    if ranks is not None:
-        data_parallel.rank_workload(work, ranks)   # one line, exit 2, when the batch does not divide
-    return ranks
-
-
 def cmd_size(args: argparse.Namespace) -> None:
     model = model_shapes.resolve(args.model)
     probe = hwmod.preset("H100-SXM")
     work = _workload(args, _dtype(args, probe), spill_dir=args.spill_dir or NVME_DIR)
     G = args.gpus_per_node
-    least = search.minimum_memory(model, work, probe, _ranks(args, work, probe))
+    least = search.minimum_memory(model, work, probe, data_parallel_report.checked_topology(args, work, probe))
     host, gpu, resident = least["host"], least["gpu"], least.get("host_no_spill")
     per_hw: list[dict[str, Any]] = []
     rows = []
     for name in hwmod.GPU_PRESETS:
         hw = hwmod.preset(name, args.host).with_overrides(
             ram_bytes=parse_size(args.ram, "--ram") if args.ram else None, nvme_gbps=args.nvme)
-        ranks = _ranks(args, work, hw)
+        ranks = data_parallel_report.checked_topology(args, work, hw)
         r = search.search(model, work, hw, ranks)
         entry: dict[str, Any] = {"hardware": name, "feasible": r.feasible, "reason": r.reason(),
                                  "host_ram_available_bytes": hw.host_budget_bytes,
@@ -317,7 +319,8 @@ def cmd_ram(args: argparse.Namespace) -> None:
     work = Workload(args.seq, 1, _dtype(args, hw), clipping=not args.no_clip, spill=args.spill,
                     spill_dir=args.spill_dir or NVME_DIR, spill_free_bytes=nvme_size)
     price = args.price_per_gb if args.price_per_gb is not None else DEFAULT_PRICE_PER_GB
-    ranks = _ranks(args, dataclasses.replace(work, batch=args.gpus_per_node * args.nodes), hw)
+    ranks = data_parallel_report.checked_topology(args, dataclasses.replace(work, batch=args.gpus_per_node * args.nodes),
+                                                  hw)
     ladder = sizing.ram_ladder(model, work, hw, args.max_batch, ranks=ranks)
     n = len(sizing.RAM_LADDER)
     rows, ladder_json = [], []
@@ -345,11 +348,7 @@ def cmd_ram(args: argparse.Namespace) -> None:
              f"power of two, "
              f"at most {args.max_batch}) that fits each RAM size, and its predicted throughput; with {nvme_desc}"]
     if ranks is not None:
-        lines.append(f"data parallel: {ranks.world} ranks ({ranks.gpus_per_node} per node x {ranks.nodes} node"
-                     f"{'s' if ranks.nodes > 1 else ''}): host RAM and NVMe per node ({ranks.gpus_per_node} ranks: "
-                     f"their shards and each one's buffers), the batch global, the throughput all ranks' with the "
-                     f"collectives at {ranks.bus_gbps:.0f} GB/s per rank ({ranks.source}); efficiency against one GPU "
-                     f"on the same global batch")
+        lines.append(data_parallel_report.ram_heading(ranks))
     lines.append(report.table(heads, rows, (True,) * len(heads)))
     data: dict[str, Any] = {"params": model.params, "model": model.summary(), "seq_len": args.seq,
                             "compute_dtype": work.compute_dtype, "ladder": ladder_json,

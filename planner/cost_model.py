@@ -17,6 +17,7 @@ Pure stdlib.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from . import memory_model
@@ -73,6 +74,9 @@ class CostEstimate:
     peak_tflops: float
     h2d_bytes: float = 0.0    # what one step copies host -> device (weights, host checkpoints)
     d2h_bytes: float = 0.0    # and device -> host (fp32 grads, host checkpoints)
+    disk_read_bytes: float = 0.0   # what one step reads from the spill files (disk_traffic)
+    disk_write_bytes: float = 0.0  # and writes to them
+    disk_seconds: float = 0.0      # read / read GB/s + write / write GB/s: the disk's share of the roofline
     constants: str = "defaults"  # where the efficiency terms came from (hw.constants)
 
     @property
@@ -101,7 +105,9 @@ class CostEstimate:
                 "backward": phase(self.backward), "optimizer_exposed_seconds": self.optimizer_exposed_seconds,
                 "attention_tflops": self.attention_flops / self.step_seconds / 1e12,
                 "hardware_tflops": self.hardware_flops / self.step_seconds / 1e12, "bottleneck": self.bottleneck,
-                "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes, "constants": self.constants}
+                "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes, "disk_read_bytes": self.disk_read_bytes,
+                "disk_write_bytes": self.disk_write_bytes, "disk_seconds": self.disk_seconds,
+                "constants": self.constants}
 
 
 @dataclass
@@ -127,7 +133,7 @@ def _copy_s(nbytes: float, gbps: float) -> float:
 def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile) -> CostEstimate:
     """The step's time, phase by phase: rates, the block visits of forward and backward, AdamW, the replay."""
     batch = _Batch.of(work, plan)
-    rates = _Rates.of(model, work, batch, hw)
+    rates = _with_disk_loads(_Rates.of(model, work, batch, hw), work, plan, hw)
     adam = _AdamTime(work, plan, hw)
     slabs = _HostSlabs(plan)
     steps = _forward_steps(model, work, plan, batch, rates, adam, slabs)
@@ -145,10 +151,14 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
     T, seq = batch.tokens, batch.seq
     attn = T * model.num_layers * (model.attention_flops_fwd(seq) + model.attention_flops_bwd(seq))
     h2d_bytes, d2h_bytes = traffic(model, work, plan)
+    disk_read, disk_write = disk_traffic(model, work, plan)
+    disk_s = (disk_read / (hw.disk_read_gbps * 1e9) + disk_write / (hw.disk_write_gbps * 1e9)) if disk_read else 0.0
+    step = max(step, disk_s)  # the disk is a resource of the step like the others: never faster than it
     return CostEstimate(step_seconds=step, forward=fwd, backward=bwd, optimizer_exposed_seconds=exposed,
                         tokens=T, model_flops=model.model_flops_per_token() * T,
                         hardware_flops=model.hardware_flops_per_token(seq) * T, attention_flops=attn,
                         peak_tflops=rates.peak_tflops, h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes,
+                        disk_read_bytes=disk_read, disk_write_bytes=disk_write, disk_seconds=disk_s,
                         constants=hw.constants(work.compute_dtype))
 
 
@@ -220,7 +230,7 @@ class _AdamTime:
         if cal is not None:
             # measured in the step: the shadow pass, where there is one, is inside it
             per_param = 1.0 / cal.adam_params_per_s
-        elif work.compute_bytes != 4 or "master" in self.spilled:
+        elif work.compute_bytes != 4:  # fp32 has no shadow pass, spilled master or not
             per_param = (per_param + 1.0 / hw.cpu_shadow_params_per_s if hw.cpu_shadow_params_per_s > 0
                          else per_param * ADAM_SHADOW_FACTOR)
         self.per_param = per_param
@@ -366,6 +376,27 @@ def traffic(model: ModelShape, work: Workload, plan: Plan) -> tuple[float, float
     h2d = (E + 2 * L * Lw + H + (E if tied else 0)) * c + ckpt
     d2h = (L * Lw + E + (0 if tied else H)) * 4 + ckpt
     return float(h2d), float(d2h)
+
+
+def disk_traffic(model: ModelShape, work: Workload, plan: Plan) -> tuple[float, float]:
+    """Bytes one step reads from and writes to the spill files: every spilled kind read once by AdamW and
+    written once (F = one kind's file, 4 KiB-rounded blocks: F x kinds each way), plus, in fp32 with the
+    master spilled, the loads' reads of it (the h2d weight bytes: E + 2 x L x layer + H (+ E tied), x 4)."""
+    spilled = memory_model.spilled_kinds(plan)
+    F = model.spill_file_bytes
+    read = write = float(F * len(spilled))
+    if work.compute_bytes == 4 and "master" in spilled:
+        E, Lw, H, L = model.numel_embedding, model.numel_layer, model.numel_head, model.num_layers
+        read += (E + 2 * L * Lw + H + (E if model.tie_word_embeddings else 0)) * 4
+    return read, write
+
+
+def _with_disk_loads(rates: "_Rates", work: Workload, plan: Plan, hw: HardwareProfile) -> "_Rates":
+    """In fp32 with the master spilled a load reads the block from its spill file: loads run at
+    min(H2D, disk read) GB/s."""
+    if work.compute_bytes != 4 or "master" not in memory_model.spilled_kinds(plan) or hw.disk_read_gbps <= 0:
+        return rates
+    return dataclasses.replace(rates, h2d_gbps=min(rates.h2d_gbps, hw.disk_read_gbps))
 
 
 def overhead_units(model: ModelShape, work: Workload, plan: Plan) -> float:

@@ -36,6 +36,22 @@ def topology_of(args: argparse.Namespace, hw: HardwareProfile) -> data_parallel.
     return data_parallel.topology(hw, args.gpus_per_node, args.nodes, args.intra_gbps, args.network_gbps)
 
 
+def checked_topology(args: argparse.Namespace, work: Workload, hw: HardwareProfile) -> data_parallel.Topology | None:
+    """The ranks the options ask for on ``hw`` (None for one); ``work.batch`` (global) must divide among them."""
+    topo = topology_of(args, hw)
+    if topo is not None:
+        data_parallel.rank_workload(work, topo)   # one line, exit 2, when the batch does not divide
+    return topo
+
+
+def ram_heading(topo: data_parallel.Topology) -> str:
+    """What ``ram``'s table means with ranks."""
+    return (f"data parallel: {topo.world} ranks ({topo.gpus_per_node} per node x {topo.nodes} node"
+            f"{'s' if topo.nodes > 1 else ''}): host RAM and NVMe per node ({topo.gpus_per_node} ranks: their shards "
+            f"and each one's buffers), the batch global, the throughput all ranks' with the collectives at "
+            f"{topo.bus_gbps:.0f} GB/s per rank ({topo.source}); efficiency against one GPU on the same global batch")
+
+
 def figures(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile,
             topo: data_parallel.Topology) -> dict[str, Any]:
     """The JSON of one rank's plan among ``topo``: per GPU, per node (G ranks), the step and the efficiency."""

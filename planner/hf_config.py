@@ -26,9 +26,12 @@ hidden_act                         silu, swish, gelu, gelu_pytorch_tanh, relu (t
                                    ACT2FN); absent: silu; any other name refused
 rms_norm_eps                       number (absent: 1e-6); null or a string refused
 rope_theta, rope_scaling,          both spellings; rope_scaling wins when both are set, as in
-rope_parameters                    transformers; rope_type default, linear, llama3 honoured
-                                   (llama3's original_max_position_embeddings defaults to
-                                   max_position_embeddings); other types and per-layer RoPE
+rope_parameters                    transformers; rope_type default, linear, llama3, dynamic
+                                   (NTK by sequence length over max_position_embeddings), yarn
+                                   (attention_factor, beta_fast, beta_slow, mscale,
+                                   mscale_all_dim, truncate as transformers reads them) honoured
+                                   (llama3's and yarn's original_max_position_embeddings default
+                                   to max_position_embeddings); other types and per-layer RoPE
                                    refused; factors must be numbers
 partial_rotary_factor              1.0 honoured (top level or in the RoPE dict); other refused
 tie_word_embeddings                boolean (absent: false)
@@ -67,7 +70,7 @@ from typing import Any, Mapping
 from megatrain.errors import MegatrainError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
 # transformers' ACT2FN names whose function megatrain's blocks implement.
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
 
@@ -75,6 +78,13 @@ SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
 ROPE_TYPE_FIELDS: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+# Parameters a RoPE type may carry (kept only when given and not null), with their JSON type.
+ROPE_TYPE_OPTIONAL: dict[str, tuple[tuple[str, str], ...]] = {
+    "yarn": (("attention_factor", "number"), ("beta_fast", "number"), ("beta_slow", "number"),
+             ("mscale", "number"), ("mscale_all_dim", "number"), ("truncate", "boolean")),
 }
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -95,8 +105,8 @@ class DecoderConfig:
 
     ``head_dim=None``: ``hidden_size // num_attention_heads``. ``sliding_window``: the window of
     the sliding layers, ``None`` when every layer attends to the whole sequence.
-    ``rope_scaling``: ``None`` (plain RoPE) or ``{"rope_type": "linear" | "llama3", ...}`` holding
-    exactly that type's parameters.
+    ``rope_scaling``: ``None`` (plain RoPE) or ``{"rope_type": "linear" | "llama3" | "dynamic" |
+    "yarn", ...}`` holding that type's parameters (yarn's optional ones only when given).
     """
 
     model_type: str
@@ -167,7 +177,7 @@ def rope_scaling(value: Any, max_position_embeddings: int | None = None,
     """A RoPE scaling dict normalised to ``{"rope_type": ..., <that type's parameters>}``, or None for plain RoPE.
 
     Accepts the old ``type`` key; ``rope_theta`` inside the dict is not part of the result (see
-    ``read_rope``). A missing llama3 ``original_max_position_embeddings`` defaults to
+    ``read_rope``). A missing llama3 / yarn ``original_max_position_embeddings`` defaults to
     ``max_position_embeddings`` when that is given, as transformers does.
     """
     if value is None:
@@ -202,6 +212,9 @@ def rope_scaling(value: Any, max_position_embeddings: int | None = None,
             integer(f"{name}.{key}", out[key])
         else:
             out[key] = number(f"{name}.{key}", out[key])
+    for key, kind in ROPE_TYPE_OPTIONAL.get(rope_type, ()):
+        if value.get(key) is not None:
+            out[key] = boolean(f"{name}.{key}", value[key]) if kind == "boolean" else number(f"{name}.{key}", value[key])
     return out
 
 

@@ -10,6 +10,8 @@ totals are plain sums. Symbols used in the formulas:
   T   global batch tokens per step (batch x seq); t micro-batch tokens (micro_batch_size x seq)
   c   compute dtype bytes (2 for bf16/fp16, 4 for fp32)
   K   plan.num_slots; G plan.device_grad_buffers; S plan.host_grad_slabs
+  P   plan.spill_staging; Ck elements of one spill chunk: min(plan.spill_chunk_bytes, Bmax rounded up to
+      4 KiB) / 4 (buffer_kinds.spill_chunk_numel); k the number of spilled kinds
 
 Pure stdlib.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import buffer_kinds
-from .buffer_kinds import BufferKind, spill_block_bytes
+from .buffer_kinds import BufferKind, spill_chunk_numel
 from .hardware import GiB, HardwareProfile
 from .model_shapes import ModelShape
 from .plan import Plan
@@ -139,10 +141,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
         dev("checkpoint staging", K * T * h * c, f"K x T x h x c = {K} x {T} x {h} x {c}")
     # dy for every micro-batch at the block boundary being back-propagated (both placements).
     dev("activation grad", T * h * c, f"T x h x c = {T} x {h} x {c}")
-    work_tok = model.layer_working_bytes_per_token(work.compute_dtype)
-    # Autograd's per-parameter grads of one layer (compute dtype) before they are added into fp32.
-    dev("layer working set", t * work_tok + model.numel_layer * c,
-        f"t x w + layer x c = {t} x {work_tok} + {model.numel_layer} x {c}")
+    dev("layer working set", *layer_working_set(model, work, plan))
     chunk = min(plan.loss_chunk_tokens, t)
     dev("logits chunk", chunk * V * (c + 4 + 4), f"chunk x V x (c + 4 + 4) = {chunk} x {V} x {c + 8}")
     if on_gpu:
@@ -160,20 +159,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
             comps.append(Component(f"{label} (spill file)", "nvme", F, f"sum over blocks of 4 KiB-rounded block x 4 = {F}"))
         else:
             host(label, 4 * N, f"4 x N = 4 x {N}")
-    if c != 4 or BufferKind.MASTER in spilled:  # in fp32 the shadow is the master itself, unless the master spills
-        host("compute-dtype shadow", c * N, f"c x N = {c} x {N}")
-    Bs = spill_block_bytes(Bmax) // 4   # Bmax rounded up to 4 KiB of fp32
-    if plan.optimizer_mode == "deferred" and BufferKind.GRADS in spilled:
-        comps.append(Component("fp32 grads (spill file)", "nvme", F, f"sum over blocks of 4 KiB-rounded block x 4 = {F}"))
-        host("fp32 grad slabs", S * Bs * 4, f"S x Bmax(4 KiB) x 4 = {S} x {Bs} x 4")
-    elif plan.optimizer_mode == "deferred":
-        host("fp32 grads (full arena)", 4 * N, f"4 x N = 4 x {N}")
-    else:
-        host("fp32 grad slabs", S * Bmax * 4, f"S x Bmax x 4 = {S} x {Bmax} x 4")
-    if spilled:
-        P = plan.spill_staging
-        host("spill staging", P * len(spilled) * Bs * 4, f"P x kinds x Bmax(4 KiB) x 4 = {P} x {len(spilled)} x {Bs} x 4",
-             pinned=False)
+    host_spill_terms(model, plan, c, spilled, host, comps)
     if plan.checkpoints == "host":
         host("activation checkpoints", L * T * h * c, f"L x T x h x c = {L} x {T} x {h} x {c}")
     cal = hw.fitted(work.compute_dtype) if hw is not None else None
@@ -193,14 +179,60 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
     return MemoryEstimate(tuple(comps))
 
 
+def host_spill_terms(model: ModelShape, plan: Plan, c: int, spilled: tuple[BufferKind, ...],
+                     host, comps: list[Component]) -> None:
+    """The shadow, the gradients and the spill buffers in host RAM (and the grads spill file). Every spill
+    buffer is bounded by one chunk (Ck), never by the largest block: spilling needs less RAM than not."""
+    N, Bmax = model.numel_total, model.numel_largest_block
+    F = model.spill_file_bytes
+    if c != 4:  # in fp32 the master is the weights that travel; with the master spilled, read from its file
+        host("compute-dtype shadow", c * N, f"c x N = {c} x {N}")
+    Ck = spill_chunk_numel(Bmax, plan.spill_chunk_bytes)
+    if plan.optimizer_mode == "deferred" and BufferKind.GRADS in spilled:
+        comps.append(Component("fp32 grads (spill file)", "nvme", F, f"sum over blocks of 4 KiB-rounded block x 4 = {F}"))
+        host("fp32 grad slabs", plan.host_grad_slabs * Ck * 4,
+             f"S x Ck x 4 = {plan.host_grad_slabs} x {Ck} x 4")
+    elif plan.optimizer_mode == "deferred":
+        host("fp32 grads (full arena)", 4 * N, f"4 x N = 4 x {N}")
+    else:
+        host("fp32 grad slabs", plan.host_grad_slabs * Bmax * 4, f"S x Bmax x 4 = {plan.host_grad_slabs} x {Bmax} x 4")
+    if spilled:
+        P = plan.spill_staging
+        host("spill staging", P * len(spilled) * Ck * 4, f"P x k x Ck x 4 = {P} x {len(spilled)} x {Ck} x 4",
+             pinned=False)
+
+
 def transient_bytes(model: ModelShape, work: Workload, plan: Plan) -> int:
     """The step's transient device working set, what fitted temporaries scale with:
-    layer working set + logits chunk = t x w + layer x c + chunk x V x (c + 8)."""
+    layer working set + logits chunk (``layer_working_set`` + chunk x V x (c + 8))."""
     c = work.compute_bytes
     t = min(plan.micro_batch_size, work.batch) * work.seq_len
     chunk = min(plan.loss_chunk_tokens, t)
-    return (t * model.layer_working_bytes_per_token(work.compute_dtype) + model.numel_layer * c
-            + chunk * model.vocab_size * (c + 4 + 4))
+    return layer_working_set(model, work, plan)[0] + chunk * model.vocab_size * (c + 4 + 4)
+
+
+def layer_working_set(model: ModelShape, work: Workload, plan: Plan) -> tuple[int, str]:
+    """One layer's peak (backward after recompute) for one micro-batch, and its formula.
+
+    Untiled: t x w + layer x c (w: ``layer_working_bytes_per_token``; autograd's per-parameter grads of
+    one layer in compute dtype before they are added into fp32). With ``mlp_tile_tokens`` below the
+    sequence, the MLP's share m (``mlp_working_bytes_per_token``) is held for one tile of
+    u = micro-batch x tile tokens only, plus dh (t x h x c), the layer-input gradient the tiles fill:
+    t x (w - m) + u x m + t x h x c + layer x c."""
+    c = work.compute_bytes
+    mbs = min(plan.micro_batch_size, work.batch)
+    t = mbs * work.seq_len
+    w = model.layer_working_bytes_per_token(work.compute_dtype)
+    grads = model.numel_layer * c
+    tile = plan.mlp_tile_tokens
+    if tile is None or tile >= work.seq_len:
+        return t * w + grads, f"t x w + layer x c = {t} x {w} + {model.numel_layer} x {c}"
+    m = model.mlp_working_bytes_per_token(work.compute_dtype)
+    u = mbs * tile
+    h = model.hidden_size
+    return (t * (w - m) + u * m + t * h * c + grads,
+            f"t x (w - m) + u x m + t x h x c + layer x c = {t} x ({w} - {m}) + {u} x {m} + {t} x {h} x {c} "
+            f"+ {model.numel_layer} x {c}")
 
 
 def listed_host_bytes(est: MemoryEstimate, device_is_host: bool) -> int:

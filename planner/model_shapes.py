@@ -234,6 +234,11 @@ class ModelShape:
         transient = c * (3 * i + 2 * h)
         return saved + transient
 
+    def mlp_working_bytes_per_token(self, dtype: str) -> int:
+        """The MLP's share of ``layer_working_bytes_per_token``: gate, up, act(gate), their product saved and
+        three transient gradients of that width, 7 x intermediate x c; what sequence tiles bound."""
+        return 7 * self.intermediate_size * dtype_bytes(dtype)
+
     def logits_bytes_per_token(self, dtype: str) -> int:
         """Chunked cross-entropy: logits (compute dtype) + fp32 logits + fp32 grad of logits, per token."""
         return self.vocab_size * (dtype_bytes(dtype) + 4 + 4)

@@ -24,6 +24,8 @@ CHECKPOINT_PLACEMENTS = ("device", "host")
 OPTIMIZER_MODES = ("eager", "deferred")
 SPILL_CHOICES = ("none", "optimizer", "all")
 IO_BACKENDS = ("auto", "posix", "kvikio")
+# spill_chunk_bytes is a multiple of this: the spill files' alignment (buffer_kinds.SPILL_ALIGN).
+SPILL_CHUNK_ALIGN = 4096
 
 
 class PlanError(MegatrainError):
@@ -110,10 +112,15 @@ class Plan:
       host_grad_slabs     eager mode only: S x (largest block, fp32) host RAM
                           (deferred mode keeps a full fp32 gradient arena instead)
       loss_chunk_tokens   logits chunk: chunk x vocab x (compute + 4 + 4) bytes
+      mlp_tile_tokens     the MLP's intermediates: micro-batch x min(tile, S) x intermediate x 3 x compute
+                          bytes (None: untiled, S tokens)
       spill               "optimizer": AdamW m and v live in spill files on disk (8 bytes/param off RAM);
                           "all": the fp32 master and gradients too (16 bytes/param off RAM)
-      spill_staging       with spill: that many sets of host staging buffers (each: one largest block
-                          per spilled kind, fp32), so reads run ahead of AdamW and writes behind it
+      spill_staging       with spill: that many sets of host staging buffers (each: one chunk per
+                          spilled kind, fp32), so reads run ahead of AdamW and writes behind it
+      spill_chunk_bytes   with spill: the I/O and AdamW unit; a block larger than this (the embedding,
+                          lm_head) is read, updated and written back in pieces of at most this many
+                          bytes, so every spill buffer in host RAM is bounded by it, not by the block
     """
 
     version: int = PLAN_VERSION
@@ -134,17 +141,24 @@ class Plan:
     host_grad_slabs: int = 2
     # Tokens per chunk of the chunked cross-entropy (bounds the logits buffer).
     loss_chunk_tokens: int = 4096
+    # Tokens per sequence tile of the MLP with its norm, forward and backward (None: the whole sequence at once).
+    mlp_tile_tokens: int | None = None
     # What lives in spill files instead of host RAM: "none", "optimizer" (m, v) or "all" (fp32 master, m, v, grads).
     spill: str = "none"
     # Directory for the spill files (needed when spill != "none"); preallocated at start.
     spill_dir: str | None = None
     # Staging sets in flight between the disk and CPU AdamW (reads ahead, writes behind).
     spill_staging: int = 3
+    # Bytes of one spill I/O and AdamW chunk (a multiple of 4096): bounds staging sets and gradient slabs.
+    spill_chunk_bytes: int = 64 * 2**20
     # Spill I/O: "posix" (thread pool of preadv/pwritev, O_DIRECT where the filesystem takes it),
     # "kvikio" (GPUDirect Storage / its compatibility mode; needs the [gds] extra and a CUDA driver), "auto".
     io_backend: str = "auto"
     # Threads of the POSIX backend.
     io_threads: int = 4
+    # POSIX backend: O_DIRECT where the filesystem takes it (True), or buffered I/O only; the planner
+    # picks the faster as the profile measured it.
+    io_direct: bool = True
     # The workload the planner chose this plan for (None: a hand-made plan, not checked).
     workload: WorkloadFingerprint | None = None
 
@@ -168,10 +182,18 @@ class Plan:
                   "one buffer accumulates while the previous one drains to the host")
         _at_least("host_grad_slabs", self.host_grad_slabs, 1, "eager mode needs somewhere to land gradients")
         _at_least("loss_chunk_tokens", self.loss_chunk_tokens, 1, "it is the number of tokens per logits chunk")
+        if self.mlp_tile_tokens is not None:
+            _at_least("mlp_tile_tokens", self.mlp_tile_tokens, 1, "it is the number of tokens per MLP tile, or null")
         _one_of("spill", self.spill, SPILL_CHOICES)
         _one_of("io_backend", self.io_backend, IO_BACKENDS)
         _at_least("spill_staging", self.spill_staging, 1, "AdamW needs one staging set to work in")
         _at_least("io_threads", self.io_threads, 1, "the POSIX backend needs a thread")
+        if not isinstance(self.io_direct, bool):
+            raise PlanError(f"io_direct={self.io_direct!r} must be true or false")
+        _at_least("spill_chunk_bytes", self.spill_chunk_bytes, SPILL_CHUNK_ALIGN, "it is the unit of spill I/O")
+        if self.spill_chunk_bytes % SPILL_CHUNK_ALIGN:
+            raise PlanError(f"spill_chunk_bytes={self.spill_chunk_bytes} must be a multiple of {SPILL_CHUNK_ALIGN} "
+                            "(the spill files' alignment); round it to one")
         if self.spill != "none" and not self.spill_dir:
             raise PlanError(f"spill={self.spill!r} needs spill_dir: name a directory on a fast local disk (--spill-dir)")
         if self.spill_dir is not None and not isinstance(self.spill_dir, str):

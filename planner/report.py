@@ -67,3 +67,8 @@ def time_table(cost: CostEstimate) -> str:
                  " exposed", cost.bottleneck))
     return table(("phase", "wall", "compute", "H2D", "D2H", "CPU AdamW", "bound by"), rows,
                  (False, True, True, True, True, True, False))
+
+
+def with_attention_tflops(c: CostEstimate) -> float:
+    """Model TFLOP/s counting attention too: (6N per token x T + attention forward and backward) / step."""
+    return (c.model_flops + c.attention_flops) / c.step_seconds / 1e12

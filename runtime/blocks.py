@@ -72,9 +72,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        out = causal_attention(
-            q, k, v, scale=self.head_dim ** -0.5, enable_gqa=self.n_rep > 1, documents=documents
-        )  # [B, Hq, S, D]
+        out = causal_attention(q, k, v, scale=self.head_dim ** -0.5, documents=documents)  # [B, Hq, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -99,11 +97,27 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: Documents | None = None) -> torch.Tensor:
-        """x: [B, S, hidden] (compute dtype) -> same; cos, sin: [1 or B, S, head_dim] (see rope.py)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None,
+                mlp_tile_tokens: int = 0, part: str = "layer") -> torch.Tensor:
+        """x: [B, S, hidden] (compute dtype) -> same; cos, sin: [1 or B, S, head_dim / 2] (see rope.py);
+        ``documents``: packed rows (attention.py), None for whole rows.
+
+        ``mlp_tile_tokens`` > 0: the MLP with its norm runs over sequence tiles of that many tokens (token-local,
+        so exact), never holding a [B, S, intermediate] tensor. ``part`` (for a tiled backward,
+        ``sequence_tiles.py``): "attention" returns h = x + attention(x); "mlp" takes h and returns the MLP's
+        output without the residual."""
+        if part == "mlp":
+            return self.mlp(self.post_attention_layernorm(x))
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, documents)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        if part == "attention":
+            return h
+        if not 0 < mlp_tile_tokens < h.shape[1]:
+            return h + self.mlp(self.post_attention_layernorm(h))
+        out = torch.empty_like(h)
+        for start in range(0, h.shape[1], mlp_tile_tokens):
+            t = h[:, start:start + mlp_tile_tokens]
+            out[:, start:start + mlp_tile_tokens] = t + self.mlp(self.post_attention_layernorm(t))
+        return out
 
 
 class EmbeddingBlock(nn.Module):

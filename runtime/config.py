@@ -28,7 +28,7 @@ class ModelConfig:
     """A Llama-family decoder. Field names follow Hugging Face ``config.json``.
 
     ``head_dim=None`` means ``hidden_size // num_attention_heads``. ``rope_scaling``
-    is ``None`` (plain RoPE) or a dict with ``rope_type`` in ``linear`` / ``llama3``
+    is ``None`` (plain RoPE) or a dict with ``rope_type`` in ``linear`` / ``llama3`` / ``dynamic`` / ``yarn``
     and that type's parameters. ``qk_norm`` is Qwen3's RMSNorm on queries and keys.
     ``attention_bias`` puts a bias on q, k and v; ``o_proj_bias`` (default: the same
     as ``attention_bias``) on the output projection; Qwen2 has the first and not the

@@ -18,9 +18,11 @@ forward, which loads block 0 first, waits the least. In both, the next load of
 block b waits for ``wait_updated(b)``. The job queue holds at most one job per
 block (its bound); the worker releases an eager-mode gradient slab when done.
 
-With spilled kinds the worker keeps up to ``spill_staging`` jobs in flight, reading
+With spilled kinds the worker keeps up to ``spill_staging`` chunks in flight, reading
 ahead and writing behind through the spill files' staging sets (spill_files.py,
-[Note: spill pipeline]).
+[Note: spill pipeline]); a block larger than ``Plan.spill_chunk_bytes`` is
+updated chunk by chunk (the same bits: ``buffer_kinds.spill_chunks``), and
+counts as updated after its last chunk.
 
 [Note: non-finite updates]
 With ``OptimizerConfig(skip_nonfinite=True)`` a non-finite gradient skips the
@@ -79,6 +81,7 @@ class AdamJob:
     hyper: AdamHyper
     layout: BlockLayout
     on_done: Callable[[], None] | None = None  # e.g. release the eager gradient slab
+    skip: bool = False  # decided with the block's first piece: the update is skipped (non-finite)
 
 
 class AdamWorker:
@@ -92,6 +95,7 @@ class AdamWorker:
         self._busy: dict[int, list[float]] = {}
         self._busy_complete: float | None = None  # the latest step whose every block is updated
         self._error: BaseException | None = None
+        self.disk_wait_seconds = 0.0  # cumulative: blocked on spill reads or on a staging set being written back
         self._skipped: list[int] = []  # steps with a skipped block update, not yet taken by take_skipped()
         self._thread = threading.Thread(target=self._run, name="megatrain-adamw", daemon=True)
         self._thread.start()
@@ -126,10 +130,10 @@ class AdamWorker:
         """Update seconds of the latest step whose updates all finished (None before the first)."""
         return self._busy_complete
 
-    def _account(self, step: int, seconds: float) -> None:
+    def _account(self, step: int, seconds: float, last: bool = True) -> None:
         entry = self._busy.setdefault(step, [0.0, 0])
         entry[0] += seconds
-        entry[1] += 1
+        entry[1] += 1 if last else 0
         if entry[1] == len(self._updated):
             self._busy_complete = entry[0]
             for s in [s for s in self._busy if s <= step]:
@@ -147,82 +151,121 @@ class AdamWorker:
                 raise type(self._error)(f"{self._error}; training stopped") from self._error
             raise RuntimeError(f"the CPU AdamW worker failed: {self._error!r}") from self._error
 
+    def _pieces(self, job: AdamJob) -> list[tuple[int, int]]:
+        """The (first element, elements) pieces of the job's block the update walks: the spill chunks when
+        something spills, else the whole block."""
+        files = self.store.spill_files
+        return files.chunks(job.block) if files is not None else [(0, self.store.numels[job.block])]
+
     def _run(self) -> None:
         files = self.store.spill_files
         depth = files.staging.count if files is not None else 1
-        inflight: collections.deque[tuple[AdamJob, Staged | None]] = collections.deque()
+        inflight: collections.deque[tuple[AdamJob, int, int, bool, Staged | None]] = collections.deque()
+        pending: collections.deque[tuple[AdamJob, int, int, bool]] = collections.deque()  # pieces not yet staged
         closing = False
         try:
             while True:
-                # Take jobs ahead (up to ``depth``) and start reading their spilled state.
-                while not closing and len(inflight) < depth:
-                    try:
-                        job = self._jobs.get(block=not inflight)
-                    except queue.Empty:
-                        break
-                    if job is None:
-                        closing = True
-                    else:
-                        inflight.append((job, self._begin(job)))
+                # Take pieces ahead (up to ``depth``) and start reading their spilled state.
+                while len(inflight) < depth:
+                    if not pending:
+                        if closing:
+                            break
+                        try:
+                            job = self._jobs.get(block=not inflight)
+                        except queue.Empty:
+                            break
+                        if job is None:
+                            closing = True
+                            continue
+                        pieces = self._pieces(job)
+                        pending.extend((job, lo, n, i == len(pieces) - 1) for i, (lo, n) in enumerate(pieces))
+                    job, lo, n, last = pending.popleft()
+                    inflight.append((job, lo, n, last, self._begin(job, lo, n)))
                 if not inflight:
                     return
-                job, staged = inflight.popleft()
-                self._update(job, staged)
-                with self._cond:
-                    self._updated[job.block] = job.step
-                    self._cond.notify_all()
+                job, lo, n, last, staged = inflight.popleft()
+                self._update(job, lo, n, last, staged)
+                if last:
+                    with self._cond:
+                        self._updated[job.block] = job.step
+                        self._cond.notify_all()
         except BaseException as e:  # surfaced to the training thread at its next wait
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
 
-    def _begin(self, job: AdamJob) -> Staged | None:
+    def _begin(self, job: AdamJob, lo: int, n: int) -> Staged | None:
         files = self.store.spill_files
         if files is None:
             return None
         kinds = [k for k in files.kinds if k is not BufferKind.GRADS or job.grads is None]
-        return files.stage(job.block, kinds)
+        t0 = time.perf_counter()
+        staged = files.stage(job.block, lo, n, kinds)  # waits while every staging set is being written back
+        self.disk_wait_seconds += time.perf_counter() - t0
+        return staged
 
-    def _update(self, job: AdamJob, staged: Staged | None) -> None:
+    def _update(self, job: AdamJob, lo: int, n: int, last: bool, staged: Staged | None) -> None:
+        """Update block ``job.block``'s elements [lo, lo + n) (``last``: the block's last piece)."""
         b, store, h = job.block, self.store, job.hyper
-        n = store.numels[b]
-        self.log.record("adam_begin", job.step, b)
+        if lo == 0:
+            self.log.record("adam_begin", job.step, b)
         with record_function(f"adam_wait[{b}]"):  # the drain, the spilled reads, the clip coefficient
             job.grads_ready.synchronize()
+            t0 = time.perf_counter()
             for r in (staged.reads if staged is not None else ()):
                 r.result()
+            self.disk_wait_seconds += time.perf_counter() - t0
             if job.clip is not None:
                 job.clip[1].synchronize()
         with record_function(f"adam[{b}]"):  # the update itself: what adam_busy_s and traces count
             t0 = time.perf_counter()
             buffers = staged.buffers if staged is not None else {}
-            buf = lambda kind: buffers[kind][:n] if kind in buffers else store.read_block(kind, b)  # noqa: E731
-            grads = job.grads if job.grads is not None else buffers[BufferKind.GRADS][:n]
-            if h.skip_nonfinite and not _finite(job, grads):
-                with self._cond:
-                    self._skipped.append(job.step)
-            else:
-                self._apply(job, grads, buf)
-            self._account(job.step, time.perf_counter() - t0)
+
+            def buf(kind: BufferKind) -> torch.Tensor:
+                return buffers[kind][:n] if kind in buffers else store.read_block(kind, b)[lo:lo + n]
+            grads = job.grads[lo:lo + n] if job.grads is not None else buffers[BufferKind.GRADS][:n]
+            if lo == 0:
+                job.skip = h.skip_nonfinite and not _finite(job, self._whole_grads(job, grads, n))
+                if job.skip:
+                    with self._cond:
+                        self._skipped.append(job.step)
+            if not job.skip:
+                self._apply(job, lo, n, grads, buf)
+            self._account(job.step, time.perf_counter() - t0, last)
         if staged is not None:
             assert store.spill_files is not None
-            store.spill_files.write_behind(b, staged)
-        if job.on_done is not None:
-            job.on_done()
-        self.log.record("adam_end", job.step, b)
+            store.spill_files.write_behind(b, n, staged)
+        if last:
+            if job.on_done is not None:
+                job.on_done()
+            self.log.record("adam_end", job.step, b)
 
-    def _apply(self, job: AdamJob, grads: torch.Tensor, buf: Callable[[BufferKind], torch.Tensor]) -> None:
-        """The update of one block: clip, fused AdamW on its views, the compute-dtype shadow."""
+    def _whole_grads(self, job: AdamJob, first: torch.Tensor, n: int) -> torch.Tensor:
+        """The block's whole gradient for the non-finite check: the first piece when it is the whole block,
+        else the block's gradient in RAM, or read back from the grads file (one extra read, only when
+        skipping non-finite updates without clipping)."""
+        numel = self.store.numels[job.block]
+        if n == numel or job.clip is not None:
+            return first
+        if job.grads is not None:
+            return job.grads
+        return self.store.read_block(BufferKind.GRADS, job.block)
+
+    def _apply(self, job: AdamJob, lo: int, n: int, grads: torch.Tensor,
+               buf: Callable[[BufferKind], torch.Tensor]) -> None:
+        """The update of elements [lo, lo + n) of one block: clip, fused AdamW on its views, the
+        compute-dtype shadow. The step count advances once per block, with its first piece."""
         b, store, h = job.block, self.store, job.hyper
         if job.clip is not None:
             grads.mul_(job.clip[0])
         master = buf(BufferKind.MASTER)
         m, v = buf(BufferKind.EXP_AVG), buf(BufferKind.EXP_AVG_SQ)
         step = store.steps[b]
-        step.add_(1)
-        views = [job.layout.view_list(t) for t in (master, grads, m, v)]
+        if lo == 0:
+            step.add_(1)
+        entries, views = job.layout.range_views((master, grads, m, v), lo, n)
         for decay, wd in ((True, h.weight_decay), (False, 0.0)):
-            pick = [i for i, e in enumerate(job.layout.entries) if e.decay == decay]
+            pick = [i for i, e in enumerate(entries) if e.decay == decay]
             if pick:
                 p, g, ea, eas = ([vs[i] for i in pick] for vs in views)
                 torch._fused_adamw_(
@@ -230,9 +273,9 @@ class AdamWorker:
                     lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=wd, eps=h.eps,
                     amsgrad=False, maximize=False,
                 )
-        if store.shadow is not store.master:
+        if store.shadow is not store.master and store.shadow is not None:
             with record_function(f"shadow[{b}]"):  # the compute-dtype copy that travels H2D
-                store.refresh_shadow(b, master)
+                store.refresh_shadow(b, master, lo)
 
 
 def _finite(job: AdamJob, grads: torch.Tensor) -> bool:

@@ -108,8 +108,8 @@ class Engine:
             self.templates.blocks if self.collectives is None else self.collectives.shards.blocks, compute_dtype, full_grads=self.plan.optimizer_mode == "deferred",
             grad_slabs=self.plan.host_grad_slabs, pin=self.device.type == "cuda",
             spill=self.plan.spill, spill_dir=self.plan.spill_dir,
-            io=make_io(self.plan.io_backend, self.plan.io_threads) if spilling else None,
-            staging=self.plan.spill_staging,
+            io=make_io(self.plan.io_backend, self.plan.io_threads, self.plan.io_direct) if spilling else None,
+            staging=self.plan.spill_staging, chunk_bytes=self.plan.spill_chunk_bytes,
         )
         # Whole-state reads and writes (state dicts, Hugging Face files, checkpoints) first settle: see synchronize.
         self.state = (ModelState(self.templates, self.store, settle=self.synchronize) if self.collectives is None else

@@ -27,4 +27,9 @@ class ClosedError(MegatrainError):
     """The engine was closed; build or load a new one."""
 
 
-__all__ = ["MegatrainError", "ConfigError", "InputError", "CheckpointError", "ClosedError", "PlanError"]
+class AttentionBackendError(MegatrainError):
+    """Long-context attention needs a kernel this device or torch build does not offer."""
+
+
+__all__ = ["MegatrainError", "ConfigError", "InputError", "CheckpointError", "ClosedError", "PlanError",
+           "AttentionBackendError"]

@@ -19,6 +19,7 @@ load for its update.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -35,7 +36,8 @@ from .event_log import EventLog
 from .grad_buffers import GradBuffers
 from .head_loss import chunked_logits, head_forward_backward, head_loss
 from .host_store import HostStore
-from .rope import inverse_frequencies, rotary_tables
+from .rope import attention_scaling, inverse_frequencies, rotary_tables
+from .sequence_tiles import tiled_layer_backward
 from .step_schedule import Load, evaluation_schedule, training_schedule
 from .step_timer import StepTimer
 from .streams import Event, Streams
@@ -108,6 +110,11 @@ class Executor:
         self.adam = AdamWorker(store, len(blocks), log)
         # What AdamW updates of each block: the whole layout, or this rank's shard of it.
         self.adam_layouts = [b.layout for b in (blocks if collectives is None else collectives.shards.blocks)]
+        if store.spill_files is not None:
+            files, adam = store.spill_files, self.adam
+            self.timer.counters = lambda: {  # noqa: E731  [Note: roofline]: the disk's busy and wait seconds
+                "disk_read_busy_s": files.read_clock.seconds, "disk_write_busy_s": files.write_clock.seconds,
+                "disk_busy_s": files.io_clock.seconds, "adam_disk_wait_s": adam.disk_wait_seconds}
         self.step_no = 0  # optimizer steps completed or in flight
         self.loader = WeightLoader(self.slots, store, self.streams, plan.prefetch_depth, self._wait_updated,
                                    self._on_load, log, self.timer,
@@ -123,8 +130,8 @@ class Executor:
         self.clip_host = torch.zeros((), dtype=torch.float32, pin_memory=pin)
         self.clip_copied: Event = self.streams.event()
         self.grad_norm: torch.Tensor | None = None
-        self.inv_freq = inverse_frequencies(self.config)
-        self._rope: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.mlp_tile = plan.mlp_tile_tokens or 0  # [Note: sequence tiles]
+        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per length: fp32 cos, sin (rope.py)
 
     # ------------------------------------------------------------------ the step
     def train_step(self, batch: Batch, hyper: AdamHyper) -> torch.Tensor:
@@ -148,7 +155,7 @@ class Executor:
                 with self.loader.resident(load) as params, record_function(f"fwd[{load.block.index}]"):
                     for m, rows in enumerate(batch.micro):
                         self.checkpoints.save(load.layer, m, rows, x[m])
-                        x[m] = self.templates.run(BlockKind.LAYER, params, x[m], *positions[m])
+                        x[m] = self.templates.run(BlockKind.LAYER, params, x[m], *positions[m], self.mlp_tile)
                 self.checkpoints.end_forward_block()
         self.checkpoints.flush()
 
@@ -215,6 +222,15 @@ class Executor:
         parameter gradients add into ``g_list`` (fp32, layout order); returns the gradient w.r.t. x_in."""
         x_in = x_in.detach().requires_grad_()
         leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+        index = {e.local_name: i for i, e in enumerate(layer.layout.entries)}
+
+        def add_grads(by_name: dict[str, torch.Tensor]) -> None:
+            names = list(by_name)
+            torch._foreach_add_([g_list[index[n]] for n in names], [by_name[n] for n in names])
+
+        if 0 < self.mlp_tile < x_in.shape[1]:  # [Note: sequence tiles]
+            run = functools.partial(self.templates.run, BlockKind.LAYER)
+            return tiled_layer_backward(run, leaves, x_in, dy, positions, self.mlp_tile, add_grads)
         with torch.enable_grad():
             out = self.templates.run(BlockKind.LAYER, leaves, x_in, *positions)
         grads = torch.autograd.grad(out, (x_in, *leaves.values()), dy)
@@ -258,14 +274,21 @@ class Executor:
             self.norms.index_copy_(0, self.norm_index[block.index], torch.stack(norms))
         else:
             g_buf, reduced = self.dist.reduce_scatter(block.index, g_index, g_buf)
-        with self.timer.adam_wait(self.streams.compute):  # waits only while every eager-mode slab awaits its update
-            sink = self.store.grad_sink(block.index, check=self.adam.raise_if_failed)
-        with record_function(f"d2h[{block.index}]"):
-            done = self.grad_buffers.drain(g_index, g_buf, sink.host, after=reduced)
+        # One sink per piece: the whole block in RAM; a chunk at a time when the gradients spill.
+        sinks = iter(self.store.grad_sinks(block.index, check=self.adam.raise_if_failed))
+        while True:
+            with self.timer.adam_wait(self.streams.compute):  # waits only while every slab awaits its update
+                piece = next(sinks, None)
+            if piece is None:
+                break
+            sink = piece
+            with record_function(f"d2h[{block.index}]"):
+                done = self.grad_buffers.drain(g_index, g_buf[sink.lo:sink.lo + sink.host.numel()], sink.host,
+                                               after=reduced)
+            sink.on_drained(done)
         if g_index is None:
             self.tied_drained = done
         self.log.record("d2h", step, block.index)
-        sink.on_drained(done)
         if sink.for_adam is None:  # spilled grads: AdamW reads the block back from the grads file
             return [PendingUpdate(block, None, self.streams.event(), None)]
         if self.eager:
@@ -296,15 +319,18 @@ class Executor:
             self.checkpoints.load_into_slot(load.layer, slot)
 
     def _rotary(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (seq, self.compute_dtype)
-        if key not in self._rope:
-            self._rope[key] = rotary_tables(self.inv_freq, seq, self.device, self.compute_dtype)
-        return self._rope[key]
+        """fp32 cos/sin for ``seq`` positions, one pair per length (the latest few kept)."""
+        if seq not in self._rope:
+            if len(self._rope) >= 4:
+                self._rope.pop(next(iter(self._rope)))
+            inv_freq = inverse_frequencies(self.config, seq)
+            self._rope[seq] = rotary_tables(inv_freq, seq, self.device, attention_scaling(self.config))
+        return self._rope[seq]
 
     def _positions(self, seq: int, micro: list[slice], position_ids: torch.Tensor | None,
                    documents: list[Documents | None] | None) -> list[Positions]:
         """Each micro-batch's cos, sin and documents. Packed rows: the table's rows gathered by position id on
-        the device ([b, S, head_dim], the values transformers computes for those positions), no host sync."""
+        the device ([b, S, head_dim / 2], the values transformers computes for those positions), no host sync."""
         cos, sin = self._rotary(seq)
         if position_ids is None or documents is None:
             return [(cos, sin, None)] * len(micro)
@@ -328,7 +354,7 @@ class Executor:
         for load in s.layers:
             with self.loader.resident(load) as params:
                 for m in range(len(batch.micro)):
-                    x[m] = self.templates.run(BlockKind.LAYER, params, x[m], *positions[m])
+                    x[m] = self.templates.run(BlockKind.LAYER, params, x[m], *positions[m], self.mlp_tile)
         with self.loader.resident_together(s.head_loads) as held:
             head_params = held[0]
             lm_weight = s.lm_weight(held)
@@ -354,7 +380,7 @@ class Executor:
             x = self.templates.run(BlockKind.EMBED, params, input_ids)
         for load in s.layers:
             with self.loader.resident(load) as params:
-                x = self.templates.run(BlockKind.LAYER, params, x, *positions)
+                x = self.templates.run(BlockKind.LAYER, params, x, *positions, self.mlp_tile)
         with self.loader.resident_together(s.head_loads) as held:
             normed = self.templates.run(BlockKind.HEAD, held[0], x)
             flat = normed.reshape(-1, normed.shape[-1])

@@ -9,7 +9,11 @@ memory and the same code runs.
 
 Host RAM: 4 (master) + 8 (m, v) + 2 (bf16 shadow; 0 in fp32, where the shadow
 is the master itself) bytes per parameter, plus 4 for the full gradient arena in
-deferred mode, or ``slabs x largest block x 4`` bytes in eager mode.
+deferred mode, or ``slabs x largest block x 4`` bytes in eager mode. Spilled
+kinds take no RAM but their staging sets and, for spilled gradients, ``slabs x
+chunk x 4`` bytes (``Plan.spill_chunk_bytes``). In fp32 with a spilled master
+there is no shadow at all: loads read the block from the master file
+(``load_source``).
 
 With a spill plan the kinds ``buffer_kinds.spilled_kinds`` names live in spill
 files instead (``spill_files.py``, [Note: spill]); ``read_block`` /
@@ -19,11 +23,11 @@ files instead (``spill_files.py``, [Note: spill]); ``read_block`` /
 from __future__ import annotations
 
 import queue
-from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from megatrain.planner.buffer_kinds import BufferKind, spill_block_bytes, spilled_kinds
+from megatrain.planner.buffer_kinds import BufferKind, spill_chunk_numel, spilled_kinds
 
 from .spill_files import SpillFiles, StagingPool
 from .spill_io import FileIO
@@ -97,10 +101,11 @@ class GradSlabs:
 class GradSink(NamedTuple):
     """Where block b's fp32 gradient drains to on the host, and what follows the drain."""
 
-    host: torch.Tensor  # [numel] fp32: the D2H copy's destination
+    host: torch.Tensor  # [n] fp32: the D2H copy's destination, for the block's elements [lo, lo + n)
     on_drained: Callable[["Event"], None]  # call once the drain is queued, with its completion event
     for_adam: torch.Tensor | None  # what AdamW reads the gradient from; None: from the grads spill file
     release: Callable[[], None] | None  # call once AdamW is done with ``host`` (frees an eager-mode slab)
+    lo: int = 0  # the first element of the block this sink receives
 
 
 class HostStore:
@@ -115,6 +120,7 @@ class HostStore:
         spill_dir: str | None = None,
         io: FileIO | None = None,
         staging: int = 1,
+        chunk_bytes: int = 64 * 2**20,
     ) -> None:
         self.offsets: list[int] = []
         total = 0
@@ -131,8 +137,10 @@ class HostStore:
         self.master = ram(BufferKind.MASTER, "fp32 master")
         self.exp_avg = ram(BufferKind.EXP_AVG, "AdamW exp_avg")
         self.exp_avg_sq = ram(BufferKind.EXP_AVG_SQ, "AdamW exp_avg_sq")
-        # In fp32 compute the shadow is the RAM master itself: nothing to round, nothing to store twice.
-        if compute_dtype == torch.float32 and self.master is not None:
+        # In fp32 compute the shadow is the RAM master itself: nothing to round, nothing to store twice; with
+        # the master spilled there is none, and loads read the master file (``load_source``).
+        self.shadow: HostArena | None
+        if compute_dtype == torch.float32:
             self.shadow = self.master
         else:
             self.shadow = HostArena(total, compute_dtype, pin, "shadow")
@@ -140,8 +148,8 @@ class HostStore:
         # Gradients land in slabs in eager mode, and on their way to the grads file when it spills.
         self.grads_spilled = BufferKind.GRADS in self.spilled
         need_slabs = not full_grads or self.grads_spilled
-        # A spilled block is written whole, rounded up to 4 KiB: slabs feeding the grads file are that long.
-        slab_numel = spill_block_bytes(self.max_block_numel) // 4 if self.grads_spilled else self.max_block_numel
+        # Spilled gradients drain a chunk at a time (rounded up to 4 KiB) into slabs written to the grads file.
+        slab_numel = spill_chunk_numel(self.max_block_numel, chunk_bytes) if self.grads_spilled else self.max_block_numel
         self.slabs = GradSlabs(grad_slabs, slab_numel, pin) if need_slabs else None
         # AdamW step count per block, as torch.optim keeps it: a float32 CPU scalar tensor.
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in blocks]
@@ -149,7 +157,7 @@ class HostStore:
         if self.spilled:
             assert io is not None and spill_dir is not None
             try:
-                self.spill_files = SpillFiles(self.numels, self.spilled, spill_dir, io, staging)
+                self.spill_files = SpillFiles(self.numels, self.spilled, spill_dir, io, staging, chunk_bytes)
             except BaseException:
                 self.close()
                 raise
@@ -198,40 +206,43 @@ class HostStore:
         else:
             self._range(self.arena(kind), b).copy_(src)
 
-    def shadow_of(self, b: int) -> torch.Tensor:
-        """Block b's compute-dtype shadow in RAM: what travels H2D."""
-        return self._range(self.shadow, b)
+    def load_source(self, b: int) -> torch.Tensor | None:
+        """Block b's compute-dtype weights in RAM, what travels H2D; None when they are read from the master
+        spill file instead (fp32 compute with a spilled master: no second copy in RAM)."""
+        return None if self.shadow is None else self._range(self.shadow, b)
 
-    def refresh_shadow(self, b: int, master: torch.Tensor | None = None) -> None:
-        """Round block b's master (``master`` if given, else the stored one) into its compute-dtype shadow."""
-        if self.shadow is not self.master:
-            self.shadow_of(b).copy_(self.read_block(BufferKind.MASTER, b) if master is None else master)
+    def refresh_shadow(self, b: int, master: torch.Tensor | None = None, lo: int = 0) -> None:
+        """Round block b's master (``master``, elements [lo, lo + len) if given, else the stored block) into
+        its compute-dtype shadow."""
+        if self.shadow is not self.master and self.shadow is not None:
+            src = self.read_block(BufferKind.MASTER, b) if master is None else master
+            self._range(self.shadow, b)[lo:lo + src.numel()].copy_(src)
 
     # ---- gradients ----------------------------------------------------------------------
-    def grad_sink(self, b: int, check: Callable[[], None] = lambda: None) -> GradSink:
-        """Where block b's gradient drains to: deferred mode, its range of the grads arena; eager mode, a
-        slab AdamW frees when done; spilled grads, a slab written to the grads file behind the drain (AdamW
-        reads the block back from there, after that write). Waiting for a free slab calls ``check`` every
-        second (e.g. to raise the AdamW worker's error instead of waiting for ever)."""
+    def grad_sinks(self, b: int, check: Callable[[], None] = lambda: None) -> Iterable[GradSink]:
+        """Where block b's gradient drains to, piece by piece: deferred mode, its range of the grads arena;
+        eager mode, a slab AdamW frees when done; spilled grads, one slab per chunk, written to the grads
+        file behind its drain (AdamW reads the chunks back from there, after those writes). Waiting for a
+        free slab calls ``check`` every second (e.g. to raise the AdamW worker's error instead of waiting
+        for ever). A spilled block's slabs are acquired one at a time, as the iteration reaches them."""
         if self.slabs is None:
             host = self._range(self.grads, b)
-            return GradSink(host, lambda done: None, host, None)
-        slabs, slab = self.slabs, self.slabs.acquire_checked(check)
-        host = slabs.slab(slab, self.numels[b])
+            return [GradSink(host, lambda done: None, host, None)]
         if not self.grads_spilled:
-            return GradSink(host, lambda done: None, host, lambda: slabs.release(slab))
-        files = self.spill_files
-        assert files is not None
-        padded = slabs.slab(slab, files.block_bytes[b] // 4)
+            slabs, slab = self.slabs, self.slabs.acquire_checked(check)
+            host = slabs.slab(slab, self.numels[b])
+            return [GradSink(host, lambda done: None, host, lambda: slabs.release(slab))]
+        assert self.spill_files is not None
+        return _spilled_sinks(self.slabs, self.spill_files, b, check)
 
-        def on_drained(done: "Event") -> None:
-            files.write_after(BufferKind.GRADS, b, padded, done, then=lambda: slabs.release(slab))
-        return GradSink(host, on_drained, None, None)
+    def grad_sink(self, b: int, check: Callable[[], None] = lambda: None) -> GradSink:
+        """The first (for a block in RAM, the only) sink of ``grad_sinks(b)``."""
+        return next(iter(self.grad_sinks(b, check)))
 
     @property
     def nbytes(self) -> int:
         arenas = [self.master, self.exp_avg, self.exp_avg_sq, self.grads, self.slabs.arena if self.slabs else None]
-        if self.shadow is not self.master:
+        if self.shadow is not self.master and self.shadow is not None:
             arenas.append(self.shadow)
         staging = 0 if self.staging is None else self.staging.nbytes
         return sum(a.nbytes for a in arenas if a is not None) + staging
@@ -244,3 +255,15 @@ class HostStore:
         if self.spill_files is not None:
             self.spill_files.close()
             self.spill_files = None
+
+
+def _spilled_sinks(slabs: GradSlabs, files: SpillFiles, b: int, check: Callable[[], None]) -> Iterator[GradSink]:
+    """Block b's spilled-gradient sinks, one per chunk, each slab acquired only when the drain reaches it
+    (so a block larger than every slab together still drains)."""
+    for lo, n in files.chunks(b):
+        slab = slabs.acquire_checked(check)
+        padded = slabs.slab(slab, slabs.numel)
+
+        def on_drained(done: "Event", padded: torch.Tensor = padded, slab: int = slab, lo: int = lo, n: int = n) -> None:
+            files.write_after(BufferKind.GRADS, b, padded, done, then=lambda: slabs.release(slab), lo=lo, n=n)
+        yield GradSink(padded[:n], on_drained, None, None, lo)

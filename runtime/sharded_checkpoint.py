@@ -36,7 +36,6 @@ import os
 import zlib
 from typing import TYPE_CHECKING, Any, Mapping
 
-import numpy as np
 import torch
 import torch.distributed as dist
 

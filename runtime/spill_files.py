@@ -10,16 +10,18 @@ The files live in a directory named after this process (``spill_dirs``) and go
 with it. They are touched only through staging sets (``StagingPool``): AdamW
 reads a block's spilled state into one, updates it there, and writes it back
 behind; ``read_block`` / ``write_block`` serve the cold paths (init, state
-dicts, checkpoints). A block's reads wait for its previous writes (the last
-write of each (kind, block) is remembered). The compute-dtype shadow (what
-travels H2D) always stays in RAM; in fp32 with a spilled master it is an fp32
-copy in RAM.
+dicts, checkpoints). The unit of the staging sets' I/O is a chunk of at most
+``spill_chunk_bytes`` (``buffer_kinds.spill_chunks``), so every staging buffer
+is bounded by one chunk, not by the largest block. A block's reads wait for its
+pending writes (every unfinished write of each (kind, block) is remembered). A
+bf16 compute-dtype shadow (what travels H2D) stays in RAM; in fp32 with a
+spilled master there is none, and loads read the master file (weight_slots.py).
 
 [Note: spill pipeline]
-The AdamW worker keeps up to ``spill_staging`` jobs in flight: for each queued
-job it takes a staging set and issues the reads of the block's spilled state
-ahead (``stage``), updates the oldest once its reads land, and writes its state
-back behind (``write_behind``); a staging set returns to the pool when its
+The AdamW worker keeps up to ``spill_staging`` chunks in flight: for each chunk of
+the queued jobs it takes a staging set and issues the reads of the chunk's spilled
+state ahead (``stage``), updates the oldest once its reads land, and writes its
+state back behind (``write_behind``); a staging set returns to the pool when its
 writes finish. Without spill there is one job in flight and no I/O.
 """
 from __future__ import annotations
@@ -29,11 +31,13 @@ import os
 import queue
 import shutil
 import threading
+import time
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
 
-from megatrain.planner.buffer_kinds import STATE_KINDS, BufferKind, spill_block_bytes
+from megatrain.planner.buffer_kinds import (SPILL_ALIGN, STATE_KINDS, BufferKind, spill_block_bytes, spill_chunk_numel,
+                                            spill_chunks)
 
 from . import spill_dirs
 from .spill_io import FileIO, SpillSpaceError, aligned_empty
@@ -42,14 +46,45 @@ if TYPE_CHECKING:
     from .streams import Event
 
 
+class BusyClock:
+    """Seconds during which at least one transfer of a kind was in flight (the union of their intervals),
+    cumulative: the disk's busy time, read as a difference over a step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._since = 0.0
+        self._total = 0.0
+
+    def track(self, future: cf.Future) -> cf.Future:
+        with self._lock:
+            if self._inflight == 0:
+                self._since = time.perf_counter()
+            self._inflight += 1
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, _: cf.Future) -> None:
+        with self._lock:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._total += time.perf_counter() - self._since
+
+    @property
+    def seconds(self) -> float:
+        with self._lock:
+            return self._total + (time.perf_counter() - self._since if self._inflight else 0.0)
+
+
 class StagingPool:
     """Bounded sets of aligned fp32 host buffers between spill files and CPU AdamW.
 
-    Bound: ``count`` sets x spilled kinds x largest block (rounded up to 4 KiB) x 4 bytes.
+    Bound: ``count`` sets x spilled kinds x one chunk (``spill_chunk_numel``: min(plan chunk, largest block
+    rounded up to 4 KiB)) x 4 bytes; never the largest block when that is larger than a chunk.
     """
 
-    def __init__(self, count: int, kinds: Sequence[BufferKind], block_bytes: int) -> None:
-        self._sets = [{k: aligned_empty(block_bytes).view(torch.float32) for k in kinds} for _ in range(count)]
+    def __init__(self, count: int, kinds: Sequence[BufferKind], chunk_bytes: int) -> None:
+        self._sets = [{k: aligned_empty(chunk_bytes).view(torch.float32) for k in kinds} for _ in range(count)]
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(count):
             self._free.put(i)
@@ -73,9 +108,10 @@ class StagingPool:
 
 
 class Staged(NamedTuple):
-    """One block's spilled state on its way into a staging set (see [Note: spill pipeline])."""
+    """One chunk of a block's spilled state on its way into a staging set (see [Note: spill pipeline])."""
 
     index: int  # the staging set
+    lo: int  # the chunk's first element in its block
     buffers: dict[BufferKind, torch.Tensor]  # its buffers, one per spilled kind
     reads: list[cf.Future]  # the reads issued ahead into them
 
@@ -84,9 +120,10 @@ class SpillFiles:
     """One preallocated file per spilled kind, each block at a fixed aligned offset; the staging pool."""
 
     def __init__(self, numels: Sequence[int], kinds: Sequence[BufferKind], spill_dir: str, io: FileIO,
-                 staging: int) -> None:
+                 staging: int, chunk_bytes: int) -> None:
         self.kinds = tuple(kinds)
         self.numels = list(numels)
+        self.chunk_bytes = chunk_bytes
         self.io: FileIO | None = io
         self.block_bytes = [spill_block_bytes(n) for n in numels]
         self.file_offsets, at = [], 0
@@ -97,8 +134,10 @@ class SpillFiles:
         self.files: dict[BufferKind, int] = {}
         # Writes that must wait for a D2H drain first run from here, so no caller blocks on the GPU.
         self._after_pool: cf.ThreadPoolExecutor | None = None
-        self._writes: dict[tuple[BufferKind, int], cf.Future] = {}  # last write of each (kind, block)
+        self._writes: dict[tuple[BufferKind, int], list[cf.Future]] = {}  # pending writes of each (kind, block)
         self._writes_lock = threading.Lock()
+        # Busy time of the disk: reads, writes, and either (the disk's share of the roofline).
+        self.read_clock, self.write_clock, self.io_clock = BusyClock(), BusyClock(), BusyClock()
         self.root: str | None = None
         try:
             self.root = spill_dirs.create(spill_dir)  # named after this process; dead owners' ones reclaimed
@@ -113,7 +152,8 @@ class SpillFiles:
         except BaseException:
             self.close()
             raise
-        self.staging = StagingPool(staging, self.kinds, max(self.block_bytes))
+        self.chunk_numel = spill_chunk_numel(max(self.numels), chunk_bytes)
+        self.staging = StagingPool(staging, self.kinds, self.chunk_numel * 4)
 
     @property
     def nbytes(self) -> int:
@@ -121,41 +161,64 @@ class SpillFiles:
         return len(self.kinds) * self.file_bytes
 
     # ---- transfers and their order ---------------------------------------------------------
-    def _view(self, b: int, t: torch.Tensor) -> torch.Tensor:
-        return t.view(torch.uint8)[:self.block_bytes[b]]
+    def chunks(self, b: int) -> list[tuple[int, int]]:
+        """Block b's (first element, elements) pieces: the unit of the AdamW pipeline's I/O."""
+        return spill_chunks(self.numels[b], self.chunk_bytes)
 
-    def read_async(self, kind: BufferKind, b: int, out: torch.Tensor) -> cf.Future:
-        """Block b's ``kind`` into ``out`` (fp32, >= block bytes), after its previous write."""
+    def _span(self, b: int, lo: int, n: int) -> int:
+        """Bytes a transfer of block b's elements [lo, lo + n) moves: rounded up to SPILL_ALIGN, within the
+        block's (aligned) extent in the file."""
+        return min(-(-n * 4 // SPILL_ALIGN) * SPILL_ALIGN, self.block_bytes[b] - lo * 4)
+
+    def read_async(self, kind: BufferKind, b: int, out: torch.Tensor, lo: int = 0, n: int | None = None,
+                   exact: bool = False) -> cf.Future:
+        """Block b's ``kind`` elements [lo, lo + n) (default: the whole block) into ``out`` (fp32), after the
+        block's pending writes. ``out`` holds the 4 KiB-rounded span, or, ``exact``, just n elements."""
+        n = self.numels[b] - lo if n is None else n
         self.wait_write(kind, b)
         assert self.io is not None
-        return self.io.read(self.files[kind], self.file_offsets[b], self._view(b, out))
+        nbytes = n * 4 if exact else self._span(b, lo, n)
+        return self._timed(self.read_clock, self.io.read(self.files[kind], self.file_offsets[b] + lo * 4,
+                                                         out.view(torch.uint8)[:nbytes]))
 
-    def write_async(self, kind: BufferKind, b: int, src: torch.Tensor) -> cf.Future:
-        """Write ``src`` (fp32, >= block bytes) as block b's ``kind``; later reads of it wait for this."""
+    def _timed(self, clock: BusyClock, future: cf.Future) -> cf.Future:
+        return self.io_clock.track(clock.track(future))
+
+    def write_async(self, kind: BufferKind, b: int, src: torch.Tensor, lo: int = 0, n: int | None = None) -> cf.Future:
+        """Write ``src`` (fp32, >= the 4 KiB-rounded span) as block b's ``kind`` elements [lo, lo + n) (default:
+        the whole block); later reads of the block wait for this."""
+        n = self.numels[b] - lo if n is None else n
         assert self.io is not None
-        future = self.io.write(self.files[kind], self.file_offsets[b], self._view(b, src))
-        with self._writes_lock:
-            self._writes[(kind, b)] = future
+        future = self._timed(self.write_clock, self.io.write(self.files[kind], self.file_offsets[b] + lo * 4,
+                                                             src.view(torch.uint8)[:self._span(b, lo, n)]))
+        self._register(kind, b, future)
         return future
 
+    def _register(self, kind: BufferKind, b: int, future: cf.Future) -> None:
+        with self._writes_lock:
+            pending = [f for f in self._writes.get((kind, b), ()) if not f.done()]
+            pending.append(future)
+            self._writes[(kind, b)] = pending
+
     def write_after(self, kind: BufferKind, b: int, src: torch.Tensor, ready: "Event",
-                    then: Callable[[], None]) -> None:
-        """Write ``src`` (>= block bytes) as block b's ``kind`` once ``ready`` (a D2H drain) has happened.
+                    then: Callable[[], None], lo: int = 0, n: int | None = None) -> None:
+        """Write ``src`` as block b's ``kind`` elements [lo, lo + n) once ``ready`` (a D2H drain) has happened.
 
         Registered at once, so a later read of the block waits for it; ``then`` runs when it is done.
         """
+        n = self.numels[b] - lo if n is None else n
         placeholder: cf.Future = cf.Future()
-        with self._writes_lock:
-            self._writes[(kind, b)] = placeholder
+        self._register(kind, b, placeholder)
         if self._after_pool is None:
             self._after_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-drain-write")
-        io, handle, offset, view = self.io, self.files[kind], self.file_offsets[b], self._view(b, src)
+        io, handle, offset = self.io, self.files[kind], self.file_offsets[b] + lo * 4
+        view = src.view(torch.uint8)[:self._span(b, lo, n)]
         assert io is not None
 
         def run() -> None:
             try:
                 ready.synchronize()
-                io.write(handle, offset, view).result()
+                self._timed(self.write_clock, io.write(handle, offset, view)).result()
                 placeholder.set_result(None)
             except BaseException as e:
                 placeholder.set_exception(e)
@@ -165,41 +228,44 @@ class SpillFiles:
 
     def wait_write(self, kind: BufferKind, b: int) -> None:
         with self._writes_lock:
-            future = self._writes.get((kind, b))
-        if future is not None:
+            futures = list(self._writes.get((kind, b), ()))
+        for future in futures:
             future.result()
 
     def flush(self) -> None:
         """Wait for every write behind (raises the first I/O error)."""
         with self._writes_lock:
-            futures = list(self._writes.values())
+            futures = [f for fs in self._writes.values() for f in fs]
         for f in futures:
             f.result()
 
     # ---- cold paths: one block at a time, synchronously ------------------------------------
     def read_block(self, kind: BufferKind, b: int) -> torch.Tensor:
-        """A copy of block b's ``kind`` ([numel] fp32), read from its file."""
+        """A copy of block b's ``kind`` ([numel] fp32), read from its file in chunks, all in flight at once."""
         buf = aligned_empty(self.block_bytes[b]).view(torch.float32)
-        self.read_async(kind, b, buf).result()
+        for f in [self.read_async(kind, b, buf[lo:], lo, n) for lo, n in self.chunks(b)]:
+            f.result()
         return buf[:self.numels[b]]
 
     def write_block(self, kind: BufferKind, b: int, src: torch.Tensor) -> None:
-        """Store ``src`` ([numel] fp32) as block b's ``kind``, synchronously."""
+        """Store ``src`` ([numel] fp32) as block b's ``kind``: chunk writes all in flight at once (large
+        requests on every I/O thread: init writes the masters at the disk's speed), waited for."""
         buf = aligned_empty(self.block_bytes[b]).view(torch.float32)
-        buf.zero_()
+        buf[self.numels[b]:].zero_()
         buf[:self.numels[b]].copy_(src)
-        self.write_async(kind, b, buf).result()
+        for f in [self.write_async(kind, b, buf[lo:], lo, n) for lo, n in self.chunks(b)]:
+            f.result()
 
     # ---- the AdamW pipeline (see [Note: spill pipeline]) -----------------------------------
-    def stage(self, b: int, kinds: Sequence[BufferKind]) -> Staged:
+    def stage(self, b: int, lo: int, n: int, kinds: Sequence[BufferKind]) -> Staged:
         """Take a staging set (waits while every set is still being written back) and read block b's
-        ``kinds`` into it ahead."""
+        ``kinds``, elements [lo, lo + n), into it ahead."""
         index = self.staging.acquire()
         buffers = self.staging.buffers(index)
-        return Staged(index, buffers, [self.read_async(k, b, buffers[k]) for k in kinds])
+        return Staged(index, lo, buffers, [self.read_async(k, b, buffers[k], lo, n) for k in kinds])
 
-    def write_behind(self, b: int, staged: Staged) -> None:
-        """Write block b's updated state (the state kinds among the staged ones) back; the staging set
+    def write_behind(self, b: int, n: int, staged: Staged) -> None:
+        """Write the chunk's updated state (the state kinds among the staged ones) back; the staging set
         returns to the pool once every write has landed."""
         kinds = [k for k in STATE_KINDS if k in staged.buffers]
         if not kinds:
@@ -216,7 +282,7 @@ class SpillFiles:
                 self.staging.release(staged.index)
 
         for kind in kinds:
-            self.write_async(kind, b, staged.buffers[kind]).add_done_callback(written)
+            self.write_async(kind, b, staged.buffers[kind], staged.lo, n).add_done_callback(written)
 
     def close(self) -> None:
         if self._after_pool is not None:

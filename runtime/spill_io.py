@@ -221,8 +221,9 @@ def cuda_driver_present() -> bool:
         return False
 
 
-def make_io(backend: str, threads: int) -> FileIO:
-    """``auto``: kvikio when it imports and the CUDA driver loads, else POSIX."""
+def make_io(backend: str, threads: int, direct: bool = True) -> FileIO:
+    """``auto``: kvikio when it imports and the CUDA driver loads, else POSIX (O_DIRECT where the
+    filesystem takes it when ``direct``, else buffered)."""
     if backend in ("auto", "kvikio"):
         usable = cuda_driver_present()
         if usable:
@@ -233,4 +234,4 @@ def make_io(backend: str, threads: int) -> FileIO:
         if backend == "kvikio":
             raise SpillError("io_backend='kvikio' needs the CUDA driver (libcuda.so.1) and `pip install megatrain[gds]`; "
                              "use io_backend='posix'")
-    return PosixIO(threads)
+    return PosixIO(threads, direct)

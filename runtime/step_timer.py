@@ -23,6 +23,15 @@ span less its stalls, so it still holds kernel-launch gaps and other host
 time that left the GPU idle: an upper bound of kernel time (a torch.profiler trace,
 ``benchmarks/step_anatomy.py``, gives the kernels' own sum).
 
+The disk (spill files) is a resource too: ``disk_read_busy_s`` /
+``disk_write_busy_s`` are the seconds of the timed step during which a read /
+a write was in flight (in steady state, one step's traffic, including the
+writes behind and the deferred updates of the step before), the roofline takes
+``disk_busy_s`` (either in flight), and ``disk_exposed_s`` is what the step
+waited on the disk: loads reading the spilled fp32 master, plus the part of the
+exposed optimizer time during which the worker itself waited on spill I/O
+(moved out of ``adam_exposed_s``, so the exposed terms still add up).
+
 [Note: opt-in timing]
 Timing is asked for one step at a time (``arm()``, from
 ``Engine.time_next_step()``): only that step records timing events and reads
@@ -36,13 +45,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import ContextManager, Iterator
+from typing import Callable, ContextManager, Iterator
 
 import torch
 
 from .streams import Stream
 
-KINDS = ("h2d", "d2h", "ckpt", "adam")
+KINDS = ("h2d", "d2h", "ckpt", "adam", "disk")
+# Cumulative counters read at a timed step's begin and end (``counters``): the disk's busy time (reads,
+# writes, either) and the AdamW worker's seconds blocked on spill I/O.
+COUNTERS = ("disk_read_busy_s", "disk_write_busy_s", "disk_busy_s", "adam_disk_wait_s")
 LINKS = ("h2d", "d2h")  # the copy engines whose busy time bounds the step
 _UNTIMED: ContextManager[None] = contextlib.nullcontext()  # what every bracket is in a step not timed
 
@@ -61,6 +73,8 @@ class StepTimer:
         self._pending = False
         self._armed = False  # the next step is timed
         self._active = False  # this step is timed (only a training step is: not evaluation's loads)
+        self.counters: Callable[[], dict[str, float]] | None = None  # see COUNTERS
+        self._counted = dict.fromkeys(COUNTERS, 0.0)
 
     def arm(self) -> None:
         """Time the next training step (see [Note: opt-in timing])."""
@@ -75,6 +89,7 @@ class StepTimer:
         self._stalls, self._busy = [], []
         self._busy_host = dict.fromkeys(LINKS, 0.0)
         self._wall0 = time.perf_counter()
+        self._counted = dict(self.counters()) if self.counters is not None else dict.fromkeys(COUNTERS, 0.0)
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record(compute.raw)
@@ -84,6 +99,8 @@ class StepTimer:
         if not self._active:
             return
         self._wall = time.perf_counter() - self._wall0
+        now = self.counters() if self.counters is not None else self._counted
+        self._counted = {k: now[k] - self._counted[k] for k in COUNTERS}
         self._active = False
         if self.cuda and self._span is not None:
             stop = torch.cuda.Event(enable_timing=True)
@@ -104,6 +121,14 @@ class StepTimer:
         if self.cuda:
             return self._events(self._stalls, "adam", compute)
         return self._host_seconds("adam")
+
+    def disk_wait(self, compute: Stream) -> ContextManager[None]:
+        """Bracket a host wait for a spill read a load needs: exposed disk time."""
+        if not self._active:
+            return _UNTIMED
+        if self.cuda:
+            return self._events(self._stalls, "disk", compute)
+        return self._host_seconds("disk")
 
     def copy(self, link: str, stream: Stream, kind: str | None = None) -> ContextManager[None]:
         """Time the copies issued inside on ``stream`` (``link``: "h2d" or "d2h"; enter after its waits) as that
@@ -169,9 +194,13 @@ class StepTimer:
             step = self._wall
             compute = max(0.0, step - sum(exposed.values()))
             busy = dict(self._busy_host)
+        adam_on_disk = min(exposed["adam"], self._counted["adam_disk_wait_s"])
         done = {"step_s": step, "compute_s": compute, "h2d_exposed_s": exposed["h2d"],
                 "d2h_exposed_s": exposed["d2h"], "ckpt_traffic_s": exposed["ckpt"],
-                "adam_exposed_s": exposed["adam"], "h2d_busy_s": busy["h2d"], "d2h_busy_s": busy["d2h"]}
+                "adam_exposed_s": exposed["adam"] - adam_on_disk, "disk_exposed_s": exposed["disk"] + adam_on_disk,
+                "h2d_busy_s": busy["h2d"], "d2h_busy_s": busy["d2h"],
+                "disk_read_busy_s": self._counted["disk_read_busy_s"],
+                "disk_write_busy_s": self._counted["disk_write_busy_s"], "disk_busy_s": self._counted["disk_busy_s"]}
         self._pending = False
         self._done = self._with_roofline(done, adam_busy)
         return self._done
@@ -180,7 +209,7 @@ class StepTimer:
     def _with_roofline(done: dict[str, float], adam_busy: float | None) -> dict[str, float]:
         """Add ``adam_busy_s`` (when known), ``roofline_s`` = max of the resources, and step / roofline."""
         out = {k: v for k, v in done.items() if k not in ("adam_busy_s", "roofline_s", "roofline_ratio")}
-        resources = [out["compute_s"], out["h2d_busy_s"], out["d2h_busy_s"]]
+        resources = [out["compute_s"], out["h2d_busy_s"], out["d2h_busy_s"], out["disk_busy_s"]]
         if adam_busy is not None:
             out["adam_busy_s"] = adam_busy
             resources.append(adam_busy)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -62,6 +62,14 @@ class BlockLayout:
 
     def view_list(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[e.offset:e.offset + e.numel].view(e.shape) for e in self.entries]
+
+    def range_views(self, flats: Sequence[torch.Tensor], lo: int, n: int
+                    ) -> tuple[list["ParamEntry"], list[list[torch.Tensor]]]:
+        """The entries overlapping elements [lo, lo + n) of the block, and for each of ``flats`` (each
+        holding just those n elements) the 1-D views of those entries' parts, in entry order."""
+        hit = [e for e in self.entries if e.offset < lo + n and e.offset + e.numel > lo]
+        spans = [(max(e.offset, lo) - lo, min(e.offset + e.numel, lo + n) - lo) for e in hit]
+        return hit, [[flat[a:z] for a, z in spans] for flat in flats]
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,13 @@ one computing (step_schedule.py builds the sequences). Compute holds a load
 inside ``with loader.resident(load)``: entering it is the LOADING -> IN_USE
 transition, leaving it IN_USE -> FREE. Memory: K x largest block x
 compute-dtype bytes on the device.
+
+In fp32 with a spilled master there is no copy of the weights in host RAM
+(``HostStore.load_source`` is None): the load reads the block from the master
+spill file. On a CPU the read goes straight into the slot, issued with the load
+and waited for when compute acquires it (read-ahead by ``prefetch_depth``); on
+CUDA it goes through two pinned bounce buffers of one spill chunk each, the
+H2D copy of one overlapping the read of the next.
 """
 from __future__ import annotations
 
@@ -26,6 +33,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 from torch.profiler import record_function
+
+from megatrain.planner.buffer_kinds import BufferKind
 
 from .event_log import EventLog
 from .host_store import HostStore
@@ -96,6 +105,9 @@ class WeightLoader:
         self._issued = 0  # loads issued so far
         self._released: list[bool] = []
         self._horizon = -1  # highest load index the compute has asked for
+        self._reads: dict[int, list] = {}  # per slot: spill reads still landing in it (CPU, spilled fp32 master)
+        self._bounce: list[torch.Tensor] = []  # CUDA, spilled fp32 master: pinned read buffers, one chunk each
+        self._bounce_free: list = []  # per bounce buffer: the event of the H2D copy that last read it
 
     def start(self, step: int, sequence: Sequence[Load]) -> None:
         """Begin a sequence of loads for ``step``; nothing may be resident from the previous one."""
@@ -126,6 +138,11 @@ class WeightLoader:
         assert j < self._issued, f"load {j} could not be issued: its slot is still in use"
         slot = self._slot(j)
         self.slots.transition(slot, SlotState.LOADING, SlotState.IN_USE)
+        reads = self._reads.pop(slot, ())
+        if reads:
+            with self.timer.disk_wait(self.streams.compute):
+                for read in reads:
+                    read.result()
         with self.timer.stall("h2d", self.streams.compute):
             self.streams.compute.wait_event(self.slots.loaded[slot])
         load = self.sequence[j]
@@ -166,11 +183,34 @@ class WeightLoader:
         numel = self.store.numels[block]
         with self.streams.h2d.use(), record_function(f"h2d[{block}]"):
             self.streams.h2d.wait_event(self.slots.released[slot])
+            source = self.store.load_source(block)
             with self.timer.copy("h2d", self.streams.h2d):
-                if self.fill is None:
-                    self.slots.buffers[slot][:numel].copy_(self.store.shadow_of(block), non_blocking=True)
+                if self.fill is not None:  # data parallel: this rank's shard, then the all-gather
+                    # (a spilled fp32 master has no RAM copy: its shard is read whole from the spill file)
+                    shard = source if source is not None else self.store.read_block(BufferKind.MASTER, block)
+                    self.fill(block, self.slots.buffers[slot], shard)
+                elif source is not None:
+                    self.slots.buffers[slot][:numel].copy_(source, non_blocking=True)
                 else:
-                    self.fill(block, self.slots.buffers[slot], self.store.shadow_of(block))
+                    self._read_master(block, slot, self.slots.buffers[slot][:numel])
             self.on_load(load, slot)
             self.slots.loaded[slot].record(self.streams.h2d)
         self.log.record("h2d", self.step, block, slot=slot, load=j, phase=load.phase)
+
+    def _read_master(self, block: int, slot: int, out: torch.Tensor) -> None:
+        """Block ``block``'s fp32 master from its spill file into ``out`` (a slot): see [Note: slot lifecycle]."""
+        files = self.store.spill_files
+        assert files is not None
+        if out.device.type == "cpu":
+            self._reads[slot] = [files.read_async(BufferKind.MASTER, block, out, exact=True)]
+            return
+        if not self._bounce:
+            self._bounce = [torch.empty(files.chunk_numel, dtype=torch.float32, pin_memory=True) for _ in range(2)]  # page-aligned
+            self._bounce_free = [None, None]
+        for i, (lo, n) in enumerate(files.chunks(block)):
+            k = i % 2
+            if self._bounce_free[k] is not None:
+                self._bounce_free[k].synchronize()  # the H2D copy that last read this bounce buffer
+            files.read_async(BufferKind.MASTER, block, self._bounce[k], lo, n).result()
+            out[lo:lo + n].copy_(self._bounce[k][:n], non_blocking=True)
+            self._bounce_free[k] = self.streams.recorded(self.streams.h2d)

@@ -16,7 +16,7 @@ from torch import nn
 from megatrain.runtime import ModelConfig, OptimizerConfig
 from megatrain.runtime.blocks import DecoderLayer, RMSNorm
 from megatrain.runtime.head_loss import IGNORE_INDEX, shift_labels
-from megatrain.runtime.rope import inverse_frequencies, rotary_tables
+from megatrain.runtime.rope import attention_scaling, inverse_frequencies, rotary_tables
 
 
 class _Decoder(nn.Module):
@@ -35,13 +35,12 @@ class ReferenceLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.inv_freq = inverse_frequencies(config)
 
     def forward(self, input_ids: torch.Tensor, checkpoint: bool = False) -> torch.Tensor:
         """[B, S] -> logits [B, S, vocab]; ``checkpoint`` recomputes each layer in backward (benchmarks)."""
         x = self.model.embed_tokens(input_ids)
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        cos, sin = rotary_tables(self.inv_freq, input_ids.shape[1], x.device, dtype)
+        seq = input_ids.shape[1]
+        cos, sin = rotary_tables(inverse_frequencies(self.config, seq), seq, x.device, attention_scaling(self.config))
         for layer in self.model.layers:
             if checkpoint:
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)

@@ -206,7 +206,7 @@ def test_attention_stays_within_documents_for_random_lengths(case) -> None:
     q = torch.randn(b, heads, s, dim, generator=gen, requires_grad=True)
     k = torch.randn(b, kv_heads, s, dim, generator=gen, requires_grad=True)
     v = torch.randn(b, kv_heads, s, dim, generator=gen, requires_grad=True)
-    out = causal_attention(q, k, v, scale=dim ** -0.5, enable_gqa=heads > kv_heads, documents=documents)
+    out = causal_attention(q, k, v, scale=dim ** -0.5, documents=documents)
     expected = _masked_reference(q, k, v, positions, dim ** -0.5)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
     dy = torch.randn(out.shape, generator=gen)

@@ -97,8 +97,9 @@ def test_step_breakdown_accounts_for_the_step():
             engine.time_next_step()
             engine.step(ids, ids)
             b = engine.last_step_breakdown
-            parts = ("compute_s", "h2d_exposed_s", "d2h_exposed_s", "ckpt_traffic_s", "adam_exposed_s")
+            parts = ("compute_s", "h2d_exposed_s", "d2h_exposed_s", "ckpt_traffic_s", "adam_exposed_s", "disk_exposed_s")
             assert all(b[k] >= 0 for k in parts) and b["step_s"] > 0
+            assert b["disk_exposed_s"] == b["disk_read_busy_s"] == b["disk_write_busy_s"] == 0  # nothing spills
             assert abs(sum(b[k] for k in parts) - b["step_s"]) < 1e-6  # on a CPU the parts add up to the step
             assert b["h2d_exposed_s"] > 0 and b["d2h_exposed_s"] > 0
             assert (b["ckpt_traffic_s"] > 0) == host_ckpt
@@ -133,6 +134,35 @@ def test_roofline_counts_the_adamw_workers_update_time(monkeypatch):
             engine.synchronize()  # the step's updates have all finished
             b = engine.last_step_breakdown
             assert b["adam_busy_s"] >= 0.02 * len(calls) > 0
-            resources = (b["compute_s"], b["h2d_busy_s"], b["d2h_busy_s"], b["adam_busy_s"])
+            resources = (b["compute_s"], b["h2d_busy_s"], b["d2h_busy_s"], b["adam_busy_s"], b["disk_busy_s"])
             assert b["roofline_s"] == max(resources)
             assert b["roofline_ratio"] == b["step_s"] / b["roofline_s"]
+
+
+def test_breakdown_has_the_disk_when_state_spills(tmp_path, monkeypatch):
+    """With spill="all" in fp32 every read and write goes to the disk: slow each read down by a known amount
+    and the disk's busy and exposed seconds show it, the exposed parts still add up to the step, and the
+    roofline takes the disk's busy time."""
+    import os as _os
+    import time as _time
+
+    preadv = _os.preadv
+
+    def slow(*args, **kwargs):
+        _time.sleep(0.01)
+        return preadv(*args, **kwargs)
+
+    ids = torch.randint(0, 64, (4, 16))
+    plan = Plan(spill="all", spill_dir=str(tmp_path), spill_staging=2, spill_chunk_bytes=4096, io_backend="posix")
+    with Engine(CONFIG, OptimizerConfig(max_grad_norm=1.0), plan=plan, compute_dtype=torch.float32,
+                device="cpu") as engine:
+        engine.step(ids, ids)
+        monkeypatch.setattr(_os, "preadv", slow)
+        engine.time_next_step()
+        engine.step(ids, ids)
+        b = engine.last_step_breakdown
+    parts = ("compute_s", "h2d_exposed_s", "d2h_exposed_s", "ckpt_traffic_s", "adam_exposed_s", "disk_exposed_s")
+    assert abs(sum(b[k] for k in parts) - b["step_s"]) < 1e-6
+    assert b["disk_read_busy_s"] >= 0.01 and b["disk_exposed_s"] >= 0.01  # every load waits for a slow read
+    assert b["disk_busy_s"] >= max(b["disk_read_busy_s"], b["disk_write_busy_s"]) > 0
+    assert b["roofline_s"] >= b["disk_busy_s"]

@@ -28,6 +28,9 @@ moments are compared where the last step left them.
    lm_head gradient are sums over chunks instead of one reduction / one matmul,
    and the matmul giving the hidden states' gradient runs on fewer rows (BLAS
    may block its reduction differently), so every layer's gradient differs by ulps.
+3. MLP_TILES: with ``mlp_tile_tokens`` below the sequence length, the MLP's parameter gradients are
+   sums of per-tile sums, and the layer's input gradient adds its terms in another order
+   (``runtime/sequence_tiles.py``); the forward too where a tile's rows take another BLAS kernel.
 
 Clipping is bitwise: the per-parameter norms, their order, the coefficient
 and the multiply are those of ``clip_grad_norm_``.
@@ -89,6 +92,7 @@ def cases(draw):
         optimizer_mode="deferred" if clip is not None or draw(st.booleans()) else "eager",
         device_grad_buffers=draw(st.integers(2, 3)), host_grad_slabs=draw(st.integers(1, 3)),
         loss_chunk_tokens=math.ceil(tokens / n_chunks),
+        mlp_tile_tokens=draw(st.one_of(st.none(), st.integers(1, 48))),
     )
     optimizer = OptimizerConfig(
         lr=1e-3, betas=(0.9, draw(st.sampled_from([0.95, 0.999]))), eps=draw(st.sampled_from([1e-8, 1e-6])),
@@ -120,6 +124,8 @@ def run_case(config, plan, optimizer, batch, seq, lrs, seed, device="cpu"):
         sources.append("TIED_MICROBATCHES")
     if min(batch, plan.micro_batch_size) * seq > plan.loss_chunk_tokens:
         sources.append("LOSS_CHUNKS")
+    if plan.mlp_tile_tokens is not None and plan.mlp_tile_tokens < seq:
+        sources.append("MLP_TILES")
 
     engine = Engine(config, optimizer, plan=plan, compute_dtype=torch.float32, device=device, seed=seed)
     try:

@@ -120,7 +120,7 @@ def test_any_json_value_in_any_field_reads_or_is_refused_in_one_line(model_type:
     (dict(partial_rotary_factor=0.5), ["partial_rotary_factor=0.5"]),
     (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}),
      ["partial_rotary_factor=0.25"]),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ["'yarn'", "llama3"]),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 4.0}), ["'longrope'", "yarn"]),
     (dict(rope_parameters={"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}),
      ["per layer type"]),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), ["low_freq_factor", "high_freq_factor"]),

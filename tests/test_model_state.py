@@ -33,7 +33,7 @@ def test_edit_block_stores_the_master_and_its_shadow(tmp_path, spill) -> None:
             master.mul_(-2.0).add_(0.5)
         want = before * -2.0 + 0.5
         assert torch.equal(state.read_block(BufferKind.MASTER, b), want)  # spilled: read back from the file
-        assert torch.equal(e.store.shadow_of(b), want.to(torch.bfloat16))
+        assert torch.equal(e.store.load_source(b), want.to(torch.bfloat16))
         others = state.read_block(BufferKind.MASTER, 0)
         assert not torch.equal(others, others * -2.0 + 0.5)  # only block b changed
 
@@ -41,13 +41,13 @@ def test_edit_block_stores_the_master_and_its_shadow(tmp_path, spill) -> None:
 def test_a_failed_edit_of_a_spilled_block_stores_nothing(tmp_path) -> None:
     with engine(tmp_path, "all") as e:
         before = e.state.read_block(BufferKind.MASTER, 0).clone()
-        shadow = e.store.shadow_of(0).clone()
+        shadow = e.store.load_source(0).clone()
         with pytest.raises(KeyError):
             with e.state.edit_block(0) as master:
                 master.zero_()
                 raise KeyError("stop")
         assert torch.equal(e.state.read_block(BufferKind.MASTER, 0), before)
-        assert torch.equal(e.store.shadow_of(0), shadow)
+        assert torch.equal(e.store.load_source(0), shadow)
 
 
 def test_spilled_and_ram_states_initialise_alike(tmp_path) -> None:

@@ -31,14 +31,18 @@ PLANS = [Plan(), Plan(num_slots=3, prefetch_depth=2, checkpoints="host", device_
          Plan(optimizer_mode="eager", host_grad_slabs=2, micro_batch_size=2),
          Plan(spill="optimizer", spill_dir=SPILL_DIR, spill_staging=2),
          Plan(spill="all", spill_dir=SPILL_DIR, spill_staging=3, host_grad_slabs=3),
-         Plan(spill="all", spill_dir=SPILL_DIR, optimizer_mode="eager", spill_staging=1)]
+         Plan(spill="all", spill_dir=SPILL_DIR, optimizer_mode="eager", spill_staging=1),
+         # 4 KiB chunks: every spill buffer is one chunk, far below the largest block.
+         Plan(spill="all", spill_dir=SPILL_DIR, spill_staging=2, host_grad_slabs=2, spill_chunk_bytes=4096),
+         Plan(spill="optimizer", spill_dir=SPILL_DIR, spill_staging=3, spill_chunk_bytes=8192)]
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=["default", "host-ckpt", "eager", "spill-opt", "spill-all", "spill-eager"])
+@pytest.mark.parametrize("plan", PLANS, ids=["default", "host-ckpt", "eager", "spill-opt", "spill-all", "spill-eager",
+                                         "spill-all-4k", "spill-opt-8k"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_memory_model_matches_allocations(name: str, plan: Plan, dtype: torch.dtype, tmp_path) -> None:
@@ -63,13 +67,16 @@ def test_memory_model_matches_allocations(name: str, plan: Plan, dtype: torch.dt
         ram = lambda arena: 0 if arena is None else arena.nbytes  # noqa: E731
         assert est.get("fp32 master", 0) == ram(store.master)
         assert est.get("Adam m", 0) == ram(store.exp_avg) and est.get("Adam v", 0) == ram(store.exp_avg_sq)
-        assert est.get("compute-dtype shadow", 0) == (0 if store.shadow is store.master else store.shadow.nbytes)
+        assert est.get("compute-dtype shadow", 0) == (0 if store.shadow in (store.master, None) else store.shadow.nbytes)
         nvme = sum(c.nbytes for c in memory_model.estimate(shape, work, plan).components if c.where == "nvme")
         assert nvme == store.nvme_bytes
         staging = 0 if store.staging is None else sum(t.numel() * 4 for s in store.staging._sets for t in s.values())
         assert est.get("spill staging", 0) == staging
         assert est.get("fp32 grads (full arena)", 0) == (store.grads.nbytes if store.grads is not None else 0)
         assert est.get("fp32 grad slabs", 0) == (store.slabs.arena.nbytes if store.slabs is not None else 0)
+        listed = sum(c.nbytes for c in memory_model.estimate(shape, work, plan).components
+                     if c.where == "host" and c.name not in (*memory_model.FIXED_TERMS, "activation checkpoints"))
+        assert listed == store.nbytes  # every host buffer of the store is a term, and nothing else is
         ids = torch.randint(0, hf["vocab_size"], (batch, seq))
         engine.step(ids, ids)
         if plan.checkpoints == "host":
@@ -91,3 +98,34 @@ def test_a_plan_from_the_planner_runs_here() -> None:
         ids = torch.randint(0, hf["vocab_size"], (4, 16))
         losses = [engine.step(ids, ids).item() for _ in range(3)]
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_spilling_never_needs_more_ram(name: str, dtype: torch.dtype, tmp_path) -> None:
+    """With chunks smaller than the largest block, spilling more holds less in RAM, in the runtime's arenas and in
+    the memory model alike (staging sets, slabs and the fp32 weights bounded by the chunk, not the block)."""
+    hf = CONFIGS[name]
+    shape = model_shapes.from_config(hf)
+    work = Workload(seq_len=8, batch=3, compute_dtype="fp32" if dtype == torch.float32 else "bf16", clipping=True)
+    host = {}
+    for spill in ("none", "optimizer", "all"):
+        plan = Plan(spill=spill, spill_dir=None if spill == "none" else str(tmp_path), spill_staging=3,
+                    spill_chunk_bytes=4096)
+        est = memory_model.estimate(shape, work, plan)
+        with Engine(ModelConfig.from_hf(hf), OptimizerConfig(max_grad_norm=1.0), plan=plan, compute_dtype=dtype,
+                    device="cpu") as engine:
+            host[spill] = (engine.store.nbytes, memory_model.listed_host_bytes(est, device_is_host=False))
+    assert host["all"][0] < host["optimizer"][0] < host["none"][0]
+    assert host["all"][1] < host["optimizer"][1] < host["none"][1]
+
+
+def test_spill_terms_for_a_3b_model_are_bounded_by_the_chunk() -> None:
+    """Llama-3.2-3B in fp32, spill all, 64 MiB chunks: no shadow, and the spill buffers are P x k + S chunks (by hand)."""
+    shape = model_shapes.resolve("Llama-3.2-3B")
+    work = Workload(seq_len=512, batch=1, compute_dtype="fp32", clipping=True)
+    plan = Plan(spill="all", spill_dir="/tmp", spill_staging=3, host_grad_slabs=2, spill_chunk_bytes=64 * 2**20)
+    est = {c.name: c.nbytes for c in memory_model.estimate(shape, work, plan).components}
+    assert "compute-dtype shadow" not in est and "fp32 master" not in est
+    assert est["spill staging"] == 3 * 4 * 64 * 2**20
+    assert est["fp32 grad slabs"] == 2 * 64 * 2**20

@@ -129,3 +129,23 @@ def test_adamw_time_counts_the_shadow_pass_only_where_there_is_one() -> None:
 def test_a_negative_shadow_rate_is_refused() -> None:
     with pytest.raises(hardware.HardwareError, match="cpu_shadow_params_per_s"):
         _hw(cpu_shadow_params_per_s=-1.0)
+
+
+def test_disk_terms_of_a_spilled_step_by_hand() -> None:
+    """spill="all" in fp32 on a CPU: AdamW reads and writes 4 kinds (4 x F each way) and every load reads the
+    fp32 master from its file (embedding, 2 x L layers, head, tied embedding again); the step is at least
+    the disk's time, read bytes / read GB/s + written bytes / write GB/s."""
+    cpu = hardware.HardwareProfile(gpu_name="cpu", gpu_mem_bytes=0, h2d_gbps=10, d2h_gbps=10, duplex_gbps=10,
+                                   matmul_tflops={"float32": 100.0, "bfloat16": 100.0}, cpu_adam_params_per_s=1e12,
+                                   host_ram_bytes=64 << 30, host_available_bytes=60 << 30, cores=2,
+                                   disk_read_gbps=2.0, disk_write_gbps=1.0)
+    m = PRESETS["Llama-3.2-1B"]
+    plan = Plan(spill="all", spill_dir="/tmp")
+    est = cost_model.estimate(m, Workload(128, 1, compute_dtype="fp32"), plan, cpu)
+    F = m.spill_file_bytes
+    loads = (m.numel_embedding + 2 * m.num_layers * m.numel_layer + m.numel_head + m.numel_embedding) * 4
+    assert est.disk_read_bytes == 4 * F + loads and est.disk_write_bytes == 4 * F
+    assert est.disk_seconds == pytest.approx((4 * F + loads) / 2e9 + 4 * F / 1e9)
+    assert est.step_seconds >= est.disk_seconds
+    none = cost_model.estimate(m, Workload(128, 1, compute_dtype="fp32"), Plan(), cpu)
+    assert none.disk_read_bytes == none.disk_write_bytes == none.disk_seconds == 0

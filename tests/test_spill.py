@@ -30,7 +30,9 @@ def spill_cases(draw):
     base = dict(micro_batch_size=draw(st.integers(1, 3)), optimizer_mode=mode,
                 checkpoints=draw(st.sampled_from(["device", "host"])), host_grad_slabs=draw(st.integers(1, 3)))
     spill = dict(spill=draw(st.sampled_from(["optimizer", "all"])), spill_staging=draw(st.integers(1, 3)),
-                 io_threads=draw(st.integers(1, 3)), io_backend="posix")
+                 io_threads=draw(st.integers(1, 3)), io_backend="posix",
+                 # 4 KiB: blocks and single tensors split into many chunks; 64 MiB: every block whole.
+                 spill_chunk_bytes=draw(st.sampled_from([4096, 8192, 64 * 2**20])))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
     steps = draw(st.integers(1, 3))
     return config, clip, base, spill, dtype, steps, draw(st.integers(0, 1000))
@@ -253,3 +255,26 @@ def test_io_error_leaves_the_last_checkpoint_intact(tmp_path, monkeypatch):
     with Engine.load_checkpoint(str(tmp_path / "ckpt"), plan=Plan()) as resumed:
         got = resumed.state_dict()
         assert all(torch.equal(saved[k], got[k]) for k in saved)
+
+
+def test_io_direct_follows_the_plan_and_the_profile_measures_both_modes(tmp_path):
+    """Plan.io_direct=False keeps the POSIX backend buffered; the profile's disk pass returns both directions'
+    figures and which mode was faster, and the search's plans follow it."""
+    from megatrain.planner import search
+    from megatrain.planner.hardware import preset
+    from megatrain.planner.profiler import disk_bandwidth
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    for direct in (True, False):
+        plan = Plan(spill="all", spill_dir=str(tmp_path), io_backend="posix", io_direct=direct)
+        with Engine(config, plan=plan, compute_dtype=torch.float32, device="cpu") as engine:
+            io = engine.store.spill_files.io
+            assert not direct and not io.direct or direct  # buffered when the plan says so
+    read, write, faster = disk_bandwidth(str(tmp_path), 16 * 2**20, threads=2)
+    assert read > 0 and write > 0 and faster in (True, False, None)
+    assert os.listdir(tmp_path) == []
+    hw = preset("H100-SXM")
+    assert search.spill_io_choices(hw.replace(disk_direct_faster=False)) == {"io_direct": False}
+    assert search.spill_io_choices(hw.replace(disk_direct_faster=True)) == {"io_direct": True}
+    with pytest.raises(PlanError, match="io_direct"):
+        Plan(io_direct="yes")

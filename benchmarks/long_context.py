@@ -1,0 +1,158 @@
+"""Long context: peak memory, step time and throughput against sequence length, with the planner's prediction.
+
+    python benchmarks/long_context.py                      # CPU: a tiny shape at 16k, 32k, 64k tokens
+    python benchmarks/long_context.py --seqs 32768 65536 131072 --layers 2
+
+For a model shape and a list of sequence lengths (batch 1, fp32 on a CPU), each
+length runs in a fresh process (tools/calibrate.py's measured run: one warm-up
+step, then ``--steps`` timed ones) with the plan the planner's rules give
+(``mlp_tile_tokens`` from ``search.mlp_tile_tokens``, checkpoints where
+``--checkpoints`` says). Reported: peak RSS growth over the process's baseline
+(on a CPU the device buffers are host memory), the planner's listed buffers for
+the same plan (``memory_model.listed_host_bytes``: every buffer, without the
+fixed process terms) and the error, step time, tokens/s, and model TFLOP/s
+without attention (6N per token) and with attention FLOPs (causal: forward +
+backward, ``cost_model``). On a GPU, peak device memory would be compared with
+the device buffers; not measured here yet.
+Writes ``benchmarks/results/<date>_<device>_long_context.{json,md,png}``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def machine() -> dict[str, object]:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--seqs", type=int, nargs="+", default=[16384, 32768, 65536])
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--intermediate", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--kv-heads", type=int, default=1)
+    p.add_argument("--head-dim", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--checkpoints", choices=("device", "host"), default="device")
+    p.add_argument("--untiled", action="store_true", help="no MLP tiles (to compare)")
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--from-json", help="write the table and plot again from a results JSON, running nothing")
+    args = p.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        return write(saved, os.path.splitext(args.from_json)[0], saved["command"])
+    from megatrain.planner import cost_model, memory_model, model_shapes, profiler, search
+    from megatrain.planner.plan import Plan
+    from megatrain.planner.workload import Workload
+    from megatrain.tools.calibrate import run_model
+
+    hf = dict(model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden,
+              intermediate_size=args.intermediate, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+              num_key_value_heads=args.kv_heads, head_dim=args.head_dim, max_position_embeddings=max(args.seqs))
+    shape = model_shapes.from_config(hf)
+    hw = profiler.this_machine()
+    rows = []
+    for seq in args.seqs:
+        work = Workload(seq_len=seq, batch=1, compute_dtype="fp32", clipping=True)
+        plan = Plan(checkpoints=args.checkpoints, loss_chunk_tokens=4096,
+                    mlp_tile_tokens=None if args.untiled else search.mlp_tile_tokens(seq))
+        mem = memory_model.estimate(shape, work, plan, hw)
+        listed = memory_model.listed_host_bytes(mem, True)
+        layer = next(c for c in mem.components if c.name == "layer working set")
+        print(f"seq {seq}: plan {plan.to_json(indent=None)}; listed {listed / 2**30:.3f} GiB ...",
+              file=sys.stderr, flush=True)
+        measured = run_model(hf, seq, 1, "fp32", plan.to_json(indent=None), args.steps)
+        step = min(s["step_s"] for s in measured["steps"])
+        growth = measured["peak_rss_growth_bytes"]
+        attn = seq * shape.num_layers * (shape.attention_flops_fwd(seq) + shape.attention_flops_bwd(seq))
+        model_flops = shape.model_flops_per_token() * seq
+        predicted = cost_model.estimate(shape, work, plan, hw) if hw is not None else None
+        rows.append({"seq": seq, "plan": plan.to_dict(), "peak_rss_growth_bytes": growth,
+                     "baseline_rss_bytes": measured["baseline_rss_bytes"], "listed_bytes": listed,
+                     "layer_working_set_bytes": layer.nbytes, "layer_working_set_formula": layer.formula,
+                     "memory_error": listed / growth - 1, "step_seconds": step, "tokens_per_second": seq / step,
+                     "model_tflops": model_flops / step / 1e12, "model_tflops_with_attention":
+                     (model_flops + attn) / step / 1e12,
+                     "predicted_step_seconds": predicted.step_seconds if predicted else None,
+                     "memory": mem.rows()})
+        r = rows[-1]
+        print(f"  peak RSS growth {growth / 2**30:.3f} GiB, planner {listed / 2**30:.3f} GiB "
+              f"({r['memory_error']:+.1%}); step {step:.1f} s, {r['tokens_per_second']:.0f} tok/s",
+              file=sys.stderr, flush=True)
+    today = datetime.date.today().isoformat()
+    command = "python benchmarks/long_context.py" + "".join(f" {a}" for a in sys.argv[1:])
+    report = {"date": today, "device": "cpu", "command": command, "machine": machine(), "model": hf,
+              "params": shape.params, "checkpoints": args.checkpoints, "results": rows}
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"{today}_cpu_long_context{'_untiled' if args.untiled else ''}")
+    with open(stem + ".json", "w") as f:
+        json.dump(report, f, indent=2)
+    return write(report, stem, command)
+
+
+def write(report: dict, stem: str, command: str) -> int:
+    """The Markdown table and the plot beside the JSON."""
+    rows, today = report["results"], report["date"]
+    lines = [f"# Long context on a CPU ({today})", "", f"`{command}`; {report['params']:,} "
+             f"params, fp32, batch 1, checkpoints on the {report.get('checkpoints', 'device')}.", "",
+             "| seq | MLP tile | peak RSS growth GiB | planner's buffers GiB | error | layer working set GiB "
+             "| step s | tok/s | TFLOP/s w/o attention | TFLOP/s with attention |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['seq']} | {r['plan']['mlp_tile_tokens'] or '-'} | {r['peak_rss_growth_bytes'] / 2**30:.3f} | "
+                     f"{r['listed_bytes'] / 2**30:.3f} | {r['memory_error']:+.1%} | "
+                     f"{r['layer_working_set_bytes'] / 2**30:.3f} | {r['step_seconds']:.1f} | "
+                     f"{r['tokens_per_second']:.0f} | {r['model_tflops']:.4f} | {r['model_tflops_with_attention']:.4f} |")
+    if len(rows) >= 2:
+        a, b = rows[0], rows[-1]
+        measured = (b["peak_rss_growth_bytes"] - a["peak_rss_growth_bytes"]) / (b["seq"] - a["seq"])
+        planned = (b["listed_bytes"] - a["listed_bytes"]) / (b["seq"] - a["seq"])
+        offset = [r["peak_rss_growth_bytes"] - r["listed_bytes"] for r in rows]
+        lines += ["", f"Memory per added token from {a['seq']} to {b['seq']} tokens: measured {measured:.0f} B, "
+                  f"planner {planned:.0f} B ({planned / measured - 1:+.1%}); linear, not quadratic, in length. "
+                  f"Measured minus planned at each length: {', '.join(f'{o / 2**20:.0f}' for o in offset)} MiB "
+                  "(a constant: the process's own transients, which the planner's fitted temporaries term covers "
+                  "after megatrain-plan calibrate)."]
+    lines += ["", "Peak RSS growth: the process's peak resident set over its baseline before the engine; "
+              "planner's buffers: every buffer memory_model lists for the plan (device ones are host memory on a "
+              "CPU), without its fixed process terms."]
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"plot: {plot(rows, stem + '.png')}", file=sys.stderr)
+    return 0
+
+
+def plot(rows: list[dict[str, object]], path: str) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "none (matplotlib not installed)"
+    fig, ax = plt.subplots(figsize=(6, 4))
+    seqs = [r["seq"] for r in rows]
+    ax.plot(seqs, [r["peak_rss_growth_bytes"] / 2**30 for r in rows], "o-", label="peak RSS growth (measured)")
+    ax.plot(seqs, [r["listed_bytes"] / 2**30 for r in rows], "s--", label="planner's buffers")
+    ax.set_xlabel("tokens per sequence")
+    ax.set_ylabel("GiB")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The NVMe tier at scale: how large a Llama-shaped model trains here with spill, and how fast.
+
+    flock /tmp/megatrain-bigmem.lock python benchmarks/spill_scale.py --dir /work/spill --model 1b,3b --steps 2
+
+For each model (Llama-3.2-1B and -3B shapes, vocab 128256, fp32 on a CPU) and each spill choice it runs
+one subprocess (its RSS its own): builds the Engine with ``spill="all"`` (or the ``--spill`` given),
+records resident bytes after init and the peak, bytes on disk, the disk bytes read and written per step
+(``/proc/self/io`` rchar / wchar), and times ``--steps`` steps with ``last_step_breakdown``. Beside it: the
+planner's memory prediction for the same plan, and the step against max(compute, disk bytes / measured
+disk bandwidth). Writes ``benchmarks/results/<date>_cpu_spill_scale.{json,md}``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+LLAMA = dict(vocab_size=128256, num_attention_heads=32, rope_theta=500000.0)
+MODELS = {
+    # Llama-3.2-1B: 1.24B parameters; -3B: 3.21B (24 heads, 8 KV heads, head_dim 128); both tied.
+    "1b": dict(LLAMA, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_key_value_heads=8,
+               tie_word_embeddings=True),
+    "3b": dict(LLAMA, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8, tie_word_embeddings=True),
+}
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _io() -> tuple[int, int]:
+    with open("/proc/self/io") as f:
+        d = dict(line.split(": ") for line in f.read().splitlines())
+    return int(d["rchar"]), int(d["wchar"])
+
+
+def child(args) -> dict:
+    from megatrain.planner import memory_model, model_shapes
+    from megatrain.planner.profiler import detect
+    from megatrain.planner.workload import Workload
+    from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
+
+    cfg = MODELS[args.model]
+    plan = Plan(spill=args.spill, spill_dir=args.dir if args.spill != "none" else None,
+                spill_staging=args.staging, spill_chunk_bytes=args.chunk_mib * 2**20)
+    shape = model_shapes.from_config({"model_type": "llama", **cfg})
+    work = Workload(seq_len=args.seq, batch=args.batch, compute_dtype="fp32", clipping=True)
+    est = memory_model.estimate(shape, work, plan, detect())
+    rss0 = _rss()
+    t0 = time.perf_counter()
+    engine = Engine(ModelConfig(**cfg), OptimizerConfig(lr=1e-4, max_grad_norm=1.0), plan=plan,
+                    compute_dtype=torch.float32, device="cpu", seed=0)
+    init_s = time.perf_counter() - t0
+    rss_init = _rss()
+    print(f"  init {init_s:.1f} s, RSS {rss_init / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+    gen = torch.Generator().manual_seed(0)
+    steps = []
+    # Steps back to back, as a training loop runs them (the deferred updates and writes behind of one step
+    # overlap the next): a step's wall time and disk bytes are from one step's return to the next's, so
+    # from the second step on they are the steady state's.
+    r0, w0 = _io()
+    t = time.perf_counter()
+    for i in range(args.steps):
+        ids = torch.randint(0, cfg["vocab_size"], (args.batch, args.seq), generator=gen)
+        engine.time_next_step()
+        loss = engine.step(ids, ids).item()
+        now = time.perf_counter()
+        wall, t = now - t, now
+        r1, w1 = _io()
+        bd = engine.last_step_breakdown or {}
+        steps.append({"wall_s": wall, "loss": loss, "read_bytes": r1 - r0, "written_bytes": w1 - w0, **bd})
+        r0, w0 = r1, w1
+        print(f"  step {i + 1}/{args.steps}: {wall:.1f} s, loss {loss:.4f}, read {steps[-1]['read_bytes'] / 1e9:.1f} GB, "
+              f"written {steps[-1]['written_bytes'] / 1e9:.1f} GB", file=sys.stderr, flush=True)
+    engine.synchronize()
+    out = {"model": args.model, "params": engine.num_parameters, "spill": args.spill, "seq": args.seq,
+           "batch": args.batch, "staging": args.staging, "chunk_mib": args.chunk_mib, "init_s": init_s,
+           "rss_before_engine_bytes": rss0, "rss_after_init_bytes": rss_init, "nvme_bytes": engine.store.nvme_bytes,
+           "store_host_bytes": engine.store.nbytes, "steps": steps,
+           "predicted_host_bytes": est.host_bytes + est.device_bytes, "predicted_nvme_bytes": est.nvme_bytes}
+    engine.close()
+    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+def markdown(rows: list[dict], info: dict) -> str:
+    lines = [f"# Spill at scale ({info['date']}, {info['machine']['cores']} cores, "
+             f"{info['machine']['host_ram_gib']} GiB RAM, fp32 on the CPU)", "",
+             "| model | params | spill | RSS after init | peak RSS | planner host | bytes/param resident | "
+             "NVMe | bytes/param on disk | step | read / written per step | disk time | compute | "
+             "step / max(compute, disk) | disk busy / exposed |", "|" + "---|" * 15]
+    for r in rows:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['model']} | | {r['spill']} | {r.get('status')} |" + " |" * 11)
+            continue
+        s = r["steps"][-1]
+        disk = s["read_bytes"] / (info["read_gbps"] * 1e9) + s["written_bytes"] / (info["write_gbps"] * 1e9)
+        comp = s.get("compute_s", float("nan"))
+        lines.append(
+            f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['spill']} | {r['rss_after_init_bytes'] / 2**30:.2f} GiB | "
+            f"{r['peak_rss_bytes'] / 2**30:.2f} GiB | {r['predicted_host_bytes'] / 2**30:.2f} GiB | "
+            f"{r['peak_rss_bytes'] / r['params']:.2f} | {r['nvme_bytes'] / 1e9:.1f} GB | "
+            f"{r['nvme_bytes'] / r['params']:.1f} | {s['wall_s']:.1f} s | {s['read_bytes'] / 1e9:.1f} / "
+            f"{s['written_bytes'] / 1e9:.1f} GB | {disk:.1f} s | {comp:.1f} s | {s['wall_s'] / max(comp, disk):.2f}x | "
+            f"{s.get('disk_busy_s', float('nan')):.1f} / {s.get('disk_exposed_s', float('nan')):.1f} s |")
+    lines += ["", f"disk bandwidth used for 'disk time': read {info['read_gbps']} GB/s, write {info['write_gbps']} GB/s "
+              "(megatrain-plan profile's figures for this disk, or --read-gbps / --write-gbps).", ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="1b", help="comma-separated: " + ", ".join(MODELS))
+    p.add_argument("--spill", default="all", choices=["none", "optimizer", "all"])
+    p.add_argument("--dir", required=False, default=None, help="spill directory (on the disk to measure)")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--staging", type=int, default=3)
+    p.add_argument("--chunk-mib", type=int, default=64)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--read-gbps", type=float, default=None)
+    p.add_argument("--write-gbps", type=float, default=None)
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return 0
+    if args.spill != "none" and not args.dir:
+        p.error("--dir names the spill directory (a local disk with room for the spill files)")
+    from megatrain.planner.profiler import detect
+
+    hw = detect()
+    info = {"date": datetime.date.today().isoformat(),
+            "machine": {"platform": platform.platform(), "cores": os.cpu_count(), "torch": torch.__version__,
+                        "host_ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+                        "disk_free_gb": round(shutil.disk_usage(args.dir or ".").free / 1e9, 1)},
+            "read_gbps": args.read_gbps or hw.disk_read_gbps or 1.0,
+            "write_gbps": args.write_gbps or hw.disk_write_gbps or 1.0}
+    rows = []
+    for model in args.model.split(","):
+        print(f"{model}, spill={args.spill}:", file=sys.stderr, flush=True)
+        cmd = [sys.executable, __file__, "--child", "--model", model, "--spill", args.spill, "--seq", str(args.seq),
+               "--batch", str(args.batch), "--staging", str(args.staging), "--chunk-mib", str(args.chunk_mib),
+               "--steps", str(args.steps)] + (["--dir", args.dir] if args.dir else [])
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        if proc.returncode == 0:
+            rows.append({"status": "ok", **json.loads(proc.stdout.strip().splitlines()[-1])})
+        else:
+            rows.append({"model": model, "spill": args.spill, "status": f"failed (exit {proc.returncode})"})
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"{info['date']}_cpu_spill_scale_{args.spill}")
+    with open(stem + ".json", "w") as f:
+        json.dump({**info, "rows": rows}, f, indent=2)
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(rows, info))
+    print(markdown(rows, info))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

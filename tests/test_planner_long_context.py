@@ -1,0 +1,46 @@
+"""The planner at long context: MLP tiles in the layer working set (by hand), the 8B shape at 512k tokens."""
+from __future__ import annotations
+
+import pytest
+
+from megatrain.planner import hardware, memory_model, model_shapes, search
+from megatrain.planner.plan import Plan, PlanError
+from megatrain.planner.search import InfeasibleError
+from megatrain.planner.workload import Workload
+
+
+def test_tiled_layer_working_set_by_hand() -> None:
+    m = model_shapes.resolve("Llama-3.1-8B")
+    work = Workload(seq_len=524288, batch=1, compute_dtype="bf16", clipping=True)
+    untiled, _ = memory_model.layer_working_set(m, work, Plan())
+    tiled, formula = memory_model.layer_working_set(m, work, Plan(mlp_tile_tokens=4096))
+    mlp = 7 * 14336 * 2  # gate, up, act, product saved + 3 transient grads, bf16
+    assert m.mlp_working_bytes_per_token("bf16") == mlp
+    # The MLP's share goes from S tokens to one tile; dh (S x h x 2) joins.
+    assert untiled - tiled == (524288 - 4096) * mlp - 524288 * 4096 * 2
+    assert "u x m" in formula
+    same, _ = memory_model.layer_working_set(m, work.__class__(4096, 1, "bf16", True), Plan(mlp_tile_tokens=4096))
+    assert same == memory_model.layer_working_set(m, work.__class__(4096, 1, "bf16", True), Plan())[0]
+
+
+def test_tiles_chosen_above_4096_tokens() -> None:
+    assert search.mlp_tile_tokens(4096) is None and search.mlp_tile_tokens(4097) == 4096
+    with pytest.raises(PlanError, match="mlp_tile_tokens"):
+        Plan(mlp_tile_tokens=0)
+
+
+def test_8b_at_512k_fits_an_h200_and_not_an_h100() -> None:
+    m = model_shapes.resolve("Llama-3.1-8B")
+    work = Workload(seq_len=524288, batch=1, compute_dtype="bf16", clipping=True)
+    best = search.search(m, work, hardware.resolve("H200", "server-2t")).require()
+    assert best.plan.mlp_tile_tokens == 4096 and best.plan.checkpoints == "host"
+    names = {c.name for c in best.memory.components}
+    assert {"layer working set", "checkpoint staging", "activation checkpoints", "logits chunk"} <= names
+    assert best.cost is not None and best.cost.step_seconds > 0
+    h100 = hardware.resolve("H100-SXM", "server-2t")
+    with pytest.raises(InfeasibleError, match="gpu memory"):
+        search.search(m, work, h100).require()
+    longest = search.longest_context(m, h100)
+    assert 262144 < longest < 524288 and longest % 1024 == 0
+    assert search.fits(m, Workload(longest, 1, "bf16", True), h100)
+    assert not search.fits(m, Workload(longest + 1024, 1, "bf16", True), h100)
