@@ -159,8 +159,9 @@ class Engine:
         """
         self._check_open()
         batch = self._batch(input_ids, labels, position_ids)
-        if self.plan.workload is not None:
-            self.plan.workload.check_batch(*input_ids.shape)
+        if self.plan.workload is not None:  # a rank's plan is for its share; evaluation takes the whole batch
+            ranks = 1 if self.topology is None else self.topology.world_size
+            self.plan.workload.check_batch(-(-input_ids.shape[0] // ranks), input_ids.shape[1])
         self._report_skipped()
         return self.executor.evaluate(batch)
 

@@ -9,9 +9,10 @@
 Writes OUT/metrics.jsonl (one line per step, with the held-out loss after each evaluation), OUT/summary.json,
 OUT/checkpoints/, OUT/training.png (with matplotlib), OUT/trace.json (--trace) and, with --export-on-finish DIR,
 a Hugging Face directory DIR at the end. The data order is tools/data_order.py's, evaluation tools/evaluation.py's,
-the steps tools/training_loop.py's. OUT must be new or empty (--overwrite replaces an earlier run's files; --resume continues it, in its own directory); see tools/run_dir.py. Ctrl-C saves
-a checkpoint and exits with status 130 (also during start-up, with nothing written yet); a second
-Ctrl-C exits at once. A bad option or input: one line on stderr, status 2, before anything is written.
+the steps tools/training_loop.py's. OUT must be new or empty (--overwrite replaces an earlier run's files;
+--resume continues it, in its own directory); see tools/run_dir.py. Ctrl-C saves a checkpoint and exits with
+status 130 (also during start-up, with nothing written yet); a second Ctrl-C exits at once. A bad option or
+input: one line on stderr, status 2, before anything is written.
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ from .interrupt import EXIT_INTERRUPTED, INTERRUPTED_AT_START, start_up
 with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) == "megatrain-train"):
     import torch
 
-    from megatrain.planner import model_shapes, search
-    from megatrain.planner.hardware import HardwareError
+    from megatrain.planner import data_parallel, model_shapes, search
+    from megatrain.planner.hardware import HardwareError, HardwareProfile
     from megatrain.planner.plan import Plan, PlanError
     from megatrain.planner.profiler import this_machine
     from megatrain.planner.workload import Workload, WorkloadError
@@ -366,7 +367,8 @@ class Run:
                               f"profile --spill-dir {spill_root} measures it)")
         work = Workload(c.seq_len, c.batch, compute_dtype=dtype_name(dtype), clipping=c.max_grad_norm > 0,
                         spill=c.spill, spill_dir=spill_root, spill_free_bytes=_free_bytes_under(spill_root))
-        plan = search.search(model_shapes.from_config(model.to_dict()), work, hw).require().plan
+        shape = model_shapes.from_config(model.to_dict())
+        plan = search.search(shape, work, hw, self._planner_ranks(hw)).require().plan
         if c.spill != "auto" and plan.spill != c.spill:  # a profile the search could not time the forced spill with
             plan = plan.replace(spill=c.spill)
         plan = plan.replace(spill_dir=None if plan.spill == "none" else spill_root)
@@ -374,6 +376,14 @@ class Run:
                                  f"{plan.num_slots} slots, checkpoints on {plan.checkpoints}, "
                                  f"{plan.optimizer_mode} optimizer")
         return self._placed(plan)
+
+    def _planner_ranks(self, hw: HardwareProfile) -> data_parallel.Topology | None:
+        """Under torchrun: the ranks as the planner sees them (one rank's plan, the node's RAM shared by its
+        ranks); None for one process."""
+        topology = self.ranks.topology
+        if topology is None or topology.world_size == 1:
+            return None
+        return data_parallel.topology(hw, topology.local_world_size, topology.world_size // topology.local_world_size)
 
     def _placed(self, plan: Plan) -> Plan:
         if plan.spill != "none":
