@@ -103,7 +103,7 @@ def test_eager_plan_refuses_clipping():
     (dict(vocab_size=0), ["vocab_size=0"]),
     (dict(head_dim=5), ["head_dim=5", "even"]),
     (dict(model_type="gpt2"), ["model_type='gpt2'", "llama"]),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ["'yarn'", "llama3"]),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 4.0}), ["'longrope'", "yarn"]),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), ["low_freq_factor"]),
 ])
 def test_bad_model_configs(kwargs, words):
