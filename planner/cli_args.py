@@ -23,7 +23,9 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:  # one line on stderr, status 2, no usage dump
-        self.exit(2, f"{PROG}: error: {message} (see {PROG} --help)\n")
+        # argparse quotes the user's words as given: control characters (a '\r' value) are escaped, never printed.
+        line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+        self.exit(2, f"{PROG}: error: {line} (see {PROG} --help)\n")
 
 
 def parse_size(text: str, what: str) -> int:
