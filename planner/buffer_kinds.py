@@ -1,13 +1,16 @@
 """The host buffer kinds of a model's fp32 state, which of them a plan spills, and the spill files' alignment.
 
 One definition for both sides: the planner's memory model sizes what the runtime's host store
-allocates, so both ask ``spilled_kinds`` which kinds live in spill files instead of RAM.
+allocates, so both ask ``placement`` which blocks of which kinds live in spill files instead of RAM.
 
 Pure stdlib: the runtime imports it, and it imports nothing of the runtime.
 """
 from __future__ import annotations
 
 import enum
+from typing import Mapping
+
+from .plan import Plan
 
 
 class BufferKind(enum.StrEnum):
@@ -22,17 +25,29 @@ class BufferKind(enum.StrEnum):
 # The kinds a checkpoint saves and an optimizer update rewrites: the training state proper.
 STATE_KINDS = (BufferKind.MASTER, BufferKind.EXP_AVG, BufferKind.EXP_AVG_SQ)
 
-_SPILLED = {"none": (), "optimizer": (BufferKind.EXP_AVG, BufferKind.EXP_AVG_SQ),
-            "all": (BufferKind.MASTER, BufferKind.EXP_AVG, BufferKind.EXP_AVG_SQ, BufferKind.GRADS)}
+# Per kind, the blocks (runtime block indices) whose state lives in a spill file; a kind absent: all in RAM.
+Placement = Mapping[BufferKind, frozenset[int]]
 
 # Bytes: a spill file holds each block at an offset and length that are multiples of this (O_DIRECT).
 SPILL_ALIGN = 4096
 
 
-def spilled_kinds(spill: str, deferred: bool) -> tuple[BufferKind, ...]:
-    """The kinds a plan with ``spill`` ("none", "optimizer", "all") keeps in spill files. Eager mode
-    (``deferred`` False) passes its gradients through RAM slabs, never through a file."""
-    return tuple(k for k in _SPILLED[spill] if k is not BufferKind.GRADS or deferred)
+def placement(plan: Plan, num_blocks: int) -> dict[BufferKind, frozenset[int]]:
+    """Per kind, the blocks of a model of ``num_blocks`` blocks that ``plan`` keeps in spill files (only the kinds
+    with at least one): ``Plan.spill_placement``. Eager mode passes its gradients through RAM slabs, never
+    through a file, so it spills no gradient whatever the plan says."""
+    deferred = plan.optimizer_mode == "deferred"
+    out = {}
+    for name, blocks in plan.spill_placement(num_blocks).items():
+        kind = BufferKind(name)
+        if blocks and (kind is not BufferKind.GRADS or deferred):
+            out[kind] = frozenset(blocks)
+    return out
+
+
+def spilled_kinds(spilled: Placement) -> tuple[BufferKind, ...]:
+    """The kinds with at least one block in a spill file, in ``BufferKind`` order."""
+    return tuple(k for k in BufferKind if spilled.get(k))
 
 
 def spill_block_bytes(numel: int) -> int:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from . import memory_model
+from . import spill_placement
+from .buffer_kinds import BufferKind
 from .hardware import HardwareProfile
 from .model_shapes import ModelShape
 from .plan import Plan
@@ -133,15 +134,15 @@ def _copy_s(nbytes: float, gbps: float) -> float:
 def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile) -> CostEstimate:
     """The step's time, phase by phase: rates, the block visits of forward and backward, AdamW, the replay."""
     batch = _Batch.of(work, plan)
-    rates = _with_disk_loads(_Rates.of(model, work, batch, hw), work, plan, hw)
-    adam = _AdamTime(work, plan, hw)
+    rates = _with_disk_loads(_Rates.of(model, work, batch, hw), model, work, plan, hw)
+    adam = _AdamTime(model, work, plan, hw)
     slabs = _HostSlabs(plan)
     steps = _forward_steps(model, work, plan, batch, rates, adam, slabs)
     n_fwd = len(steps)
     steps += _backward_steps(model, work, plan, batch, rates, adam, slabs)
     if plan.optimizer_mode != "eager" and not hw.device_is_host:
         _gate_loads_on_deferred_adam(model, steps, adam)
-    total_adam = adam(model.numel_total)
+    total_adam = adam.total()
     fwd_end, step, exposed = _step_time(steps, n_fwd, plan, hw, total_adam)
     eager = plan.optimizer_mode == "eager"
     fwd = PhaseTime(fwd_end, *_busy(steps[:n_fwd]),
@@ -220,11 +221,11 @@ class _Rates:
 
 
 class _AdamTime:
-    """Seconds of CPU AdamW for ``numel`` parameters, spill traffic included."""
+    """Seconds of CPU AdamW per block, spill traffic included."""
 
-    def __init__(self, work: Workload, plan: Plan, hw: HardwareProfile) -> None:
+    def __init__(self, model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile) -> None:
         cal = hw.fitted(work.compute_dtype)
-        self.spilled = memory_model.spilled_kinds(plan)
+        self.spilled = spill_placement.Spilled.of(model, plan)
         # Seconds per parameter: AdamW, then the shadow pass where there is one (measured, or the factor).
         per_param = 1.0 / hw.cpu_adam_params_per_s
         if cal is not None:
@@ -234,21 +235,26 @@ class _AdamTime:
             per_param = (per_param + 1.0 / hw.cpu_shadow_params_per_s if hw.cpu_shadow_params_per_s > 0
                          else per_param * ADAM_SHADOW_FACTOR)
         self.per_param = per_param
-        self.reads = len(self.spilled)    # fp32 kinds read back per block update
-        self.writes = len(self.spilled)   # master/m/v behind AdamW; grads in backward
-        if self.spilled and (hw.disk_read_gbps <= 0 or hw.disk_write_gbps <= 0):
+        if self.spilled.kinds and (hw.disk_read_gbps <= 0 or hw.disk_write_gbps <= 0):
             raise ValueError("a spill plan needs the disk's read and write GB/s in the hardware profile "
                              "(megatrain-plan profile --spill-dir DIR, or --nvme GBPS)")
         self.read_gbps, self.write_gbps = hw.disk_read_gbps, hw.disk_write_gbps
 
-    def __call__(self, numel: int) -> float:
-        # t = numel x (1 / AdamW params/s + 1 / shadow params/s); with spill the disk runs beside it (reads
-        # ahead, writes behind): t = max(that, numel x 4 x (reads / read GB/s + writes / write GB/s) / 1e9).
+    def block(self, b: int) -> float:
+        """Block b's update: t = numel x (1 / AdamW params/s + 1 / shadow params/s); with k_b of its kinds
+        spilled the disk runs beside it (reads ahead, writes behind; a spilled kind is read once and written
+        once: master, m and v by AdamW, grads in backward): t = max(that, numel x 4 x k_b x (1 / read GB/s +
+        1 / write GB/s) / 1e9)."""
+        numel = self.spilled.numels[b]
         compute = numel * self.per_param
-        if not self.spilled:
+        k = self.spilled.block_kinds(b)
+        if not k:
             return compute
-        disk = numel * 4 * (self.reads / self.read_gbps + self.writes / self.write_gbps) / 1e9
-        return max(compute, disk)
+        return max(compute, numel * 4 * k * (1 / self.read_gbps + 1 / self.write_gbps) / 1e9)
+
+    def total(self) -> float:
+        """Every block's update, one after another: the sum of ``block``."""
+        return sum(self.block(b) for b in range(len(self.spilled.numels)))
 
 
 class _HostSlabs:
@@ -295,7 +301,7 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: _Batch,
     head_untied = not model.tie_word_embeddings
     head_d2h = _copy_s(H * 4, d2h) if head_untied else 0.0
     steps.append(_Step(_copy_s(head_load, h2d), head_comp, head_d2h,
-                       adam_s=adam(H) if slabs.eager and head_untied else 0.0,
+                       adam_s=adam.block(model.num_layers + 1) if slabs.eager and head_untied else 0.0,
                        wait_adam_of=slabs.take(len(steps)) if head_untied else None))
     return steps
 
@@ -310,7 +316,7 @@ def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: _Batch
     h2d, d2h = rates.h2d_gbps * rates.duplex_scale, rates.d2h_gbps * rates.duplex_scale
     steps: list[_Step] = []
     grad_users: list[int] = []
-    for _ in range(model.num_layers):
+    for layer in reversed(range(model.num_layers)):
         # load = layer x c (+ its checkpoint T x h x c when on the host); compute = (recompute + bwd)
         # = T x (flops_fwd + flops_bwd)(seq) / rate + M x launch; drain = layer x 4 (fp32 grads).
         load = _copy_s(Lw * c + ckpt_bytes, h2d)
@@ -320,13 +326,13 @@ def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: _Batch
         index = first + len(steps)
         grad_users.append(index)
         steps.append(_Step(load, comp, _copy_s(Lw * 4, d2h), wait_d2h_of=wait, backward=True,
-                           adam_s=adam(Lw) if slabs.eager else 0.0, wait_adam_of=slabs.take(index)))
+                           adam_s=adam.block(1 + layer) if slabs.eager else 0.0, wait_adam_of=slabs.take(index)))
     # Embedding backward: no weights; scatter-add dy (launches only); drain E x 4.
     wait = grad_users[-G] if len(grad_users) >= G else None
-    # Tied: the head's part of the shared weight's gradient joins it here (adds H for the norm).
-    E = model.numel_embedding + (model.numel_head if model.tie_word_embeddings else 0)
+    # Tied: the head's update (its norm) is queued here too, with the shared weight's.
+    adam_e = adam.block(0) + (adam.block(model.num_layers + 1) if model.tie_word_embeddings else 0.0)
     steps.append(_Step(0.0, M * rates.launch_bwd_s, _copy_s(model.numel_embedding * 4, d2h), wait_d2h_of=wait,
-                       backward=True, adam_s=adam(E) if slabs.eager else 0.0,
+                       backward=True, adam_s=adam_e if slabs.eager else 0.0,
                        wait_adam_of=slabs.take(first + len(steps))))
     return steps
 
@@ -335,9 +341,8 @@ def _gate_loads_on_deferred_adam(model: ModelShape, steps: list[_Step], adam: _A
     """Deferred mode: AdamW runs in forward order after the previous backward (t = 0 here), one block after
     another; the next forward's load of block i waits for adam_done(i) = sum_{j<=i} adam(j)."""
     done = 0.0
-    fwd_numel = [model.numel_embedding] + [model.numel_layer] * model.num_layers + [model.numel_head]
-    for i, numel in enumerate(fwd_numel):
-        done += adam(numel)
+    for i in range(model.num_layers + 2):
+        done += adam.block(i)
         steps[i].earliest_load = done
 
 
@@ -379,24 +384,30 @@ def traffic(model: ModelShape, work: Workload, plan: Plan) -> tuple[float, float
 
 
 def disk_traffic(model: ModelShape, work: Workload, plan: Plan) -> tuple[float, float]:
-    """Bytes one step reads from and writes to the spill files: every spilled kind read once by AdamW and
-    written once (F = one kind's file, 4 KiB-rounded blocks: F x kinds each way), plus, in fp32 with the
-    master spilled, the loads' reads of it (the h2d weight bytes: E + 2 x L x layer + H (+ E tied), x 4)."""
-    spilled = memory_model.spilled_kinds(plan)
-    F = model.spill_file_bytes
-    read = write = float(F * len(spilled))
-    if work.compute_bytes == 4 and "master" in spilled:
-        E, Lw, H, L = model.numel_embedding, model.numel_layer, model.numel_head, model.num_layers
-        read += (E + 2 * L * Lw + H + (E if model.tie_word_embeddings else 0)) * 4
+    """Bytes one step reads from and writes to the spill files: every spilled (block, kind) read once and
+    written once (F_k: kind k's file, its spilled blocks rounded up to 4 KiB; sum of F_k each way), plus, in
+    fp32, the loads' reads of the blocks whose master spills (each block's h2d weight bytes x 4: the
+    embedding twice when tied, each layer twice (forward and backward), the head once)."""
+    spilled = spill_placement.Spilled.of(model, plan)
+    read = write = float(sum(spilled.file_bytes(k) for k in spilled.kinds))
+    if work.compute_bytes == 4:
+        loads = [2 if model.tie_word_embeddings else 1] + [2] * model.num_layers + [1]
+        read += sum(loads[b] * spilled.numels[b] * 4 for b in spilled.blocks.get(BufferKind.MASTER, ()))
     return read, write
 
 
-def _with_disk_loads(rates: "_Rates", work: Workload, plan: Plan, hw: HardwareProfile) -> "_Rates":
-    """In fp32 with the master spilled a load reads the block from its spill file: loads run at
-    min(H2D, disk read) GB/s."""
-    if work.compute_bytes != 4 or "master" not in memory_model.spilled_kinds(plan) or hw.disk_read_gbps <= 0:
+def _with_disk_loads(rates: "_Rates", model: ModelShape, work: Workload, plan: Plan,
+                     hw: HardwareProfile) -> "_Rates":
+    """In fp32 a block whose master spills is loaded from its spill file: with every block's master spilled,
+    loads run at min(H2D, disk read) GB/s; with some, at the harmonic mix by bytes:
+    1 / rate = (1 - s) / H2D + s / min(H2D, disk read), s the spilled share of the master's elements."""
+    spilled = spill_placement.Spilled.of(model, plan)
+    Ns = spilled.numel(BufferKind.MASTER)
+    if work.compute_bytes != 4 or not Ns or hw.disk_read_gbps <= 0:
         return rates
-    return dataclasses.replace(rates, h2d_gbps=min(rates.h2d_gbps, hw.disk_read_gbps))
+    share = Ns / model.numel_total
+    slow = min(rates.h2d_gbps, hw.disk_read_gbps)
+    return dataclasses.replace(rates, h2d_gbps=1.0 / ((1 - share) / rates.h2d_gbps + share / slow))
 
 
 def overhead_units(model: ModelShape, work: Workload, plan: Plan) -> float:

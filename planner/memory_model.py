@@ -11,7 +11,9 @@ totals are plain sums. Symbols used in the formulas:
   c   compute dtype bytes (2 for bf16/fp16, 4 for fp32)
   K   plan.num_slots; G plan.device_grad_buffers; S plan.host_grad_slabs
   P   plan.spill_staging; Ck elements of one spill chunk: min(plan.spill_chunk_bytes, Bmax rounded up to
-      4 KiB) / 4 (buffer_kinds.spill_chunk_numel); k the number of spilled kinds
+      4 KiB) / 4 (buffer_kinds.spill_chunk_numel); k the number of kinds with a block on disk
+  Ns_k elements of kind k whose blocks the plan spills (spill_placement.Spilled: every block for a
+      shorthand's kinds); F_k its spill file: sum over those blocks of (block x 4 rounded up to 4 KiB)
 
 Pure stdlib.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import buffer_kinds
+from . import buffer_kinds, spill_placement
 from .buffer_kinds import BufferKind, spill_chunk_numel
 from .hardware import GiB, HardwareProfile
 from .model_shapes import ModelShape
@@ -151,14 +153,10 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
         dev("CUDA context", CUDA_CONTEXT_BYTES, "constant, fitted from runs")
 
     # ---- host (and spill files) --------------------------------------------------------------
-    spilled = spilled_kinds(plan)
-    F = model.spill_file_bytes  # one fp32 kind in a spill file: each block rounded up to 4 KiB
+    spilled = spill_placement.Spilled.of(model, plan)
     for kind, label in ((BufferKind.MASTER, "fp32 master"), (BufferKind.EXP_AVG, "Adam m"),
                         (BufferKind.EXP_AVG_SQ, "Adam v")):
-        if kind in spilled:
-            comps.append(Component(f"{label} (spill file)", "nvme", F, f"sum over blocks of 4 KiB-rounded block x 4 = {F}"))
-        else:
-            host(label, 4 * N, f"4 x N = 4 x {N}")
+        state_terms(kind, label, N, spilled, host, comps)
     host_spill_terms(model, plan, c, spilled, host, comps)
     if plan.checkpoints == "host":
         host("activation checkpoints", L * T * h * c, f"L x T x h x c = {L} x {T} x {h} x {c}")
@@ -174,31 +172,43 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
         host("temporaries", cal.temporaries(transient),
              f"fitted: a + b x (working set + logits chunk) = {cal.temporaries_bytes} + "
              f"{cal.temporaries_factor:.3f} x {transient}", pinned=False)
-    if not spilled:
+    if not spilled.kinds:
         comps.append(Component("spill files", "nvme", 0, "0: nothing spills in this plan"))
     return MemoryEstimate(tuple(comps))
 
 
-def host_spill_terms(model: ModelShape, plan: Plan, c: int, spilled: tuple[BufferKind, ...],
+def state_terms(kind: BufferKind, label: str, N: int, spilled: "spill_placement.Spilled", host,
+                comps: list[Component], file_label: str | None = None) -> None:
+    """One fp32 kind's RAM arena and spill file: 4 x (N - Ns_k) bytes of RAM for the blocks in RAM (none when
+    every block spills) and F_k bytes on disk for the others (none when nothing of the kind spills)."""
+    Ns, F = spilled.numel(kind), spilled.file_bytes(kind)
+    if Ns < N:
+        host(label, 4 * (N - Ns), f"4 x N = 4 x {N}" if not Ns else f"4 x (N - Ns) = 4 x ({N} - {Ns})")
+    if Ns:
+        comps.append(Component(file_label or f"{label} (spill file)", "nvme", F,
+                               f"sum over its spilled blocks of 4 KiB-rounded block x 4 = {F}"))
+
+
+def host_spill_terms(model: ModelShape, plan: Plan, c: int, spilled: "spill_placement.Spilled",
                      host, comps: list[Component]) -> None:
     """The shadow, the gradients and the spill buffers in host RAM (and the grads spill file). Every spill
     buffer is bounded by one chunk (Ck), never by the largest block: spilling needs less RAM than not."""
     N, Bmax = model.numel_total, model.numel_largest_block
-    F = model.spill_file_bytes
     if c != 4:  # in fp32 the master is the weights that travel; with the master spilled, read from its file
         host("compute-dtype shadow", c * N, f"c x N = {c} x {N}")
     Ck = spill_chunk_numel(Bmax, plan.spill_chunk_bytes)
-    if plan.optimizer_mode == "deferred" and BufferKind.GRADS in spilled:
-        comps.append(Component("fp32 grads (spill file)", "nvme", F, f"sum over blocks of 4 KiB-rounded block x 4 = {F}"))
+    if plan.optimizer_mode == "deferred" and BufferKind.GRADS in spilled.kinds:
+        state_terms(BufferKind.GRADS, "fp32 grads (full arena)", N, spilled, host, comps, "fp32 grads (spill file)")
         host("fp32 grad slabs", plan.host_grad_slabs * Ck * 4,
              f"S x Ck x 4 = {plan.host_grad_slabs} x {Ck} x 4")
     elif plan.optimizer_mode == "deferred":
         host("fp32 grads (full arena)", 4 * N, f"4 x N = 4 x {N}")
     else:
         host("fp32 grad slabs", plan.host_grad_slabs * Bmax * 4, f"S x Bmax x 4 = {plan.host_grad_slabs} x {Bmax} x 4")
-    if spilled:
+    if spilled.kinds:
+        k = len(spilled.kinds)
         P = plan.spill_staging
-        host("spill staging", P * len(spilled) * Ck * 4, f"P x k x Ck x 4 = {P} x {len(spilled)} x {Ck} x 4",
+        host("spill staging", P * k * Ck * 4, f"P x k x Ck x 4 = {P} x {k} x {Ck} x 4",
              pinned=False)
 
 
@@ -245,7 +255,10 @@ def listed_host_bytes(est: MemoryEstimate, device_is_host: bool) -> int:
 # Components that are not buffers of the runtime: constants or fitted from runs.
 FIXED_TERMS = ("process", "temporaries", "CUDA context", "allocator slack")
 
-def spilled_kinds(plan: Plan) -> tuple[BufferKind, ...]:
-    """The fp32 kinds a plan keeps in spill files: the rule the runtime's host store follows
-    (``buffer_kinds.spilled_kinds``)."""
-    return buffer_kinds.spilled_kinds(plan.spill, plan.optimizer_mode == "deferred")
+def spilled_kinds(plan: Plan, model: ModelShape | None = None) -> tuple[BufferKind, ...]:
+    """The fp32 kinds of which a plan keeps at least one block in spill files: the rule the runtime's host store
+    follows (``buffer_kinds.placement``). A shorthand plan ("none", "optimizer", "all") needs no model."""
+    if model is not None:
+        return spill_placement.Spilled.of(model, plan).kinds
+    assert plan.spill != "blocks", "a per-block placement needs the model"
+    return buffer_kinds.spilled_kinds(buffer_kinds.placement(plan, 1))

@@ -22,7 +22,12 @@ PLAN_VERSION = 1
 
 CHECKPOINT_PLACEMENTS = ("device", "host")
 OPTIMIZER_MODES = ("eager", "deferred")
-SPILL_CHOICES = ("none", "optimizer", "all")
+# "blocks": per kind, the blocks ``Plan.spill_blocks`` names; the others are shorthands for every block of their
+# kinds ("optimizer": m and v; "all": master, m, v and grads).
+SPILL_CHOICES = ("none", "optimizer", "all", "blocks")
+# The fp32 kinds a plan may keep in spill files (buffer_kinds.BufferKind's values), and each shorthand's.
+SPILL_KINDS = ("master", "exp_avg", "exp_avg_sq", "grads")
+SPILL_SHORTHANDS = {"none": (), "optimizer": ("exp_avg", "exp_avg_sq"), "all": SPILL_KINDS}
 IO_BACKENDS = ("auto", "posix", "kvikio")
 # spill_chunk_bytes is a multiple of this: the spill files' alignment (buffer_kinds.SPILL_ALIGN).
 SPILL_CHUNK_ALIGN = 4096
@@ -101,6 +106,38 @@ class WorkloadFingerprint:
 
 
 @dataclass(frozen=True)
+class SpillBlocks:
+    """Per fp32 kind, the blocks whose state lives in spill files (the rest of that kind stays in RAM).
+
+    Blocks are indexed as the runtime orders them: 0 the embedding, 1..L the decoder layers, L + 1 the head
+    (final norm and lm_head). Each field is a sorted tuple of distinct indices (a JSON list on disk).
+    """
+
+    master: tuple[int, ...] = ()
+    exp_avg: tuple[int, ...] = ()
+    exp_avg_sq: tuple[int, ...] = ()
+    grads: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for kind in SPILL_KINDS:
+            value = getattr(self, kind)
+            if not isinstance(value, (list, tuple)) or not all(
+                    isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in value):
+                raise PlanError(f"spill_blocks.{kind}={value!r} must be a list of block indices >= 0 "
+                                "(0 the embedding, 1..L the layers, L + 1 the head)")
+            if len(set(value)) != len(value):
+                raise PlanError(f"spill_blocks.{kind}={list(value)!r} names a block twice; list each block once")
+            object.__setattr__(self, kind, tuple(sorted(value)))
+
+    def blocks(self, kind: str) -> tuple[int, ...]:
+        return getattr(self, kind)
+
+    @property
+    def empty(self) -> bool:
+        return not any(self.blocks(k) for k in SPILL_KINDS)
+
+
+@dataclass(frozen=True)
 class Plan:
     """How one training step moves data. Every bound in the runtime comes from here.
 
@@ -115,7 +152,9 @@ class Plan:
       mlp_tile_tokens     the MLP's intermediates: micro-batch x min(tile, S) x intermediate x 3 x compute
                           bytes (None: untiled, S tokens)
       spill               "optimizer": AdamW m and v live in spill files on disk (8 bytes/param off RAM);
-                          "all": the fp32 master and gradients too (16 bytes/param off RAM)
+                          "all": the fp32 master and gradients too (16 bytes/param off RAM);
+                          "blocks": per kind, the blocks ``spill_blocks`` names (4 bytes/param of each
+                          named block and kind off RAM); the shorthands are every block of their kinds
       spill_staging       with spill: that many sets of host staging buffers (each: one chunk per
                           spilled kind, fp32), so reads run ahead of AdamW and writes behind it
       spill_chunk_bytes   with spill: the I/O and AdamW unit; a block larger than this (the embedding,
@@ -145,6 +184,8 @@ class Plan:
     mlp_tile_tokens: int | None = None
     # What lives in spill files instead of host RAM: "none", "optimizer" (m, v) or "all" (fp32 master, m, v, grads).
     spill: str = "none"
+    # spill="blocks": per kind (master, exp_avg, exp_avg_sq, grads), the blocks whose state lives on disk.
+    spill_blocks: SpillBlocks | None = None
     # Directory for the spill files (needed when spill != "none"); preallocated at start.
     spill_dir: str | None = None
     # Staging sets in flight between the disk and CPU AdamW (reads ahead, writes behind).
@@ -185,6 +226,7 @@ class Plan:
         if self.mlp_tile_tokens is not None:
             _at_least("mlp_tile_tokens", self.mlp_tile_tokens, 1, "it is the number of tokens per MLP tile, or null")
         _one_of("spill", self.spill, SPILL_CHOICES)
+        self._check_spill_blocks()
         _one_of("io_backend", self.io_backend, IO_BACKENDS)
         _at_least("spill_staging", self.spill_staging, 1, "AdamW needs one staging set to work in")
         _at_least("io_threads", self.io_threads, 1, "the POSIX backend needs a thread")
@@ -202,6 +244,37 @@ class Plan:
             object.__setattr__(self, "workload", _fingerprint_from_dict(self.workload))
         if self.workload is not None and not isinstance(self.workload, WorkloadFingerprint):
             raise PlanError(f"workload={self.workload!r} must be a WorkloadFingerprint or None")
+
+    def _check_spill_blocks(self) -> None:
+        if isinstance(self.spill_blocks, Mapping):  # from JSON
+            known = set(SPILL_KINDS)
+            if not set(self.spill_blocks) <= known:
+                raise PlanError(f"spill_blocks has keys {', '.join(sorted(self.spill_blocks))}; the kinds are "
+                                f"{', '.join(SPILL_KINDS)}")
+            object.__setattr__(self, "spill_blocks", SpillBlocks(**self.spill_blocks))
+        if self.spill_blocks is not None and not isinstance(self.spill_blocks, SpillBlocks):
+            raise PlanError(f"spill_blocks={self.spill_blocks!r} must be a SpillBlocks, a JSON object or None")
+        if self.spill == "blocks" and (self.spill_blocks is None or self.spill_blocks.empty):
+            raise PlanError("spill='blocks' needs spill_blocks naming at least one block of one kind; "
+                            "or use spill='none'")
+        if self.spill != "blocks" and self.spill_blocks is not None:
+            raise PlanError(f"spill_blocks is read only with spill='blocks' (spill={self.spill!r}); "
+                            "set spill='blocks' or drop spill_blocks")
+
+    def spill_placement(self, num_blocks: int) -> dict[str, tuple[int, ...]]:
+        """Per kind (``SPILL_KINDS``), the blocks of a model of ``num_blocks`` blocks whose state lives in spill
+        files: a shorthand's kinds on every block, or ``spill_blocks`` (refused when it names a block the model
+        does not have)."""
+        if self.spill != "blocks":
+            every = tuple(range(num_blocks))
+            return {k: every if k in SPILL_SHORTHANDS[self.spill] else () for k in SPILL_KINDS}
+        assert self.spill_blocks is not None
+        for kind in SPILL_KINDS:
+            bad = [b for b in self.spill_blocks.blocks(kind) if b >= num_blocks]
+            if bad:
+                raise PlanError(f"spill_blocks.{kind} names block {bad[0]}, but this model has {num_blocks} blocks "
+                                f"(0 .. {num_blocks - 1}); plan again for this model with megatrain-plan plan")
+        return {k: self.spill_blocks.blocks(k) for k in SPILL_KINDS}
 
     def check_workload(self, shape_digest: str, seq_len: int, batch: int, compute_dtype: str) -> None:
         """Refuse a workload this plan was not made for (one line naming the difference); a hand-made

@@ -28,6 +28,8 @@ Device memory: (grad buffers + 1) x largest shard x 4 bytes.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -77,11 +79,12 @@ class Collectives:
         return total.sqrt()
 
     # ---- per block ----------------------------------------------------------------------
-    def fill_slot(self, block: int, slot: torch.Tensor, shadow_shard: torch.Tensor) -> None:
-        """On the h2d stream: this rank's shadow shard into its place in ``slot``, then the whole block
-        gathered into ``slot`` from every rank; later h2d work (the ``loaded`` event) follows the gather."""
+    def fill_slot(self, block: int, slot: torch.Tensor, place: Callable[[torch.Tensor], None]) -> None:
+        """On the h2d stream: ``place`` writes this rank's shard into its place in ``slot`` (the shadow shard's
+        copy, or the master's read from its spill file), then the whole block is gathered into ``slot`` from
+        every rank; later h2d work (the ``loaded`` event) follows the gather."""
         own = self.shards.own(block)
-        slot[own].copy_(shadow_shard, non_blocking=True)
+        place(slot[own])
         copied = self.streams.recorded(self.streams.h2d)
         with self.comm.use():
             self.comm.wait_event(copied)

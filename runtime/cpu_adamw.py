@@ -20,8 +20,8 @@ block (its bound); the worker releases an eager-mode gradient slab when done.
 
 With spilled kinds the worker keeps up to ``spill_staging`` chunks in flight, reading
 ahead and writing behind through the spill files' staging sets (spill_files.py,
-[Note: spill pipeline]); a block larger than ``Plan.spill_chunk_bytes`` is
-updated chunk by chunk (the same bits: ``buffer_kinds.spill_chunks``), and
+[Note: spill pipeline]); a block with something spilled that is larger than
+``Plan.spill_chunk_bytes`` is updated chunk by chunk (the same bits: ``buffer_kinds.spill_chunks``), and
 counts as updated after its last chunk.
 
 [Note: non-finite updates]
@@ -153,9 +153,11 @@ class AdamWorker:
 
     def _pieces(self, job: AdamJob) -> list[tuple[int, int]]:
         """The (first element, elements) pieces of the job's block the update walks: the spill chunks when
-        something spills, else the whole block."""
+        something of the block spills, else the whole block."""
         files = self.store.spill_files
-        return files.chunks(job.block) if files is not None else [(0, self.store.numels[job.block])]
+        if files is None or not files.spilled(job.block):
+            return [(0, self.store.numels[job.block])]
+        return files.chunks(job.block)
 
     def _run(self) -> None:
         files = self.store.spill_files
@@ -195,10 +197,13 @@ class AdamWorker:
                 self._cond.notify_all()
 
     def _begin(self, job: AdamJob, lo: int, n: int) -> Staged | None:
+        """Start reading the piece's spilled kinds into a staging set (None: nothing of it is on disk)."""
         files = self.store.spill_files
         if files is None:
             return None
-        kinds = [k for k in files.kinds if k is not BufferKind.GRADS or job.grads is None]
+        kinds = [k for k in files.spilled(job.block) if k is not BufferKind.GRADS or job.grads is None]
+        if not kinds:
+            return None
         t0 = time.perf_counter()
         staged = files.stage(job.block, lo, n, kinds)  # waits while every staging set is being written back
         self.disk_wait_seconds += time.perf_counter() - t0

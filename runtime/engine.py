@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Mapping
 
 import torch
 
+from megatrain.planner.buffer_kinds import placement
 from megatrain.planner.plan import Plan, PlanError, default_plan, shape_digest
 
 from .attention import Documents
@@ -101,13 +102,15 @@ class Engine:
         self.seed = seed
         self.event_log = EventLog()
         self.templates = Templates(model_config, self.optimizer.decays)
-        spilling = self.plan.spill != "none"
         self.collectives = (None if self.topology is None else
                             Collectives(self.topology, self.templates.blocks, self.device, self.plan.device_grad_buffers))
+        store_blocks = self.templates.blocks if self.collectives is None else self.collectives.shards.blocks
+        spilled = placement(self.plan, len(store_blocks))  # per kind, the blocks in spill files
+        spilling = bool(spilled)
         self.store = HostStore(
-            self.templates.blocks if self.collectives is None else self.collectives.shards.blocks, compute_dtype, full_grads=self.plan.optimizer_mode == "deferred",
+            store_blocks, compute_dtype, full_grads=self.plan.optimizer_mode == "deferred",
             grad_slabs=self.plan.host_grad_slabs, pin=self.device.type == "cuda",
-            spill=self.plan.spill, spill_dir=self.plan.spill_dir,
+            placement=spilled, spill_dir=self.plan.spill_dir,
             io=make_io(self.plan.io_backend, self.plan.io_threads, self.plan.io_direct) if spilling else None,
             staging=self.plan.spill_staging, chunk_bytes=self.plan.spill_chunk_bytes,
         )

@@ -1,22 +1,24 @@
 """The host store: every block's fp32 master, compute-dtype shadow, AdamW m and v, and fp32 grads.
 
-One arena per buffer kind (``BufferKind``), allocated once at start; block b
-owns the fixed range ``[offset[b], offset[b] + numel[b])`` of each (its layout's
-flat buffer). With CUDA the arenas are pinned by registering each whole
+One arena per buffer kind (``BufferKind``), allocated once at start, holding
+that kind's blocks that stay in RAM in block order; with nothing of the kind
+spilled, block b owns the fixed range ``[offset[b], offset[b] + numel[b])`` of
+it (its layout's flat buffer). With CUDA the arenas are pinned by registering each whole
 allocation with the driver (``cudaHostRegister``): torch's own pinned allocator
 rounds every request up to a power of two. Without CUDA they are ordinary
 memory and the same code runs.
 
 Host RAM: 4 (master) + 8 (m, v) + 2 (bf16 shadow; 0 in fp32, where the shadow
 is the master itself) bytes per parameter, plus 4 for the full gradient arena in
-deferred mode, or ``slabs x largest block x 4`` bytes in eager mode. Spilled
-kinds take no RAM but their staging sets and, for spilled gradients, ``slabs x
-chunk x 4`` bytes (``Plan.spill_chunk_bytes``). In fp32 with a spilled master
-there is no shadow at all: loads read the block from the master file
-(``load_source``).
+deferred mode, or ``slabs x largest block x 4`` bytes in eager mode. A spilled
+block of a kind takes no RAM of that kind; spilling adds the staging sets and,
+for spilled gradients, ``slabs x chunk x 4`` bytes (``Plan.spill_chunk_bytes``).
+In fp32 a block whose master is spilled has no shadow at all: its loads read
+it from the master file (``load_source``).
 
-With a spill plan the kinds ``buffer_kinds.spilled_kinds`` names live in spill
-files instead (``spill_files.py``, [Note: spill]); ``read_block`` /
+With a spill plan the blocks and kinds ``buffer_kinds.placement`` names live in
+spill files instead (``spill_files.py``, [Note: spill]), each (block, kind) in
+RAM or on disk independently; ``read_block`` /
 ``write_block`` are the one way to a block's bytes either way, and
 ``grad_sink`` says where a block's gradient lands on the host.
 """
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NamedTuple, Sequ
 
 import torch
 
-from megatrain.planner.buffer_kinds import BufferKind, spill_chunk_numel, spilled_kinds
+from megatrain.planner.buffer_kinds import BufferKind, Placement, spill_chunk_numel, spilled_kinds
 
 from .spill_files import SpillFiles, StagingPool
 from .spill_io import FileIO
@@ -116,7 +118,7 @@ class HostStore:
         full_grads: bool,
         grad_slabs: int,
         pin: bool,
-        spill: str = "none",
+        placement: Placement | None = None,
         spill_dir: str | None = None,
         io: FileIO | None = None,
         staging: int = 1,
@@ -131,21 +133,25 @@ class HostStore:
         self.total_numel = total
         self.max_block_numel = max(self.numels)
         self.compute_dtype = compute_dtype
-        # Eager mode: gradients pass through slabs, never through a grads arena or file.
-        self.spilled: tuple[BufferKind, ...] = spilled_kinds(spill, full_grads)
-        ram = lambda kind, name: None if kind in self.spilled else HostArena(total, torch.float32, pin, name)  # noqa: E731
-        self.master = ram(BufferKind.MASTER, "fp32 master")
-        self.exp_avg = ram(BufferKind.EXP_AVG, "AdamW exp_avg")
-        self.exp_avg_sq = ram(BufferKind.EXP_AVG_SQ, "AdamW exp_avg_sq")
-        # In fp32 compute the shadow is the RAM master itself: nothing to round, nothing to store twice; with
-        # the master spilled there is none, and loads read the master file (``load_source``).
+        # Per kind, the blocks in spill files (``buffer_kinds.placement``); eager mode: gradients pass through
+        # slabs, never through a grads arena or file.
+        self.placement: dict[BufferKind, frozenset[int]] = {
+            k: frozenset(v) for k, v in (placement or {}).items() if v and (k is not BufferKind.GRADS or full_grads)}
+        self.spilled: tuple[BufferKind, ...] = spilled_kinds(self.placement)  # kinds with a block on disk
+        # Per kind, each RAM block's element offset in its arena (the arena holds the kind's RAM blocks in order).
+        self._ram_offsets: dict[BufferKind, dict[int, int]] = {}
+        self.master = self._ram_arena(BufferKind.MASTER, "fp32 master", pin)
+        self.exp_avg = self._ram_arena(BufferKind.EXP_AVG, "AdamW exp_avg", pin)
+        self.exp_avg_sq = self._ram_arena(BufferKind.EXP_AVG_SQ, "AdamW exp_avg_sq", pin)
+        # In fp32 compute the shadow is the RAM master itself: nothing to round, nothing to store twice; a block
+        # whose master is spilled has none, and its loads read the master file (``load_source``).
         self.shadow: HostArena | None
         if compute_dtype == torch.float32:
             self.shadow = self.master
         else:
             self.shadow = HostArena(total, compute_dtype, pin, "shadow")
-        self.grads = ram(BufferKind.GRADS, "fp32 grads") if full_grads else None
-        # Gradients land in slabs in eager mode, and on their way to the grads file when it spills.
+        self.grads = self._ram_arena(BufferKind.GRADS, "fp32 grads", pin) if full_grads else None
+        # Gradients land in slabs in eager mode, and on their way to the grads file for blocks whose grads spill.
         self.grads_spilled = BufferKind.GRADS in self.spilled
         need_slabs = not full_grads or self.grads_spilled
         # Spilled gradients drain a chunk at a time (rounded up to 4 KiB) into slabs written to the grads file.
@@ -157,10 +163,23 @@ class HostStore:
         if self.spilled:
             assert io is not None and spill_dir is not None
             try:
-                self.spill_files = SpillFiles(self.numels, self.spilled, spill_dir, io, staging, chunk_bytes)
+                self.spill_files = SpillFiles(self.numels, self.placement, spill_dir, io, staging, chunk_bytes)
             except BaseException:
                 self.close()
                 raise
+
+    def _ram_arena(self, kind: BufferKind, name: str, pin: bool) -> HostArena | None:
+        """The arena of ``kind``'s blocks that stay in RAM, in block order (None when every block spills)."""
+        offsets, at = {}, 0
+        for b, n in enumerate(self.numels):
+            if b not in self.placement.get(kind, ()):
+                offsets[b], at = at, at + n
+        self._ram_offsets[kind] = offsets
+        return HostArena(at, torch.float32, pin, name) if offsets else None
+
+    def is_spilled(self, kind: BufferKind, b: int) -> bool:
+        """Whether block b's ``kind`` lives in its spill file."""
+        return b in self.placement.get(kind, ())
 
     # ---- spill files ------------------------------------------------------------------
     @property
@@ -181,52 +200,61 @@ class HostStore:
             self.spill_files.flush()
 
     # ---- block access -------------------------------------------------------------------
-    def arena(self, kind: BufferKind) -> HostArena | None:
-        """The RAM arena of ``kind`` (every block in order); None when the kind is spilled or not kept."""
+    def _kind_arena(self, kind: BufferKind) -> HostArena | None:
         return {BufferKind.MASTER: self.master, BufferKind.EXP_AVG: self.exp_avg,
                 BufferKind.EXP_AVG_SQ: self.exp_avg_sq, BufferKind.GRADS: self.grads}[kind]
 
-    def _range(self, arena: HostArena | None, b: int) -> torch.Tensor:
-        assert arena is not None, "this kind is spilled or not kept"
-        return arena.tensor[self.offsets[b]:self.offsets[b] + self.numels[b]]
+    def arena(self, kind: BufferKind) -> HostArena | None:
+        """The RAM arena of ``kind`` when it holds every block in order; None when any block of the kind is
+        spilled (read those block by block: ``read_block``) or the kind is not kept."""
+        return None if kind in self.spilled else self._kind_arena(kind)
+
+    def _view(self, kind: BufferKind, b: int) -> torch.Tensor:
+        arena = self._kind_arena(kind)
+        assert arena is not None and b in self._ram_offsets[kind], "this block's kind is spilled or not kept"
+        lo = self._ram_offsets[kind][b]
+        return arena.tensor[lo:lo + self.numels[b]]
 
     def read_block(self, kind: BufferKind, b: int) -> torch.Tensor:
         """Block b's fp32 ``kind`` ([numel]): a view of RAM (writes to it are the store's), or, spilled, a
         copy read from its file."""
-        if kind in self.spilled:
+        if self.is_spilled(kind, b):
             assert self.spill_files is not None
             return self.spill_files.read_block(kind, b)
-        return self._range(self.arena(kind), b)
+        return self._view(kind, b)
 
     def write_block(self, kind: BufferKind, b: int, src: torch.Tensor) -> None:
         """Store ``src`` ([numel] fp32) as block b's ``kind`` (RAM copy, or a synchronous file write)."""
-        if kind in self.spilled:
+        if self.is_spilled(kind, b):
             assert self.spill_files is not None
             self.spill_files.write_block(kind, b, src)
         else:
-            self._range(self.arena(kind), b).copy_(src)
+            self._view(kind, b).copy_(src)
 
     def load_source(self, b: int) -> torch.Tensor | None:
         """Block b's compute-dtype weights in RAM, what travels H2D; None when they are read from the master
-        spill file instead (fp32 compute with a spilled master: no second copy in RAM)."""
-        return None if self.shadow is None else self._range(self.shadow, b)
+        spill file instead (fp32 compute with block b's master spilled: no second copy in RAM)."""
+        if self.shadow is self.master:
+            return None if self.is_spilled(BufferKind.MASTER, b) else self._view(BufferKind.MASTER, b)
+        assert self.shadow is not None
+        return self.shadow.tensor[self.offsets[b]:self.offsets[b] + self.numels[b]]
 
     def refresh_shadow(self, b: int, master: torch.Tensor | None = None, lo: int = 0) -> None:
         """Round block b's master (``master``, elements [lo, lo + len) if given, else the stored block) into
         its compute-dtype shadow."""
         if self.shadow is not self.master and self.shadow is not None:
             src = self.read_block(BufferKind.MASTER, b) if master is None else master
-            self._range(self.shadow, b)[lo:lo + src.numel()].copy_(src)
+            self.shadow.tensor[self.offsets[b] + lo:self.offsets[b] + lo + src.numel()].copy_(src)
 
     # ---- gradients ----------------------------------------------------------------------
     def grad_sinks(self, b: int, check: Callable[[], None] = lambda: None) -> Iterable[GradSink]:
         """Where block b's gradient drains to, piece by piece: deferred mode, its range of the grads arena;
-        eager mode, a slab AdamW frees when done; spilled grads, one slab per chunk, written to the grads
+        eager mode, a slab AdamW frees when done; block b's grads spilled, one slab per chunk, written to the grads
         file behind its drain (AdamW reads the chunks back from there, after those writes). Waiting for a
         free slab calls ``check`` every second (e.g. to raise the AdamW worker's error instead of waiting
         for ever). A spilled block's slabs are acquired one at a time, as the iteration reaches them."""
-        if self.slabs is None:
-            host = self._range(self.grads, b)
+        if self.slabs is None or (self.grads is not None and not self.is_spilled(BufferKind.GRADS, b)):
+            host = self._view(BufferKind.GRADS, b)
             return [GradSink(host, lambda done: None, host, None)]
         if not self.grads_spilled:
             slabs, slab = self.slabs, self.slabs.acquire_checked(check)

@@ -2,10 +2,12 @@
 staging sets through which CPU AdamW reads a block's spilled state ahead and writes it back behind.
 
 [Note: spill]
-With a spill plan, some fp32 kinds live in preallocated spill files instead of
-host RAM (``optimizer``: m and v; ``all``: master, m, v and the deferred-mode
-gradients; ``buffer_kinds.spilled_kinds`` is the rule), one file per kind, each
-block at a fixed offset rounded up to ``SPILL_ALIGN`` (4 KiB, for O_DIRECT).
+With a spill plan, some blocks of some fp32 kinds live in preallocated spill
+files instead of host RAM (``optimizer``: m and v of every block; ``all``:
+master, m, v and the deferred-mode gradients; ``blocks``: per kind, the blocks
+the plan names; ``buffer_kinds.placement`` is the rule), one file per kind that
+has a spilled block, holding only those blocks, each at a fixed offset rounded
+up to ``SPILL_ALIGN`` (4 KiB, for O_DIRECT).
 The files live in a directory named after this process (``spill_dirs``) and go
 with it. They are touched only through staging sets (``StagingPool``): AdamW
 reads a block's spilled state into one, updates it there, and writes it back
@@ -14,13 +16,15 @@ dicts, checkpoints). The unit of the staging sets' I/O is a chunk of at most
 ``spill_chunk_bytes`` (``buffer_kinds.spill_chunks``), so every staging buffer
 is bounded by one chunk, not by the largest block. A block's reads wait for its
 pending writes (every unfinished write of each (kind, block) is remembered). A
-bf16 compute-dtype shadow (what travels H2D) stays in RAM; in fp32 with a
-spilled master there is none, and loads read the master file (weight_slots.py).
+bf16 compute-dtype shadow (what travels H2D) stays in RAM; in fp32 a block
+whose master is spilled has none, and its loads read the master file
+(weight_slots.py).
 
 [Note: spill pipeline]
 The AdamW worker keeps up to ``spill_staging`` chunks in flight: for each chunk of
-the queued jobs it takes a staging set and issues the reads of the chunk's spilled
-state ahead (``stage``), updates the oldest once its reads land, and writes its
+the queued jobs' blocks that spill something it takes a staging set and issues
+the reads of the chunk's spilled kinds ahead (``stage``; the block's kinds in RAM
+are updated in place), updates the oldest once its reads land, and writes its
 state back behind (``write_behind``); a staging set returns to the pool when its
 writes finish. Without spill there is one job in flight and no I/O.
 """
@@ -36,8 +40,8 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
 
-from megatrain.planner.buffer_kinds import (SPILL_ALIGN, STATE_KINDS, BufferKind, spill_block_bytes, spill_chunk_numel,
-                                            spill_chunks)
+from megatrain.planner.buffer_kinds import (SPILL_ALIGN, STATE_KINDS, BufferKind, Placement, spill_block_bytes,
+                                            spill_chunk_numel, spill_chunks)
 
 from . import spill_dirs
 from .spill_io import FileIO, SpillSpaceError, aligned_empty
@@ -112,25 +116,28 @@ class Staged(NamedTuple):
 
     index: int  # the staging set
     lo: int  # the chunk's first element in its block
-    buffers: dict[BufferKind, torch.Tensor]  # its buffers, one per spilled kind
+    buffers: dict[BufferKind, torch.Tensor]  # its buffers, one per kind of the block read from its file
     reads: list[cf.Future]  # the reads issued ahead into them
 
 
 class SpillFiles:
     """One preallocated file per spilled kind, each block at a fixed aligned offset; the staging pool."""
 
-    def __init__(self, numels: Sequence[int], kinds: Sequence[BufferKind], spill_dir: str, io: FileIO,
+    def __init__(self, numels: Sequence[int], placement: Placement, spill_dir: str, io: FileIO,
                  staging: int, chunk_bytes: int) -> None:
-        self.kinds = tuple(kinds)
+        self.kinds = tuple(k for k in BufferKind if placement.get(k))
         self.numels = list(numels)
         self.chunk_bytes = chunk_bytes
         self.io: FileIO | None = io
         self.block_bytes = [spill_block_bytes(n) for n in numels]
-        self.file_offsets, at = [], 0
-        for nbytes in self.block_bytes:
-            self.file_offsets.append(at)
-            at += nbytes
-        self.file_bytes = at
+        # Per kind, each spilled block's byte offset in the kind's file, and the file's size.
+        self.file_offsets: dict[BufferKind, dict[int, int]] = {}
+        self.file_bytes: dict[BufferKind, int] = {}
+        for kind in self.kinds:
+            offsets, at = {}, 0
+            for b in sorted(placement[kind]):
+                offsets[b], at = at, at + self.block_bytes[b]
+            self.file_offsets[kind], self.file_bytes[kind] = offsets, at
         self.files: dict[BufferKind, int] = {}
         # Writes that must wait for a D2H drain first run from here, so no caller blocks on the GPU.
         self._after_pool: cf.ThreadPoolExecutor | None = None
@@ -145,7 +152,7 @@ class SpillFiles:
             if self.nbytes > free:  # the total, before any file takes its share
                 raise _no_space(spill_dir, self.kinds, self.nbytes, free)
             for kind in self.kinds:
-                self.files[kind] = io.open(os.path.join(self.root, f"{kind}.bin"), at)
+                self.files[kind] = io.open(os.path.join(self.root, f"{kind}.bin"), self.file_bytes[kind])
         except SpillSpaceError:
             self.close()
             raise _no_space(spill_dir, self.kinds, self.nbytes, shutil.disk_usage(spill_dir).free) from None
@@ -157,8 +164,12 @@ class SpillFiles:
 
     @property
     def nbytes(self) -> int:
-        """Bytes on disk: every spilled kind's file."""
-        return len(self.kinds) * self.file_bytes
+        """Bytes on disk: every spilled kind's file (its spilled blocks, each rounded up to SPILL_ALIGN)."""
+        return sum(self.file_bytes.values())
+
+    def spilled(self, b: int) -> tuple[BufferKind, ...]:
+        """The kinds of block b that live in spill files."""
+        return tuple(k for k in self.kinds if b in self.file_offsets[k])
 
     # ---- transfers and their order ---------------------------------------------------------
     def chunks(self, b: int) -> list[tuple[int, int]]:
@@ -178,7 +189,7 @@ class SpillFiles:
         self.wait_write(kind, b)
         assert self.io is not None
         nbytes = n * 4 if exact else self._span(b, lo, n)
-        return self._timed(self.read_clock, self.io.read(self.files[kind], self.file_offsets[b] + lo * 4,
+        return self._timed(self.read_clock, self.io.read(self.files[kind], self.file_offsets[kind][b] + lo * 4,
                                                          out.view(torch.uint8)[:nbytes]))
 
     def _timed(self, clock: BusyClock, future: cf.Future) -> cf.Future:
@@ -189,7 +200,7 @@ class SpillFiles:
         the whole block); later reads of the block wait for this."""
         n = self.numels[b] - lo if n is None else n
         assert self.io is not None
-        future = self._timed(self.write_clock, self.io.write(self.files[kind], self.file_offsets[b] + lo * 4,
+        future = self._timed(self.write_clock, self.io.write(self.files[kind], self.file_offsets[kind][b] + lo * 4,
                                                              src.view(torch.uint8)[:self._span(b, lo, n)]))
         self._register(kind, b, future)
         return future
@@ -211,7 +222,7 @@ class SpillFiles:
         self._register(kind, b, placeholder)
         if self._after_pool is None:
             self._after_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-drain-write")
-        io, handle, offset = self.io, self.files[kind], self.file_offsets[b] + lo * 4
+        io, handle, offset = self.io, self.files[kind], self.file_offsets[kind][b] + lo * 4
         view = src.view(torch.uint8)[:self._span(b, lo, n)]
         assert io is not None
 
@@ -259,9 +270,9 @@ class SpillFiles:
     # ---- the AdamW pipeline (see [Note: spill pipeline]) -----------------------------------
     def stage(self, b: int, lo: int, n: int, kinds: Sequence[BufferKind]) -> Staged:
         """Take a staging set (waits while every set is still being written back) and read block b's
-        ``kinds``, elements [lo, lo + n), into it ahead."""
+        ``kinds`` (spilled ones of this block), elements [lo, lo + n), into it ahead."""
         index = self.staging.acquire()
-        buffers = self.staging.buffers(index)
+        buffers = {k: self.staging.buffers(index)[k] for k in kinds}
         return Staged(index, lo, buffers, [self.read_async(k, b, buffers[k], lo, n) for k in kinds])
 
     def write_behind(self, b: int, n: int, staged: Staged) -> None:

@@ -18,12 +18,14 @@ inside ``with loader.resident(load)``: entering it is the LOADING -> IN_USE
 transition, leaving it IN_USE -> FREE. Memory: K x largest block x
 compute-dtype bytes on the device.
 
-In fp32 with a spilled master there is no copy of the weights in host RAM
+In fp32 a block whose master is spilled has no copy of its weights in host RAM
 (``HostStore.load_source`` is None): the load reads the block from the master
 spill file. On a CPU the read goes straight into the slot, issued with the load
 and waited for when compute acquires it (read-ahead by ``prefetch_depth``); on
 CUDA it goes through two pinned bounce buffers of one spill chunk each, the
-H2D copy of one overlapping the read of the next.
+H2D copy of one overlapping the read of the next. Data parallel, the rank's
+shard is read the same way into its part of the slot (waited for before the
+all-gather): no host buffer the size of a shard.
 """
 from __future__ import annotations
 
@@ -68,8 +70,9 @@ class WeightSlots:
 # Called on the h2d stream right after a block's weights are queued into a slot, so that
 # per-slot extras (host-resident activation checkpoints) load under the same ``loaded`` event.
 OnLoad = Callable[[Load, int], None]  # (load, slot)
-# Data parallel: fills a slot from this rank's shadow shard on the h2d stream (collectives.py).
-Fill = Callable[[int, torch.Tensor, torch.Tensor], None]  # (block, slot buffer, shadow shard)
+# Data parallel: fills a slot on the h2d stream (collectives.py): ``place(own)`` writes this rank's shard into its
+# part of the slot (from the RAM shadow, or read chunk by chunk from the master spill file), then the all-gather.
+Fill = Callable[[int, torch.Tensor, Callable[[torch.Tensor], None]], None]  # (block, slot buffer, place)
 # Blocks the calling thread until AdamW has written block b's shadow for the given step.
 WaitUpdated = Callable[[int, int], None]  # (block, step)
 
@@ -185,24 +188,34 @@ class WeightLoader:
             self.streams.h2d.wait_event(self.slots.released[slot])
             source = self.store.load_source(block)
             with self.timer.copy("h2d", self.streams.h2d):
-                if self.fill is not None:  # data parallel: this rank's shard, then the all-gather
-                    # (a spilled fp32 master has no RAM copy: its shard is read whole from the spill file)
-                    shard = source if source is not None else self.store.read_block(BufferKind.MASTER, block)
-                    self.fill(block, self.slots.buffers[slot], shard)
-                elif source is not None:
-                    self.slots.buffers[slot][:numel].copy_(source, non_blocking=True)
+                if self.fill is not None:  # data parallel: this rank's shard into its place, then the all-gather
+                    self.fill(block, self.slots.buffers[slot], lambda own: self._place(block, slot, source, own))
                 else:
-                    self._read_master(block, slot, self.slots.buffers[slot][:numel])
+                    self._place(block, slot, source, self.slots.buffers[slot][:numel], wait=False)
             self.on_load(load, slot)
             self.slots.loaded[slot].record(self.streams.h2d)
         self.log.record("h2d", self.step, block, slot=slot, load=j, phase=load.phase)
 
-    def _read_master(self, block: int, slot: int, out: torch.Tensor) -> None:
-        """Block ``block``'s fp32 master from its spill file into ``out`` (a slot): see [Note: slot lifecycle]."""
+    def _place(self, block: int, slot: int, source: torch.Tensor | None, out: torch.Tensor, wait: bool = True) -> None:
+        """Block ``block``'s weights (this rank's shard, data parallel) into ``out``, on the h2d stream: copied from
+        ``source`` in RAM, or read from the master spill file. ``wait``: a CPU read has landed on return (an
+        all-gather follows at once); otherwise compute waits for it when it acquires the slot."""
+        if source is not None:
+            out.copy_(source, non_blocking=True)
+        else:
+            self._read_master(block, slot, out, wait)
+
+    def _read_master(self, block: int, slot: int, out: torch.Tensor, wait: bool) -> None:
+        """Block ``block``'s fp32 master from its spill file into ``out`` (a slot, or this rank's part of one): see
+        [Note: slot lifecycle]. Host memory: none on a CPU, two pinned chunks on CUDA, whatever the block's size."""
         files = self.store.spill_files
         assert files is not None
         if out.device.type == "cpu":
-            self._reads[slot] = [files.read_async(BufferKind.MASTER, block, out, exact=True)]
+            read = files.read_async(BufferKind.MASTER, block, out, exact=True)
+            if wait:
+                read.result()
+            else:
+                self._reads[slot] = [read]
             return
         if not self._bounce:
             self._bounce = [torch.empty(files.chunk_numel, dtype=torch.float32, pin_memory=True) for _ in range(2)]  # page-aligned

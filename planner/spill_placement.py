@@ -1,0 +1,96 @@
+"""Which blocks of which fp32 kinds a plan keeps on disk: their sizes, for the memory and cost models, and the
+order in which the search moves state from RAM to disk.
+
+A plan's placement (``buffer_kinds.placement``) says, per kind (master, m, v, grads), which blocks live in
+spill files; the blocks are the runtime's (0 the embedding, 1..L the layers, L + 1 the head). For a model
+shape this module gives, per kind, the elements on disk (``Ns_k``) and the spill file's bytes (``F_k``: each
+spilled block rounded up to 4 KiB), and which kinds of each block spill (what a block's AdamW reads and
+writes).
+
+[Note: fill order]
+The search fills RAM first and puts the rest on disk, in steps of one block: level 0 spills nothing; levels
+1..nb spill AdamW m and v of one more block each; the next nb levels the fp32 master of one more block each;
+the last nb levels (deferred mode only: eager mode keeps no gradient arena) the gradients of one more block
+each. Within a kind, blocks go to disk from the last one backward: in deferred mode AdamW updates the blocks
+in forward order while the next step's forward waits for each, so the blocks it updates last (whose disk
+reads have the most time to run ahead) are the ones whose update is slowed by the disk. m and v come first
+(8 bytes/param, touched only by AdamW), then the master (in fp32 also read by every load), and gradients
+last (written in backward and read back: the most disk traffic per byte freed). The level that spills every
+block of m and v is the plan "optimizer", and the last level the plan "all".
+
+Pure stdlib.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .buffer_kinds import BufferKind, placement, spill_block_bytes
+from .model_shapes import ModelShape
+from .plan import Plan, SpillBlocks
+
+# The groups of kinds the fill moves to disk, in order (see [Note: fill order]).
+FILL_GROUPS = ((BufferKind.EXP_AVG, BufferKind.EXP_AVG_SQ), (BufferKind.MASTER,), (BufferKind.GRADS,))
+
+
+def block_numels(model: ModelShape) -> list[int]:
+    """Elements of each block in the runtime's order: embedding, L layers, head."""
+    return [model.numel_embedding] + [model.numel_layer] * model.num_layers + [model.numel_head]
+
+
+@dataclass(frozen=True)
+class Spilled:
+    """A plan's placement on one model: per kind, the spilled blocks, their elements and file bytes."""
+
+    blocks: dict[BufferKind, frozenset[int]]
+    numels: tuple[int, ...]  # every block's elements
+
+    @classmethod
+    def of(cls, model: ModelShape, plan: Plan) -> "Spilled":
+        numels = block_numels(model)
+        return cls(placement(plan, len(numels)), tuple(numels))
+
+    @property
+    def kinds(self) -> tuple[BufferKind, ...]:
+        """The kinds with at least one block on disk (k of the staging term)."""
+        return tuple(k for k in BufferKind if self.blocks.get(k))
+
+    def numel(self, kind: BufferKind) -> int:
+        """Ns_k: elements of ``kind`` on disk."""
+        return sum(self.numels[b] for b in self.blocks.get(kind, ()))
+
+    def file_bytes(self, kind: BufferKind) -> int:
+        """F_k: bytes of ``kind``'s spill file: sum over its spilled blocks of the block x 4 rounded up to 4 KiB."""
+        return sum(spill_block_bytes(self.numels[b]) for b in self.blocks.get(kind, ()))
+
+    def block_kinds(self, b: int) -> int:
+        """How many of block b's kinds live on disk."""
+        return sum(1 for blocks in self.blocks.values() if b in blocks)
+
+    def every_block(self, kind: BufferKind) -> bool:
+        return len(self.blocks.get(kind, ())) == len(self.numels)
+
+
+def fill_levels(model: ModelShape, deferred: bool) -> int:
+    """The number of levels above 0 of the fill: nb per group, the gradients' only in deferred mode."""
+    nb = model.num_layers + 2
+    return nb * (len(FILL_GROUPS) if deferred else len(FILL_GROUPS) - 1)
+
+
+def at_level(plan: Plan, model: ModelShape, level: int) -> Plan:
+    """``plan`` with the placement of fill level ``level`` (see [Note: fill order]): "none" at 0, "optimizer"
+    where every block's m and v spill and nothing else, "all" at the last level, else "blocks"."""
+    deferred = plan.optimizer_mode == "deferred"
+    nb = model.num_layers + 2
+    assert 0 <= level <= fill_levels(model, deferred)
+    if level == 0:
+        return plan.replace(spill="none", spill_blocks=None)
+    if level == nb:
+        return plan.replace(spill="optimizer", spill_blocks=None)
+    if level == fill_levels(model, deferred):
+        return plan.replace(spill="all", spill_blocks=None)
+    named: dict[str, tuple[int, ...]] = {}
+    for g, kinds in enumerate(FILL_GROUPS):
+        count = max(0, min(nb, level - g * nb))
+        for kind in kinds:
+            named[kind.value] = tuple(range(nb - count, nb))  # the last ``count`` blocks
+    return plan.replace(spill="blocks", spill_blocks=SpillBlocks(**named))
