@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from megatrain.planner.plan import SpillBlocks
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
 from numerics import assert_update_close
 from rank_processes import run_ranks
@@ -62,12 +63,15 @@ def _ranks_train(rank: int, world: int, cases: list) -> list:
 
 
 def _cases(spill_dir: str) -> list:
-    """(tied, clip, plan): deferred with and without clipping, eager; a tied head; everything spilled."""
+    """(tied, clip, plan): deferred with and without clipping, eager; a tied head; everything spilled; some
+    blocks' kinds spilled, in 4 KiB chunks."""
     return [
         (False, 1.0, Plan(micro_batch_size=1, num_slots=3, prefetch_depth=2)),
         (False, None, Plan(micro_batch_size=1, optimizer_mode="eager", host_grad_slabs=1)),
         (True, 0.05, Plan(micro_batch_size=1, checkpoints="host")),
         (False, 1.0, Plan(micro_batch_size=1, spill="all", spill_dir=spill_dir, spill_staging=2)),
+        (True, 1.0, Plan(micro_batch_size=1, spill="blocks", spill_dir=spill_dir, spill_chunk_bytes=4096,
+                         spill_blocks=SpillBlocks(master=(0, 2), exp_avg=(1, 3), exp_avg_sq=(3,), grads=(2,)))),
     ]
 
 
@@ -90,3 +94,27 @@ def test_ranks_train_as_one_process(world, tmp_path):
         for rank in range(1, world):  # every rank holds the same model
             for name, t in results[0][i]["final"].items():
                 assert torch.equal(results[rank][i]["final"][name], t), name
+
+
+def _whole_block_reads(rank: int, world: int, spill_dir: str) -> int:
+    """Whole-block (shard-sized) reads of the spill files during two steps of an fp32 run whose masters all spill."""
+    spill_dir = os.path.join(spill_dir, f"reads-rank{rank}")
+    os.makedirs(spill_dir, exist_ok=True)
+    plan = Plan(micro_batch_size=1, spill="all", spill_dir=spill_dir, spill_chunk_bytes=4096)
+    with Engine(_config(False), OptimizerConfig(max_grad_norm=1.0), plan=plan, compute_dtype=torch.float32,
+                device="cpu", seed=3) as engine:
+        files = engine.store.spill_files
+        whole = files.read_block
+        calls = []
+        files.read_block = lambda kind, b: calls.append((kind, b)) or whole(kind, b)
+        rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        for ids, labels in _batches(_config(False))[:2]:
+            engine.step(ids[rows], labels[rows])
+        engine.synchronize()
+    return len(calls)
+
+
+def test_spilled_master_shards_load_without_a_whole_shard_buffer(tmp_path):
+    """A rank's load of a spilled fp32 master reads its shard into the slot (chunk by chunk on CUDA): never a
+    whole-shard read into a buffer of its own."""
+    assert run_ranks(_whole_block_reads, 2, tmp_path, str(tmp_path / "spill")) == [0, 0]
