@@ -25,7 +25,7 @@ from typing import Any, Sequence
 from megatrain.errors import MegatrainError
 
 from . import hardware as hwmod
-from . import data_parallel, data_parallel_report, model_shapes, profiler, report, search, sizing
+from . import data_parallel, data_parallel_report, model_shapes, profiler, report, search, sizing, spill_placement
 from .cli_args import PROG, CliError, Parser as _Parser, parse_size, positive_float as _positive_float, \
     positive_int as _positive_int
 from .hardware import GiB, HardwareError, HardwareProfile
@@ -137,14 +137,11 @@ def _memory_json(c: PlanChoice) -> dict[str, Any]:
             "disk_traffic_bytes_per_step": search.disk_traffic_bytes(c.memory), "spill": c.plan.spill}
 
 
-SPILL_LABELS = {"none": "nothing", "optimizer": "AdamW m, v", "all": "fp32 master, m, v, grads"}
-
-
 def _spill_text(c: PlanChoice) -> str:
     """'nothing on disk' or 'spill all: 120 GiB on NVMe, 240 GiB disk traffic per step'."""
     if c.plan.spill == "none":
         return "nothing on disk"
-    return (f"spills {SPILL_LABELS[c.plan.spill]}: {report.gib(c.memory.nvme_bytes)} on disk, "
+    return (f"spills {spill_placement.label(c.plan)}: {report.gib(c.memory.nvme_bytes)} on disk, "
             f"{report.gib(search.disk_traffic_bytes(c.memory))} disk traffic per step")
 
 
@@ -288,7 +285,7 @@ def cmd_size(args: argparse.Namespace) -> None:
                       f"on the same global batch"]
     least_line = (f"minimum host RAM {report.gib(G * host.memory.host_bytes)}{' per node' if ranks_line else ''} with "
                   + ("nothing on disk" if host.plan.spill == "none" else
-                     f"{report.gib(G * host.memory.nvme_bytes)} on NVMe ({SPILL_LABELS[host.plan.spill]} spilled, "
+                     f"{report.gib(G * host.memory.nvme_bytes)} on NVMe ({spill_placement.label(host.plan)} spilled, "
                      f"{report.gib(G * search.disk_traffic_bytes(host.memory))} disk traffic per step)"))
     if resident is not None and resident is not host:
         least_line += f"; without NVMe {report.gib(G * resident.memory.host_bytes)}"
@@ -485,13 +482,16 @@ def cmd_overview(args: argparse.Namespace) -> None:
     largest = max(ok, key=lambda e: e["params"], default=None)
     largest_ram = max((e for e in ok if e["fits"] == "ram"), key=lambda e: e["params"], default=None)
     longest = max(entries, key=lambda e: e["longest_context_batch1"])
+    # The largest Llama-shaped model for the RAM and the disk's free space together (a preset's disk: any size).
+    big = None if free is None else sizing.largest_llama(dataclasses.replace(work, batch=1), hw)
     disk = {"spill_dir": spill_dir if not preset else None, "free_bytes": free, "read_gbps": hw.disk_read_gbps,
             "write_gbps": hw.disk_write_gbps, "speed_measured": measured}
     data = {"hardware": {"gpu_name": hw.gpu_name, "source": hw.source}, "seq_len": args.seq,
             "batch": args.batch if args.batch else "auto", "compute_dtype": dtype, "disk": disk, "models": entries,
             "largest_model": largest["model"] if largest else None,
             "largest_model_in_ram": largest_ram["model"] if largest_ram else None,
-            "longest_context": {"model": longest["model"], "seq_len": longest["longest_context_batch1"]}}
+            "longest_context": {"model": longest["model"], "seq_len": longest["longest_context_batch1"]},
+            "largest_llama": None if big is None else big.to_dict()}
     rates = hw.matmul_tflops
     why = (f" (auto: this hardware multiplies fp32 faster than bf16, {rates.get('float32', 0):.3g} vs "
            f"{rates.get('bfloat16', 0):.3g} TFLOP/s)" if args.dtype == "auto" and dtype == "float32" else "")
@@ -512,6 +512,7 @@ def cmd_overview(args: argparse.Namespace) -> None:
              + (" (with spill)" if largest and largest["fits"] == "spill" else "")
              + (f"; in RAM alone: {largest_ram['model']}" if largest_ram and largest_ram is not largest else "")
              + f"; longest context: {longest['longest_context_batch1']} tokens ({longest['model']}, batch 1)"]
+    lines += [] if big is None else [big.line() + f" (batch 1 x {args.seq} tokens)"]
     for e in entries:
         if not e["feasible"]:
             lines.append(f"  {e['model']}: {e['reason']}")

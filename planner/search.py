@@ -5,8 +5,11 @@ M = ceil(batch / size)), slots and prefetch depth (K = depth + 1: the runtime
 never loads more than ``depth`` ahead, so a further slot would only cost
 memory), checkpoint placement, eager vs deferred optimizer (deferred when
 clipping), host grad slabs for eager mode, and the loss chunk (the largest that
-fits: it costs memory, hardly time), and what spills to disk (none, AdamW m and
-v, or every fp32 kind) unless the workload forces one.
+fits: it costs memory, hardly time), and what spills to disk unless the workload
+forces a shorthand ("none", "optimizer", "all"): RAM is filled first and the rest
+goes to disk, block by block and kind by kind (``fill``; spill_placement.py,
+[Note: fill order]), so the largest model that trains is set by RAM and disk
+together.
 
 With ``ranks`` (a data-parallel Topology) the workload is the global step and the plan is one rank's:
 candidates and time at the rank's share of the batch, memory as data_parallel.memory (host state
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 
 from megatrain.errors import MegatrainError
 
-from . import cost_model, data_parallel, memory_model
+from . import cost_model, data_parallel, memory_model, spill_placement
 from .cost_model import CostEstimate
 from .hardware import HardwareProfile
 from .memory_model import MemoryEstimate, Overrun
@@ -166,8 +169,36 @@ def _memory(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, 
     return data_parallel.memory(model, work, plan, hw, ranks)
 
 
+def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None,
+         chunk: int | None = None) -> Plan:
+    """RAM first, the rest on disk: for a candidate of an "auto" workload that spills (``plan.spill`` "all"), the
+    plan at the least fill level (spill_placement.at_level, from 1) whose memory fits the GPU and host RAM with
+    loss chunk ``chunk`` (default: the smallest); the plan unchanged (spilling everything) when none does. The
+    least such level also puts the least on disk, so if its files overrun the disk's free space, every level
+    that fits RAM does. Other plans: unchanged. A binary search over the levels: host RAM falls level by level
+    (each moves one block's kind to disk; only the staging of a newly spilled kind adds P x Ck x 4 bytes back),
+    so the first level that fits is found in log2(levels) memory estimates."""
+    if work.spill != "auto" or plan.spill != "all":
+        return plan
+    chunk = _chunks(plan.micro_batch_size * work.seq_len)[-1] if chunk is None else chunk
+
+    def ok(level: int) -> bool:
+        p = spill_placement.at_level(plan, model, level).replace(loss_chunk_tokens=chunk)
+        return all(o.budget == "NVMe" for o in overruns(_memory(model, work, p, hw, ranks), work, hw, ranks))
+
+    lo, hi = 1, spill_placement.fill_levels(model, plan.optimizer_mode == "deferred")
+    if not ok(hi):
+        return plan
+    while lo < hi:  # ok(hi); the least level that fits lies in [lo, hi]
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+    return spill_placement.at_level(plan, model, hi)
+
+
 def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None) -> PlanChoice:
-    """The plan with the largest loss chunk that fits; else the smallest chunk, with its overruns."""
+    """The plan with the largest loss chunk that fits (spilling the least that lets it: ``fill``); else the
+    smallest chunk, with its overruns."""
+    plan = fill(model, work, plan, hw, ranks)
     choice = None
     for chunk in _chunks(plan.micro_batch_size * work.seq_len):
         p = plan.replace(loss_chunk_tokens=chunk)
@@ -216,7 +247,8 @@ def fits(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks = 
     """Whether any plan fits every budget (memory only; nothing is timed). Memory grows with the loss
     chunk, so each candidate is tried with its smallest chunk only."""
     for plan in candidates(model, _rank(work, ranks), hw):
-        p = plan.replace(loss_chunk_tokens=_chunks(plan.micro_batch_size * work.seq_len)[-1])
+        p = fill(model, work, plan, hw, ranks).replace(
+            loss_chunk_tokens=_chunks(plan.micro_batch_size * work.seq_len)[-1])
         if not overruns(_memory(model, work, p, hw, ranks), work, hw, ranks):
             return True
     return False
@@ -295,7 +327,8 @@ def spill_cost_seconds(model: ModelShape, work: Workload, choice: PlanChoice, hw
     assert choice.cost is not None
     if choice.plan.spill == "none":
         return 0.0
-    resident = cost_model.estimate(model, work, choice.plan.replace(spill="none", spill_dir=None), hw)
+    resident = cost_model.estimate(model, work, choice.plan.replace(spill="none", spill_blocks=None, spill_dir=None),
+                                   hw)
     return max(0.0, choice.cost.step_seconds - resident.step_seconds)
 
 

@@ -198,3 +198,65 @@ def what_fits(model: ModelShape, work: Workload, hw: HardwareProfile,
         return ModelAnswer(model, b, best, in_ram, search.spill_cost_seconds(model, w, best, hw), "feasible", ctx)
     r = search.search(model, smallest, hw)
     return ModelAnswer(model, 0, None, False, 0.0, r.reason(), ctx)
+
+
+# The Llama-3 family's widths (hidden, intermediate, heads, KV heads, tied embeddings), vocab 128256: the
+# largest-model answer varies the layer count at each width and keeps the largest model that fits.
+LLAMA_WIDTHS = ((2048, 8192, 32, 8, True), (3072, 8192, 24, 8, True), (4096, 14336, 32, 8, False),
+                (5120, 17920, 40, 8, False), (6144, 21504, 48, 8, False), (8192, 28672, 64, 8, False))
+MAX_LAYERS = 256
+
+
+def llama_shape(hidden: int, intermediate: int, heads: int, kv_heads: int, tied: bool, layers: int) -> ModelShape:
+    """A Llama-3-shaped model (vocab 128256, head_dim hidden / heads) with ``layers`` decoder layers."""
+    return ModelShape(name=f"llama-{hidden}x{layers}", hidden_size=hidden, intermediate_size=intermediate,
+                      num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, vocab_size=128256,
+                      tie_word_embeddings=tied, rope_theta=500000.0, max_position_embeddings=131072)
+
+
+@dataclass(frozen=True)
+class LargestAnswer:
+    """The largest Llama-shaped model with a plan that fits the machine's RAM and the spill disk's free space
+    together (None: not even one layer fits), and that plan."""
+
+    model: ModelShape | None
+    choice: PlanChoice | None
+
+    def to_dict(self) -> dict[str, object]:
+        if self.model is None or self.choice is None:
+            return {"params": 0}
+        m, mem = self.model, self.choice.memory
+        return {"params": m.params, "hidden_size": m.hidden_size, "num_layers": m.num_layers,
+                "intermediate_size": m.intermediate_size, "spill": self.choice.plan.spill,
+                "host_ram_bytes": mem.host_bytes, "device_bytes": mem.device_bytes, "nvme_bytes": mem.nvme_bytes}
+
+    def line(self) -> str:
+        """One line for people."""
+        if self.model is None or self.choice is None:
+            return "largest Llama-shaped model: none fits"
+        m, mem = self.model, self.choice.memory
+        return (f"largest Llama-shaped model with this RAM and disk: {m.params / 1e9:.2f}B (hidden {m.hidden_size}, "
+                f"{m.num_layers} layers), {mem.nvme_bytes / 1e9:.1f} GB on disk")
+
+
+def largest_llama(work: Workload, hw: HardwareProfile, widths: tuple = LLAMA_WIDTHS) -> LargestAnswer:
+    """The largest Llama-shaped model (``widths``, any layer count up to MAX_LAYERS) that trains on ``hw`` with
+    ``work`` (its spill directory and free bytes: the search fills RAM first and the disk with the rest, so RAM
+    and disk together set the answer). Per width a binary search over the layer count (a layer more never needs
+    less memory); the largest in parameters wins."""
+    best: ModelShape | None = None
+    for width in widths:
+        def ok(layers: int) -> bool:
+            return search.fits(llama_shape(*width, layers), work, hw)
+        if not ok(1):
+            continue
+        lo, hi = 1, MAX_LAYERS + 1     # ok(lo); hi does not fit (or is past the limit)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        shape = llama_shape(*width, lo)
+        if best is None or shape.params > best.params:
+            best = shape
+    if best is None:
+        return LargestAnswer(None, None)
+    return LargestAnswer(best, search.search(best, work, hw).require())

@@ -94,3 +94,21 @@ def at_level(plan: Plan, model: ModelShape, level: int) -> Plan:
         for kind in kinds:
             named[kind.value] = tuple(range(nb - count, nb))  # the last ``count`` blocks
     return plan.replace(spill="blocks", spill_blocks=SpillBlocks(**named))
+
+
+_LABELS = {"none": "nothing", "optimizer": "AdamW m, v", "all": "fp32 master, m, v, grads"}
+_KIND_LABELS = (("exp_avg", "m"), ("exp_avg_sq", "v"), ("master", "fp32 master"), ("grads", "grads"))
+
+
+def label(plan: Plan) -> str:
+    """What a plan spills, for people: "AdamW m, v", or for a per-block placement e.g. "m, v of 12 blocks,
+    fp32 master of 3 blocks"."""
+    if plan.spill != "blocks":
+        return _LABELS[plan.spill]
+    assert plan.spill_blocks is not None
+    by_count: dict[int, list[str]] = {}
+    for kind, name in _KIND_LABELS:
+        n = len(plan.spill_blocks.blocks(kind))
+        if n:
+            by_count.setdefault(n, []).append(name)
+    return ", ".join(f"{', '.join(names)} of {n} block{'s' if n > 1 else ''}" for n, names in by_count.items())

@@ -64,9 +64,10 @@ class Workload:
         return dtype_bytes(self.compute_dtype)
 
     def spill_choices(self) -> tuple[str, ...]:
-        """What the search may choose: with "auto", spill only where there is a directory for it."""
+        """The spill values of the search's candidates: with "auto", "none" and, where there is a directory, "all",
+        which the search then fills back down to the least spill that fits (search.py, [Note: fill order])."""
         if self.spill == "auto":
-            return ("none", "optimizer", "all") if self.spill_dir else ("none",)
+            return ("none", "all") if self.spill_dir else ("none",)
         return (self.spill,)
 
     def fingerprint(self, model: ModelShape) -> WorkloadFingerprint:

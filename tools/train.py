@@ -28,7 +28,7 @@ from .interrupt import EXIT_INTERRUPTED, INTERRUPTED_AT_START, start_up
 with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) == "megatrain-train"):
     import torch
 
-    from megatrain.planner import data_parallel, model_shapes, search
+    from megatrain.planner import data_parallel, model_shapes, search, spill_placement
     from megatrain.planner.hardware import HardwareError, HardwareProfile
     from megatrain.planner.plan import Plan, PlanError
     from megatrain.planner.profiler import this_machine
@@ -356,7 +356,8 @@ class Run:
         else:
             return self._search(model, dtype, spill_root)
         spill = plan.spill if c.spill == "auto" else c.spill
-        return self._placed(plan.replace(spill=spill, spill_dir=None if spill == "none" else spill_root))
+        return self._placed(plan.replace(spill=spill, spill_blocks=plan.spill_blocks if spill == "blocks" else None,
+                                         spill_dir=None if spill == "none" else spill_root))
 
     def _search(self, model: ModelConfig, dtype: torch.dtype, spill_root: str) -> Plan:
         c = self.config
@@ -370,7 +371,7 @@ class Run:
         shape = model_shapes.from_config(model.to_dict())
         plan = search.search(shape, work, hw, self._planner_ranks(hw)).require().plan
         if c.spill != "auto" and plan.spill != c.spill:  # a profile the search could not time the forced spill with
-            plan = plan.replace(spill=c.spill)
+            plan = plan.replace(spill=c.spill, spill_blocks=None)
         plan = plan.replace(spill_dir=None if plan.spill == "none" else spill_root)
         self.plan_description = (f"planner (hardware: {hw.source}): micro-batch {plan.micro_batch_size}, "
                                  f"{plan.num_slots} slots, checkpoints on {plan.checkpoints}, "
@@ -387,8 +388,8 @@ class Run:
 
     def _placed(self, plan: Plan) -> Plan:
         if plan.spill != "none":
-            kinds = "AdamW m and v" if plan.spill == "optimizer" else "master, m, v and grads"
-            self.plan_description += f", spilling {kinds} to {plan.spill_dir}"
+            kinds = {"optimizer": "AdamW m and v", "all": "master, m, v and grads"}.get(plan.spill)
+            self.plan_description += f", spilling {kinds or spill_placement.label(plan)} to {plan.spill_dir}"
         return plan
 
     # ------------------------------------------------------------------ training

@@ -1,0 +1,140 @@
+"""The planner's per-block spill placement: memory and disk terms checked by hand, the fill order, and a search
+that fills RAM first and the disk with the rest, so RAM and disk together set the largest model."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatrain.planner import cost_model, memory_model, search, sizing, spill_placement
+from megatrain.planner.buffer_kinds import spill_block_bytes, spill_chunk_numel
+from megatrain.planner.hardware import GiB
+from megatrain.planner.model_shapes import PRESETS
+from megatrain.planner.plan import Plan, SpillBlocks
+from megatrain.planner.workload import Workload
+from test_planner_answers import CPU_24G
+
+HW, _ = sizing.with_disk(CPU_24G)  # 1 GB/s read and write
+ONE_B = PRESETS["Llama-3.2-1B"]    # tied: blocks 0 embedding, 1..16 layers, 17 head (its norm)
+
+
+def _rows(model, work, plan) -> dict[str, int]:
+    return {c.name: c.nbytes for c in memory_model.estimate(model, work, plan, HW).components}
+
+
+def test_memory_terms_of_a_partial_placement_by_hand() -> None:
+    m, L = ONE_B, ONE_B.num_layers
+    E, Lw, H, N = m.numel_embedding, m.numel_layer, m.numel_head, m.numel_total
+    blocks = SpillBlocks(master=(0,), exp_avg=(L, L + 1), exp_avg_sq=(L, L + 1), grads=(1, 2))
+    plan = Plan(spill="blocks", spill_blocks=blocks, spill_dir="/d", spill_staging=3)
+    rows = _rows(m, Workload(128, 1, "fp32"), plan)
+    r = spill_block_bytes
+    assert rows["fp32 master"] == 4 * (N - E) and rows["fp32 master (spill file)"] == r(E)
+    assert rows["Adam m"] == rows["Adam v"] == 4 * (N - Lw - H)
+    assert rows["Adam m (spill file)"] == rows["Adam v (spill file)"] == r(Lw) + r(H)
+    assert rows["fp32 grads (full arena)"] == 4 * (N - 2 * Lw) and rows["fp32 grads (spill file)"] == 2 * r(Lw)
+    Ck = spill_chunk_numel(m.numel_largest_block, plan.spill_chunk_bytes)
+    assert rows["spill staging"] == 3 * 4 * Ck * 4          # P x k x Ck x 4, all four kinds have a block on disk
+    assert rows["fp32 grad slabs"] == 2 * Ck * 4
+    # Every block on disk is every block of the shorthand: "blocks" naming all of m and v is "optimizer".
+    every = tuple(range(L + 2))
+    same = Plan(spill="blocks", spill_blocks=SpillBlocks(exp_avg=every, exp_avg_sq=every), spill_dir="/d")
+    assert _rows(m, Workload(128, 1, "fp32"), same) == _rows(m, Workload(128, 1, "fp32"),
+                                                             Plan(spill="optimizer", spill_dir="/d"))
+
+
+def test_disk_traffic_of_a_partial_placement_by_hand() -> None:
+    """fp32: each spilled (block, kind) read and written once by AdamW (grads: written in backward, read by
+    AdamW), plus the loads of the blocks whose master spills: the tied embedding twice, a layer twice."""
+    m, r = ONE_B, spill_block_bytes
+    E, Lw = m.numel_embedding, m.numel_layer
+    plan = Plan(spill="blocks", spill_blocks=SpillBlocks(master=(0, 3), exp_avg=(5,), grads=(3,)), spill_dir="/d")
+    read, write = cost_model.disk_traffic(m, Workload(128, 1, "fp32"), plan)
+    files = r(E) + r(Lw) + r(Lw) + r(Lw)
+    assert write == files and read == files + 2 * E * 4 + 2 * Lw * 4
+    bf16_read, _ = cost_model.disk_traffic(m, Workload(128, 1, "bf16"), plan)
+    assert bf16_read == files                             # bf16 loads come from the RAM shadow
+    est = cost_model.estimate(m, Workload(128, 1, "fp32"), plan, HW)
+    assert est.disk_seconds == pytest.approx(read / 1e9 + write / 1e9)
+
+
+def test_partial_placements_cost_between_none_and_all() -> None:
+    m, work = ONE_B, Workload(128, 1, "fp32", clipping=False)
+    for mode in ("eager", "deferred"):
+        base = Plan(optimizer_mode=mode)
+        steps = [cost_model.estimate(m, work, spill_placement.at_level(base.replace(spill_dir="/d"), m, level), HW)
+                 for level in (0, 9, 18, 27, spill_placement.fill_levels(m, mode == "deferred"))]
+        times = [s.step_seconds for s in steps]
+        assert times == sorted(times) and times[0] < times[-1], (mode, times)
+        disk = [s.disk_read_bytes for s in steps]
+        assert disk == sorted(disk) and disk[0] == 0
+
+
+def test_fill_order_m_and_v_then_masters_then_grads_from_the_last_block() -> None:
+    m, nb = ONE_B, ONE_B.num_layers + 2
+    plan = Plan(spill_dir="/d")
+    assert spill_placement.at_level(plan, m, 0).spill == "none"
+    one = spill_placement.at_level(plan, m, 1)
+    assert one.spill_blocks == SpillBlocks(exp_avg=(nb - 1,), exp_avg_sq=(nb - 1,))
+    assert spill_placement.at_level(plan, m, nb).spill == "optimizer"
+    more = spill_placement.at_level(plan, m, nb + 2).spill_blocks
+    assert more is not None and more.master == (nb - 2, nb - 1) and more.exp_avg == tuple(range(nb)) and not more.grads
+    grads = spill_placement.at_level(plan, m, 2 * nb + 1).spill_blocks
+    assert grads is not None and grads.grads == (nb - 1,) and grads.master == tuple(range(nb))
+    assert spill_placement.at_level(plan, m, 3 * nb).spill == "all"
+    assert spill_placement.fill_levels(m, deferred=False) == 2 * nb   # eager: no gradient arena to spill
+    assert spill_placement.at_level(plan.replace(optimizer_mode="eager"), m, 2 * nb).spill == "all"
+    assert spill_placement.label(one) == "m, v of 1 block"
+
+
+def _level(model, plan: Plan) -> int:
+    nb = model.num_layers + 2
+    if plan.spill in ("none", "optimizer", "all"):
+        return {"none": 0, "optimizer": nb, "all": spill_placement.fill_levels(model, True)}[plan.spill]
+    b = plan.spill_blocks
+    assert b is not None and b.exp_avg == b.exp_avg_sq
+    return len(b.exp_avg) + len(b.master) + len(b.grads)
+
+
+def test_search_fills_ram_first_and_spills_the_least_that_fits() -> None:
+    m = PRESETS["Llama-3.2-3B"]
+    work = Workload(1024, 1, "fp32", spill_dir="/d", spill_free_bytes=60 * GiB)
+    best = search.search(m, work, HW).require()
+    level = _level(m, best.plan)
+    assert 0 < level < spill_placement.fill_levels(m, True), best.plan.spill  # some of it on disk, not all
+    assert best.plan == spill_placement.at_level(best.plan, m, level).replace(workload=best.plan.workload)
+    assert not search.overruns(best.memory, work, HW)
+    # One block's kind less on disk and it no longer fits in RAM.
+    fewer = spill_placement.at_level(best.plan, m, level - 1)
+    over = search.overruns(memory_model.estimate(m, work, fewer, HW), work, HW)
+    assert [o.budget for o in over] == ["host RAM"]
+
+
+def test_ram_and_disk_together_train_what_neither_shorthand_fits() -> None:
+    """Llama-3.2-3B in fp32: m and v alone on disk leave 8 bytes/param (26 GB) in RAM, too much; everything on
+    disk takes 16 bytes/param (51 GB), more than a 40 GB disk. Filling RAM first and the disk with the rest
+    fits both."""
+    m = PRESETS["Llama-3.2-3B"]
+    disk = 40 * 10**9
+    work = Workload(1024, 1, "fp32", spill_dir="/d", spill_free_bytes=disk)
+    for forced in ("optimizer", "all"):
+        assert not search.search(m, dataclasses.replace(work, spill=forced), HW).feasible, forced
+    best = search.search(m, work, HW).require()
+    assert best.plan.spill == "blocks" and 0 < best.memory.nvme_bytes <= disk
+    assert best.memory.device_bytes + best.memory.host_bytes <= HW.host_budget_bytes
+
+
+def test_largest_llama_is_set_by_ram_and_disk_together() -> None:
+    disk = 60 * GiB
+    work = Workload(1024, 1, "fp32", spill_dir="/d", spill_free_bytes=disk)
+    answer = sizing.largest_llama(work, HW)
+    assert answer.model is not None and answer.choice is not None
+    ram_only = sizing.largest_llama(dataclasses.replace(work, spill="none"), HW)
+    assert ram_only.model is not None and answer.model.params > 3 * ram_only.model.params
+    # One more layer at its width does not fit; what it has fills the disk (within one layer's state).
+    width = next(w for w in sizing.LLAMA_WIDTHS if w[0] == answer.model.hidden_size)
+    assert not search.fits(sizing.llama_shape(*width, answer.model.num_layers + 1), work, HW)
+    per_layer_state = 16 * answer.model.numel_layer
+    assert disk - per_layer_state * 2 <= answer.choice.memory.nvme_bytes <= disk
+    data = answer.to_dict()
+    assert data["params"] == answer.model.params and data["nvme_bytes"] == answer.choice.memory.nvme_bytes
