@@ -3,7 +3,8 @@
     flock /tmp/megatrain-bigmem.lock python benchmarks/spill_scale.py --dir /work/spill --model 1b,3b --steps 2
 
 For each model (Llama-3.2-1B and -3B shapes, vocab 128256, fp32 on a CPU) and each spill choice it runs
-one subprocess (its RSS its own): builds the Engine with ``spill="all"`` (or the ``--spill`` given),
+one subprocess (its RSS its own): builds the Engine with ``spill="all"`` (or the ``--spill`` given;
+``--spill planner``: the plan search's per-block placement, RAM up to ``--ram-gib`` filled first),
 records resident bytes after init and the peak, bytes on disk, the disk bytes read and written per step
 (``/proc/self/io`` rchar / wchar), and times ``--steps`` steps with ``last_step_breakdown``. Beside it: the
 planner's memory prediction for the same plan, and the step against max(compute, disk bytes / measured
@@ -48,16 +49,27 @@ def _io() -> tuple[int, int]:
 
 
 def child(args) -> dict:
-    from megatrain.planner import memory_model, model_shapes
+    from megatrain.planner import memory_model, model_shapes, spill_placement
     from megatrain.planner.profiler import detect
     from megatrain.planner.workload import Workload
     from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
 
     cfg = MODELS[args.model]
-    plan = Plan(spill=args.spill, spill_dir=args.dir if args.spill != "none" else None,
-                spill_staging=args.staging, spill_chunk_bytes=args.chunk_mib * 2**20)
     shape = model_shapes.from_config({"model_type": "llama", **cfg})
     work = Workload(seq_len=args.seq, batch=args.batch, compute_dtype="fp32", clipping=True)
+    spill, blocks = args.spill, None
+    if spill == "planner":  # the search's placement: RAM (up to --ram-gib) first, the disk with the rest
+        from megatrain.planner import search, sizing
+
+        hw, _ = sizing.with_disk(detect())
+        if args.ram_gib:
+            hw = hw.replace(host_available_bytes=int(args.ram_gib * 2**30), cgroup_limit_bytes=0)
+        planned = search.search(shape, Workload(args.seq, args.batch, "fp32", clipping=True, spill_dir=args.dir,
+                                                spill_free_bytes=shutil.disk_usage(args.dir).free), hw).require().plan
+        spill, blocks = planned.spill, planned.spill_blocks
+    plan = Plan(spill=spill, spill_blocks=blocks, spill_dir=args.dir if spill != "none" else None,
+                spill_staging=args.staging, spill_chunk_bytes=args.chunk_mib * 2**20)
+    print(f"  placement: {spill_placement.label(plan)}", file=sys.stderr, flush=True)
     est = memory_model.estimate(shape, work, plan, detect())
     rss0 = _rss()
     t0 = time.perf_counter()
@@ -86,7 +98,8 @@ def child(args) -> dict:
         print(f"  step {i + 1}/{args.steps}: {wall:.1f} s, loss {loss:.4f}, read {steps[-1]['read_bytes'] / 1e9:.1f} GB, "
               f"written {steps[-1]['written_bytes'] / 1e9:.1f} GB", file=sys.stderr, flush=True)
     engine.synchronize()
-    out = {"model": args.model, "params": engine.num_parameters, "spill": args.spill, "seq": args.seq,
+    out = {"model": args.model, "params": engine.num_parameters, "spill": args.spill,
+           "placement": spill_placement.label(plan), "plan": plan.to_dict(), "seq": args.seq,
            "batch": args.batch, "staging": args.staging, "chunk_mib": args.chunk_mib, "init_s": init_s,
            "rss_before_engine_bytes": rss0, "rss_after_init_bytes": rss_init, "nvme_bytes": engine.store.nvme_bytes,
            "store_host_bytes": engine.store.nbytes, "steps": steps,
@@ -110,7 +123,8 @@ def markdown(rows: list[dict], info: dict) -> str:
         disk = s["read_bytes"] / (info["read_gbps"] * 1e9) + s["written_bytes"] / (info["write_gbps"] * 1e9)
         comp = s.get("compute_s", float("nan"))
         lines.append(
-            f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['spill']} | {r['rss_after_init_bytes'] / 2**30:.2f} GiB | "
+            f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r.get('placement', r['spill'])} | "
+            f"{r['rss_after_init_bytes'] / 2**30:.2f} GiB | "
             f"{r['peak_rss_bytes'] / 2**30:.2f} GiB | {r['predicted_host_bytes'] / 2**30:.2f} GiB | "
             f"{r['peak_rss_bytes'] / r['params']:.2f} | {r['nvme_bytes'] / 1e9:.1f} GB | "
             f"{r['nvme_bytes'] / r['params']:.1f} | {s['wall_s']:.1f} s | {s['read_bytes'] / 1e9:.1f} / "
@@ -124,7 +138,10 @@ def markdown(rows: list[dict], info: dict) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="1b", help="comma-separated: " + ", ".join(MODELS))
-    p.add_argument("--spill", default="all", choices=["none", "optimizer", "all"])
+    p.add_argument("--spill", default="all", choices=["none", "optimizer", "all", "planner"],
+                   help="what spills; planner: the plan search's per-block placement for this RAM and disk")
+    p.add_argument("--ram-gib", type=float, default=None, help="--spill planner: the RAM the search may fill "
+                                                                 "(default: what this machine has available)")
     p.add_argument("--dir", required=False, default=None, help="spill directory (on the disk to measure)")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
@@ -155,7 +172,8 @@ def main() -> int:
         print(f"{model}, spill={args.spill}:", file=sys.stderr, flush=True)
         cmd = [sys.executable, __file__, "--child", "--model", model, "--spill", args.spill, "--seq", str(args.seq),
                "--batch", str(args.batch), "--staging", str(args.staging), "--chunk-mib", str(args.chunk_mib),
-               "--steps", str(args.steps)] + (["--dir", args.dir] if args.dir else [])
+               "--steps", str(args.steps)] + (["--dir", args.dir] if args.dir else []) + (
+                   ["--ram-gib", str(args.ram_gib)] if args.ram_gib else [])
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         if proc.returncode == 0:
             rows.append({"status": "ok", **json.loads(proc.stdout.strip().splitlines()[-1])})
