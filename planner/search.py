@@ -176,7 +176,8 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
     loss chunk ``chunk`` (default: the smallest); the plan unchanged (spilling everything) when none does. The
     least such level also puts the least on disk, so if its files overrun the disk's free space, every level
     that fits RAM does. Other plans: unchanged. A binary search over the levels: host RAM falls level by level
-    (each moves one block's kind to disk; only the staging of a newly spilled kind adds P x Ck x 4 bytes back),
+    (each moves one block's kind to disk; only the staging of a newly spilled kind adds P x Ck x 4 bytes back, and
+    the first spilled gradients their S x Ck x 4 slabs),
     so the first level that fits is found in log2(levels) memory estimates."""
     if work.spill != "auto" or plan.spill != "all":
         return plan

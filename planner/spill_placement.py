@@ -66,9 +66,6 @@ class Spilled:
         """How many of block b's kinds live on disk."""
         return sum(1 for blocks in self.blocks.values() if b in blocks)
 
-    def every_block(self, kind: BufferKind) -> bool:
-        return len(self.blocks.get(kind, ())) == len(self.numels)
-
 
 def fill_levels(model: ModelShape, deferred: bool) -> int:
     """The number of levels above 0 of the fill: nb per group, the gradients' only in deferred mode."""
