@@ -175,10 +175,13 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
     plan at the least fill level (spill_placement.at_level, from 1) whose memory fits the GPU and host RAM with
     loss chunk ``chunk`` (default: the smallest); the plan unchanged (spilling everything) when none does. The
     least such level also puts the least on disk, so if its files overrun the disk's free space, every level
-    that fits RAM does. Other plans: unchanged. A binary search over the levels: host RAM falls level by level
-    (each moves one block's kind to disk; only the staging of a newly spilled kind adds P x Ck x 4 bytes back, and
-    the first spilled gradients their S x Ck x 4 slabs),
-    so the first level that fits is found in log2(levels) memory estimates."""
+    that fits RAM does. Other plans: unchanged.
+
+    Within one group of the fill (m and v, masters, grads: levels g x nb + 1 .. (g + 1) x nb) host RAM falls
+    level by level, each level moving one more block of the group's kinds to disk; only the group's first level
+    adds the staging of its newly spilled kinds (P x Ck x 4 each; the grads also their S x Ck x 4 slabs) back.
+    So the first group whose last level fits holds the least level that fits, and within it a binary search
+    finds it: at most 3 + log2(nb) memory estimates."""
     if work.spill != "auto" or plan.spill != "all":
         return plan
     chunk = _chunks(plan.micro_batch_size * work.seq_len)[-1] if chunk is None else chunk
@@ -187,10 +190,13 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
         p = spill_placement.at_level(plan, model, level).replace(loss_chunk_tokens=chunk)
         return all(o.budget == "NVMe" for o in overruns(_memory(model, work, p, hw, ranks), work, hw, ranks))
 
-    lo, hi = 1, spill_placement.fill_levels(model, plan.optimizer_mode == "deferred")
-    if not ok(hi):
+    nb = model.num_layers + 2
+    ends = range(nb, spill_placement.fill_levels(model, plan.optimizer_mode == "deferred") + 1, nb)
+    hi = next((end for end in ends if ok(end)), None)
+    if hi is None:
         return plan
-    while lo < hi:  # ok(hi); the least level that fits lies in [lo, hi]
+    lo = hi - nb + 1  # ok(hi); the least level that fits lies in [lo, hi], where RAM falls level by level
+    while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
     return spill_placement.at_level(plan, model, hi)

@@ -138,3 +138,20 @@ def test_largest_llama_is_set_by_ram_and_disk_together() -> None:
     assert disk - per_layer_state * 2 <= answer.choice.memory.nvme_bytes <= disk
     data = answer.to_dict()
     assert data["params"] == answer.model.params and data["nvme_bytes"] == answer.choice.memory.nvme_bytes
+
+
+@pytest.mark.parametrize("ram_gib", [4, 6, 9, 12, 15, 18, 22])
+def test_fill_finds_the_least_level_that_fits(ram_gib) -> None:
+    """Against a scan of every level: the fill's level is the least whose memory fits host RAM (staging makes
+    RAM rise at the first level of each group, so a plain binary search over all levels could miss it)."""
+    m = ONE_B
+    hw = HW.replace(host_available_bytes=ram_gib * GiB, cgroup_limit_bytes=0)
+    work = Workload(128, 1, "fp32", spill_dir="/d")
+    base = Plan(spill="all", spill_dir="/d", loss_chunk_tokens=64)
+    fits = [not search.overruns(memory_model.estimate(m, work, spill_placement.at_level(base, m, level), hw), work, hw)
+            for level in range(spill_placement.fill_levels(m, True) + 1)]
+    filled = search.fill(m, work, base, hw, chunk=64)
+    if not any(fits[1:]):
+        assert filled == base
+    else:
+        assert _level(m, filled) == fits.index(True, 1), (ram_gib, fits)
