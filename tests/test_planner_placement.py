@@ -3,6 +3,7 @@ that fills RAM first and the disk with the rest, so RAM and disk together set th
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -155,3 +156,20 @@ def test_fill_finds_the_least_level_that_fits(ram_gib) -> None:
         assert filled == base
     else:
         assert _level(m, filled) == fits.index(True, 1), (ram_gib, fits)
+
+
+def test_overview_names_the_largest_llama_for_ram_and_disk(capsys, monkeypatch, tmp_path) -> None:
+    from megatrain.planner import cli
+    from test_planner_answers import FREE, _free_disk
+
+    profile = tmp_path / "hw.json"
+    CPU_24G.save(str(profile))
+    _free_disk(monkeypatch, FREE)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["--hardware", str(profile), "--seq", "1024", "--batch", "1", "--json"]) == 0
+    big = json.loads(capsys.readouterr().out)["largest_llama"]
+    answer = sizing.largest_llama(Workload(1024, 1, "fp32", spill_dir=str(tmp_path), spill_free_bytes=FREE), HW)
+    assert big == answer.to_dict() and 0 < big["nvme_bytes"] <= FREE
+    assert big["params"] > PRESETS["Llama-3.2-3B"].params       # more than RAM alone or the shorthands allow
+    assert cli.main(["--hardware", str(profile), "--seq", "1024", "--batch", "1"]) == 0
+    assert f"largest Llama-shaped model with this RAM and disk: {big['params'] / 1e9:.2f}B" in capsys.readouterr().out
