@@ -140,9 +140,9 @@ class HostStore:
         self.spilled: tuple[BufferKind, ...] = spilled_kinds(self.placement)  # kinds with a block on disk
         # Per kind, each RAM block's element offset in its arena (the arena holds the kind's RAM blocks in order).
         self._ram_offsets: dict[BufferKind, dict[int, int]] = {}
-        self.master = self._ram_arena(BufferKind.MASTER, "fp32 master", pin)
-        self.exp_avg = self._ram_arena(BufferKind.EXP_AVG, "AdamW exp_avg", pin)
-        self.exp_avg_sq = self._ram_arena(BufferKind.EXP_AVG_SQ, "AdamW exp_avg_sq", pin)
+        self.master = self._allocate(BufferKind.MASTER, "fp32 master", pin)
+        self.exp_avg = self._allocate(BufferKind.EXP_AVG, "AdamW exp_avg", pin)
+        self.exp_avg_sq = self._allocate(BufferKind.EXP_AVG_SQ, "AdamW exp_avg_sq", pin)
         # In fp32 compute the shadow is the RAM master itself: nothing to round, nothing to store twice; a block
         # whose master is spilled has none, and its loads read the master file (``load_source``).
         self.shadow: HostArena | None
@@ -150,7 +150,7 @@ class HostStore:
             self.shadow = self.master
         else:
             self.shadow = HostArena(total, compute_dtype, pin, "shadow")
-        self.grads = self._ram_arena(BufferKind.GRADS, "fp32 grads", pin) if full_grads else None
+        self.grads = self._allocate(BufferKind.GRADS, "fp32 grads", pin) if full_grads else None
         # Gradients land in slabs in eager mode, and on their way to the grads file for blocks whose grads spill.
         self.grads_spilled = BufferKind.GRADS in self.spilled
         need_slabs = not full_grads or self.grads_spilled
@@ -168,7 +168,7 @@ class HostStore:
                 self.close()
                 raise
 
-    def _ram_arena(self, kind: BufferKind, name: str, pin: bool) -> HostArena | None:
+    def _allocate(self, kind: BufferKind, name: str, pin: bool) -> HostArena | None:
         """The arena of ``kind``'s blocks that stay in RAM, in block order (None when every block spills)."""
         offsets, at = {}, 0
         for b, n in enumerate(self.numels):
@@ -200,17 +200,18 @@ class HostStore:
             self.spill_files.flush()
 
     # ---- block access -------------------------------------------------------------------
-    def _kind_arena(self, kind: BufferKind) -> HostArena | None:
+    def ram_arena(self, kind: BufferKind) -> HostArena | None:
+        """The arena of ``kind``'s blocks in RAM (every block, or those not spilled), None when it has none."""
         return {BufferKind.MASTER: self.master, BufferKind.EXP_AVG: self.exp_avg,
                 BufferKind.EXP_AVG_SQ: self.exp_avg_sq, BufferKind.GRADS: self.grads}[kind]
 
     def arena(self, kind: BufferKind) -> HostArena | None:
         """The RAM arena of ``kind`` when it holds every block in order; None when any block of the kind is
         spilled (read those block by block: ``read_block``) or the kind is not kept."""
-        return None if kind in self.spilled else self._kind_arena(kind)
+        return None if kind in self.spilled else self.ram_arena(kind)
 
     def _view(self, kind: BufferKind, b: int) -> torch.Tensor:
-        arena = self._kind_arena(kind)
+        arena = self.ram_arena(kind)
         assert arena is not None and b in self._ram_offsets[kind], "this block's kind is spilled or not kept"
         lo = self._ram_offsets[kind][b]
         return arena.tensor[lo:lo + self.numels[b]]

@@ -62,7 +62,7 @@ def test_only_the_named_blocks_live_on_disk_and_the_planner_agrees(tmp_path):
             spilled = set(blocks.blocks(kind.value))
             assert {b for b in range(len(numels)) if store.is_spilled(kind, b)} == spilled, kind
             assert files.file_bytes.get(kind, 0) == sum(spill_block_bytes(numels[b]) for b in spilled), kind
-            arena = store._kind_arena(kind)
+            arena = store.ram_arena(kind)
             assert (arena.tensor.numel() if arena else 0) == sum(n for b, n in enumerate(numels) if b not in spilled)
             assert store.arena(kind) is None  # partly spilled: read block by block
         assert os.path.getsize(os.path.join(files.root, "master.bin")) == files.file_bytes[BufferKind.MASTER]
