@@ -182,7 +182,8 @@ class Plan:
     loss_chunk_tokens: int = 4096
     # Tokens per sequence tile of the MLP with its norm, forward and backward (None: the whole sequence at once).
     mlp_tile_tokens: int | None = None
-    # What lives in spill files instead of host RAM: "none", "optimizer" (m, v) or "all" (fp32 master, m, v, grads).
+    # What lives in spill files instead of host RAM: "none", "optimizer" (m, v), "all" (fp32 master, m, v, grads),
+    # or "blocks" (per kind, the blocks spill_blocks names).
     spill: str = "none"
     # spill="blocks": per kind (master, exp_avg, exp_avg_sq, grads), the blocks whose state lives on disk.
     spill_blocks: SpillBlocks | None = None

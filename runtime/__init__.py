@@ -1,9 +1,9 @@
 """megatrain.runtime: stream a model's blocks through a few device slots; weights and AdamW state in host memory."""
-from megatrain.planner.plan import Plan, PlanError
+from megatrain.planner.plan import Plan, PlanError, SpillBlocks
 
 from .config import ModelConfig, OptimizerConfig
 from .engine import Engine
 from .errors import CheckpointError, ClosedError, ConfigError, InputError, MegatrainError
 
-__all__ = ["Engine", "ModelConfig", "OptimizerConfig", "Plan", "PlanError", "MegatrainError", "ConfigError",
-           "InputError", "CheckpointError", "ClosedError"]
+__all__ = ["Engine", "ModelConfig", "OptimizerConfig", "Plan", "PlanError", "SpillBlocks", "MegatrainError",
+           "ConfigError", "InputError", "CheckpointError", "ClosedError"]

@@ -121,7 +121,8 @@ class Staged(NamedTuple):
 
 
 class SpillFiles:
-    """One preallocated file per spilled kind, each block at a fixed aligned offset; the staging pool."""
+    """One preallocated file per kind with a spilled block, each of its spilled blocks at a fixed aligned offset;
+    the staging pool."""
 
     def __init__(self, numels: Sequence[int], placement: Placement, spill_dir: str, io: FileIO,
                  staging: int, chunk_bytes: int) -> None:
