@@ -8,7 +8,7 @@ one subprocess (its RSS its own): builds the Engine with ``spill="all"`` (or the
 records resident bytes after init and the peak, bytes on disk, the disk bytes read and written per step
 (``/proc/self/io`` rchar / wchar), and times ``--steps`` steps with ``last_step_breakdown``. Beside it: the
 planner's memory prediction for the same plan, and the step against max(compute, disk bytes / measured
-disk bandwidth). Writes ``benchmarks/results/<date>_cpu_spill_scale.{json,md}``.
+disk bandwidth). Writes ``benchmarks/results/<date>_cpu_spill_scale_<spill>_<models>.{json,md}``.
 """
 from __future__ import annotations
 
@@ -180,7 +180,7 @@ def main() -> int:
         else:
             rows.append({"model": model, "spill": args.spill, "status": f"failed (exit {proc.returncode})"})
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{info['date']}_cpu_spill_scale_{args.spill}")
+    stem = os.path.join(args.out, f"{info['date']}_cpu_spill_scale_{args.spill}_{args.model.replace(',', '_')}")
     with open(stem + ".json", "w") as f:
         json.dump({**info, "rows": rows}, f, indent=2)
     with open(stem + ".md", "w") as f:
