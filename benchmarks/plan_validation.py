@@ -9,8 +9,10 @@ The planner plans with the saved hardware profile (``megatrain-plan profile`` /
 and the table says which). For each config the planner chooses a plan and
 predicts step time and memory; a fresh subprocess (tools/calibrate.py's
 measured run) runs a warm-up and ``--steps`` timed steps of the runtime with
-that plan and reports the fastest step (``--percentile`` to keep another) and
-its spread, and the process's peak resident set. Errors are
+that plan; the configs run in ``--rounds`` rounds (all once, then all again), so a
+burst of other work slows one round of a config, not all its samples; the fastest
+step of all rounds is kept (``--percentile`` to keep another) with the spread, and
+the process's peak resident set. Errors are
 (predicted - measured) / measured. On a CPU the "device" buffers live in host
 memory, so peak RSS is compared with every buffer the planner counts plus its
 process and temporaries terms; on a GPU, peak device memory with the device
@@ -57,6 +59,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--quick", action="store_true", help="the three smallest configs")
     p.add_argument("--steps", type=int, default=3, help="timed steps per config after one warm-up (3)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="fresh processes per config, round by round over the configs; steps pooled (2)")
     p.add_argument("--percentile", type=float, default=0.0, help="which step to keep: 0 the fastest, 50 the median")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     args = p.parse_args()
@@ -64,7 +68,7 @@ def main() -> int:
     from megatrain.planner import cost_model, memory_model, model_shapes, profiler, search
     from megatrain.planner.calibration import SPREAD_WARN, robust
     from megatrain.planner.workload import Workload
-    from megatrain.tools.calibrate import run_model
+    from megatrain.tools.calibrate import run_in_rounds
 
     hw = profiler.this_machine()
     constants = hw.constants("fp32")
@@ -74,7 +78,8 @@ def main() -> int:
         configs.update(GPU_CONFIGS)
     if args.quick:
         configs = dict(list(CONFIGS.items())[:3])
-    rows = []
+    rows: list[dict[str, object]] = []
+    planned = []  # (name, hf, seq, batch, shape, work, plan, cost, mem) of the configs that fit
     for name, (hf, seq, batch) in configs.items():
         shape = model_shapes.from_config(hf)
         work = Workload(seq_len=seq, batch=batch, compute_dtype="fp32", clipping=True)
@@ -83,15 +88,21 @@ def main() -> int:
             rows.append({"config": name, "status": f"infeasible: {result.reason()}"})
             continue
         plan = result.best.plan
-        cost = cost_model.estimate(shape, work, plan, hw)
-        mem = memory_model.estimate(shape, work, plan, hw)
         print(f"{name}: {model_shapes.params_label(shape.params)} params, {batch} x {seq} tokens, plan "
               f"{plan.to_json(indent=None)}", file=sys.stderr, flush=True)
-        try:
-            measured = run_model(hf, seq, batch, "fp32", plan.to_json(indent=None), args.steps)
-        except ValueError as e:
-            rows.append({"config": name, "status": f"failed: {e}"})
-            continue
+        planned.append((name, hf, seq, batch, shape, work, plan, cost_model.estimate(shape, work, plan, hw),
+                        memory_model.estimate(shape, work, plan, hw)))
+
+    def progress(r: int, i: int) -> None:
+        print(f"round {r + 1}/{args.rounds}: {planned[i][0]}", file=sys.stderr, flush=True)
+
+    try:
+        runs = run_in_rounds([(hf, seq, batch, "fp32", plan.to_json(indent=None), args.steps, 0)
+                              for _, hf, seq, batch, _, _, plan, _, _ in planned], args.rounds, progress)
+    except ValueError as e:
+        print(f"plan_validation: error: {e}", file=sys.stderr)
+        return 2
+    for (name, hf, seq, batch, shape, work, plan, cost, mem), measured in zip(planned, runs):
         step = robust([s["step_s"] for s in measured["steps"]], args.percentile)
         if hw.device_is_host:
             predicted_host = mem.device_bytes + mem.host_bytes
@@ -144,8 +155,9 @@ def main() -> int:
     within = sum(abs(r["step_error"]) <= STEP_GOAL and abs(r["host_error"]) <= HOST_GOAL for r in ok)
     noisy = [r["config"] for r in ok if r["step_spread"] > SPREAD_WARN]
     lines += ["", f"Goal: step time within {STEP_GOAL:.0%}, peak host RSS within {HOST_GOAL:.0%}: {within} of "
-              f"{len(ok)} configs. Measured step: the {report['kept']} of {args.steps} after a warm-up, in a fresh "
-              "process per config; spread = (slowest - fastest) / fastest. Peak RSS: the process's peak resident "
+              f"{len(ok)} configs. Measured step: the {report['kept']} of {args.rounds} x {args.steps} (rounds x steps "
+              "after a warm-up, a fresh process per config and round, the rounds one after another over all "
+              "configs); spread = (slowest - fastest) / fastest. Peak RSS: the process's peak resident "
               "set, against every buffer the planner counts (device ones included where the device is the CPU) "
               "plus its process and temporaries terms."]
     if noisy:

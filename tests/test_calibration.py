@@ -267,12 +267,40 @@ def test_calibrate_refuses_bad_input_in_one_line(tmp_path) -> None:
     notes = tmp_path / "notes.json"
     notes.write_text('{"mine": 1}')
     for args, needle in ((["--dtype", "fp8"], "--dtype"), (["--out", str(tmp_path)], "directory"),
-                         (["--steps", "0"], "--steps"), (["--out", str(notes)], "not a hardware profile")):
+                         (["--steps", "0"], "--steps"), (["--rounds", "0"], "--rounds"),
+                         (["--out", str(notes)], "not a hardware profile")):
         p = subprocess.run([sys.executable, "-m", "megatrain.planner.cli", "calibrate", *args],
                            capture_output=True, text=True)
         assert p.returncode == 2, p.stderr
         assert needle in p.stderr and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
     assert notes.read_text() == '{"mine": 1}'                        # never overwritten
+
+
+def test_rounds_run_every_model_once_per_round_and_pool_their_samples(monkeypatch) -> None:
+    """Round by round (a, b, a, b), never a model's rounds back to back; steps and head timings of all rounds
+    pooled in round order, memory figures from the first round."""
+    from megatrain.tools import calibrate
+
+    calls: list[tuple[str, int]] = []
+
+    def fake_run_model(config, seq, batch, dtype, plan_json, steps, head_samples=0):
+        calls.append((config["name"], steps))
+        k = len(calls)
+        return {"steps": [{"step_s": float(k)}] * steps, "head_s": [k / 10] * head_samples,
+                "peak_rss_bytes": 1000 * k, "baseline_rss_bytes": 10 * k}
+
+    monkeypatch.setattr(calibrate, "run_model", fake_run_model)
+    logged: list[tuple[int, int]] = []
+    got = calibrate.run_in_rounds([({"name": "a"}, 16, 1, "fp32", "{}", 2, 1), ({"name": "b"}, 16, 1, "fp32", "{}", 1, 0)],
+                                  3, lambda r, i: logged.append((r, i)))
+    assert calls == [("a", 2), ("b", 1)] * 3
+    assert logged == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert [s["step_s"] for s in got[0]["steps"]] == [1.0, 1.0, 3.0, 3.0, 5.0, 5.0]
+    assert got[0]["head_s"] == [0.1, 0.3, 0.5] and got[1]["head_s"] == []
+    assert [s["step_s"] for s in got[1]["steps"]] == [2.0, 4.0, 6.0]
+    assert got[0]["peak_rss_bytes"] == 1000 and got[1]["baseline_rss_bytes"] == 20
+    with pytest.raises(calibrate.CalibrateError, match="--rounds"):
+        calibrate.run_in_rounds([], 0)
 
 
 def test_a_measured_run_reduces_to_a_sample() -> None:

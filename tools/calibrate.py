@@ -6,7 +6,9 @@
 Each model runs in a fresh process (so its peak RSS is its own): a warm-up step,
 then ``--steps`` timed steps through the runtime with the plan the planner
 chooses; the engine's step breakdown gives compute, copy and AdamW busy times.
-Each figure keeps the best sample (or ``--percentile``) and records the spread;
+The models run in ``--rounds`` rounds (all once, then all again), so a burst of
+other work slows one round of a model rather than all its samples; each figure
+keeps the best sample of all rounds (or ``--percentile``) and records the spread;
 the planner's fitting arithmetic (planner/calibration.py) turns them into the
 terms the hardware profile stores with their source. The planner reads them
 from the profile; it never imports this module or the runtime.
@@ -151,6 +153,31 @@ def run_model(config: dict[str, Any], seq: int, batch: int, dtype: str, plan_jso
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+Measurement = tuple[dict[str, Any], int, int, str, str, int, int]  # (config, seq, batch, dtype, plan JSON, steps, head)
+
+
+def run_in_rounds(measurements: Sequence[Measurement], rounds: int,
+                  log: Callable[[int, int], None] = lambda r, i: None) -> list[dict[str, Any]]:
+    """Every measurement ``rounds`` times, round by round (all of them once, then all again), each time in a
+    fresh process (``run_model``). A burst of other work on the machine then slows one round of a model, not
+    every sample of it: the steps and head timings of all rounds are pooled for ``robust`` to choose from;
+    memory figures are the first round's (the same buffers every round). ``log(round, index)`` before each."""
+    if rounds < 1:
+        raise CalibrateError(f"--rounds={rounds} must be 1 or more")
+    pooled: list[dict[str, Any]] = []
+    for r in range(rounds):
+        for i, (config, seq, batch, dtype, plan_json, steps, head) in enumerate(measurements):
+            log(r, i)
+            got = run_model(config, seq, batch, dtype, plan_json, steps, head_samples=head)
+            if r == 0:
+                pooled.append(got)
+            else:
+                pooled[i]["steps"] += got["steps"]
+                if got.get("head_s"):
+                    pooled[i]["head_s"] = pooled[i].get("head_s", []) + got["head_s"]
+    return pooled
+
+
 # ---- reduction and fitting ----------------------------------------------------------------------
 
 def reduce_run(name: str, config: dict[str, Any], seq: int, batch: int, dtype: str, plan: Any,
@@ -219,7 +246,7 @@ def base_profile(out: str | None, log: Callable[[str], None]) -> tuple[Any, str]
 
 
 def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: str, out: str | None,
-              log: Callable[[str], None]) -> tuple[Any, str, list[str]]:
+              log: Callable[[str], None], rounds: int = 2) -> tuple[Any, str, list[str]]:
     """Run the calibration models, fit, and return (profile with the calibration, its path, warnings)."""
     from megatrain.planner import model_shapes, search
     from megatrain.planner.calibration import HEAD_SHARE_MAX, SPREAD_WARN, fit
@@ -227,9 +254,8 @@ def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: s
 
     hw, path = base_profile(out, log)
     plain = hw.replace(calibrations=())
-    runs, warnings = [], []
-    overhead = None
     todo = [OVERHEAD_RUN, *(RUNS[:3] if quick else RUNS)]
+    plans, measurements = [], []
     for name, config, seq, batch, mbs in todo:
         shape = model_shapes.from_config(config)
         work = Workload(seq_len=seq, batch=batch, compute_dtype=dtype, clipping=True)
@@ -238,11 +264,21 @@ def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: s
             raise CalibrateError(f"calibration model {name} does not fit this machine ({result.reason()}); "
                                  "free memory and run again")
         plan = result.best.plan.replace(micro_batch_size=mbs)
-        log(f"{name}: {model_shapes.params_label(shape.params)} params, {batch} x {seq} tokens")
+        plans.append(plan)
         # the overhead run's steps take milliseconds: three times the samples cost next to nothing
         n = 3 * steps if name == OVERHEAD_RUN[0] else steps
-        measured = run_model(config, seq, batch, dtype, plan.to_json(indent=None), n, head_samples=steps)
-        sample = reduce_run(name, config, seq, batch, dtype, plan, measured, plain, percentile)
+        measurements.append((config, seq, batch, dtype, plan.to_json(indent=None), n, steps))
+
+    def progress(r: int, i: int) -> None:
+        name, config, seq, batch, _ = todo[i]
+        log(f"round {r + 1}/{rounds}: {name}: {model_shapes.params_label(model_shapes.from_config(config).params)} "
+            f"params, {batch} x {seq} tokens")
+
+    measured = run_in_rounds(measurements, rounds, progress)
+    runs, warnings = [], []
+    overhead = None
+    for (name, config, seq, batch, _), plan, m in zip(todo, plans, measured):
+        sample = reduce_run(name, config, seq, batch, dtype, plan, m, plain, percentile)
         if sample.spread > SPREAD_WARN:
             warnings.append(f"{name}: step times spread {sample.spread:.0%} across its samples (a busy machine?); "
                             f"the fit keeps the {'fastest' if percentile == 0 else f'p{percentile:g}'} sample; "
@@ -250,7 +286,7 @@ def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: s
         if sample.head_s >= HEAD_SHARE_MAX * sample.compute_s and name != OVERHEAD_RUN[0]:
             warnings.append(f"{name}: its head alone took {sample.head_s:.3f} s of a {sample.compute_s:.3f} s step "
                             "(a busy machine?); the fit counts this run's head with its layers")
-        log(f"  step {sample.step_s:.3f} s (spread {sample.spread:.0%}), compute {sample.compute_s:.3f} s, "
+        log(f"{name}: step {sample.step_s:.3f} s (spread {sample.spread:.0%}), compute {sample.compute_s:.3f} s, "
             f"head alone {sample.head_s:.3f} s, "
             f"peak RSS growth {sample.peak_rss_growth_bytes / 2**30:.3f} GiB")
         if name == OVERHEAD_RUN[0]:
@@ -260,9 +296,9 @@ def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: s
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     kept = "best" if percentile == 0 else f"p{percentile:g}"
     spread = max(r.spread for r in [*runs, overhead] if r is not None)
-    source = (f"`{command}` on {when}: {len(todo)} runs x {steps} steps, {kept} of each kept, "
+    source = (f"`{command}` on {when}: {len(todo)} runs x {rounds} rounds x {steps} steps, {kept} of each kept, "
               f"spread up to {spread:.0%}")
-    cal = fit(runs, dtype, overhead_run=overhead, source=source, samples=steps)
+    cal = fit(runs, dtype, overhead_run=overhead, source=source, samples=steps * rounds)
     # The profile's source line, which the planner prints, says the constants are fitted (once).
     base = hw.source.split(FITTED_NOTE)[0].rstrip("; ")
     fitted = ", ".join(sorted({c.compute_dtype for c in hw.calibrations} | {dtype}))
@@ -306,6 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps per model after one warm-up (3)")
     p.add_argument("--percentile", type=float, default=0.0,
                    help="which sample of each figure to keep: 0 the fastest (default), 50 the median")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="times each model runs, round by round in fresh processes; samples pooled (2)")
     p.add_argument("--quick", action="store_true", help="the three smallest runs only (smoke runs)")
     p.add_argument("--out", help="profile to update or create (default: the saved profile the planner reads, "
                                  "$MEGATRAIN_HARDWARE or ~/.cache/megatrain/hardware.json)")
@@ -322,6 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise CalibrateError(f"--dtype={args.dtype!r} is not one of {', '.join(DTYPES)}")
         if args.steps < 1:
             raise CalibrateError(f"--steps={args.steps} must be 1 or more")
+        if args.rounds < 1:
+            raise CalibrateError(f"--rounds={args.rounds} must be 1 or more")
         if not 0 <= args.percentile <= 100:
             raise CalibrateError(f"--percentile={args.percentile:g} must be within 0..100")
         if args.out and os.path.isdir(args.out):
@@ -331,7 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log = (lambda s: None) if args.json else (lambda s: print(f"calibrating: {s}", file=sys.stderr, flush=True))
         command = "megatrain-plan calibrate" + "".join(f" {shlex.quote(a)}" for a in (argv if argv is not None
                                                                                      else sys.argv[1:]))
-        hw, out, warnings = calibrate(args.dtype, args.steps, args.percentile, args.quick, command, args.out, log)
+        hw, out, warnings = calibrate(args.dtype, args.steps, args.percentile, args.quick, command, args.out, log,
+                                      args.rounds)
         save_atomically(hw, out)
     except (CalibrateError, HardwareError, CalibrationError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
