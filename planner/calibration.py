@@ -8,6 +8,8 @@ default constants where a profile carries them:
   achieved rate by width         r(h)  TFLOP/s of the decoder layers' compute (matmuls, elementwise kernels,
                                        attention) at hidden size h; between calibrated widths linear in log2(h);
                                        times eff(t) = t / (t + t_half) for t tokens per micro-batch
+  attention                            the layers' causal attention at the profile's measured rate (by
+                                       sequence length), apart from r(h), where the profile has that rate
   head rate by width        r_head(h)  the head's shape class (norm, chunked [t, h] x [h, V] and cross-entropy,
                                        forward and backward), timed alone with the runtime's head function
   per-block overhead             o     seconds per decoder layer per micro-batch (forward, recompute and
@@ -104,6 +106,9 @@ class RunSample:
     head_flops: float = 0.0                  # the head's FLOPs in the step, and its seconds timed alone
     head_s: float = 0.0                      # (0: not timed; the head then counts with the layers)
     head_units: float = 0.0                  # the head's share of overhead_units
+    attention_flops: float = 0.0             # the layers' causal-attention FLOPs in the step, and their seconds
+    attention_s: float = 0.0                 # at the profile's measured attention rate (0: not measured; the
+                                             # attention then counts with the layers)
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,9 @@ class Calibration:
     # ((hidden size, TFLOP/s), ...) of the head (final norm, chunked lm_head and cross-entropy, forward and
     # backward, timed alone); empty: the head runs at the layers' rate.
     head_tflops_by_width: tuple[tuple[int, float], ...] = ()
+    # True: r(h) was fitted without the layers' causal attention, which the cost model then times at the
+    # profile's measured attention rate; False: attention is inside r(h).
+    attention_apart: bool = False
     # where they came from: command, date, runs, samples per figure, the largest spread
     source: str = "unspecified"
     samples: int = 0
@@ -154,6 +162,9 @@ class Calibration:
             if not isinstance(v, (int, float)) or v < 0:
                 raise CalibrationError(f"calibration {f}={v!r} must be a number >= 0; run megatrain-plan "
                                        "calibrate again")
+        if not isinstance(self.attention_apart, bool):
+            raise CalibrationError(f"calibration attention_apart={self.attention_apart!r} must be true or false; "
+                                   "run megatrain-plan calibrate again")
         for f in ("process_bytes", "temporaries_bytes", "samples"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -163,11 +174,11 @@ class Calibration:
     def tflops(self, hidden_size: int) -> float:
         """Achieved TFLOP/s at ``hidden_size``: linear in log2(width) between calibrated widths, the
         nearest calibrated width's figure outside them."""
-        return _interpolate(self.tflops_by_width, hidden_size)
+        return log2_interpolate(self.tflops_by_width, hidden_size)
 
     def head_tflops(self, hidden_size: int) -> float:
         """The head's TFLOP/s at ``hidden_size``, interpolated as ``tflops``."""
-        return _interpolate(self.head_tflops_by_width, hidden_size)
+        return log2_interpolate(self.head_tflops_by_width, hidden_size)
 
     def rate_tflops(self, hidden_size: int, tokens_per_micro_batch: int) -> float:
         """Achieved TFLOP/s at width h and t tokens per micro-batch: r(h) x t / (t + t_half)."""
@@ -187,7 +198,8 @@ class Calibration:
                 "h2d_gbps": self.h2d_gbps, "d2h_gbps": self.d2h_gbps, "process_bytes": self.process_bytes,
                 "temporaries_bytes": self.temporaries_bytes, "temporaries_factor": self.temporaries_factor,
                 "t_half_tokens": self.t_half_tokens,
-                "head_tflops_by_width": [list(p) for p in self.head_tflops_by_width], "source": self.source,
+                "head_tflops_by_width": [list(p) for p in self.head_tflops_by_width],
+                "attention_apart": self.attention_apart, "source": self.source,
                 "samples": self.samples, "spread": self.spread,
                 "runs": [dict(r) for r in self.runs]}
 
@@ -204,18 +216,19 @@ class Calibration:
                                    "megatrain-plan calibrate again") from None
 
 
-def _interpolate(pts: Sequence[tuple[int, float]], hidden_size: int) -> float:
-    """r at h from sorted (width, r) points: linear in log2(width) between them, the end figures outside."""
-    if hidden_size <= pts[0][0]:
+def log2_interpolate(pts: Sequence[tuple[int, float]], x: int) -> float:
+    """r at x from (x, r) points sorted by x (widths, sequence lengths): linear in log2(x) between them,
+    the end figures outside."""
+    if x <= pts[0][0]:
         return pts[0][1]
-    if hidden_size >= pts[-1][0]:
+    if x >= pts[-1][0]:
         return pts[-1][1]
-    for (w0, r0), (w1, r1) in zip(pts, pts[1:]):
-        if w0 <= hidden_size <= w1:
-            # r = r0 + (r1 - r0) x (log2 h - log2 w0) / (log2 w1 - log2 w0)
-            x = (math.log2(hidden_size) - math.log2(w0)) / (math.log2(w1) - math.log2(w0))
-            return r0 + (r1 - r0) * x
-    raise AssertionError("unreachable: widths are sorted")
+    for (x0, r0), (x1, r1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            # r = r0 + (r1 - r0) x (log2 x - log2 x0) / (log2 x1 - log2 x0)
+            f = (math.log2(x) - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
+            return r0 + (r1 - r0) * f
+    raise AssertionError("unreachable: points are sorted")
 
 
 # ---- fitting ---------------------------------------------------------------------------------
@@ -245,6 +258,8 @@ def fit(runs: Sequence[RunSample], compute_dtype: str, overhead_run: RunSample |
         source: str = "unspecified", samples: int = 0) -> Calibration:
     """Fit every term from the runs (see the module docstring for the model).
 
+    attention where the profile measured causal attention, its seconds at that rate come off each run's compute
+              and its FLOPs off the run's FLOPs (``attention_apart``)
     head      where a run timed its head alone: r_head(h) = head FLOPs / head seconds, and the run's own
               FLOPs, seconds and overhead units below are without the head
     overhead  o = (compute_s - flops / r) / units of ``overhead_run`` (a model so small that FLOPs hardly
@@ -262,10 +277,12 @@ def fit(runs: Sequence[RunSample], compute_dtype: str, overhead_run: RunSample |
         return 0 < r.head_s < HEAD_SHARE_MAX * r.compute_s
 
     def body(r: RunSample) -> tuple[float, float, float]:
-        """(FLOPs, seconds, overhead units) of the run without its head where the head was timed alone."""
+        """(FLOPs, seconds, overhead units) of the run without its head where the head was timed alone, and
+        without its attention where the profile measured the attention rate."""
+        flops, seconds = r.flops - r.attention_flops, r.compute_s - r.attention_s
         if head_timed(r):
-            return r.flops - r.head_flops, r.compute_s - r.head_s, r.overhead_units - r.head_units
-        return r.flops, r.compute_s, r.overhead_units
+            return flops - r.head_flops, seconds - r.head_s, r.overhead_units - r.head_units
+        return flops, seconds, r.overhead_units
 
     o = 0.0
     if overhead_run is not None and body(overhead_run)[2] > 0:
@@ -308,7 +325,8 @@ def fit(runs: Sequence[RunSample], compute_dtype: str, overhead_run: RunSample |
         compute_dtype=compute_dtype, tflops_by_width=rates, block_overhead_s=o, adam_params_per_s=adam,
         h2d_gbps=h2d, d2h_gbps=d2h, process_bytes=int(process), temporaries_bytes=int(round(a)),
         temporaries_factor=b, t_half_tokens=t_half,
-        head_tflops_by_width=tuple((w, statistics.median(v)) for w, v in heads.items()), source=source,
+        head_tflops_by_width=tuple((w, statistics.median(v)) for w, v in heads.items()),
+        attention_apart=any(r.attention_s > 0 for r in runs), source=source,
         samples=samples, spread=max(r.spread for r in all_runs),
         runs=tuple(_run_row(r) for r in all_runs))
 

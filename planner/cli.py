@@ -435,11 +435,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
     hw = profiler.measure(args.spill_dir, log=log)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     hw.save(out)
-    text = "\n".join([report.hardware_line(hw), f"matmul TFLOP/s: " + ", ".join(
-        f"{k} {v:.2f}" for k, v in hw.matmul_tflops.items()),
-        "AdamW by threads: " + ", ".join(f"{n}: {r / 1e9:.2f} Gparam/s" for n, r in hw.adam_by_threads),
-        f"disk: read {hw.disk_read_gbps:.2f} / write {hw.disk_write_gbps:.2f} GB/s", f"source: {hw.source}",
-        f"saved to {out}"])
+    text = report.profile_text(hw, out)
     _emit(args, {**hw.to_dict(), "saved_to": out}, text)
 
 

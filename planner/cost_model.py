@@ -185,6 +185,7 @@ class _Rates:
     """What work costs on this machine: compute FLOP/s, launches per block visit, copy bandwidths."""
 
     flops_per_s: float         # the decoder layers' achieved rate at this width and micro-batch
+    attention_flops_per_s: float  # their causal attention's, measured by sequence length (0: at flops_per_s)
     head_flops_per_s: float    # the head's, when fitted apart (0: the layers' rate plus launches)
     launch_fwd_s: float        # per block per micro-batch, forward
     launch_bwd_s: float        # per block per micro-batch, recompute + backward
@@ -217,7 +218,19 @@ class _Rates:
         # share the link: each direction runs at scale x its own rate, scale = min(1, duplex / (h2d + d2h)).
         # Rates fitted in the step already hold that sharing: scale = 1.
         duplex = 1.0 if hw.device_is_host or cal is not None else min(1.0, hw.duplex_gbps / (h2d_gbps + d2h_gbps))
-        return cls(rate, head_rate, launch_fwd, launch_bwd, h2d_gbps, d2h_gbps, duplex, peak)
+        # Causal attention at the profile's measured rate for this sequence length, apart from the layers' other
+        # FLOPs; a calibration that fitted r(h) with attention inside keeps it there.
+        attention = hw.attention_rate_tflops(work.compute_dtype, batch.seq)
+        attention_rate = attention * 1e12 if attention and (cal is None or cal.attention_apart) else 0.0
+        return cls(rate, attention_rate, head_rate, launch_fwd, launch_bwd, h2d_gbps, d2h_gbps, duplex, peak)
+
+    def layer_seconds(self, flops: float, attention: float) -> float:
+        """A layer visit's FLOP time: (flops - attention) / layer rate + attention / attention rate, where
+        ``attention`` is the causal attention inside ``flops``; all of it at the layer rate when no attention
+        rate applies."""
+        if not self.attention_flops_per_s:
+            return flops / self.flops_per_s
+        return (flops - attention) / self.flops_per_s + attention / self.attention_flops_per_s
 
 
 class _AdamTime:
@@ -284,8 +297,9 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: _Batch,
     # Embedding: load E x c; compute is a gather (launches only).
     steps = [_Step(_copy_s(E * c, h2d), M * rates.launch_fwd_s, 0.0)]
     for _ in range(model.num_layers):
-        # compute_fwd(M) = T x flops_fwd(seq) / rate + M x launch
-        comp = T * model.layer_flops_fwd(batch.seq) / rates.flops_per_s + M * rates.launch_fwd_s
+        # compute_fwd(M) = T x flops_fwd(seq) / rate (attention at its own rate) + M x launch
+        comp = (rates.layer_seconds(T * model.layer_flops_fwd(batch.seq), T * model.attention_flops_fwd(batch.seq))
+                + M * rates.launch_fwd_s)
         # host checkpoints: D2H of the block's input (T x h x c), staged in one of K device areas.
         drain = _copy_s(ckpt_bytes, d2h) if host_ckpt else 0.0
         wait = len(steps) - K if host_ckpt and len(steps) - K >= 1 else None
@@ -321,7 +335,8 @@ def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: _Batch
         # = T x (flops_fwd + flops_bwd)(seq) / rate + M x launch; drain = layer x 4 (fp32 grads).
         load = _copy_s(Lw * c + ckpt_bytes, h2d)
         flops = T * (model.layer_flops_recompute(batch.seq) + model.layer_flops_bwd(batch.seq))
-        comp = flops / rates.flops_per_s + M * rates.launch_bwd_s
+        attention = T * (model.attention_flops_fwd(batch.seq) + model.attention_flops_bwd(batch.seq))
+        comp = rates.layer_seconds(flops, attention) + M * rates.launch_bwd_s
         wait = grad_users[-G] if len(grad_users) >= G else None   # a grad buffer frees when its drain ends
         index = first + len(steps)
         grad_users.append(index)
@@ -368,6 +383,13 @@ def _step_time(steps: list[_Step], n_fwd: int, plan: Plan, hw: HardwareProfile,
     for st in steps:
         st.earliest_load = 0.0
     return fwd_end, end, max(0.0, end - _simulate(steps, K, depth)["end"])
+
+
+def hardware_attention_flops(model: ModelShape, work: Workload) -> float:
+    """The layers' causal-attention FLOPs in one step as the device runs them (inside ``hardware_flops``):
+    T x L x (forward + recompute + backward) = T x L x attention_fwd(seq) x (2 + ATTENTION_BWD_FACTOR)."""
+    return (work.tokens * model.num_layers
+            * (2 * model.attention_flops_fwd(work.seq_len) + model.attention_flops_bwd(work.seq_len)))
 
 
 def traffic(model: ModelShape, work: Workload, plan: Plan) -> tuple[float, float]:

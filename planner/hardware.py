@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from megatrain.errors import MegatrainError
 
-from .calibration import Calibration, CalibrationError
+from .calibration import Calibration, CalibrationError, log2_interpolate
 
 MiB = 1024 ** 2
 GiB = 1024 ** 3
@@ -67,6 +67,10 @@ class HardwareProfile:
     # CPU rounding of fp32 masters into the bf16 shadow (params/s, all cores), the pass after AdamW
     # when compute is not fp32; 0: not measured (the cost model then assumes ADAM_SHADOW_FACTOR).
     cpu_shadow_params_per_s: float = 0.0
+    # Causal attention (scaled_dot_product_attention with is_causal, forward + backward) TFLOP/s per compute
+    # dtype by sequence length, FLOPs counted as the planner counts them (model_shapes.attention_flops_per_token):
+    # {"float32": ((seq, TFLOP/s), ...)}. Empty for a dtype: not measured (attention runs at the layers' rate).
+    attention_tflops: Mapping[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     # Cost and memory constants fitted from real training steps on this machine (megatrain-plan calibrate),
     # one per compute dtype, with their source; for a dtype without one the models use their defaults.
     calibrations: tuple[Calibration, ...] = ()
@@ -79,6 +83,18 @@ class HardwareProfile:
         object.__setattr__(self, "matmul_tflops", dict(self.matmul_tflops))
         object.__setattr__(self, "transfer_by_size", tuple(tuple(r) for r in self.transfer_by_size))
         object.__setattr__(self, "adam_by_threads", tuple(tuple(r) for r in self.adam_by_threads))
+        if not isinstance(self.attention_tflops, Mapping):
+            raise HardwareError(f"attention_tflops={self.attention_tflops!r} must map a dtype to [[seq, TFLOP/s], "
+                                "...]; run megatrain-plan profile again")
+        try:
+            attention = {str(k): tuple(sorted((int(n), float(r)) for n, r in v))
+                         for k, v in self.attention_tflops.items()}
+        except (TypeError, ValueError):
+            attention = {"": ((0, 0.0),)}
+        if any(not v or any(n <= 0 or not r > 0 for n, r in v) for v in attention.values()):
+            raise HardwareError(f"attention_tflops={self.attention_tflops!r} needs positive [seq, TFLOP/s] pairs "
+                                "per dtype; run megatrain-plan profile again")
+        object.__setattr__(self, "attention_tflops", attention)
         if not isinstance(self.calibrations, (list, tuple)):
             raise HardwareError(f"calibrations={self.calibrations!r} must be the list megatrain-plan calibrate "
                                 "writes, or absent")
@@ -154,6 +170,12 @@ class HardwareProfile:
         raise HardwareError(f"no matmul TFLOP/s for dtype {compute_dtype!r} in this profile (has "
                             f"{', '.join(self.matmul_tflops)}); run megatrain-plan profile")
 
+    def attention_rate_tflops(self, compute_dtype: str, seq: int) -> float | None:
+        """Measured causal-attention TFLOP/s for a compute dtype at ``seq`` tokens per sequence: linear in
+        log2(seq) between measured lengths, the end figures outside; None when not measured for the dtype."""
+        pts = self.attention_tflops.get(_dtype_name(compute_dtype))
+        return log2_interpolate(pts, seq) if pts else None
+
     def replace(self, **changes: Any) -> "HardwareProfile":
         return dataclasses.replace(self, **changes)
 
@@ -179,6 +201,7 @@ class HardwareProfile:
         d = dataclasses.asdict(self)
         d["transfer_by_size"] = [list(r) for r in self.transfer_by_size]
         d["adam_by_threads"] = [list(r) for r in self.adam_by_threads]
+        d["attention_tflops"] = {k: [list(p) for p in v] for k, v in self.attention_tflops.items()}
         d["calibrations"] = [c.to_dict() for c in self.calibrations]
         return d
 

@@ -47,6 +47,19 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[name]
 
 
+# Causal attention backward (flash backward: QK^T again, dV, dP, dQ, dK) over its forward.
+ATTENTION_BWD_FACTOR = 2.5
+
+
+def attention_flops_per_token(heads: int, head_dim: int, seq: int) -> float:
+    """Causal attention FLOPs per token in forward, averaged over a sequence of ``seq`` tokens.
+
+    QK^T and PV each cost 2 x heads x head_dim x (keys seen); a causal token sees (seq + 1) / 2 keys
+    on average, so 2 x 2 x heads x head_dim x (seq + 1) / 2 = 2 x heads x head_dim x (seq + 1).
+    """
+    return 2.0 * heads * head_dim * (seq + 1)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The architecture numbers of a Llama / Qwen2 / Qwen3 / Mistral style decoder."""
@@ -167,16 +180,12 @@ class ModelShape:
         return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
 
     def attention_flops_fwd(self, seq: int) -> float:
-        """Causal attention FLOPs per token in forward, averaged over a sequence of ``seq`` tokens.
-
-        QK^T and PV each cost 2 x heads x head_dim x (keys seen); a causal token sees (seq + 1) / 2 keys
-        on average, so 2 x 2 x heads x head_dim x (seq + 1) / 2 = 2 x heads x head_dim x (seq + 1).
-        """
-        return 2.0 * self.num_heads * self.head_dim * (seq + 1)
+        """Causal attention FLOPs per token in forward (``attention_flops_per_token``)."""
+        return attention_flops_per_token(self.num_heads, self.head_dim, seq)
 
     def attention_flops_bwd(self, seq: int) -> float:
-        """Causal attention backward per token: 2.5 x forward (flash backward: QK^T again, dV, dP, dQ, dK)."""
-        return 2.5 * self.attention_flops_fwd(seq)
+        """Causal attention backward per token: ATTENTION_BWD_FACTOR x forward."""
+        return ATTENTION_BWD_FACTOR * self.attention_flops_fwd(seq)
 
     def layer_flops_fwd(self, seq: int) -> float:
         """One decoder layer, forward, per token: 2 x matmul weights + causal attention."""

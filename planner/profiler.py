@@ -11,6 +11,7 @@ profile's ``source`` says so.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import resource
@@ -24,6 +25,10 @@ from .hardware import GiB, MiB, HardwareProfile, preset
 CACHE_PATH = os.path.join(os.path.expanduser("~"), ".cache", "megatrain", "hardware.json")
 TRANSFER_SIZES_GPU = tuple(1 << s for s in range(20, 31, 2))      # 1 MiB .. 1 GiB
 DTYPES_GPU = ("bfloat16", "float16", "tf32", "float32")
+# Sequence lengths of the causal-attention measurement (heads x head_dim: 32 x 128 on a GPU, 4 x 64 on a CPU);
+# longer contexts take the longest length's rate.
+ATTENTION_SEQS_GPU = (1024, 4096, 16384, 65536)
+ATTENTION_SEQS_CPU = (256, 1024, 4096)
 
 
 # ---- host figures (no torch) -------------------------------------------------------------------
@@ -201,6 +206,54 @@ def matmul_tflops(device: str, dtypes: tuple[str, ...], n: int, repeats: int = 3
     return out
 
 
+def attention_tflops(device: str, dtypes: tuple[str, ...], seqs: tuple[int, ...], heads: int,
+                     head_dim: int) -> dict[str, tuple[tuple[int, float], ...]]:
+    """Causal attention TFLOP/s per dtype and sequence length, forward + backward of one sequence through
+    scaled_dot_product_attention(is_causal=True), as the runtime calls it; FLOPs counted as the planner counts
+    them: seq x attention_flops_per_token x (1 + ATTENTION_BWD_FACTOR). On CUDA, bf16 and fp16 run the
+    flash kernel (the runtime requires it) and fp32 the default choice. A length that does not fit or has
+    no kernel is left out."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from .model_shapes import ATTENTION_BWD_FACTOR, attention_flops_per_token
+
+    on_gpu = device.startswith("cuda")
+    out: dict[str, tuple[tuple[int, float], ...]] = {}
+    for name in dtypes:
+        dt = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
+        flash = on_gpu and dt != torch.float32
+        pts = []
+        for seq in seqs:
+            try:
+                q, k, v = (torch.randn(1, heads, seq, head_dim, device=device, dtype=dt, requires_grad=True)
+                           for _ in range(3))
+                dy = torch.randn(1, heads, seq, head_dim, device=device, dtype=dt)
+
+                def once() -> float:
+                    if on_gpu:
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if flash else contextlib.nullcontext():
+                        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    y.backward(dy)
+                    if on_gpu:
+                        torch.cuda.synchronize()
+                    return time.perf_counter() - t0
+
+                once()
+                seconds = _best_of(once, 2)
+            except (RuntimeError, torch.cuda.OutOfMemoryError):
+                continue  # too long for this device, or no kernel for the dtype: not measured there
+            finally:
+                q = k = v = dy = None
+            flops = seq * attention_flops_per_token(heads, head_dim, seq) * (1 + ATTENTION_BWD_FACTOR)
+            pts.append((seq, flops / seconds / 1e12))
+        if pts:
+            out[name] = tuple(pts)
+    return out
+
+
 def gpu_transfers(sizes: tuple[int, ...]) -> list[tuple[int, float, float, float]]:
     """(bytes, H2D, D2H, both-at-once total) GB/s between pinned host memory and the GPU, by size,
     timed with CUDA events on two copy streams."""
@@ -310,6 +363,8 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
         h2d, d2h, duplex = big[1], big[2], big[3]
         log("GPU matmul TFLOP/s")
         tflops = matmul_tflops("cuda", DTYPES_GPU, 8192)
+        log("GPU causal attention TFLOP/s (forward + backward), 1k .. 64k tokens")
+        attention = attention_tflops("cuda", ("bfloat16", "float16", "float32"), ATTENTION_SEQS_GPU, 32, 128)
         link = interconnect_label(name)
     else:
         notes.append("no GPU: the device is the CPU; transfers are host memcpy, matmul is CPU; "
@@ -319,6 +374,8 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
         h2d = d2h = cpu_copy_gbps()
         duplex = h2d
         tflops = matmul_tflops("cpu", ("float32", "bfloat16"), 1024)
+        log("CPU causal attention TFLOP/s (fp32, forward + backward), 256 .. 4k tokens")
+        attention = attention_tflops("cpu", ("float32",), ATTENTION_SEQS_CPU, 4, 64)
         link = "none"
     return HardwareProfile(
         gpu_name=name, gpu_mem_bytes=mem, h2d_gbps=h2d, d2h_gbps=d2h, duplex_gbps=duplex, matmul_tflops=tflops,
@@ -326,7 +383,8 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
         cgroup_limit_bytes=cg, memlock_bytes=memlock_bytes(), disk_read_gbps=read_gbps,
         disk_write_gbps=write_gbps, disk_direct_faster=direct_faster, interconnect=link, cores=cores,
         source=f"measured by megatrain-plan profile on {_now()}" + (f"; {'; '.join(notes)}" if notes else ""),
-        transfer_by_size=tuple(table), adam_by_threads=tuple(adam), cpu_shadow_params_per_s=shadow)
+        transfer_by_size=tuple(table), adam_by_threads=tuple(adam), cpu_shadow_params_per_s=shadow,
+        attention_tflops=attention)
 
 
 def detect() -> HardwareProfile:

@@ -50,6 +50,18 @@ def hardware_line(hw: HardwareProfile) -> str:
             + f"; {hw.cores} cores; {hw.interconnect}")
 
 
+def profile_text(hw: HardwareProfile, saved_to: str) -> str:
+    """What ``megatrain-plan profile`` measured, a line per resource."""
+    attention = "; ".join(f"{k} " + ", ".join(f"{r:.2f} at {n:,} tokens" for n, r in pts)
+                          for k, pts in hw.attention_tflops.items())
+    return "\n".join([
+        hardware_line(hw), "matmul TFLOP/s: " + ", ".join(f"{k} {v:.2f}" for k, v in hw.matmul_tflops.items()),
+        "causal attention TFLOP/s (forward + backward): " + (attention or "not measured"),
+        "AdamW by threads: " + ", ".join(f"{n}: {r / 1e9:.2f} Gparam/s" for n, r in hw.adam_by_threads),
+        f"disk: read {hw.disk_read_gbps:.2f} / write {hw.disk_write_gbps:.2f} GB/s", f"source: {hw.source}",
+        f"saved to {saved_to}"])
+
+
 def memory_table(mem: MemoryEstimate) -> str:
     rows = [(c.where, c.name, gib(c.nbytes), "pinned" if c.pinned else "", c.formula) for c in mem.components]
     rows += [("device", "TOTAL", gib(mem.device_bytes), "", ""),

@@ -221,6 +221,52 @@ def test_cost_model_uses_fitted_terms_on_a_cpu() -> None:
     assert est.constants == "fitted (test calibration)" and est.to_dict()["constants"] == est.constants
 
 
+def test_attention_runs_at_its_measured_rate_by_hand() -> None:
+    """Defaults: a layer visit's FLOPs less its attention at the layers' rate, the attention at the measured
+    rate for the sequence length (linear in log2(seq) between measured lengths)."""
+    work = Workload(seq_len=512, batch=2, compute_dtype="fp32")
+    plan = Plan(micro_batch_size=2)
+    plain = cost_model.estimate(SMALL, work, plan, _cpu())
+    measured = _cpu(attention_tflops={"float32": [[256, 0.02], [1024, 0.06]]})
+    assert measured.attention_rate_tflops("fp32", 512) == pytest.approx(0.04)      # halfway in log2
+    assert measured.attention_rate_tflops("fp32", 8192) == 0.06 and _cpu().attention_rate_tflops("fp32", 512) is None
+    assert measured.attention_rate_tflops("bf16", 512) is None
+    est = cost_model.estimate(SMALL, work, plan, measured)
+    T, L, t = work.tokens, SMALL.num_layers, 1024
+    rate = 0.1e12 * t / (t + cost_model.T_HALF_TOKENS) / cost_model.NONMATMUL_FACTOR
+    # attention of forward, recompute and backward: T x L x a_fwd x (2 + 2.5)
+    attention = T * L * SMALL.attention_flops_fwd(512) * 4.5
+    assert cost_model.hardware_attention_flops(SMALL, work) == pytest.approx(attention)
+    assert est.step_seconds - plain.step_seconds == pytest.approx(attention / 0.04e12 - attention / rate)
+
+
+def test_fit_takes_the_attention_out_of_the_layer_rate_by_hand() -> None:
+    # 4e12 FLOPs in 21 s, 1e12 of them attention timed at the profile's rate in 1 s: r = 3e12 / 20 s
+    run = _run("a", 512, 4e12, 0, 21.0, attention_flops=1e12, attention_s=1.0)
+    cal = fit([run], "fp32", source="hand", samples=1)
+    assert dict(cal.tflops_by_width) == pytest.approx({512: 0.15}) and cal.attention_apart
+    assert not fit([_run("a", 512, 4e12, 0, 21.0)], "fp32").attention_apart
+    # the cost model times attention apart only for a calibration fitted that way
+    work = Workload(seq_len=512, batch=2, compute_dtype="fp32")
+    plan = Plan(micro_batch_size=2)
+    rates = {"float32": [[512, 0.05]]}
+    inside = cost_model.estimate(SMALL, work, plan, _cpu(calibrations=(_cal(),), attention_tflops=rates))
+    assert inside.step_seconds == cost_model.estimate(SMALL, work, plan, _cpu(calibrations=(_cal(),))).step_seconds
+    apart = cost_model.estimate(SMALL, work, plan, _cpu(calibrations=(_cal(attention_apart=True),),
+                                                        attention_tflops=rates))
+    attention = cost_model.hardware_attention_flops(SMALL, work)
+    assert apart.step_seconds - inside.step_seconds == pytest.approx(attention / 0.05e12 - attention / 0.2e12)
+
+
+def test_a_bad_attention_rate_is_one_line() -> None:
+    for bad in ({"float32": [[512, 0]]}, {"float32": []}, {"float32": [[512]]}, [[512, 1.0]]):
+        with pytest.raises(HardwareError, match="attention_tflops") as e:
+            _cpu(attention_tflops=bad)
+        assert "\n" not in str(e.value)
+    with pytest.raises(CalibrationError, match="attention_apart"):
+        _cal(attention_apart="yes")
+
+
 def test_cost_model_uses_the_fitted_head_rate() -> None:
     cal = _cal(head_tflops_by_width=((256, 0.05), (1024, 0.2)))
     work = Workload(seq_len=128, batch=4, compute_dtype="fp32")

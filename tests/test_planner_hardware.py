@@ -95,10 +95,27 @@ def test_measure_on_this_machine(tmp_path) -> None:
     assert hw.cpu_adam_params_per_s > 0 and hw.adam_by_threads and hw.cpu_shadow_params_per_s > 0
     assert hw.disk_read_gbps > 0 and hw.disk_write_gbps > 0
     assert all(v > 0 for v in hw.matmul_tflops.values())
+    seqs = profiler.ATTENTION_SEQS_CPU if hw.device_is_host else profiler.ATTENTION_SEQS_GPU
+    assert [n for n, _ in hw.attention_tflops["float32"]] == list(seqs)
+    assert all(r > 0 for pts in hw.attention_tflops.values() for _, r in pts)
     assert HardwareProfile.from_json(hw.to_json()) == hw
     assert os.listdir(tmp_path) == []                     # the disk probe cleans up
     if hw.device_is_host:
         assert "no GPU" in hw.source
+
+
+def test_attention_rate_counts_the_planners_flops(monkeypatch) -> None:
+    """The measured rate is the planner's FLOPs for the call over its seconds: with the clock stubbed to
+    advance 0.5 s per reading pair, rate = seq x a_fwd x 3.5 / 0.5 s."""
+    pytest.importorskip("torch")
+    from megatrain.planner.model_shapes import attention_flops_per_token
+
+    ticks = iter(range(1000))
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: next(ticks) * 0.5)
+    got = profiler.attention_tflops("cpu", ("float32",), (64, 128), 2, 16)
+    assert [n for n, _ in got["float32"]] == [64, 128]
+    for n, r in got["float32"]:
+        assert r == pytest.approx(n * attention_flops_per_token(2, 16, n) * 3.5 / 0.5 / 1e12)
 
 
 @pytest.mark.gpu

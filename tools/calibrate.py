@@ -210,6 +210,9 @@ def reduce_run(name: str, config: dict[str, Any], seq: int, batch: int, dtype: s
                           - s.get("adam_busy_s", adam.value if adam else 0.0) for s in steps], percentile)
     head = robust(measured["head_s"], percentile) if measured.get("head_s") else None
     h2d_bytes, d2h_bytes = cost_model.traffic(shape, work, plan)
+    # the layers' causal attention (forward, recompute, backward), timed at the profile's measured rate
+    attention_flops = cost_model.hardware_attention_flops(shape, work)
+    attention_rate = hw.attention_rate_tflops(dtype, seq)
     est = memory_model.estimate(shape, work, plan, hw)
     return RunSample(
         name=name, hidden_size=shape.hidden_size, params=shape.params,
@@ -222,7 +225,9 @@ def reduce_run(name: str, config: dict[str, Any], seq: int, batch: int, dtype: s
         transient_bytes=memory_model.transient_bytes(shape, work, plan),
         spread=max(step.spread, compute.spread), tokens_per_micro_batch=min(plan.micro_batch_size, batch) * seq,
         head_flops=(shape.head_flops_fwd() + shape.head_flops_bwd()) * work.tokens if head else 0.0,
-        head_s=head.value if head else 0.0, head_units=cost_model.head_overhead_units(shape, work, plan))
+        head_s=head.value if head else 0.0, head_units=cost_model.head_overhead_units(shape, work, plan),
+        attention_flops=attention_flops if attention_rate else 0.0,
+        attention_s=attention_flops / (attention_rate * 1e12) if attention_rate else 0.0)
 
 
 def base_profile(out: str | None, log: Callable[[str], None]) -> tuple[Any, str]:
