@@ -151,6 +151,9 @@ class Plan:
       loss_chunk_tokens   logits chunk: chunk x vocab x (compute + 4 + 4) bytes
       mlp_tile_tokens     the MLP's intermediates: micro-batch x min(tile, S) x intermediate x 3 x compute
                           bytes (None: untiled, S tokens)
+      attention_tile_tokens  the attention half's token-local intermediates (norm output, fp32 norm copies,
+                          pre-RoPE q and k, o_proj's input) for micro-batch x min(tile, S) tokens instead of S
+                          (None: untiled); q, k, v, attention's output and their gradients stay whole
       spill               "optimizer": AdamW m and v live in spill files on disk (8 bytes/param off RAM);
                           "all": the fp32 master and gradients too (16 bytes/param off RAM);
                           "blocks": per kind, the blocks ``spill_blocks`` names (4 bytes/param of each
@@ -182,6 +185,9 @@ class Plan:
     loss_chunk_tokens: int = 4096
     # Tokens per sequence tile of the MLP with its norm, forward and backward (None: the whole sequence at once).
     mlp_tile_tokens: int | None = None
+    # Tokens per sequence tile of the attention half's token-local work (input norm, q/k/v projections and RoPE,
+    # o_proj), forward and backward, around one attention call over the whole sequence (None: untiled).
+    attention_tile_tokens: int | None = None
     # What lives in spill files instead of host RAM: "none", "optimizer" (m, v), "all" (fp32 master, m, v, grads),
     # or "blocks" (per kind, the blocks spill_blocks names).
     spill: str = "none"
@@ -226,6 +232,9 @@ class Plan:
         _at_least("loss_chunk_tokens", self.loss_chunk_tokens, 1, "it is the number of tokens per logits chunk")
         if self.mlp_tile_tokens is not None:
             _at_least("mlp_tile_tokens", self.mlp_tile_tokens, 1, "it is the number of tokens per MLP tile, or null")
+        if self.attention_tile_tokens is not None:
+            _at_least("attention_tile_tokens", self.attention_tile_tokens, 1,
+                      "it is the number of tokens per tile of the attention's projections, or null")
         _one_of("spill", self.spill, SPILL_CHOICES)
         self._check_spill_blocks()
         _one_of("io_backend", self.io_backend, IO_BACKENDS)

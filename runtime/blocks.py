@@ -61,9 +61,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: Documents | None = None) -> torch.Tensor:
-        """x: [B, S, hidden] -> [B, S, hidden]; causal over the whole sequence, or within each of ``documents``."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The token-local half before attention: x [B, S, hidden] -> q [B, Hq, S, D], k and v [B, Hkv, S, D],
+        q and k rotated (cos, sin: the rows of these tokens)."""
         b, s, _ = x.shape
         shape = (b, s, -1, self.head_dim)
         q = self.q_proj(x).view(shape)
@@ -72,8 +72,21 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        out = causal_attention(q, k, v, scale=self.head_dim ** -0.5, documents=documents)  # [B, Hq, S, D]
+        return q, k, v
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None) -> torch.Tensor:
+        """Causal attention over the whole sequence (or within each of ``documents``): [B, Hq, S, D]."""
+        return causal_attention(q, k, v, scale=self.head_dim ** -0.5, documents=documents)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """o_proj of attention's output [B, Hq, S, D] -> [B, S, hidden]."""
+        b, _, s, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        """x: [B, S, hidden] -> [B, S, hidden]; causal over the whole sequence, or within each of ``documents``."""
+        return self.output(self.core(*self.project(x, cos, sin), documents))
 
 
 class MLP(nn.Module):
@@ -98,17 +111,30 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None,
-                mlp_tile_tokens: int = 0, part: str = "layer") -> torch.Tensor:
+                mlp_tile_tokens: int = 0, part: str = "layer", attention_tile_tokens: int = 0) -> torch.Tensor:
         """x: [B, S, hidden] (compute dtype) -> same; cos, sin: [1 or B, S, head_dim / 2] (see rope.py);
         ``documents``: packed rows (attention.py), None for whole rows.
 
         ``mlp_tile_tokens`` > 0: the MLP with its norm runs over sequence tiles of that many tokens (token-local,
-        so exact), never holding a [B, S, intermediate] tensor. ``part`` (for a tiled backward,
+        so exact), never holding a [B, S, intermediate] tensor; ``attention_tile_tokens`` > 0: the attention
+        half's token-local work (input norm, q/k/v projections and RoPE; o_proj) runs over tiles of that many
+        tokens around one attention call over the whole sequence. ``part`` (for a tiled backward,
         ``sequence_tiles.py``): "attention" returns h = x + attention(x); "mlp" takes h and returns the MLP's
-        output without the residual."""
+        output without the residual; "project" takes x and returns (q, k, v) of its tokens, rotated with the
+        cos and sin given (their rows); "core" takes (q, k, v) and returns attention's output over the whole
+        sequence; "output" takes attention's output and returns o_proj of it."""
         if part == "mlp":
             return self.mlp(self.post_attention_layernorm(x))
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, documents)
+        if part == "project":
+            return self.self_attn.project(self.input_layernorm(x), cos, sin)
+        if part == "output":
+            return self.self_attn.output(x)
+        if part == "core":
+            return self.self_attn.core(*x, documents)
+        if 0 < attention_tile_tokens < x.shape[1]:
+            h = x + self._tiled_attention(x, cos, sin, documents, attention_tile_tokens)
+        else:
+            h = x + self.self_attn(self.input_layernorm(x), cos, sin, documents)
         if part == "attention":
             return h
         if not 0 < mlp_tile_tokens < h.shape[1]:
@@ -118,6 +144,41 @@ class DecoderLayer(nn.Module):
             t = h[:, start:start + mlp_tile_tokens]
             out[:, start:start + mlp_tile_tokens] = t + self.mlp(self.post_attention_layernorm(t))
         return out
+
+    def _tiled_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None,
+                         tile: int) -> torch.Tensor:
+        """attention(x) with its token-local work in sequence tiles (forward only: no autograd graph is kept
+        across tiles; the backward's tiles are in sequence_tiles.py)."""
+        q, k, v = tile_projections(functools.partial(self._project_rows, x, cos, sin), x.shape[1], tile)
+        out = self.self_attn.core(q, k, v, documents)
+        y = torch.empty_like(x)
+        for start in range(0, x.shape[1], tile):
+            y[:, start:start + tile] = self.self_attn.output(out[:, :, start:start + tile])
+        return y
+
+    def _project_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      rows: slice) -> tuple[torch.Tensor, ...]:
+        return self.self_attn.project(self.input_layernorm(x[:, rows]), *rope_rows(cos, sin, rows))
+
+
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of cos and sin ([1 or B, S, head_dim / 2]) for the tokens ``rows`` of the sequence."""
+    return cos[:, rows], sin[:, rows]
+
+
+def tile_projections(project: Callable[[slice], tuple[torch.Tensor, ...]], seq: int,
+                     tile: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v of a whole sequence, built tile by tile from ``project(rows)`` (each [B, H, rows, D]) into
+    full tensors [B, H, seq, D]."""
+    full: tuple[torch.Tensor, ...] = ()
+    for start in range(0, seq, tile):
+        rows = slice(start, start + tile)
+        parts = project(rows)
+        if not full:
+            full = tuple(p.new_empty(p.shape[0], p.shape[1], seq, p.shape[3]) for p in parts)
+        for f, p in zip(full, parts):
+            f[:, :, rows] = p
+    return full
 
 
 class EmbeddingBlock(nn.Module):

@@ -131,6 +131,7 @@ class Executor:
         self.clip_copied: Event = self.streams.event()
         self.grad_norm: torch.Tensor | None = None
         self.mlp_tile = plan.mlp_tile_tokens or 0  # [Note: sequence tiles]
+        self.attention_tile = plan.attention_tile_tokens or 0
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per length: fp32 cos, sin (rope.py)
 
     # ------------------------------------------------------------------ the step
@@ -155,7 +156,8 @@ class Executor:
                 with self.loader.resident(load) as params, record_function(f"fwd[{load.block.index}]"):
                     for m, rows in enumerate(batch.micro):
                         self.checkpoints.save(load.layer, m, rows, x[m])
-                        x[m] = self.templates.run(BlockKind.LAYER, params, x[m], *positions[m], self.mlp_tile)
+                        x[m] = self.templates.run(BlockKind.LAYER, params, x[m], *positions[m], self.mlp_tile, "layer",
+                                                   self.attention_tile)
                 self.checkpoints.end_forward_block()
         self.checkpoints.flush()
 
@@ -228,9 +230,11 @@ class Executor:
             names = list(by_name)
             torch._foreach_add_([g_list[index[n]] for n in names], [by_name[n] for n in names])
 
-        if 0 < self.mlp_tile < x_in.shape[1]:  # [Note: sequence tiles]
+        seq = x_in.shape[1]
+        if 0 < self.mlp_tile < seq or 0 < self.attention_tile < seq:  # [Note: sequence tiles]
             run = functools.partial(self.templates.run, BlockKind.LAYER)
-            return tiled_layer_backward(run, leaves, x_in, dy, positions, self.mlp_tile, add_grads)
+            return tiled_layer_backward(run, leaves, x_in, dy, positions, self.mlp_tile if 0 < self.mlp_tile < seq
+                                        else seq, add_grads, self.attention_tile)
         with torch.enable_grad():
             out = self.templates.run(BlockKind.LAYER, leaves, x_in, *positions)
         grads = torch.autograd.grad(out, (x_in, *leaves.values()), dy)
@@ -354,7 +358,8 @@ class Executor:
         for load in s.layers:
             with self.loader.resident(load) as params:
                 for m in range(len(batch.micro)):
-                    x[m] = self.templates.run(BlockKind.LAYER, params, x[m], *positions[m], self.mlp_tile)
+                    x[m] = self.templates.run(BlockKind.LAYER, params, x[m], *positions[m], self.mlp_tile, "layer",
+                                                   self.attention_tile)
         with self.loader.resident_together(s.head_loads) as held:
             head_params = held[0]
             lm_weight = s.lm_weight(held)
@@ -380,7 +385,8 @@ class Executor:
             x = self.templates.run(BlockKind.EMBED, params, input_ids)
         for load in s.layers:
             with self.loader.resident(load) as params:
-                x = self.templates.run(BlockKind.LAYER, params, x, *positions, self.mlp_tile)
+                x = self.templates.run(BlockKind.LAYER, params, x, *positions, self.mlp_tile, "layer",
+                                       self.attention_tile)
         with self.loader.resident_together(s.head_loads) as held:
             normed = self.templates.run(BlockKind.HEAD, held[0], x)
             flat = normed.reshape(-1, normed.shape[-1])

@@ -1,4 +1,4 @@
-"""A decoder layer's recompute-and-backward with its token-local half (norm + MLP) in sequence tiles.
+"""A decoder layer's recompute-and-backward with its token-local work in sequence tiles.
 
 [Note: sequence tiles]
 At long context the MLP's intermediates (gate, up, activation: B x S x
@@ -11,6 +11,18 @@ added into the block's fp32 gradient buffer tile by tile and its input gradient
 written into dh (which starts as dy: the residual); last, dh flows back through
 the attention half. Live at once: h, dh (B x S x hidden each) and one tile's
 intermediates (B x tile x intermediate x 3).
+
+The attention half's token-local work (input norm, q/k/v projections, RoPE;
+o_proj) tiles the same way with ``Plan.attention_tile_tokens``: forward
+(``DecoderLayer._tiled_attention``) builds q, k, v tile by tile, runs one
+attention call over the whole sequence and o_proj tile by tile; here q, k, v
+are rebuilt tile by tile without a graph, attention alone runs with autograd,
+o_proj is backpropagated tile by tile into attention's output gradient, the
+attention call's backward gives dq, dk, dv, and last the projections are
+recomputed and backpropagated tile by tile into dx (which starts as dh: the
+residual). Live at once: q, k, v, attention's output and its gradient, dq, dk,
+dv, h and dh, and one tile's norm and projection intermediates; never the
+whole sequence's norm output, pre-RoPE q and k, or fp32 norm copies.
 
 Exactness (fp32): the forward is the untiled one bit for bit where BLAS runs
 the tile's rows through the same kernel (row-wise norm and matmuls; tested),
@@ -25,20 +37,27 @@ from typing import Callable
 
 import torch
 
+from .blocks import rope_rows, tile_projections
+
 MLP_PREFIXES = ("mlp.", "post_attention_layernorm.")
+OUTPUT_PREFIXES = ("self_attn.o_proj.",)
 
 RunLayer = Callable[..., torch.Tensor]  # run(params, x, cos, sin, documents, mlp_tile_tokens, part)
 AddGrads = Callable[[dict[str, torch.Tensor]], None]  # adds gradients (by parameter name) into fp32
+Finish = Callable[[torch.Tensor], torch.Tensor]        # dh -> gradient w.r.t. the layer's input
 
 
 def tiled_layer_backward(run: RunLayer, leaves: dict[str, torch.Tensor], x_in: torch.Tensor, dy: torch.Tensor,
-                         rotary: tuple, tile: int, add_grads: AddGrads) -> torch.Tensor:
+                         rotary: tuple, tile: int, add_grads: AddGrads, attention_tile: int = 0) -> torch.Tensor:
     """Gradient w.r.t. x_in ([B, S, hidden], requires grad); parameter gradients go to ``add_grads``.
-    ``rotary``: what the layer takes after x (cos, sin and the documents, see executor.Positions)."""
+    ``rotary``: what the layer takes after x (cos, sin and the documents, see executor.Positions); ``tile``:
+    tokens per MLP tile (the whole sequence: one tile); ``attention_tile`` > 0: the attention half's
+    token-local work in tiles of that many tokens too."""
     mlp = {n: v for n, v in leaves.items() if n.startswith(MLP_PREFIXES)}
-    attention = {n: v for n, v in leaves.items() if n not in mlp}
-    with torch.enable_grad():
-        h = run(leaves, x_in, *rotary, 0, "attention")
+    if 0 < attention_tile < x_in.shape[1]:
+        h, finish = _attention_half_in_tiles(run, leaves, x_in, rotary, attention_tile, add_grads)
+    else:
+        h, finish = _attention_half(run, leaves, x_in, rotary, add_grads)
     dh = dy.clone()
     h_const = h.detach()
     for start in range(0, h.shape[1], tile):
@@ -50,6 +69,65 @@ def tiled_layer_backward(run: RunLayer, leaves: dict[str, torch.Tensor], x_in: t
         dh[:, rows] += grads[0]
         add_grads(dict(zip(mlp, grads[1:])))
         del out, grads, h_tile
-    grads = torch.autograd.grad(h, (x_in, *attention.values()), dh)
-    add_grads(dict(zip(attention, grads[1:])))
-    return grads[0]
+    return finish(dh)
+
+
+def _attention_half(run: RunLayer, leaves: dict[str, torch.Tensor], x_in: torch.Tensor, rotary: tuple,
+                    add_grads: AddGrads) -> tuple[torch.Tensor, Finish]:
+    """h = x + attention(x) with one autograd graph, and the backward through it."""
+    attention = {n: v for n, v in leaves.items() if not n.startswith(MLP_PREFIXES)}
+    with torch.enable_grad():
+        h = run(leaves, x_in, *rotary, 0, "attention")
+
+    def finish(dh: torch.Tensor) -> torch.Tensor:
+        grads = torch.autograd.grad(h, (x_in, *attention.values()), dh)
+        add_grads(dict(zip(attention, grads[1:])))
+        return grads[0]
+    return h, finish
+
+
+def _attention_half_in_tiles(run: RunLayer, leaves: dict[str, torch.Tensor], x_in: torch.Tensor, rotary: tuple,
+                             tile: int, add_grads: AddGrads) -> tuple[torch.Tensor, Finish]:
+    """h = x + attention(x) with the token-local work in tiles (see the note), and the backward through it."""
+    cos, sin, documents = rotary
+    seq = x_in.shape[1]
+    output = {n: v for n, v in leaves.items() if n.startswith(OUTPUT_PREFIXES)}
+    project = {n: v for n, v in leaves.items() if not n.startswith(MLP_PREFIXES + OUTPUT_PREFIXES)}
+    x = x_in.detach()
+    tiles = [slice(start, start + tile) for start in range(0, seq, tile)]
+    with torch.no_grad():
+        q, k, v = tile_projections(lambda rows: run(leaves, x[:, rows], *rope_rows(cos, sin, rows), None, 0,
+                                                    "project"), seq, tile)
+    qkv = tuple(t.requires_grad_() for t in (q, k, v))
+    with torch.enable_grad():
+        out = run(leaves, qkv, cos, sin, documents, 0, "core")
+    o = out.detach()
+    with torch.no_grad():
+        h = torch.empty_like(x)
+        for rows in tiles:
+            h[:, rows] = x[:, rows] + run(leaves, o[:, :, rows], cos, sin, None, 0, "output")
+
+    def finish(dh: torch.Tensor) -> torch.Tensor:
+        d_out = torch.empty_like(o)
+        for rows in tiles:  # o_proj, tile by tile, into attention's output gradient
+            o_tile = o[:, :, rows].requires_grad_()
+            with torch.enable_grad():
+                y = run(leaves, o_tile, cos, sin, None, 0, "output")
+            grads = torch.autograd.grad(y, (o_tile, *output.values()), dh[:, rows])
+            d_out[:, :, rows] = grads[0]
+            add_grads(dict(zip(output, grads[1:])))
+            del y, grads, o_tile
+        dq, dk, dv = torch.autograd.grad(out, qkv, d_out)
+        del d_out
+        dx = dh  # the residual's share; each tile adds the projections' share
+        for rows in tiles:
+            x_tile = x[:, rows].requires_grad_()
+            with torch.enable_grad():
+                parts = run(leaves, x_tile, *rope_rows(cos, sin, rows), None, 0, "project")
+            grads = torch.autograd.grad(parts, (x_tile, *project.values()),
+                                        (dq[:, :, rows], dk[:, :, rows], dv[:, :, rows]))
+            dx[:, rows] += grads[0]
+            add_grads(dict(zip(project, grads[1:])))
+            del parts, grads, x_tile
+        return dx
+    return h, finish

@@ -28,9 +28,10 @@ moments are compared where the last step left them.
    lm_head gradient are sums over chunks instead of one reduction / one matmul,
    and the matmul giving the hidden states' gradient runs on fewer rows (BLAS
    may block its reduction differently), so every layer's gradient differs by ulps.
-3. MLP_TILES: with ``mlp_tile_tokens`` below the sequence length, the MLP's parameter gradients are
-   sums of per-tile sums, and the layer's input gradient adds its terms in another order
-   (``runtime/sequence_tiles.py``); the forward too where a tile's rows take another BLAS kernel.
+3. SEQUENCE_TILES: with ``mlp_tile_tokens`` or ``attention_tile_tokens`` below the sequence length, the
+   tiled half's parameter gradients are sums of per-tile sums, and the layer's input gradient adds its terms
+   in another order (``runtime/sequence_tiles.py``); the forward too where a tile's rows take another BLAS
+   kernel.
 
 Clipping is bitwise: the per-parameter norms, their order, the coefficient
 and the multiply are those of ``clip_grad_norm_``.
@@ -93,6 +94,7 @@ def cases(draw):
         device_grad_buffers=draw(st.integers(2, 3)), host_grad_slabs=draw(st.integers(1, 3)),
         loss_chunk_tokens=math.ceil(tokens / n_chunks),
         mlp_tile_tokens=draw(st.one_of(st.none(), st.integers(1, 48))),
+        attention_tile_tokens=draw(st.one_of(st.none(), st.integers(1, 48))),
     )
     optimizer = OptimizerConfig(
         lr=1e-3, betas=(0.9, draw(st.sampled_from([0.95, 0.999]))), eps=draw(st.sampled_from([1e-8, 1e-6])),
@@ -124,8 +126,8 @@ def run_case(config, plan, optimizer, batch, seq, lrs, seed, device="cpu"):
         sources.append("TIED_MICROBATCHES")
     if min(batch, plan.micro_batch_size) * seq > plan.loss_chunk_tokens:
         sources.append("LOSS_CHUNKS")
-    if plan.mlp_tile_tokens is not None and plan.mlp_tile_tokens < seq:
-        sources.append("MLP_TILES")
+    if any(t is not None and t < seq for t in (plan.mlp_tile_tokens, plan.attention_tile_tokens)):
+        sources.append("SEQUENCE_TILES")
 
     engine = Engine(config, optimizer, plan=plan, compute_dtype=torch.float32, device=device, seed=seed)
     try:
@@ -151,10 +153,14 @@ def run_case(config, plan, optimizer, batch, seq, lrs, seed, device="cpu"):
                 assert torch.equal(loss.cpu(), expected.cpu()), (loss.item(), expected.item())
             # An element at the noise floor in ANY step may flip that step's update (its sign, at most ~lr),
             # even if its gradient is large in the steps after: mark it from every step's second moment.
-            for n, p in (master or reference).named_parameters():
-                v_hat = optim.state[p]["exp_avg_sq"].detach().cpu().double() / (1 - b2 ** (step + 1))
-                rms = v_hat.sqrt()
-                at_floor = rms <= max(10 * optimizer.eps, 0.01 * rms.mean().item())
+            # A gradient that is mathematically zero (a query that attends to one key only, a token whose output
+            # no loss reads) is pure fp32 rounding, whose size follows the terms it sums: the floor is also 1e-5
+            # of the model's largest gradient.
+            rms_of = {n: (optim.state[p]["exp_avg_sq"].detach().cpu().double() / (1 - b2 ** (step + 1))).sqrt()
+                      for n, p in (master or reference).named_parameters()}
+            largest = max(r.max().item() for r in rms_of.values())
+            for n, rms in rms_of.items():
+                at_floor = rms <= max(10 * optimizer.eps, 0.01 * rms.mean().item(), 1e-5 * largest)
                 floor[n] = at_floor if n not in floor else floor[n] | at_floor
                 last_floor[n] = at_floor  # the moments are compared where the last step left them
 

@@ -1,4 +1,5 @@
-"""The MLP with its norm over sequence tiles equals the untiled layer; no [B, S, intermediate] tensor exists.
+"""The MLP with its norm, and the attention half's token-local work (norm, q/k/v, RoPE, o_proj), over sequence
+tiles equal the untiled layer; no [B, S, intermediate] tensor, no whole-sequence fp32 norm copy exists.
 
 Reference: the same ``DecoderLayer`` run whole under plain autograd. Forward outputs
 are bitwise equal where BLAS runs the fewer rows through the same kernel (tiles of
@@ -17,6 +18,7 @@ from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatrain.runtime import ModelConfig
+from megatrain.runtime.attention import Documents
 from megatrain.runtime.blocks import DecoderLayer
 from megatrain.runtime.rope import inverse_frequencies, rotary_tables
 from megatrain.runtime.sequence_tiles import tiled_layer_backward
@@ -48,7 +50,7 @@ def _untiled(layer: DecoderLayer, x: torch.Tensor, dy: torch.Tensor, rotary):
     return out.detach(), grads[0], dict(zip(params, grads[1:]))
 
 
-def _tiled(layer: DecoderLayer, x: torch.Tensor, dy: torch.Tensor, rotary, tile: int):
+def _tiled(layer: DecoderLayer, x: torch.Tensor, dy: torch.Tensor, rotary, tile: int, attention_tile: int = 0):
     leaves = {n: p.detach().requires_grad_() for n, p in layer.named_parameters()}
     acc = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in leaves.items()}
 
@@ -60,8 +62,8 @@ def _tiled(layer: DecoderLayer, x: torch.Tensor, dy: torch.Tensor, rotary, tile:
         return functional_call(layer, p, args, strict=True)
 
     with torch.no_grad():
-        out = run(leaves, x, *rotary, tile)
-    dx = tiled_layer_backward(run, leaves, x.clone().requires_grad_(), dy, rotary, tile, add)
+        out = run(leaves, x, *rotary, tile, "layer", attention_tile)
+    dx = tiled_layer_backward(run, leaves, x.clone().requires_grad_(), dy, rotary, tile, add, attention_tile)
     return out, dx, acc
 
 
@@ -114,3 +116,73 @@ def test_no_full_sequence_mlp_intermediate() -> None:
     full = 256 * CONFIG.intermediate_size
     assert untiled.largest >= full  # the check can fail
     assert tiled.largest < full // 2, tiled.largest  # largest left: [B, heads, S, S]-free attention and [B, S, hidden]
+
+
+def _packed_rotary(b: int, s: int, seed: int):
+    """cos, sin gathered by position ids of packed rows (documents restart at 0) and their Documents."""
+    gen = torch.Generator().manual_seed(seed)
+    pos = torch.empty(b, s, dtype=torch.long)
+    for r in range(b):
+        cuts = sorted(torch.randperm(s - 1, generator=gen)[:2].add(1).tolist())
+        starts = [0, *cuts]
+        for a, e in zip(starts, [*cuts, s]):
+            pos[r, a:e] = torch.arange(e - a)
+    cos, sin = rotary_tables(inverse_frequencies(CONFIG), s, torch.device("cpu"))
+    return cos[0][pos], sin[0][pos], Documents.from_position_ids(pos)
+
+
+@settings(max_examples=25, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(b=st.integers(1, 2), s=st.integers(3, 40), tile=st.integers(1, 41), attention_tile=st.integers(1, 41),
+       packed=st.booleans(), seed=st.integers(0, 100))
+def test_attention_tiles_equal_untiled(b: int, s: int, tile: int, attention_tile: int, packed: bool,
+                                       seed: int) -> None:
+    """Both halves tiled (tile sizes that divide the sequence, that do not, and that cover it), whole rows or
+    packed documents: forward, input gradient and every parameter gradient against one autograd graph."""
+    layer = _layer(seed)
+    x, dy, rotary = _inputs(b, s, seed)
+    if packed:
+        rotary = _packed_rotary(b, s, seed)
+    out, dx, grads = _untiled(layer, x, dy, rotary)
+    t_out, t_dx, t_grads = _tiled(layer, x, dy, rotary, tile, attention_tile)
+    torch.testing.assert_close(t_out, out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(t_dx, dx, rtol=1e-5, atol=1e-5)
+    for n in grads:
+        torch.testing.assert_close(t_grads[n], grads[n], rtol=1e-5, atol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("attention_tile", [8, 12, 64])
+def test_attention_tiles_forward_bitwise(attention_tile: int) -> None:
+    layer = _layer()
+    x, dy, rotary = _inputs(2, 48)
+    out, _, _ = _untiled(layer, x, dy, rotary)
+    t_out, _, _ = _tiled(layer, x, dy, rotary, 48, attention_tile)
+    assert torch.equal(t_out, out)
+
+
+class _NormSquares(TorchDispatchMode):
+    """The largest output of aten.pow: RMSNorm's fp32 square of its input, one per norm call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket is torch.ops.aten.pow:
+            self.largest = max(self.largest, out.numel())
+        return out
+
+
+def test_no_whole_sequence_norm_with_both_halves_tiled() -> None:
+    """Untiled (or MLP tiles only: the input norm still sees every token), RMSNorm squares [B, S, hidden] in
+    fp32; with the attention half tiled by 16 of 256 tokens too, no norm sees more than a tile."""
+    layer = _layer()
+    x, dy, rotary = _inputs(1, 256)
+    with _NormSquares() as untiled:
+        _untiled(layer, x, dy, rotary)
+    with _NormSquares() as mlp_only:
+        _tiled(layer, x, dy, rotary, 16)
+    with _NormSquares() as both:
+        _tiled(layer, x, dy, rotary, 16, 16)
+    assert untiled.largest == mlp_only.largest == 256 * CONFIG.hidden_size  # the check can fail
+    assert both.largest == 16 * CONFIG.hidden_size
