@@ -6,7 +6,7 @@
 For a model shape and a list of sequence lengths (batch 1, fp32 on a CPU), each
 length runs in a fresh process (tools/calibrate.py's measured run: one warm-up
 step, then ``--steps`` timed ones) with the plan the planner's rules give
-(``mlp_tile_tokens`` from ``search.mlp_tile_tokens``, checkpoints where
+(``mlp_tile_tokens`` and ``attention_tile_tokens`` from ``search.sequence_tile_tokens``, checkpoints where
 ``--checkpoints`` says). Reported: peak RSS growth over the process's baseline
 (on a CPU the device buffers are host memory), the planner's listed buffers for
 the same plan (``memory_model.listed_host_bytes``: every buffer, without the
@@ -44,7 +44,7 @@ def main() -> int:
     p.add_argument("--head-dim", type=int, default=8)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--checkpoints", choices=("device", "host"), default="device")
-    p.add_argument("--untiled", action="store_true", help="no MLP tiles (to compare)")
+    p.add_argument("--untiled", action="store_true", help="no sequence tiles (to compare)")
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--from-json", help="write the table and plot again from a results JSON, running nothing")
@@ -67,7 +67,8 @@ def main() -> int:
     for seq in args.seqs:
         work = Workload(seq_len=seq, batch=1, compute_dtype="fp32", clipping=True)
         plan = Plan(checkpoints=args.checkpoints, loss_chunk_tokens=4096,
-                    mlp_tile_tokens=None if args.untiled else search.mlp_tile_tokens(seq))
+                    mlp_tile_tokens=None if args.untiled else search.sequence_tile_tokens(seq),
+                    attention_tile_tokens=None if args.untiled else search.sequence_tile_tokens(seq))
         mem = memory_model.estimate(shape, work, plan, hw)
         listed = memory_model.listed_host_bytes(mem, True)
         layer = next(c for c in mem.components if c.name == "layer working set")

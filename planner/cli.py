@@ -213,6 +213,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         f"{p.num_slots} slots (prefetch {p.prefetch_depth}), checkpoints on {p.checkpoints}, "
         f"optimizer {p.optimizer_mode}, loss chunk {p.loss_chunk_tokens} tokens"
         + (f", MLP tiles of {p.mlp_tile_tokens} tokens" if p.mlp_tile_tokens else "")
+        + (f", attention projection tiles of {p.attention_tile_tokens} tokens" if p.attention_tile_tokens else "")
         + (f", saved to {args.out}" if args.out else ""), spill, "",
         report.memory_table(best.memory), "",
         report.time_table(c), "",

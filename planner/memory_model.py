@@ -228,17 +228,27 @@ def layer_working_set(model: ModelShape, work: Workload, plan: Plan) -> tuple[in
     one layer in compute dtype before they are added into fp32). With ``mlp_tile_tokens`` below the
     sequence, the MLP's share m (``mlp_working_bytes_per_token``) is held for one tile of
     u = micro-batch x tile tokens only, plus dh (t x h x c), the layer-input gradient the tiles fill:
-    t x (w - m) + u x m + t x h x c + layer x c."""
+    t x (w - m) + u x m + t x h x c + layer x c. With ``attention_tile_tokens`` below the sequence too, the
+    attention half holds whole only q, k, v, its output and their gradients, h and dh
+    (A = ``attention_whole_bytes_per_token``), and its token-local work for one tile of v tokens
+    (a = ``attention_tile_bytes_per_token``): t x A + u x m + v x a + layer x c (u = t when the MLP is
+    untiled)."""
     c = work.compute_bytes
     mbs = min(plan.micro_batch_size, work.batch)
     t = mbs * work.seq_len
     w = model.layer_working_bytes_per_token(work.compute_dtype)
     grads = model.numel_layer * c
-    tile = plan.mlp_tile_tokens
+    tile, attention_tile = plan.mlp_tile_tokens, plan.attention_tile_tokens
+    m = model.mlp_working_bytes_per_token(work.compute_dtype)
+    u = mbs * tile if tile is not None and tile < work.seq_len else t
+    if attention_tile is not None and attention_tile < work.seq_len:
+        A = model.attention_whole_bytes_per_token(work.compute_dtype)
+        a = model.attention_tile_bytes_per_token(work.compute_dtype)
+        v = mbs * attention_tile
+        return (t * A + u * m + v * a + grads,
+                f"t x A + u x m + v x a + layer x c = {t} x {A} + {u} x {m} + {v} x {a} + {model.numel_layer} x {c}")
     if tile is None or tile >= work.seq_len:
         return t * w + grads, f"t x w + layer x c = {t} x {w} + {model.numel_layer} x {c}"
-    m = model.mlp_working_bytes_per_token(work.compute_dtype)
-    u = mbs * tile
     h = model.hidden_size
     return (t * (w - m) + u * m + t * h * c + grads,
             f"t x (w - m) + u x m + t x h x c + layer x c = {t} x ({w} - {m}) + {u} x {m} + {t} x {h} x {c} "

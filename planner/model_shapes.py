@@ -248,6 +248,24 @@ class ModelShape:
         three transient gradients of that width, 7 x intermediate x c; what sequence tiles bound."""
         return 7 * self.intermediate_size * dtype_bytes(dtype)
 
+    def attention_whole_bytes_per_token(self, dtype: str) -> int:
+        """What a layer with its attention half in sequence tiles still holds for every token at its peak
+        (attention's backward): q, k, v after RoPE, attention's output, its gradient, dq, dk, dv
+        (4 x q_width + 4 x kv_width), h and dh (2 x hidden), in compute dtype, the logsumexp (heads x 4), and in
+        bf16/fp16 flash backward's fp32 dq accumulator (q_width x 4)."""
+        c = dtype_bytes(dtype)
+        qw, kvw = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        accumulator = 4 * qw if c < 4 else 0
+        return c * (4 * qw + 4 * kvw + 2 * self.hidden_size) + 4 * self.num_heads + accumulator
+
+    def attention_tile_bytes_per_token(self, dtype: str) -> int:
+        """The attention half's token-local work, held for one tile's tokens when tiled: the input norm's output
+        and o_proj's output (2 x hidden), q and k before RoPE (q_width + kv_width), in compute dtype, and the
+        norm's fp32 copy (hidden x 4)."""
+        c = dtype_bytes(dtype)
+        qw, kvw = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return c * (2 * self.hidden_size + qw + kvw) + 4 * self.hidden_size
+
     def logits_bytes_per_token(self, dtype: str) -> int:
         """Chunked cross-entropy: logits (compute dtype) + fp32 logits + fp32 grad of logits, per token."""
         return self.vocab_size * (dtype_bytes(dtype) + 4 + 4)

@@ -41,8 +41,8 @@ HOST_GRAD_SLABS = (2, 4)
 # Plans this close to the fastest count as equally fast (the cost model is not more precise than that).
 TIME_TOLERANCE = 0.01
 LOSS_CHUNKS = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
-# Tokens per MLP sequence tile once sequences are longer (search.mlp_tile_tokens).
-MLP_TILE_TOKENS = 4096
+# Tokens per sequence tile (MLP and attention half) once sequences are longer (search.sequence_tile_tokens).
+SEQUENCE_TILE_TOKENS = 4096
 
 
 class InfeasibleError(MegatrainError):
@@ -124,7 +124,8 @@ def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = N
                                 out.append(Plan(num_slots=depth + 1, prefetch_depth=depth, micro_batch_size=mbs,
                                                 checkpoints=ckpt, optimizer_mode=mode, host_grad_slabs=slabs,
                                                 loss_chunk_tokens=mbs * work.seq_len, spill=spill,
-                                                mlp_tile_tokens=mlp_tile_tokens(work.seq_len),
+                                                mlp_tile_tokens=sequence_tile_tokens(work.seq_len),
+                                                attention_tile_tokens=sequence_tile_tokens(work.seq_len),
                                                 spill_dir=None if spill == "none" else work.spill_dir,
                                                 spill_staging=staging, **spill_io_choices(hw)))
     return out
@@ -136,11 +137,12 @@ def spill_io_choices(hw: HardwareProfile | None) -> dict[str, object]:
     return {"io_direct": hw is None or hw.disk_direct_faster is not False}
 
 
-def mlp_tile_tokens(seq_len: int) -> int | None:
-    """Sequence tiles for the MLP once a sequence is longer than MLP_TILE_TOKENS (None: untiled). A tile of
-    4096 tokens keeps each of its matmuls large enough to run at the matmul rate, so tiling costs no time
-    the cost model sees, while the MLP's intermediates stop growing with the sequence."""
-    return MLP_TILE_TOKENS if seq_len > MLP_TILE_TOKENS else None
+def sequence_tile_tokens(seq_len: int) -> int | None:
+    """Sequence tiles for the MLP, and for the attention half's token-local work, once a sequence is longer
+    than SEQUENCE_TILE_TOKENS (None: untiled). A tile of 4096 tokens keeps each of its matmuls large enough to run at the
+    matmul rate, so tiling costs no time the cost model sees, while the MLP's intermediates and the attention
+    half's norm and projection intermediates stop growing with the sequence."""
+    return SEQUENCE_TILE_TOKENS if seq_len > SEQUENCE_TILE_TOKENS else None
 
 
 def _chunks(tokens: int) -> list[int]:
