@@ -139,9 +139,9 @@ def spill_io_choices(hw: HardwareProfile | None) -> dict[str, object]:
 
 def sequence_tile_tokens(seq_len: int) -> int | None:
     """Sequence tiles for the MLP, and for the attention half's token-local work, once a sequence is longer
-    than SEQUENCE_TILE_TOKENS (None: untiled). A tile of 4096 tokens keeps each of its matmuls large enough to run at the
-    matmul rate, so tiling costs no time the cost model sees, while the MLP's intermediates and the attention
-    half's norm and projection intermediates stop growing with the sequence."""
+    than SEQUENCE_TILE_TOKENS (None: untiled). A tile of 4096 tokens keeps each of its matmuls large enough to
+    run at the matmul rate, so tiling costs no time the cost model sees, while the MLP's intermediates and the
+    attention half's norm and projection intermediates stop growing with the sequence."""
     return SEQUENCE_TILE_TOKENS if seq_len > SEQUENCE_TILE_TOKENS else None
 
 

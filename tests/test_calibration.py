@@ -337,8 +337,8 @@ def test_rounds_run_every_model_once_per_round_and_pool_their_samples(monkeypatc
 
     monkeypatch.setattr(calibrate, "run_model", fake_run_model)
     logged: list[tuple[int, int]] = []
-    got = calibrate.run_in_rounds([({"name": "a"}, 16, 1, "fp32", "{}", 2, 1), ({"name": "b"}, 16, 1, "fp32", "{}", 1, 0)],
-                                  3, lambda r, i: logged.append((r, i)))
+    measurements = [({"name": "a"}, 16, 1, "fp32", "{}", 2, 1), ({"name": "b"}, 16, 1, "fp32", "{}", 1, 0)]
+    got = calibrate.run_in_rounds(measurements, 3, lambda r, i: logged.append((r, i)))
     assert calls == [("a", 2), ("b", 1)] * 3
     assert logged == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
     assert [s["step_s"] for s in got[0]["steps"]] == [1.0, 1.0, 3.0, 3.0, 5.0, 5.0]
