@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_session.sh checks   # CUDA tests, 1B throughput, 1B step anatomy   (~8 min)
 #   bash benchmarks/gpu_session.sh peers    # peers sweep, 480 s budget (DeepSpeed wheels in .whl/)
-#   bash benchmarks/gpu_session.sh large    # 3B step anatomy at 2048/8192, planner validation (~8 min)
+#   bash benchmarks/gpu_session.sh large    # 3B step anatomy at 2048/8192, profile, calibrate, planner validation
 #
 # Before `peers`, fetch the DeepSpeed wheels into .whl/ where there is network access
 # (`pip download deepspeed --no-deps -d .whl`; kvikio for the GDS backend: `pip download kvikio-cu12 -d .whl`)
@@ -53,6 +53,10 @@ case $part in
     ;;
   large)
     run 240 python3 benchmarks/step_anatomy.py --model 3b --seq 2048,8192 --batch 8 --micro-batch 2 --steps 2 --traced 1
+    # the GPU's own figures (copies, matmul and causal-attention rates) and fitted constants before the table
+    export MEGATRAIN_HARDWARE="$out/hardware.json"
+    run 120 megatrain-plan profile --out "$MEGATRAIN_HARDWARE"
+    run 240 megatrain-plan calibrate --dtype bf16 --out "$MEGATRAIN_HARDWARE"
     run 200 python3 benchmarks/plan_validation.py --quick
     ;;
   *) echo "unknown part $part: checks, peers or large" >&2; exit 2 ;;
