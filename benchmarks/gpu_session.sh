@@ -56,7 +56,7 @@ case $part in
     # the GPU's own figures (copies, matmul and causal-attention rates) and fitted constants before the table
     export MEGATRAIN_HARDWARE="$out/hardware.json"
     run 120 megatrain-plan profile --out "$MEGATRAIN_HARDWARE"
-    run 240 megatrain-plan calibrate --dtype bf16 --out "$MEGATRAIN_HARDWARE"
+    run 240 megatrain-plan calibrate --out "$MEGATRAIN_HARDWARE"  # fp32, as the table
     run 200 python3 benchmarks/plan_validation.py --quick
     ;;
   *) echo "unknown part $part: checks, peers or large" >&2; exit 2 ;;
