@@ -8,7 +8,7 @@ one subprocess (its RSS its own): builds the Engine with ``spill="all"`` (or the
 records resident bytes after init and the peak, bytes on disk, the disk bytes read and written per step
 (``/proc/self/io`` rchar / wchar), and times ``--steps`` steps with ``last_step_breakdown``. Beside it: the
 planner's memory prediction for the same plan, and the step against max(compute, disk bytes / measured
-disk bandwidth). Writes ``benchmarks/results/<date>_cpu_spill_scale_<spill>_<models>.{json,md}``.
+disk bandwidth) (the saved profile, ``$MEGATRAIN_HARDWARE`` or ``megatrain-plan profile --spill-dir DIR``'s). Writes ``benchmarks/results/<date>_cpu_spill_scale_<spill>_<models>.{json,md}``.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def _io() -> tuple[int, int]:
 
 def child(args) -> dict:
     from megatrain.planner import memory_model, model_shapes, spill_placement
-    from megatrain.planner.profiler import detect
+    from megatrain.planner.profiler import this_machine
     from megatrain.planner.workload import Workload
     from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
 
@@ -61,7 +61,7 @@ def child(args) -> dict:
     if spill == "planner":  # the search's placement: RAM (up to --ram-gib) first, the disk with the rest
         from megatrain.planner import search, sizing
 
-        hw, _ = sizing.with_disk(detect())
+        hw, _ = sizing.with_disk(this_machine())
         if args.ram_gib:
             hw = hw.replace(host_available_bytes=int(args.ram_gib * 2**30), cgroup_limit_bytes=0)
         planned = search.search(shape, Workload(args.seq, args.batch, "fp32", clipping=True, spill_dir=args.dir,
@@ -70,7 +70,7 @@ def child(args) -> dict:
     plan = Plan(spill=spill, spill_blocks=blocks, spill_dir=args.dir if spill != "none" else None,
                 spill_staging=args.staging, spill_chunk_bytes=args.chunk_mib * 2**20)
     print(f"  placement: {spill_placement.label(plan)}", file=sys.stderr, flush=True)
-    est = memory_model.estimate(shape, work, plan, detect())
+    est = memory_model.estimate(shape, work, plan, this_machine())
     rss0 = _rss()
     t0 = time.perf_counter()
     engine = Engine(ModelConfig(**cfg), OptimizerConfig(lr=1e-4, max_grad_norm=1.0), plan=plan,
@@ -158,9 +158,9 @@ def main() -> int:
         return 0
     if args.spill != "none" and not args.dir:
         p.error("--dir names the spill directory (a local disk with room for the spill files)")
-    from megatrain.planner.profiler import detect
+    from megatrain.planner.profiler import this_machine
 
-    hw = detect()
+    hw = this_machine()  # $MEGATRAIN_HARDWARE or the saved profile: the disk's measured GB/s
     info = {"date": datetime.date.today().isoformat(),
             "machine": {"platform": platform.platform(), "cores": os.cpu_count(), "torch": torch.__version__,
                         "host_ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
