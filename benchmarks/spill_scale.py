@@ -37,6 +37,19 @@ MODELS = {
 }
 
 
+def model_config(name: str) -> dict:
+    """``1b`` / ``3b``, or ``llama-HIDDENxLAYERS``: a Llama-3-shaped model of one of the planner's widths
+    (``sizing.LLAMA_WIDTHS``), as ``megatrain-plan``'s largest-model line names it."""
+    if name in MODELS:
+        return MODELS[name]
+    from megatrain.planner.sizing import LLAMA_WIDTHS
+
+    hidden, layers = (int(x) for x in name.removeprefix("llama-").split("x"))
+    width = next(w for w in LLAMA_WIDTHS if w[0] == hidden)
+    return dict(LLAMA, hidden_size=hidden, intermediate_size=width[1], num_attention_heads=width[2],
+                num_key_value_heads=width[3], tie_word_embeddings=width[4], num_hidden_layers=layers)
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -54,7 +67,7 @@ def child(args) -> dict:
     from megatrain.planner.workload import Workload
     from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
 
-    cfg = MODELS[args.model]
+    cfg = model_config(args.model)
     shape = model_shapes.from_config({"model_type": "llama", **cfg})
     work = Workload(seq_len=args.seq, batch=args.batch, compute_dtype="fp32", clipping=True)
     spill, blocks = args.spill, None
@@ -137,7 +150,8 @@ def markdown(rows: list[dict], info: dict) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="1b", help="comma-separated: " + ", ".join(MODELS))
+    p.add_argument("--model", default="1b", help="comma-separated: " + ", ".join(MODELS) +
+                   ", or llama-HIDDENxLAYERS (a width of the planner's largest-model answer)")
     p.add_argument("--spill", default="all", choices=["none", "optimizer", "all", "planner"],
                    help="what spills; planner: the plan search's per-block placement for this RAM and disk")
     p.add_argument("--ram-gib", type=float, default=None, help="--spill planner: the RAM the search may fill "
