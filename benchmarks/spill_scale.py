@@ -77,8 +77,11 @@ def child(args) -> dict:
         hw, _ = sizing.with_disk(this_machine())
         if args.ram_gib:
             hw = hw.replace(host_available_bytes=int(args.ram_gib * 2**30), cgroup_limit_bytes=0)
+        free = shutil.disk_usage(args.dir).free
+        if args.disk_gb:
+            free = min(free, int(args.disk_gb * 1e9))
         planned = search.search(shape, Workload(args.seq, args.batch, "fp32", clipping=True, spill_dir=args.dir,
-                                                spill_free_bytes=shutil.disk_usage(args.dir).free), hw).require().plan
+                                                spill_free_bytes=free), hw).require().plan
         spill, blocks = planned.spill, planned.spill_blocks
     plan = Plan(spill=spill, spill_blocks=blocks, spill_dir=args.dir if spill != "none" else None,
                 spill_staging=args.staging, spill_chunk_bytes=args.chunk_mib * 2**20)
@@ -156,6 +159,8 @@ def main() -> int:
                    help="what spills; planner: the plan search's per-block placement for this RAM and disk")
     p.add_argument("--ram-gib", type=float, default=None, help="--spill planner: the RAM the search may fill "
                                                                  "(default: what this machine has available)")
+    p.add_argument("--disk-gb", type=float, default=None, help="--spill planner: the disk space (GB) the search "
+                                                                  "may fill (default: what is free under --dir)")
     p.add_argument("--dir", required=False, default=None, help="spill directory (on the disk to measure)")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
@@ -187,7 +192,8 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--child", "--model", model, "--spill", args.spill, "--seq", str(args.seq),
                "--batch", str(args.batch), "--staging", str(args.staging), "--chunk-mib", str(args.chunk_mib),
                "--steps", str(args.steps)] + (["--dir", args.dir] if args.dir else []) + (
-                   ["--ram-gib", str(args.ram_gib)] if args.ram_gib else [])
+                   ["--ram-gib", str(args.ram_gib)] if args.ram_gib else []) + (
+                   ["--disk-gb", str(args.disk_gb)] if args.disk_gb else [])
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         if proc.returncode == 0:
             rows.append({"status": "ok", **json.loads(proc.stdout.strip().splitlines()[-1])})
