@@ -8,7 +8,7 @@ one subprocess (its RSS its own): builds the Engine with ``spill="all"`` (or the
 records resident bytes after init and the peak, bytes on disk, the disk bytes read and written per step
 (``/proc/self/io`` rchar / wchar), and times ``--steps`` steps with ``last_step_breakdown``. Beside it: the
 planner's memory prediction for the same plan, and the step against max(compute, disk bytes / measured
-disk bandwidth). Writes ``benchmarks/results/<date>_cpu_spill_scale_<spill>_<models>.{json,md}``.
+disk bandwidth) (the saved profile, ``$MEGATRAIN_HARDWARE`` or ``megatrain-plan profile --spill-dir DIR``'s). Writes ``benchmarks/results/<date>_cpu_spill_scale_<spill>_<models>.{json,md}``.
 """
 from __future__ import annotations
 
@@ -37,6 +37,19 @@ MODELS = {
 }
 
 
+def model_config(name: str) -> dict:
+    """``1b`` / ``3b``, or ``llama-HIDDENxLAYERS``: a Llama-3-shaped model of one of the planner's widths
+    (``sizing.LLAMA_WIDTHS``), as ``megatrain-plan``'s largest-model line names it."""
+    if name in MODELS:
+        return MODELS[name]
+    from megatrain.planner.sizing import LLAMA_WIDTHS
+
+    hidden, layers = (int(x) for x in name.removeprefix("llama-").split("x"))
+    width = next(w for w in LLAMA_WIDTHS if w[0] == hidden)
+    return dict(LLAMA, hidden_size=hidden, intermediate_size=width[1], num_attention_heads=width[2],
+                num_key_value_heads=width[3], tie_word_embeddings=width[4], num_hidden_layers=layers)
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -50,27 +63,30 @@ def _io() -> tuple[int, int]:
 
 def child(args) -> dict:
     from megatrain.planner import memory_model, model_shapes, spill_placement
-    from megatrain.planner.profiler import detect
+    from megatrain.planner.profiler import this_machine
     from megatrain.planner.workload import Workload
     from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
 
-    cfg = MODELS[args.model]
+    cfg = model_config(args.model)
     shape = model_shapes.from_config({"model_type": "llama", **cfg})
     work = Workload(seq_len=args.seq, batch=args.batch, compute_dtype="fp32", clipping=True)
     spill, blocks = args.spill, None
     if spill == "planner":  # the search's placement: RAM (up to --ram-gib) first, the disk with the rest
         from megatrain.planner import search, sizing
 
-        hw, _ = sizing.with_disk(detect())
+        hw, _ = sizing.with_disk(this_machine())
         if args.ram_gib:
             hw = hw.replace(host_available_bytes=int(args.ram_gib * 2**30), cgroup_limit_bytes=0)
+        free = shutil.disk_usage(args.dir).free
+        if args.disk_gb:
+            free = min(free, int(args.disk_gb * 1e9))
         planned = search.search(shape, Workload(args.seq, args.batch, "fp32", clipping=True, spill_dir=args.dir,
-                                                spill_free_bytes=shutil.disk_usage(args.dir).free), hw).require().plan
+                                                spill_free_bytes=free), hw).require().plan
         spill, blocks = planned.spill, planned.spill_blocks
     plan = Plan(spill=spill, spill_blocks=blocks, spill_dir=args.dir if spill != "none" else None,
                 spill_staging=args.staging, spill_chunk_bytes=args.chunk_mib * 2**20)
     print(f"  placement: {spill_placement.label(plan)}", file=sys.stderr, flush=True)
-    est = memory_model.estimate(shape, work, plan, detect())
+    est = memory_model.estimate(shape, work, plan, this_machine())
     rss0 = _rss()
     t0 = time.perf_counter()
     engine = Engine(ModelConfig(**cfg), OptimizerConfig(lr=1e-4, max_grad_norm=1.0), plan=plan,
@@ -137,11 +153,14 @@ def markdown(rows: list[dict], info: dict) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="1b", help="comma-separated: " + ", ".join(MODELS))
+    p.add_argument("--model", default="1b", help="comma-separated: " + ", ".join(MODELS) +
+                   ", or llama-HIDDENxLAYERS (a width of the planner's largest-model answer)")
     p.add_argument("--spill", default="all", choices=["none", "optimizer", "all", "planner"],
                    help="what spills; planner: the plan search's per-block placement for this RAM and disk")
     p.add_argument("--ram-gib", type=float, default=None, help="--spill planner: the RAM the search may fill "
                                                                  "(default: what this machine has available)")
+    p.add_argument("--disk-gb", type=float, default=None, help="--spill planner: the disk space (GB) the search "
+                                                                  "may fill (default: what is free under --dir)")
     p.add_argument("--dir", required=False, default=None, help="spill directory (on the disk to measure)")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
@@ -158,9 +177,9 @@ def main() -> int:
         return 0
     if args.spill != "none" and not args.dir:
         p.error("--dir names the spill directory (a local disk with room for the spill files)")
-    from megatrain.planner.profiler import detect
+    from megatrain.planner.profiler import this_machine
 
-    hw = detect()
+    hw = this_machine()  # $MEGATRAIN_HARDWARE or the saved profile: the disk's measured GB/s
     info = {"date": datetime.date.today().isoformat(),
             "machine": {"platform": platform.platform(), "cores": os.cpu_count(), "torch": torch.__version__,
                         "host_ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
@@ -173,7 +192,8 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--child", "--model", model, "--spill", args.spill, "--seq", str(args.seq),
                "--batch", str(args.batch), "--staging", str(args.staging), "--chunk-mib", str(args.chunk_mib),
                "--steps", str(args.steps)] + (["--dir", args.dir] if args.dir else []) + (
-                   ["--ram-gib", str(args.ram_gib)] if args.ram_gib else [])
+                   ["--ram-gib", str(args.ram_gib)] if args.ram_gib else []) + (
+                   ["--disk-gb", str(args.disk_gb)] if args.disk_gb else [])
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         if proc.returncode == 0:
             rows.append({"status": "ok", **json.loads(proc.stdout.strip().splitlines()[-1])})

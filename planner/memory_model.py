@@ -32,8 +32,13 @@ from .workload import Workload
 CUDA_CONTEXT_BYTES = 1 * GiB
 # Caching-allocator fragmentation on the device: a fraction of the device tensors, fitted later.
 ALLOCATOR_SLACK_FRACTION = 0.05
-# The host process itself: Python, torch libraries, the data loader (not pinned), fitted later.
+# The host process itself: Python, torch libraries, the data loader (not pinned), fitted later. With a GPU,
+# the CUDA libraries and the context's host side are most of it.
 HOST_PROCESS_BYTES = 2 * GiB
+# The same without a GPU: Python and torch's CPU libraries only. Resident bytes of a process that imported
+# torch and megatrain, before the engine: 0.22 GiB measured (benchmarks/spill_scale.py's rss_before_engine, torch
+# 2.13 CPU build); the step's transients are the device terms (the device is the host).
+HOST_PROCESS_BYTES_CPU = 256 * 2**20
 
 WHERE = ("device", "host", "nvme")
 
@@ -162,7 +167,10 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
         host("activation checkpoints", L * T * h * c, f"L x T x h x c = {L} x {T} x {h} x {c}")
     cal = hw.fitted(work.compute_dtype) if hw is not None else None
     if cal is None:
-        host("process", HOST_PROCESS_BYTES, "constant: Python, torch, data loader", pinned=False)
+        if on_gpu:
+            host("process", HOST_PROCESS_BYTES, "constant: Python, torch, CUDA libraries, data loader", pinned=False)
+        else:
+            host("process", HOST_PROCESS_BYTES_CPU, "constant: Python, torch's CPU libraries (no GPU)", pinned=False)
     else:
         host("process", cal.process_bytes, "fitted: resident bytes before the engine (megatrain-plan calibrate)",
              pinned=False)

@@ -19,7 +19,7 @@ block b waits for ``wait_updated(b)``. The job queue holds at most one job per
 block (its bound); the worker releases an eager-mode gradient slab when done.
 
 With spilled kinds the worker keeps up to ``spill_staging`` chunks in flight, reading
-ahead and writing behind through the spill files' staging sets (spill_files.py,
+ahead (across the step boundary too) and writing behind through the spill files' staging sets (spill_files.py,
 [Note: spill pipeline]); a block with something spilled that is larger than
 ``Plan.spill_chunk_bytes`` is updated chunk by chunk (the same bits: ``buffer_kinds.spill_chunks``), and
 counts as updated after its last chunk.
@@ -97,6 +97,12 @@ class AdamWorker:
         self._error: BaseException | None = None
         self.disk_wait_seconds = 0.0  # cumulative: blocked on spill reads or on a staging set being written back
         self._skipped: list[int] = []  # steps with a skipped block update, not yet taken by take_skipped()
+        # Reads ahead across the step boundary ([Note: spill pipeline]): the blocks of the step being taken, in
+        # order; the next step's pieces still to read ahead, (step, block, first, elements); those read ahead,
+        # with the spill files' version then and their staging set.
+        self._order_step, self._order = 0, []
+        self._next: collections.deque[tuple[int, int, int, int]] = collections.deque()
+        self._ahead: collections.deque[tuple[int, int, int, int, int, Staged]] = collections.deque()
         self._thread = threading.Thread(target=self._run, name="megatrain-adamw", daemon=True)
         self._thread.start()
 
@@ -173,17 +179,22 @@ class AdamWorker:
                         if closing:
                             break
                         try:
-                            job = self._jobs.get(block=not inflight)
+                            job = self._jobs.get_nowait()
                         except queue.Empty:
-                            break
+                            self._read_ahead(inflight, depth)  # the queue is dry: the next step's first chunks
+                            if inflight:
+                                break
+                            job = self._jobs.get()
                         if job is None:
                             closing = True
                             continue
+                        self._taken(job)
                         pieces = self._pieces(job)
                         pending.extend((job, lo, n, i == len(pieces) - 1) for i, (lo, n) in enumerate(pieces))
                     job, lo, n, last = pending.popleft()
                     inflight.append((job, lo, n, last, self._begin(job, lo, n)))
                 if not inflight:
+                    self._drop_ahead()
                     return
                 job, lo, n, last, staged = inflight.popleft()
                 self._update(job, lo, n, last, staged)
@@ -196,6 +207,60 @@ class AdamWorker:
                 self._error = e
                 self._cond.notify_all()
 
+    # ---- reads ahead across the step boundary ([Note: spill pipeline]) ---------------------------
+    def _taken(self, job: AdamJob) -> None:
+        """Note the order of a step's jobs; once all are taken, the next step's pieces to read ahead are its
+        first spilled chunks in that order (the next step's order is predicted to be this one)."""
+        if job.step != self._order_step:  # a new step's jobs: what was not read ahead for it is read as they come
+            self._order_step, self._order = job.step, []
+            self._next.clear()
+        self._order.append(job.block)
+        files = self.store.spill_files
+        if files is not None and len(self._order) == len(self._updated):
+            self._next = collections.deque(
+                (job.step + 1, b, lo, n) for b in self._order if files.spilled(b) for lo, n in files.chunks(b))
+
+    def _read_ahead(self, inflight: collections.deque, depth: int) -> None:
+        """Read the next step's first chunks' master, m and v ahead into the sets the worker does not hold (up
+        to ``depth`` held in all); a chunk whose update of this step is still queued here waits its turn."""
+        files = self.store.spill_files
+        if files is None:
+            return
+        busy = {item[0].block for item in inflight}
+        while self._next and len(self._ahead) + sum(item[4] is not None for item in inflight) < depth:
+            step, b, lo, n = self._next[0]
+            if b in busy:
+                return
+            self._next.popleft()
+            kinds = [k for k in files.spilled(b) if k is not BufferKind.GRADS]
+            t0 = time.perf_counter()
+            staged = files.stage(b, lo, n, kinds)
+            self.disk_wait_seconds += time.perf_counter() - t0
+            self._ahead.append((step, b, lo, n, files.version, staged))
+            self.log.record("spill_read", step, b, lo=lo, phase="ahead")
+
+    def _from_ahead(self, job: AdamJob, lo: int, n: int) -> Staged | None:
+        """The set read ahead for this piece, if it is the next one read ahead and nothing rewrote the files since;
+        otherwise every set read ahead is dropped (a piece out of the predicted order) and None."""
+        if not self._ahead:
+            return None
+        step, b, first, size, version, staged = self._ahead[0]
+        assert self.store.spill_files is not None
+        if (step, b, first, size, version) == (job.step, job.block, lo, n, self.store.spill_files.version):
+            self._ahead.popleft()
+            return staged
+        self._drop_ahead()
+        return None
+
+    def _drop_ahead(self) -> None:
+        files = self.store.spill_files
+        while self._ahead:
+            step, b, lo, _, _, staged = self._ahead.popleft()
+            assert files is not None
+            files.discard(staged)
+            self.log.record("spill_discard", step, b, lo=lo)
+        self._next.clear()
+
     def _begin(self, job: AdamJob, lo: int, n: int) -> Staged | None:
         """Start reading the piece's spilled kinds into a staging set (None: nothing of it is on disk)."""
         files = self.store.spill_files
@@ -205,7 +270,12 @@ class AdamWorker:
         if not kinds:
             return None
         t0 = time.perf_counter()
-        staged = files.stage(job.block, lo, n, kinds)  # waits while every staging set is being written back
+        ahead = self._from_ahead(job, lo, n)
+        if ahead is not None:  # its master, m and v are read or on their way: add what is left (the gradients)
+            staged = files.stage_more(job.block, n, ahead, [k for k in kinds if k not in ahead.buffers])
+        else:
+            staged = files.stage(job.block, lo, n, kinds)  # waits while every staging set is being written back
+            self.log.record("spill_read", job.step, job.block, lo=lo)
         self.disk_wait_seconds += time.perf_counter() - t0
         return staged
 
@@ -240,6 +310,7 @@ class AdamWorker:
         if staged is not None:
             assert store.spill_files is not None
             store.spill_files.write_behind(b, n, staged)
+            self.log.record("spill_write", job.step, b, lo=lo)
         if last:
             if job.on_done is not None:
                 job.on_done()

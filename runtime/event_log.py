@@ -13,12 +13,16 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LogEntry:
-    op: str  # "h2d", "compute", "release", "d2h", "adam_submit", "adam_begin", "adam_end"
+    # "h2d", "compute", "release", "d2h", "adam_submit", "adam_begin", "adam_end"; with spill files, the AdamW
+    # worker's I/O: "spill_read" (a piece's staged reads issued; phase "ahead": before its job arrived),
+    # "spill_write" (its writes behind issued), "spill_discard" (read ahead, then dropped unused)
+    op: str
     step: int
     block: int
     slot: int = -1  # device slot, for h2d / compute / release
     load: int = -1  # position in the step's load sequence, for h2d / compute / release
-    phase: str = ""  # "fwd" or "bwd"
+    phase: str = ""  # "fwd" or "bwd"; "ahead" for a spill read issued before its job
+    lo: int = -1  # the piece's first element in its block, for spill_read / spill_write / spill_discard
 
 
 class EventLog:

@@ -27,6 +27,17 @@ the reads of the chunk's spilled kinds ahead (``stage``; the block's kinds in RA
 are updated in place), updates the oldest once its reads land, and writes its
 state back behind (``write_behind``); a staging set returns to the pool when its
 writes finish. Without spill there is one job in flight and no I/O.
+
+Across the step boundary: once every job of a step is taken, the worker reads
+the next step's first chunks ahead (their master, m and v: nothing writes those
+between two updates of a block; the gradients are read when the job comes, after
+their drain's writes) into the sets free, in the order of the step just taken, so
+the disk works while the next step's jobs are still being computed (deferred
+mode: all of backward). A chunk is read ahead only once its own update of this
+step has issued its writes (the read waits for them). The job that comes takes
+its set and adds the gradient reads (``stage_more``); a job out of that order, or
+a cold-path write in between (``version``), drops them (``discard``). Bound: the
+same ``spill_staging`` sets, the chunks read ahead and those in flight together.
 """
 from __future__ import annotations
 
@@ -146,6 +157,9 @@ class SpillFiles:
         self._writes_lock = threading.Lock()
         # Busy time of the disk: reads, writes, and either (the disk's share of the roofline).
         self.read_clock, self.write_clock, self.io_clock = BusyClock(), BusyClock(), BusyClock()
+        # Bumped when a cold-path write (``write_block``: init, state dicts, checkpoints) begins and when it ends:
+        # a read issued ahead under another value may hold bytes it replaced.
+        self.version = 0
         self.root: str | None = None
         try:
             self.root = spill_dirs.create(spill_dir)  # named after this process; dead owners' ones reclaimed
@@ -265,8 +279,12 @@ class SpillFiles:
         buf = aligned_empty(self.block_bytes[b]).view(torch.float32)
         buf[self.numels[b]:].zero_()
         buf[:self.numels[b]].copy_(src)
-        for f in [self.write_async(kind, b, buf[lo:], lo, n) for lo, n in self.chunks(b)]:
-            f.result()
+        self.version += 1
+        try:
+            for f in [self.write_async(kind, b, buf[lo:], lo, n) for lo, n in self.chunks(b)]:
+                f.result()
+        finally:
+            self.version += 1
 
     # ---- the AdamW pipeline (see [Note: spill pipeline]) -----------------------------------
     def stage(self, b: int, lo: int, n: int, kinds: Sequence[BufferKind]) -> Staged:
@@ -275,6 +293,19 @@ class SpillFiles:
         index = self.staging.acquire()
         buffers = {k: self.staging.buffers(index)[k] for k in kinds}
         return Staged(index, lo, buffers, [self.read_async(k, b, buffers[k], lo, n) for k in kinds])
+
+    def stage_more(self, b: int, n: int, staged: Staged, kinds: Sequence[BufferKind]) -> Staged:
+        """A set staged ahead with some kinds (``read_ahead``), completed with the reads of ``kinds`` (e.g. the
+        gradients, written since) into the same set."""
+        more = {k: self.staging.buffers(staged.index)[k] for k in kinds}
+        return Staged(staged.index, staged.lo, {**staged.buffers, **more},
+                      staged.reads + [self.read_async(k, b, more[k], staged.lo, n) for k in kinds])
+
+    def discard(self, staged: Staged) -> None:
+        """Drop a set staged ahead and never used: its reads land (an error in them no longer matters), the set
+        returns to the pool."""
+        cf.wait(staged.reads)
+        self.staging.release(staged.index)
 
     def write_behind(self, b: int, n: int, staged: Staged) -> None:
         """Write the chunk's updated state (the state kinds among the staged ones) back; the staging set

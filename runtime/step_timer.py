@@ -30,7 +30,8 @@ writes behind and the deferred updates of the step before), the roofline takes
 ``disk_busy_s`` (either in flight), and ``disk_exposed_s`` is what the step
 waited on the disk: loads reading the spilled fp32 master, plus the part of the
 exposed optimizer time during which the worker itself waited on spill I/O
-(moved out of ``adam_exposed_s``, so the exposed terms still add up).
+(moved out of ``adam_exposed_s``, so the exposed terms still add up); the two
+parts are ``disk_load_exposed_s`` and ``disk_adam_exposed_s``.
 
 [Note: opt-in timing]
 Timing is asked for one step at a time (``arm()``, from
@@ -198,6 +199,7 @@ class StepTimer:
         done = {"step_s": step, "compute_s": compute, "h2d_exposed_s": exposed["h2d"],
                 "d2h_exposed_s": exposed["d2h"], "ckpt_traffic_s": exposed["ckpt"],
                 "adam_exposed_s": exposed["adam"] - adam_on_disk, "disk_exposed_s": exposed["disk"] + adam_on_disk,
+                "disk_load_exposed_s": exposed["disk"], "disk_adam_exposed_s": adam_on_disk,
                 "h2d_busy_s": busy["h2d"], "d2h_busy_s": busy["d2h"],
                 "disk_read_busy_s": self._counted["disk_read_busy_s"],
                 "disk_write_busy_s": self._counted["disk_write_busy_s"], "disk_busy_s": self._counted["disk_busy_s"]}

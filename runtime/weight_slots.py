@@ -20,8 +20,9 @@ compute-dtype bytes on the device.
 
 In fp32 a block whose master is spilled has no copy of its weights in host RAM
 (``HostStore.load_source`` is None): the load reads the block from the master
-spill file. On a CPU the read goes straight into the slot, issued with the load
-and waited for when compute acquires it (read-ahead by ``prefetch_depth``); on
+spill file. On a CPU the read goes straight into the slot (chunk by chunk, all in
+flight at once, O_DIRECT where the filesystem takes it: CPU slots are 4 KiB-aligned),
+issued with the load and waited for when compute acquires it (read-ahead by ``prefetch_depth``); on
 CUDA it goes through two pinned bounce buffers of one spill chunk each, the
 H2D copy of one overlapping the read of the next. Data parallel, the rank's
 shard is read the same way into its part of the slot (waited for before the
@@ -40,6 +41,7 @@ from megatrain.planner.buffer_kinds import BufferKind
 
 from .event_log import EventLog
 from .host_store import HostStore
+from .spill_io import aligned_empty
 from .step_schedule import Load
 from .step_timer import StepTimer
 from .streams import Event, Streams
@@ -53,7 +55,10 @@ class SlotState(enum.Enum):
 
 class WeightSlots:
     def __init__(self, count: int, numel: int, dtype: torch.dtype, device: torch.device, streams: Streams) -> None:
-        self.buffers = [torch.empty(numel, dtype=dtype, device=device) for _ in range(count)]
+        # On a CPU the slots are host memory at SPILL_ALIGN-aligned addresses, so a spilled fp32 master is read
+        # into them with O_DIRECT, chunk by chunk on every I/O thread.
+        self.buffers = [torch.empty(numel, dtype=dtype, device=device) if device.type != "cpu" else
+                        aligned_empty(numel * dtype.itemsize).view(dtype) for _ in range(count)]
         self.state = [SlotState.FREE] * count
         self.block = [-1] * count
         self.loaded: list[Event] = [streams.event() for _ in range(count)]
@@ -187,6 +192,10 @@ class WeightLoader:
         with self.streams.h2d.use(), record_function(f"h2d[{block}]"):
             self.streams.h2d.wait_event(self.slots.released[slot])
             source = self.store.load_source(block)
+            if source is None:  # read from the master file once AdamW's writes of it land: a wait on the disk
+                assert self.store.spill_files is not None
+                with self.timer.disk_wait(self.streams.compute):
+                    self.store.spill_files.wait_write(BufferKind.MASTER, block)
             with self.timer.copy("h2d", self.streams.h2d):
                 if self.fill is not None:  # data parallel: this rank's shard into its place, then the all-gather
                     self.fill(block, self.slots.buffers[slot], lambda own: self._place(block, slot, source, own))
@@ -210,12 +219,14 @@ class WeightLoader:
         [Note: slot lifecycle]. Host memory: none on a CPU, two pinned chunks on CUDA, whatever the block's size."""
         files = self.store.spill_files
         assert files is not None
-        if out.device.type == "cpu":
-            read = files.read_async(BufferKind.MASTER, block, out, exact=True)
+        if out.device.type == "cpu":  # every chunk in flight at once, straight into the slot
+            reads = [files.read_async(BufferKind.MASTER, block, out[lo:lo + n], lo, n, exact=True)
+                     for lo, n in files.chunks(block)]
             if wait:
-                read.result()
+                for read in reads:
+                    read.result()
             else:
-                self._reads[slot] = [read]
+                self._reads[slot] = reads
             return
         if not self._bounce:
             self._bounce = [torch.empty(files.chunk_numel, dtype=torch.float32, pin_memory=True) for _ in range(2)]  # page-aligned

@@ -295,7 +295,7 @@ def test_memory_model_uses_fitted_fixed_terms() -> None:
     calibrated = _cpu(calibrations=(_cal(),))
     fitted = {c.name: c.nbytes for c in memory_model.estimate(SMALL, work, plan, calibrated).components}
     plain = {c.name: c.nbytes for c in memory_model.estimate(SMALL, work, plan, _cpu()).components}
-    assert plain["process"] == memory_model.HOST_PROCESS_BYTES and "temporaries" not in plain
+    assert plain["process"] == memory_model.HOST_PROCESS_BYTES_CPU and "temporaries" not in plain
     assert fitted["process"] == 300_000_000
     # transient = t x w + layer x c + chunk x V x (c + 8), t = 2 x 128, chunk = min(loss chunk, t) = 256
     t = 256

@@ -164,5 +164,6 @@ def test_breakdown_has_the_disk_when_state_spills(tmp_path, monkeypatch):
     parts = ("compute_s", "h2d_exposed_s", "d2h_exposed_s", "ckpt_traffic_s", "adam_exposed_s", "disk_exposed_s")
     assert abs(sum(b[k] for k in parts) - b["step_s"]) < 1e-6
     assert b["disk_read_busy_s"] >= 0.01 and b["disk_exposed_s"] >= 0.01  # every load waits for a slow read
+    assert b["disk_exposed_s"] == b["disk_load_exposed_s"] + b["disk_adam_exposed_s"] and b["disk_load_exposed_s"] >= 0.01
     assert b["disk_busy_s"] >= max(b["disk_read_busy_s"], b["disk_write_busy_s"]) > 0
     assert b["roofline_s"] >= b["disk_busy_s"]

@@ -34,7 +34,10 @@ PLANS = [Plan(), Plan(num_slots=3, prefetch_depth=2, checkpoints="host", device_
          Plan(spill="all", spill_dir=SPILL_DIR, optimizer_mode="eager", spill_staging=1),
          # 4 KiB chunks: every spill buffer is one chunk, far below the largest block.
          Plan(spill="all", spill_dir=SPILL_DIR, spill_staging=2, host_grad_slabs=2, spill_chunk_bytes=4096),
-         Plan(spill="optimizer", spill_dir=SPILL_DIR, spill_staging=3, spill_chunk_bytes=8192)]
+         Plan(spill="optimizer", spill_dir=SPILL_DIR, spill_staging=3, spill_chunk_bytes=8192),
+         # Per block: each kind's RAM arena holds the blocks not named, each file only those named.
+         Plan(spill="blocks", spill_dir=SPILL_DIR, spill_staging=2, spill_chunk_bytes=4096,
+              spill_blocks={"master": [1, 3], "exp_avg": [0, 1], "exp_avg_sq": [3], "grads": [2]})]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -42,7 +45,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=["default", "host-ckpt", "eager", "spill-opt", "spill-all", "spill-eager",
-                                         "spill-all-4k", "spill-opt-8k"])
+                                         "spill-all-4k", "spill-opt-8k", "spill-blocks"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_memory_model_matches_allocations(name: str, plan: Plan, dtype: torch.dtype, tmp_path) -> None:
