@@ -12,7 +12,7 @@ step, then ``--steps`` timed ones) with the plan the planner's rules give
 the same plan (``memory_model.listed_host_bytes``: every buffer, without the
 fixed process terms) and the error, step time, tokens/s, and model TFLOP/s
 without attention (6N per token) and with attention FLOPs (causal: forward +
-backward, ``cost_model``). On a GPU, peak device memory would be compared with
+backward, ``ModelShape.attention_flops_per_token``). On a GPU, peak device memory would be compared with
 the device buffers; not measured here yet.
 Writes ``benchmarks/results/<date>_<device>_long_context.{json,md,png}``.
 """
@@ -76,7 +76,7 @@ def main() -> int:
         measured = run_model(hf, seq, 1, "fp32", plan.to_json(indent=None), args.steps)
         step = min(s["step_s"] for s in measured["steps"])
         growth = measured["peak_rss_growth_bytes"]
-        attn = seq * shape.num_layers * (shape.attention_flops_fwd(seq) + shape.attention_flops_bwd(seq))
+        attn = seq * shape.attention_flops_per_token(seq)
         model_flops = shape.model_flops_per_token() * seq
         predicted = cost_model.estimate(shape, work, plan, hw) if hw is not None else None
         rows.append({"seq": seq, "plan": plan.to_dict(), "peak_rss_growth_bytes": growth,
@@ -108,7 +108,7 @@ def write(report: dict, stem: str, command: str) -> int:
     lines = [f"# Long context on a CPU ({today})", "", f"`{command}`; {report['params']:,} "
              f"params, fp32, batch 1, checkpoints on the {report.get('checkpoints', 'device')}.", "",
              "| seq | MLP tile | peak RSS growth GiB | planner's buffers GiB | error | layer working set GiB "
-             "| step s | tok/s | TFLOP/s w/o attention | TFLOP/s with attention |",
+             "| step s | tok/s | model TFLOP/s (6N, attention not counted) | with attention |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['seq']} | {r['plan']['mlp_tile_tokens'] or '-'} | {r['peak_rss_growth_bytes'] / 2**30:.3f} | "
