@@ -140,7 +140,11 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
     if plan.checkpoints == "device":
         dev("activation checkpoints", L * T * h * c, f"L x T x h x c = {L} x {T} x {h} x {c}")
     else:
-        dev("checkpoint staging", K * T * h * c, f"K x T x h x c = {K} x {T} x {h} x {c}")
+        # The runtime's [Note: host checkpoints in pieces]: the recompute reads a micro-batch's whole input, so
+        # it comes back into one of two reload buffers of t x h; the drains read forward's inputs in place and
+        # hold one per micro-batch (T x h in all) until their last piece is on the host. Pieces add nothing.
+        dev("checkpoint staging", 2 * t * h * c, f"2 x t x h x c = 2 x {t} x {h} x {c}")
+        dev("checkpoint drains in flight", T * h * c, f"T x h x c = {T} x {h} x {c}")
     # dy for every micro-batch at the block boundary being back-propagated (both placements).
     dev("activation grad", T * h * c, f"T x h x c = {T} x {h} x {c}")
     dev("layer working set", *layer_working_set(model, work, plan))

@@ -13,12 +13,16 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LogEntry:
-    op: str  # "h2d", "compute", "release", "d2h", "adam_submit", "adam_begin", "adam_end"
+    # "h2d", "compute", "release", "d2h", "adam_submit", "adam_begin", "adam_end"; host checkpoints:
+    # "ckpt_drain", "ckpt_reload" (one per piece), "ckpt_use" (the recompute takes the micro-batch's input)
+    op: str
     step: int
     block: int
-    slot: int = -1  # device slot, for h2d / compute / release
+    slot: int = -1  # device slot, for h2d / compute / release; reload buffer, for ckpt_reload / ckpt_use
     load: int = -1  # position in the step's load sequence, for h2d / compute / release
     phase: str = ""  # "fwd" or "bwd"
+    micro: int = -1  # micro-batch, for the ckpt_ ops
+    piece: int = -1  # piece of the micro-batch's checkpoint, for ckpt_drain / ckpt_reload
 
 
 class EventLog:

@@ -59,7 +59,8 @@ def test_qwen_7b_host_checkpoints_eager_by_hand() -> None:
     T, t = 16 * 1024, 4 * 1024
     N = 7_615_616_512
     assert got[("device", "weight slots")] == 3 * bmax * 2
-    assert got[("device", "checkpoint staging")] == 3 * T * 3584 * 2        # K staging areas
+    assert got[("device", "checkpoint staging")] == 2 * t * 3584 * 2        # two reload buffers of a micro-batch
+    assert got[("device", "checkpoint drains in flight")] == T * 3584 * 2    # one drained input per micro-batch
     assert ("device", "activation checkpoints") not in got
     assert got[("device", "logits chunk")] == t * 152064 * 10               # chunk capped at t = 4096
     assert got[("host", "activation checkpoints")] == 28 * T * 3584 * 2
