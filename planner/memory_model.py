@@ -148,6 +148,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
     # dy for every micro-batch at the block boundary being back-propagated (both placements).
     dev("activation grad", T * h * c, f"T x h x c = {T} x {h} x {c}")
     dev("layer working set", *layer_working_set(model, work, plan))
+    dev("attention working set", *attention_working_set(model, work, plan))
     chunk = min(plan.loss_chunk_tokens, t)
     dev("logits chunk", chunk * V * (c + 4 + 4), f"chunk x V x (c + 4 + 4) = {chunk} x {V} x {c + 8}")
     if on_gpu:
@@ -247,6 +248,54 @@ def layer_working_set(model: ModelShape, work: Workload, plan: Plan) -> tuple[in
     return (t * (w - m) + u * m + t * h * c + grads,
             f"t x (w - m) + u x m + t x h x c + layer x c = {t} x ({w} - {m}) + {u} x {m} + {t} x {h} x {c} "
             f"+ {model.numel_layer} x {c}")
+
+
+# The most elements one tensor of one attention call may have (runtime/attention.py's MAX_ELEMENTS, a flash
+# kernel's 32-bit indexing): the heads are split into groups under it.
+ATTENTION_MAX_ELEMENTS = 2**31 - 1
+
+
+def attention_head_groups(rows: int, seq: int, head_dim: int, n_heads: int, n_kv_heads: int,
+                          max_elements: int = ATTENTION_MAX_ELEMENTS) -> tuple[int, int, int]:
+    """(query heads, kv heads, calls) of the runtime's attention split ([Note: head groups] in attention.py):
+    with n_rep = n_heads / n_kv_heads and one head of rows x seq x head_dim elements, the most kv heads g (a
+    divisor of n_kv_heads) with g x n_rep x head <= max_elements, each with its n_rep query heads; else one kv
+    head with the most query heads r (a divisor of n_rep) with r x head <= max_elements. (One head over the
+    limit is refused by the runtime; counted here as one head per call.)"""
+    n_rep = n_heads // n_kv_heads
+    head = rows * seq * head_dim
+    fits = [g for g in range(1, n_kv_heads + 1) if n_kv_heads % g == 0 and g * n_rep * head <= max_elements]
+    if fits:
+        g = max(fits)
+        return g * n_rep, g, n_kv_heads // g
+    r = max([r for r in range(1, n_rep + 1) if n_rep % r == 0 and r * head <= max_elements] or [1])
+    return r, 1, n_kv_heads * (n_rep // r)
+
+
+def attention_working_set(model: ModelShape, work: Workload, plan: Plan) -> tuple[int, str]:
+    """What one attention call's backward adds to the layer working set, for one micro-batch, counted for one
+    head group (the calls run one after another; ``attention_head_groups``), and its formula.
+
+    The layer working set already holds q, k, v and the attention output (O(t), flash: no S x S scores).
+    Per group of gq query heads and gk kv heads, the backward adds: dq, dk, dv of the group (t x D x (gq + 2 gk)
+    x c), flash's fp32 dQ accumulator (t x D x gq x 4) and, when the group shares kv heads (gq > gk), dk and dv
+    expanded to the query heads before they are summed (t x D x 2 gq x c). With more than one group the
+    output exists twice (the groups' outputs, saved for their backward, and their concatenation): + t x q x c.
+      t x D x (gq x (c + 4) + 2 gk x c [+ 2 gq x c if gq > gk]) [+ t x q x c if calls > 1]
+    On a CPU (torch's flash kernel for CPU, fp32) measured peak memory grows linearly in t too: no S x S
+    scores (benchmarks/long_context.py); there the fp32 accumulator is not allocated and the term is an
+    upper bound."""
+    c = work.compute_bytes
+    rows = min(plan.micro_batch_size, work.batch)
+    t, D, q = rows * work.seq_len, model.head_dim, model.num_heads * model.head_dim
+    gq, gk, calls = attention_head_groups(rows, work.seq_len, D, model.num_heads, model.num_kv_heads)
+    shared = 2 * gq * c if gq > gk else 0
+    both = t * q * c if calls > 1 else 0
+    per_token = gq * (c + 4) + 2 * gk * c + shared
+    formula = (f"t x D x (gq x (c + 4) + 2 gk x c{' + 2 gq x c' if shared else ''}){' + t x q x c' if both else ''}"
+               f" = {t} x {D} x ({gq} x {c + 4} + 2 x {gk} x {c}{f' + 2 x {gq} x {c}' if shared else ''})"
+               f"{f' + {t} x {q} x {c}' if both else ''} ({calls} call{'s' if calls > 1 else ''} of {gq} query heads)")
+    return t * D * per_token + both, formula
 
 
 def listed_host_bytes(est: MemoryEstimate, device_is_host: bool) -> int:
