@@ -101,6 +101,9 @@ class HostCheckpoints:
                             for _ in range(RELOAD_BUFFERS)]
             self._released = [self.streams.event() for _ in range(RELOAD_BUFFERS)]
             self._loaded = [[] for _ in range(RELOAD_BUFFERS)]
+        for m in list(self._held):  # a step that stopped in its forward left these (none after a whole step)
+            self._let_go(m)
+        self._drained.clear()
         self._micro, self._seq, self._hidden = list(micro), seq, hidden
         self._order = [(layer, m) for layer in reversed(range(n_layers)) for m in range(len(micro))]
         self._reloaded = self._got = 0

@@ -63,7 +63,7 @@ class Streams:
         if self.cuda:
             # compute: the caller's current stream, so the step orders with the user's own work.
             self.compute = Stream(torch.cuda.current_stream(device))
-            # h2d: weight (and host checkpoint) loads into device slots, overlapping compute.
+            # h2d: weight loads into device slots, overlapping compute.
             self.h2d = Stream(torch.cuda.Stream(device))
             # d2h: gradient drains to pinned host memory, overlapping compute.
             self.d2h = Stream(torch.cuda.Stream(device))
