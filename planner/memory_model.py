@@ -272,30 +272,36 @@ def attention_head_groups(rows: int, seq: int, head_dim: int, n_heads: int, n_kv
     return r, 1, n_kv_heads * (n_rep // r)
 
 
-def attention_working_set(model: ModelShape, work: Workload, plan: Plan) -> tuple[int, str]:
+def attention_working_set(model: ModelShape, work: Workload, plan: Plan,
+                          grads_counted: bool = False) -> tuple[int, str]:
     """What one attention call's backward adds to the layer working set, for one micro-batch, counted for one
     head group (the calls run one after another; ``attention_head_groups``), and its formula.
 
     The layer working set already holds q, k, v and the attention output (O(t), flash: no S x S scores).
     Per group of gq query heads and gk kv heads, the backward adds: dq, dk, dv of the group (t x D x (gq + 2 gk)
-    x c), flash's fp32 dQ accumulator (t x D x gq x 4) and, when the group shares kv heads (gq > gk), dk and dv
-    expanded to the query heads before they are summed (t x D x 2 gq x c). With more than one group the
-    output exists twice (the groups' outputs, saved for their backward, and their concatenation): + t x q x c.
-      t x D x (gq x (c + 4) + 2 gk x c [+ 2 gq x c if gq > gk]) [+ t x q x c if calls > 1]
-    On a CPU (torch's flash kernel for CPU, fp32) measured peak memory grows linearly in t too: no S x S
-    scores (benchmarks/long_context.py); there the fp32 accumulator is not allocated and the term is an
-    upper bound."""
+    x c) and in bf16 / fp16 flash's fp32 dQ accumulator (t x D x gq x a, a = 4 where c < 4, else 0), unless
+    ``grads_counted`` (a layer working set that already holds them for every head); and always, when the
+    group shares kv heads (gq > gk), dk and dv expanded to its query heads before they are summed
+    (t x D x 2 gq x c), and with more than one call the output twice (the groups' outputs, saved for their
+    backward, and their concatenation: t x q x c):
+      t x D x ([gq x (c + a) + 2 gk x c] [+ 2 gq x c if gq > gk]) [+ t x q x c if calls > 1]
+    On a CPU (fp32, torch's flash kernel for CPU) peak memory grows linearly in t: no S x S scores
+    (one attention forward + backward, 4 heads / 2 kv heads / D 64: 119, 199, 360 MiB at 16k, 32k, 64k tokens;
+    with two calls 426 MiB at 64k: one more output)."""
     c = work.compute_bytes
+    a = 4 if c < 4 else 0
     rows = min(plan.micro_batch_size, work.batch)
     t, D, q = rows * work.seq_len, model.head_dim, model.num_heads * model.head_dim
     gq, gk, calls = attention_head_groups(rows, work.seq_len, D, model.num_heads, model.num_kv_heads)
+    grads = 0 if grads_counted else gq * (c + a) + 2 * gk * c
     shared = 2 * gq * c if gq > gk else 0
     both = t * q * c if calls > 1 else 0
-    per_token = gq * (c + 4) + 2 * gk * c + shared
-    formula = (f"t x D x (gq x (c + 4) + 2 gk x c{' + 2 gq x c' if shared else ''}){' + t x q x c' if both else ''}"
-               f" = {t} x {D} x ({gq} x {c + 4} + 2 x {gk} x {c}{f' + 2 x {gq} x {c}' if shared else ''})"
-               f"{f' + {t} x {q} x {c}' if both else ''} ({calls} call{'s' if calls > 1 else ''} of {gq} query heads)")
-    return t * D * per_token + both, formula
+    terms = ([] if grads_counted else [("gq x (c + a) + 2 gk x c", f"{gq} x {c + a} + 2 x {gk} x {c}")]) + (
+        [("2 gq x c", f"2 x {gq} x {c}")] if shared else [])
+    formula = (f"t x D x ({' + '.join(n for n, _ in terms) or '0'}){' + t x q x c' if both else ''} = {t} x {D} x "
+               f"({' + '.join(v for _, v in terms) or '0'}){f' + {t} x {q} x {c}' if both else ''} "
+               f"({calls} call{'s' if calls > 1 else ''} of {gq} query heads)")
+    return t * D * (grads + shared) + both, formula
 
 
 def listed_host_bytes(est: MemoryEstimate, device_is_host: bool) -> int:

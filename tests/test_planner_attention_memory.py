@@ -47,5 +47,15 @@ def test_no_gqa_expansion_without_shared_kv_heads() -> None:
     m = from_config(dict(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=6, num_key_value_heads=6))
     work = Workload(seq_len=100, batch=3, compute_dtype="fp32")
-    nbytes, _ = memory_model.attention_working_set(m, work, Plan(micro_batch_size=2))
-    assert nbytes == 2 * 100 * 8 * (6 * (4 + 4) + 2 * 6 * 4)
+    nbytes, formula = memory_model.attention_working_set(m, work, Plan(micro_batch_size=2))
+    assert nbytes == 2 * 100 * 8 * (6 * (4 + 0) + 2 * 6 * 4)          # no flash fp32 accumulator in fp32
+    assert formula.startswith("t x D x (gq x (c + a) + 2 gk x c) = 200 x 8 x (6 x 4 + 2 x 6 x 4)")
+    # A layer working set that holds every head's dq, dk, dv and accumulator already: nothing more for MHA.
+    assert memory_model.attention_working_set(m, work, Plan(micro_batch_size=2), grads_counted=True)[0] == 0
+
+
+def test_grads_counted_leaves_the_gqa_expansion_and_the_second_output() -> None:
+    """Llama-3.1-8B at 1M tokens, bf16, with dq, dk, dv and the accumulator counted elsewhere."""
+    work = Workload(seq_len=2**20, batch=1, compute_dtype="bf16")
+    nbytes, _ = memory_model.attention_working_set(PRESETS["Llama-3.1-8B"], work, Plan(), grads_counted=True)
+    assert nbytes == 2**20 * 128 * (2 * 8 * 2) + 2**20 * 4096 * 2
