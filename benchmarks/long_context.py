@@ -12,7 +12,7 @@ step, then ``--steps`` timed ones) with the plan the planner's rules give
 the same plan (``memory_model.listed_host_bytes``: every buffer, without the
 fixed process terms) and the error, step time, tokens/s, and model TFLOP/s
 without attention (6N per token) and with attention FLOPs (causal: forward +
-backward, ``ModelShape.attention_flops_per_token``). On a GPU, peak device memory would be compared with
+backward, ``ModelShape.attention_model_flops_per_token``). On a GPU, peak device memory would be compared with
 the device buffers; not measured here yet.
 Writes ``benchmarks/results/<date>_<device>_long_context.{json,md,png}``.
 """
@@ -81,13 +81,14 @@ def main() -> int:
         measured = run_model(hf, seq, 1, "fp32", plan.to_json(indent=None), args.steps)
         step = min(s["step_s"] for s in measured["steps"])
         growth = measured["peak_rss_growth_bytes"]
-        attn = seq * shape.attention_flops_per_token(seq)
+        attn = seq * shape.attention_model_flops_per_token(seq)
         model_flops = shape.model_flops_per_token() * seq
         predicted = cost_model.estimate(shape, work, plan, hw) if hw is not None else None
         rows.append({"seq": seq, "plan": plan.to_dict(), "peak_rss_growth_bytes": growth,
                      "baseline_rss_bytes": measured["baseline_rss_bytes"], "listed_bytes": listed,
                      "layer_working_set_bytes": layer.nbytes, "layer_working_set_formula": layer.formula,
-                     "attention_working_set_bytes": attention.nbytes, "attention_working_set_formula": attention.formula,
+                     "attention_working_set_bytes": attention.nbytes,
+                     "attention_working_set_formula": attention.formula,
                      "memory_error": listed / growth - 1, "step_seconds": step, "tokens_per_second": seq / step,
                      "model_tflops": model_flops / step / 1e12, "model_tflops_with_attention":
                      (model_flops + attn) / step / 1e12,

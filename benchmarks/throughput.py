@@ -10,7 +10,7 @@ the device (fp32 master, bf16 autocast on a GPU, per-layer activation
 checkpointing, fused AdamW on the device). Reports per system: median step time,
 tokens/s, model TFLOP/s without attention (6 x N x tokens / step time; recompute not
 counted) and with causal attention's forward and backward FLOPs added (the planner's
-``ModelShape.attention_flops_per_token``), peak
+``ModelShape.attention_model_flops_per_token``), peak
 device memory, peak host RSS, final loss; and megatrain / PyTorch as a ratio.
 Writes ``benchmarks/results/<date>_<device>_throughput.{json,md}``.
 """
@@ -168,7 +168,8 @@ def main() -> int:
     from megatrain.planner import model_shapes
 
     tokens = args.batch * args.seq
-    attention = model_shapes.from_config(dict(MODELS[args.model], model_type="llama")).attention_flops_per_token(args.seq)
+    shape = model_shapes.from_config(dict(MODELS[args.model], model_type="llama"))
+    attention = shape.attention_model_flops_per_token(args.seq)
     rows = []
     for system in ("pytorch", "megatrain"):
         print(f"{system}: {args.model}, {args.batch} x {args.seq} tokens, {args.steps} steps", file=sys.stderr, flush=True)

@@ -150,7 +150,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
     bwd = PhaseTime(step - fwd_end, *_busy(steps[n_fwd:]),
                     adam_s=(total_adam if eager or hw.device_is_host else 0.0))
     T, seq = batch.tokens, batch.seq
-    attn = T * model.attention_flops_per_token(seq)
+    attn = T * model.attention_model_flops_per_token(seq)
     h2d_bytes, d2h_bytes = traffic(model, work, plan)
     disk_read, disk_write = disk_traffic(model, work, plan)
     disk_s = (disk_read / (hw.disk_read_gbps * 1e9) + disk_write / (hw.disk_write_gbps * 1e9)) if disk_read else 0.0

@@ -178,7 +178,7 @@ class ModelShape:
         """Causal attention backward per token: 2.5 x forward (flash backward: QK^T again, dV, dP, dQ, dK)."""
         return 2.5 * self.attention_flops_fwd(seq)
 
-    def attention_flops_per_token(self, seq: int) -> float:
+    def attention_model_flops_per_token(self, seq: int) -> float:
         """Causal attention FLOPs per token of the whole model in one step, forward and backward, at ``seq`` tokens
         per sequence: L x (attention_flops_fwd + attention_flops_bwd) = L x 3.5 x 2 x heads x head_dim x (seq + 1).
         Recompute not counted (as in ``model_flops_per_token``); what "TFLOP/s with attention" adds to 6N."""

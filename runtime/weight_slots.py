@@ -11,9 +11,10 @@ overwrites weights still being read; the host never waits for either.
 A step is a fixed sequence of loads (forward: embedding, layers, head, and the
 embedding again for a tied head; backward: layers in reverse). Load j goes to
 slot ``j % K``; it may be issued once load ``j - K`` was released (and, for a
-backward layer, once ``Load.after``, forward's last layer, was), and the loader keeps ``prefetch_depth`` loads ahead of the
-one computing (step_schedule.py builds the sequences). Compute holds a load
-inside ``with loader.resident(load)``: entering it is the LOADING -> IN_USE
+backward layer, once ``Load.after``, forward's last layer, was), and the loader
+keeps ``prefetch_depth`` loads ahead of the one computing (step_schedule.py
+builds the sequences). Compute holds a load inside
+``with loader.resident(load)``: entering it is the LOADING -> IN_USE
 transition, leaving it IN_USE -> FREE. Memory: K x largest block x
 compute-dtype bytes on the device.
 

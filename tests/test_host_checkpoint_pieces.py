@@ -91,7 +91,8 @@ def test_copies_in_order_from_the_event_log() -> None:
         assert [e.slot for e in uses] == [k % 2 for k in range(len(uses))]
         # A buffer is filled again only after the use before it in backward order (its reader is issued).
         for k in range(2, len(uses)):
-            first = next(e for e in ops if e.op == "ckpt_reload" and (e.block, e.micro) == (uses[k].block, uses[k].micro))
+            item = (uses[k].block, uses[k].micro)
+            first = next(e for e in ops if e.op == "ckpt_reload" and (e.block, e.micro) == item)
             assert at[id(uses[k - 1])] < at[id(first)]
         # The first two reloads go out when forward ends, before the head computes.
         head = next(i for i, e in enumerate(log) if e.op == "compute" and e.step == step and e.block == layers + 1)

@@ -43,8 +43,8 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=["default", "host-ckpt", "host-ckpt-pieces", "eager", "spill-opt", "spill-all", "spill-eager",
-                                         "spill-all-4k", "spill-opt-8k"])
+@pytest.mark.parametrize("plan", PLANS, ids=["default", "host-ckpt", "host-ckpt-pieces", "eager", "spill-opt",
+                                         "spill-all", "spill-eager", "spill-all-4k", "spill-opt-8k"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_memory_model_matches_allocations(name: str, plan: Plan, dtype: torch.dtype, tmp_path) -> None:

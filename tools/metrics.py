@@ -29,7 +29,7 @@ class TokenFlops:
 
     ``model``: 6 x N (DESIGN.md section 7: attention not counted, recompute not counted). ``attention``: causal
     attention forward + backward at ``seq`` tokens per row, the planner's formula
-    (``ModelShape.attention_flops_per_token``: L x 3.5 x 2 x heads x head_dim x (seq + 1)); packed documents are
+    (``ModelShape.attention_model_flops_per_token``: L x 3.5 x 2 x heads x head_dim x (seq + 1)); packed documents are
     counted as whole rows, an upper bound on what document attention computes.
     """
 
@@ -41,7 +41,7 @@ class TokenFlops:
     def of(cls, config: Mapping[str, Any], num_parameters: int, seq: int) -> "TokenFlops":
         """For a model given by its config.json fields (``ModelConfig.to_dict()``) trained on rows of ``seq``."""
         shape = model_shapes.from_config(config)
-        return cls(6.0 * num_parameters, shape.attention_flops_per_token(seq), seq)
+        return cls(6.0 * num_parameters, shape.attention_model_flops_per_token(seq), seq)
 
     def figures(self, tokens_per_second: float, peak_tflops: float | None) -> dict[str, float | None]:
         """model TFLOP/s and MFU without attention and with it, at ``tokens_per_second``."""
