@@ -12,7 +12,7 @@ step, then ``--steps`` timed ones) with the plan the planner's rules give
 the same plan (``memory_model.listed_host_bytes``: every buffer, without the
 fixed process terms) and the error, step time, tokens/s, and model TFLOP/s
 without attention (6N per token) and with attention FLOPs (causal: forward +
-backward, ``cost_model``). On a GPU, peak device memory would be compared with
+backward, ``ModelShape.attention_model_flops_per_token``). On a GPU, peak device memory would be compared with
 the device buffers; not measured here yet.
 Writes ``benchmarks/results/<date>_<device>_long_context.{json,md,png}``.
 """
@@ -44,6 +44,8 @@ def main() -> int:
     p.add_argument("--head-dim", type=int, default=8)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--checkpoints", choices=("device", "host"), default="device")
+    p.add_argument("--piece-tokens", type=int, default=None,
+                   help="host checkpoints: tokens per copy (default: the planner's search.checkpoint_piece_tokens)")
     p.add_argument("--untiled", action="store_true", help="no sequence tiles (to compare)")
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -66,23 +68,28 @@ def main() -> int:
     rows = []
     for seq in args.seqs:
         work = Workload(seq_len=seq, batch=1, compute_dtype="fp32", clipping=True)
-        plan = Plan(checkpoints=args.checkpoints, loss_chunk_tokens=4096,
+        pieces = (args.piece_tokens or search.checkpoint_piece_tokens(shape, work, 1)
+                  if args.checkpoints == "host" else None)
+        plan = Plan(checkpoints=args.checkpoints, loss_chunk_tokens=4096, checkpoint_piece_tokens=pieces,
                     mlp_tile_tokens=None if args.untiled else search.sequence_tile_tokens(seq),
                     attention_tile_tokens=None if args.untiled else search.sequence_tile_tokens(seq))
         mem = memory_model.estimate(shape, work, plan, hw)
         listed = memory_model.listed_host_bytes(mem, True)
         layer = next(c for c in mem.components if c.name == "layer working set")
+        attention = next(c for c in mem.components if c.name == "attention working set")
         print(f"seq {seq}: plan {plan.to_json(indent=None)}; listed {listed / 2**30:.3f} GiB ...",
               file=sys.stderr, flush=True)
         measured = run_model(hf, seq, 1, "fp32", plan.to_json(indent=None), args.steps)
         step = min(s["step_s"] for s in measured["steps"])
         growth = measured["peak_rss_growth_bytes"]
-        attn = seq * shape.num_layers * (shape.attention_flops_fwd(seq) + shape.attention_flops_bwd(seq))
+        attn = seq * shape.attention_model_flops_per_token(seq)
         model_flops = shape.model_flops_per_token() * seq
         predicted = cost_model.estimate(shape, work, plan, hw) if hw is not None else None
         rows.append({"seq": seq, "plan": plan.to_dict(), "peak_rss_growth_bytes": growth,
                      "baseline_rss_bytes": measured["baseline_rss_bytes"], "listed_bytes": listed,
                      "layer_working_set_bytes": layer.nbytes, "layer_working_set_formula": layer.formula,
+                     "attention_working_set_bytes": attention.nbytes,
+                     "attention_working_set_formula": attention.formula,
                      "memory_error": listed / growth - 1, "step_seconds": step, "tokens_per_second": seq / step,
                      "model_tflops": model_flops / step / 1e12, "model_tflops_with_attention":
                      (model_flops + attn) / step / 1e12,
@@ -97,7 +104,8 @@ def main() -> int:
     report = {"date": today, "device": "cpu", "command": command, "machine": machine(), "model": hf,
               "params": shape.params, "checkpoints": args.checkpoints, "results": rows}
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{today}_cpu_long_context{'_untiled' if args.untiled else ''}")
+    stem = os.path.join(args.out, f"{today}_cpu_long_context{'_host' if args.checkpoints == 'host' else ''}"
+                                  f"{'_untiled' if args.untiled else ''}")
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=2)
     return write(report, stem, command)
@@ -108,13 +116,16 @@ def write(report: dict, stem: str, command: str) -> int:
     rows, today = report["results"], report["date"]
     lines = [f"# Long context on a CPU ({today})", "", f"`{command}`; {report['params']:,} "
              f"params, fp32, batch 1, checkpoints on the {report.get('checkpoints', 'device')}.", "",
-             "| seq | MLP tile | peak RSS growth GiB | planner's buffers GiB | error | layer working set GiB "
-             "| step s | tok/s | TFLOP/s w/o attention | TFLOP/s with attention |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| seq | MLP tile | checkpoint piece | peak RSS growth GiB | planner's buffers GiB | error "
+             "| layer working set GiB | attention working set GiB "
+             "| step s | tok/s | model TFLOP/s (6N, attention not counted) | with attention |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['seq']} | {r['plan']['mlp_tile_tokens'] or '-'} | {r['peak_rss_growth_bytes'] / 2**30:.3f} | "
+        lines.append(f"| {r['seq']} | {r['plan']['mlp_tile_tokens'] or '-'} | "
+                     f"{r['plan'].get('checkpoint_piece_tokens') or '-'} | {r['peak_rss_growth_bytes'] / 2**30:.3f} | "
                      f"{r['listed_bytes'] / 2**30:.3f} | {r['memory_error']:+.1%} | "
-                     f"{r['layer_working_set_bytes'] / 2**30:.3f} | {r['step_seconds']:.1f} | "
+                     f"{r['layer_working_set_bytes'] / 2**30:.3f} | "
+                     f"{r.get('attention_working_set_bytes', 0) / 2**30:.3f} | {r['step_seconds']:.1f} | "
                      f"{r['tokens_per_second']:.0f} | {r['model_tflops']:.4f} | {r['model_tflops_with_attention']:.4f} |")
     if len(rows) >= 2:
         a, b = rows[0], rows[-1]

@@ -8,7 +8,9 @@ random initial weights and batches: megatrain (bf16 compute on a GPU, fp32 on a
 CPU; weights and AdamW state in host memory) and PyTorch with the whole model on
 the device (fp32 master, bf16 autocast on a GPU, per-layer activation
 checkpointing, fused AdamW on the device). Reports per system: median step time,
-tokens/s, model TFLOP/s (6 x N x tokens / step time; recompute not counted), peak
+tokens/s, model TFLOP/s without attention (6 x N x tokens / step time; recompute not
+counted) and with causal attention's forward and backward FLOPs added (the planner's
+``ModelShape.attention_model_flops_per_token``), peak
 device memory, peak host RSS, final loss; and megatrain / PyTorch as a ratio.
 Writes ``benchmarks/results/<date>_<device>_throughput.{json,md}``.
 """
@@ -130,13 +132,16 @@ def child(args) -> None:
     print(json.dumps(out))
 
 
-def summarize(name: str, r: dict, tokens: int, warmup: int) -> dict:
+def summarize(name: str, r: dict, tokens: int, warmup: int, attention_per_token: float) -> dict:
+    """``attention_per_token``: causal attention forward + backward FLOPs per token at the run's length."""
     if r.get("status") != "ok":
         return {"system": name, **r}
     steady = r["times"][warmup:] or r["times"]
     step = statistics.median(steady)
     return {"system": name, "status": "ok", "step_seconds": step, "tokens_per_second": tokens / step,
-            "model_tflops": 6 * r["params"] * tokens / step / 1e12, "final_loss": r["loss"],
+            "model_tflops": 6 * r["params"] * tokens / step / 1e12,
+            "model_tflops_with_attention": (6 * r["params"] + attention_per_token) * tokens / step / 1e12,
+            "final_loss": r["loss"],
             "peak_device_gib": None if r["peak_device_bytes"] is None else r["peak_device_bytes"] / 2**30,
             "peak_host_rss_gib": r["peak_host_rss_bytes"] / 2**30, "params": r["params"], "step_times": r["times"]}
 
@@ -160,7 +165,11 @@ def main() -> int:
         child(args)
         return 0
 
+    from megatrain.planner import model_shapes
+
     tokens = args.batch * args.seq
+    shape = model_shapes.from_config(dict(MODELS[args.model], model_type="llama"))
+    attention = shape.attention_model_flops_per_token(args.seq)
     rows = []
     for system in ("pytorch", "megatrain"):
         print(f"{system}: {args.model}, {args.batch} x {args.seq} tokens, {args.steps} steps", file=sys.stderr, flush=True)
@@ -168,7 +177,7 @@ def main() -> int:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         result = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {
             "status": f"failed with exit status {proc.returncode}"}
-        rows.append(summarize(system, result, tokens, args.warmup))
+        rows.append(summarize(system, result, tokens, args.warmup, attention))
     base, ours = rows
     ratio = (ours["tokens_per_second"] / base["tokens_per_second"]
              if ours.get("status") == "ok" and base.get("status") == "ok" else None)
@@ -183,15 +192,17 @@ def main() -> int:
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=2)
     lines = [f"# Throughput, {args.model}, {args.batch} x {args.seq} tokens/step, {device} ({report['date']})", "",
-             "| system | step s | tokens/s | model TFLOP/s | peak device GiB | peak host RSS GiB | final loss |",
-             "|---|---|---|---|---|---|---|"]
+             "| system | step s | tokens/s | model TFLOP/s (6N, attention not counted) | with attention "
+             "| peak device GiB | peak host RSS GiB | final loss |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("status") != "ok":
-            lines.append(f"| {r['system']} | {r['status']} | | | | | |")
+            lines.append(f"| {r['system']} | {r['status']} | | | | | | |")
             continue
         dev = "-" if r["peak_device_gib"] is None else f"{r['peak_device_gib']:.2f}"
         lines.append(f"| {r['system']} | {r['step_seconds']:.3f} | {r['tokens_per_second']:,.0f} | "
-                     f"{r['model_tflops']:.3f} | {dev} | {r['peak_host_rss_gib']:.2f} | {r['final_loss']:.4f} |")
+                     f"{r['model_tflops']:.3f} | {r['model_tflops_with_attention']:.3f} | {dev} | "
+                     f"{r['peak_host_rss_gib']:.2f} | {r['final_loss']:.4f} |")
     if ratio is not None:
         lines += ["", f"megatrain / PyTorch tokens/s: **{ratio:.2f}x** (6N per token; recompute not counted)"]
     with open(stem + ".md", "w") as f:

@@ -210,7 +210,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
         f"hardware: {report.hardware_line(hw)}",
         f"  source: {hw.source}", "",
         f"plan: {p.micro_batch_size} sequences x {share.micro_batches(p.micro_batch_size)} micro-batches, "
-        f"{p.num_slots} slots (prefetch {p.prefetch_depth}), checkpoints on {p.checkpoints}, "
+        f"{p.num_slots} slots (prefetch {p.prefetch_depth}), checkpoints on {p.checkpoints}"
+        f"{f' (copied in pieces of {p.checkpoint_piece_tokens} tokens)' if p.checkpoint_piece_tokens else ''}, "
         f"optimizer {p.optimizer_mode}, loss chunk {p.loss_chunk_tokens} tokens"
         + (f", MLP tiles of {p.mlp_tile_tokens} tokens" if p.mlp_tile_tokens else "")
         + (f", attention projection tiles of {p.attention_tile_tokens} tokens" if p.attention_tile_tokens else "")

@@ -150,7 +150,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
     bwd = PhaseTime(step - fwd_end, *_busy(steps[n_fwd:]),
                     adam_s=(total_adam if eager or hw.device_is_host else 0.0))
     T, seq = batch.tokens, batch.seq
-    attn = T * model.num_layers * (model.attention_flops_fwd(seq) + model.attention_flops_bwd(seq))
+    attn = T * model.attention_model_flops_per_token(seq)
     h2d_bytes, d2h_bytes = traffic(model, work, plan)
     disk_read, disk_write = disk_traffic(model, work, plan)
     disk_s = (disk_read / (hw.disk_read_gbps * 1e9) + disk_write / (hw.disk_write_gbps * 1e9)) if disk_read else 0.0
@@ -288,7 +288,7 @@ class _HostSlabs:
 def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: _Batch, rates: _Rates, adam: _AdamTime,
                    slabs: _HostSlabs) -> list[_Step]:
     """Embedding, the layers, and the head (whose loss and backward run in the forward pass)."""
-    c, K, M, T = work.compute_bytes, plan.num_slots, batch.micro_batches, batch.tokens
+    c, M, T = work.compute_bytes, batch.micro_batches, batch.tokens
     host_ckpt = plan.checkpoints == "host"
     ckpt_bytes = T * model.hidden_size * c                   # one block boundary: T x h x c
     E, Lw, H = model.numel_embedding, model.numel_layer, model.numel_head
@@ -300,9 +300,11 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: _Batch,
         # compute_fwd(M) = T x flops_fwd(seq) / rate (attention at its own rate) + M x launch
         comp = (rates.layer_seconds(T * model.layer_flops_fwd(batch.seq), T * model.attention_flops_fwd(batch.seq))
                 + M * rates.launch_fwd_s)
-        # host checkpoints: D2H of the block's input (T x h x c), staged in one of K device areas.
+        # host checkpoints: D2H of the block's input (T x h x c), read in place; the layer's compute waits for
+        # the previous layer's drain (the runtime lets each micro-batch's drained input go before it saves the
+        # next layer's: [Note: host checkpoints in pieces]).
         drain = _copy_s(ckpt_bytes, d2h) if host_ckpt else 0.0
-        wait = len(steps) - K if host_ckpt and len(steps) - K >= 1 else None
+        wait = len(steps) - 1 if host_ckpt and len(steps) >= 2 else None
         steps.append(_Step(_copy_s(Lw * c, h2d), comp, drain, d2h_at_start=True, wait_d2h_of=wait))
     # Head: load (norm [+ lm_head]) x c, plus the embedding again when tied; compute its forward and
     # backward: T x (2 + 4) x V x h / rate + M x chunks x launch; untied head drains its fp32 grads.

@@ -187,6 +187,12 @@ class ModelShape:
         """Causal attention backward per token: ATTENTION_BWD_FACTOR x forward."""
         return ATTENTION_BWD_FACTOR * self.attention_flops_fwd(seq)
 
+    def attention_model_flops_per_token(self, seq: int) -> float:
+        """Causal attention FLOPs per token of the whole model in one step, forward and backward, at ``seq`` tokens
+        per sequence: L x (attention_flops_fwd + attention_flops_bwd) = L x 3.5 x 2 x heads x head_dim x (seq + 1).
+        Recompute not counted (as in ``model_flops_per_token``); what "TFLOP/s with attention" adds to 6N."""
+        return self.num_layers * (self.attention_flops_fwd(seq) + self.attention_flops_bwd(seq))
+
     def layer_flops_fwd(self, seq: int) -> float:
         """One decoder layer, forward, per token: 2 x matmul weights + causal attention."""
         return 2.0 * self.matmul_weights_layer() + self.attention_flops_fwd(seq)

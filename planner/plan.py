@@ -145,7 +145,12 @@ class Plan:
       num_slots           K x (largest block, compute dtype) weight slots
       device_grad_buffers G x (largest block, fp32) gradient accumulators
       checkpoints         "device": n_layers x tokens x hidden x compute bytes on the GPU;
-                          "host": the same in pinned host RAM, plus K staging areas on the GPU
+                          "host": the same in pinned host RAM, plus on the GPU two reload buffers of one
+                          micro-batch's input (2 x micro-batch tokens x hidden x compute bytes) and the
+                          drained inputs of one layer until their copies end (tokens x hidden x compute bytes)
+      checkpoint_piece_tokens  "host": the unit of checkpoint copies (drain and reload), at most this many
+                          tokens x hidden x compute bytes each (None: a micro-batch's input in one copy);
+                          no memory of its own
       host_grad_slabs     eager mode only: S x (largest block, fp32) host RAM
                           (deferred mode keeps a full fp32 gradient arena instead)
       loss_chunk_tokens   logits chunk: chunk x vocab x (compute + 4 + 4) bytes
@@ -174,6 +179,9 @@ class Plan:
     micro_batch_size: int = 1
     # Where activation checkpoints at block boundaries live between forward and backward.
     checkpoints: str = "device"
+    # checkpoints="host": tokens per copy of a checkpoint to the host and back, each with its own event
+    # (None: a micro-batch's input in one copy).
+    checkpoint_piece_tokens: int | None = None
     # "eager": AdamW per block as soon as its grads reach the host (no clipping possible);
     # "deferred": after backward, in forward order, overlapping the next step's forward.
     optimizer_mode: str = "deferred"
@@ -225,6 +233,9 @@ class Plan:
             )
         _at_least("micro_batch_size", self.micro_batch_size, 1, "it counts sequences per micro-batch")
         _one_of("checkpoints", self.checkpoints, CHECKPOINT_PLACEMENTS)
+        if self.checkpoint_piece_tokens is not None:
+            _at_least("checkpoint_piece_tokens", self.checkpoint_piece_tokens, 1,
+                      "it is the number of tokens per checkpoint copy, or null for whole micro-batches")
         _one_of("optimizer_mode", self.optimizer_mode, OPTIMIZER_MODES)
         _at_least("device_grad_buffers", self.device_grad_buffers, 2,
                   "one buffer accumulates while the previous one drains to the host")

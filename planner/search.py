@@ -43,6 +43,9 @@ TIME_TOLERANCE = 0.01
 LOSS_CHUNKS = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
 # Tokens per sequence tile (MLP and attention half) once sequences are longer (search.sequence_tile_tokens).
 SEQUENCE_TILE_TOKENS = 4096
+# Bytes of one host checkpoint copy once a micro-batch's input is larger than two of them
+# (search.checkpoint_piece_tokens).
+CHECKPOINT_PIECE_BYTES = 128 * 2**20
 
 
 class InfeasibleError(MegatrainError):
@@ -126,6 +129,8 @@ def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = N
                                                 loss_chunk_tokens=mbs * work.seq_len, spill=spill,
                                                 mlp_tile_tokens=sequence_tile_tokens(work.seq_len),
                                                 attention_tile_tokens=sequence_tile_tokens(work.seq_len),
+                                                checkpoint_piece_tokens=checkpoint_piece_tokens(model, work, mbs)
+                                                if ckpt == "host" else None,
                                                 spill_dir=None if spill == "none" else work.spill_dir,
                                                 spill_staging=staging, **spill_io_choices(hw)))
     return out
@@ -143,6 +148,21 @@ def sequence_tile_tokens(seq_len: int) -> int | None:
     run at the matmul rate, so tiling costs no time the cost model sees, while the MLP's intermediates and the
     attention half's norm and projection intermediates stop growing with the sequence."""
     return SEQUENCE_TILE_TOKENS if seq_len > SEQUENCE_TILE_TOKENS else None
+
+
+def checkpoint_piece_tokens(model: ModelShape, work: Workload, micro_batch_size: int) -> int | None:
+    """Tokens per host checkpoint copy (``Plan.checkpoint_piece_tokens``). A micro-batch's input is
+    t x h x c bytes (t = micro-batch x seq); up to 2 x CHECKPOINT_PIECE_BYTES (256 MiB) it goes in one copy
+    (None). Above, pieces of floor(CHECKPOINT_PIECE_BYTES / (h x c)) tokens, 128 MiB each: large enough to run
+    at the link's full rate (copies of a few MiB already do), small enough that a block's weights on the h2d
+    stream wait for at most one piece on a shared copy engine, and that each reload piece starts as soon as
+    its own drain is done. Memory is not changed by the pieces (memory_model: reload buffers hold whole
+    micro-batches)."""
+    hc = model.hidden_size * work.compute_bytes
+    t = min(micro_batch_size, work.batch) * work.seq_len
+    if t * hc <= 2 * CHECKPOINT_PIECE_BYTES:
+        return None
+    return max(1, CHECKPOINT_PIECE_BYTES // hc)
 
 
 def _chunks(tokens: int) -> list[int]:

@@ -15,14 +15,18 @@ from dataclasses import dataclass
 class LogEntry:
     # "h2d", "compute", "release", "d2h", "adam_submit", "adam_begin", "adam_end"; with spill files, the AdamW
     # worker's I/O: "spill_read" (a piece's staged reads issued; phase "ahead": before its job arrived),
-    # "spill_write" (its writes behind issued), "spill_discard" (read ahead, then dropped unused)
+    # "spill_write" (its writes behind issued), "spill_discard" (read ahead, then dropped unused); host
+    # checkpoints: "ckpt_drain", "ckpt_reload" (one per piece), "ckpt_use" (the recompute takes the micro-batch's
+    # input)
     op: str
     step: int
     block: int
-    slot: int = -1  # device slot, for h2d / compute / release
+    slot: int = -1  # device slot, for h2d / compute / release; reload buffer, for ckpt_reload / ckpt_use
     load: int = -1  # position in the step's load sequence, for h2d / compute / release
     phase: str = ""  # "fwd" or "bwd"; "ahead" for a spill read issued before its job
     lo: int = -1  # the piece's first element in its block, for spill_read / spill_write / spill_discard
+    micro: int = -1  # micro-batch, for the ckpt_ ops
+    piece: int = -1  # piece of the micro-batch's checkpoint, for ckpt_drain / ckpt_reload
 
 
 class EventLog:

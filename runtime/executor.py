@@ -38,7 +38,7 @@ from .head_loss import chunked_logits, head_forward_backward, head_loss
 from .host_store import HostStore
 from .rope import attention_scaling, inverse_frequencies, rotary_tables
 from .sequence_tiles import tiled_layer_backward
-from .step_schedule import Load, evaluation_schedule, training_schedule
+from .step_schedule import evaluation_schedule, training_schedule
 from .step_timer import StepTimer
 from .streams import Event, Streams
 from .templates import Block, BlockKind, Templates
@@ -104,7 +104,7 @@ class Executor:
                           if self.schedule.tied else None)
         self.tied_drained: Event = self.streams.event()
         self.checkpoints: DeviceCheckpoints | HostCheckpoints = (
-            HostCheckpoints(plan.num_slots, compute_dtype, device, self.streams, pin, self.timer)
+            HostCheckpoints(plan.checkpoint_piece_tokens, compute_dtype, device, self.streams, pin, self.timer, log)
             if plan.checkpoints == "host" else DeviceCheckpoints()
         )
         self.adam = AdamWorker(store, len(blocks), log)
@@ -117,7 +117,7 @@ class Executor:
                 "disk_busy_s": files.io_clock.seconds, "adam_disk_wait_s": adam.disk_wait_seconds}
         self.step_no = 0  # optimizer steps completed or in flight
         self.loader = WeightLoader(self.slots, store, self.streams, plan.prefetch_depth, self._wait_updated,
-                                   self._on_load, log, self.timer,
+                                   log, self.timer,
                                    fill=None if collectives is None else collectives.fill_slot)
         order = {name: i for i, name in enumerate(templates.hf_parameter_order())}
         self.norm_index = [torch.tensor([order[e.hf_name] for e in b.layout.entries], device=device) for b in blocks]
@@ -144,7 +144,7 @@ class Executor:
             self.dist.begin_step()
             batch.n_tokens = self.dist.all_reduce_sum(batch.n_tokens)
         positions = self._positions(batch.input_ids.shape[1], batch.micro, batch.position_ids, batch.documents)
-        self.checkpoints.begin(len(s.layers), *batch.input_ids.shape, self.config.hidden_size)
+        self.checkpoints.begin(len(s.layers), *batch.input_ids.shape, self.config.hidden_size, batch.micro)
         self.loader.start(step, s.loads)
         pending: list[PendingUpdate] = []  # deferred mode: submitted once the global norm is known
 
@@ -158,7 +158,6 @@ class Executor:
                         self.checkpoints.save(load.layer, m, rows, x[m])
                         x[m] = self.templates.run(BlockKind.LAYER, params, x[m], *positions[m], self.mlp_tile, "layer",
                                                    self.attention_tile)
-                self.checkpoints.end_forward_block()
         self.checkpoints.flush()
 
         # ---- head: loss and its gradient at once, chunk by chunk (with a tied lm_head, the embedding's table)
@@ -316,11 +315,6 @@ class Executor:
         """The loader's wait for AdamW's update of ``block`` for ``step``: exposed optimizer time, if any."""
         with self.timer.adam_wait(self.streams.compute):
             self.adam.wait_updated(block, step)
-
-    def _on_load(self, load: Load, slot: int) -> None:
-        """Inside a backward load, on the h2d stream: the layer's activation checkpoints into the slot's staging."""
-        if load.phase == "bwd":
-            self.checkpoints.load_into_slot(load.layer, slot)
 
     def _rotary(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos/sin for ``seq`` positions, one pair per length (the latest few kept)."""

@@ -1,7 +1,7 @@
 """Streams and events, with the same interface on CUDA and on CPU.
 
-On CUDA the step uses three streams so that weight loads, compute and gradient
-drains overlap. On CPU every operation runs in program order, so streams are
+On CUDA the step uses four streams so that weight loads, compute, gradient
+drains and host checkpoint traffic overlap. On CPU every operation runs in program order, so streams are
 no-ops and events are always complete: the same code path runs, and CI tests
 it. Buffers that cross streams travel with the event that says they are ready
 (no ``record_stream``).
@@ -56,19 +56,22 @@ class Stream:
 
 
 class Streams:
-    """The three streams of a step."""
+    """The four streams of a step."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         if self.cuda:
             # compute: the caller's current stream, so the step orders with the user's own work.
             self.compute = Stream(torch.cuda.current_stream(device))
-            # h2d: weight (and host checkpoint) loads into device slots, overlapping compute.
+            # h2d: weight loads into device slots, overlapping compute.
             self.h2d = Stream(torch.cuda.Stream(device))
-            # d2h: gradient and checkpoint drains to pinned host memory, overlapping compute.
+            # d2h: gradient drains to pinned host memory, overlapping compute.
             self.d2h = Stream(torch.cuda.Stream(device))
+            # ckpt: host activation checkpoints out and back in pieces, so gigabytes of them queue neither behind
+            # nor in front of a block's weights or gradients ([Note: host checkpoints in pieces]).
+            self.ckpt = Stream(torch.cuda.Stream(device))
         else:
-            self.compute = self.h2d = self.d2h = Stream(None)
+            self.compute = self.h2d = self.d2h = self.ckpt = Stream(None)
 
     def event(self) -> Event:
         return Event(self.cuda)

@@ -11,10 +11,10 @@ overwrites weights still being read; the host never waits for either.
 A step is a fixed sequence of loads (forward: embedding, layers, head, and the
 embedding again for a tied head; backward: layers in reverse). Load j goes to
 slot ``j % K``; it may be issued once load ``j - K`` was released (and, for a
-backward layer, once ``Load.after``, forward's last layer, was: its checkpoints
-are then written), and the loader keeps ``prefetch_depth`` loads ahead of the
-one computing (step_schedule.py builds the sequences). Compute holds a load
-inside ``with loader.resident(load)``: entering it is the LOADING -> IN_USE
+backward layer, once ``Load.after``, forward's last layer, was), and the loader
+keeps ``prefetch_depth`` loads ahead of the one computing (step_schedule.py
+builds the sequences). Compute holds a load inside
+``with loader.resident(load)``: entering it is the LOADING -> IN_USE
 transition, leaving it IN_USE -> FREE. Memory: K x largest block x
 compute-dtype bytes on the device.
 
@@ -72,9 +72,6 @@ class WeightSlots:
         self.state[slot] = new
 
 
-# Called on the h2d stream right after a block's weights are queued into a slot, so that
-# per-slot extras (host-resident activation checkpoints) load under the same ``loaded`` event.
-OnLoad = Callable[[Load, int], None]  # (load, slot)
 # Data parallel: fills a slot on the h2d stream (collectives.py): ``place(own)`` writes this rank's shard into its
 # part of the slot (from the RAM shadow, or read chunk by chunk from the master spill file), then the all-gather.
 Fill = Callable[[int, torch.Tensor, Callable[[torch.Tensor], None]], None]  # (block, slot buffer, place)
@@ -96,7 +93,6 @@ class WeightLoader:
         streams: Streams,
         depth: int,
         wait_updated: WaitUpdated,
-        on_load: OnLoad,
         log: EventLog,
         timer: StepTimer,
         fill: Fill | None = None,
@@ -104,7 +100,6 @@ class WeightLoader:
         assert 1 <= depth <= len(slots) - 1
         self.slots, self.store, self.streams, self.depth = slots, store, streams, depth
         self.wait_updated = wait_updated
-        self.on_load = on_load
         self.log = log
         self.timer = timer
         self.fill = fill
@@ -201,7 +196,6 @@ class WeightLoader:
                     self.fill(block, self.slots.buffers[slot], lambda own: self._place(block, slot, source, own))
                 else:
                     self._place(block, slot, source, self.slots.buffers[slot][:numel], wait=False)
-            self.on_load(load, slot)
             self.slots.loaded[slot].record(self.streams.h2d)
         self.log.record("h2d", self.step, block, slot=slot, load=j, phase=load.phase)
 

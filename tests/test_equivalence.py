@@ -90,6 +90,7 @@ def cases(draw):
     plan = Plan(
         num_slots=slots, prefetch_depth=draw(st.integers(1, slots - 1)), micro_batch_size=micro_batch_size,
         checkpoints=draw(st.sampled_from(["device", "host"])),
+        checkpoint_piece_tokens=draw(st.one_of(st.none(), st.integers(1, 40))),
         optimizer_mode="deferred" if clip is not None or draw(st.booleans()) else "eager",
         device_grad_buffers=draw(st.integers(2, 3)), host_grad_slabs=draw(st.integers(1, 3)),
         loss_chunk_tokens=math.ceil(tokens / n_chunks),

@@ -34,6 +34,8 @@ def test_llama_8b_device_checkpoints_deferred_by_hand() -> None:
         "activation checkpoints": 32 * T * 4096 * 2,                # 8 GiB
         "activation grad": T * 4096 * 2,
         "layer working set": 4096 * per_token + 218_112_000 * 2,    # t = 1 x 4096 tokens
+        # one call of all 32 query and 8 kv heads: t x D x (gq x (c + 4) + 2 gk x c + 2 gq x c)
+        "attention working set": 4096 * 128 * (32 * 6 + 2 * 8 * 2 + 2 * 32 * 2),
         "logits chunk": 1024 * 128256 * (2 + 4 + 4),
     }
     for name, nbytes in expected_device.items():
@@ -59,7 +61,8 @@ def test_qwen_7b_host_checkpoints_eager_by_hand() -> None:
     T, t = 16 * 1024, 4 * 1024
     N = 7_615_616_512
     assert got[("device", "weight slots")] == 3 * bmax * 2
-    assert got[("device", "checkpoint staging")] == 3 * T * 3584 * 2        # K staging areas
+    assert got[("device", "checkpoint staging")] == 2 * t * 3584 * 2        # two reload buffers of a micro-batch
+    assert got[("device", "checkpoint drains in flight")] == T * 3584 * 2    # one drained input per micro-batch
     assert ("device", "activation checkpoints") not in got
     assert got[("device", "logits chunk")] == t * 152064 * 10               # chunk capped at t = 4096
     assert got[("host", "activation checkpoints")] == 28 * T * 3584 * 2

@@ -42,6 +42,12 @@ def _inputs(b: int, s: int, seed: int = 1):
     return torch.randn(b, s, 32, generator=gen), torch.randn(b, s, 32, generator=gen), (cos, sin, None)  # no documents
 
 
+def assert_grad_close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    """A parameter gradient is a sum over tokens, taken tile by tile or at once: fp32 summation-order noise
+    scales with the tensor's largest terms, so the absolute bound follows its largest element."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=max(1e-5, 2e-6 * want.abs().max().item()), msg=name)
+
+
 def _untiled(layer: DecoderLayer, x: torch.Tensor, dy: torch.Tensor, rotary):
     x = x.clone().requires_grad_()
     params = dict(layer.named_parameters())
@@ -77,7 +83,7 @@ def test_tiled_equals_untiled(b: int, s: int, tile: int, seed: int) -> None:
     torch.testing.assert_close(t_out, out, rtol=1e-5, atol=1e-5)  # bitwise where BLAS blocks rows alike
     torch.testing.assert_close(t_dx, dx, rtol=1e-5, atol=1e-5)
     for n in grads:
-        torch.testing.assert_close(t_grads[n], grads[n], rtol=1e-5, atol=1e-5, msg=n)
+        assert_grad_close(t_grads[n], grads[n], n)
 
 
 @pytest.mark.parametrize("tile", [8, 12, 64])  # divides 48, does not, covers it (one tile)
@@ -147,7 +153,7 @@ def test_attention_tiles_equal_untiled(b: int, s: int, tile: int, attention_tile
     torch.testing.assert_close(t_out, out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(t_dx, dx, rtol=1e-5, atol=1e-5)
     for n in grads:
-        torch.testing.assert_close(t_grads[n], grads[n], rtol=1e-5, atol=1e-5, msg=n)
+        assert_grad_close(t_grads[n], grads[n], n)
 
 
 @pytest.mark.parametrize("attention_tile", [8, 12, 64])

@@ -1,8 +1,11 @@
 """What a run measured: one JSON line per step in ``metrics.jsonl``, and the end-of-run summary.
 
 Model FLOPs follow DESIGN.md section 7: 6 x N x (non-padded tokens) per step, recompute not
-counted, attention FLOPs not included; MFU divides by the matmul peak of the compute dtype when
-one is known (a GPU preset, or a profile measured by ``megatrain-plan profile``).
+counted, attention FLOPs not included (``model_tflops``, ``mfu``); and the same with causal
+attention's forward and backward FLOPs at the run's sequence length added
+(``model_tflops_with_attention``, ``mfu_with_attention``; ``TokenFlops``). MFU divides by the matmul
+peak of the compute dtype when one is known (a GPU preset, or a profile measured by
+``megatrain-plan profile``).
 """
 from __future__ import annotations
 
@@ -10,11 +13,43 @@ import json
 import os
 import resource
 import sys
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
+from megatrain.planner import model_shapes
+
 from .progress import format_bytes
+
+
+@dataclass(frozen=True)
+class TokenFlops:
+    """The FLOPs per predicted token a run's TFLOP/s figures count.
+
+    ``model``: 6 x N (DESIGN.md section 7: attention not counted, recompute not counted). ``attention``: causal
+    attention forward + backward at ``seq`` tokens per row, the planner's formula
+    (``ModelShape.attention_model_flops_per_token``: L x 3.5 x 2 x heads x head_dim x (seq + 1)); packed documents are
+    counted as whole rows, an upper bound on what document attention computes.
+    """
+
+    model: float
+    attention: float
+    seq: int
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any], num_parameters: int, seq: int) -> "TokenFlops":
+        """For a model given by its config.json fields (``ModelConfig.to_dict()``) trained on rows of ``seq``."""
+        shape = model_shapes.from_config(config)
+        return cls(6.0 * num_parameters, shape.attention_model_flops_per_token(seq), seq)
+
+    def figures(self, tokens_per_second: float, peak_tflops: float | None) -> dict[str, float | None]:
+        """model TFLOP/s and MFU without attention and with it, at ``tokens_per_second``."""
+        tflops = self.model * tokens_per_second / 1e12
+        with_attention = (self.model + self.attention) * tokens_per_second / 1e12
+        return {"model_tflops": tflops, "model_tflops_with_attention": with_attention,
+                "mfu": tflops / peak_tflops if peak_tflops else None,
+                "mfu_with_attention": with_attention / peak_tflops if peak_tflops else None}
 
 
 def host_peak_bytes() -> int:
@@ -92,14 +127,13 @@ def truncate_after(path: str, step: int) -> int:
     return total - len(kept)
 
 
-def summarize(records: list[dict[str, Any]], num_parameters: int, peak_tflops: float | None,
+def summarize(records: list[dict[str, Any]], num_parameters: int, flops: TokenFlops, peak_tflops: float | None,
               device: torch.device, extra: Mapping[str, Any]) -> dict[str, Any]:
     """Whole-run figures. Throughput excludes the first step of the run (start-up, first loads)."""
     steady = records[1:] if len(records) > 1 else records
     seconds = sum(r["step_time_s"] for r in steady)
     tokens = sum(r["step_tokens"] for r in steady)
     tps = tokens / seconds if seconds > 0 else 0.0
-    tflops = 6 * num_parameters * tps / 1e12
     out: dict[str, Any] = {
         "steps": records[-1]["step"] if records else 0,
         "first_step": records[0]["step"] if records else 0,
@@ -107,8 +141,10 @@ def summarize(records: list[dict[str, Any]], num_parameters: int, peak_tflops: f
         "last_loss": records[-1]["loss"] if records else None,
         "tokens_trained": records[-1]["tokens"] if records else 0,
         "tokens_per_second": tps,
-        "model_tflops": tflops,
-        "mfu": tflops / peak_tflops if peak_tflops else None,
+        **flops.figures(tps, peak_tflops),
+        "model_flops_per_token": flops.model,
+        "attention_flops_per_token": flops.attention,
+        "attention_seq_len": flops.seq,
         "peak_tflops": peak_tflops,
         "num_parameters": num_parameters,
         "device": str(device),
@@ -130,9 +166,13 @@ def format_summary(s: Mapping[str, Any]) -> str:
         f"{s['first_loss']:.4f} -> {s['last_loss']:.4f}" if s["first_loss"] is not None else "trained no steps",
         *([f"eval         loss {s['eval_loss']:.4f}, perplexity {s['eval_perplexity']:.4g} at step {s['eval_step']} "
            f"({s['eval_tokens']:,} tokens held out)"] if s.get("eval_loss") is not None else []),
-        f"throughput   {s['tokens_per_second']:,.0f} tokens/s, {s['model_tflops']:.4g} model TFLOP/s "
-        f"(6 x {s['num_parameters']:,} params x tokens/s)",
-        f"MFU          " + (f"{100 * s['mfu']:.1f}% of {s['peak_tflops']:g} TFLOP/s" if s["mfu"] is not None
+        f"throughput   {s['tokens_per_second']:,.0f} tokens/s",
+        f"             {s['model_tflops']:.4g} model TFLOP/s (6N, attention not counted: 6 x "
+        f"{s['num_parameters']:,} params x tokens/s)",
+        f"             {s['model_tflops_with_attention']:.4g} model TFLOP/s with attention (6N + causal attention "
+        f"forward and backward at {s['attention_seq_len']:,} tokens per row)",
+        f"MFU          " + (f"{100 * s['mfu']:.1f}% (6N, attention not counted), {100 * s['mfu_with_attention']:.1f}% "
+                            f"with attention, of {s['peak_tflops']:g} TFLOP/s" if s["mfu"] is not None
                             else f"n/a ({s['peak_source']})"),
         f"memory       peak GPU {format_bytes(s['gpu_peak_bytes'])}" if s["gpu_peak_bytes"] else
         f"memory       no GPU ({s['device']})",

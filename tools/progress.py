@@ -53,7 +53,13 @@ def describe(m: Mapping[str, Any]) -> str:
         parts.append(f"epoch {m['epoch']:.2f}")
     parts.append(f"{m['tokens_per_second']:,.0f} tok/s")
     if m.get("mfu") is not None:
-        parts.append(f"MFU {100 * m['mfu']:.1f}%")
+        with_attention = m.get("mfu_with_attention")
+        parts.append(f"MFU {100 * m['mfu']:.1f}% (6N)" + (f", {100 * with_attention:.1f}% with attention"
+                                                          if with_attention is not None else ""))
+    elif m.get("model_tflops") is not None:
+        parts.append(f"{m['model_tflops']:.3g} TFLOP/s (6N)" + (
+            f", {m['model_tflops_with_attention']:.3g} with attention"
+            if m.get("model_tflops_with_attention") is not None else ""))
     parts.append(f"lr {m['lr']:.2e}")
     if m.get("gpu_memory_bytes"):
         parts.append(f"GPU {format_bytes(m['gpu_memory_bytes'])}")

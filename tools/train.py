@@ -404,7 +404,7 @@ class Run:
     # ------------------------------------------------------------------ finish
     def _summary(self, engine: Engine, loop: "TrainingLoop") -> dict[str, Any]:
         engine.synchronize()
-        return metrics.summarize(loop.records, engine.num_parameters, loop.peak, engine.device, {
+        return metrics.summarize(loop.records, engine.num_parameters, loop.flops, loop.peak, engine.device, {
             "peak_source": loop.peak_source, "out": os.path.abspath(self.out), "metrics": loop.metrics_path,
             "checkpoint": f"{loop.ckpt_root} (step {loop.saved_at})" if loop.saved_at is not None else "none",
             "trace": loop.tracer.describe() if loop.tracer is not None else None,

@@ -66,6 +66,7 @@ class TrainingLoop:
         self.tokens_done = run.tokens_done
         self.schedule = lr_schedule.from_config(c.lr, c.min_lr, c.warmup_steps, c.total_steps)
         self.peak, self.peak_source = metrics.matmul_peak_tflops(engine.device, dtype_name(engine.compute_dtype))
+        self.flops = metrics.TokenFlops.of(engine.config.to_dict(), engine.num_parameters, c.seq_len)
         self.metrics_path = os.path.join(run.out, run_dir.METRICS_FILE)
         self.ckpt_root = os.path.join(run.out, run_dir.CHECKPOINT_DIR)
         self.out = run.out
@@ -143,13 +144,11 @@ class TrainingLoop:
         self.last_time = now
         self.tokens_done += p.tokens
         tps = p.tokens / dt if dt > 0 else 0.0
-        tflops = 6 * self.engine.num_parameters * tps / 1e12
         record: dict[str, Any] = {
             "step": p.step, "loss": loss, "tokens_per_second": tps, "lr": p.lr,
             "grad_norm": float(p.grad_norm.item()) if p.grad_norm is not None else None,
             "tokens": self.tokens_done, "step_tokens": p.tokens, "step_time_s": dt,
-            "elapsed_s": now - self.started, "model_tflops": tflops,
-            "mfu": tflops / self.peak if self.peak else None,
+            "elapsed_s": now - self.started, **self.flops.figures(tps, self.peak),
             "gpu_memory_bytes": metrics.gpu_peak_bytes(self.engine.device),
             "host_memory_bytes": metrics.host_peak_bytes(), "epoch": p.epoch,
         }
