@@ -116,16 +116,19 @@ def write(report: dict, stem: str, command: str) -> int:
     rows, today = report["results"], report["date"]
     lines = [f"# Long context on a CPU ({today})", "", f"`{command}`; {report['params']:,} "
              f"params, fp32, batch 1, checkpoints on the {report.get('checkpoints', 'device')}.", "",
-             "| seq | MLP tile | checkpoint piece | peak RSS growth GiB | planner's buffers GiB | error "
-             "| layer working set GiB | attention working set GiB "
-             "| step s | tok/s | model TFLOP/s (6N, attention not counted) | with attention |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| seq | MLP tile | attention tile | checkpoint piece | peak RSS growth GiB | planner's buffers GiB "
+             "| error | layer working set GiB | attention working set GiB | step s | step predicted s | tok/s "
+             "| model TFLOP/s (6N, attention not counted) | with attention |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        predicted = r.get("predicted_step_seconds")
         lines.append(f"| {r['seq']} | {r['plan']['mlp_tile_tokens'] or '-'} | "
+                     f"{r['plan'].get('attention_tile_tokens') or '-'} | "
                      f"{r['plan'].get('checkpoint_piece_tokens') or '-'} | {r['peak_rss_growth_bytes'] / 2**30:.3f} | "
                      f"{r['listed_bytes'] / 2**30:.3f} | {r['memory_error']:+.1%} | "
                      f"{r['layer_working_set_bytes'] / 2**30:.3f} | "
                      f"{r.get('attention_working_set_bytes', 0) / 2**30:.3f} | {r['step_seconds']:.1f} | "
+                     f"{'-' if predicted is None else f'{predicted:.1f}'} | "
                      f"{r['tokens_per_second']:.0f} | {r['model_tflops']:.4f} | {r['model_tflops_with_attention']:.4f} |")
     if len(rows) >= 2:
         a, b = rows[0], rows[-1]

@@ -132,7 +132,7 @@ class DecoderLayer(nn.Module):
         if part == "core":
             return self.self_attn.core(*x, documents)
         if 0 < attention_tile_tokens < x.shape[1]:
-            h = x + self._tiled_attention(x, cos, sin, documents, attention_tile_tokens)
+            h = self._tiled_attention(x, cos, sin, documents, attention_tile_tokens)
         else:
             h = x + self.self_attn(self.input_layernorm(x), cos, sin, documents)
         if part == "attention":
@@ -147,14 +147,16 @@ class DecoderLayer(nn.Module):
 
     def _tiled_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None,
                          tile: int) -> torch.Tensor:
-        """attention(x) with its token-local work in sequence tiles (forward only: no autograd graph is kept
-        across tiles; the backward's tiles are in sequence_tiles.py)."""
+        """h = x + attention(x) with attention's token-local work in sequence tiles (forward only: no autograd
+        graph is kept across tiles; the backward's tiles are in sequence_tiles.py). One whole-sequence tensor
+        besides q, k, v and attention's output: h, each tile's o_proj output added into its rows."""
         q, k, v = tile_projections(functools.partial(self._project_rows, x, cos, sin), x.shape[1], tile)
         out = self.self_attn.core(q, k, v, documents)
-        y = torch.empty_like(x)
+        del q, k, v
+        h = x.clone()
         for start in range(0, x.shape[1], tile):
-            y[:, start:start + tile] = self.self_attn.output(out[:, :, start:start + tile])
-        return y
+            h[:, start:start + tile] += self.self_attn.output(out[:, :, start:start + tile])
+        return h
 
     def _project_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       rows: slice) -> tuple[torch.Tensor, ...]:

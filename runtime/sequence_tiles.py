@@ -69,6 +69,7 @@ def tiled_layer_backward(run: RunLayer, leaves: dict[str, torch.Tensor], x_in: t
         dh[:, rows] += grads[0]
         add_grads(dict(zip(mlp, grads[1:])))
         del out, grads, h_tile
+    del h, h_const  # the attention half's backward needs dh only (the untiled one keeps its graph in ``finish``)
     return finish(dh)
 
 
