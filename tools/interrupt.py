@@ -24,12 +24,21 @@ def start_up(command: bool) -> Iterator[None]:
     """Ctrl-C while the command loads its modules (torch takes seconds): one line and status 130, no traceback.
 
     Only when running as the command (``command``); a program that imports the module gets its KeyboardInterrupt.
+    While the modules load, Ctrl-C is only noted and acted on once they are loaded: a KeyboardInterrupt raised
+    inside a Python callback of torch's C++ start-up code cannot unwind through it and aborts the process.
     """
+    if not command or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    asked: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: asked.append(signum))
     try:
         yield
     except KeyboardInterrupt:
-        if not command:
-            raise
+        asked.append(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if asked:
         sys.stderr.write(INTERRUPTED_AT_START)
         sys.exit(EXIT_INTERRUPTED)
 
