@@ -89,9 +89,10 @@ class HardwareProfile:
         try:
             attention = {str(k): tuple(sorted((int(n), float(r)) for n, r in v))
                          for k, v in self.attention_tflops.items()}
+            bad = any(not v or any(n <= 0 or not r > 0 for n, r in v) for v in attention.values())
         except (TypeError, ValueError):
-            attention = {"": ((0, 0.0),)}
-        if any(not v or any(n <= 0 or not r > 0 for n, r in v) for v in attention.values()):
+            bad = True
+        if bad:
             raise HardwareError(f"attention_tflops={self.attention_tflops!r} needs positive [seq, TFLOP/s] pairs "
                                 "per dtype; run megatrain-plan profile again")
         object.__setattr__(self, "attention_tflops", attention)

@@ -156,8 +156,7 @@ class Executor:
                 with self.loader.resident(load) as params, record_function(f"fwd[{load.block.index}]"):
                     for m, rows in enumerate(batch.micro):
                         self.checkpoints.save(load.layer, m, rows, x[m])
-                        x[m] = self.templates.run(BlockKind.LAYER, params, x[m], *positions[m], self.mlp_tile, "layer",
-                                                   self.attention_tile)
+                        x[m] = self._layer_forward(params, x[m], positions[m])
         self.checkpoints.flush()
 
         # ---- head: loss and its gradient at once, chunk by chunk (with a tied lm_head, the embedding's table)
@@ -216,6 +215,10 @@ class Executor:
             self._submit(step, update.block, update.grads, update.grads_ready, clip, hyper, update.release)
         self.timer.end(self.streams.compute)
         return loss if self.dist is None else self.dist.all_reduce_sum(loss)
+
+    def _layer_forward(self, params: dict[str, torch.Tensor], x: torch.Tensor, positions: Positions) -> torch.Tensor:
+        """A decoder layer's forward ([b, S, hidden] -> same) with the plan's sequence tiles."""
+        return self.templates.run(BlockKind.LAYER, params, x, *positions, self.mlp_tile, "layer", self.attention_tile)
 
     def _layer_backward(self, layer: Block, params: dict[str, torch.Tensor], x_in: torch.Tensor, dy: torch.Tensor,
                         positions: Positions, g_list: list[torch.Tensor]) -> torch.Tensor:
@@ -352,8 +355,7 @@ class Executor:
         for load in s.layers:
             with self.loader.resident(load) as params:
                 for m in range(len(batch.micro)):
-                    x[m] = self.templates.run(BlockKind.LAYER, params, x[m], *positions[m], self.mlp_tile, "layer",
-                                                   self.attention_tile)
+                    x[m] = self._layer_forward(params, x[m], positions[m])
         with self.loader.resident_together(s.head_loads) as held:
             head_params = held[0]
             lm_weight = s.lm_weight(held)
@@ -379,8 +381,7 @@ class Executor:
             x = self.templates.run(BlockKind.EMBED, params, input_ids)
         for load in s.layers:
             with self.loader.resident(load) as params:
-                x = self.templates.run(BlockKind.LAYER, params, x, *positions, self.mlp_tile, "layer",
-                                       self.attention_tile)
+                x = self._layer_forward(params, x, positions)
         with self.loader.resident_together(s.head_loads) as held:
             normed = self.templates.run(BlockKind.HEAD, held[0], x)
             flat = normed.reshape(-1, normed.shape[-1])

@@ -99,15 +99,18 @@ def test_forward_bitwise(tile: int) -> None:
 
 
 class _LargestTensor(TorchDispatchMode):
-    def __init__(self) -> None:
+    """The most elements of any tensor an op produced (of ``op`` only, when given)."""
+
+    def __init__(self, op=None) -> None:
         super().__init__()
-        self.largest = 0
+        self.op, self.largest = op, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
+        if self.op is None or func.overloadpacket is self.op:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.largest = max(self.largest, t.numel())
         return out
 
 
@@ -165,30 +168,17 @@ def test_attention_tiles_forward_bitwise(attention_tile: int) -> None:
     assert torch.equal(t_out, out)
 
 
-class _NormSquares(TorchDispatchMode):
-    """The largest output of aten.pow: RMSNorm's fp32 square of its input, one per norm call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket is torch.ops.aten.pow:
-            self.largest = max(self.largest, out.numel())
-        return out
-
-
 def test_no_whole_sequence_norm_with_both_halves_tiled() -> None:
     """Untiled (or MLP tiles only: the input norm still sees every token), RMSNorm squares [B, S, hidden] in
     fp32; with the attention half tiled by 16 of 256 tokens too, no norm sees more than a tile."""
     layer = _layer()
     x, dy, rotary = _inputs(1, 256)
-    with _NormSquares() as untiled:
+    # the largest output of aten.pow: RMSNorm's fp32 square of its input, one per norm call
+    with _LargestTensor(torch.ops.aten.pow) as untiled:
         _untiled(layer, x, dy, rotary)
-    with _NormSquares() as mlp_only:
+    with _LargestTensor(torch.ops.aten.pow) as mlp_only:
         _tiled(layer, x, dy, rotary, 16)
-    with _NormSquares() as both:
+    with _LargestTensor(torch.ops.aten.pow) as both:
         _tiled(layer, x, dy, rotary, 16, 16)
     assert untiled.largest == mlp_only.largest == 256 * CONFIG.hidden_size  # the check can fail
     assert both.largest == 16 * CONFIG.hidden_size
