@@ -18,7 +18,7 @@ and, in its array-writing phase, hands over to the ranks:
 3. each rank computes the CRC32 of its pieces (cut at the manifest's 64 MiB CRC
    boundaries) while it writes; rank 0 gathers them and combines them, in
    offset order, into the manifest's CRC32s (``crc32_combine``), then fsyncs,
-   writes the manifest, renames and points ``latest``, as one process does;
+   writes the manifest, points ``latest`` and renames, as one process does;
 4. rank 0 broadcasts "done" (or "fail"): every rank returns the committed path
    or raises the same one-line error.
 

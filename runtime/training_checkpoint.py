@@ -5,10 +5,12 @@ finding the one to load, and restoring it. The bytes on disk are ``checkpoint_fo
 A checkpoint of optimizer step N is the directory ``<dir>/step-<N:08d>``. It is
 written as ``step-<N>.tmp``: three zarr v3 arrays (tensorstore, sharded, raw
 ``bytes`` codec) each fsynced, then ``manifest.json`` (everything else, plus the
-CRC32 of each array and the size of every file), fsynced, then the directory
-is renamed to ``step-<N>`` and the parent fsynced; then ``<dir>/latest`` (one
-line, the step directory's name) is replaced atomically (write ``latest.tmp``,
-fsync, ``os.replace``, fsync the parent). Finally all but the newest ``keep``
+CRC32 of each array and the size of every file), fsynced; then ``<dir>/latest``
+(one line, the step directory's name) is replaced atomically (write
+``latest.tmp``, fsync, ``os.replace``, fsync the parent), and then the directory
+is renamed to ``step-<N>`` and the parent fsynced: no complete step directory is
+ever newer than the one ``latest`` names (in between, ``latest`` names one not
+there yet and a reader takes the newest complete one). Finally all but the newest ``keep``
 complete step directories are renamed to ``*.tmp`` and removed. A reader
 ignores every ``*.tmp`` and every directory without a manifest, so a crash at
 any moment leaves the previous checkpoint loadable and the new one either
@@ -248,9 +250,11 @@ def _commit(handle: CheckpointHandle, directory: str, step: int, arrays: Mapping
         else:
             if os.path.lexists(final):  # an incomplete directory under the final name: never a checkpoint
                 _remove(directory, os.path.basename(final))
+            # latest first: no complete step directory is ever newer than the one latest names (until the rename,
+            # latest names a directory not there yet, and readers take the newest complete one: the previous)
+            _point_latest(directory, os.path.basename(final))
             os.rename(tmp, final)
             _fsync_dir(directory)
-            _point_latest(directory, os.path.basename(final))
     except BaseException as e:
         if made_tmp:
             shutil.rmtree(tmp, ignore_errors=True)
