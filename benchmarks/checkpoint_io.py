@@ -33,7 +33,9 @@ import time
 
 import torch
 
-from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan, training_checkpoint
+from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
+
+from megatrain.runtime.io import training_checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -25,7 +25,7 @@ import time
 import torch
 
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
-from megatrain.runtime.spill_io import PosixIO, aligned_empty
+from megatrain.runtime.spill.spill_io import PosixIO, aligned_empty
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

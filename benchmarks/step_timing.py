@@ -41,7 +41,7 @@ def child(args) -> None:
 
     import megatrain.runtime as runtime
     from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
-    from megatrain.runtime import step_timer
+    from megatrain.runtime.pipeline import step_timer
 
     reads = [0]
     clock = time.perf_counter

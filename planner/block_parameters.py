@@ -7,7 +7,7 @@ it matches ``model.parameters()``): in a decoder layer, the attention (q, k, v, 
 each weight then its bias, then Qwen3's q_norm and k_norm), the MLP (gate, up, down), then the
 two norms.
 
-The runtime's templates (``runtime/templates.py``) lay out each block's flat buffer from this
+The runtime's templates (``runtime/model/templates.py``) lay out each block's flat buffer from this
 table and check at construction that their modules register exactly these parameters;
 ``model_shapes`` counts parameters and bytes from it. Each parameter's offset in a block's flat
 buffer is aligned to ``ALIGN_ELEMENTS`` elements.

@@ -1,7 +1,7 @@
 """Data parallelism in the planner: one rank's memory, the collectives' time, the predicted scaling efficiency.
 
 W = G x N ranks (G per node, N nodes), one per GPU (or CPU process). The runtime's layout
-(runtime/shards.py, DESIGN.md section 10): each rank holds a 1/W shard of every block's fp32
+(runtime/state/shards.py, DESIGN.md section 10): each rank holds a 1/W shard of every block's fp32
 master, m, v, grads and compute-dtype shadow; per block the shards are all-gathered into the slot,
 the fp32 gradient reduce-scattered, AdamW run on the shard. Symbols as in memory_model.py, plus:
 
@@ -103,7 +103,7 @@ def block_numels(model: ModelShape) -> list[int]:
 
 
 def shard_numel(numel: int, world: int) -> int:
-    """One rank's shard of a block (the runtime's rule: runtime/shards.py)."""
+    """One rank's shard of a block (the runtime's rule: runtime/state/shards.py)."""
     return aligned(-(-numel // world))
 
 

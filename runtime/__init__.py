@@ -1,9 +1,9 @@
 """megatrain.runtime: stream a model's blocks through a few device slots; weights and AdamW state in host memory."""
 from megatrain.planner.plan import Plan, PlanError, SpillBlocks
 
-from .config import ModelConfig, OptimizerConfig
-from .engine import Engine
-from .errors import CheckpointError, ClosedError, ConfigError, InputError, MegatrainError
+from megatrain.runtime.config import ModelConfig, OptimizerConfig
+from megatrain.runtime.engine import Engine
+from megatrain.runtime.errors import CheckpointError, ClosedError, ConfigError, InputError, MegatrainError
 
 __all__ = ["Engine", "ModelConfig", "OptimizerConfig", "Plan", "PlanError", "SpillBlocks", "MegatrainError",
            "ConfigError", "InputError", "CheckpointError", "ClosedError"]

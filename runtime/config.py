@@ -14,8 +14,8 @@ from typing import Any, Callable, Mapping, TypeVar
 from megatrain.planner import hf_config
 from megatrain.planner.hf_config import SUPPORTED_ACTIVATIONS, SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES
 
-from .config_ranges import check_model_ranges, check_optimizer_ranges
-from .errors import ConfigError
+from megatrain.runtime.config_ranges import check_model_ranges, check_optimizer_ranges
+from megatrain.runtime.errors import ConfigError
 
 __all__ = ["ModelConfig", "OptimizerConfig", "read_config_json", "SUPPORTED_ACTIVATIONS", "SUPPORTED_MODEL_TYPES",
            "SUPPORTED_ROPE_TYPES"]
@@ -177,7 +177,7 @@ class OptimizerConfig:
     weight_decay: float = 0.01
     max_grad_norm: float | None = 1.0
     no_decay: tuple[str, ...] = field(default_factory=tuple)
-    skip_nonfinite: bool = False  # a non-finite gradient skips the update (runtime/cpu_adamw.py)
+    skip_nonfinite: bool = False  # a non-finite gradient skips the update (runtime/pipeline/cpu_adamw.py)
 
     def __post_init__(self) -> None:
         check_optimizer_ranges(self)

@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import ConfigError
+from megatrain.runtime.errors import ConfigError
 
 
 def _is_number(value: Any) -> bool:

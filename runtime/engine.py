@@ -9,7 +9,7 @@ without waiting for the GPU; call ``.item()`` when you want the number.
 ``state_dict`` / ``load_state_dict`` speak Hugging Face parameter names in float32.
 ``position_ids`` ([B, S], 0 where a document starts, +1 otherwise, as Hugging Face's packed-sequence
 collators write them) keep packed documents apart: RoPE positions restart and attention stays within
-each document (runtime/attention.py, [Note: document attention]).
+each document (runtime/model/attention.py, [Note: document attention]).
 """
 from __future__ import annotations
 
@@ -25,24 +25,24 @@ import torch
 from megatrain.planner.buffer_kinds import placement
 from megatrain.planner.plan import Plan, PlanError, default_plan, shape_digest
 
-from .attention import Documents
-from .head_loss import IGNORE_INDEX, shift_labels
-from .config import ModelConfig, OptimizerConfig
-from .collectives import Collectives
-from .cpu_adamw import AdamHyper
-from .errors import ClosedError, ConfigError, InputError
-from .event_log import EventLog
-from .executor import Batch, Executor
-from .host_store import HostStore
-from .model_state import ModelState
-from .paths import user_path
-from .process_group import join as join_ranks, rank_device
-from .sharded_state import ShardedModelState
-from .spill_io import make_io
-from .templates import Templates
+from megatrain.runtime.model.attention import Documents
+from megatrain.runtime.pipeline.head_loss import IGNORE_INDEX, shift_labels
+from megatrain.runtime.config import ModelConfig, OptimizerConfig
+from megatrain.runtime.distributed.collectives import Collectives
+from megatrain.runtime.pipeline.cpu_adamw import AdamHyper
+from megatrain.runtime.errors import ClosedError, ConfigError, InputError
+from megatrain.runtime.device.event_log import EventLog
+from megatrain.runtime.pipeline.executor import Batch, Executor
+from megatrain.runtime.state.host_store import HostStore
+from megatrain.runtime.state.model_state import ModelState
+from megatrain.runtime.paths import user_path
+from megatrain.runtime.distributed.process_group import join as join_ranks, rank_device
+from megatrain.runtime.distributed.sharded_state import ShardedModelState
+from megatrain.runtime.spill.spill_io import make_io
+from megatrain.runtime.model.templates import Templates
 
 if TYPE_CHECKING:
-    from .training_checkpoint import CheckpointHandle, CheckpointWriter
+    from megatrain.runtime.io.training_checkpoint import CheckpointHandle, CheckpointWriter
 
 COMPUTE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -258,8 +258,8 @@ class Engine:
         device: str | torch.device | None = None,
     ) -> "Engine":
         """A Hugging Face model directory (config.json + *.safetensors, optional index), streamed tensor by tensor
-        into the fp32 masters: peak extra RAM is one tensor (see runtime/hf_io.py)."""
-        from . import hf_io
+        into the fp32 masters: peak extra RAM is one tensor (see runtime/io/hf_io.py)."""
+        from megatrain.runtime.io import hf_io
 
         path = user_path(path, "path")
         if not os.path.isdir(path):
@@ -280,7 +280,7 @@ class Engine:
         """Write a directory transformers.AutoModelForCausalLM.from_pretrained loads: config.json and safetensors
         shards of at most ``max_shard_bytes`` (plus the index when there are several)."""
         self._check_open()
-        from . import hf_io
+        from megatrain.runtime.io import hf_io
 
         if isinstance(self.state, ShardedModelState):  # rank 0 writes, gathering block by block; every rank calls it
             self.state.on_first_rank(lambda: hf_io.save_pretrained(self.state, path, dtype, max_shard_bytes))
@@ -294,17 +294,17 @@ class Engine:
         ``extra``: a JSON-serialisable dict (RNG state, data position, schedule), returned by
         ``load_checkpoint`` as ``engine.checkpoint_extra``. Not blocking: the state is snapshotted (the only
         stall) and written by a background thread; ``handle.wait()`` or ``wait_for_checkpoint()`` waits.
-        The newest ``keep`` checkpoints stay. See runtime/training_checkpoint.py for the commit protocol.
+        The newest ``keep`` checkpoints stay. See runtime/io/training_checkpoint.py for the commit protocol.
         """
         self._check_open()
-        from . import training_checkpoint
+        from megatrain.runtime.io import training_checkpoint
 
         if self._checkpoint_writer is None:
             self._checkpoint_writer = training_checkpoint.CheckpointWriter()
         settings = training_checkpoint.engine_settings(self.config, self.optimizer, self.plan, self.compute_dtype,
                                                        self.seed)
         if isinstance(self.state, ShardedModelState):  # every rank writes its shards; blocking ([Note: sharded checkpoints])
-            from . import sharded_checkpoint
+            from megatrain.runtime.io import sharded_checkpoint
 
             path = sharded_checkpoint.save(self.state, self._checkpoint_writer, self.step_count, settings, directory,
                                            extra, keep)
@@ -321,7 +321,7 @@ class Engine:
                         plan: Plan | None = None) -> "Engine":
         """Resume: the checkpoint ``directory/latest`` names (or a ``step-<N>`` directory itself), verified against
         its manifest's checksums. ``plan`` replaces the saved plan (e.g. on another machine)."""
-        from . import training_checkpoint
+        from megatrain.runtime.io import training_checkpoint
 
         path = training_checkpoint.resolve(directory)
         manifest = training_checkpoint.read_manifest(path)
@@ -331,7 +331,7 @@ class Engine:
         engine = cls(**args, device=device, _skip_init=True)
         try:
             if isinstance(engine.state, ShardedModelState):  # every rank keeps its shards of any world size's checkpoint
-                from . import sharded_checkpoint
+                from megatrain.runtime.io import sharded_checkpoint
 
                 restored = sharded_checkpoint.restore(engine.state, path, manifest)
             else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .errors import ConfigError
+from megatrain.runtime.errors import ConfigError
 
 
 def user_path(value: Any, what: str) -> str:

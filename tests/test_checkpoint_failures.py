@@ -1,6 +1,6 @@
 """A failed checkpoint write is reported once and stops nothing; re-saving a step never leaves it unloadable.
 
-See [Note: failed checkpoint writes] and [Note: checkpoint commit protocol] in runtime/training_checkpoint.py.
+See [Note: failed checkpoint writes] and [Note: checkpoint commit protocol] in runtime/io/training_checkpoint.py.
 The re-save test kills a writer (SIGKILL) just before each rename of the protocol in turn.
 """
 from __future__ import annotations
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from megatrain.runtime import CheckpointError, Engine, MegatrainError, ModelConfig, OptimizerConfig
-from megatrain.runtime import checkpoint_format, training_checkpoint
+from megatrain.runtime.io import checkpoint_format
+from megatrain.runtime.io import training_checkpoint
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2)
 DISK_FULL = ValueError('RESOURCE_EXHAUSTED: Error writing local file "c/0": No space left on device [OS error: 28]')

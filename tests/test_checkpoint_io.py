@@ -1,6 +1,6 @@
 """Checkpoint array I/O: pieces, shards and CRC32s at small chunk sizes, and the peak RAM of a load.
 
-See [Note: checkpoint I/O speed] in runtime/checkpoint_format.py: arrays are written one shard at a time
+See [Note: checkpoint I/O speed] in runtime/io/checkpoint_format.py: arrays are written one shard at a time
 (a spilled kind's blocks gathered into whole shards) and read one inner chunk at a time straight into
 the destination (directly from the shard files for the layout _spec writes, through tensorstore for any
 other), the CRC32s computed on the way. These tests shrink the chunks so that every boundary case (a block
@@ -19,7 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from megatrain.runtime import Engine, InputError, ModelConfig, OptimizerConfig, checkpoint_format
+from megatrain.runtime import Engine, InputError, ModelConfig, OptimizerConfig
+
+from megatrain.runtime.io import checkpoint_format
 
 INNER, OUTER = 1000, 5000  # elements per inner chunk and per shard
 NUMELS = [3000, 7000, 2345]  # blocks: the second spans two shard boundaries, the last shard is short
@@ -157,7 +159,9 @@ def state(e: Engine) -> list[torch.Tensor]:
 PEAK_SCRIPT = textwrap.dedent("""
     import json, resource, sys
     import tensorstore  # its one-off library load (~25 MiB resident) is not the loader's
-    from megatrain.runtime import Engine, checkpoint_format, training_checkpoint
+    from megatrain.runtime import Engine
+    from megatrain.runtime.io import checkpoint_format
+    from megatrain.runtime.io import training_checkpoint
 
     def rss():
         with open("/proc/self/statm") as f:

@@ -30,7 +30,7 @@ moments are compared where the last step left them.
    may block its reduction differently), so every layer's gradient differs by ulps.
 3. SEQUENCE_TILES: with ``mlp_tile_tokens`` or ``attention_tile_tokens`` below the sequence length, the
    tiled half's parameter gradients are sums of per-tile sums, and the layer's input gradient adds its terms
-   in another order (``runtime/sequence_tiles.py``); the forward too where a tile's rows take another BLAS
+   in another order (``runtime/pipeline/sequence_tiles.py``); the forward too where a tile's rows take another BLAS
    kernel.
 
 Clipping is bitwise: the per-parameter norms, their order, the coefficient

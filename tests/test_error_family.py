@@ -21,8 +21,8 @@ from megatrain.planner.plan import PlanError
 from megatrain.planner.workload import WorkloadError
 from megatrain.runtime import (CheckpointError, ClosedError, ConfigError, Engine, InputError, MegatrainError,
                                ModelConfig, OptimizerConfig, Plan)
-from megatrain.runtime import hf_io
-from megatrain.runtime.spill_io import SpillError
+from megatrain.runtime.io import hf_io
+from megatrain.runtime.spill.spill_io import SpillError
 
 CONFIG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2)
 
@@ -124,7 +124,7 @@ def test_spill_space_error_reports_the_total(tmp_path, monkeypatch) -> None:
         files = len(engine.store.spilled)
     assert files > 1
 
-    from megatrain.runtime import spill_files
+    from megatrain.runtime.spill import spill_files
 
     class Usage:
         free = need // files  # room for one file, not for all of them

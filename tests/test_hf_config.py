@@ -17,7 +17,7 @@ from megatrain.planner import hf_config, model_shapes
 from megatrain.planner.block_parameters import embedding_parameters, head_parameters, layer_parameters
 from megatrain.planner.model_shapes import ModelShapeError
 from megatrain.runtime import ConfigError, ModelConfig
-from megatrain.runtime.templates import BlockKind, Templates
+from megatrain.runtime.model.templates import BlockKind, Templates
 
 BASE = {"model_type": "llama", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2}

@@ -191,7 +191,8 @@ def test_index_naming_a_missing_shard_and_pickle_only_dirs(tmp_path) -> None:
 PEAK_SCRIPT = textwrap.dedent("""
     import json, resource, sys
     import torch
-    from megatrain.runtime import Engine, ModelConfig, hf_io
+    from megatrain.runtime import Engine, ModelConfig
+    from megatrain.runtime.io import hf_io
 
     def rss():  # bytes resident now
         with open("/proc/self/statm") as f:

@@ -13,7 +13,7 @@ from megatrain.planner import model_shapes, search
 from megatrain.planner.plan import Plan, PlanError
 from megatrain.planner.workload import Workload
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
-from megatrain.runtime.activation_checkpoints import pieces
+from megatrain.runtime.pipeline.activation_checkpoints import pieces
 
 CONFIG = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
                      num_attention_heads=4, num_key_value_heads=2)

@@ -48,9 +48,10 @@ class Module:
 def _discover() -> dict[str, Module]:
     modules: dict[str, Module] = {}
     for folder, package in PACKAGES.items():
-        for path in sorted((ROOT / folder).glob("*.py")):
-            is_package = path.name == "__init__.py"
-            name = package if is_package else f"{package}.{path.stem}"
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            is_package = parts[-1] == "__init__"
+            name = ".".join((package, *(parts[:-1] if is_package else parts)))
             modules[name] = Module(name, path, ast.parse(path.read_text(), str(path)), is_package)
     return modules
 
@@ -194,6 +195,63 @@ def test_planner_imports_neither_runtime_nor_tools_nor_torch(modules: dict[str, 
         if "torch" in mod.external and mod.name not in PLANNER_TORCH_OK:
             bad.append(f"{mod.where(mod.external['torch'])}: imports torch")
     assert not bad, "the planner must stay free of the runtime, the tools and torch:\n" + "\n".join(bad)
+
+
+# The runtime's floors, lowest first (DESIGN.md section 1): a module may import its own floor and the floors
+# below it, never one above. The base modules and the Engine's facade both sit in the runtime's top folder:
+# the base at the bottom, the facade at the top. ``pipeline`` and ``io`` share a floor but never import each other.
+RUNTIME_BASE = {"megatrain.runtime.errors", "megatrain.runtime.paths", "megatrain.runtime.config",
+                "megatrain.runtime.config_ranges"}
+RUNTIME_FLOORS = ["base", "device", "model", "spill", "state", "distributed", "pipeline|io", "facade"]
+
+
+def _runtime_floor(name: str) -> tuple[int, str] | None:
+    """(floor index, part) of a runtime module; None outside the runtime."""
+    if not name.startswith("megatrain.runtime"):
+        return None
+    if name in RUNTIME_BASE:
+        return 0, "base"
+    rest = name.split(".")[2:]
+    if len(rest) >= 2 or (rest and rest[0] in ("device", "model", "spill", "state", "distributed", "pipeline", "io")):
+        part = rest[0]
+        return next(i for i, f in enumerate(RUNTIME_FLOORS) if part in f.split("|")), part
+    return len(RUNTIME_FLOORS) - 1, "facade"
+
+
+def _floor_violations(modules: dict[str, Module]) -> list[str]:
+    bad = []
+    for mod in modules.values():
+        here = _runtime_floor(mod.name)
+        if here is None:
+            continue
+        for target, line in mod.imports.items():
+            there = _runtime_floor(target)
+            if there is None or target == "megatrain.runtime":
+                continue
+            if there[0] > here[0] or (there[0] == here[0] and there[1] != here[1]):
+                bad.append(f"{mod.where(line)}: {here[1]} imports {target} ({there[1]})")
+    return bad
+
+
+def test_runtime_floors_import_only_downwards(modules: dict[str, Module]) -> None:
+    bad = _floor_violations(modules)
+    assert not bad, "a runtime subpackage imports one on its own floor or above (DESIGN.md section 1):\n" + \
+        "\n".join(bad)
+
+
+def test_the_floor_check_finds_an_upward_import() -> None:
+    def fake(name: str, *imports: str) -> Module:
+        return Module(name, ROOT / "x.py", ast.parse(""), False, {i: 1 for i in imports})
+
+    graph = {m.name: m for m in (fake("megatrain.runtime.state.host_store", "megatrain.runtime.pipeline.executor"),
+                                 fake("megatrain.runtime.pipeline.executor", "megatrain.runtime.io.hf_io",
+                                      "megatrain.runtime.state.host_store", "megatrain.runtime.errors"),
+                                 fake("megatrain.runtime.errors"), fake("megatrain.runtime.io.hf_io"))}
+    found = sorted(line.split(": ", 1)[1] for line in _floor_violations(graph))
+    assert found == ["pipeline imports megatrain.runtime.io.hf_io (io)",
+                     "state imports megatrain.runtime.pipeline.executor (pipeline)"]
+    assert {p for p in RUNTIME_FLOORS[1:-1] for p in p.split("|")} == {
+        p.name for p in (ROOT / "runtime").iterdir() if (p / "__init__.py").exists()}
 
 
 def test_runtime_does_not_import_tools(modules: dict[str, Module]) -> None:

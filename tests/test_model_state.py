@@ -1,6 +1,6 @@
 """The model state's seams: edit_block (RAM or spilled master), grad_sink, and one rule for which buffer kinds spill.
 
-See runtime/model_state.py and runtime/host_store.py.
+See runtime/state/model_state.py and runtime/state/host_store.py.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from megatrain.planner import memory_model
 from megatrain.planner.buffer_kinds import BufferKind
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
-from megatrain.runtime.streams import Event
+from megatrain.runtime.device.streams import Event
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2)
 

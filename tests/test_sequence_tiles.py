@@ -18,10 +18,10 @@ from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatrain.runtime import ModelConfig
-from megatrain.runtime.attention import Documents
-from megatrain.runtime.blocks import DecoderLayer
-from megatrain.runtime.rope import inverse_frequencies, rotary_tables
-from megatrain.runtime.sequence_tiles import tiled_layer_backward
+from megatrain.runtime.model.attention import Documents
+from megatrain.runtime.model.blocks import DecoderLayer
+from megatrain.runtime.model.rope import inverse_frequencies, rotary_tables
+from megatrain.runtime.pipeline.sequence_tiles import tiled_layer_backward
 
 CONFIG = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=88, num_hidden_layers=1,
                      num_attention_heads=4, num_key_value_heads=2, mlp_bias=True, qk_norm=True)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig, Plan, PlanError
 from megatrain.planner.buffer_kinds import SPILL_ALIGN as DIRECT_ALIGN
 from megatrain.planner.plan import SpillBlocks
-from megatrain.runtime.spill_io import PosixIO, SpillError, aligned_empty
+from megatrain.runtime.spill.spill_io import PosixIO, SpillError, aligned_empty
 
 
 @st.composite

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatrain.runtime import Engine, ModelConfig, Plan
-from megatrain.runtime import spill_dirs
+from megatrain.runtime.spill import spill_dirs
 
 CONFIG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from megatrain.runtime import ModelConfig
-from megatrain.runtime.step_schedule import evaluation_schedule, training_schedule
-from megatrain.runtime.templates import Templates
+from megatrain.runtime.pipeline.step_schedule import evaluation_schedule, training_schedule
+from megatrain.runtime.model.templates import Templates
 
 
 def _templates(layers: int, tied: bool) -> Templates:

@@ -6,7 +6,7 @@ import types
 import torch
 
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
-from megatrain.runtime import step_timer
+from megatrain.runtime.pipeline import step_timer
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2)

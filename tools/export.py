@@ -71,7 +71,11 @@ def export(source: str, out: str, dtype: str = "bf16", say: Any = None) -> list[
     """Write ``source``'s checkpoint to ``out`` (see the module docstring); the names of the files written."""
     import torch
 
-    from megatrain.runtime import Engine, checkpoint_format, training_checkpoint
+    from megatrain.runtime import Engine
+
+    from megatrain.runtime.io import checkpoint_format
+
+    from megatrain.runtime.io import training_checkpoint
 
     from . import run_dir
 

@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass
 
 from megatrain.planner import model_shapes
-from megatrain.runtime import ModelConfig, hf_io
+from megatrain.runtime import ModelConfig
+from megatrain.runtime.io import hf_io
 
 from .train_config import DEMO_MODEL, TrainConfigError
 

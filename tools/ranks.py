@@ -1,7 +1,7 @@
 """``megatrain-train`` under torchrun: which rank does what, and every rank stopping on one rank's error.
 
 With one process everything here is a pass-through. With W ranks (torchrun sets the environment;
-``runtime/process_group.py`` joins the group, gloo on CPUs, NCCL on GPUs, collectives with a timeout):
+``runtime/distributed/process_group.py`` joins the group, gloo on CPUs, NCCL on GPUs, collectives with a timeout):
 
 - every rank reads and checks every input the same way (``agree``): the options, the model, the
   tokenizer, the data, the plan; if any rank finds an error, every rank stops with that rank's one
@@ -9,7 +9,7 @@ With one process everything here is a pass-through. With W ranks (torchrun sets 
 - rank 0 alone takes the run directory (lock, ``--overwrite``), writes metrics, the plot, the summary,
   progress and TensorBoard events (``writes``); every rank builds its engine (its shards of the state),
   reads the same global batches and passes its rows (``rows``) to the step; checkpoints are written by
-  all ranks together (runtime/sharded_checkpoint.py);
+  all ranks together (runtime/io/sharded_checkpoint.py);
 - a rank that fails during training prints its own line and exits; the others' next collective then
   fails (the peer's connection closed, or the group's timeout) and they stop with a line that says so.
 """
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatrain.errors import MegatrainError
-from megatrain.runtime.process_group import Topology, join, rank_device
+from megatrain.runtime.distributed.process_group import Topology, join, rank_device
 
 T = TypeVar("T")
 

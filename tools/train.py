@@ -33,7 +33,8 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from megatrain.planner.plan import Plan, PlanError
     from megatrain.planner.profiler import this_machine
     from megatrain.planner.workload import Workload, WorkloadError
-    from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig, training_checkpoint
+    from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig
+    from megatrain.runtime.io import training_checkpoint
 
     from . import data_order, evaluation, export, metric_sinks, metrics, model_source, packing, ranks, \
         run_dir, tokenizer as tokenizers, train_config

@@ -33,10 +33,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .process_group import Topology
-from .shards import Shards
-from .streams import Event, Stream, Streams
-from .templates import Block
+from megatrain.runtime.distributed.process_group import Topology
+from megatrain.runtime.state.shards import Shards
+from megatrain.runtime.device.streams import Event, Stream, Streams
+from megatrain.runtime.model.templates import Block
 
 
 class Collectives:

@@ -51,14 +51,14 @@ from typing import Callable
 import torch
 from torch.profiler import record_function
 
-from .errors import MegatrainError
-from .event_log import EventLog
+from megatrain.runtime.errors import MegatrainError
+from megatrain.runtime.device.event_log import EventLog
 from megatrain.planner.buffer_kinds import BufferKind
 
-from .host_store import HostStore
-from .spill_files import Staged
-from .streams import Event
-from .templates import BlockLayout
+from megatrain.runtime.state.host_store import HostStore
+from megatrain.runtime.spill.spill_files import Staged
+from megatrain.runtime.device.streams import Event
+from megatrain.runtime.model.templates import BlockLayout
 
 
 @dataclass(frozen=True)

@@ -54,11 +54,11 @@ import torch
 from megatrain.planner.buffer_kinds import (SPILL_ALIGN, STATE_KINDS, BufferKind, Placement, spill_block_bytes,
                                             spill_chunk_numel, spill_chunks)
 
-from . import spill_dirs
-from .spill_io import FileIO, SpillSpaceError, aligned_empty
+from megatrain.runtime.spill import spill_dirs
+from megatrain.runtime.spill.spill_io import FileIO, SpillSpaceError, aligned_empty
 
 if TYPE_CHECKING:
-    from .streams import Event
+    from megatrain.runtime.device.streams import Event
 
 
 class BusyClock:

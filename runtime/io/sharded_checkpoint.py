@@ -41,13 +41,13 @@ import torch.distributed as dist
 
 from megatrain.planner.buffer_kinds import BufferKind
 
-from . import checkpoint_format
-from .checkpoint_format import ARRAYS, CRC_CHUNK_BYTES, Crc32s
-from .errors import CheckpointError, InputError
-from .training_checkpoint import CheckpointWriter, Restored
+from megatrain.runtime.io import checkpoint_format
+from megatrain.runtime.io.checkpoint_format import ARRAYS, CRC_CHUNK_BYTES, Crc32s
+from megatrain.runtime.errors import CheckpointError, InputError
+from megatrain.runtime.io.training_checkpoint import CheckpointWriter, Restored
 
 if TYPE_CHECKING:
-    from .sharded_state import ShardedModelState
+    from megatrain.runtime.distributed.sharded_state import ShardedModelState
 
 
 def save(state: "ShardedModelState", writer: CheckpointWriter, step: int, settings: dict[str, Any],

@@ -61,14 +61,14 @@ import torch
 
 from megatrain.planner.plan import Plan
 
-from . import checkpoint_format
-from .checkpoint_format import ARRAYS, DTYPE_NAMES, MANIFEST, live_arrays, read_manifest
-from .config import ModelConfig, OptimizerConfig
-from .errors import CheckpointError, ConfigError, InputError, MegatrainError
-from .paths import user_path
+from megatrain.runtime.io import checkpoint_format
+from megatrain.runtime.io.checkpoint_format import ARRAYS, DTYPE_NAMES, MANIFEST, live_arrays, read_manifest
+from megatrain.runtime.config import ModelConfig, OptimizerConfig
+from megatrain.runtime.errors import CheckpointError, ConfigError, InputError, MegatrainError
+from megatrain.runtime.paths import user_path
 
 if TYPE_CHECKING:
-    from .model_state import ModelState
+    from megatrain.runtime.state.model_state import ModelState
 
 __all__ = ["CheckpointHandle", "CheckpointWriter", "Restored", "engine_arguments", "engine_settings",
            "read_manifest", "resolve", "restore"]

@@ -39,12 +39,12 @@ from torch.profiler import record_function
 
 from megatrain.planner.buffer_kinds import BufferKind
 
-from .event_log import EventLog
-from .host_store import HostStore
-from .spill_io import aligned_empty
-from .step_schedule import Load
-from .step_timer import StepTimer
-from .streams import Event, Streams
+from megatrain.runtime.device.event_log import EventLog
+from megatrain.runtime.state.host_store import HostStore
+from megatrain.runtime.spill.spill_io import aligned_empty
+from megatrain.runtime.pipeline.step_schedule import Load
+from megatrain.runtime.pipeline.step_timer import StepTimer
+from megatrain.runtime.device.streams import Event, Streams
 
 
 class SlotState(enum.Enum):

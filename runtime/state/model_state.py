@@ -17,10 +17,10 @@ import torch
 
 from megatrain.planner.buffer_kinds import BufferKind
 
-from .config import ModelConfig
-from .errors import InputError
-from .host_store import HostStore
-from .templates import Block, Templates
+from megatrain.runtime.config import ModelConfig
+from megatrain.runtime.errors import InputError
+from megatrain.runtime.state.host_store import HostStore
+from megatrain.runtime.model.templates import Block, Templates
 
 
 class ModelState:

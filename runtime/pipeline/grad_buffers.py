@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .step_timer import StepTimer
-from .streams import Event, Streams
+from megatrain.runtime.pipeline.step_timer import StepTimer
+from megatrain.runtime.device.streams import Event, Streams
 
 
 class GradBuffers:

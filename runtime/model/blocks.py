@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import Documents, causal_attention
-from .config import SUPPORTED_ACTIVATIONS, ModelConfig
-from .rope import apply_rotary
+from megatrain.runtime.model.attention import Documents, causal_attention
+from megatrain.runtime.config import SUPPORTED_ACTIVATIONS, ModelConfig
+from megatrain.runtime.model.rope import apply_rotary
 
 # The MLP's activation by its transformers ACT2FN name, computed as transformers computes it.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -16,11 +16,11 @@ import torch.distributed as dist
 
 from megatrain.planner.buffer_kinds import BufferKind
 
-from .collectives import Collectives
-from .errors import CheckpointError
-from .host_store import HostStore
-from .model_state import ModelState
-from .templates import Templates
+from megatrain.runtime.distributed.collectives import Collectives
+from megatrain.runtime.errors import CheckpointError
+from megatrain.runtime.state.host_store import HostStore
+from megatrain.runtime.state.model_state import ModelState
+from megatrain.runtime.model.templates import Templates
 
 T = TypeVar("T")
 

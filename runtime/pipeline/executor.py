@@ -28,21 +28,21 @@ from torch.profiler import record_function
 
 from megatrain.planner.plan import Plan
 
-from .activation_checkpoints import DeviceCheckpoints, HostCheckpoints
-from .attention import Documents
-from .collectives import Collectives
-from .cpu_adamw import AdamHyper, AdamJob, AdamWorker
-from .event_log import EventLog
-from .grad_buffers import GradBuffers
-from .head_loss import chunked_logits, head_forward_backward, head_loss
-from .host_store import HostStore
-from .rope import attention_scaling, inverse_frequencies, rotary_tables
-from .sequence_tiles import tiled_layer_backward
-from .step_schedule import evaluation_schedule, training_schedule
-from .step_timer import StepTimer
-from .streams import Event, Streams
-from .templates import Block, BlockKind, Templates
-from .weight_slots import WeightLoader, WeightSlots
+from megatrain.runtime.pipeline.activation_checkpoints import DeviceCheckpoints, HostCheckpoints
+from megatrain.runtime.model.attention import Documents
+from megatrain.runtime.distributed.collectives import Collectives
+from megatrain.runtime.pipeline.cpu_adamw import AdamHyper, AdamJob, AdamWorker
+from megatrain.runtime.device.event_log import EventLog
+from megatrain.runtime.pipeline.grad_buffers import GradBuffers
+from megatrain.runtime.pipeline.head_loss import chunked_logits, head_forward_backward, head_loss
+from megatrain.runtime.state.host_store import HostStore
+from megatrain.runtime.model.rope import attention_scaling, inverse_frequencies, rotary_tables
+from megatrain.runtime.pipeline.sequence_tiles import tiled_layer_backward
+from megatrain.runtime.pipeline.step_schedule import evaluation_schedule, training_schedule
+from megatrain.runtime.pipeline.step_timer import StepTimer
+from megatrain.runtime.device.streams import Event, Streams
+from megatrain.runtime.model.templates import Block, BlockKind, Templates
+from megatrain.runtime.pipeline.weight_slots import WeightLoader, WeightSlots
 
 
 @dataclass

@@ -28,8 +28,8 @@ from torch.func import functional_call
 from megatrain.planner import block_parameters
 from megatrain.planner.block_parameters import Param
 
-from .blocks import DecoderLayer, EmbeddingBlock, HeadBlock
-from .config import ModelConfig
+from megatrain.runtime.model.blocks import DecoderLayer, EmbeddingBlock, HeadBlock
+from megatrain.runtime.config import ModelConfig
 
 
 class BlockKind(enum.Enum):

@@ -18,7 +18,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from .templates import Block, Templates
+from megatrain.runtime.model.templates import Block, Templates
 
 
 class Load(NamedTuple):

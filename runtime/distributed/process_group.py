@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError
+from megatrain.runtime.errors import ConfigError
 
 DEFAULT_TIMEOUT_S = 300.0  # a collective that waits longer fails (gloo: raises; NCCL: the watchdog aborts)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from megatrain.planner.block_parameters import aligned
 
-from .templates import Block, BlockLayout, ParamEntry
+from megatrain.runtime.model.templates import Block, BlockLayout, ParamEntry
 
 
 def shard_numel(numel: int, world_size: int) -> int:

@@ -31,12 +31,12 @@ import torch
 
 from megatrain.planner.buffer_kinds import BufferKind, Placement, spill_chunk_numel, spilled_kinds
 
-from .spill_files import SpillFiles, StagingPool
-from .spill_io import FileIO
-from .templates import Block
+from megatrain.runtime.spill.spill_files import SpillFiles, StagingPool
+from megatrain.runtime.spill.spill_io import FileIO
+from megatrain.runtime.model.templates import Block
 
 if TYPE_CHECKING:
-    from .streams import Event
+    from megatrain.runtime.device.streams import Event
 
 __all__ = ["BufferKind", "GradSink", "GradSlabs", "HostArena", "HostStore"]
 

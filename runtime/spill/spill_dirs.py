@@ -18,7 +18,7 @@ import socket
 import tempfile
 import warnings
 
-from .spill_io import SpillError
+from megatrain.runtime.spill.spill_io import SpillError
 
 PREFIX = "megatrain-spill-"
 OWNER_FILE = "owner.json"

@@ -28,7 +28,7 @@ import torch
 
 from megatrain.planner.buffer_kinds import SPILL_ALIGN
 
-from .errors import MegatrainError
+from megatrain.runtime.errors import MegatrainError
 
 
 class SpillError(MegatrainError):

@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import torch
 
-from .event_log import EventLog
-from .host_store import HostArena
-from .step_timer import StepTimer
-from .streams import Event, Streams
+from megatrain.runtime.device.event_log import EventLog
+from megatrain.runtime.state.host_store import HostArena
+from megatrain.runtime.pipeline.step_timer import StepTimer
+from megatrain.runtime.device.streams import Event, Streams
 
 RELOAD_BUFFERS = 2  # one read by the recompute, one filling: [Note: host checkpoints in pieces]
 

@@ -50,7 +50,7 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 
-from .streams import Stream
+from megatrain.runtime.device.streams import Stream
 
 KINDS = ("h2d", "d2h", "ckpt", "adam", "disk")
 # Cumulative counters read at a timed step's begin and end (``counters``): the disk's busy time (reads,

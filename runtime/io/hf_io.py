@@ -31,12 +31,12 @@ import torch
 
 from megatrain.planner.buffer_kinds import BufferKind
 
-from .config import ModelConfig, read_config_json
-from .errors import CheckpointError, ConfigError, InputError
-from .paths import user_path
+from megatrain.runtime.config import ModelConfig, read_config_json
+from megatrain.runtime.errors import CheckpointError, ConfigError, InputError
+from megatrain.runtime.paths import user_path
 
 if TYPE_CHECKING:
-    from .model_state import ModelState
+    from megatrain.runtime.state.model_state import ModelState
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -53,11 +53,11 @@ import torch
 
 from megatrain.planner.buffer_kinds import STATE_KINDS, BufferKind
 
-from .errors import InputError
+from megatrain.runtime.errors import InputError
 
 if TYPE_CHECKING:
-    from .host_store import HostStore
-    from .model_state import ModelState
+    from megatrain.runtime.state.host_store import HostStore
+    from megatrain.runtime.state.model_state import ModelState
 
 FORMAT = "megatrain-checkpoint"
 VERSION = 1
