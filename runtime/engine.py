@@ -25,7 +25,7 @@ import torch
 from megatrain.planner.buffer_kinds import placement
 from megatrain.planner.plan import Plan, PlanError, default_plan, shape_digest
 
-from megatrain.runtime.model.attention import Documents
+from megatrain.models.layers.attention import Documents
 from megatrain.runtime.pipeline.head_loss import IGNORE_INDEX, shift_labels
 from megatrain.runtime.config import ModelConfig, OptimizerConfig
 from megatrain.runtime.distributed.collectives import Collectives

@@ -29,14 +29,14 @@ from torch.profiler import record_function
 from megatrain.planner.plan import Plan
 
 from megatrain.runtime.pipeline.activation_checkpoints import DeviceCheckpoints, HostCheckpoints
-from megatrain.runtime.model.attention import Documents
+from megatrain.models.layers.attention import Documents
 from megatrain.runtime.distributed.collectives import Collectives
 from megatrain.runtime.pipeline.cpu_adamw import AdamHyper, AdamJob, AdamWorker
 from megatrain.runtime.device.event_log import EventLog
 from megatrain.runtime.pipeline.grad_buffers import GradBuffers
 from megatrain.runtime.pipeline.head_loss import chunked_logits, head_forward_backward, head_loss
 from megatrain.runtime.state.host_store import HostStore
-from megatrain.runtime.model.rope import attention_scaling, inverse_frequencies, rotary_tables
+from megatrain.models.layers.rope import attention_scaling, inverse_frequencies, rotary_tables
 from megatrain.runtime.pipeline.sequence_tiles import tiled_layer_backward
 from megatrain.runtime.pipeline.step_schedule import evaluation_schedule, training_schedule
 from megatrain.runtime.pipeline.step_timer import StepTimer
