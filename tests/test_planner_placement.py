@@ -166,7 +166,7 @@ def test_overview_names_the_largest_llama_for_ram_and_disk(capsys, monkeypatch, 
     CPU_24G.save(str(profile))
     _free_disk(monkeypatch, FREE)
     monkeypatch.chdir(tmp_path)
-    assert cli.main(["--hardware", str(profile), "--seq", "1024", "--batch", "1", "--json"]) == 0
+    assert cli.main(["--hardware", str(profile), "--seq-len", "1024", "--batch", "1", "--json"]) == 0
     big = json.loads(capsys.readouterr().out)["largest_llama"]
     answer = sizing.largest_llama(Workload(1024, 1, "fp32", spill_dir=str(tmp_path), spill_free_bytes=FREE), HW)
     assert big == answer.to_dict() and 0 < big["nvme_bytes"] <= FREE
