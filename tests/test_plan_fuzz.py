@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from megatrain.planner import cli
+from hypothesis_budget import examples
 
 COMMANDS = [[], ["plan"], ["size"], ["ram"]]
 GOOD = {  # enough for the command to run, so that only the bad input can stop it
@@ -71,7 +72,7 @@ def run(argv: list[str]) -> tuple[int, str]:
     return code, err.getvalue()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_generated_bad_command_lines_are_one_line_and_change_nothing(files, data):
     command = data.draw(st.sampled_from(COMMANDS))
