@@ -1,8 +1,9 @@
 """Measure this machine into a HardwareProfile (``megatrain-plan profile``), or detect it quickly.
 
 The only planner module that imports torch, and only inside the functions that
-need it; the host's own figures (memory, limits, the disk) are ``host_probe``'s. ``measure`` runs the benchmarks (a few seconds on a CPU-only machine,
-where sizes are scaled down); ``detect`` runs none: it reads the host's memory
+need it; the host's own figures (memory, limits, the disk) are ``host_probe``'s.
+``measure`` runs the benchmarks (a few seconds on a CPU-only machine, where sizes
+are scaled down); ``detect`` runs none: it reads the host's memory
 limits and, when a GPU is present, takes its rates from the matching preset.
 
 Without a GPU the device is the CPU: the profile has gpu_mem_bytes = 0, its

@@ -65,9 +65,9 @@ def page(q: RamQuestion, ladder: list[sizing.LadderRow], scaling: list[dict[str,
     nvme_desc = f"a {gib(q.nvme_size)} NVMe at {disk_text(hw, q.disk_measured)}"
     eff = ("efficiency",) if ranks is not None else ()
     heads = ("host RAM", "batch", "throughput", *eff, "+NVMe: batch", "throughput", *eff, "on NVMe")
+    world = "" if ranks is None else f"{ranks.world} x "
     lines = [f"{model.name} ({model_shapes.params_label(model.params)} params) on {hw.gpu_name}, {work.seq_len} "
-             f"tokens per sequence, {work.compute_dtype}: the largest batch ({'' if ranks is None else f'{ranks.world} x '}"
-             f"a power of two, at most {q.max_batch}) that fits each RAM size, and its predicted throughput; with "
+             f"tokens per sequence, {work.compute_dtype}: the largest batch ({world}a power of two, at most {q.max_batch}) that fits each RAM size, and its predicted throughput; with "
              f"{nvme_desc}"]
     if ranks is not None:
         lines.append(data_parallel_report.ram_heading(ranks))
