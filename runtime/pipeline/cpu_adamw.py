@@ -187,15 +187,10 @@ class AdamWorker:
                         if job is None:
                             closing = True
                             continue
-                        if ahead is None:
-                            pieces = [(0, self.store.numels[job.block])]
-                        else:
-                            ahead.taken(job.step, job.block)
-                            pieces = ahead.pieces(job.block)
+                        pieces = self._take(job)
                         pending.extend((job, lo, n, i == len(pieces) - 1) for i, (lo, n) in enumerate(pieces))
                     job, lo, n, last = pending.popleft()
-                    staged = ahead.stage(job.step, job.block, lo, n, job.grads is None) if ahead is not None else None
-                    inflight.append((job, lo, n, last, staged))
+                    inflight.append((job, lo, n, last, self._stage(job, lo, n)))
                 if not inflight:
                     if ahead is not None:
                         ahead.drop()
@@ -210,6 +205,21 @@ class AdamWorker:
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
+
+    def _take(self, job: AdamJob) -> list[tuple[int, int]]:
+        """Take ``job`` (the read-ahead notes it); the (first element, elements) pieces its update walks: the spill
+        chunks when something of the block spills, else the whole block."""
+        if self.ahead is None:
+            return [(0, self.store.numels[job.block])]
+        self.ahead.taken(job.step, job.block)
+        return self.ahead.pieces(job.block)
+
+    def _stage(self, job: AdamJob, lo: int, n: int) -> Staged | None:
+        """The piece's spilled state on its way into a staging set (None: nothing of it is on disk); the gradients
+        too when they come from their file."""
+        if self.ahead is None:
+            return None
+        return self.ahead.stage(job.step, job.block, lo, n, grads=job.grads is None)
 
     def _update(self, job: AdamJob, lo: int, n: int, last: bool, staged: Staged | None) -> None:
         """Update block ``job.block``'s elements [lo, lo + n) (``last``: the block's last piece)."""
