@@ -107,7 +107,7 @@ class Executor:
             HostCheckpoints(plan.checkpoint_piece_tokens, compute_dtype, device, self.streams, pin, self.timer, log)
             if plan.checkpoints == "host" else DeviceCheckpoints()
         )
-        self.adam = AdamWorker(store, len(blocks), log)
+        self.adam = AdamWorker(store, self.schedule.update_order(self.eager), log)  # its jobs come in this order
         # What AdamW updates of each block: the whole layout, or this rank's shard of it.
         self.adam_layouts = [b.layout for b in (blocks if collectives is None else collectives.shards.blocks)]
         if store.spill_files is not None:
