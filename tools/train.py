@@ -405,12 +405,14 @@ class Run:
     # ------------------------------------------------------------------ finish
     def _summary(self, engine: Engine, loop: "TrainingLoop") -> dict[str, Any]:
         engine.synchronize()
+        packed = loop.data.packed
         return metrics.summarize(loop.records, engine.num_parameters, loop.flops, loop.peak, engine.device, {
             "peak_source": loop.peak_source, "out": os.path.abspath(self.out), "metrics": loop.metrics_path,
             "checkpoint": f"{loop.ckpt_root} (step {loop.saved_at})" if loop.saved_at is not None else "none",
             "trace": loop.tracer.describe() if loop.tracer is not None else None,
             "exit_code": loop.exit_code, "notes": self.notes,
-        })
+            "packing": {"mode": self.packing, **packed.to_dict(), "padding_fraction": packed.padding_fraction},
+        }, history=metrics.read_metrics(loop.metrics_path))
 
     def _finish(self, summary: dict[str, Any], loop: "TrainingLoop") -> int:
         """The export, the plot, summary.json and the lines on stderr; returns the exit status."""
