@@ -141,7 +141,7 @@ def test_whole_packing_resumes_exactly_and_its_eval_loss_is_per_conversation_sco
     # The held-out conversations scored one by one by transformers, on the exported weights.
     tok = tokenizers.load(chat_model)
     model = AutoModelForCausalLM.from_pretrained(str(export), torch_dtype=torch.float32).eval()
-    total, count = 0.0, 0
+    total, count, right = 0.0, 0, 0
     for ids, labels in Corpus((held,), tok).documents():
         sep_label = tok.separator_id if labels[-1] != IGNORE else IGNORE
         x = torch.tensor([ids.tolist() + [tok.separator_id]])
@@ -150,5 +150,9 @@ def test_whole_packing_resumes_exactly_and_its_eval_loss_is_per_conversation_sco
             logits = model(x).logits[0, :-1].double()
         total += float(torch.nn.functional.cross_entropy(logits, y[1:], ignore_index=IGNORE, reduction="sum"))
         count += int((y[1:] != IGNORE).sum())
+        right += int(((logits.argmax(-1) == y[1:]) & (y[1:] != IGNORE)).sum())
     assert summary["eval_tokens"] == count
     assert abs(summary["eval_loss"] - total / count) < 1e-5
+    assert summary["eval_token_accuracy"] == right / count  # argmax == label over the labelled tokens
+    rows = metrics.read_metrics(str(straight / "metrics.jsonl"))
+    assert all(0 <= r["token_accuracy"] <= 1 for r in rows) and rows[-1]["eval_token_accuracy"] == right / count

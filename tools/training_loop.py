@@ -43,6 +43,8 @@ class Pending:
     lr: float
     tokens: int               # tokens predicted in this step (labels not -100 after the shift)
     positions: int            # positions processed in this step (batch x seq_len, padding included)
+    correct: torch.Tensor | None = None   # [] int64 on the device: this rank's tokens predicted right (argmax)
+    own_tokens: int = 0       # this rank's predicted tokens (what ``correct`` is a share of)
     breakdown: dict[str, float] | None = None   # the engine's step breakdown, on the steps that read it
     epoch: float = 0.0        # the data's epoch after this step's batch (data_order.TrainingData.epoch)
     evaluation: dict[str, Any] | None = None    # eval_loss, ... when the eval set was evaluated after this step
@@ -106,6 +108,8 @@ class TrainingLoop:
                     breakdown = engine.last_step_breakdown if timed else None
                     launched = Pending(step, loss, engine.grad_norm, lr, int((labels[:, 1:] != -100).sum()),
                                        ids.numel(), breakdown, self.data.epoch)
+                    launched.correct = engine.correct_tokens  # read with the loss, one step later
+                    launched.own_tokens = int((labels[self.rows][:, 1:] != -100).sum())
                     self._flush(log, progress)
                     self.pending = launched
                     if self.evals is not None and not interrupt.requested and (
@@ -151,6 +155,8 @@ class TrainingLoop:
             "grad_norm": float(p.grad_norm.item()) if p.grad_norm is not None else None,
             "tokens": p.step * p.positions, "step_tokens": p.positions,
             "trained_tokens": self.tokens_done, "step_trained_tokens": p.tokens, "step_time_s": dt,
+            "token_accuracy": int(p.correct.item()) / p.own_tokens if p.correct is not None and p.own_tokens
+            else None,
             "elapsed_s": now - self.started, **self.flops.figures(tps, self.peak),
             "gpu_memory_bytes": metrics.gpu_peak_bytes(self.engine.device),
             "host_memory_bytes": metrics.host_peak_bytes(), "epoch": p.epoch,
