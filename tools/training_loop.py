@@ -18,6 +18,7 @@ from . import data_order, evaluation, lr_schedule, metric_sinks, metrics, packin
 from .interrupt import EXIT_INTERRUPTED, InterruptGuard
 from .progress import Progress
 from .trace import StepTracer
+from .warning_lines import one_line_warnings
 from .train_config import TrainConfig, TrainConfigError
 
 
@@ -90,7 +91,7 @@ class TrainingLoop:
         self.sink = metric_sinks.open(c, self.out, self.start_step) if writes else metric_sinks.NullSink()
         progress = Progress(c.progress if writes else "none", c.total_steps, self.start_step, c.log_every)
         try:
-            with InterruptGuard() as interrupt:
+            with InterruptGuard() as interrupt, one_line_warnings(progress.message):
                 for step in range(self.start_step + 1, c.total_steps + 1):
                     ids, labels, positions = next_batch(batches)
                     self.rows_done += c.batch
