@@ -1,6 +1,6 @@
 """What a run measured: one JSON line per step in ``metrics.jsonl``, and the end-of-run summary.
 
-Model FLOPs follow DESIGN.md section 7: 6 x N x (non-padded tokens) per step, recompute not
+Model FLOPs follow DESIGN.md section 7: 6 x N x (positions processed) per step, recompute not
 counted, attention FLOPs not included (``model_tflops``, ``mfu``); and the same with causal
 attention's forward and backward FLOPs at the run's sequence length added
 (``model_tflops_with_attention``, ``mfu_with_attention``; ``TokenFlops``). MFU divides by the matmul
@@ -25,7 +25,7 @@ from .progress import format_bytes
 
 @dataclass(frozen=True)
 class TokenFlops:
-    """The FLOPs per predicted token a run's TFLOP/s figures count.
+    """The FLOPs per position processed a run's TFLOP/s figures count.
 
     ``model``: 6 x N (DESIGN.md section 7: attention not counted, recompute not counted). ``attention``: causal
     attention forward + backward at ``seq`` tokens per row, the planner's formula
