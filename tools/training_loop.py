@@ -44,12 +44,12 @@ class Pending:
     lr: float
     tokens: int               # tokens predicted in this step (labels not -100 after the shift)
     positions: int            # positions processed in this step (batch x seq_len, padding included)
-    correct: torch.Tensor | None = None   # [] int64 on the device: this rank's tokens predicted right (argmax)
-    own_tokens: int = 0       # this rank's predicted tokens (what ``correct`` is a share of)
     breakdown: dict[str, float] | None = None   # the engine's step breakdown, on the steps that read it
     epoch: float = 0.0        # the data's epoch after this step's batch (data_order.TrainingData.epoch)
     evaluation: dict[str, Any] | None = None    # eval_loss, ... when the eval set was evaluated after this step
     finished_at: float | None = None            # when the step was known done (set before an evaluation)
+    correct: torch.Tensor | None = None   # [] int64 on the device: this rank's tokens predicted right (argmax)
+    own_tokens: int = 0       # this rank's predicted tokens (what ``correct`` is a share of)
 
 
 
