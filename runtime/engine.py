@@ -174,6 +174,13 @@ class Engine:
         self._check_open()
         return self.executor.grad_norm
 
+    @property
+    def correct_tokens(self) -> torch.Tensor:
+        """Predicted tokens of the last ``step`` (this rank's rows) or ``evaluate`` whose argmax over the
+        vocabulary is their label: a 0-dim int64 device tensor (no sync), counted chunk by chunk in the head."""
+        self._check_open()
+        return self.executor.correct
+
     def time_next_step(self) -> None:
         """Time the next ``step()`` for ``last_step_breakdown`` (only a step asked for records timing events)."""
         self._check_open()

@@ -137,12 +137,12 @@ def test_megatrain_train_fine_tunes_a_model_directory_on_chat_data(tmp_path, cap
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in rows)
     # Only the assistant's tokens are trained on: the step's labelled tokens, counted from the packed rows
-    # (chat data: documents apart, by default).
+    # (chat data: whole documents, by default).
     tok = tokenizers.load(model)
     labels = [r.labels for r in packing.pack(Corpus((str(data),), tok).documents(), 64, tok.separator_id,
-                                             mode="documents")]
+                                             mode="whole")]
     expected = sum(int((row[1:] != IGNORE).sum()) for row in labels[:6])
-    assert rows[-1]["tokens"] == expected < 3 * 2 * 63
+    assert rows[-1]["trained_tokens"] == expected < 3 * 2 * 63 and rows[-1]["tokens"] == 3 * 2 * 64
     engine = Engine.load_checkpoint(str(out / "checkpoints"))
     saved = engine.checkpoint_extra["train_config"]
     engine.close()

@@ -117,5 +117,5 @@ def test_batches_carry_position_ids_of_documents_rows_and_auto_mode_follows_the_
     (batch,) = list(batches(pack(iter(docs), 5, SEP, mode="documents"), 2))
     assert batch.position_ids.tolist() == [[0, 1, 2, 3, 0], [0, 1, 2, 3, 4]]
     assert resolve_mode("auto", np.arange(3)) == "concat"
-    assert resolve_mode("auto", (np.arange(3), np.arange(3))) == "documents"
+    assert resolve_mode("auto", (np.arange(3), np.arange(3))) == "whole"  # chat records: kept whole
     assert resolve_mode("none", (np.arange(3), np.arange(3))) == "none"

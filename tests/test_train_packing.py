@@ -54,7 +54,8 @@ def test_documents_packing_trains_resumes_exactly_and_differs_from_concat(tmp_pa
     rows = list(packing.pack(Corpus((data,), ByteTokenizer()).documents(), 32, ByteTokenizer().separator_id,
                              mode="documents"))
     expected = sum(int((r.labels[1:] != packing.IGNORE_INDEX).sum()) for r in rows[:8])
-    assert metrics.read_metrics(str(straight / "metrics.jsonl"))[-1]["tokens"] == expected
+    last = metrics.read_metrics(str(straight / "metrics.jsonl"))[-1]
+    assert last["trained_tokens"] == expected and last["tokens"] == 4 * 2 * 32  # labelled; positions processed
     # Plain text packs end to end by default (concat): other tokens, another loss.
     concat = tmp_path / "concat"
     assert train.main(["--out", str(concat), "--steps", "1", "--data", data] + FAST) == 0
@@ -69,7 +70,7 @@ def test_packing_none_is_one_padded_document_per_row(tmp_path, capsys):
     rows = list(packing.pack(Corpus((data,), ByteTokenizer()).documents(), 32, ByteTokenizer().separator_id,
                              mode="none"))
     expected = sum(int((r.labels[1:] != packing.IGNORE_INDEX).sum()) for r in rows[:4])
-    assert metrics.read_metrics(str(out / "metrics.jsonl"))[-1]["tokens"] == expected < 4 * 31
+    assert metrics.read_metrics(str(out / "metrics.jsonl"))[-1]["trained_tokens"] == expected < 4 * 31
 
 
 def test_bad_packing_combinations_are_one_line(tmp_path, capsys):
@@ -95,7 +96,7 @@ def test_bad_packing_combinations_are_one_line(tmp_path, capsys):
     assert "packing cannot change in a resumed run" in _one_error_line(capsys)
 
 
-def test_chat_data_packs_documents_by_default_and_an_older_run_resumes_as_concat(tmp_path, capsys):
+def test_chat_data_packs_whole_documents_by_default_and_an_older_run_resumes_as_concat(tmp_path, capsys):
     pytest.importorskip("tokenizers")
     pytest.importorskip("jinja2")
     pytest.importorskip("transformers")
@@ -107,7 +108,7 @@ def test_chat_data_packs_documents_by_default_and_an_older_run_resumes_as_concat
     out = tmp_path / "run"
     argv = ["--model", model, "--data", str(data), "--out", str(out), "--steps", "2"] + FAST
     assert train.main(argv) == 0
-    assert "packing documents" in capsys.readouterr().err
+    assert "packing whole" in capsys.readouterr().err
     # A checkpoint written before --packing existed (no packing in its settings) packed end to end: a resume
     # keeps doing so, whatever the data.
     step = out / "checkpoints" / "step-00000002"

@@ -40,6 +40,9 @@ from .train_config import TRAIN_ON_CHOICES, TrainConfigError
 # The plain format used when the tokenizer has no chat template: every message as "<|role|>\n" + content + "\n";
 # the assistant's content and its newline are the labelled part; the generation prompt is "<|assistant|>\n".
 FALLBACK_FORMAT = "<|{role}|>\n{content}\n"
+# The roles a chat record's messages may have (the chat templates' and OpenAI's): any other is refused,
+# naming the role, the file and the line, rather than rendered into something no label marks.
+ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 TEMPLATE_FILE = "chat_template.jinja"
 
 
@@ -280,6 +283,10 @@ def _messages(value: Any, where: str, field: str) -> list[dict]:
     if not isinstance(value, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                               and "content" in m for m in value):
         raise TrainConfigError(f"data: {where}: {field} must be a list of {{\"role\": ..., \"content\": ...}} objects")
+    for m in value:
+        if m["role"] not in ROLES:
+            raise TrainConfigError(f"data: {where}: unknown role {m['role']!r} in {field}; use one of "
+                                   f"{', '.join(ROLES)}")
     return value
 
 

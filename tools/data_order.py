@@ -103,7 +103,7 @@ class TrainingData:
 
     def __init__(self, corpus: Corpus, addresses: Addresses, numbers: np.ndarray, seq_len: int, batch: int,
                  separator_id: int, seed: int, shuffle: bool, position: Position = Position(),
-                 mode: str = "concat") -> None:
+                 mode: str = "concat", position_stats: Mapping[str, Any] | None = None) -> None:
         self.corpus, self.addresses, self.numbers = corpus, addresses, numbers
         self.seq_len, self.batch, self.separator_id = seq_len, batch, separator_id
         self.seed, self.shuffle = seed, shuffle
@@ -111,6 +111,8 @@ class TrainingData:
         self.mode = mode  # packing.MODES: how documents become rows
         self.epoch = float(position.epoch)
         self._started = 0  # documents of the current epoch handed to packing
+        # The rows given out, in all (a checkpoint keeps them): padding and cut documents for the summary.
+        self.packed = packing.PackingStats.from_dict(position_stats)
 
     def describe(self) -> str:
         order = f"shuffled by seed {self.seed} each epoch" if self.shuffle else "in corpus order"
@@ -119,7 +121,7 @@ class TrainingData:
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps: the position, the document count and the order it counts in."""
         return {**self.position.to_dict(), "documents": len(self.numbers),
-                "order": ORDER_SHUFFLED if self.shuffle else ORDER_IN_CORPUS}
+                "order": ORDER_SHUFFLED if self.shuffle else ORDER_IN_CORPUS, "packed": self.packed.to_dict()}
 
     @staticmethod
     def resumed_position(saved: Mapping[str, Any], documents: int) -> Position:
@@ -139,10 +141,13 @@ class TrainingData:
             self._started = 0
             order = epoch_order(self.numbers, self.seed, epoch, self.shuffle)
             rows = 0
-            for row in packing.pack(self._documents(order), self.seq_len, self.separator_id, mode=self.mode):
+            figures = packing.RowFigures()
+            for row in packing.pack(self._documents(order), self.seq_len, self.separator_id, mode=self.mode,
+                                    figures=figures):
                 rows += 1
                 if rows <= skip:
                     continue
+                self.packed.add(figures, self.seq_len)
                 self.position = Position(epoch, rows, self.position.rows_done + 1)
                 self.epoch = epoch + self._started / max(1, len(order))
                 yield row
@@ -160,7 +165,7 @@ class TrainingData:
 
 
 def packing_mode(requested: str, corpus: Corpus) -> str:
-    """--packing, with auto decided by the data's first document (chat record: documents; text: concat)."""
+    """--packing, with auto decided by the data's first document (chat record: whole; text: concat)."""
     documents = corpus.documents()
     mode = packing.resolve_mode(requested, next(documents, None))
     documents.close()
@@ -168,6 +173,10 @@ def packing_mode(requested: str, corpus: Corpus) -> str:
     if mode == "none" and streams:
         raise TrainConfigError(f"packing: none makes one row of each document, and {streams[0]} is one document "
                                f"(a single token stream): it would train on its first seq_len tokens only; use "
+                               f"--packing concat or documents")
+    if mode == "whole" and streams:
+        raise TrainConfigError(f"packing: whole keeps each document in one row, and {streams[0]} is one document "
+                               f"(a single token stream) that it would split into rows held in memory; use "
                                f"--packing concat or documents")
     return mode
 
@@ -186,4 +195,4 @@ def training_data(config: TrainConfig, corpus: Corpus, separator_id: int, saved:
     position = (TrainingData.resumed_position(saved, len(numbers)) if saved
                 else Position(0, rows_done, rows_done))
     return TrainingData(corpus, addresses, numbers, config.seq_len, config.batch, separator_id, config.seed,
-                        config.shuffle, position, mode), held_out
+                        config.shuffle, position, mode, (saved or {}).get("packed")), held_out

@@ -60,10 +60,11 @@ class EvalSet:
                                 torch.from_numpy(np.stack([g.labels for g in group])), positions)
 
     def evaluate(self, engine: Any) -> dict[str, float | int]:
-        """``eval_loss``, ``eval_perplexity``, ``eval_tokens`` (tokens predicted) and ``eval_time_s`` of the set,
-        with ``engine``'s weights."""
+        """``eval_loss``, ``eval_perplexity``, ``eval_tokens`` (tokens predicted), ``eval_token_accuracy`` (the
+        share of them whose argmax is the label) and ``eval_time_s`` of the set, with ``engine``'s weights."""
         started = time.perf_counter()
         total: torch.Tensor | None = None
+        correct: torch.Tensor | None = None  # predicted tokens whose argmax is their label, on the device
         tokens = 0
         for ids, labels, positions in self.batches():
             n = int((labels[:, 1:] != packing.IGNORE_INDEX).sum())
@@ -71,13 +72,16 @@ class EvalSet:
                 continue  # a batch of prompts only: nothing to predict
             weighted = engine.evaluate(ids, labels, position_ids=positions).double() * n
             total = weighted if total is None else total + weighted
+            correct = engine.correct_tokens if correct is None else correct + engine.correct_tokens
             tokens += n
         if total is None:
             raise TrainConfigError(f"eval: no token of the eval set ({self.where}) is labelled (all -100); give "
                                    f"eval data with completions, or --train-on all")
         loss = float(total.item()) / tokens
+        assert correct is not None
         return {"eval_loss": loss, "eval_perplexity": math.exp(loss) if loss < 700 else math.inf,
-                "eval_tokens": tokens, "eval_time_s": time.perf_counter() - started}
+                "eval_tokens": tokens, "eval_token_accuracy": int(correct.item()) / tokens,
+                "eval_time_s": time.perf_counter() - started}
 
     def _documents(self) -> Iterator[np.ndarray | tuple[np.ndarray, np.ndarray]]:
         file, where = self.addresses.file, self.addresses.where
@@ -89,8 +93,9 @@ class EvalSet:
 
 def describe(step: int, result: dict[str, Any]) -> str:
     """The line the progress display shows after an evaluation."""
-    return (f"eval at step {step}: loss {result['eval_loss']:.4f}, perplexity {result['eval_perplexity']:.4g} "
-            f"({result['eval_tokens']:,} tokens, {result['eval_time_s']:.1f} s)")
+    return (f"eval at step {step}: loss {result['eval_loss']:.4f}, perplexity {result['eval_perplexity']:.4g}, "
+            f"token accuracy {100 * result['eval_token_accuracy']:.2f}% ({result['eval_tokens']:,} labelled tokens, "
+            f"{result['eval_time_s']:.1f} s)")
 
 
 def eval_set(config: TrainConfig, corpus: Corpus, addresses: Addresses, held_out: np.ndarray, separator_id: int,

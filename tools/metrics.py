@@ -1,6 +1,6 @@
 """What a run measured: one JSON line per step in ``metrics.jsonl``, and the end-of-run summary.
 
-Model FLOPs follow DESIGN.md section 7: 6 x N x (non-padded tokens) per step, recompute not
+Model FLOPs follow DESIGN.md section 7: 6 x N x (positions processed) per step, recompute not
 counted, attention FLOPs not included (``model_tflops``, ``mfu``); and the same with causal
 attention's forward and backward FLOPs at the run's sequence length added
 (``model_tflops_with_attention``, ``mfu_with_attention``; ``TokenFlops``). MFU divides by the matmul
@@ -25,7 +25,7 @@ from .progress import format_bytes
 
 @dataclass(frozen=True)
 class TokenFlops:
-    """The FLOPs per predicted token a run's TFLOP/s figures count.
+    """The FLOPs per position processed a run's TFLOP/s figures count.
 
     ``model``: 6 x N (DESIGN.md section 7: attention not counted, recompute not counted). ``attention``: causal
     attention forward + backward at ``seq`` tokens per row, the planner's formula
@@ -128,18 +128,26 @@ def truncate_after(path: str, step: int) -> int:
 
 
 def summarize(records: list[dict[str, Any]], num_parameters: int, flops: TokenFlops, peak_tflops: float | None,
-              device: torch.device, extra: Mapping[str, Any]) -> dict[str, Any]:
-    """Whole-run figures. Throughput excludes the first step of the run (start-up, first loads)."""
+              device: torch.device, extra: Mapping[str, Any],
+              history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Whole-run figures. ``records``: this invocation's steps (the segment a resume trained); ``history``: the
+    run's steps from its first (metrics.jsonl; default ``records``). Losses and token counts describe the whole
+    run, ``segment`` this invocation alone; throughput is this invocation's, without its first step (start-up,
+    first loads). ``tokens`` are positions processed (what tokens/s and TFLOP/s count), ``trained_tokens`` the
+    labelled tokens the loss averages over."""
+    history = history or records
     steady = records[1:] if len(records) > 1 else records
     seconds = sum(r["step_time_s"] for r in steady)
     tokens = sum(r["step_tokens"] for r in steady)
     tps = tokens / seconds if seconds > 0 else 0.0
     out: dict[str, Any] = {
         "steps": records[-1]["step"] if records else 0,
-        "first_step": records[0]["step"] if records else 0,
-        "first_loss": records[0]["loss"] if records else None,
+        "first_step": history[0]["step"] if history else 0,
+        "first_loss": history[0]["loss"] if history else None,
         "last_loss": records[-1]["loss"] if records else None,
-        "tokens_trained": records[-1]["tokens"] if records else 0,
+        "tokens": records[-1]["tokens"] if records else 0,
+        "trained_tokens": records[-1].get("trained_tokens", 0) if records else 0,
+        "segment": _segment(records, history),
         "tokens_per_second": tps,
         **flops.figures(tps, peak_tflops),
         "model_flops_per_token": flops.model,
@@ -156,17 +164,40 @@ def summarize(records: list[dict[str, Any]], num_parameters: int, flops: TokenFl
     if evaluated:  # the last evaluation of this invocation
         out.update({k: evaluated[-1][k] for k in ("eval_loss", "eval_perplexity", "eval_tokens")},
                    eval_step=evaluated[-1]["step"])
+        if "eval_token_accuracy" in evaluated[-1]:
+            out["eval_token_accuracy"] = evaluated[-1]["eval_token_accuracy"]
     out.update(extra)
     return out
 
 
+def _segment(records: list[dict[str, Any]], history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """This invocation's part of a resumed run (None when it trained the run from its first step)."""
+    if not records or not history or history[0]["step"] == records[0]["step"]:
+        return None
+    before = [r for r in history if r["step"] < records[0]["step"]]
+    return {"first_step": records[0]["step"], "steps": records[-1]["step"], "first_loss": records[0]["loss"],
+            "last_loss": records[-1]["loss"],
+            "tokens": records[-1]["tokens"] - (before[-1]["tokens"] if before else 0),
+            "trained_tokens": records[-1].get("trained_tokens", 0) - (before[-1].get("trained_tokens", 0)
+                                                                      if before else 0)}
+
+
 def format_summary(s: Mapping[str, Any]) -> str:
+    segment = s.get("segment")
     lines = [
-        f"trained steps {s['first_step']}-{s['steps']} ({s['tokens_trained']:,} tokens in all): loss "
-        f"{s['first_loss']:.4f} -> {s['last_loss']:.4f}" if s["first_loss"] is not None else "trained no steps",
-        *([f"eval         loss {s['eval_loss']:.4f}, perplexity {s['eval_perplexity']:.4g} at step {s['eval_step']} "
-           f"({s['eval_tokens']:,} tokens held out)"] if s.get("eval_loss") is not None else []),
-        f"throughput   {s['tokens_per_second']:,.0f} tokens/s",
+        f"trained steps {s['first_step']}-{s['steps']}: loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}; "
+        f"{s['tokens']:,} positions processed, {s['trained_tokens']:,} labelled tokens trained"
+        if s["first_loss"] is not None else "trained no steps",
+        *([f"  this run   steps {segment['first_step']}-{segment['steps']} (resumed): loss "
+           f"{segment['first_loss']:.4f} -> {segment['last_loss']:.4f}; {segment['tokens']:,} positions, "
+           f"{segment['trained_tokens']:,} labelled tokens"] if segment else []),
+        *([packing_line(s["packing"])] if s.get("packing") else []),
+        *([f"eval         loss {s['eval_loss']:.4f}, perplexity {s['eval_perplexity']:.4g}"
+           + (f", token accuracy {100 * s['eval_token_accuracy']:.2f}%" if s.get("eval_token_accuracy") is not None
+              else "") + f" at step {s['eval_step']} ({s['eval_tokens']:,} labelled tokens held out)"]
+          if s.get("eval_loss") is not None else []),
+        f"throughput   {s['tokens_per_second']:,.0f} tokens/s (positions processed, padding included"
+        + (", this invocation)" if segment else ")"),
         f"             {s['model_tflops']:.4g} model TFLOP/s (6N, attention not counted: 6 x "
         f"{s['num_parameters']:,} params x tokens/s)",
         f"             {s['model_tflops_with_attention']:.4g} model TFLOP/s with attention (6N + causal attention "
@@ -187,6 +218,14 @@ def format_summary(s: Mapping[str, Any]) -> str:
     if s.get("export"):
         lines.append(f"  export     {s['export']}")
     return "\n".join(lines)
+
+
+def packing_line(p: Mapping[str, Any]) -> str:
+    """The summary's packing line: the mode, the padding fraction and the documents cut, over the run's rows."""
+    cut = {"whole": "split, longer than a row", "none": "truncated to a row"}.get(p["mode"], "continued in the "
+                                                                                     "next row")
+    return (f"packing      {p['mode']}: {100 * p['padding_fraction']:.1f}% of {p['positions']:,} positions padding; "
+            f"{p['cut']:,} of {p['documents']:,} documents cut ({cut})")
 
 
 def write_summary(path: str, summary: Mapping[str, Any]) -> None:

@@ -25,6 +25,13 @@ part in the previous row, and its first token is not predicted (as at every row 
 ``none``: one document per row: the document and its separator, truncated to ``seq_len`` (the
 rest of a longer document is dropped) and padded.
 
+``whole``: documents apart as in ``documents``, but each in one row whole, rows filled best-fit-decreasing
+(bin_packing.py, [Note: whole-document packing]); only a document longer than a row is split.
+
+Every mode reports, row by row (``RowFigures``), its padding, the documents it begins and the documents it
+cuts (a document, with its separator, not held whole by one row: continued in the next row, truncated by
+``none``, or split by ``whole``); ``PackingStats`` adds them up for the run's summary.
+
 In every mode only padding is filler: it carries ``pad_id`` and the label -100 (ignored by the loss);
 packed modes pad only the final row (in ``documents``, the padding is a segment of its own). Labels are
 otherwise the input ids: the engine shifts them inside, as Hugging Face does.
@@ -36,13 +43,16 @@ after a prompt.
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, NamedTuple
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple
 
 import numpy as np
 import torch
 
+from . import bin_packing
+
 IGNORE_INDEX = -100
-MODES = ("documents", "concat", "none")
+MODES = ("documents", "concat", "none", "whole")
 
 Document = np.ndarray | tuple[np.ndarray, np.ndarray]
 
@@ -59,17 +69,64 @@ class Batch(NamedTuple):
     position_ids: torch.Tensor | None     # [batch, seq_len] torch.long ("documents"), else None
 
 
+@dataclass
+class RowFigures:
+    """The row just yielded by ``pack``: positions of padding, documents begun in it, documents cut in it."""
+
+    padding: int = 0
+    documents: int = 0
+    cut: int = 0
+
+
+@dataclass
+class PackingStats:
+    """The rows counted so far (``add``): what the summary reports for every packing mode."""
+
+    rows: int = 0
+    positions: int = 0
+    padding: int = 0
+    documents: int = 0
+    cut: int = 0
+
+    def add(self, row: RowFigures, seq_len: int) -> None:
+        self.rows += 1
+        self.positions += seq_len
+        self.padding += row.padding
+        self.documents += row.documents
+        self.cut += row.cut
+
+    @property
+    def padding_fraction(self) -> float:
+        return self.padding / self.positions if self.positions else 0.0
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, saved: Mapping[str, Any] | None) -> "PackingStats":
+        return cls(**{k: int(v) for k, v in (saved or {}).items() if k in cls.__dataclass_fields__})
+
+
 def pack(documents: Iterable[Document], seq_len: int, separator_id: int, pad_id: int | None = None,
-         mode: str = "concat") -> Iterator[Row]:
+         mode: str = "concat", figures: RowFigures | None = None) -> Iterator[Row]:
     """Rows from ``documents`` (1-D integer arrays, or (ids, labels) pairs). See [Note: packing].
 
-    Documents may be memory-mapped: each is sliced a row at a time, never copied whole.
+    ``figures``, when given, holds the figures of the row just yielded. Documents may be memory-mapped: in
+    the modes that cut rows, each is sliced a row at a time, never copied whole.
     """
     assert seq_len >= 1 and mode in MODES, (seq_len, mode)
     pad = separator_id if pad_id is None else pad_id
+    figures = RowFigures() if figures is None else figures
     if mode == "none":
         for doc in documents:
+            size = len(doc[0] if isinstance(doc, tuple) else doc) + 1  # with its separator
+            figures.padding, figures.documents, figures.cut = max(0, seq_len - size), 1, int(size > seq_len)
             yield _one_row(doc, seq_len, separator_id, pad)
+        return
+    if mode == "whole":
+        for packed in bin_packing.pack_whole(_with_separator(documents, separator_id), seq_len, pad):
+            figures.padding, figures.documents, figures.cut = packed.padding, packed.documents, packed.cut
+            yield Row(packed.ids, packed.labels, packed.positions)
         return
     sep = np.array([separator_id], dtype=np.int64)
     with_positions = mode == "documents"
@@ -77,9 +134,12 @@ def pack(documents: Iterable[Document], seq_len: int, separator_id: int, pad_id:
     label_pieces: list[np.ndarray] = []  # their labels
     position_pieces: list[np.ndarray] = []  # their positions ("documents")
     have = 0                        # tokens in pieces
+    begun = cut = 0                 # documents begun in the row being filled; documents it cuts
     for doc in documents:
         doc, doc_labels, sep_labels = _parts(doc, sep)
         at, first = 0, True  # the next token's position in its segment of this row; the document's first token
+        begun += 1
+        counted = False  # this document counted as cut
         for part, part_labels in ((doc, doc_labels), (sep, sep_labels)):
             pos, n = 0, len(part)
             while pos < n:
@@ -99,9 +159,12 @@ def pack(documents: Iterable[Document], seq_len: int, separator_id: int, pad_id:
                 pos += take
                 have += take
                 if have == seq_len:
+                    if (pos < n or part is doc) and not counted:  # the document goes on in the next row
+                        cut, counted = cut + 1, True
+                    figures.padding, figures.documents, figures.cut = 0, begun, cut
                     yield Row(np.concatenate(pieces), np.concatenate(label_pieces),
                               np.concatenate(position_pieces) if with_positions else None)
-                    pieces, label_pieces, position_pieces, have = [], [], [], 0
+                    pieces, label_pieces, position_pieces, have, begun, cut = [], [], [], 0, 0, 0
     if have:
         ids = np.full(seq_len, pad, dtype=np.int64)
         labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
@@ -110,7 +173,17 @@ def pack(documents: Iterable[Document], seq_len: int, separator_id: int, pad_id:
         positions = None
         if with_positions:  # the padding: a segment of its own
             positions = np.concatenate(position_pieces + [np.arange(seq_len - have, dtype=np.int64)])
+        figures.padding, figures.documents, figures.cut = seq_len - have, begun, cut
         yield Row(ids, labels, positions)
+
+
+def _with_separator(documents: Iterable[Document], separator_id: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(ids, labels) of each document with its separator appended and labelled (``_parts``'s rule)."""
+    sep = np.array([separator_id], dtype=np.int64)
+    for doc in documents:
+        ids, labels, sep_labels = _parts(doc, sep)
+        yield (np.concatenate([np.asarray(ids, dtype=np.int64), sep]),
+               np.concatenate([np.asarray(labels, dtype=np.int64), np.asarray(sep_labels, dtype=np.int64)]))
 
 
 def _parts(doc: Document, sep: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -137,11 +210,11 @@ def _one_row(doc: Document, seq_len: int, separator_id: int, pad: int) -> Row:
 
 
 def resolve_mode(mode: str, first: Document | None) -> str:
-    """``auto``: ``documents`` when the data is chat records (its first document decides), ``concat`` for
+    """``auto``: ``whole`` when the data is chat records (its first document decides), ``concat`` for
     plain text (see the README's packing paragraph for why)."""
     if mode != "auto":
         return mode
-    return "documents" if isinstance(first, tuple) else "concat"
+    return "whole" if isinstance(first, tuple) else "concat"
 
 
 def repeat_epochs(corpus_pass, max_epochs: int | None = None) -> Iterator[Document]:

@@ -1,4 +1,5 @@
-"""The live progress display: step, loss, tokens/s, MFU, ETA, GPU and host memory.
+"""The live progress display: step, loss, token accuracy, tokens/s (positions processed), labelled tokens
+trained, MFU, ETA, GPU and host memory.
 
 Styles: ``tqdm`` or ``rich`` when installed, else ``plain`` (a line rewritten in place with ``\\r``
 on a terminal, a new line every ``log_every`` steps otherwise, e.g. in a log file), or ``none``.
@@ -47,11 +48,16 @@ def format_seconds(s: float) -> str:
 def describe(m: Mapping[str, Any]) -> str:
     """The fields of one metrics record a person wants to see, in one short line."""
     parts = [f"loss {m['loss']:.4f}"]
+    if m.get("token_accuracy") is not None:
+        parts.append(f"acc {100 * m['token_accuracy']:.1f}%")
     if m.get("eval_loss") is not None:
         parts.append(f"eval {m['eval_loss']:.4f}")
     if m.get("epoch") is not None:
         parts.append(f"epoch {m['epoch']:.2f}")
-    parts.append(f"{m['tokens_per_second']:,.0f} tok/s")
+    # tokens/s counts positions processed (padding and prompts included); the loss, labelled tokens only.
+    parts.append(f"{m['tokens_per_second']:,.0f} tok/s (positions)")
+    if m.get("trained_tokens") is not None:
+        parts.append(f"{m['trained_tokens']:,} labelled trained")
     if m.get("mfu") is not None:
         with_attention = m.get("mfu_with_attention")
         parts.append(f"MFU {100 * m['mfu']:.1f}% (6N)" + (f", {100 * with_attention:.1f}% with attention"

@@ -304,12 +304,14 @@ class Run:
     def _summary(self, engine: Engine, loop: "TrainingLoop", plan: Plan) -> dict[str, Any]:
         """summary.json's figures; ``plan`` as megatrain-plan plan --json gives it (its "plan" key)."""
         engine.synchronize()
+        packed = loop.data.packed
         return metrics.summarize(loop.records, engine.num_parameters, loop.flops, loop.peak, engine.device, {
             "peak_source": loop.peak_source, "out": os.path.abspath(self.out), "metrics": loop.metrics_path,
             "checkpoint": f"{loop.ckpt_root} (step {loop.saved_at})" if loop.saved_at is not None else "none",
             "trace": loop.tracer.describe() if loop.tracer is not None else None,
             "exit_code": loop.exit_code, "notes": self.notes, "plan": plan.to_dict(),
-        })
+            "packing": {"mode": self.packing, **packed.to_dict(), "padding_fraction": packed.padding_fraction},
+        }, history=metrics.read_metrics(loop.metrics_path))
 
     def _finish(self, summary: dict[str, Any], loop: "TrainingLoop") -> int:
         """The export, the plot, summary.json and the lines on stderr; returns the exit status."""

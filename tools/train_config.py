@@ -24,7 +24,7 @@ SPILL_CHOICES = ("auto", "none", "optimizer", "all")
 INIT_CHOICES = ("auto", "random")
 TRAIN_ON_CHOICES = ("completion", "all")
 LOG_TO_CHOICES = ("none", "tensorboard")
-PACKING_CHOICES = ("auto", "documents", "concat", "none")
+PACKING_CHOICES = ("auto", "whole", "documents", "concat", "none")
 # Options a resumed run cannot change: they define the model, its optimizer state or the data position.
 # The others (lr, steps, save cadence, plan, device, ...) apply from the resume on, and are printed.
 FIXED_ON_RESUME = ("model", "init", "data", "tokenizer", "text_field", "train_on", "token_dtype", "separator_id",
@@ -61,9 +61,11 @@ class TrainConfig:
     token_dtype: str = "uint16"
     # Token placed between documents; -1: the tokenizer's end-of-text token.
     separator_id: int = -1
-    # How documents become rows (tools/packing.py): "documents" (end to end, attention and positions restart
-    # at each document), "concat" (end to end, a token sees the earlier documents of its row), "none" (one
-    # document per row, truncated and padded); "auto": documents for chat records, concat for plain text.
+    # How documents become rows (tools/packing.py): "whole" (each document whole in one row, rows filled
+    # best-fit-decreasing, attention and positions restart at each document), "documents" (end to end, cut
+    # at row ends, attention and positions restart at each document), "concat" (end to end, a token sees the
+    # earlier documents of its row), "none" (one document per row, truncated and padded); "auto": whole for
+    # chat records, concat for plain text.
     packing: str = "auto"
     seq_len: int = 256
     batch: int = 8

@@ -32,9 +32,10 @@ HELP: dict[str, str] = {
                 "assistant's tokens only (default), all = on every token",
     "token_dtype": f"element type of .bin token files ({', '.join(TOKEN_DTYPES)}; default uint16)",
     "separator_id": "token between documents (-1: the tokenizer's end-of-text token)",
-    "packing": "documents into rows: documents (end to end, each attending only to itself; default for chat "
-               "data), concat (end to end, attending across; default for plain text) or none (one document "
-               "per row, truncated and padded)",
+    "packing": "documents into rows: whole (each document whole in one row, best-fit-decreasing, each "
+               "attending only to itself; default for chat data), documents (end to end, cut at row ends, each "
+               "attending only to itself), concat (end to end, attending across; default for plain text) or "
+               "none (one document per row, truncated and padded)",
     "seq_len": "tokens per sequence (256)",
     "batch": "sequences per optimizer step (8)",
     "shuffle": "shuffle the documents every epoch, seeded by --seed (default on; --no-shuffle: corpus order)",

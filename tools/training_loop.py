@@ -18,6 +18,7 @@ from . import data_order, evaluation, lr_schedule, metric_sinks, metrics, packin
 from .interrupt import EXIT_INTERRUPTED, InterruptGuard
 from .progress import Progress
 from .trace import StepTracer
+from .warning_lines import one_line_warnings
 from .train_config import TrainConfig, TrainConfigError
 
 
@@ -42,10 +43,13 @@ class Pending:
     grad_norm: torch.Tensor | None
     lr: float
     tokens: int               # tokens predicted in this step (labels not -100 after the shift)
+    positions: int            # positions processed in this step (batch x seq_len, padding included)
     breakdown: dict[str, float] | None = None   # the engine's step breakdown, on the steps that read it
     epoch: float = 0.0        # the data's epoch after this step's batch (data_order.TrainingData.epoch)
     evaluation: dict[str, Any] | None = None    # eval_loss, ... when the eval set was evaluated after this step
     finished_at: float | None = None            # when the step was known done (set before an evaluation)
+    correct: torch.Tensor | None = None   # [] int64 on the device: this rank's tokens predicted right (argmax)
+    own_tokens: int = 0       # this rank's predicted tokens (what ``correct`` is a share of)
 
 
 
@@ -87,7 +91,7 @@ class TrainingLoop:
         self.sink = metric_sinks.open(c, self.out, self.start_step) if writes else metric_sinks.NullSink()
         progress = Progress(c.progress if writes else "none", c.total_steps, self.start_step, c.log_every)
         try:
-            with InterruptGuard() as interrupt:
+            with InterruptGuard() as interrupt, one_line_warnings(progress.message):
                 for step in range(self.start_step + 1, c.total_steps + 1):
                     ids, labels, positions = next_batch(batches)
                     self.rows_done += c.batch
@@ -104,7 +108,9 @@ class TrainingLoop:
                                        position_ids=None if positions is None else positions[self.rows])
                     breakdown = engine.last_step_breakdown if timed else None
                     launched = Pending(step, loss, engine.grad_norm, lr, int((labels[:, 1:] != -100).sum()),
-                                       breakdown, self.data.epoch)
+                                       ids.numel(), breakdown, self.data.epoch)
+                    launched.correct = engine.correct_tokens  # read with the loss, one step later
+                    launched.own_tokens = int((labels[self.rows][:, 1:] != -100).sum())
                     self._flush(log, progress)
                     self.pending = launched
                     if self.evals is not None and not interrupt.requested and (
@@ -143,11 +149,15 @@ class TrainingLoop:
         dt = (p.finished_at or now) - self.last_time  # an evaluation after the step is not the step's time
         self.last_time = now
         self.tokens_done += p.tokens
-        tps = p.tokens / dt if dt > 0 else 0.0
+        # Throughput counts positions processed (the work done); the loss averages over the labelled tokens.
+        tps = p.positions / dt if dt > 0 else 0.0
         record: dict[str, Any] = {
             "step": p.step, "loss": loss, "tokens_per_second": tps, "lr": p.lr,
             "grad_norm": float(p.grad_norm.item()) if p.grad_norm is not None else None,
-            "tokens": self.tokens_done, "step_tokens": p.tokens, "step_time_s": dt,
+            "tokens": p.step * p.positions, "step_tokens": p.positions,
+            "trained_tokens": self.tokens_done, "step_trained_tokens": p.tokens, "step_time_s": dt,
+            "token_accuracy": int(p.correct.item()) / p.own_tokens if p.correct is not None and p.own_tokens
+            else None,
             "elapsed_s": now - self.started, **self.flops.figures(tps, self.peak),
             "gpu_memory_bytes": metrics.gpu_peak_bytes(self.engine.device),
             "host_memory_bytes": metrics.host_peak_bytes(), "epoch": p.epoch,

@@ -130,6 +130,8 @@ class Executor:
         self.clip_host = torch.zeros((), dtype=torch.float32, pin_memory=pin)
         self.clip_copied: Event = self.streams.event()
         self.grad_norm: torch.Tensor | None = None
+        # Predicted tokens of the last step's (or evaluation's) rows whose argmax is their label: [] int64.
+        self.correct = torch.zeros((), dtype=torch.int64, device=self.device)
         self.mlp_tile = plan.mlp_tile_tokens or 0  # [Note: sequence tiles]
         self.attention_tile = plan.attention_tile_tokens or 0
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per length: fp32 cos, sin (rope.py)
@@ -139,6 +141,7 @@ class Executor:
         """One optimizer step over ``batch``; returns the mean loss as a device scalar (no sync)."""
         self.step_no += 1
         step, s = self.step_no, self.schedule
+        self.correct = torch.zeros((), dtype=torch.int64, device=self.device)
         self.timer.begin(self.streams.compute)
         if self.dist is not None:  # every rank divides its loss by the global count of predicted tokens
             self.dist.begin_step()
@@ -173,7 +176,8 @@ class Executor:
                 for m, rows in enumerate(batch.micro):
                     out = head_forward_backward(
                         lambda p, h: self.templates.run(BlockKind.HEAD, {**head_params, **p}, h), norm_params,
-                        lm_weight, x[m], batch.labels[rows], batch.n_tokens, self.plan.loss_chunk_tokens, lm_grad)
+                        lm_weight, x[m], batch.labels[rows], batch.n_tokens, self.plan.loss_chunk_tokens, lm_grad,
+                        self.correct)
                     loss = loss + out.loss
                     dy.append(out.dx)
                     for name, g in out.norm.items():
@@ -347,6 +351,7 @@ class Executor:
         changes: no gradient, no update, no step count, no activation checkpoint, no timing.
         """
         s = self.evaluation
+        self.correct = torch.zeros((), dtype=torch.int64, device=self.device)
         positions = self._positions(batch.input_ids.shape[1], batch.micro, batch.position_ids, batch.documents)
         # Each load waits for its block's latest update (step_no), as the next step's would: no global wait.
         self.loader.start(self.step_no + 1, s.loads)
@@ -364,7 +369,7 @@ class Executor:
             for m, rows in enumerate(batch.micro):
                 loss = loss + head_loss(lambda p, h: self.templates.run(BlockKind.HEAD, {**head_params, **p}, h),
                                         norm_params, lm_weight, x[m], batch.labels[rows], batch.n_tokens,
-                                        self.plan.loss_chunk_tokens)
+                                        self.plan.loss_chunk_tokens, self.correct)
         return loss
 
     @torch.no_grad()

@@ -43,11 +43,13 @@ def head_forward_backward(
     n_tokens: torch.Tensor,
     chunk: int,
     lm_grad: torch.Tensor,
+    correct: torch.Tensor | None = None,
 ) -> HeadGrads:
     """norm(params, x) -> normed; lm_weight: [vocab, hidden]; x: [b, S, hidden]; labels: [b, S] shifted.
 
     Each chunk's lm_head gradient is added straight into ``lm_grad`` ([vocab, hidden] fp32), so
-    chunk gradients never sum in the compute dtype.
+    chunk gradients never sum in the compute dtype. ``correct`` ([] int64, on the device), when given, is
+    added each chunk's count of predicted tokens whose argmax is their label (``count_correct``).
     """
     x = x.detach().requires_grad_()
     leaves = {k: v.detach().requires_grad_() for k, v in norm_params.items()}
@@ -65,6 +67,8 @@ def head_forward_backward(
             logits = F.linear(h, weight)  # [c, vocab]
             part = F.cross_entropy(logits.float(), flat_labels[start:end], ignore_index=IGNORE_INDEX,
                                    reduction="sum") / n_tokens
+        if correct is not None:
+            count_correct(correct, logits.detach(), flat_labels[start:end])
         d_h, d_w = torch.autograd.grad(part, (h, weight))
         d_flat[start:end] = d_h
         lm_grad.add_(d_w)
@@ -83,6 +87,7 @@ def head_loss(
     labels: torch.Tensor,
     n_tokens: torch.Tensor,
     chunk: int,
+    correct: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The loss of ``head_forward_backward`` alone (evaluation): the same operations, chunks and sums in the
     same order, so the value is the same bits; no gradient, and still never the full logits."""
@@ -92,11 +97,19 @@ def head_loss(
     for start in range(0, flat.shape[0], chunk):
         end = min(start + chunk, flat.shape[0])
         logits = F.linear(flat[start:end], lm_weight)  # [c, vocab]
+        if correct is not None:
+            count_correct(correct, logits, flat_labels[start:end])
         part = F.cross_entropy(logits.float(), flat_labels[start:end], ignore_index=IGNORE_INDEX,
                                reduction="sum") / n_tokens
         loss = part.double() if loss is None else loss + part.double()
     assert loss is not None
     return loss.float()
+
+
+def count_correct(correct: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+    """correct: [] int64 += how many of the chunk's predicted tokens have their label as argmax (no host sync;
+    logits: [c, vocab], the chunk's own; labels: [c] shifted, -100 ignored)."""
+    correct.add_(((logits.argmax(dim=-1) == labels) & (labels != IGNORE_INDEX)).sum())
 
 
 def chunked_logits(flat: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch.Tensor:
