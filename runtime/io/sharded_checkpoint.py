@@ -129,7 +129,8 @@ def _write_pieces(state: "ShardedModelState", path: str, kind: BufferKind) -> li
         pos = 0  # cut at shard-file and CRC boundaries
         while pos < piece.numel():
             at = lo + pos
-            end = min(lo + piece.numel(), (at // outer + 1) * outer, (at * 4 // CRC_CHUNK_BYTES + 1) * CRC_CHUNK_BYTES // 4)
+            end = min(lo + piece.numel(), (at // outer + 1) * outer,
+                      (at * 4 // CRC_CHUNK_BYTES + 1) * CRC_CHUNK_BYTES // 4)
             part = piece[pos:end - lo]
             if at // outer != txn_shard:
                 if txn is not None:

@@ -199,7 +199,8 @@ def _check_extra(extra: Mapping[str, Any] | None) -> Any:
     try:
         return json.loads(json.dumps(extra, allow_nan=False))  # a deep copy the caller cannot mutate any more
     except (TypeError, ValueError) as e:
-        raise InputError(f"extra is not JSON-serialisable ({e}); pass plain dicts, lists, str, int, finite float") from None
+        raise InputError(f"extra is not JSON-serialisable ({e}); pass plain dicts, lists, str, int, "
+                         "finite float") from None
 
 
 def _commit(handle: CheckpointHandle, directory: str, step: int, arrays: Mapping[str, Any],
@@ -216,7 +217,8 @@ def _commit(handle: CheckpointHandle, directory: str, step: int, arrays: Mapping
         manifest["arrays"] = {} if write_arrays is None else write_arrays(tmp)
         with cf.ThreadPoolExecutor(1, thread_name_prefix="megatrain-checkpoint-fsync") as fsyncs:
             flushed = []
-            for name, t in (arrays.items() if write_arrays is None else ()):  # one after another: each one's writeback overlaps the next's encoding
+            # one after another: each one's writeback overlaps the next's encoding
+            for name, t in (arrays.items() if write_arrays is None else ()):
                 manifest["arrays"][name] = checkpoint_format.write_named_array(tmp, name, t)
                 flushed.append(fsyncs.submit(checkpoint_directory.fsync_tree, os.path.join(tmp, name)))
             for f in flushed:
