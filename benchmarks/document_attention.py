@@ -72,7 +72,7 @@ def timed(fn, device: torch.device) -> float:
 
 
 def attention_case(args, cfg, rows, device, dtype) -> dict:
-    from megatrain.runtime.model.attention import Documents, causal_attention
+    from megatrain.models.layers.attention import Documents, causal_attention
 
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     dim = cfg["hidden_size"] // heads

@@ -20,11 +20,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from . import spill_placement
+from . import spill_placement, step_replay, step_traffic
 from .buffer_kinds import BufferKind
 from .hardware import HardwareProfile
 from .model_shapes import ModelShape
 from .plan import Plan
+from .step_replay import BlockVisit
 from .workload import Workload
 
 # Fixed cost of one copy on a stream (launch + DMA setup), seconds.
@@ -111,21 +112,6 @@ class CostEstimate:
                 "constants": self.constants}
 
 
-@dataclass
-class _Step:
-    """One block visit: H2D load, compute, D2H drain (seconds), and its constraints."""
-
-    load_s: float
-    compute_s: float
-    d2h_s: float
-    d2h_at_start: bool = False        # a checkpoint leaves when compute starts; grads when it ends
-    wait_d2h_of: int | None = None    # index of the step whose drain must finish before compute
-    earliest_load: float = 0.0        # deferred mode: AdamW of this block must be done first
-    adam_s: float = 0.0               # eager mode: AdamW after this step's drain
-    wait_adam_of: int | None = None   # eager mode: the drain needs a host slab, freed by that AdamW
-    backward: bool = False
-
-
 def _copy_s(nbytes: float, gbps: float) -> float:
     """t = bytes / bandwidth + latency (0 when nothing moves)."""
     return nbytes / (gbps * 1e9) + COPY_LATENCY_S if nbytes > 0 else 0.0
@@ -143,16 +129,16 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
     if plan.optimizer_mode != "eager" and not hw.device_is_host:
         _gate_loads_on_deferred_adam(model, steps, adam)
     total_adam = adam.total()
-    fwd_end, step, exposed = _step_time(steps, n_fwd, plan, hw, total_adam)
+    fwd_end, step, exposed = step_replay.step_time(steps, n_fwd, plan, hw, total_adam)
     eager = plan.optimizer_mode == "eager"
-    fwd = PhaseTime(fwd_end, *_busy(steps[:n_fwd]),
+    fwd = PhaseTime(fwd_end, *step_replay.busy(steps[:n_fwd]),
                     adam_s=(0.0 if eager or hw.device_is_host else total_adam))
-    bwd = PhaseTime(step - fwd_end, *_busy(steps[n_fwd:]),
+    bwd = PhaseTime(step - fwd_end, *step_replay.busy(steps[n_fwd:]),
                     adam_s=(total_adam if eager or hw.device_is_host else 0.0))
     T, seq = batch.tokens, batch.seq
     attn = T * model.attention_model_flops_per_token(seq)
-    h2d_bytes, d2h_bytes = traffic(model, work, plan)
-    disk_read, disk_write = disk_traffic(model, work, plan)
+    h2d_bytes, d2h_bytes = step_traffic.traffic(model, work, plan)
+    disk_read, disk_write = step_traffic.disk_traffic(model, work, plan)
     disk_s = (disk_read / (hw.disk_read_gbps * 1e9) + disk_write / (hw.disk_write_gbps * 1e9)) if disk_read else 0.0
     step = max(step, disk_s)  # the disk is a resource of the step like the others: never faster than it
     return CostEstimate(step_seconds=step, forward=fwd, backward=bwd, optimizer_exposed_seconds=exposed,
@@ -286,7 +272,7 @@ class _HostSlabs:
 
 
 def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: _Batch, rates: _Rates, adam: _AdamTime,
-                   slabs: _HostSlabs) -> list[_Step]:
+                   slabs: _HostSlabs) -> list[BlockVisit]:
     """Embedding, the layers, and the head (whose loss and backward run in the forward pass)."""
     c, M, T = work.compute_bytes, batch.micro_batches, batch.tokens
     host_ckpt = plan.checkpoints == "host"
@@ -295,7 +281,7 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: _Batch,
     scale = rates.duplex_scale if host_ckpt else 1.0
     h2d, d2h = rates.h2d_gbps * scale, rates.d2h_gbps * scale
     # Embedding: load E x c; compute is a gather (launches only).
-    steps = [_Step(_copy_s(E * c, h2d), M * rates.launch_fwd_s, 0.0)]
+    steps = [BlockVisit(_copy_s(E * c, h2d), M * rates.launch_fwd_s, 0.0)]
     for _ in range(model.num_layers):
         # compute_fwd(M) = T x flops_fwd(seq) / rate (attention at its own rate) + M x launch
         comp = (rates.layer_seconds(T * model.layer_flops_fwd(batch.seq), T * model.attention_flops_fwd(batch.seq))
@@ -305,7 +291,7 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: _Batch,
         # next layer's: [Note: host checkpoints in pieces]).
         drain = _copy_s(ckpt_bytes, d2h) if host_ckpt else 0.0
         wait = len(steps) - 1 if host_ckpt and len(steps) >= 2 else None
-        steps.append(_Step(_copy_s(Lw * c, h2d), comp, drain, d2h_at_start=True, wait_d2h_of=wait))
+        steps.append(BlockVisit(_copy_s(Lw * c, h2d), comp, drain, d2h_at_start=True, wait_d2h_of=wait))
     # Head: load (norm [+ lm_head]) x c, plus the embedding again when tied; compute its forward and
     # backward: T x (2 + 4) x V x h / rate + M x chunks x launch; untied head drains its fp32 grads.
     head_load = (H + (E if model.tie_word_embeddings else 0)) * c
@@ -316,21 +302,21 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: _Batch,
         head_comp = head_flops / rates.head_flops_per_s
     head_untied = not model.tie_word_embeddings
     head_d2h = _copy_s(H * 4, d2h) if head_untied else 0.0
-    steps.append(_Step(_copy_s(head_load, h2d), head_comp, head_d2h,
+    steps.append(BlockVisit(_copy_s(head_load, h2d), head_comp, head_d2h,
                        adam_s=adam.block(model.num_layers + 1) if slabs.eager and head_untied else 0.0,
                        wait_adam_of=slabs.take(len(steps)) if head_untied else None))
     return steps
 
 
 def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: _Batch, rates: _Rates, adam: _AdamTime,
-                    slabs: _HostSlabs) -> list[_Step]:
+                    slabs: _HostSlabs) -> list[BlockVisit]:
     """The layers in reverse, then the embedding; indices continue after the forward's steps."""
     c, G, M, T = work.compute_bytes, plan.device_grad_buffers, batch.micro_batches, batch.tokens
     first = model.num_layers + 2                              # the forward's visits come first
     ckpt_bytes = T * model.hidden_size * c if plan.checkpoints == "host" else 0
     Lw = model.numel_layer
     h2d, d2h = rates.h2d_gbps * rates.duplex_scale, rates.d2h_gbps * rates.duplex_scale
-    steps: list[_Step] = []
+    steps: list[BlockVisit] = []
     grad_users: list[int] = []
     for layer in reversed(range(model.num_layers)):
         # load = layer x c (+ its checkpoint T x h x c when on the host); compute = (recompute + bwd)
@@ -342,82 +328,25 @@ def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: _Batch
         wait = grad_users[-G] if len(grad_users) >= G else None   # a grad buffer frees when its drain ends
         index = first + len(steps)
         grad_users.append(index)
-        steps.append(_Step(load, comp, _copy_s(Lw * 4, d2h), wait_d2h_of=wait, backward=True,
+        steps.append(BlockVisit(load, comp, _copy_s(Lw * 4, d2h), wait_d2h_of=wait, backward=True,
                            adam_s=adam.block(1 + layer) if slabs.eager else 0.0, wait_adam_of=slabs.take(index)))
     # Embedding backward: no weights; scatter-add dy (launches only); drain E x 4.
     wait = grad_users[-G] if len(grad_users) >= G else None
     # Tied: the head's update (its norm) is queued here too, with the shared weight's.
     adam_e = adam.block(0) + (adam.block(model.num_layers + 1) if model.tie_word_embeddings else 0.0)
-    steps.append(_Step(0.0, M * rates.launch_bwd_s, _copy_s(model.numel_embedding * 4, d2h), wait_d2h_of=wait,
+    steps.append(BlockVisit(0.0, M * rates.launch_bwd_s, _copy_s(model.numel_embedding * 4, d2h), wait_d2h_of=wait,
                        backward=True, adam_s=adam_e if slabs.eager else 0.0,
                        wait_adam_of=slabs.take(first + len(steps))))
     return steps
 
 
-def _gate_loads_on_deferred_adam(model: ModelShape, steps: list[_Step], adam: _AdamTime) -> None:
+def _gate_loads_on_deferred_adam(model: ModelShape, steps: list[BlockVisit], adam: _AdamTime) -> None:
     """Deferred mode: AdamW runs in forward order after the previous backward (t = 0 here), one block after
     another; the next forward's load of block i waits for adam_done(i) = sum_{j<=i} adam(j)."""
     done = 0.0
     for i in range(model.num_layers + 2):
         done += adam.block(i)
         steps[i].earliest_load = done
-
-
-def _step_time(steps: list[_Step], n_fwd: int, plan: Plan, hw: HardwareProfile,
-               total_adam: float) -> tuple[float, float, float]:
-    """(end of forward, step seconds, exposed AdamW seconds) from the replay of the block visits."""
-    K, depth = plan.num_slots, plan.prefetch_depth
-    if hw.device_is_host:
-        # No GPU: the copies run in program order on the calling thread and AdamW shares the cores with
-        # compute; nothing overlaps: step = sum(load + compute + drain) + AdamW.
-        fwd_end = sum(st.load_s + st.compute_s + st.d2h_s for st in steps[:n_fwd])
-        end = fwd_end + sum(st.load_s + st.compute_s + st.d2h_s for st in steps[n_fwd:])
-        return fwd_end, end + total_adam, total_adam
-    ev = _simulate(steps, K, depth)
-    end, fwd_end = ev["end"], ev["cend"][n_fwd - 1]
-    if plan.optimizer_mode == "eager":
-        # Eager: AdamW overlaps backward; the next forward starts with the embedding, updated last,
-        # so exposed = adam_end - backward_end.
-        exposed = max(0.0, ev["adam_end"] - end)
-        return fwd_end, end + exposed, exposed
-    # Deferred: the delay AdamW puts on the next forward is inside the simulated time;
-    # exposed = end(with AdamW gating) - end(without).
-    for st in steps:
-        st.earliest_load = 0.0
-    return fwd_end, end, max(0.0, end - _simulate(steps, K, depth)["end"])
-
-
-def hardware_attention_flops(model: ModelShape, work: Workload) -> float:
-    """The layers' causal-attention FLOPs in one step as the device runs them (inside ``hardware_flops``):
-    T x L x (forward + recompute + backward) = T x L x attention_fwd(seq) x (2 + ATTENTION_BWD_FACTOR)."""
-    return (work.tokens * model.num_layers
-            * (2 * model.attention_flops_fwd(work.seq_len) + model.attention_flops_bwd(work.seq_len)))
-
-
-def traffic(model: ModelShape, work: Workload, plan: Plan) -> tuple[float, float]:
-    """(H2D, D2H) bytes one step moves, the sums of the copies ``estimate`` schedules:
-    H2D = (E + L x layer + head [+ E tied]) x c forward + L x layer x c backward [+ L x T x h x c host ckpts]
-    D2H = (L x layer + E [+ head untied]) x 4 fp32 grads [+ L x T x h x c host ckpts]"""
-    c, L = work.compute_bytes, model.num_layers
-    E, Lw, H = model.numel_embedding, model.numel_layer, model.numel_head
-    ckpt = L * work.tokens * model.hidden_size * c if plan.checkpoints == "host" else 0
-    tied = model.tie_word_embeddings
-    h2d = (E + 2 * L * Lw + H + (E if tied else 0)) * c + ckpt
-    d2h = (L * Lw + E + (0 if tied else H)) * 4 + ckpt
-    return float(h2d), float(d2h)
-
-
-def disk_traffic(model: ModelShape, work: Workload, plan: Plan) -> tuple[float, float]:
-    """Bytes one step reads from and writes to the spill files: every spilled (block, kind) read once and
-    written once (F_k: kind k's file, its spilled blocks rounded up to 4 KiB; sum of F_k each way), plus, in
-    fp32, the loads' reads of the blocks whose master spills (each block's h2d weight bytes x 4: the
-    embedding twice when tied, each layer twice (forward and backward), the head once)."""
-    spilled = spill_placement.Spilled.of(model, plan)
-    read = write = float(sum(spilled.file_bytes(k) for k in spilled.kinds))
-    if work.compute_bytes == 4:
-        loads = [2 if model.tie_word_embeddings else 1] + [2] * model.num_layers + [1]
-        read += sum(loads[b] * spilled.numels[b] * 4 for b in spilled.blocks.get(BufferKind.MASTER, ()))
-    return read, write
 
 
 def _with_disk_loads(rates: "_Rates", model: ModelShape, work: Workload, plan: Plan,
@@ -451,42 +380,3 @@ def head_overhead_units(model: ModelShape, work: Workload, plan: Plan) -> float:
     return batch.micro_batches * batch.loss_chunks * LAUNCH_BWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
 
 
-def _busy(steps: list[_Step]) -> tuple[float, float, float]:
-    return (sum(s.compute_s for s in steps), sum(s.load_s for s in steps), sum(s.d2h_s for s in steps))
-
-
-def _simulate(steps: list[_Step], slots: int, depth: int) -> dict[str, object]:
-    """Replay the three streams and the AdamW workers.
-
-    load i is issued when block i - depth starts computing (at most ``depth`` blocks ahead) and
-    block i - slots has finished (its slot is free); compute i starts when its load is done, the
-    previous compute is done, and the drain it depends on (grad buffer / checkpoint staging) is done;
-    a drain starts when its data exists, the D2H stream is free and (eager mode) a host slab is free;
-    AdamW of a block starts when its drain is done and the CPU workers are free.
-    """
-    n = len(steps)
-    cstart = [0.0] * n
-    cend = [0.0] * n
-    dend = [0.0] * n
-    aend = [0.0] * n
-    h2d_free = comp_free = d2h_free = cpu_free = 0.0
-    for i, s in enumerate(steps):
-        issue = max(cstart[i - depth] if i >= depth else 0.0, cend[i - slots] if i >= slots else 0.0)
-        issue = max(issue, s.earliest_load)
-        if s.load_s > 0:
-            ls = max(h2d_free, issue)
-            load_end = h2d_free = ls + s.load_s
-        else:
-            load_end = issue
-        dep = dend[s.wait_d2h_of] if s.wait_d2h_of is not None else 0.0
-        cstart[i] = max(comp_free, load_end, dep)
-        cend[i] = comp_free = cstart[i] + s.compute_s
-        if s.d2h_s > 0:
-            ds = max(d2h_free, cstart[i] if s.d2h_at_start else cend[i],
-                     aend[s.wait_adam_of] if s.wait_adam_of is not None else 0.0)
-            dend[i] = d2h_free = ds + s.d2h_s
-        else:
-            dend[i] = cend[i]
-        if s.adam_s > 0:
-            aend[i] = cpu_free = max(cpu_free, dend[i]) + s.adam_s
-    return {"end": max(comp_free, d2h_free), "cend": cend, "adam_end": cpu_free}

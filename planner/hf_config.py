@@ -2,26 +2,28 @@
 
 Both the planner (``model_shapes.from_config``) and the runtime (``ModelConfig.from_hf``)
 read a config through ``parse`` (a dict) or ``read`` (a path), so they cannot disagree on
-what a config means. The rules are those of transformers' ``LlamaForCausalLM``,
-``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and ``MistralForCausalLM``: a field is either
-honoured as transformers honours it, or refused with one line that names it and says
-how to fix it. A field of the wrong JSON type (``"rms_norm_eps": "1e-6"``, ``null`` where
+what a config means. The rules are those of transformers' class for the config's family
+(``megatrain.models``: each family's ``read`` holds the fields in which families differ): a
+field is either honoured as transformers honours it, or refused with one line that names it and
+says how to fix it. A field of the wrong JSON type (``"rms_norm_eps": "1e-6"``, ``null`` where
 a number is needed) is refused the same way. Numeric ranges (a positive ``rope_theta``,
 ...) are the consumer's to check.
 
-Audit of the fields (F = family: llama, qwen2, qwen3, mistral):
+Audit of the fields (the family rules below are those of the built-in families, each in its folder of
+``megatrain.models``):
 
 =================================  ===========================================================
 field                              rule
 =================================  ===========================================================
-model_type                         llama, qwen2, qwen3, mistral (absent: llama); others refused
+model_type                         a registered family (``megatrain.models.registry``; absent: its
+                                   DEFAULT_MODEL_TYPE); others refused
 vocab_size, hidden_size,           required integers
 intermediate_size,
 num_hidden_layers,
 num_attention_heads
 num_key_value_heads                integer; null or absent: num_attention_heads
-head_dim                           integer; null or absent: hidden_size // num_attention_heads
-                                   (qwen3: 128, as transformers' Qwen3Config)
+head_dim                           integer; null or absent: the family's default, else
+                                   hidden_size // num_attention_heads
 hidden_act                         silu, swish, gelu, gelu_pytorch_tanh, relu (transformers'
                                    ACT2FN); absent: silu; any other name refused
 rms_norm_eps                       number (absent: 1e-6); null or a string refused
@@ -35,24 +37,16 @@ rope_parameters                    transformers; rope_type default, linear, llam
                                    refused; factors must be numbers
 partial_rotary_factor              1.0 honoured (top level or in the RoPE dict); other refused
 tie_word_embeddings                boolean (absent: false)
-attention_bias                     llama, qwen3: bias on q, k, v and o; qwen2: q, k, v always
-                                   have a bias and o none (false refused); mistral: no bias
-                                   (true refused)
-mlp_bias                           llama: bias on gate, up, down; others have none (true
-                                   refused)
-sliding_window,                    llama: full attention (transformers' Llama has no window);
-use_sliding_window,                mistral: sliding_window (absent: 4096, null: none); qwen2,
-max_window_layers, layer_types     qwen3: a window only when use_sliding_window is true, on the
-                                   layers that layer_types names sliding_attention (absent:
-                                   layers >= max_window_layers, default 28); no sliding layer
-                                   means full attention
+attention_bias, mlp_bias,          the family's rule (its ``read``): which projections have a
+o_proj_bias, qk_norm,              bias, whether q and k are normed, which layers slide and over
+sliding_window,                    what window (no sliding layer: full attention); a field that
+use_sliding_window,                contradicts the family is refused. ``o_proj_bias`` and
+max_window_layers, layer_types     ``qk_norm`` are megatrain's own names (``ModelConfig.to_dict()``)
 attention_dropout                  0 honoured; any other value refused (megatrain trains
                                    without attention dropout)
 max_position_embeddings            integer (absent: the family's transformers default)
 pad_token_id                       integer or null: the embedding's padding row
 initializer_range                  number (absent: 0.02): random initialisation only
-o_proj_bias, qk_norm               megatrain's own names (``ModelConfig.to_dict()``): accepted
-                                   when they agree with the family's rule, else refused
 pretraining_tp, use_cache,         do not change transformers' training forward: not read
 bos/eos_token_id, dtype,
 torch_dtype, architectures
@@ -67,12 +61,18 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-from megatrain.errors import MegatrainError
+from megatrain.models import registry
+from megatrain.models.config_fields import (SUPPORTED_ACTIVATIONS, activation, boolean, integer, json_type, number,
+                                            optional_integer)
+from megatrain.models.errors import HFConfigError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+__all__ = ["HFConfigError", "DecoderConfig", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ROPE_TYPES", "SUPPORTED_ACTIVATIONS",
+           "integer", "number", "boolean", "optional_integer", "activation", "rope_scaling", "read_rope",
+           "read_config_json", "read", "parse"]
+
+# The built-in families (``megatrain.models.registry``; ``registry.model_types()`` adds those registered later).
+SUPPORTED_MODEL_TYPES = registry.BUILTIN_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
-# transformers' ACT2FN names whose function megatrain's blocks implement.
-SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
 
 # Parameters each supported RoPE type needs, besides rope_type (rope_theta travels separately).
 ROPE_TYPE_FIELDS: dict[str, tuple[str, ...]] = {
@@ -88,15 +88,6 @@ ROPE_TYPE_OPTIONAL: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-# transformers' defaults per family, for configs that leave the field out.
-_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 131072}
-_DEFAULT_WINDOW = 4096
-_DEFAULT_MAX_WINDOW_LAYERS = 28
-_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-class HFConfigError(MegatrainError):
-    """A config.json (or one of its fields) cannot be used. One line: the field, the value, the fix."""
 
 
 @dataclass(frozen=True)
@@ -136,40 +127,7 @@ class DecoderConfig:
         return asdict(self)
 
 
-# ---- typed field access ------------------------------------------------------------------------
-
-
-def integer(name: str, value: Any) -> int:
-    """``value`` as a JSON integer (not a bool, not a float), or one line naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise HFConfigError(f"{name}={value!r} must be an integer; fix it in the config")
-    return value
-
-
-def number(name: str, value: Any) -> float:
-    """``value`` as a JSON number (int or float, not a bool, not a string), or one line naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise HFConfigError(f"{name}={value!r} must be a number, not {_json_type(value)}; fix it in the config")
-    return float(value)
-
-
-def boolean(name: str, value: Any) -> bool:
-    """``value`` as a JSON boolean, or one line naming ``name``."""
-    if not isinstance(value, bool):
-        raise HFConfigError(f"{name}={value!r} must be true or false; fix it in the config")
-    return value
-
-
-def optional_integer(name: str, value: Any) -> int | None:
-    return None if value is None else integer(name, value)
-
-
-def activation(name: str, value: Any) -> str:
-    """A supported ``hidden_act``, or one line naming it and the supported ones."""
-    if value not in SUPPORTED_ACTIVATIONS:
-        raise HFConfigError(f"{name}={value!r} is not supported; megatrain implements "
-                            f"{', '.join(SUPPORTED_ACTIVATIONS)}")
-    return value
+# ---- RoPE ------------------------------------------------------------------------------------------
 
 
 def rope_scaling(value: Any, max_position_embeddings: int | None = None,
@@ -263,7 +221,7 @@ def read_config_json(source: str | os.PathLike) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise HFConfigError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); fix or re-download it") from None
     if not isinstance(data, dict):
-        raise HFConfigError(f"{path} holds a JSON {_json_type(data)}, not a config object")
+        raise HFConfigError(f"{path} holds a JSON {json_type(data)}, not a config object")
     return data
 
 
@@ -279,29 +237,25 @@ def read(source: str | os.PathLike) -> DecoderConfig:
 def parse(data: Mapping[str, Any]) -> DecoderConfig:
     """The decoder a Hugging Face config dict describes, with transformers' rules for its family."""
     if not isinstance(data, Mapping):
-        raise HFConfigError(f"a model config is a JSON object, got {_json_type(data)}; pass a config.json")
-    mtype = data.get("model_type", "llama")
-    if mtype not in SUPPORTED_MODEL_TYPES:
-        raise HFConfigError(f"model_type={mtype!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise HFConfigError(f"a model config is a JSON object, got {json_type(data)}; pass a config.json")
+    mtype = data.get("model_type", registry.DEFAULT_MODEL_TYPE)
+    family = registry.family(mtype)
     missing = [k for k in _REQUIRED if data.get(k) is None]
     if missing:
         raise HFConfigError(f"config lacks {', '.join(missing)}; is it a causal language model config?")
     sizes = {k: integer(k, data[k]) for k in _REQUIRED}
     heads = sizes["num_attention_heads"]
     kv = optional_integer("num_key_value_heads", data.get("num_key_value_heads"))
-    head_dim = optional_integer("head_dim", data.get("head_dim", 128 if mtype == "qwen3" else None))
-    max_pos = integer("max_position_embeddings", data.get("max_position_embeddings", _MAX_POSITIONS[mtype]))
+    head_dim = optional_integer("head_dim", data.get("head_dim", family.defaults.get("head_dim")))
+    max_pos = integer("max_position_embeddings",
+                      data.get("max_position_embeddings", family.defaults.get("max_position_embeddings", 4096)))
     theta, scaling = read_rope(data, max_pos)
     eps = number("rms_norm_eps", data.get("rms_norm_eps", 1e-6))
     dropout = number("attention_dropout", data.get("attention_dropout", 0.0))
     if dropout != 0.0:
         raise HFConfigError(f"attention_dropout={data['attention_dropout']!r} is not supported; megatrain trains "
                             "without attention dropout: set it to 0.0")
-    attention_bias, o_proj_bias, mlp_bias = _biases(mtype, data)
-    qk_norm = mtype == "qwen3"
-    if "qk_norm" in data and boolean("qk_norm", data["qk_norm"]) != qk_norm:
-        raise HFConfigError(f"qk_norm={data['qk_norm']!r} does not fit model_type={mtype!r} "
-                            f"(qk_norm is {str(qk_norm).lower()} for it); remove the field or change model_type")
+    own = family.read(data, sizes["num_hidden_layers"])
     return DecoderConfig(
         model_type=mtype,
         **sizes,
@@ -312,73 +266,8 @@ def parse(data: Mapping[str, Any]) -> DecoderConfig:
         rope_theta=theta,
         rope_scaling=scaling,
         tie_word_embeddings=boolean("tie_word_embeddings", data.get("tie_word_embeddings", False)),
-        attention_bias=attention_bias,
-        o_proj_bias=o_proj_bias,
-        mlp_bias=mlp_bias,
-        qk_norm=qk_norm,
         max_position_embeddings=max_pos,
         pad_token_id=optional_integer("pad_token_id", data.get("pad_token_id")),
-        sliding_window=_sliding_window(mtype, data, sizes["num_hidden_layers"]),
         initializer_range=number("initializer_range", data.get("initializer_range", 0.02)),
+        **own,
     )
-
-
-def _biases(mtype: str, data: Mapping[str, Any]) -> tuple[bool, bool, bool]:
-    """(q/k/v bias, o_proj bias, MLP bias) as transformers builds them for ``mtype``."""
-    attn = data.get("attention_bias")
-    mlp = data.get("mlp_bias")
-    attn = None if attn is None else boolean("attention_bias", attn)
-    mlp = None if mlp is None else boolean("mlp_bias", mlp)
-    if mtype == "llama":
-        qkv, o, m = bool(attn), bool(attn), bool(mlp)
-    elif mtype == "qwen3":
-        qkv, o, m = bool(attn), bool(attn), False
-    elif mtype == "qwen2":
-        qkv, o, m = True, False, False
-    else:  # mistral
-        qkv, o, m = False, False, False
-    if attn is not None and attn != qkv:
-        raise HFConfigError(f"attention_bias={str(attn).lower()} does not fit model_type={mtype!r}, whose q/k/v "
-                            f"projections {'always' if qkv else 'never'} have a bias; remove the field or change "
-                            "model_type")
-    if mlp is not None and mlp != m:
-        raise HFConfigError(f"mlp_bias=true does not fit model_type={mtype!r}, whose MLP has no bias; remove the "
-                            "field or use model_type 'llama'")
-    given_o = data.get("o_proj_bias")
-    if given_o is not None and boolean("o_proj_bias", given_o) != o:
-        raise HFConfigError(f"o_proj_bias={str(given_o).lower()} does not fit model_type={mtype!r} "
-                            f"(o_proj has {'a' if o else 'no'} bias there); remove the field or change model_type")
-    return qkv, o, m
-
-
-def _sliding_window(mtype: str, data: Mapping[str, Any], layers: int) -> int | None:
-    """The window of the sliding layers, or None when every layer attends to the whole sequence."""
-    if mtype == "llama":
-        return None
-    window = optional_integer("sliding_window", data.get("sliding_window", _DEFAULT_WINDOW))
-    if mtype == "mistral" or window is None:
-        return window
-    if not boolean("use_sliding_window", data.get("use_sliding_window", False)):
-        return None
-    types = data.get("layer_types")
-    if types is None:
-        first = integer("max_window_layers", data.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS))
-        return window if first < layers else None
-    if not isinstance(types, list) or any(t not in _LAYER_TYPES for t in types):
-        raise HFConfigError(f"layer_types={types!r} must be a list of {' or '.join(map(repr, _LAYER_TYPES))}; "
-                            "fix it in the config")
-    return window if "sliding_attention" in types else None
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, (list, tuple)):
-        return "a list"
-    if isinstance(value, Mapping):
-        return "an object"
-    return f"a {type(value).__name__}"

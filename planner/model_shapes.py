@@ -7,8 +7,9 @@ block order: embedding, each decoder layer, head
 (final norm + lm_head; when embeddings are tied the head holds only the norm and
 borrows the embedding's weight, so the embedding block is loaded a second time).
 
-The parameters of each block come from ``block_parameters``, the table the
-runtime lays its blocks out from. Each block is one flat buffer in the runtime;
+The parameters of each block come from the model's family (``block_parameters``
+asks ``megatrain.models``), the table the runtime lays its blocks out from; the
+presets are the families' too. Each block is one flat buffer in the runtime;
 each parameter's offset is aligned to ``ALIGN_ELEMENTS`` elements, so a block's
 buffer is slightly larger than its parameter count. ``block_numel`` is the aligned size (what slots and arenas hold);
 ``params`` counts the model's real parameters (what FLOPs and MFU count).
@@ -25,7 +26,9 @@ from megatrain.errors import MegatrainError
 
 from . import hf_config
 from .buffer_kinds import spill_block_bytes
-from .block_parameters import ALIGN_ELEMENTS, aligned, embedding_parameters, head_parameters, layer_parameters
+from megatrain.models import registry
+
+from .block_parameters import ALIGN_ELEMENTS, EMBED, HEAD, LAYER, aligned, block_table
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_ALIASES: dict[str, str] = {
@@ -62,7 +65,7 @@ def attention_flops_per_token(heads: int, head_dim: int, seq: int) -> float:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The architecture numbers of a Llama / Qwen2 / Qwen3 / Mistral style decoder."""
+    """The architecture numbers of a decoder of one of ``megatrain.models``' families (``model_type``)."""
 
     name: str
     hidden_size: int
@@ -71,20 +74,22 @@ class ModelShape:
     num_heads: int
     num_kv_heads: int
     vocab_size: int
-    # Per-head width; Qwen3 sets it independently of hidden_size / num_heads.
+    # Per-head width; a config may set it independently of hidden_size / num_heads.
     head_dim: int = 0
     tie_word_embeddings: bool = False
-    # Qwen2 / Qwen2.5: q, k and v projections carry a bias.
+    # q, k and v projections carry a bias.
     attention_bias: bool = False
-    # Llama's attention_bias also puts a bias on o_proj (Qwen2's does not); Llama's mlp_bias on the MLP.
+    # o_proj carries a bias; the MLP's projections do.
     o_proj_bias: bool = False
     mlp_bias: bool = False
-    # Qwen3: RMSNorm of width head_dim on q and on k.
+    # RMSNorm of width head_dim on q and on k.
     qk_norm: bool = False
     rope_theta: float = 10000.0
     rope_scaling: Mapping[str, Any] | None = field(default=None, compare=False)
     max_position_embeddings: int = 4096
-    model_type: str = "llama"
+    model_type: str = registry.DEFAULT_MODEL_TYPE
+    # The config.json fields this shape was read from (a preset's), for building the runtime's ModelConfig.
+    config: Mapping[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for f in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
@@ -99,6 +104,9 @@ class ModelShape:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if not isinstance(self.head_dim, int) or self.head_dim < 1:
             raise ModelShapeError(f"{self.name}: head_dim={self.head_dim!r} must be a positive integer")
+        if registry.find(self.model_type) is None:
+            raise ModelShapeError(f"{self.name}: model_type={self.model_type!r} is not supported; supported: "
+                                  f"{', '.join(registry.model_types())}")
         if self.num_heads % self.num_kv_heads:
             raise ModelShapeError(
                 f"{self.name}: num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads="
@@ -106,21 +114,27 @@ class ModelShape:
 
     # ---- parameters, per block ------------------------------------------------------------
 
+    def config_dims(self) -> dict[str, Any]:
+        """The dimensions by their config.json names: what the family's parameter table and the plan's shape
+        digest read."""
+        return {"model_type": self.model_type, "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+                "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "vocab_size": self.vocab_size,
+                "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
+                "o_proj_bias": self.o_proj_bias, "mlp_bias": self.mlp_bias, "qk_norm": self.qk_norm}
+
     def embedding_params(self) -> list[int]:
         """embed_tokens.weight: vocab x hidden."""
-        return [p.numel for p in embedding_parameters(vocab_size=self.vocab_size, hidden_size=self.hidden_size)]
+        return [p.numel for p in block_table(self.config_dims(), EMBED)]
 
     def layer_params(self) -> list[int]:
-        """One decoder layer's parameters, in the order the runtime lays them out (``block_parameters``)."""
-        return [p.numel for p in layer_parameters(
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, attention_bias=self.attention_bias,
-            o_proj_bias=self.o_proj_bias, mlp_bias=self.mlp_bias, qk_norm=self.qk_norm)]
+        """One decoder layer's parameters, in the order the runtime lays them out (the family's table)."""
+        return [p.numel for p in block_table(self.config_dims(), LAYER)]
 
     def head_params(self) -> list[int]:
         """Final norm, plus lm_head (vocab x hidden) unless it is the embedding's weight."""
-        return [p.numel for p in head_parameters(hidden_size=self.hidden_size, vocab_size=self.vocab_size,
-                                                 tie_word_embeddings=self.tie_word_embeddings)]
+        return [p.numel for p in block_table(self.config_dims(), HEAD)]
 
     @property
     def params_embedding(self) -> int:
@@ -175,9 +189,8 @@ class ModelShape:
     # ---- FLOPs per token ---------------------------------------------------------------------
 
     def matmul_weights_layer(self) -> int:
-        """Elements of one layer's matmul weights (norms and biases are not matmuls)."""
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
+        """Elements of one layer's matmul weights: its 2-D parameters (norms and biases are not matmuls)."""
+        return sum(p.numel for p in block_table(self.config_dims(), LAYER) if len(p.shape) == 2)
 
     def attention_flops_fwd(self, seq: int) -> float:
         """Causal attention FLOPs per token in forward (``attention_flops_per_token``)."""
@@ -288,8 +301,8 @@ class ModelShape:
 # ---- reading config.json (``hf_config`` is the one reader) ----------------------------------------
 
 def from_config(config: Mapping[str, Any], name: str | None = None) -> ModelShape:
-    """A ModelShape from a Hugging Face config dict (Llama, Qwen2, Qwen3, Mistral), read by ``hf_config``."""
-    label = name or (str(config.get("_name_or_path") or config.get("model_type", "llama"))
+    """A ModelShape from a Hugging Face config dict of a supported family, read by ``hf_config``."""
+    label = name or (str(config.get("_name_or_path") or config.get("model_type", registry.DEFAULT_MODEL_TYPE))
                      if isinstance(config, Mapping) else "config")
     try:
         d = hf_config.parse(config)
@@ -313,6 +326,7 @@ def from_config(config: Mapping[str, Any], name: str | None = None) -> ModelShap
         rope_scaling=d.rope_scaling,
         max_position_embeddings=d.max_position_embeddings,
         model_type=d.model_type,
+        config=dict(config),
     )
 
 
@@ -329,47 +343,10 @@ def from_config_file(path: str) -> ModelShape:
     return from_config(data, name=os.path.basename(os.path.dirname(os.path.abspath(p))) or p)
 
 
-# ---- presets: the numbers of each model's published config.json ----------------------------
+# ---- presets: the numbers of each model's published config.json, from the families ----------------------
 
-def _llama3(name: str, h: int, i: int, layers: int, heads: int, kv: int, tie: bool, factor: float,
-            head_dim: int = 0) -> ModelShape:
-    return ModelShape(name=name, hidden_size=h, intermediate_size=i, num_layers=layers, num_heads=heads,
-                      num_kv_heads=kv, vocab_size=128256, head_dim=head_dim, tie_word_embeddings=tie,
-                      rope_theta=500000.0, max_position_embeddings=131072, model_type="llama",
-                      rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-
-
-def _qwen2(name: str, h: int, i: int, layers: int, heads: int, kv: int, vocab: int, tie: bool,
-           max_pos: int = 32768) -> ModelShape:
-    return ModelShape(name=name, hidden_size=h, intermediate_size=i, num_layers=layers, num_heads=heads,
-                      num_kv_heads=kv, vocab_size=vocab, tie_word_embeddings=tie, attention_bias=True,
-                      rope_theta=1000000.0, max_position_embeddings=max_pos, model_type="qwen2")
-
-
-def _qwen3(name: str, h: int, i: int, layers: int, heads: int, kv: int) -> ModelShape:
-    return ModelShape(name=name, hidden_size=h, intermediate_size=i, num_layers=layers, num_heads=heads,
-                      num_kv_heads=kv, vocab_size=151936, head_dim=128, tie_word_embeddings=False,
-                      qk_norm=True, rope_theta=1000000.0, max_position_embeddings=40960, model_type="qwen3")
-
-
-PRESETS: dict[str, ModelShape] = {m.name: m for m in (
-    _llama3("Llama-3.2-1B", 2048, 8192, 16, 32, 8, True, 32.0, head_dim=64),
-    _llama3("Llama-3.2-3B", 3072, 8192, 28, 24, 8, True, 32.0, head_dim=128),
-    _llama3("Llama-3.1-8B", 4096, 14336, 32, 32, 8, False, 8.0),
-    _llama3("Llama-3.1-70B", 8192, 28672, 80, 64, 8, False, 8.0),
-    _llama3("Llama-3.1-405B", 16384, 53248, 126, 128, 8, False, 8.0),
-    _qwen2("Qwen2.5-0.5B", 896, 4864, 24, 14, 2, 151936, True),
-    _qwen2("Qwen2.5-7B", 3584, 18944, 28, 28, 4, 152064, False, 131072),
-    _qwen2("Qwen2.5-14B", 5120, 13824, 48, 40, 8, 152064, False, 131072),
-    _qwen2("Qwen2.5-32B", 5120, 27648, 64, 40, 8, 152064, False, 131072),
-    _qwen2("Qwen2.5-72B", 8192, 29568, 80, 64, 8, 152064, False, 131072),
-    _qwen3("Qwen3-8B", 4096, 12288, 36, 32, 8),
-    _qwen3("Qwen3-32B", 5120, 25600, 64, 64, 8),
-    ModelShape(name="Mistral-7B", hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-               num_kv_heads=8, vocab_size=32000, rope_theta=10000.0, max_position_embeddings=32768,
-               model_type="mistral"),  # mistralai/Mistral-7B-v0.1
-)}
+PRESETS: dict[str, ModelShape] = {p.name: from_config(p.config, name=p.name)
+                                  for f in registry.families() for p in f.presets}
 
 
 def resolve(model: str | Mapping[str, Any] | ModelShape) -> ModelShape:

@@ -99,7 +99,7 @@ class WorkloadFingerprint:
         """Refuse a step larger than planned (activation memory grows with it); smaller is fine."""
         if seq_len > self.seq_len:
             raise PlanError(f"sequences of {seq_len} tokens exceed the {self.seq_len} this plan was made for; "
-                            f"plan again with megatrain-plan plan --seq {seq_len}")
+                            f"plan again with megatrain-plan plan --seq-len {seq_len}")
         if batch > self.batch:
             raise PlanError(f"a batch of {batch} sequences exceeds the {self.batch} this plan was made for; "
                             f"plan again with megatrain-plan plan --batch {batch}")

@@ -1,14 +1,18 @@
-"""Human-readable tables for megatrain-plan: plain text, aligned columns, units a person reads at a glance.
+"""What megatrain-plan's commands print, shared by all of them: units a person reads at a glance, aligned
+tables, a plan's figures as text and as JSON. Each command's own page is in its report_* module.
 
 Pure stdlib; no numbers are computed here, only formatted.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import json
+from typing import Any, Sequence
 
+from . import search, spill_placement
 from .cost_model import CostEstimate
 from .hardware import GiB, HardwareProfile
 from .memory_model import MemoryEstimate
+from .search import PlanChoice
 
 
 def gib(nbytes: float) -> str:
@@ -84,3 +88,36 @@ def time_table(cost: CostEstimate) -> str:
 def with_attention_tflops(c: CostEstimate) -> float:
     """Model TFLOP/s counting attention too: (6N per token x T + attention forward and backward) / step."""
     return (c.model_flops + c.attention_flops) / c.step_seconds / 1e12
+
+
+def choice_json(c: PlanChoice) -> dict[str, Any]:
+    """A timed plan's figures, as every command's JSON gives them."""
+    assert c.cost is not None
+    return {**memory_json(c), "step_seconds": c.cost.step_seconds, "tokens_per_second": c.cost.tokens_per_second,
+            "model_tflops": c.cost.model_tflops, "mfu": c.cost.mfu, "bottleneck": c.cost.bottleneck}
+
+
+def memory_json(c: PlanChoice) -> dict[str, Any]:
+    """The memory side of a plan (timed or not)."""
+    return {"gpu_bytes": c.memory.device_bytes, "host_ram_bytes": c.memory.host_bytes,
+            "pinned_host_bytes": c.memory.pinned_host_bytes, "nvme_bytes": c.memory.nvme_bytes,
+            "disk_traffic_bytes_per_step": search.disk_traffic_bytes(c.memory), "spill": c.plan.spill}
+
+
+def spill_text(c: PlanChoice) -> str:
+    """'nothing on disk' or 'spills all: 120 GiB on disk, 240 GiB disk traffic per step'."""
+    if c.plan.spill == "none":
+        return "nothing on disk"
+    return (f"spills {spill_placement.label(c.plan)}: {gib(c.memory.nvme_bytes)} on disk, "
+            f"{gib(search.disk_traffic_bytes(c.memory))} disk traffic per step")
+
+
+def disk_text(hw: HardwareProfile, measured: bool) -> str:
+    how = "the hardware profile's figures" if measured else (
+        "assumed, not measured: megatrain-plan profile --spill-dir DIR measures it, or pass --nvme GBPS")
+    return f"read {hw.disk_read_gbps:.1f} / write {hw.disk_write_gbps:.1f} GB/s ({how})"
+
+
+def emit(as_json: bool, data: dict[str, Any], text: str) -> None:
+    """The answer on stdout: JSON for scripts, else the text."""
+    print(json.dumps(data, indent=2, sort_keys=True) if as_json else text)

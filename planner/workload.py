@@ -72,14 +72,8 @@ class Workload:
 
     def fingerprint(self, model: ModelShape) -> WorkloadFingerprint:
         """What a plan for this workload records, so that the runtime can refuse another workload."""
-        dims = {"hidden_size": model.hidden_size, "intermediate_size": model.intermediate_size,
-                "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_heads,
-                "num_key_value_heads": model.num_kv_heads, "head_dim": model.head_dim,
-                "vocab_size": model.vocab_size, "tie_word_embeddings": model.tie_word_embeddings,
-                "attention_bias": model.attention_bias, "o_proj_bias": model.o_proj_bias,
-                "mlp_bias": model.mlp_bias, "qk_norm": model.qk_norm}
-        return WorkloadFingerprint(model.name, model.params, shape_digest(dims), self.seq_len, self.batch,
-                                   self.compute_dtype)
+        return WorkloadFingerprint(model.name, model.params, shape_digest(model.config_dims()), self.seq_len,
+                                   self.batch, self.compute_dtype)
 
     def micro_batches(self, micro_batch_size: int) -> int:
         """M = ceil(batch / micro_batch_size)."""

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, TypeVar
 
+from megatrain.models import registry
 from megatrain.planner import hf_config
 from megatrain.planner.hf_config import SUPPORTED_ACTIVATIONS, SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES
 
@@ -25,14 +26,14 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder. Field names follow Hugging Face ``config.json``.
+    """A decoder of one of ``megatrain.models``' families (``model_type``). Field names follow Hugging Face
+    ``config.json``; which of them a family sets, and how, is the family's (its ``read``).
 
     ``head_dim=None`` means ``hidden_size // num_attention_heads``. ``rope_scaling``
     is ``None`` (plain RoPE) or a dict with ``rope_type`` in ``linear`` / ``llama3`` / ``dynamic`` / ``yarn``
-    and that type's parameters. ``qk_norm`` is Qwen3's RMSNorm on queries and keys.
+    and that type's parameters. ``qk_norm`` is an RMSNorm on queries and keys.
     ``attention_bias`` puts a bias on q, k and v; ``o_proj_bias`` (default: the same
-    as ``attention_bias``) on the output projection; Qwen2 has the first and not the
-    second. ``hidden_act`` is the MLP's activation, by its transformers ``ACT2FN`` name.
+    as ``attention_bias``) on the output projection. ``hidden_act`` is the MLP's activation, by its transformers ``ACT2FN`` name.
     ``sliding_window`` is the attention window (``None``: full attention); megatrain
     runs sequences up to the window, where it changes nothing.
     """
@@ -56,7 +57,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     sliding_window: int | None = None
     initializer_range: float = 0.02
-    model_type: str = "llama"
+    model_type: str = registry.DEFAULT_MODEL_TYPE
     hidden_act: str = "silu"
 
     def __post_init__(self) -> None:
@@ -91,9 +92,9 @@ class ModelConfig:
             _field(hf_config.boolean, name, getattr(self, name))
         if self.o_proj_bias is not None:
             _field(hf_config.boolean, "o_proj_bias", self.o_proj_bias)
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
+        if registry.find(self.model_type) is None:
             raise ConfigError(
-                f"model_type={self.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"model_type={self.model_type!r} is not supported; supported: {', '.join(registry.model_types())}"
             )
         _field(hf_config.activation, "hidden_act", self.hidden_act)
 

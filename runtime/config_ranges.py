@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from megatrain.models import registry
 from megatrain.runtime.errors import ConfigError
 
 
@@ -59,7 +60,7 @@ def check_model_ranges(c: Any) -> None:
         flag(name, getattr(c, name))
     flag("o_proj_bias", c.o_proj_bias, optional=True)
     if not isinstance(c.model_type, str):
-        raise ConfigError(f"model_type={c.model_type!r} must be a string such as 'llama'")
+        raise ConfigError(f"model_type={c.model_type!r} must be a string such as {registry.DEFAULT_MODEL_TYPE!r}")
     scaling = c.rope_scaling
     if scaling is None:
         return

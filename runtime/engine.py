@@ -9,7 +9,7 @@ without waiting for the GPU; call ``.item()`` when you want the number.
 ``state_dict`` / ``load_state_dict`` speak Hugging Face parameter names in float32.
 ``position_ids`` ([B, S], 0 where a document starts, +1 otherwise, as Hugging Face's packed-sequence
 collators write them) keep packed documents apart: RoPE positions restart and attention stays within
-each document (runtime/model/attention.py, [Note: document attention]).
+each document (models/layers/attention.py, [Note: document attention]).
 """
 from __future__ import annotations
 

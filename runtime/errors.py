@@ -8,6 +8,7 @@ use ``assert`` instead. Every one derives from ``MegatrainError`` (defined in
 from __future__ import annotations
 
 from megatrain.errors import MegatrainError
+from megatrain.models.errors import AttentionBackendError
 from megatrain.planner.plan import PlanError
 
 
@@ -25,10 +26,6 @@ class CheckpointError(MegatrainError):
 
 class ClosedError(MegatrainError):
     """The engine was closed; build or load a new one."""
-
-
-class AttentionBackendError(MegatrainError):
-    """Long-context attention needs a kernel this device or torch build does not offer."""
 
 
 __all__ = ["MegatrainError", "ConfigError", "InputError", "CheckpointError", "ClosedError", "PlanError",

@@ -11,12 +11,12 @@ import math
 
 import torch
 
+from megatrain.models.layers.attention import Documents
 from megatrain.planner.plan import Plan
 
 from megatrain.runtime.config import ModelConfig, OptimizerConfig
 from megatrain.runtime.distributed.process_group import Topology
 from megatrain.runtime.errors import InputError
-from megatrain.runtime.model.attention import Documents
 from megatrain.runtime.pipeline.cpu_adamw import AdamHyper
 from megatrain.runtime.pipeline.executor import Batch
 from megatrain.runtime.pipeline.head_loss import IGNORE_INDEX, shift_labels

@@ -14,9 +14,9 @@ import torch.utils.checkpoint
 from torch import nn
 
 from megatrain.runtime import ModelConfig, OptimizerConfig
-from megatrain.runtime.model.blocks import DecoderLayer, RMSNorm
+from megatrain.models.layers.decoder import DecoderLayer, RMSNorm
 from megatrain.runtime.pipeline.head_loss import IGNORE_INDEX, shift_labels
-from megatrain.runtime.model.rope import attention_scaling, inverse_frequencies, rotary_tables
+from megatrain.models.layers.rope import attention_scaling, inverse_frequencies, rotary_tables
 
 
 class _Decoder(nn.Module):

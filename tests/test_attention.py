@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatrain.runtime.model.attention import causal_attention, head_groups
+from megatrain.models.layers.attention import causal_attention, head_groups
 from megatrain.runtime.errors import AttentionBackendError
 
 

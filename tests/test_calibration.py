@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatrain.planner import cost_model, memory_model, model_shapes
+from megatrain.planner import cost_model, memory_model, model_shapes, step_traffic
 from megatrain.planner.calibration import (SPREAD_WARN, Calibration, CalibrationError, RunSample, fit, fit_line,
                                            fit_t_half, robust)
 from megatrain.planner.hardware import HardwareError, HardwareProfile
@@ -209,7 +209,7 @@ def test_cost_model_uses_fitted_terms_on_a_cpu() -> None:
     units = cost_model.overhead_units(SMALL, work, plan)
     M, chunks = 2, 1
     assert units == pytest.approx((M + L * M) * 0.25 / 0.9 + (M * chunks + L * M + M) * 0.65 / 0.9)
-    h2d, d2h = cost_model.traffic(SMALL, work, plan)
+    h2d, d2h = step_traffic.traffic(SMALL, work, plan)
     E, Lw, H = SMALL.numel_embedding, SMALL.numel_layer, SMALL.numel_head
     assert (h2d, d2h) == ((E + 2 * L * Lw + H) * 4, (L * Lw + E + H) * 4)
     lat = cost_model.COPY_LATENCY_S
@@ -236,7 +236,7 @@ def test_attention_runs_at_its_measured_rate_by_hand() -> None:
     rate = 0.1e12 * t / (t + cost_model.T_HALF_TOKENS) / cost_model.NONMATMUL_FACTOR
     # attention of forward, recompute and backward: T x L x a_fwd x (2 + 2.5)
     attention = T * L * SMALL.attention_flops_fwd(512) * 4.5
-    assert cost_model.hardware_attention_flops(SMALL, work) == pytest.approx(attention)
+    assert step_traffic.hardware_attention_flops(SMALL, work) == pytest.approx(attention)
     assert est.step_seconds - plain.step_seconds == pytest.approx(attention / 0.04e12 - attention / rate)
 
 
@@ -254,7 +254,7 @@ def test_fit_takes_the_attention_out_of_the_layer_rate_by_hand() -> None:
     assert inside.step_seconds == cost_model.estimate(SMALL, work, plan, _cpu(calibrations=(_cal(),))).step_seconds
     apart = cost_model.estimate(SMALL, work, plan, _cpu(calibrations=(_cal(attention_apart=True),),
                                                         attention_tflops=rates))
-    attention = cost_model.hardware_attention_flops(SMALL, work)
+    attention = step_traffic.hardware_attention_flops(SMALL, work)
     assert apart.step_seconds - inside.step_seconds == pytest.approx(attention / 0.05e12 - attention / 0.2e12)
 
 

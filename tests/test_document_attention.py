@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from megatrain.runtime import Engine, InputError, ModelConfig, OptimizerConfig, Plan
-from megatrain.runtime.model.attention import Documents, causal_attention
+from megatrain.models.layers.attention import Documents, causal_attention
 from numerics import assert_update_close
 
 transformers = pytest.importorskip("transformers")

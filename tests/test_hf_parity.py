@@ -6,7 +6,7 @@ loss within 1e-5 in float32, then the parameters after a few steps of
 megatrain against the transformers model trained by ``torch.optim.AdamW`` with
 ``clip_grad_norm_`` (bound: ``numerics.assert_update_close``; sources of
 difference: transformers' attention kernel and its loss reduction differ in
-summation order from megatrain's). Each supported ``hidden_act`` and the
+summation order from megatrain's; the helpers are ``hf_reference``'s). Each supported ``hidden_act`` and the
 sliding-window rules are checked the same way.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megatrain.runtime import Engine, InputError, ModelConfig, OptimizerConfig, Plan  # noqa: E402
-from numerics import assert_update_close  # noqa: E402
+from hf_reference import assert_matches_transformers, batch, randomize_norms_and_biases  # noqa: E402
+from megatrain.runtime import Engine, InputError, ModelConfig, Plan  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
@@ -45,19 +45,8 @@ def _hf_model(family: str, tied: bool, **extra):
     for key, value in extra.items():
         setattr(config, key, value)
     model = MODELS[family](config).float()
-    with torch.no_grad():  # random norms and biases too, so that a misplaced one shows
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else 0.1 * torch.randn_like(p))
+    randomize_norms_and_biases(model)
     return config, model
-
-
-def _batch(vocab: int, batch: int = 3, seq: int = 20, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
-    labels = ids.clone()
-    labels[torch.rand(batch, seq, generator=gen) < 0.25] = -100
-    return ids, labels
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -66,7 +55,7 @@ def test_logits_loss_and_training_match_transformers(family: str, tied: bool) ->
     config, hf = _hf_model(family, tied)
     mt_config = ModelConfig.from_hf(config.to_dict())
     assert mt_config.qk_norm == (family == "qwen3")
-    _assert_matches_transformers(config, hf, mt_config)
+    assert_matches_transformers(config.vocab_size, hf, mt_config)
 
 
 # Each activation is told apart from SiLU: on these weights SiLU's logits are off by more than 10x the tolerance.
@@ -77,12 +66,12 @@ def test_every_hidden_act_matches_transformers(family: str, act: str) -> None:
     assert config.to_dict()["hidden_act"] == act
     mt_config = ModelConfig.from_hf(config.to_dict())
     assert mt_config.hidden_act == act
-    _assert_matches_transformers(config, hf, mt_config, steps=2)
+    assert_matches_transformers(config.vocab_size, hf, mt_config, steps=2)
     if act != "swish":  # the check can fail: the same weights under SiLU give other logits
         silu = ModelConfig(**{**mt_config.to_dict(), "hidden_act": "silu"})
         with Engine(silu, plan=Plan(micro_batch_size=1), compute_dtype=torch.float32, device="cpu") as engine:
             engine.load_state_dict(hf.state_dict())
-            ids, _ = _batch(config.vocab_size)
+            ids, _ = batch(config.vocab_size)
             with torch.no_grad():
                 assert (engine.logits(ids) - hf(ids).logits).abs().max() > 1e-4
 
@@ -100,7 +89,7 @@ def test_a_window_transformers_does_not_apply_is_full_attention(family: str, ext
     hf = MODELS[family](config).float()
     mt_config = ModelConfig.from_hf(config.to_dict())
     assert mt_config.sliding_window is None
-    _assert_matches_transformers(config, hf, mt_config, steps=1)
+    assert_matches_transformers(config.vocab_size, hf, mt_config, steps=1)
 
 
 @pytest.mark.parametrize("family, extra", [
@@ -114,46 +103,10 @@ def test_a_window_transformers_applies_is_refused_beyond_it(family: str, extra: 
     mt_config = ModelConfig.from_hf(cls(**COMMON, **extra).to_dict())
     assert mt_config.sliding_window == 8
     with Engine(mt_config, plan=Plan(micro_batch_size=1), compute_dtype=torch.float32, device="cpu") as engine:
-        ids, labels = _batch(mt_config.vocab_size)
+        ids, labels = batch(mt_config.vocab_size)
         with pytest.raises(InputError, match="sliding_window=8"):
             engine.step(ids, labels)
         engine.step(ids[:, :8], labels[:, :8])  # within the window it changes nothing
-
-
-def _assert_matches_transformers(config, hf, mt_config: ModelConfig, steps: int = 3) -> None:
-    optimizer = OptimizerConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0)
-    engine = Engine(mt_config, optimizer, plan=Plan(micro_batch_size=1, loss_chunk_tokens=16),
-                    compute_dtype=torch.float32, device="cpu")
-    try:
-        engine.load_state_dict(hf.state_dict())
-        ids, labels = _batch(config.vocab_size)
-
-        with torch.no_grad():
-            expected_logits = hf(ids).logits
-        torch.testing.assert_close(engine.logits(ids), expected_logits, rtol=0, atol=1e-5)
-
-        initial = {n: p.detach().clone() for n, p in hf.named_parameters()}
-        hf_opt = torch.optim.AdamW(hf.parameters(), lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps,
-                                   weight_decay=optimizer.weight_decay)
-        for step in range(steps):
-            ids, labels = _batch(config.vocab_size, seed=step)
-            n_items = int((labels[:, 1:] != -100).sum())
-            hf_loss = 0.0
-            for row in range(ids.shape[0]):  # the same micro-batches, HF's loss summed over the batch's items
-                out = hf(ids[row:row + 1], labels=labels[row:row + 1], num_items_in_batch=n_items)
-                out.loss.backward()
-                hf_loss += out.loss.item()
-            torch.nn.utils.clip_grad_norm_(hf.parameters(), optimizer.max_grad_norm)
-            hf_opt.step()
-            hf_opt.zero_grad()
-            loss = engine.step(ids, labels).item()
-            assert abs(loss - hf_loss) <= 1e-5, (step, loss, hf_loss)
-
-        ours = engine.state_dict()
-        theirs = {n: p.detach() for n, p in hf.named_parameters()}
-        assert_update_close({n: ours[n] for n in theirs}, theirs, initial)
-    finally:
-        engine.close()
 
 
 def test_from_hf_reads_both_rope_spellings(tmp_path) -> None:

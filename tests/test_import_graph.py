@@ -1,11 +1,14 @@
 """The import graph of ``megatrain.*``, read from the source with ``ast`` (nothing is imported).
 
-DESIGN.md's layering, checked on every module of runtime/, planner/, tools/ and megatrain/:
+DESIGN.md's layering, checked on every module of runtime/, planner/, tools/, models/ and megatrain/:
 
 - no import cycle: every import counts, at module level, inside a function or under ``TYPE_CHECKING``
   (a cycle through a lazy import is still two modules that cannot be understood apart);
 - planner/ never imports the runtime, the tools, or torch (except ``planner/profiler.py``, which measures
   the GPU); the runtime never imports the tools;
+- models/ (the model families) never imports the runtime, the planner or the tools; its stdlib halves (the
+  registry, each family's config rules, parameter table and presets) import no torch and none of its torch
+  halves (``models/layers/``, ``block_classes``, a family's ``blocks``); the planner imports only stdlib halves;
 - no module reaches into another module's private names: ``from x import _name``, ``module._name`` on an
   imported module, or ``obj._name`` where ``_name`` is a private attribute only another file defines.
 """
@@ -20,7 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # folder -> import name (pyproject.toml's package-dir)
 PACKAGES = {"megatrain": "megatrain", "runtime": "megatrain.runtime", "planner": "megatrain.planner",
-            "tools": "megatrain.tools"}
+            "tools": "megatrain.tools", "models": "megatrain.models"}
 # The one planner module allowed to import torch (inside the functions that measure a device).
 PLANNER_TORCH_OK = {"megatrain.planner.profiler"}
 # Private-looking names that are public API of the standard library (namedtuple's methods).
@@ -166,6 +169,9 @@ def test_the_graph_sees_every_module(modules: dict[str, Module]) -> None:
     assert "megatrain.errors" in modules["megatrain.planner.plan"].imports
     assert "megatrain.runtime" in modules["megatrain.tools.train"].imports
     assert "torch" in modules["megatrain.planner.profiler"].external  # imported inside functions only
+    assert "megatrain.models.registry" in modules["megatrain.planner.block_parameters"].imports
+    assert "megatrain.models.qwen3.family" in modules["megatrain.models.registry"].imports
+    assert _torch_half("megatrain.models.layers.decoder") and not _torch_half("megatrain.models.llama.family")
     assert len(modules) > 50
 
 
@@ -195,6 +201,43 @@ def test_planner_imports_neither_runtime_nor_tools_nor_torch(modules: dict[str, 
         if "torch" in mod.external and mod.name not in PLANNER_TORCH_OK:
             bad.append(f"{mod.where(mod.external['torch'])}: imports torch")
     assert not bad, "the planner must stay free of the runtime, the tools and torch:\n" + "\n".join(bad)
+
+
+def _torch_half(name: str) -> bool:
+    """A module of models/ that holds torch modules: the shared layers, the block classes, a family's blocks."""
+    return name.startswith("megatrain.models") and (
+        name.startswith("megatrain.models.layers") or name == "megatrain.models.block_classes"
+        or name.endswith(".blocks"))
+
+
+def _stdlib_half(name: str) -> bool:
+    return name.startswith("megatrain.models") and not _torch_half(name)
+
+
+def test_models_import_neither_runtime_nor_planner_nor_tools(modules: dict[str, Module]) -> None:
+    bad = [f"{mod.where(line)}: imports {target}" for mod in modules.values()
+           if mod.name.startswith("megatrain.models") for target, line in mod.imports.items()
+           if target.startswith(("megatrain.runtime", "megatrain.planner", "megatrain.tools"))]
+    assert not bad, "models/ stands on the standard library, torch and megatrain.errors alone:\n" + "\n".join(bad)
+
+
+def test_stdlib_halves_of_models_import_no_torch(modules: dict[str, Module]) -> None:
+    bad = []
+    for mod in modules.values():
+        if not _stdlib_half(mod.name):
+            continue
+        if "torch" in mod.external:
+            bad.append(f"{mod.where(mod.external['torch'])}: imports torch")
+        bad += [f"{mod.where(line)}: imports {target} (torch)" for target, line in mod.imports.items()
+                if _torch_half(target)]
+    assert len([m for m in modules if _stdlib_half(m)]) > 8 and not bad, \
+        "the stdlib halves of models/ (what the planner reads) must stay free of torch:\n" + "\n".join(bad)
+
+
+def test_planner_imports_only_stdlib_halves_of_models(modules: dict[str, Module]) -> None:
+    bad = [f"{mod.where(line)}: imports {target}" for mod in modules.values()
+           if mod.name.startswith("megatrain.planner") for target, line in mod.imports.items() if _torch_half(target)]
+    assert not bad, "the planner reads the families' stdlib halves only:\n" + "\n".join(bad)
 
 
 # The runtime's floors, lowest first (DESIGN.md section 1): a module may import its own floor and the floors

@@ -15,14 +15,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from megatrain.planner import cli
+from hypothesis_budget import examples
 
 COMMANDS = [[], ["plan"], ["size"], ["ram"]]
 GOOD = {  # enough for the command to run, so that only the bad input can stop it
-    "plan": ["--model", "Llama-3.2-1B", "--seq", "1024", "--batch", "4", "--hardware", "H100-SXM"],
-    "size": ["--model", "Llama-3.2-1B", "--seq", "1024", "--batch", "4"],
-    "ram": ["--model", "Llama-3.2-1B", "--seq", "1024", "--hardware", "H200"],
+    "plan": ["--model", "Llama-3.2-1B", "--seq-len", "1024", "--batch", "4", "--hardware", "H100-SXM"],
+    "size": ["--model", "Llama-3.2-1B", "--seq-len", "1024", "--batch", "4"],
+    "ram": ["--model", "Llama-3.2-1B", "--seq-len", "1024", "--hardware", "H200"],
 }
-FREE_OPTIONS = ["--seq", "--batch", "--dtype", "--hardware", "--host", "--ram", "--gpu-mem", "--nvme", "--model"]
+FREE_OPTIONS = ["--seq-len", "--batch", "--dtype", "--hardware", "--host", "--ram", "--gpu-mem", "--nvme", "--model"]
 TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=10)
 NUMBERISH = st.one_of(st.integers(-10**15, 0).map(str), st.sampled_from(
     ["nan", "inf", "-inf", "1e400", "-0", "0x10", "", " ", "-1e-9", "12QB", "1.5.2"]))
@@ -43,7 +44,7 @@ def files(tmp_path_factory):
 def bad_inputs(root) -> list[list[str]]:
     r = str(root)
     return [
-        ["--bogus"], ["--spill-d", r], ["--jso"], ["--seq", "0"], ["--seq", "x"], ["--batch", "-3"],
+        ["--bogus"], ["--spill-d", r], ["--jso"], ["--seq-len", "0"], ["--seq-len", "x"], ["--batch", "-3"],
         ["--dtype", "fp7"], ["--hardware", "TPU-v9"], ["--ram", "lots"], ["--gpu-mem", "-1G"], ["--nvme", "nan"],
         ["--model", r + "/bad_config.json"], ["--model", r + "/not_json.json"], ["--model", r + "/gpt2.json"],
         ["--model", r + "/a_dir"], ["--model", "/no/such/config.json"], ["--model", "NoSuchModel-9B"],
@@ -71,7 +72,7 @@ def run(argv: list[str]) -> tuple[int, str]:
     return code, err.getvalue()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_generated_bad_command_lines_are_one_line_and_change_nothing(files, data):
     command = data.draw(st.sampled_from(COMMANDS))

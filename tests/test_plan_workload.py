@@ -51,7 +51,7 @@ def test_check_workload_names_the_difference() -> None:
     plan.check_workload("abc", 16, 4, "float32")
     plan.check_workload("abc", 8, 1, "float32")            # smaller steps need less memory
     for args, needle in ((("abd", 16, 4, "float32"), "tiny"), (("abc", 16, 4, "bfloat16"), "--dtype"),
-                         (("abc", 32, 4, "float32"), "--seq 32"), (("abc", 16, 5, "float32"), "--batch 5")):
+                         (("abc", 32, 4, "float32"), "--seq-len 32"), (("abc", 16, 5, "float32"), "--batch 5")):
         with pytest.raises(PlanError, match=needle) as e:
             plan.check_workload(*args)
         assert "\n" not in str(e.value)
@@ -71,7 +71,7 @@ def test_engine_refuses_a_plan_for_another_workload() -> None:
         ids = torch.randint(0, 64, (4, 16))
         engine.step(ids, ids)
         engine.step(ids[:2, :8], ids[:2, :8])                  # smaller: accepted
-        with pytest.raises(PlanError, match="--seq 32"):
+        with pytest.raises(PlanError, match="--seq-len 32"):
             engine.step(torch.cat([ids, ids], 1), torch.cat([ids, ids], 1))
         with pytest.raises(PlanError, match="--batch 8"):
             engine.step(torch.cat([ids, ids]), torch.cat([ids, ids]))

@@ -27,7 +27,7 @@ def _main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str
 
 
 def test_size_reports_the_nvme_of_every_answer(capsys) -> None:
-    rc, out, err = _main(capsys, "size", "--model", "Llama-3.1-8B", "--seq", "4096", "--batch", "8", "--json")
+    rc, out, err = _main(capsys, "size", "--model", "Llama-3.1-8B", "--seq-len", "4096", "--batch", "8", "--json")
     assert rc == 0, err
     data = json.loads(out)
     n = data["params"]
@@ -42,7 +42,7 @@ def test_size_reports_the_nvme_of_every_answer(capsys) -> None:
         assert e["host_ram_bytes"] + e["nvme_bytes"] >= 12 * n, e["hardware"]
         assert e["host_ram_bytes"] <= e["host_ram_available_bytes"]
     assert any(e["nvme_bytes"] > 0 for e in rows)     # a 128 GiB workstation spills
-    rc, out, err = _main(capsys, "size", "--model", "Llama-3.1-8B", "--seq", "4096", "--batch", "8")
+    rc, out, err = _main(capsys, "size", "--model", "Llama-3.1-8B", "--seq-len", "4096", "--batch", "8")
     assert rc == 0 and "on NVMe" in out and "without NVMe" in out and "issue #" not in out
 
 
@@ -85,7 +85,7 @@ def _free_disk(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
 
 
 def test_plan_spill_is_honoured_or_refused_with_the_fix(capsys, monkeypatch, tmp_path) -> None:
-    args = ("plan", "--model", "Llama-3.1-8B", "--seq", "1024", "--batch", "4", "--hardware", "RTX-4090")
+    args = ("plan", "--model", "Llama-3.1-8B", "--seq-len", "1024", "--batch", "4", "--hardware", "RTX-4090")
     _free_disk(monkeypatch, 1 << 40)
     for spill in ("optimizer", "all"):
         rc, out, err = _main(capsys, *args, "--spill", spill, "--spill-dir", str(tmp_path), "--json")
@@ -99,11 +99,11 @@ def test_plan_spill_is_honoured_or_refused_with_the_fix(capsys, monkeypatch, tmp
     _free_disk(monkeypatch, FREE)
     profile = tmp_path / "hw.json"
     CPU_24G.save(str(profile))
-    rc, out, err = _main(capsys, "plan", "--model", "Llama-3.2-1B", "--seq", "1024", "--batch", "1", "--hardware",
+    rc, out, err = _main(capsys, "plan", "--model", "Llama-3.2-1B", "--seq-len", "1024", "--batch", "1", "--hardware",
                          str(profile), "--spill", "all", "--spill-dir", str(tmp_path))
     assert rc == 2 and len(err.strip().splitlines()) == 1
     assert "--nvme" in err and "profile --spill-dir" in err
-    rc, out, err = _main(capsys, "plan", "--model", "Llama-3.2-1B", "--seq", "1024", "--batch", "1", "--hardware",
+    rc, out, err = _main(capsys, "plan", "--model", "Llama-3.2-1B", "--seq-len", "1024", "--batch", "1", "--hardware",
                          str(profile), "--spill", "all", "--spill-dir", str(tmp_path), "--nvme", "2", "--json")
     assert rc == 0, err
     assert json.loads(out)["spill"] == "all"
@@ -114,7 +114,7 @@ def test_plan_spill_is_honoured_or_refused_with_the_fix(capsys, monkeypatch, tmp
 
 def test_plan_out_carries_its_workload(capsys, tmp_path) -> None:
     out_path = tmp_path / "plan.json"
-    rc, out, err = _main(capsys, "plan", "--model", "Llama-3.2-1B", "--seq", "2048", "--batch", "8", "--hardware",
+    rc, out, err = _main(capsys, "plan", "--model", "Llama-3.2-1B", "--seq-len", "2048", "--batch", "8", "--hardware",
                          "H100-SXM", "--out", str(out_path))
     assert rc == 0, err
     w = json.loads(out_path.read_text())["workload"]

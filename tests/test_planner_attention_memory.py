@@ -7,7 +7,7 @@ from megatrain.planner import memory_model
 from megatrain.planner.model_shapes import PRESETS, from_config
 from megatrain.planner.plan import Plan
 from megatrain.planner.workload import Workload
-from megatrain.runtime.model.attention import head_groups
+from megatrain.models.layers.attention import head_groups
 
 
 @pytest.mark.parametrize("rows, seq, head_dim, heads, kv, limit", [

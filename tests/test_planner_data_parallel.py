@@ -68,7 +68,7 @@ def test_one_rank_is_the_single_process_and_more_ranks_scale_below_one() -> None
 
 
 def test_plan_command_reports_ranks(capsys) -> None:
-    assert cli.main(["plan", "--model", "Llama-3.1-8B", "--seq", "4096", "--batch", "16", "--hardware", "H100-SXM",
+    assert cli.main(["plan", "--model", "Llama-3.1-8B", "--seq-len", "4096", "--batch", "16", "--hardware", "H100-SXM",
                      "--gpus-per-node", "8", "--nodes", "2"]) == 0
     out = capsys.readouterr().out
     assert "data parallel: 16 ranks (8 per node x 2 nodes), 1 sequences per rank" in out

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from megatrain.planner import hardware, profiler
+from megatrain.planner import hardware, host_probe, profiler
 from megatrain.planner.hardware import GiB, HardwareError, HardwareProfile
 
 GPUS = ("H100-SXM", "H100-PCIe", "H200", "GH200", "A100-40GB", "A100-80GB", "L40S", "RTX-4090", "RTX-3090")
@@ -68,15 +68,15 @@ def test_errors_name_field_and_fix(tmp_path) -> None:
 
 
 def test_host_figures() -> None:
-    total, avail, cg = profiler.host_memory()
+    total, avail, cg = host_probe.host_memory()
     assert 0 < avail <= total and cg >= 0
-    assert profiler.memlock_bytes() == -1 or profiler.memlock_bytes() >= 0
+    assert host_probe.memlock_bytes() == -1 or host_probe.memlock_bytes() >= 0
 
 
 def test_detect_without_benchmarks() -> None:
     hw = profiler.detect()
     assert hw.host_ram_bytes > 0
-    if not profiler.gpu_present():
+    if not host_probe.gpu_present():
         assert hw.device_is_host and "no GPU" in hw.source
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from megatrain.planner import cost_model, memory_model, search, sizing, spill_placement
+from megatrain.planner import cost_model, memory_model, search, sizing, spill_placement, step_traffic
 from megatrain.planner.buffer_kinds import spill_block_bytes, spill_chunk_numel
 from megatrain.planner.hardware import GiB
 from megatrain.planner.model_shapes import PRESETS
@@ -50,10 +50,10 @@ def test_disk_traffic_of_a_partial_placement_by_hand() -> None:
     m, r = ONE_B, spill_block_bytes
     E, Lw = m.numel_embedding, m.numel_layer
     plan = Plan(spill="blocks", spill_blocks=SpillBlocks(master=(0, 3), exp_avg=(5,), grads=(3,)), spill_dir="/d")
-    read, write = cost_model.disk_traffic(m, Workload(128, 1, "fp32"), plan)
+    read, write = step_traffic.disk_traffic(m, Workload(128, 1, "fp32"), plan)
     files = r(E) + r(Lw) + r(Lw) + r(Lw)
     assert write == files and read == files + 2 * E * 4 + 2 * Lw * 4
-    bf16_read, _ = cost_model.disk_traffic(m, Workload(128, 1, "bf16"), plan)
+    bf16_read, _ = step_traffic.disk_traffic(m, Workload(128, 1, "bf16"), plan)
     assert bf16_read == files                             # bf16 loads come from the RAM shadow
     est = cost_model.estimate(m, Workload(128, 1, "fp32"), plan, HW)
     assert est.disk_seconds == pytest.approx(read / 1e9 + write / 1e9)
@@ -166,7 +166,7 @@ def test_overview_names_the_largest_llama_for_ram_and_disk(capsys, monkeypatch, 
     CPU_24G.save(str(profile))
     _free_disk(monkeypatch, FREE)
     monkeypatch.chdir(tmp_path)
-    assert cli.main(["--hardware", str(profile), "--seq", "1024", "--batch", "1", "--json"]) == 0
+    assert cli.main(["--hardware", str(profile), "--seq-len", "1024", "--batch", "1", "--json"]) == 0
     big = json.loads(capsys.readouterr().out)["largest_llama"]
     answer = sizing.largest_llama(Workload(1024, 1, "fp32", spill_dir=str(tmp_path), spill_free_bytes=FREE), HW)
     assert big == answer.to_dict() and 0 < big["nvme_bytes"] <= FREE

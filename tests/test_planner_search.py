@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatrain.planner import hardware, memory_model, search
@@ -10,6 +10,7 @@ from megatrain.planner.hardware import GiB, HardwareProfile
 from megatrain.planner.model_shapes import PRESETS, ModelShape
 from megatrain.planner.plan import Plan
 from megatrain.planner.workload import Workload, WorkloadError
+from hypothesis_budget import examples
 
 
 @st.composite
@@ -47,6 +48,7 @@ workloads = st.builds(Workload, seq_len=st.sampled_from([128, 1000, 2048, 4096, 
                       spill_free_bytes=st.sampled_from([None, 0, 64 * GiB, 1 << 40]))
 
 
+@settings(max_examples=examples(100))
 @given(hw=profiles(), model=models(), work=workloads)
 def test_plans_fit_and_refusals_are_true(hw: HardwareProfile, model: ModelShape, work: Workload) -> None:
     result = search.search(model, work, hw)

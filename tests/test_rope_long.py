@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from megatrain.errors import MegatrainError  # noqa: E402
 from megatrain.runtime import Engine, ModelConfig, Plan  # noqa: E402
-from megatrain.runtime.model.rope import attention_scaling, inverse_frequencies, rotary_tables  # noqa: E402
+from megatrain.models.layers.rope import attention_scaling, inverse_frequencies, rotary_tables  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -18,9 +18,9 @@ from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatrain.runtime import ModelConfig
-from megatrain.runtime.model.attention import Documents
-from megatrain.runtime.model.blocks import DecoderLayer
-from megatrain.runtime.model.rope import inverse_frequencies, rotary_tables
+from megatrain.models.layers.attention import Documents
+from megatrain.models.layers.decoder import DecoderLayer
+from megatrain.models.layers.rope import inverse_frequencies, rotary_tables
 from megatrain.runtime.pipeline.sequence_tiles import tiled_layer_backward
 
 CONFIG = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=88, num_hidden_layers=1,

@@ -34,6 +34,9 @@ def test_training_sequence(layers: int, tied: bool) -> None:
     assert s.tied == tied
     assert s.lm_weight_name == ("embed_tokens.weight" if tied else "lm_head.weight")
     assert s.lm_weight_name in {e.local_name for e in s.head_loads[-1].block.layout.entries}
+    # The order AdamW updates the blocks in: eager as their gradients drain, deferred in forward order.
+    assert s.update_order(eager=True) == (head, *range(layers, 0, -1), 0)
+    assert s.update_order(eager=False) == tuple(range(head + 1))
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

@@ -66,8 +66,8 @@ def test_a_real_cpu_trace_has_every_resource():
     a = anatomy(prof.events(), steps=2, step_seconds=0.5)
     assert a["adam_traced"], "the AdamW worker thread was not traced"
     for k in ("compute_s", "h2d_s", "d2h_s", "adam_s"):
-        assert 0 < a[k] < 0.5 * 2, (k, a)
-    assert a["roofline_s"] == max(a["compute_s"], a["h2d_s"], a["d2h_s"], a["adam_s"])
+        assert a[k] > 0, (k, a)   # each resource's phases were found in the trace
+    assert a["source"] == "cpu" and a["bound_by"] in ("compute", "h2d", "d2h", "adam")
 
 
 def test_step_anatomy_benchmark_reports_each_configuration(tmp_path, capsys):

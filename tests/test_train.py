@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatrain.runtime import Engine
-from megatrain.tools import interrupt, lr_schedule, train, train_config
+from megatrain.tools import interrupt, lr_schedule, train, train_config, train_options
 from megatrain.tools.data import Corpus
 from megatrain.tools.tokenizer import ByteTokenizer, load as load_tokenizer
 
@@ -91,7 +91,7 @@ def test_toml_config_command_line_overrides_and_unknown_keys(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("hello world")
     cfg = tmp_path / "run.toml"
     cfg.write_text('steps = 40\nseq_len = 32\nbatch = 2\ndata = ["notes.txt"]\nplot = false\n')
-    config = train_config.parse(["--config", str(cfg), "--steps", "7"])
+    config = train_options.parse(["--config", str(cfg), "--steps", "7"])
     assert (config.steps, config.seq_len, config.batch, config.plot) == (7, 32, 2, False)
     assert config.data == (str(tmp_path / "notes.txt"),)  # relative to the file
     for text, fragment in [("seq-len = 32\n", "unknown key 'seq-len'; did you mean 'seq_len'?"),

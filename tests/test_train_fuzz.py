@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from megatrain.tools import train
+from hypothesis_budget import examples
 
 FAST = ["--seq-len", "32", "--batch", "2", "--progress", "none", "--no-plot"]
 # Options whose value may be anything: they never name a path, so no generated value reaches the disk.
@@ -90,7 +91,7 @@ def snapshot(*roots) -> dict[str, str]:
     return out
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_generated_bad_command_lines_are_one_line_and_change_nothing(world, capsys, data):
     root, run, files = world

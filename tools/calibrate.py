@@ -184,7 +184,7 @@ def reduce_run(name: str, config: dict[str, Any], seq: int, batch: int, dtype: s
                measured: dict[str, Any], hw: Any, percentile: float) -> Any:
     """Measured steps -> a RunSample: each figure at ``percentile`` of its samples, with the planner's
     FLOPs, overhead units, traffic and listed buffers for the same model and plan."""
-    from megatrain.planner import cost_model, memory_model, model_shapes
+    from megatrain.planner import cost_model, memory_model, model_shapes, step_traffic
     from megatrain.planner.calibration import RunSample, robust
     from megatrain.planner.workload import Workload
 
@@ -209,9 +209,9 @@ def reduce_run(name: str, config: dict[str, Any], seq: int, batch: int, dtype: s
         compute = robust([s["step_s"] - s.get("h2d_busy_s", 0.0) - s.get("d2h_busy_s", 0.0)
                           - s.get("adam_busy_s", adam.value if adam else 0.0) for s in steps], percentile)
     head = robust(measured["head_s"], percentile) if measured.get("head_s") else None
-    h2d_bytes, d2h_bytes = cost_model.traffic(shape, work, plan)
+    h2d_bytes, d2h_bytes = step_traffic.traffic(shape, work, plan)
     # the layers' causal attention (forward, recompute, backward), timed at the profile's measured rate
-    attention_flops = cost_model.hardware_attention_flops(shape, work)
+    attention_flops = step_traffic.hardware_attention_flops(shape, work)
     attention_rate = hw.attention_rate_tflops(dtype, seq)
     est = memory_model.estimate(shape, work, plan, hw)
     return RunSample(

@@ -29,7 +29,7 @@ class ModelSource:
 
 
 def demo_config(vocab_size: int, seq_len: int) -> ModelConfig:
-    """The demo model: Llama-shaped, 4 layers of width 256, ~3.3M parameters with a 257-id byte vocabulary."""
+    """The demo model: the default family's decoder, 4 layers of width 256, ~3.3M parameters with a 257-id byte vocabulary."""
     return ModelConfig(vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(seq_len, 256))
 
@@ -93,12 +93,6 @@ def _require_weights(model: str) -> None:
 
 
 def _from_shape(shape: model_shapes.ModelShape) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-        tie_word_embeddings=shape.tie_word_embeddings, attention_bias=shape.attention_bias,
-        o_proj_bias=shape.o_proj_bias, mlp_bias=shape.mlp_bias, qk_norm=shape.qk_norm,
-        rope_theta=shape.rope_theta, rope_scaling=dict(shape.rope_scaling) if shape.rope_scaling else None,
-        max_position_embeddings=shape.max_position_embeddings, model_type=shape.model_type,
-    )
+    """A preset's ModelConfig: its config.json fields read as any config is (the family's rules)."""
+    assert shape.config is not None, shape.name  # every preset is read from its family's config fields
+    return ModelConfig.from_hf(shape.config)

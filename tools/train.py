@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import sys
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -28,16 +27,15 @@ from .interrupt import EXIT_INTERRUPTED, INTERRUPTED_AT_START, start_up
 with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) == "megatrain-train"):
     import torch
 
-    from megatrain.planner import data_parallel, model_shapes, search, spill_placement
-    from megatrain.planner.hardware import HardwareError, HardwareProfile
+    from megatrain.planner import model_shapes, search
+    from megatrain.planner.hardware import HardwareError
     from megatrain.planner.plan import Plan, PlanError
-    from megatrain.planner.profiler import this_machine
-    from megatrain.planner.workload import Workload, WorkloadError
+    from megatrain.planner.workload import WorkloadError
     from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig
-    from megatrain.runtime.io import training_checkpoint
 
     from . import data_order, evaluation, export, metric_sinks, metrics, model_source, packing, ranks, \
-        run_dir, tokenizer as tokenizers, train_config
+        resume, run_dir, run_plan, tokenizer as \
+        tokenizers, train_config, train_options
     from .data import Corpus
     from .plot import plot
     from .training_loop import TrainingLoop, dtype_name, next_batch
@@ -50,8 +48,6 @@ USER_ERRORS = (MegatrainError, PlanError, WorkloadError, HardwareError, model_sh
                search.InfeasibleError)
 # What a rank stops for while checking inputs: reported by every rank, as one line (tools/ranks.py).
 CHECK_ERRORS = (*USER_ERRORS, ValueError, OSError)
-# Disk speed assumed to time a spill the user forced (--spill optimizer/all) on a profile without disk figures.
-ASSUMED_DISK_GBPS = 1.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,24 +75,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _options(argv: list[str] | None) -> tuple[dict[str, Any], TrainConfig]:
-    values = train_config.read_values(argv)
+    values = train_options.read_values(argv)
     return values, train_config.build(values)
 
 
 def _usage_error(message: str) -> int:
     print(f"megatrain-train: error: {message.splitlines()[0] if message else 'invalid input'}", file=sys.stderr)
     return EXIT_USAGE
-
-
-@dataclass
-class Resumed:
-    """The checkpoint a run resumes, read (manifest only) before anything is written."""
-
-    path: str                 # the step directory
-    extra: dict[str, Any]     # what megatrain-train saved with it
-    model: ModelConfig
-    plan: Plan
-    run: str | None           # the run directory it belongs to (None: a checkpoint outside a run directory)
 
 
 @dataclass
@@ -129,7 +114,7 @@ class Run:
         self.values = values
         self.out = config.out
         self.notes: list[str] = []
-        self.resumed: Resumed | None = None
+        self.resumed: resume.Resumed | None = None
         self.changes: list[str] = []  # options a resume changes, "name old -> new"
         self.warnings: list[str] = []
         self.plan_description = ""
@@ -172,7 +157,10 @@ class Run:
         first = next_batch(batches)  # the data yields a batch: checked before anything is written
         evals = evaluation.eval_set(c, corpus, data.addresses, held_out, tokenizer.separator_id, model.vocab_size,
                                     self.packing)
-        plan = self._choose_plan(model, dtype)
+        chosen = run_plan.choose(c, self.values, self.out, self.resumed.plan if self.resumed else None, model,
+                                 dtype_name(dtype), self.ranks.topology)
+        plan, self.plan_description = chosen.plan, chosen.description
+        self.notes += chosen.notes
         return Setup(own_run, overwrite, device, dtype, model, source, corpus, itertools.chain([first], batches),
                      plan, data, evals)
 
@@ -211,7 +199,7 @@ class Run:
                 self._banner(engine, setup)
                 loop = TrainingLoop(self, engine, setup.data, setup.evals)
                 loop.run(setup.batches)
-                summary = self._summary(engine, loop)
+                summary = self._summary(engine, loop, plan)
             finally:
                 engine.close()
             return self._finish(summary, loop)  # the engine's memory is free for the export
@@ -246,7 +234,7 @@ class Run:
             if overwrite:
                 raise TrainConfigError(f"overwrite: {out} is the run being resumed, and --overwrite would delete "
                                        f"its checkpoints; leave --overwrite out")
-            self._refuse_branching(out)
+            resume.refuse_branching(out, self.start_step)
         elif not overwrite:
             run_dir.refuse_existing(out, resumable=os.path.isdir(os.path.join(out, run_dir.CHECKPOINT_DIR)))
         elif self.resumed is not None and _inside(self.resumed.path, out):
@@ -276,48 +264,9 @@ class Run:
 
     def _read_resume(self) -> None:
         """The checkpoint, its run directory and its settings with the options given now on top."""
-        path = training_checkpoint.resolve(_checkpoint_root(self.config.resume))
-        manifest = training_checkpoint.read_manifest(path)
-        extra = dict(manifest.get("extra") or {})
-        if "train_config" not in extra:
-            raise TrainConfigError(f"resume: {path} was not written by megatrain-train (no training state); "
-                                   f"load it with Engine.load_checkpoint in your own loop")
-        args = training_checkpoint.engine_arguments(manifest)
-        run = run_dir.run_of_checkpoint(path)
-        given = {k: v for k, v in self.values.items() if k != "overwrite"}
-        if "out" in given:
-            self.out = given["out"]
-        elif run is not None:
-            self.out = run
-        else:
-            raise TrainConfigError(f"resume: {path} is not inside a run directory (RUN/checkpoints/step-N); pass "
-                                   f"--out to say where the resumed run writes")
-        saved = {k: v for k, v in extra["train_config"].items() if k not in ("out", "resume")}
-        saved.setdefault("packing", "concat")  # a run from before --packing packed its rows end to end
-        if "data" not in extra:  # a run from before the data order was kept trained in corpus order
-            saved.setdefault("shuffle", False)
-        self.data_state = extra.get("data")
-        changes = train_config.resume_changes(saved, given)
-        merged = dict(saved)
-        merged.update(given)
-        merged.update(out=self.out, resume=self.config.resume)
-        self.config = train_config.build(merged)
-        self.start_step = int(extra["step"])
-        self.rows_done = int(extra["rows_done"])
-        self.tokens_done = int(extra["tokens_done"])
-        self.resumed = Resumed(path, extra, args["model_config"], args["plan"], run)
-        self.changes = changes
-
-    def _refuse_branching(self, out: str) -> None:
-        """Resuming an older checkpoint of a run that went further would make two histories in one directory."""
-        assert self.resumed is not None
-        root = os.path.join(out, run_dir.CHECKPOINT_DIR)
-        later = sorted(int(m.group(1)) for name in run_dir.existing_entries(root)
-                       if (m := run_dir.STEP_DIR.fullmatch(name)) and int(m.group(1)) > self.start_step)
-        if later:
-            raise TrainConfigError(f"resume: {out} went on to step {later[-1]} after step {self.start_step}; "
-                                   f"continue from step {self.start_step} in a new run directory with --out NEW, "
-                                   f"or resume the latest with --resume {out}")
+        r = resume.read(self.config, self.values)
+        self.resumed, self.config, self.out, self.changes = r, r.config, r.out, r.changes
+        self.start_step, self.rows_done, self.tokens_done, self.data_state = r.step, r.rows_done, r.tokens_done, r.data
 
     def _engine(self, plan: Plan, dtype: torch.dtype, device: torch.device,
                 source: model_source.ModelSource | None) -> Engine:
@@ -342,57 +291,6 @@ class Run:
         self.model_description = source.description
         return engine
 
-    def _choose_plan(self, model: ModelConfig, dtype: torch.dtype) -> Plan:
-        """--plan, else the resumed run's plan, else the planner's; spill files under --spill-dir or OUT/spill.
-
-        --spill forces what spills (auto: the planner decides, or the plan given / resumed keeps its choice).
-        """
-        c = self.config
-        spill_root = c.spill_dir or os.path.join(self.out, run_dir.SPILL_DIR)
-        research = self.resumed is not None and self.values.get("spill") == "auto"
-        if c.plan:
-            plan, self.plan_description = Plan.load(c.plan), c.plan
-        elif self.resumed is not None and not research:
-            plan, self.plan_description = self.resumed.plan, "the resumed run's"
-        else:
-            return self._search(model, dtype, spill_root)
-        spill = plan.spill if c.spill == "auto" else c.spill
-        return self._placed(plan.replace(spill=spill, spill_blocks=plan.spill_blocks if spill == "blocks" else None,
-                                         spill_dir=None if spill == "none" else spill_root))
-
-    def _search(self, model: ModelConfig, dtype: torch.dtype, spill_root: str) -> Plan:
-        c = self.config
-        hw = this_machine()
-        if c.spill in ("optimizer", "all") and not (hw.disk_read_gbps > 0 and hw.disk_write_gbps > 0):
-            hw = hw.with_overrides(nvme_gbps=ASSUMED_DISK_GBPS)
-            self.notes.append(f"disk speed not measured: the plan assumes {ASSUMED_DISK_GBPS:g} GB/s (megatrain-plan "
-                              f"profile --spill-dir {spill_root} measures it)")
-        work = Workload(c.seq_len, c.batch, compute_dtype=dtype_name(dtype), clipping=c.max_grad_norm > 0,
-                        spill=c.spill, spill_dir=spill_root, spill_free_bytes=_free_bytes_under(spill_root))
-        shape = model_shapes.from_config(model.to_dict())
-        plan = search.search(shape, work, hw, self._planner_ranks(hw)).require().plan
-        if c.spill != "auto" and plan.spill != c.spill:  # a profile the search could not time the forced spill with
-            plan = plan.replace(spill=c.spill, spill_blocks=None)
-        plan = plan.replace(spill_dir=None if plan.spill == "none" else spill_root)
-        self.plan_description = (f"planner (hardware: {hw.source}): micro-batch {plan.micro_batch_size}, "
-                                 f"{plan.num_slots} slots, checkpoints on {plan.checkpoints}, "
-                                 f"{plan.optimizer_mode} optimizer")
-        return self._placed(plan)
-
-    def _planner_ranks(self, hw: HardwareProfile) -> data_parallel.Topology | None:
-        """Under torchrun: the ranks as the planner sees them (one rank's plan, the node's RAM shared by its
-        ranks); None for one process."""
-        topology = self.ranks.topology
-        if topology is None or topology.world_size == 1:
-            return None
-        return data_parallel.topology(hw, topology.local_world_size, topology.world_size // topology.local_world_size)
-
-    def _placed(self, plan: Plan) -> Plan:
-        if plan.spill != "none":
-            kinds = {"optimizer": "AdamW m and v", "all": "master, m, v and grads"}.get(plan.spill)
-            self.plan_description += f", spilling {kinds or spill_placement.label(plan)} to {plan.spill_dir}"
-        return plan
-
     # ------------------------------------------------------------------ training
     def _banner(self, engine: Engine, setup: Setup) -> None:
         c = self.config
@@ -403,13 +301,14 @@ class Run:
               f"output: {self.out}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ finish
-    def _summary(self, engine: Engine, loop: "TrainingLoop") -> dict[str, Any]:
+    def _summary(self, engine: Engine, loop: "TrainingLoop", plan: Plan) -> dict[str, Any]:
+        """summary.json's figures; ``plan`` as megatrain-plan plan --json gives it (its "plan" key)."""
         engine.synchronize()
         return metrics.summarize(loop.records, engine.num_parameters, loop.flops, loop.peak, engine.device, {
             "peak_source": loop.peak_source, "out": os.path.abspath(self.out), "metrics": loop.metrics_path,
             "checkpoint": f"{loop.ckpt_root} (step {loop.saved_at})" if loop.saved_at is not None else "none",
             "trace": loop.tracer.describe() if loop.tracer is not None else None,
-            "exit_code": loop.exit_code, "notes": self.notes,
+            "exit_code": loop.exit_code, "notes": self.notes, "plan": plan.to_dict(),
         })
 
     def _finish(self, summary: dict[str, Any], loop: "TrainingLoop") -> int:
@@ -428,12 +327,6 @@ class Run:
         for note in self.notes:
             print(f"note: {note}", file=sys.stderr)
         return loop.exit_code
-
-
-def _checkpoint_root(path: str) -> str:
-    """An earlier run's --out holds its checkpoints in a subdirectory; accept either."""
-    inner = os.path.join(path, run_dir.CHECKPOINT_DIR)
-    return inner if os.path.isdir(inner) else path
 
 
 def _same_dir(a: str, b: str) -> bool:
@@ -465,14 +358,6 @@ def _optimizer(c: TrainConfig) -> OptimizerConfig:
     return OptimizerConfig(lr=c.lr, betas=(c.beta1, c.beta2), weight_decay=c.weight_decay,
                            max_grad_norm=c.max_grad_norm if c.max_grad_norm > 0 else None, no_decay=("norm", "bias"),
                            skip_nonfinite=True)
-
-
-def _free_bytes_under(path: str) -> int:
-    """Free bytes on the disk that will hold ``path`` (its nearest existing folder: it is made later)."""
-    folder = os.path.abspath(path)
-    while not os.path.isdir(folder):
-        folder = os.path.dirname(folder)
-    return int(shutil.disk_usage(folder).free)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,16 @@
-"""The training command's configuration: one frozen dataclass, read from a TOML file and the command line.
+"""The training command's configuration: one frozen dataclass, validated on construction, and what a resumed
+run may change of it. Read from a TOML file and the command line by ``train_options``.
 
-Precedence: built-in defaults < ``--config file.toml`` < command-line options. The TOML file uses
-the same names as the options, with underscores (``seq_len = 512`` for ``--seq-len 512``);
-an unknown key is an error, as is a value of the wrong type. Every error is one line that names
-the key, the value and the fix (``TrainConfigError``); the command prints it and exits with status 2.
+Every error is one line that names the key, the value and the fix (``TrainConfigError``); the command prints
+it and exits with status 2.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from megatrain.runtime.errors import MegatrainError
 
@@ -178,182 +176,6 @@ class TrainConfig:
 
 
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
-# One-line help per key (shown by --help); the TOML key is the option name with underscores.
-HELP: dict[str, str] = {
-    "model": "'demo' (default), a preset (e.g. Llama-3.2-1B; random init), a Hugging Face model "
-             "directory (its safetensors weights), or a config.json (random init)",
-    "init": "auto: a model directory's safetensors weights (default); random: random init from its config",
-    "data": "training files or directories: .txt/.md, .jsonl, .parquet, .npy, .bin (default: Python's "
-            "pydoc topics)",
-    "tokenizer": "a tokenizer.json (needs `tokenizers`) or 'byte' (default: the --model directory's tokenizer.json "
-                 "when it has one, else byte)",
-    "text_field": "the text field of .jsonl and .parquet records (text)",
-    "train_on": "chat records ({\"messages\"} or {\"prompt\", \"completion\"}): completion = loss on the "
-                "assistant's tokens only (default), all = on every token",
-    "token_dtype": f"element type of .bin token files ({', '.join(TOKEN_DTYPES)}; default uint16)",
-    "separator_id": "token between documents (-1: the tokenizer's end-of-text token)",
-    "packing": "documents into rows: documents (end to end, each attending only to itself; default for chat "
-               "data), concat (end to end, attending across; default for plain text) or none (one document "
-               "per row, truncated and padded)",
-    "seq_len": "tokens per sequence (256)",
-    "batch": "sequences per optimizer step (8)",
-    "shuffle": "shuffle the documents every epoch, seeded by --seed (default on; --no-shuffle: corpus order)",
-    "eval_data": "held-out evaluation files or directories (formats as --data)",
-    "eval_fraction": "hold out this fraction of --data's documents for evaluation (by document, chosen by --seed; "
-                     "0: none)",
-    "eval_every": "evaluate every N steps (0: only at the end; needs --eval-data or --eval-fraction)",
-    "lr": "peak learning rate (2e-3)",
-    "min_lr": "learning rate at the end of the cosine decay (-1: lr / 10)",
-    "warmup_steps": "linear warmup steps (-1: 10%% of the steps, at most 1000)",
-    "weight_decay": "AdamW weight decay, not applied to norms and biases (0.1)",
-    "beta1": "AdamW beta1 (0.9)",
-    "beta2": "AdamW beta2 (0.95)",
-    "max_grad_norm": "global gradient-norm clipping, 0 = off (1.0)",
-    "steps": "optimizer steps (150)",
-    "tokens": "train this many tokens instead of --steps",
-    "save_every": "checkpoint every N steps (0: at the end and on Ctrl-C only)",
-    "keep": "checkpoints to keep (3)",
-    "resume": "continue an earlier run (its --out, or one of its checkpoints), writing into that run "
-              "unless --out is given",
-    "plan": "a plan.json from megatrain-plan (default: the planner chooses)",
-    "spill": "what may live in spill files on disk: auto (the planner decides; default), none, optimizer "
-             "(AdamW m, v) or all (master, m, v, grads)",
-    "spill_dir": "where spill files go, on a fast local disk (default: OUT/spill)",
-    "compute_dtype": "auto (bf16 on a GPU, fp32 on a CPU), bf16 or fp32",
-    "device": "auto, cpu or cuda",
-    "seed": "random seed of the initial weights, the shuffle and the held-out split (0)",
-    "out": "the run directory: metrics.jsonl, summary.json, checkpoints, plot (megatrain-run); it must be "
-           "new or empty (see --resume, --overwrite)",
-    "trace": "write a torch.profiler Chrome trace of a few steps to OUT/trace.json",
-    "progress": "progress display: auto, tqdm, rich, plain or none",
-    "log_every": "with plain progress, one line every N steps (10)",
-    "plot": "write OUT/training.png when matplotlib is installed (default on; --no-plot)",
-    "log_to": "also log metrics to: none (default) or tensorboard (OUT/tensorboard; needs tensorboard)",
-    "export_on_finish": "at the end, write the model as megatrain-export does into this new or empty directory",
-    "export_dtype": "weight dtype of --export-on-finish: bf16 (default) or fp32",
-}
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (not the usage block) and exits with status 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise TrainConfigError(f"{message} (see megatrain-train --help)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="megatrain-train",
-        description="Train a language model with fp32 master weights and AdamW state in host memory. "
-                    "With no arguments: a demo on text that ships with Python.",
-        argument_default=argparse.SUPPRESS,
-        allow_abbrev=False,
-        epilog="Every option can also be set in a TOML file (--config run.toml) under the same name with "
-               "underscores; the command line overrides the file.",
-    )
-    parser.add_argument("--config", metavar="TOML", help="a TOML file of options (keys as below, with underscores)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace the earlier run in --out: delete its metrics, summary, checkpoints, plot and "
-                             "trace (nothing else); command line only")
-    for name, f in FIELDS.items():
-        flag = "--" + name.replace("_", "-")
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=HELP[name])
-        elif name in ("data", "eval_data"):
-            parser.add_argument(flag, nargs="+", metavar="PATH", help=HELP[name])
-        else:
-            kind = {"int": int, "float": float}.get(str(f.type), str)
-            choices = {"compute_dtype": COMPUTE_DTYPES, "device": DEVICES, "progress": PROGRESS_STYLES,
-                       "token_dtype": TOKEN_DTYPES, "spill": SPILL_CHOICES, "init": INIT_CHOICES,
-                       "train_on": TRAIN_ON_CHOICES, "log_to": LOG_TO_CHOICES, "packing": PACKING_CHOICES,
-                       "export_dtype": EXPORT_DTYPES}.get(name)
-            parser.add_argument(flag, type=kind, choices=choices, metavar=name.upper(), help=HELP[name])
-    return parser
-
-
-def read_toml(path: str) -> dict[str, Any]:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        try:
-            import tomli as tomllib  # type: ignore[no-redef]
-        except ImportError:
-            raise TrainConfigError("--config needs Python 3.11+ (tomllib) or `pip install tomli`") from None
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as e:
-        raise TrainConfigError(f"cannot read config file {path}: {e.strerror}; check the path") from None
-    except tomllib.TOMLDecodeError as e:
-        raise TrainConfigError(f"{path} is not valid TOML ({e}); fix the file") from None
-    return data
-
-
-def from_mapping(values: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """Check each key and the type of each value; ``source`` names where they came from in errors."""
-    out: dict[str, Any] = {}
-    for key, value in values.items():
-        f = FIELDS.get(key)
-        if key == "overwrite":
-            raise TrainConfigError(f"{source}: overwrite is a command-line option only (--overwrite), so that "
-                                   f"replacing a run is always asked for explicitly")
-        if f is None:
-            hint = key.replace("-", "_")
-            fix = f"did you mean {hint!r}?" if hint in FIELDS else f"valid keys: {', '.join(FIELDS)}"
-            raise TrainConfigError(f"{source}: unknown key {key!r}; {fix}")
-        out[key] = _coerce(key, str(f.type), value, source)
-    return out
-
-
-def _coerce(key: str, kind: str, value: Any, source: str) -> Any:
-    bad = TrainConfigError(f"{source}: {key} = {value!r} should be {_KIND_WORDS.get(kind, kind)}")
-    if kind in ("bool", "<class 'bool'>"):
-        if not isinstance(value, bool):
-            raise bad
-        return value
-    if kind == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad
-        return value
-    if kind == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad
-        return float(value)
-    if key in ("data", "eval_data"):
-        if isinstance(value, str):
-            return (value,)
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            raise bad
-        return tuple(value)
-    if not isinstance(value, str):
-        raise bad
-    return value
-
-
-_KIND_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
-               "tuple[str, ...]": "a path or a list of paths"}
-
-
-def read_values(argv: Sequence[str] | None) -> dict[str, Any]:
-    """The options set explicitly: the TOML file's, then the command line's on top (checked, typed)."""
-    args = vars(build_parser().parse_args(argv))
-    values: dict[str, Any] = {}
-    overwrite = args.pop("overwrite", False)
-    config_path = args.pop("config", None)
-    if config_path is not None:
-        file_values = from_mapping(read_toml(config_path), config_path)
-        # A relative path in the file is relative to the file, as a person reading it would expect.
-        base = os.path.dirname(os.path.abspath(config_path))
-        for key in ("data", "eval_data", "tokenizer", "plan", "resume", "spill_dir", "out", "model",
-                    "export_on_finish"):
-            if key in file_values:
-                file_values[key] = _relative_to(base, key, file_values[key])
-        values.update(file_values)
-    values.update(from_mapping(args, "command line"))
-    if overwrite:
-        values["overwrite"] = True
-    return values
-
 
 def build(values: Mapping[str, Any]) -> TrainConfig:
     values = {k: v for k, v in values.items() if k != "overwrite"}
@@ -366,11 +188,6 @@ def build(values: Mapping[str, Any]) -> TrainConfig:
         raise TrainConfigError(f"invalid option value ({e})") from None
 
 
-def parse(argv: Sequence[str] | None) -> TrainConfig:
-    """Defaults, then the TOML file, then the command line. Raises TrainConfigError (one line)."""
-    return build(read_values(argv))
-
-
 def absolute_paths(config: TrainConfig) -> dict[str, Any]:
     """``config.to_dict()`` with its input paths absolute (what a checkpoint records: valid from any directory)."""
     d = config.to_dict()
@@ -379,7 +196,7 @@ def absolute_paths(config: TrainConfig) -> dict[str, Any]:
     if config.export_on_finish:
         d["export_on_finish"] = os.path.abspath(config.export_on_finish)
     for key in ("tokenizer", "plan", "spill_dir", "model"):
-        d[key] = _relative_to(os.getcwd(), key, d[key])
+        d[key] = relative_to(os.getcwd(), key, d[key])
         if d[key] and os.path.exists(d[key]):
             d[key] = os.path.abspath(d[key])
     return d
@@ -423,7 +240,8 @@ def _show(value: Any) -> str:
     return str(value) if value != "" else "(none)"
 
 
-def _relative_to(base: str, key: str, value: Any) -> Any:
+def relative_to(base: str, key: str, value: Any) -> Any:
+    """A path option's value relative to ``base`` (a preset name, \"demo\" and \"byte\" left as they are)."""
     def fix(p: str) -> str:
         if key == "model" and not (os.sep in p or p.endswith(".json")):
             return p  # a preset name or "demo"
@@ -443,4 +261,4 @@ def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise TrainConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")
 
 
-__all__ = ["TrainConfig", "TrainConfigError", "parse", "read_values", "build", "build_parser", "DEMO_MODEL"]
+__all__ = ["TrainConfig", "TrainConfigError", "build", "DEMO_MODEL"]

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatrain.models import registry
 from megatrain.planner.buffer_kinds import BufferKind
 
 from megatrain.runtime.config import ModelConfig, read_config_json
@@ -47,8 +48,6 @@ _DTYPES: dict[str, torch.dtype] = {"F32": torch.float32, "BF16": torch.bfloat16,
                                    "F64": torch.float64}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _OTHER_DTYPES = ("I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64", "BOOL", "F8_E4M3", "F8_E5M2")
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "mistral": "MistralForCausalLM"}
 # Buffers some older checkpoints carry that are not parameters (recomputed from the config).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -115,7 +114,7 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     archs = data.get("architectures") or []
     if archs and not any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs):
         raise ConfigError(f"{os.fspath(path)}: architectures={archs} is not a causal language model; megatrain loads "
-                          f"{', '.join(_ARCHITECTURES.values())}")
+                          f"{', '.join(f.architecture for f in registry.families())}")
     return data
 
 
@@ -322,11 +321,13 @@ def _export_error(err: OSError, directory: str, total: int) -> CheckpointError:
 
 
 def hf_config_dict(state: "ModelState", dtype: torch.dtype) -> dict[str, Any]:
-    """The config.json to export: the one the model was loaded from, else one built from its ModelConfig.
+    """The config.json to export: the one the model was loaded from, else one built from its ModelConfig (the
+    family writes its own fields).
 
     Either way it must read back as the model's ModelConfig, or the export would be a different model.
     """
     c = state.config
+    family = registry.family(c.model_type)
     if state.hf_config is not None:
         data = dict(state.hf_config)
     else:
@@ -341,17 +342,8 @@ def hf_config_dict(state: "ModelState", dtype: torch.dtype) -> dict[str, Any]:
             "rope_parameters": {"rope_theta": c.rope_theta, **(dict(c.rope_scaling) if c.rope_scaling else
                                                                  {"rope_type": "default"})},
         }
-        if c.model_type in ("llama", "qwen3"):
-            data["attention_bias"] = c.attention_bias
-        if c.model_type == "llama":
-            data["mlp_bias"] = c.mlp_bias
-        if c.model_type == "mistral":
-            data["sliding_window"] = c.sliding_window
-        if c.model_type in ("qwen2", "qwen3"):
-            data["use_sliding_window"] = c.sliding_window is not None
-            data["sliding_window"] = c.sliding_window
-            data["max_window_layers"] = 0  # the window on every layer
-    data.setdefault("architectures", [_ARCHITECTURES[c.model_type]])
+        data.update(family.write(c))
+    data.setdefault("architectures", [family.architecture])
     data["dtype"] = data["torch_dtype"] = str(dtype).removeprefix("torch.")
     again = ModelConfig.from_hf(data)
     if again != c:

@@ -1,4 +1,5 @@
-"""The model's computation, stateless: decoder blocks, RoPE and attention as transformers computes them, and the
-block table of meta-device templates with each block's flat layout (``templates``).
+"""The block table: one stateless meta-device template per block structure, built from the model family's blocks
+(``megatrain.models``), and each block's flat layout (``templates``).
 
-May import: ``megatrain.runtime``'s base modules (errors, config), the planner's pure-stdlib data modules."""
+May import: ``megatrain.runtime``'s base modules (errors, config), ``megatrain.models``, the planner's pure-stdlib
+data modules."""

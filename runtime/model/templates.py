@@ -9,10 +9,12 @@ views of the slot's flat buffer into the template with
 ``torch.func.functional_call``: no per-layer copy into module parameters, no
 autograd graph across blocks, no persistent per-layer modules on the device.
 
-Layout: the parameter table of ``megatrain.planner.block_parameters`` (the one
+The templates are the model family's blocks and the layout its parameter table
+(``megatrain.models``, asked through ``megatrain.planner.block_parameters``, the one
 the planner sizes blocks from), which is the templates' registration order (that
 of Hugging Face; checked when the templates are built), each offset aligned to
-``block_parameters.ALIGN_ELEMENTS`` elements; padding stays zero.
+``block_parameters.ALIGN_ELEMENTS`` elements; padding stays zero. Hugging Face
+names are the family's too.
 """
 from __future__ import annotations
 
@@ -25,17 +27,18 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from megatrain.models import registry
+from megatrain.models.block_classes import block_classes
 from megatrain.planner import block_parameters
 from megatrain.planner.block_parameters import Param
 
-from megatrain.runtime.model.blocks import DecoderLayer, EmbeddingBlock, HeadBlock
 from megatrain.runtime.config import ModelConfig
 
 
 class BlockKind(enum.Enum):
-    EMBED = "embed"
-    LAYER = "layer"
-    HEAD = "head"
+    EMBED = block_parameters.EMBED
+    LAYER = block_parameters.LAYER
+    HEAD = block_parameters.HEAD
 
 
 @dataclass(frozen=True)
@@ -84,30 +87,13 @@ class Block:
         return f"layer{self.layer}" if self.kind is BlockKind.LAYER else self.kind.value
 
 
-def _hf_prefix(kind: BlockKind, layer: int | None, local_name: str) -> str:
-    if kind is BlockKind.EMBED:
-        return "model."
-    if kind is BlockKind.LAYER:
-        return f"model.layers.{layer}."
-    return "" if local_name.startswith("lm_head.") else "model."
-
-
 def _align(n: int) -> int:
     return block_parameters.aligned(n)
 
 
 def parameter_table(config: ModelConfig, kind: BlockKind) -> tuple[Param, ...]:
-    """The parameters of a block of ``kind``, in layout order, from the planner's one table."""
-    if kind is BlockKind.EMBED:
-        return block_parameters.embedding_parameters(vocab_size=config.vocab_size, hidden_size=config.hidden_size)
-    if kind is BlockKind.HEAD:
-        return block_parameters.head_parameters(hidden_size=config.hidden_size, vocab_size=config.vocab_size,
-                                                tie_word_embeddings=config.tie_word_embeddings)
-    return block_parameters.layer_parameters(
-        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,  # type: ignore[arg-type]
-        head_dim=config.head_dim, attention_bias=config.attention_bias,  # type: ignore[arg-type]
-        o_proj_bias=bool(config.o_proj_bias), mlp_bias=config.mlp_bias, qk_norm=config.qk_norm)
+    """The parameters of a block of ``kind``, in layout order, from the family's one table."""
+    return block_parameters.block_table(config.to_dict(), kind.value)
 
 
 class Templates:
@@ -115,11 +101,13 @@ class Templates:
 
     def __init__(self, config: ModelConfig, decays: Callable[[str], bool]) -> None:
         self.config = config
+        self.hf_name = registry.family(config.model_type).hf_name
+        classes = block_classes(config.model_type)
         with torch.device("meta"):
             self.modules: dict[BlockKind, nn.Module] = {
-                BlockKind.EMBED: EmbeddingBlock(config),
-                BlockKind.LAYER: DecoderLayer(config),
-                BlockKind.HEAD: HeadBlock(config),
+                BlockKind.EMBED: classes.embedding(config),
+                BlockKind.LAYER: classes.layer(config),
+                BlockKind.HEAD: classes.head(config),
             }
         self.tables = {kind: parameter_table(config, kind) for kind in BlockKind}
         for kind, module in self.modules.items():
@@ -134,7 +122,7 @@ class Templates:
     def _block(self, index: int, kind: BlockKind, layer: int | None, decays: Callable[[str], bool]) -> Block:
         entries, offset = [], 0
         for p in self.tables[kind]:
-            hf_name = _hf_prefix(kind, layer, p.name) + p.name
+            hf_name = self.hf_name(kind.value, layer, p.name)
             entry = ParamEntry(p.name, hf_name, p.shape, offset, decays(hf_name))
             entries.append(entry)
             offset = _align(offset + entry.numel)

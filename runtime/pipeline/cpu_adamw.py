@@ -18,11 +18,11 @@ forward, which loads block 0 first, waits the least. In both, the next load of
 block b waits for ``wait_updated(b)``. The job queue holds at most one job per
 block (its bound); the worker releases an eager-mode gradient slab when done.
 
-With spilled kinds the worker keeps up to ``spill_staging`` chunks in flight, reading
-ahead (across the step boundary too) and writing behind through the spill files' staging sets (spill_files.py,
-[Note: spill pipeline]); a block with something spilled that is larger than
-``Plan.spill_chunk_bytes`` is updated chunk by chunk (the same bits: ``buffer_kinds.spill_chunks``), and
-counts as updated after its last chunk.
+With spilled kinds the worker keeps up to ``spill_staging`` chunks in flight and asks the read-ahead
+(read_ahead.py, [Note: spill read-ahead]) for each chunk's staged state and to write it back behind; which
+chunks it reads ahead, across the step boundary in the step schedule's update order, is the read-ahead's
+business. A block with something spilled that is larger than ``Plan.spill_chunk_bytes`` is updated chunk by
+chunk (the same bits: ``buffer_kinds.spill_chunks``), and counts as updated after its last chunk.
 
 [Note: non-finite updates]
 With ``OptimizerConfig(skip_nonfinite=True)`` a non-finite gradient skips the
@@ -46,7 +46,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch.profiler import record_function
@@ -56,6 +56,7 @@ from megatrain.runtime.device.event_log import EventLog
 from megatrain.planner.buffer_kinds import BufferKind
 
 from megatrain.runtime.state.host_store import HostStore
+from megatrain.runtime.spill.read_ahead import ReadAhead
 from megatrain.runtime.spill.spill_files import Staged
 from megatrain.runtime.device.streams import Event
 from megatrain.runtime.model.templates import BlockLayout
@@ -85,24 +86,24 @@ class AdamJob:
 
 
 class AdamWorker:
-    def __init__(self, store: HostStore, num_blocks: int, log: EventLog) -> None:
+    """The worker thread: waits for a job's inputs, updates the block, refreshes its shadow and signals it.
+    With spill files, ``ahead`` (read_ahead.py) stages each piece's spilled state and writes it back."""
+
+    def __init__(self, store: HostStore, order: Sequence[int], log: EventLog) -> None:
+        """``order``: the blocks in the order every step's jobs come (``StepSchedule.update_order``)."""
         self.store = store
         self.log = log
-        self._jobs: queue.Queue[AdamJob | None] = queue.Queue(maxsize=num_blocks + 1)
-        self._updated = [0] * num_blocks  # last step whose update of block b is complete
+        self._jobs: queue.Queue[AdamJob | None] = queue.Queue(maxsize=len(order) + 1)
+        self._updated = [0] * len(order)  # last step whose update of block b is complete
         self._cond = threading.Condition()
         # Per step: seconds the worker spent updating (not waiting for drains or reads), and jobs done.
         self._busy: dict[int, list[float]] = {}
         self._busy_complete: float | None = None  # the latest step whose every block is updated
         self._error: BaseException | None = None
-        self.disk_wait_seconds = 0.0  # cumulative: blocked on spill reads or on a staging set being written back
+        self._read_wait = 0.0  # cumulative: blocked on spill reads landing
         self._skipped: list[int] = []  # steps with a skipped block update, not yet taken by take_skipped()
-        # Reads ahead across the step boundary ([Note: spill pipeline]): the blocks of the step being taken, in
-        # order; the next step's pieces still to read ahead, (step, block, first, elements); those read ahead,
-        # with the spill files' version then and their staging set.
-        self._order_step, self._order = 0, []
-        self._next: collections.deque[tuple[int, int, int, int]] = collections.deque()
-        self._ahead: collections.deque[tuple[int, int, int, int, int, Staged]] = collections.deque()
+        files = store.spill_files
+        self.ahead = ReadAhead(files, order, log) if files is not None else None
         self._thread = threading.Thread(target=self._run, name="megatrain-adamw", daemon=True)
         self._thread.start()
 
@@ -136,6 +137,11 @@ class AdamWorker:
         """Update seconds of the latest step whose updates all finished (None before the first)."""
         return self._busy_complete
 
+    @property
+    def disk_wait_seconds(self) -> float:
+        """Cumulative: blocked on spill reads or on a staging set being written back."""
+        return self._read_wait + (self.ahead.wait_seconds if self.ahead is not None else 0.0)
+
     def _account(self, step: int, seconds: float, last: bool = True) -> None:
         entry = self._busy.setdefault(step, [0.0, 0])
         entry[0] += seconds
@@ -157,17 +163,9 @@ class AdamWorker:
                 raise type(self._error)(f"{self._error}; training stopped") from self._error
             raise RuntimeError(f"the CPU AdamW worker failed: {self._error!r}") from self._error
 
-    def _pieces(self, job: AdamJob) -> list[tuple[int, int]]:
-        """The (first element, elements) pieces of the job's block the update walks: the spill chunks when
-        something of the block spills, else the whole block."""
-        files = self.store.spill_files
-        if files is None or not files.spilled(job.block):
-            return [(0, self.store.numels[job.block])]
-        return files.chunks(job.block)
-
     def _run(self) -> None:
-        files = self.store.spill_files
-        depth = files.staging.count if files is not None else 1
+        ahead = self.ahead
+        depth = ahead.depth if ahead is not None else 1
         inflight: collections.deque[tuple[AdamJob, int, int, bool, Staged | None]] = collections.deque()
         pending: collections.deque[tuple[AdamJob, int, int, bool]] = collections.deque()  # pieces not yet staged
         closing = False
@@ -181,20 +179,21 @@ class AdamWorker:
                         try:
                             job = self._jobs.get_nowait()
                         except queue.Empty:
-                            self._read_ahead(inflight, depth)  # the queue is dry: the next step's first chunks
+                            if ahead is not None:
+                                ahead.read_ahead()  # the queue is dry: the next step's first chunks
                             if inflight:
                                 break
                             job = self._jobs.get()
                         if job is None:
                             closing = True
                             continue
-                        self._taken(job)
-                        pieces = self._pieces(job)
+                        pieces = self._take(job)
                         pending.extend((job, lo, n, i == len(pieces) - 1) for i, (lo, n) in enumerate(pieces))
                     job, lo, n, last = pending.popleft()
-                    inflight.append((job, lo, n, last, self._begin(job, lo, n)))
+                    inflight.append((job, lo, n, last, self._stage(job, lo, n)))
                 if not inflight:
-                    self._drop_ahead()
+                    if ahead is not None:
+                        ahead.drop()
                     return
                 job, lo, n, last, staged = inflight.popleft()
                 self._update(job, lo, n, last, staged)
@@ -207,77 +206,20 @@ class AdamWorker:
                 self._error = e
                 self._cond.notify_all()
 
-    # ---- reads ahead across the step boundary ([Note: spill pipeline]) ---------------------------
-    def _taken(self, job: AdamJob) -> None:
-        """Note the order of a step's jobs; once all are taken, the next step's pieces to read ahead are its
-        first spilled chunks in that order (the next step's order is predicted to be this one)."""
-        if job.step != self._order_step:  # a new step's jobs: what was not read ahead for it is read as they come
-            self._order_step, self._order = job.step, []
-            self._next.clear()
-        self._order.append(job.block)
-        files = self.store.spill_files
-        if files is not None and len(self._order) == len(self._updated):
-            self._next = collections.deque(
-                (job.step + 1, b, lo, n) for b in self._order if files.spilled(b) for lo, n in files.chunks(b))
+    def _take(self, job: AdamJob) -> list[tuple[int, int]]:
+        """Take ``job`` (the read-ahead notes it); the (first element, elements) pieces its update walks: the spill
+        chunks when something of the block spills, else the whole block."""
+        if self.ahead is None:
+            return [(0, self.store.numels[job.block])]
+        self.ahead.taken(job.step, job.block)
+        return self.ahead.pieces(job.block)
 
-    def _read_ahead(self, inflight: collections.deque, depth: int) -> None:
-        """Read the next step's first chunks' master, m and v ahead into the sets the worker does not hold (up
-        to ``depth`` held in all); a chunk whose update of this step is still queued here waits its turn."""
-        files = self.store.spill_files
-        if files is None:
-            return
-        busy = {item[0].block for item in inflight}
-        while self._next and len(self._ahead) + sum(item[4] is not None for item in inflight) < depth:
-            step, b, lo, n = self._next[0]
-            if b in busy:
-                return
-            self._next.popleft()
-            kinds = [k for k in files.spilled(b) if k is not BufferKind.GRADS]
-            t0 = time.perf_counter()
-            staged = files.stage(b, lo, n, kinds)
-            self.disk_wait_seconds += time.perf_counter() - t0
-            self._ahead.append((step, b, lo, n, files.version, staged))
-            self.log.record("spill_read", step, b, lo=lo, phase="ahead")
-
-    def _from_ahead(self, job: AdamJob, lo: int, n: int) -> Staged | None:
-        """The set read ahead for this piece, if it is the next one read ahead and nothing rewrote the files since;
-        otherwise every set read ahead is dropped (a piece out of the predicted order) and None."""
-        if not self._ahead:
+    def _stage(self, job: AdamJob, lo: int, n: int) -> Staged | None:
+        """The piece's spilled state on its way into a staging set (None: nothing of it is on disk); the gradients
+        too when they come from their file."""
+        if self.ahead is None:
             return None
-        step, b, first, size, version, staged = self._ahead[0]
-        assert self.store.spill_files is not None
-        if (step, b, first, size, version) == (job.step, job.block, lo, n, self.store.spill_files.version):
-            self._ahead.popleft()
-            return staged
-        self._drop_ahead()
-        return None
-
-    def _drop_ahead(self) -> None:
-        files = self.store.spill_files
-        while self._ahead:
-            step, b, lo, _, _, staged = self._ahead.popleft()
-            assert files is not None
-            files.discard(staged)
-            self.log.record("spill_discard", step, b, lo=lo)
-        self._next.clear()
-
-    def _begin(self, job: AdamJob, lo: int, n: int) -> Staged | None:
-        """Start reading the piece's spilled kinds into a staging set (None: nothing of it is on disk)."""
-        files = self.store.spill_files
-        if files is None:
-            return None
-        kinds = [k for k in files.spilled(job.block) if k is not BufferKind.GRADS or job.grads is None]
-        if not kinds:
-            return None
-        t0 = time.perf_counter()
-        ahead = self._from_ahead(job, lo, n)
-        if ahead is not None:  # its master, m and v are read or on their way: add what is left (the gradients)
-            staged = files.stage_more(job.block, n, ahead, [k for k in kinds if k not in ahead.buffers])
-        else:
-            staged = files.stage(job.block, lo, n, kinds)  # waits while every staging set is being written back
-            self.log.record("spill_read", job.step, job.block, lo=lo)
-        self.disk_wait_seconds += time.perf_counter() - t0
-        return staged
+        return self.ahead.stage(job.step, job.block, lo, n, grads=job.grads is None)
 
     def _update(self, job: AdamJob, lo: int, n: int, last: bool, staged: Staged | None) -> None:
         """Update block ``job.block``'s elements [lo, lo + n) (``last``: the block's last piece)."""
@@ -289,7 +231,7 @@ class AdamWorker:
             t0 = time.perf_counter()
             for r in (staged.reads if staged is not None else ()):
                 r.result()
-            self.disk_wait_seconds += time.perf_counter() - t0
+            self._read_wait += time.perf_counter() - t0
             if job.clip is not None:
                 job.clip[1].synchronize()
         with record_function(f"adam[{b}]"):  # the update itself: what adam_busy_s and traces count
@@ -308,9 +250,8 @@ class AdamWorker:
                 self._apply(job, lo, n, grads, buf)
             self._account(job.step, time.perf_counter() - t0, last)
         if staged is not None:
-            assert store.spill_files is not None
-            store.spill_files.write_behind(b, n, staged)
-            self.log.record("spill_write", job.step, b, lo=lo)
+            assert self.ahead is not None
+            self.ahead.write_behind(job.step, b, n, staged)
         if last:
             if job.on_done is not None:
                 job.on_done()

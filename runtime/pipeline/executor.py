@@ -30,10 +30,11 @@ from torch.profiler import record_function
 
 from megatrain.planner.plan import Plan
 
+from megatrain.models.layers.attention import Documents
+
 from megatrain.runtime.device.event_log import EventLog
 from megatrain.runtime.device.streams import Streams
 from megatrain.runtime.distributed.collectives import Collectives
-from megatrain.runtime.model.attention import Documents
 from megatrain.runtime.model.templates import Block, BlockKind, Templates
 from megatrain.runtime.pipeline.activation_checkpoints import DeviceCheckpoints, HostCheckpoints
 from megatrain.runtime.pipeline.block_updates import BlockUpdates, PendingUpdate
@@ -90,9 +91,10 @@ class Executor:
                             self.timer, log)
             if plan.checkpoints == "host" else DeviceCheckpoints()
         )
-        self.adam = AdamWorker(store, len(templates.blocks), log)
+        eager = plan.optimizer_mode == "eager"
+        self.adam = AdamWorker(store, self.schedule.update_order(eager), log)  # its jobs come in this order
         self.updates = BlockUpdates(templates, store, self.adam, self.grad_buffers, self.streams, self.timer, log,
-                                    plan.optimizer_mode == "eager", max_grad_norm, device, collectives)
+                                    eager, max_grad_norm, device, collectives)
         if store.spill_files is not None:
             files, adam = store.spill_files, self.adam
             self.timer.counters = lambda: {  # noqa: E731  [Note: roofline]: the disk's busy and wait seconds

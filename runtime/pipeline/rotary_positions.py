@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from megatrain.models.layers.attention import Documents
+from megatrain.models.layers.rope import attention_scaling, inverse_frequencies, rotary_tables
+
 from megatrain.runtime.config import ModelConfig
-from megatrain.runtime.model.attention import Documents
-from megatrain.runtime.model.rope import attention_scaling, inverse_frequencies, rotary_tables
 
 # What a layer takes besides its input, per micro-batch: cos, sin and the documents (None: the whole row).
 Positions = tuple[torch.Tensor, torch.Tensor, "Documents | None"]

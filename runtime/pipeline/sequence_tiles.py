@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from megatrain.runtime.model.blocks import rope_rows, tile_projections
+from megatrain.models.layers.decoder import rope_rows, tile_projections
 
 MLP_PREFIXES = ("mlp.", "post_attention_layernorm.")
 OUTPUT_PREFIXES = ("self_attn.o_proj.",)

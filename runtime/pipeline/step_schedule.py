@@ -9,7 +9,8 @@ load recomputes its layer from the activation checkpoints forward saved, so it
 may be issued only after the last forward layer was released (``after``): by
 then every checkpoint is written. Evaluation runs the forward part alone.
 The loader (weight_slots.py) runs a sequence through the slots; the executor
-computes on each load while it is resident.
+computes on each load while it is resident. ``update_order`` is the order in which
+the step's blocks reach CPU AdamW, handed to the spill read-ahead as plain data.
 """
 from __future__ import annotations
 
@@ -48,6 +49,14 @@ class StepSchedule:
     @property
     def tied(self) -> bool:
         return len(self.head_loads) == 2
+
+    def update_order(self, eager: bool) -> tuple[int, ...]:
+        """The blocks in the order CPU AdamW updates them every step ([Note: optimizer modes] in cpu_adamw.py):
+        eager, each as its gradients drain (the head, the layers in reverse, the embedding); deferred, all after
+        backward in forward order. What the spill read-ahead reads the next step's chunks in (read_ahead.py)."""
+        if eager:
+            return (self.head.block.index, *(load.block.index for load in self.backward), self.embed.block.index)
+        return (self.embed.block.index, *(load.block.index for load in self.layers), self.head.block.index)
 
     def lm_weight(self, head_params: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
         """lm_head's weight [vocab, hidden] among the views of ``head_loads``: the head's own or the embedding's."""

@@ -1,5 +1,5 @@
 """Spill files: the fp32 kinds a plan keeps on disk instead of RAM, the order of their writes, and the
-staging sets through which CPU AdamW reads a block's spilled state ahead and writes it back behind.
+staging sets through which CPU AdamW reads a block's spilled state and writes it back behind.
 
 [Note: spill]
 With a spill plan, some blocks of some fp32 kinds live in preallocated spill
@@ -21,23 +21,14 @@ whose master is spilled has none, and its loads read the master file
 (weight_slots.py).
 
 [Note: spill pipeline]
-The AdamW worker keeps up to ``spill_staging`` chunks in flight: for each chunk of
-the queued jobs' blocks that spill something it takes a staging set and issues
-the reads of the chunk's spilled kinds ahead (``stage``; the block's kinds in RAM
-are updated in place), updates the oldest once its reads land, and writes its
-state back behind (``write_behind``); a staging set returns to the pool when its
-writes finish. Without spill there is one job in flight and no I/O.
-
-Across the step boundary: once every job of a step is taken, the worker reads
-the next step's first chunks ahead (their master, m and v: nothing writes those
-between two updates of a block; the gradients are read when the job comes, after
-their drain's writes) into the sets free, in the order of the step just taken, so
-the disk works while the next step's jobs are still being computed (deferred
-mode: all of backward). A chunk is read ahead only once its own update of this
-step has issued its writes (the read waits for them). The job that comes takes
-its set and adds the gradient reads (``stage_more``); a job out of that order, or
-a cold-path write in between (``version``), drops them (``discard``). Bound: the
-same ``spill_staging`` sets, the chunks read ahead and those in flight together.
+CPU AdamW reads a chunk's spilled kinds into a staging set (``stage``; the block's
+kinds in RAM are updated in place), updates it there, and writes it back behind
+(``write_behind``); a staging set returns to the pool when its writes finish. A set
+staged ahead without the gradients is completed with them (``stage_more``) or, unused,
+returned (``discard``); ``version`` moves with every cold-path write, so a read
+issued ahead under another value is known to be stale. Which chunks are staged
+when, across the step boundary too, is read_ahead.py's ([Note: spill read-ahead]).
+Without spill there is one job in flight and no I/O.
 """
 from __future__ import annotations
 
@@ -295,7 +286,7 @@ class SpillFiles:
         return Staged(index, lo, buffers, [self.read_async(k, b, buffers[k], lo, n) for k in kinds])
 
     def stage_more(self, b: int, n: int, staged: Staged, kinds: Sequence[BufferKind]) -> Staged:
-        """A set staged ahead with some kinds (``read_ahead``), completed with the reads of ``kinds`` (e.g. the
+        """A set staged ahead with some kinds (read_ahead.py), completed with the reads of ``kinds`` (e.g. the
         gradients, written since) into the same set."""
         more = {k: self.staging.buffers(staged.index)[k] for k in kinds}
         return Staged(staged.index, staged.lo, {**staged.buffers, **more},

@@ -81,7 +81,8 @@ def create_preallocated(path: str, nbytes: int) -> int:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     except OSError as e:
-        raise SpillError(f"cannot create spill file {path}: {e.strerror}; check spill_dir exists and is writable") from None
+        raise SpillError(f"cannot create spill file {path}: {e.strerror}; "
+                         "check spill_dir exists and is writable") from None
     try:
         preallocate(fd, nbytes, path)
     except BaseException:
@@ -232,6 +233,6 @@ def make_io(backend: str, threads: int, direct: bool = True) -> FileIO:
             except ImportError:
                 usable = False
         if backend == "kvikio":
-            raise SpillError("io_backend='kvikio' needs the CUDA driver (libcuda.so.1) and `pip install megatrain[gds]`; "
-                             "use io_backend='posix'")
+            raise SpillError("io_backend='kvikio' needs the CUDA driver (libcuda.so.1) and "
+                             "`pip install megatrain[gds]`; use io_backend='posix'")
     return PosixIO(threads, direct)

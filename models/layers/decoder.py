@@ -1,12 +1,13 @@
-"""Llama-family blocks: architecture only, no weights of their own at run time.
+"""The Llama-style decoder's blocks: architecture only, no weights of their own at run time.
 
-Each class is instantiated once on the meta device as a stateless template
-(see ``templates.py``); its parameters are bound per call to views of a device
-slot. Submodule and parameter names, and their registration order, are those
+The blocks of every family whose ``blocks`` is this module (``family.LLAMA_BLOCKS``), and the parts a family
+with other blocks builds from (``DecoderLayer(config, mlp=...)`` takes another MLP). Each class is
+instantiated once on the meta device as a stateless template (the runtime's ``templates.py``); its
+parameters are bound per call to views of a device slot. Submodule and parameter names, and their registration order, are those
 of Hugging Face transformers (``LlamaDecoderLayer`` and friends), so layout
 tables map one-to-one to Hugging Face state-dict names and the parameter order
-matches ``model.parameters()``. That order is the one table of
-``megatrain.planner.block_parameters``; ``templates.py`` checks the two agree.
+matches ``model.parameters()``. That order is the family's parameter table
+(``megatrain.models.parameters``); ``templates.py`` checks the two agree.
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatrain.runtime.model.attention import Documents, causal_attention
-from megatrain.runtime.config import SUPPORTED_ACTIVATIONS, ModelConfig
-from megatrain.runtime.model.rope import apply_rotary
+from megatrain.models.config_fields import SUPPORTED_ACTIVATIONS
+from megatrain.models.family import DecoderSpec
+from megatrain.models.layers.attention import Documents, causal_attention
+from megatrain.models.layers.rope import apply_rotary
 
 # The MLP's activation by its transformers ACT2FN name, computed as transformers computes it.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -47,7 +49,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: DecoderSpec) -> None:
         super().__init__()
         h, q, kv = config.hidden_size, config.q_size, config.kv_size
         self.head_dim: int = config.head_dim  # type: ignore[assignment]
@@ -90,7 +92,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """The gated MLP: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, config: DecoderSpec) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_proj = nn.Linear(h, i, bias=bias)
@@ -103,10 +107,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Pre-norm residual layer: h = x + attention(norm(x)); out = h + mlp(norm(h)). ``mlp``: the MLP's class
+    (a family with another MLP passes its own; it is token-local, so the sequence tiles stay exact)."""
+
+    def __init__(self, config: DecoderSpec, mlp: Callable[[DecoderSpec], nn.Module] = MLP) -> None:
         super().__init__()
         self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.mlp = mlp(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -184,7 +191,7 @@ def tile_projections(project: Callable[[slice], tuple[torch.Tensor, ...]], seq: 
 
 
 class EmbeddingBlock(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: DecoderSpec) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
 
@@ -196,7 +203,7 @@ class EmbeddingBlock(nn.Module):
 class HeadBlock(nn.Module):
     """Final norm, and lm_head unless the embeddings are tied (then the embedding's weight is used)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: DecoderSpec) -> None:
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from megatrain.runtime.errors import AttentionBackendError
+from megatrain.models.errors import AttentionBackendError
 
 MAX_ELEMENTS = 2**31 - 1  # per tensor of one SDPA call
 

@@ -1,0 +1,10 @@
+"""Model families: each supported ``model_type`` in one folder, and the registry that names them.
+
+A family owns its config.json rules, its parameter table (names, shapes, order, Hugging Face names), its
+presets (stdlib: ``family.py`` of its folder) and its torch blocks (``blocks.py``, or the shared Llama blocks of
+``layers/``). ``registry`` finds a family by ``model_type``. The stdlib halves import no torch (the planner
+reads them); nothing here imports the runtime, the planner or the tools.
+
+May import: the standard library and ``megatrain.errors``; torch only in ``layers/``, ``block_classes`` and
+the families' ``blocks`` modules.
+"""

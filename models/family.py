@@ -1,0 +1,81 @@
+"""``Family``: what one ``model_type`` is, as data the planner, the runtime and the HF I/O ask. Pure stdlib.
+
+A family says how transformers reads its config.json (``read``: the fields that differ between families, and the
+defaults that do), what its config.json holds when megatrain writes one (``write``), its parameter table and
+Hugging Face names (``embedding``, ``layer``, ``head``, ``hf_name``; by default the Llama-style tables of
+``parameters.py``), its presets, and where its torch blocks are (``blocks``: a module path the runtime imports,
+never the planner). ``registry`` holds one per ``model_type``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol
+
+from .parameters import EMBED, HEAD, LAYER, Param, llama_embedding, llama_head, llama_hf_name, llama_layer
+
+Dims = Mapping[str, Any]  # a model's dimensions by their config.json names (ModelConfig.to_dict())
+# The shared Llama-style blocks (torch): a family whose blocks are those names this module.
+LLAMA_BLOCKS = "megatrain.models.layers.decoder"
+
+
+class DecoderSpec(Protocol):
+    """What the blocks read of a model's configuration (the runtime's ``ModelConfig`` is one)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int | None
+    head_dim: int | None
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Mapping[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    o_proj_bias: bool | None
+    mlp_bias: bool
+    qk_norm: bool
+    pad_token_id: int | None
+    hidden_act: str
+    model_type: str
+
+    @property
+    def q_size(self) -> int: ...
+
+    @property
+    def kv_size(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A published model by name, as the fields of its config.json (read like any other config)."""
+
+    name: str
+    config: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One ``model_type``. ``read(data, num_hidden_layers)`` returns the family's fields of ``ModelConfig``
+    (``attention_bias``, ``o_proj_bias``, ``mlp_bias``, ``qk_norm``, ``sliding_window``) from a config dict,
+    refusing what transformers' class for it would not build; ``write(config)`` the family's own config.json
+    fields for a ``ModelConfig``. ``defaults``: transformers' config defaults for fields a config may leave out
+    (``max_position_embeddings``, ``head_dim``)."""
+
+    model_type: str
+    architecture: str  # the transformers class, e.g. "LlamaForCausalLM"
+    read: Callable[[Mapping[str, Any], int], dict[str, Any]]
+    write: Callable[[Any], dict[str, Any]]
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    presets: tuple[Preset, ...] = ()
+    embedding: Callable[[Dims], tuple[Param, ...]] = llama_embedding
+    layer: Callable[[Dims], tuple[Param, ...]] = llama_layer
+    head: Callable[[Dims], tuple[Param, ...]] = llama_head
+    hf_name: Callable[[str, "int | None", str], str] = llama_hf_name
+    blocks: str = LLAMA_BLOCKS
+
+    def parameters(self, dims: Dims, kind: str) -> tuple[Param, ...]:
+        """The parameter table of a block of ``kind`` (``EMBED``, ``LAYER``, ``HEAD``), in layout order."""
+        table = {EMBED: self.embedding, LAYER: self.layer, HEAD: self.head}[kind]
+        return table(dims)

@@ -1,0 +1,1 @@
+"""Llama (transformers' ``LlamaForCausalLM``): the decoder the shared blocks of ``models/layers`` implement."""

@@ -1,0 +1,1 @@
+"""Mistral (transformers' ``MistralForCausalLM``): Llama without biases, with a window on every layer."""

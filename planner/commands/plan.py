@@ -1,0 +1,39 @@
+"""``megatrain-plan plan``: the plan ``megatrain-train`` would run for a model, sequence and batch."""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from .. import cli_args, data_parallel_report, disk_space, model_shapes, report, report_plan
+from ..plan_request import PlanRequest, choose_plan
+
+
+def add_parser(sub: Any) -> None:
+    sp = sub.add_parser("plan", help="choose the plan for a model, sequence and batch")
+    cli_args.workload_args(sp, need_batch=True)
+    cli_args.hardware_args(sp)
+    sp.add_argument("--out", help="write the plan JSON the runtime executes")
+    data_parallel_report.add_arguments(sp, cli_args.positive_int, cli_args.positive_float)
+    cli_args.json_arg(sp)
+
+
+def run(args: argparse.Namespace) -> None:
+    model = model_shapes.resolve(args.model)
+    hw = cli_args.resolve_hardware(args)
+    work = cli_args.workload(args, cli_args.compute_dtype(args, hw), spill_dir=args.spill_dir,
+                             free=local_free_bytes(args))
+    ranks = data_parallel_report.topology_of(args, hw)  # several GPUs: the plan of one rank, on its share
+    chosen = choose_plan(model, PlanRequest(work), hw, ranks)
+    if args.out:
+        chosen.plan.save(args.out)
+    data, text = report_plan.page(model, work, chosen, ranks, args.out)
+    report.emit(args.json, data, text)
+
+
+def local_free_bytes(args: argparse.Namespace) -> int | None:
+    """The free space of --spill-dir's disk when that disk is this machine's: the folder exists here, or the
+    hardware is this machine (no GPU preset); None (not checked) for another machine's folder."""
+    if not args.spill_dir or (cli_args.is_preset(args) and not os.path.isdir(args.spill_dir)):
+        return None
+    return disk_space.free_bytes(args.spill_dir)

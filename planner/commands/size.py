@@ -1,0 +1,38 @@
+"""``megatrain-plan size``: the least GPU memory, host RAM and NVMe a model needs, and its step on each GPU preset."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .. import cli_args, data_parallel_report, model_shapes, report, report_size, search
+from .. import hardware as hwmod
+from ..cli_args import NVME_DIR, parse_size
+
+
+def add_parser(sub: Any) -> None:
+    sp = sub.add_parser("size", help="minimum memory, and step time on each GPU preset")
+    cli_args.workload_args(sp, need_batch=True, sizing_only=True)
+    sp.add_argument("--host", help=f"host preset for every GPU ({', '.join(hwmod.HOST_PRESETS)}); "
+                                   "default: each GPU's usual host")
+    sp.add_argument("--ram", help="override host RAM on every preset, e.g. 1T")
+    sp.add_argument("--nvme", type=cli_args.positive_float, help="override the NVMe read/write GB/s on every preset")
+    data_parallel_report.add_arguments(sp, cli_args.positive_int, cli_args.positive_float)
+    cli_args.json_arg(sp)
+
+
+def run(args: argparse.Namespace) -> None:
+    model = model_shapes.resolve(args.model)
+    probe = hwmod.preset("H100-SXM")
+    work = cli_args.workload(args, cli_args.compute_dtype(args, probe), spill_dir=args.spill_dir or NVME_DIR)
+    least = search.minimum_memory(model, work, probe, data_parallel_report.checked_topology(args, work, probe))
+    presets = []
+    for name in hwmod.GPU_PRESETS:
+        hw = hwmod.preset(name, args.host).with_overrides(
+            ram_bytes=parse_size(args.ram, "--ram") if args.ram else None, nvme_gbps=args.nvme)
+        ranks = data_parallel_report.checked_topology(args, work, hw)
+        result = search.search(model, work, hw, ranks)
+        dp = (data_parallel_report.figures(model, work, result.best.plan, hw, ranks)
+              if result.best is not None and ranks is not None else None)
+        presets.append(report_size.Preset(name, hw, result, dp))
+    data, text = report_size.page(model, work, least, presets, args.gpus_per_node, args.nodes)
+    report.emit(args.json, data, text)

@@ -1,0 +1,59 @@
+"""What ``megatrain-plan plan`` prints: the plan, its memory table, its time table and bottleneck, as text and
+as JSON (the same keys ``megatrain-train`` records). Pure stdlib; formatting only."""
+from __future__ import annotations
+
+from typing import Any
+
+from . import data_parallel, data_parallel_report, model_shapes
+from .model_shapes import ModelShape
+from .plan_request import ChosenPlan
+from .report import choice_json, gib, hardware_line, memory_table, rate, seconds, spill_text, time_table, \
+    with_attention_tflops
+from .search import Ranks
+from .workload import Workload
+
+
+def page(model: ModelShape, work: Workload, chosen: ChosenPlan, ranks: Ranks,
+         saved_to: str | None) -> tuple[dict[str, Any], str]:
+    """(JSON, text) of the chosen plan."""
+    best, hw = chosen.choice, chosen.hardware
+    assert best.cost is not None
+    data = {"params": model.params, "model": model.summary(), **choice_json(best),
+            "plan": best.plan.to_dict(), "memory": best.memory.rows(), "time": best.cost.to_dict(),
+            "workload": {"seq_len": work.seq_len, "batch": work.batch, "tokens": work.tokens,
+                         "compute_dtype": work.compute_dtype, "clipping": work.clipping, "spill": work.spill},
+            "disk": {"spill_dir": work.spill_dir, "free_bytes": work.spill_free_bytes,
+                     "read_gbps": hw.disk_read_gbps, "write_gbps": hw.disk_write_gbps},
+            "hardware": {"gpu_name": hw.gpu_name, "source": hw.source}, "plans_considered": chosen.considered}
+    c, p = best.cost, best.plan
+    share = work if ranks is None else data_parallel.rank_workload(work, ranks)   # one rank's batch
+    if p.spill != "none":
+        free = f", {gib(work.spill_free_bytes)} free" if work.spill_free_bytes is not None else ""
+        spill = (f"spill: {spill_text(best)}, in {p.spill_dir} (read {hw.disk_read_gbps:.1f} / write "
+                 f"{hw.disk_write_gbps:.1f} GB/s{free})")
+    else:
+        spill = "spill: nothing on disk" + ("" if work.spill_dir or work.spill == "none"
+                                            else " (pass --spill-dir DIR to allow it)")
+    text = "\n".join([
+        f"{model.name} ({model_shapes.params_label(model.params)} params), {work.batch} x {work.seq_len} tokens "
+        f"per step, {work.compute_dtype}, clipping {'on' if work.clipping else 'off'}",
+        f"hardware: {hardware_line(hw)}",
+        f"  source: {hw.source}", "",
+        f"plan: {p.micro_batch_size} sequences x {share.micro_batches(p.micro_batch_size)} micro-batches, "
+        f"{p.num_slots} slots (prefetch {p.prefetch_depth}), checkpoints on {p.checkpoints}"
+        f"{f' (copied in pieces of {p.checkpoint_piece_tokens} tokens)' if p.checkpoint_piece_tokens else ''}, "
+        f"optimizer {p.optimizer_mode}, loss chunk {p.loss_chunk_tokens} tokens"
+        + (f", MLP tiles of {p.mlp_tile_tokens} tokens" if p.mlp_tile_tokens else "")
+        + (f", attention projection tiles of {p.attention_tile_tokens} tokens" if p.attention_tile_tokens else "")
+        + (f", saved to {saved_to}" if saved_to else ""), spill, "",
+        memory_table(best.memory), "",
+        time_table(c), "",
+        f"step {seconds(c.step_seconds)}, {rate(c.tokens_per_second)}, model {c.model_tflops:.0f} "
+        f"TFLOP/s without attention (6N per token), {with_attention_tflops(c):.0f} with attention FLOPs, "
+        f"MFU {c.mfu:.1%}; bottleneck: {c.bottleneck}; "
+        f"{seconds(1e9 / c.tokens_per_second)} per billion tokens",
+    ])
+    if ranks is not None:
+        data["data_parallel"], more = data_parallel_report.section(model, work, p, hw, ranks)
+        text += "\n\n" + more
+    return data, text

@@ -1,0 +1,43 @@
+"""What one training step moves and computes apart from its timing: the bytes it copies between host and
+device, the bytes it reads and writes on the spill disk, and the attention FLOPs the device runs. Pure stdlib.
+"""
+from __future__ import annotations
+
+from . import spill_placement
+from .buffer_kinds import BufferKind
+from .model_shapes import ModelShape
+from .plan import Plan
+from .workload import Workload
+
+
+def hardware_attention_flops(model: ModelShape, work: Workload) -> float:
+    """The layers' causal-attention FLOPs in one step as the device runs them (inside ``hardware_flops``):
+    T x L x (forward + recompute + backward) = T x L x attention_fwd(seq) x (2 + ATTENTION_BWD_FACTOR)."""
+    return (work.tokens * model.num_layers
+            * (2 * model.attention_flops_fwd(work.seq_len) + model.attention_flops_bwd(work.seq_len)))
+
+
+def traffic(model: ModelShape, work: Workload, plan: Plan) -> tuple[float, float]:
+    """(H2D, D2H) bytes one step moves, the sums of the copies ``estimate`` schedules:
+    H2D = (E + L x layer + head [+ E tied]) x c forward + L x layer x c backward [+ L x T x h x c host ckpts]
+    D2H = (L x layer + E [+ head untied]) x 4 fp32 grads [+ L x T x h x c host ckpts]"""
+    c, L = work.compute_bytes, model.num_layers
+    E, Lw, H = model.numel_embedding, model.numel_layer, model.numel_head
+    ckpt = L * work.tokens * model.hidden_size * c if plan.checkpoints == "host" else 0
+    tied = model.tie_word_embeddings
+    h2d = (E + 2 * L * Lw + H + (E if tied else 0)) * c + ckpt
+    d2h = (L * Lw + E + (0 if tied else H)) * 4 + ckpt
+    return float(h2d), float(d2h)
+
+
+def disk_traffic(model: ModelShape, work: Workload, plan: Plan) -> tuple[float, float]:
+    """Bytes one step reads from and writes to the spill files: every spilled (block, kind) read once and
+    written once (F_k: kind k's file, its spilled blocks rounded up to 4 KiB; sum of F_k each way), plus, in
+    fp32, the loads' reads of the blocks whose master spills (each block's h2d weight bytes x 4: the
+    embedding twice when tied, each layer twice (forward and backward), the head once)."""
+    spilled = spill_placement.Spilled.of(model, plan)
+    read = write = float(sum(spilled.file_bytes(k) for k in spilled.kinds))
+    if work.compute_bytes == 4:
+        loads = [2 if model.tie_word_embeddings else 1] + [2] * model.num_layers + [1]
+        read += sum(loads[b] * spilled.numels[b] * 4 for b in spilled.blocks.get(BufferKind.MASTER, ()))
+    return read, write

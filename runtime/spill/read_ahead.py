@@ -1,0 +1,150 @@
+"""The AdamW worker's spill I/O: each chunk's spilled state staged ahead of its update, across the step boundary
+too, and written back behind it.
+
+[Note: spill read-ahead]
+The worker keeps up to ``spill_staging`` chunks in flight (``depth``): it asks for
+each chunk's staging set when it takes the chunk (``stage``: the reads of the
+chunk's spilled kinds are issued then; the block's kinds in RAM are updated in
+place), updates the oldest once its reads land, and hands it back (``write_behind``);
+a set returns to the pool when its writes finish.
+
+Across the step boundary: every step updates the blocks in one known order, the
+step schedule's (``StepSchedule.update_order``, handed over as plain block
+numbers). Once every job of a step is taken (``taken``), the chunks of the next
+step, in that order, are the ones to read ahead: when the worker's queue runs dry
+(``read_ahead``) their master, m and v (nothing writes those between two updates
+of a block; the gradients are read when the job comes, after their drain's
+writes) go into the sets the worker does not hold, so the disk works while the
+next step's jobs are still being computed (deferred mode: all of backward). A
+chunk is read ahead only once its own update of this step has issued its writes
+(the read waits for them). The job that comes takes its set and adds the gradient
+reads (``SpillFiles.stage_more``). A chunk asked for out of that order (the
+step's order changed), or after a cold-path write to the files (their
+``version`` moved since the read), drops everything read ahead (``discard``)
+and is read afresh.
+
+Bound: the plan's ``spill_staging`` staging sets, the chunks read ahead and those in
+flight together: at most ``spill_staging`` x spilled kinds x one chunk
+(``spill_chunk_numel`` x 4 bytes) of staged state, all in the spill files' staging
+pool; this module allocates no buffer of its own, only the list of the next step's
+chunks (a few integers per chunk).
+"""
+from __future__ import annotations
+
+import collections
+import time
+from typing import NamedTuple, Sequence
+
+from megatrain.planner.buffer_kinds import BufferKind
+
+from megatrain.runtime.device.event_log import EventLog
+from megatrain.runtime.spill.spill_files import SpillFiles, Staged
+
+
+class Piece(NamedTuple):
+    """A chunk of one step's update of a block: elements [lo, lo + n) of block ``block``."""
+
+    step: int
+    block: int
+    lo: int
+    n: int
+
+
+class ReadAhead:
+    """Staging sets for the AdamW worker's chunks, read ahead in the known update order ([Note: spill read-ahead]).
+
+    Used from the worker thread only."""
+
+    def __init__(self, files: SpillFiles, order: Sequence[int], log: EventLog) -> None:
+        self.files = files
+        self.log = log
+        self.order = tuple(order)  # the blocks in the order every step updates them
+        self.wait_seconds = 0.0  # cumulative: blocked issuing reads (every staging set still being written back)
+        self._step, self._taken = 0, 0  # the step whose jobs are being taken, and how many of them so far
+        self._next: collections.deque[Piece] = collections.deque()  # the next step's chunks still to read ahead
+        self._ahead: collections.deque[tuple[Piece, int, Staged]] = collections.deque()  # read ahead, files' version
+        self._held: list[int] = []  # blocks of the chunks staged for their job and not yet written behind
+
+    @property
+    def depth(self) -> int:
+        """Chunks the worker may hold staged at once: the plan's ``spill_staging``."""
+        return self.files.staging.count
+
+    def pieces(self, block: int) -> list[tuple[int, int]]:
+        """The (first element, elements) pieces an update of ``block`` walks: its spill chunks when something of
+        it spills, else the whole block."""
+        if not self.files.spilled(block):
+            return [(0, self.files.numels[block])]
+        return self.files.chunks(block)
+
+    def taken(self, step: int, block: int) -> None:
+        """The worker took ``step``'s job of ``block``; once it took all of them, the next step's chunks of the
+        blocks that spill, in the known order, are the ones to read ahead."""
+        if step != self._step:  # a new step's jobs: what was not read ahead for it is read as they come
+            self._step, self._taken = step, 0
+            self._next.clear()
+        self._taken += 1
+        if self._taken == len(self.order):
+            files = self.files
+            self._next = collections.deque(
+                Piece(step + 1, b, lo, n) for b in self.order if files.spilled(b) for lo, n in files.chunks(b))
+
+    def read_ahead(self) -> None:
+        """Read the next step's first chunks' master, m and v ahead into the sets the worker does not hold (up to
+        ``depth`` held in all); a chunk whose block still has a chunk held for this step waits its turn."""
+        while self._next and len(self._ahead) + len(self._held) < self.depth:
+            piece = self._next[0]
+            if piece.block in self._held:
+                return
+            self._next.popleft()
+            kinds = [k for k in self.files.spilled(piece.block) if k is not BufferKind.GRADS]
+            t0 = time.perf_counter()
+            staged = self.files.stage(piece.block, piece.lo, piece.n, kinds)
+            self.wait_seconds += time.perf_counter() - t0
+            self._ahead.append((piece, self.files.version, staged))
+            self.log.record("spill_read", piece.step, piece.block, lo=piece.lo, phase="ahead")
+
+    def stage(self, step: int, block: int, lo: int, n: int, grads: bool) -> Staged | None:
+        """Block ``block``'s spilled kinds, elements [lo, lo + n), on their way into a staging set for ``step``'s
+        update (the gradients too when ``grads``: they are in their file); None when none of them is on disk.
+        The set read ahead for this chunk when it is next in order and the files did not change since, completed
+        with the gradients; else a fresh read (waits while every set is being written back)."""
+        kinds = [k for k in self.files.spilled(block) if k is not BufferKind.GRADS or grads]
+        if not kinds:
+            return None
+        t0 = time.perf_counter()
+        ahead = self._from_ahead(Piece(step, block, lo, n))
+        if ahead is not None:  # its master, m and v are read or on their way: add what is left (the gradients)
+            staged = self.files.stage_more(block, n, ahead, [k for k in kinds if k not in ahead.buffers])
+        else:
+            staged = self.files.stage(block, lo, n, kinds)
+            self.log.record("spill_read", step, block, lo=lo)
+        self.wait_seconds += time.perf_counter() - t0
+        self._held.append(block)
+        return staged
+
+    def write_behind(self, step: int, block: int, n: int, staged: Staged) -> None:
+        """The chunk's update is done: write its state back behind; its set returns to the pool once written."""
+        self.files.write_behind(block, n, staged)
+        self._held.remove(block)
+        self.log.record("spill_write", step, block, lo=staged.lo)
+
+    def drop(self) -> None:
+        """Discard every set read ahead (their reads land first) and forget the chunks still to read ahead."""
+        while self._ahead:
+            piece, _, staged = self._ahead.popleft()
+            self.files.discard(staged)
+            self.log.record("spill_discard", piece.step, piece.block, lo=piece.lo)
+        self._next.clear()
+
+    def _from_ahead(self, piece: Piece) -> Staged | None:
+        """The set read ahead for ``piece`` if it is the next one read ahead and the files' version is the same;
+        otherwise every set read ahead is dropped (a chunk out of the known order) and None."""
+        if not self._ahead:
+            return None
+        first, version, staged = self._ahead[0]
+        if first == piece and version == self.files.version:
+            self._ahead.popleft()
+            return staged
+        self.drop()
+        return None

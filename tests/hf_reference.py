@@ -1,0 +1,69 @@
+"""Training megatrain against transformers' own model on the same weights (shared by test_hf_parity and
+test_families).
+
+``assert_matches_transformers``: logits within 1e-5 in float32, then a few steps of megatrain against the
+transformers model trained by ``torch.optim.AdamW`` with ``clip_grad_norm_``, losses within 1e-5 each step and
+the parameters within float32 noise after them (``numerics.assert_update_close``; sources of difference:
+transformers' attention kernel and its loss reduction differ in summation order from megatrain's).
+"""
+from __future__ import annotations
+
+import torch
+
+from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
+from numerics import assert_update_close
+
+
+def randomize_norms_and_biases(model: torch.nn.Module) -> None:
+    """Random norms and biases too (transformers initialises them to 1 and 0), so that a misplaced one shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+
+
+def batch(vocab: int, rows: int = 3, seq: int = 20, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [rows, seq] and labels with a quarter of the positions ignored (-100)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, seq), generator=gen)
+    labels = ids.clone()
+    labels[torch.rand(rows, seq, generator=gen) < 0.25] = -100
+    return ids, labels
+
+
+def assert_matches_transformers(vocab_size: int, hf: torch.nn.Module, mt_config: ModelConfig, steps: int = 3) -> None:
+    optimizer = OptimizerConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0)
+    engine = Engine(mt_config, optimizer, plan=Plan(micro_batch_size=1, loss_chunk_tokens=16),
+                    compute_dtype=torch.float32, device="cpu")
+    try:
+        engine.load_state_dict(hf.state_dict())
+        ids, labels = batch(vocab_size)
+
+        with torch.no_grad():
+            expected_logits = hf(ids).logits
+        torch.testing.assert_close(engine.logits(ids), expected_logits, rtol=0, atol=1e-5)
+
+        initial = {n: p.detach().clone() for n, p in hf.named_parameters()}
+        hf_opt = torch.optim.AdamW(hf.parameters(), lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps,
+                                   weight_decay=optimizer.weight_decay)
+        for step in range(steps):
+            ids, labels = batch(vocab_size, seed=step)
+            n_items = int((labels[:, 1:] != -100).sum())
+            hf_loss = 0.0
+            for row in range(ids.shape[0]):  # the same micro-batches, HF's loss summed over the batch's items
+                out = hf(ids[row:row + 1], labels=labels[row:row + 1], num_items_in_batch=n_items)
+                out.loss.backward()
+                hf_loss += out.loss.item()
+            torch.nn.utils.clip_grad_norm_(hf.parameters(), optimizer.max_grad_norm)
+            hf_opt.step()
+            hf_opt.zero_grad()
+            loss = engine.step(ids, labels).item()
+            assert abs(loss - hf_loss) <= 1e-5, (step, loss, hf_loss)
+
+        ours = engine.state_dict()
+        theirs = {n: p.detach() for n, p in hf.named_parameters()}
+        assert_update_close({n: ours[n] for n in theirs}, theirs, initial)
+    finally:
+        engine.close()

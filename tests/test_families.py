@@ -1,0 +1,73 @@
+"""The template every registered model family runs: a tiny model of the family built by transformers, and
+
+- equivalence: megatrain trained against transformers' own model on the same weights (fp32, AdamW, clipping):
+  logits, each step's loss and the weights after the steps within float32 noise (``hf_reference``);
+- Hugging Face round trip: ``save_pretrained`` of a model megatrain built (its config.json written by the family)
+  loads in transformers with the same weights and logits, and reads back as the same ModelConfig;
+- the planner's parameter count (the family's table) is ``sum(p.numel())`` of transformers' model.
+
+A family is found in transformers by its ``model_type`` (``AutoConfig``) and ``architecture``. Seconds per family.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_reference import assert_matches_transformers, batch, randomize_norms_and_biases  # noqa: E402
+from megatrain.models import registry  # noqa: E402
+from megatrain.planner import model_shapes  # noqa: E402
+from megatrain.runtime import Engine, ModelConfig  # noqa: E402
+
+# head_dim 12 differs from hidden / heads, so that a family reading it wrong shows.
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=12, max_position_embeddings=128, rms_norm_eps=1e-6, sliding_window=None)
+FAMILIES = registry.model_types()  # every family registered when the tests are collected
+
+
+def _hf_model(model_type: str, tied: bool):
+    torch.manual_seed(1234)
+    config = transformers.AutoConfig.for_model(model_type, **TINY, tie_word_embeddings=tied)
+    model = getattr(transformers, registry.family(model_type).architecture)(config).float()
+    randomize_norms_and_biases(model)
+    return config, model
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_training_matches_transformers(model_type: str, tied: bool) -> None:
+    config, hf = _hf_model(model_type, tied)
+    mt_config = ModelConfig.from_hf(config.to_dict())
+    assert mt_config.model_type == model_type and mt_config.head_dim == 12
+    assert_matches_transformers(config.vocab_size, hf, mt_config, steps=2)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_save_pretrained_loads_in_transformers(tmp_path, model_type: str) -> None:
+    config, hf = _hf_model(model_type, tied=False)
+    mt_config = ModelConfig.from_hf(config.to_dict())
+    ids, _ = batch(config.vocab_size)
+    with Engine(mt_config, compute_dtype=torch.float32, device="cpu", seed=3) as engine:
+        engine.save_pretrained(tmp_path, dtype=torch.float32)  # no config.json given: the family writes it
+        ours = engine.state_dict()
+        logits = engine.logits(ids)
+    assert ModelConfig.from_hf(tmp_path) == mt_config
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32)
+    assert type(loaded).__name__ == registry.family(model_type).architecture
+    theirs = loaded.state_dict()
+    assert sorted(ours) == sorted(n for n, _ in loaded.named_parameters())
+    for name, tensor in ours.items():
+        assert torch.equal(theirs[name], tensor), name
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_planner_counts_the_parameters_transformers_has(model_type: str, tied: bool) -> None:
+    config, hf = _hf_model(model_type, tied)
+    shape = model_shapes.from_config(config.to_dict())
+    assert shape.params == sum(p.numel() for p in hf.parameters())
+    assert shape.params_layer == sum(p.numel() for p in hf.model.layers[0].parameters())
+

@@ -1,0 +1,90 @@
+"""The plan a ``megatrain-train`` run executes: ``--plan``, else the resumed run's, else the planner's, chosen by
+``plan_request.choose_plan`` exactly as ``megatrain-plan plan`` chooses it (--spill and every other constraint
+in the request, so the plan that runs is the plan the search timed). Spill files go under --spill-dir, else
+OUT/spill."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from megatrain.planner import data_parallel, disk_space, model_shapes, sizing, spill_placement
+from megatrain.planner.hardware import HardwareProfile
+from megatrain.planner.plan import Plan
+from megatrain.planner.plan_request import PlanRequest, choose_plan
+from megatrain.planner.profiler import this_machine
+from megatrain.planner.workload import Workload
+from megatrain.runtime import ModelConfig
+from megatrain.runtime.distributed.process_group import Topology
+
+from . import run_dir
+from .train_config import TrainConfig
+
+
+@dataclass
+class RunPlan:
+    """The plan, how the banner describes it, and what the summary notes about it."""
+
+    plan: Plan
+    description: str
+    notes: list[str] = field(default_factory=list)
+
+
+def choose(c: TrainConfig, values: dict[str, object], out: str, resumed: Plan | None, model: ModelConfig,
+           compute_dtype: str, topology: Topology | None) -> RunPlan:
+    """--plan, else the resumed run's plan (``resumed``), else the planner's for ``model``. --spill forces what
+    spills (auto: the planner decides, or the plan given / resumed keeps its choice). ``values``: the options
+    given explicitly; ``topology``: the ranks under torchrun (None: one process)."""
+    spill_root = c.spill_dir or os.path.join(out, run_dir.SPILL_DIR)
+    research = resumed is not None and values.get("spill") == "auto"
+    if c.plan:
+        plan, description = Plan.load(c.plan), c.plan
+    elif resumed is not None and not research:
+        plan, description = resumed, "the resumed run's"
+    else:
+        return _placed(_search(c, model, compute_dtype, spill_root, topology))
+    spill = plan.spill if c.spill == "auto" else c.spill
+    plan = plan.replace(spill=spill, spill_blocks=plan.spill_blocks if spill == "blocks" else None,
+                        spill_dir=None if spill == "none" else spill_root)
+    return _placed(RunPlan(plan, description))
+
+
+def _search(c: TrainConfig, model: ModelConfig, compute_dtype: str, spill_root: str,
+            topology: Topology | None) -> RunPlan:
+    hw = this_machine()
+    work = Workload(c.seq_len, c.batch, compute_dtype=compute_dtype, clipping=c.max_grad_norm > 0,
+                    spill=c.spill, spill_dir=spill_root, spill_free_bytes=disk_space.free_bytes(spill_root))
+    shape = model_shapes.from_config(model.to_dict(), name=planner_name(c.model))
+    chosen = choose_plan(shape, PlanRequest(work, assume_disk_speed=True), hw, _planner_ranks(hw, topology))
+    notes = []
+    if chosen.disk_speed_assumed:
+        notes.append(f"disk speed not measured: the plan assumes {sizing.ASSUMED_DISK_GBPS:g} GB/s (megatrain-plan "
+                     f"profile --spill-dir {spill_root} measures it)")
+    plan = chosen.plan
+    description = (f"planner (hardware: {hw.source}): micro-batch {plan.micro_batch_size}, {plan.num_slots} slots, "
+                   f"checkpoints on {plan.checkpoints}, {plan.optimizer_mode} optimizer")
+    return RunPlan(plan, description, notes)
+
+
+def planner_name(model: str) -> str | None:
+    """The name megatrain-plan gives ``--model`` (a preset's, or the folder of its config.json), which the plan's
+    workload records; None where megatrain-plan has no name for it (the demo)."""
+    try:
+        return model_shapes.resolve(model).name
+    except (model_shapes.ModelShapeError, OSError, ValueError):
+        return None
+
+
+def _planner_ranks(hw: HardwareProfile, topology: Topology | None) -> data_parallel.Topology | None:
+    """Under torchrun: the ranks as the planner sees them (one rank's plan, the node's RAM shared by its ranks);
+    None for one process."""
+    if topology is None or topology.world_size == 1:
+        return None
+    return data_parallel.topology(hw, topology.local_world_size, topology.world_size // topology.local_world_size)
+
+
+def _placed(run_plan: RunPlan) -> RunPlan:
+    plan = run_plan.plan
+    if plan.spill != "none":
+        kinds = {"optimizer": "AdamW m and v", "all": "master, m, v and grads"}.get(plan.spill)
+        run_plan.description += f", spilling {kinds or spill_placement.label(plan)} to {plan.spill_dir}"
+    return run_plan
