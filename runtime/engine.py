@@ -9,42 +9,33 @@ without waiting for the GPU; call ``.item()`` when you want the number.
 ``state_dict`` / ``load_state_dict`` speak Hugging Face parameter names in float32.
 ``position_ids`` ([B, S], 0 where a document starts, +1 otherwise, as Hugging Face's packed-sequence
 collators write them) keep packed documents apart: RoPE positions restart and attention stays within
-each document (runtime/model/attention.py, [Note: document attention]).
+each document (models/layers/attention.py, [Note: document attention]).
 """
 from __future__ import annotations
 
 import atexit
-import math
 import os
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 import torch
 
 from megatrain.planner.buffer_kinds import placement
-from megatrain.planner.plan import Plan, PlanError, default_plan, shape_digest
+from megatrain.planner.plan import Plan
 
-from megatrain.models.layers.attention import Documents
-from megatrain.runtime.pipeline.head_loss import IGNORE_INDEX, shift_labels
+from megatrain.runtime import state_io
 from megatrain.runtime.config import ModelConfig, OptimizerConfig
-from megatrain.runtime.distributed.collectives import Collectives
-from megatrain.runtime.pipeline.cpu_adamw import AdamHyper
-from megatrain.runtime.errors import ClosedError, ConfigError, InputError
 from megatrain.runtime.device.event_log import EventLog
-from megatrain.runtime.pipeline.executor import Batch, Executor
-from megatrain.runtime.state.host_store import HostStore
-from megatrain.runtime.state.model_state import ModelState
-from megatrain.runtime.paths import user_path
-from megatrain.runtime.distributed.process_group import join as join_ranks, rank_device
-from megatrain.runtime.distributed.sharded_state import ShardedModelState
-from megatrain.runtime.spill.spill_io import make_io
+from megatrain.runtime.distributed.collectives import Collectives
+from megatrain.runtime.engine_arguments import check_arguments
+from megatrain.runtime.errors import ClosedError
+from megatrain.runtime.io.training_checkpoint import CheckpointHandle, engine_settings
 from megatrain.runtime.model.templates import Templates
-
-if TYPE_CHECKING:
-    from megatrain.runtime.io.training_checkpoint import CheckpointHandle, CheckpointWriter
-
-COMPUTE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+from megatrain.runtime.pipeline.executor import Executor
+from megatrain.runtime.spill.spill_io import make_io
+from megatrain.runtime.state.host_store import HostStore
+from megatrain.runtime.step_inputs import StepInputs
 
 # Engines still open at interpreter exit are closed first: a worker thread caught mid-update by the
 # interpreter's shutdown would abort the process ("terminate called without an active exception").
@@ -58,70 +49,36 @@ def _close_open_engines() -> None:
 
 
 class Engine:
-    def __init__(
-        self,
-        model_config: ModelConfig,
-        optimizer: OptimizerConfig | None = None,
-        plan: Plan | None = None,
-        compute_dtype: torch.dtype = torch.bfloat16,
-        device: str | torch.device | None = None,
-        seed: int = 0,
-        *,
-        _skip_init: bool = False,  # from_pretrained / load_checkpoint overwrite every weight anyway
-    ) -> None:
+    """A facade over engine_arguments.py, step_inputs.py, the executor and state_io.py."""
+
+    def __init__(self, model_config: ModelConfig, optimizer: OptimizerConfig | None = None, plan: Plan | None = None,
+                 compute_dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None, seed: int = 0,
+                 *, _skip_init: bool = False) -> None:
+        """``_skip_init``: from_pretrained and load_checkpoint overwrite every weight anyway."""
         self._closed = False  # close() releases whatever of the engine was built; then every method refuses
-        if not isinstance(model_config, ModelConfig):
-            raise ConfigError(
-                f"model_config is a {type(model_config).__name__}; build one with ModelConfig(...) or ModelConfig.from_hf(path)"
-            )
-        self.config = model_config
-        self.optimizer = optimizer if optimizer is not None else OptimizerConfig()
-        if not isinstance(self.optimizer, OptimizerConfig):
-            raise ConfigError(f"optimizer is a {type(self.optimizer).__name__}; pass OptimizerConfig(...)")
-        self.plan = plan if plan is not None else default_plan(self.optimizer.clipping)
-        if not isinstance(self.plan, Plan):
-            raise PlanError(f"plan is a {type(self.plan).__name__}; pass a Plan (e.g. Plan.load('plan.json')) or None")
-        if self.plan.optimizer_mode == "eager" and self.optimizer.clipping:
-            raise PlanError(
-                f"optimizer_mode='eager' cannot clip gradients (max_grad_norm={self.optimizer.max_grad_norm}): "
-                "use optimizer_mode='deferred', or OptimizerConfig(max_grad_norm=None)"
-            )
-        if not isinstance(compute_dtype, torch.dtype) or compute_dtype not in COMPUTE_DTYPES:
-            raise ConfigError(
-                f"compute_dtype={compute_dtype!r} is not supported; use torch.bfloat16 (fast) or torch.float32 (exact)"
-            )
-        self.compute_dtype = compute_dtype
-        if self.plan.workload is not None:  # a plan's memory bounds hold only for the model and dtype it was made for
-            self.plan.workload.check_model(shape_digest(model_config.to_dict()),
-                                           str(compute_dtype).removeprefix("torch."))
-        # Several ranks (a process group, or torchrun's environment): this rank's shards ([Note: collectives]).
-        self.topology = join_ranks()
-        self.device = _pick_device(rank_device(self.topology, device))
-        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**40:
-            raise ConfigError(f"seed={seed!r} must be an integer in [0, 2**40)")
-        self.seed = seed
+        args = check_arguments(model_config, optimizer, plan, compute_dtype, device, seed)
+        self.config, self.optimizer, self.plan = model_config, args.optimizer, args.plan
+        self.compute_dtype, self.topology, self.device, self.seed = compute_dtype, args.topology, args.device, seed
         self.event_log = EventLog()
         self.templates = Templates(model_config, self.optimizer.decays)
-        self.collectives = (None if self.topology is None else
-                            Collectives(self.topology, self.templates.blocks, self.device, self.plan.device_grad_buffers))
+        self.collectives = (None if self.topology is None else Collectives(
+            self.topology, self.templates.blocks, self.device, self.plan.device_grad_buffers))
         store_blocks = self.templates.blocks if self.collectives is None else self.collectives.shards.blocks
         spilled = placement(self.plan, len(store_blocks))  # per kind, the blocks in spill files
-        spilling = bool(spilled)
         self.store = HostStore(
             store_blocks, compute_dtype, full_grads=self.plan.optimizer_mode == "deferred",
             grad_slabs=self.plan.host_grad_slabs, pin=self.device.type == "cuda",
             placement=spilled, spill_dir=self.plan.spill_dir,
-            io=make_io(self.plan.io_backend, self.plan.io_threads, self.plan.io_direct) if spilling else None,
+            io=make_io(self.plan.io_backend, self.plan.io_threads, self.plan.io_direct) if spilled else None,
             staging=self.plan.spill_staging, chunk_bytes=self.plan.spill_chunk_bytes,
         )
         # Whole-state reads and writes (state dicts, Hugging Face files, checkpoints) first settle: see synchronize.
-        self.state = (ModelState(self.templates, self.store, settle=self.synchronize) if self.collectives is None else
-                      ShardedModelState(self.templates, self.store, self.synchronize, self.collectives))
+        self.state, self.state_io = state_io.open_state(self.templates, self.store, self.synchronize, self.collectives)
         if not _skip_init:
             self.state.initialize(seed)
         self.checkpoint_extra: dict | None = None  # the caller's ``extra`` of the checkpoint this engine resumed
         self.skipped_steps: list[int] = []  # steps whose update was skipped for a non-finite gradient
-        self._checkpoint_writer: "CheckpointWriter | None" = None  # created on the first save
+        self.inputs = StepInputs(model_config, self.optimizer, self.plan, self.device, self.topology)
         self.executor = Executor(self.templates, self.store, self.plan, compute_dtype, self.device,
                                  self.optimizer.max_grad_norm, self.event_log, self.collectives)
         _OPEN_ENGINES.add(self)
@@ -138,16 +95,9 @@ class Engine:
         tensor on the device.
         """
         self._check_open()
-        lr = self.optimizer.lr if lr is None else lr
-        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
-            raise InputError(f"lr={lr!r} must be a finite number >= 0 (e.g. 3e-4)")
-        batch = self._batch(input_ids, labels, position_ids)
-        if self.plan.workload is not None:  # host-side shape ints: no device sync
-            self.plan.workload.check_batch(*input_ids.shape)
+        hyper = self.inputs.hyper(lr)
+        batch = self.inputs.step_batch(input_ids, labels, position_ids)
         self._report_skipped()
-        b1, b2 = self.optimizer.betas
-        hyper = AdamHyper(float(lr), b1, b2, self.optimizer.eps, self.optimizer.weight_decay,
-                          self.optimizer.skip_nonfinite)
         return self.executor.train_step(batch, hyper)
 
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -161,10 +111,7 @@ class Engine:
         parallelism every rank passes the same whole batch (not its share, as for ``step``) and gets its loss.
         """
         self._check_open()
-        batch = self._batch(input_ids, labels, position_ids)
-        if self.plan.workload is not None:  # a rank's plan is for its share; evaluation takes the whole batch
-            ranks = 1 if self.topology is None else self.topology.world_size
-            self.plan.workload.check_batch(-(-input_ids.shape[0] // ranks), input_ids.shape[1])
+        batch = self.inputs.evaluation_batch(input_ids, labels, position_ids)
         self._report_skipped()
         return self.executor.evaluate(batch)
 
@@ -211,13 +158,7 @@ class Engine:
         """Evaluation forward: [B, S] ids -> [B, S, vocab] fp32 logits (materialised; keep inputs small).
         ``position_ids``: packed documents, as in ``step``."""
         self._check_open()
-        ids = self._check_ids(input_ids, "input_ids")
-        self._check_seq(ids.shape[1])
-        positions = self._check_positions(position_ids, ids.shape)
-        if positions is None:
-            return self.executor.forward_logits(self._to_device(ids))
-        return self.executor.forward_logits(self._to_device(ids), self._to_device(positions),
-                                            Documents.from_position_ids(positions))
+        return self.executor.forward_logits(*self.inputs.logits_inputs(input_ids, position_ids))
 
     # ------------------------------------------------------------------ weights
     def synchronize(self) -> None:
@@ -266,20 +207,14 @@ class Engine:
     ) -> "Engine":
         """A Hugging Face model directory (config.json + *.safetensors, optional index), streamed tensor by tensor
         into the fp32 masters: peak extra RAM is one tensor (see runtime/io/hf_io.py)."""
-        from megatrain.runtime.io import hf_io
-
-        path = user_path(path, "path")
-        if not os.path.isdir(path):
-            raise InputError(f"{path} is not a directory; pass a Hugging Face model directory (config.json + *.safetensors)")
-        hf_config = hf_io.read_config(path)
-        files = hf_io.find_shards(path)
-        engine = cls(ModelConfig.from_hf(hf_config), optimizer, plan, compute_dtype, device, _skip_init=True)
+        pretrained = state_io.find_pretrained(path)
+        engine = cls(ModelConfig.from_hf(pretrained.hf_config), optimizer, plan, compute_dtype, device, _skip_init=True)
         try:
-            hf_io.load_weights(engine.state, files)
+            state_io.load_pretrained(engine.state, pretrained.files)
         except BaseException:
             engine.close()
             raise
-        engine.hf_config = hf_config
+        engine.hf_config = pretrained.hf_config
         return engine
 
     def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
@@ -287,12 +222,7 @@ class Engine:
         """Write a directory transformers.AutoModelForCausalLM.from_pretrained loads: config.json and safetensors
         shards of at most ``max_shard_bytes`` (plus the index when there are several)."""
         self._check_open()
-        from megatrain.runtime.io import hf_io
-
-        if isinstance(self.state, ShardedModelState):  # rank 0 writes, gathering block by block; every rank calls it
-            self.state.on_first_rank(lambda: hf_io.save_pretrained(self.state, path, dtype, max_shard_bytes))
-        else:
-            hf_io.save_pretrained(self.state, path, dtype, max_shard_bytes)
+        self.state_io.save_pretrained(path, dtype, max_shard_bytes)
 
     def save_checkpoint(self, directory: str | os.PathLike, extra: Mapping[str, object] | None = None,
                         keep: int = 3, blocking: bool = False) -> "CheckpointHandle":
@@ -304,50 +234,28 @@ class Engine:
         The newest ``keep`` checkpoints stay. See runtime/io/training_checkpoint.py for the commit protocol.
         """
         self._check_open()
-        from megatrain.runtime.io import training_checkpoint
-
-        if self._checkpoint_writer is None:
-            self._checkpoint_writer = training_checkpoint.CheckpointWriter()
-        settings = training_checkpoint.engine_settings(self.config, self.optimizer, self.plan, self.compute_dtype,
-                                                       self.seed)
-        if isinstance(self.state, ShardedModelState):  # every rank writes its shards; blocking ([Note: sharded checkpoints])
-            from megatrain.runtime.io import sharded_checkpoint
-
-            path = sharded_checkpoint.save(self.state, self._checkpoint_writer, self.step_count, settings, directory,
-                                           extra, keep)
-            return training_checkpoint.CheckpointHandle(path)  # committed: wait() returns it
-        return self._checkpoint_writer.save(self.state, self.step_count, settings, directory, extra, keep, blocking)
+        settings = engine_settings(self.config, self.optimizer, self.plan, self.compute_dtype, self.seed)
+        return self.state_io.save_checkpoint(self.step_count, settings, directory, extra, keep, blocking)
 
     def wait_for_checkpoint(self) -> str | None:
         """Wait for the checkpoint being written (raising its error, if any); its directory, or None."""
         self._check_open()
-        return None if self._checkpoint_writer is None else self._checkpoint_writer.wait()
+        return self.state_io.wait()
 
     @classmethod
     def load_checkpoint(cls, directory: str | os.PathLike, device: str | torch.device | None = None,
                         plan: Plan | None = None) -> "Engine":
         """Resume: the checkpoint ``directory/latest`` names (or a ``step-<N>`` directory itself), verified against
         its manifest's checksums. ``plan`` replaces the saved plan (e.g. on another machine)."""
-        from megatrain.runtime.io import training_checkpoint
-
-        path = training_checkpoint.resolve(directory)
-        manifest = training_checkpoint.read_manifest(path)
-        args = training_checkpoint.engine_arguments(manifest)
-        if plan is not None:
-            args["plan"] = plan
+        checkpoint = state_io.find_checkpoint(directory)
+        args = checkpoint.arguments if plan is None else {**checkpoint.arguments, "plan": plan}
         engine = cls(**args, device=device, _skip_init=True)
         try:
-            if isinstance(engine.state, ShardedModelState):  # every rank keeps its shards of any world size's checkpoint
-                from megatrain.runtime.io import sharded_checkpoint
-
-                restored = sharded_checkpoint.restore(engine.state, path, manifest)
-            else:
-                restored = training_checkpoint.restore(engine.state, path, manifest)
+            restored = engine.state_io.restore(checkpoint.path, checkpoint.manifest)
         except BaseException:
             engine.close()
             raise
-        engine.executor.step_no = restored.step  # the executor continues from there, every update applied
-        engine.executor.adam.restore(restored.step)
+        engine.executor.restore(restored.step)  # the executor continues from there, every update applied
         engine.checkpoint_extra = restored.extra
         return engine
 
@@ -357,9 +265,9 @@ class Engine:
         if getattr(self, "_closed", True):
             return  # closed already
         self._closed = True
-        writer = getattr(self, "_checkpoint_writer", None)
-        if writer is not None:
-            writer.close()  # a background checkpoint write finishes before the engine goes
+        files = getattr(self, "state_io", None)
+        if files is not None:
+            files.close()  # a background checkpoint write finishes before the engine goes
         executor = getattr(self, "executor", None)
         if executor is not None:
             if self.device.type == "cuda":
@@ -395,112 +303,3 @@ class Engine:
         if getattr(self, "_closed", True):
             raise ClosedError("this Engine is closed (close() or the end of its with-block); "
                               "build a new one, or Engine.load_checkpoint(...) to continue a run")
-
-    def _check_ids(self, t: object, name: str) -> torch.Tensor:
-        if not isinstance(t, torch.Tensor):
-            raise InputError(f"{name} must be a torch.Tensor of token ids, got {type(t).__name__}")
-        if t.dim() != 2:
-            raise InputError(f"{name} has shape {tuple(t.shape)}; expected [batch, seq_len] (use .unsqueeze(0) for one sequence)")
-        if t.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            raise InputError(f"{name} has dtype {t.dtype}; expected an integer tensor (torch.long)")
-        if t.numel() == 0:
-            raise InputError(f"{name} is empty (shape {tuple(t.shape)}); pass at least one token")
-        # Validated on the host: ids outside the vocabulary would fault the device later, far from the cause.
-        host = t.detach().to("cpu", torch.int64)
-        if name == "input_ids":
-            lo, hi = int(host.min()), int(host.max())
-            if lo < 0 or hi >= self.config.vocab_size:
-                raise InputError(
-                    f"input_ids has ids in [{lo}, {hi}] but vocab_size={self.config.vocab_size}; "
-                    "check the tokenizer matches the model"
-                )
-        return host
-
-    def _check_seq(self, seq: int) -> None:
-        window = self.config.sliding_window
-        if window is not None and seq > window:
-            raise InputError(
-                f"seq_len={seq} exceeds sliding_window={window}, which megatrain does not implement; "
-                f"use sequences of at most {window} tokens"
-            )
-
-    def _check_positions(self, position_ids: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
-        """Packed rows' position ids on the host, checked; None when every row is one sequence from 0 (then the
-        step is exactly the one without position ids)."""
-        if position_ids is None:
-            return None
-        if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in (torch.int64, torch.int32,
-                                                                                    torch.int16, torch.uint8):
-            raise InputError(f"position_ids must be an integer torch.Tensor [batch, seq_len], got "
-                             f"{getattr(position_ids, 'dtype', type(position_ids).__name__)}")
-        if position_ids.shape != shape:
-            raise InputError(f"position_ids has shape {tuple(position_ids.shape)} but input_ids has {tuple(shape)}; "
-                             "give one position per token")
-        pos = position_ids.detach().to("cpu", torch.int64)
-        step_ok = (pos[:, 1:] == 0) | (pos[:, 1:] == pos[:, :-1] + 1)
-        if bool((pos[:, 0] != 0).any()) or not bool(step_ok.all()):
-            bad = torch.cat([pos[:, :1] != 0, ~step_ok], dim=1).nonzero()[0].tolist()
-            raise InputError(f"position_ids row {bad[0]} has {int(pos[bad[0], bad[1]])} at token {bad[1]}; each row "
-                             "must be runs of 0, 1, 2, ... (0 where a document starts, the previous + 1 otherwise)")
-        if not bool((pos[:, 1:] == 0).any()):
-            return None
-        return pos
-
-    def _batch(self, input_ids: torch.Tensor, labels: torch.Tensor,
-               position_ids: torch.Tensor | None = None) -> Batch:
-        ids = self._check_ids(input_ids, "input_ids")
-        lab = self._check_ids(labels, "labels")
-        if lab.shape != ids.shape:
-            raise InputError(
-                f"labels has shape {tuple(lab.shape)} but input_ids has {tuple(ids.shape)}; "
-                "they must match (labels are shifted inside, as in Hugging Face)"
-            )
-        bad = (lab != IGNORE_INDEX) & ((lab < 0) | (lab >= self.config.vocab_size))
-        if bool(bad.any()):
-            value = int(lab[bad][0])
-            raise InputError(
-                f"labels holds {value}, outside [0, {self.config.vocab_size}) and not -100 (ignored); "
-                "check the tokenizer or mask with -100"
-            )
-        self._check_seq(ids.shape[1])
-        shifted = shift_labels(lab)
-        n_tokens = int((shifted != IGNORE_INDEX).sum())
-        if n_tokens == 0:
-            raise InputError("labels leave no token to predict (all -100 after the shift); check the masking")
-        positions = self._check_positions(position_ids, ids.shape)
-        mbs = self.plan.micro_batch_size
-        micro = [slice(s, min(s + mbs, ids.shape[0])) for s in range(0, ids.shape[0], mbs)]
-        return Batch(
-            input_ids=self._to_device(ids),
-            labels=self._to_device(shifted),
-            n_tokens=self._to_device(torch.tensor(n_tokens)),
-            micro=micro,
-            position_ids=None if positions is None else self._to_device(positions),
-            documents=None if positions is None else [Documents.from_position_ids(positions[rows]) for rows in micro],
-        )
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """Host tensor -> device without a host sync: a copy from pageable memory would wait for the
-        stream's queued work (the previous step), so it goes through pinned memory, which torch's
-        pinned allocator keeps until the copy is done."""
-        if self.device.type != "cuda":
-            return t
-        # Contiguous first: a strided pinned tensor would be copied through pageable memory.
-        return t.contiguous().pin_memory().to(self.device, non_blocking=True)
-
-
-def _pick_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ConfigError(f"device={device!r} is not a device; use 'cuda', 'cuda:0', 'cpu' or None (auto)") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("device='cuda' but torch sees no CUDA GPU; use device=None (auto) or 'cpu'")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    elif dev.type != "cpu":
-        raise ConfigError(f"device={device!r} is not supported; use 'cuda' or 'cpu'")
-    return dev

@@ -18,7 +18,7 @@ import torch
 
 from megatrain.runtime import CheckpointError, Engine, MegatrainError, ModelConfig, OptimizerConfig
 from megatrain.runtime.io import checkpoint_format
-from megatrain.runtime.io import training_checkpoint
+from megatrain.runtime.io import checkpoint_directory
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2)
 DISK_FULL = ValueError('RESOURCE_EXHAUSTED: Error writing local file "c/0": No space left on device [OS error: 28]')
@@ -183,7 +183,7 @@ def test_a_failed_prune_says_the_new_checkpoint_is_saved(tmp_path, monkeypatch) 
 
     with make_engine() as engine:
         engine.step(*batch(0))
-        monkeypatch.setattr(training_checkpoint, "_prune", refuse)
+        monkeypatch.setattr(checkpoint_directory, "prune", refuse)
         with pytest.raises(CheckpointError, match="step-00000001 is saved, but removing older ones") as err:
             engine.save_checkpoint(tmp_path).wait()
         assert "\n" not in str(err.value)

@@ -44,7 +44,7 @@ from megatrain.planner.buffer_kinds import BufferKind
 from megatrain.runtime.io import checkpoint_format
 from megatrain.runtime.io.checkpoint_format import ARRAYS, CRC_CHUNK_BYTES, Crc32s
 from megatrain.runtime.errors import CheckpointError, InputError
-from megatrain.runtime.io.training_checkpoint import CheckpointWriter, Restored
+from megatrain.runtime.io.training_checkpoint import CheckpointWriter, Restored, restore as restore_checkpoint
 
 if TYPE_CHECKING:
     from megatrain.runtime.distributed.sharded_state import ShardedModelState
@@ -129,7 +129,8 @@ def _write_pieces(state: "ShardedModelState", path: str, kind: BufferKind) -> li
         pos = 0  # cut at shard-file and CRC boundaries
         while pos < piece.numel():
             at = lo + pos
-            end = min(lo + piece.numel(), (at // outer + 1) * outer, (at * 4 // CRC_CHUNK_BYTES + 1) * CRC_CHUNK_BYTES // 4)
+            end = min(lo + piece.numel(), (at // outer + 1) * outer,
+                      (at * 4 // CRC_CHUNK_BYTES + 1) * CRC_CHUNK_BYTES // 4)
             part = piece[pos:end - lo]
             if at // outer != txn_shard:
                 if txn is not None:
@@ -211,26 +212,8 @@ def _gf2_square(mat: list[int]) -> list[int]:
 # ---------------------------------------------------------------------- loading
 def restore(state: "ShardedModelState", path: str, manifest: dict[str, Any]) -> Restored:
     """Every rank: read the checkpoint at ``path`` (any world size's) and keep this rank's shard of every block."""
-    try:
-        if manifest["tensors"] != state.tensor_table():
-            raise InputError(f"{path}: the checkpoint's parameter layout differs from this megatrain's; "
-                             "load it with the megatrain version that wrote it")
-        state.settle()
-        with cf.ThreadPoolExecutor(1, thread_name_prefix="megatrain-checkpoint-crc") as crc_worker:
-            for name in ARRAYS:
-                _read_array(state, path, manifest["arrays"][name], BufferKind(name), crc_worker)
-        block_steps = manifest["engine"]["block_steps"]
-        if len(block_steps) != len(state.steps):
-            raise InputError(f"{path}: the manifest has step counts for {len(block_steps)} blocks, the model has "
-                             f"{len(state.steps)}; the checkpoint is corrupt: load the previous step directory instead")
-        state.set_steps(block_steps)
-        for b in range(len(block_steps)):
-            state.store.refresh_shadow(b)
-        state.hf_config = manifest["engine"]["hf_config"]
-        return Restored(int(manifest["engine"]["step_count"]), manifest["extra"])
-    except (KeyError, TypeError, AttributeError, IndexError):
-        raise InputError(f"{os.path.join(path, checkpoint_format.MANIFEST)} is corrupt (a field is missing or of the "
-                         "wrong type); load the previous step directory instead") from None
+    return restore_checkpoint(state, path, manifest, lambda name, meta, crc_worker: _read_array(
+        state, path, meta, BufferKind(name), crc_worker))
 
 
 def _read_array(state: "ShardedModelState", path: str, meta: dict[str, Any], kind: BufferKind,

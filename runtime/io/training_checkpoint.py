@@ -50,7 +50,6 @@ import concurrent.futures as cf
 import errno
 import json
 import os
-import re
 import shutil
 import threading
 import time
@@ -61,7 +60,8 @@ import torch
 
 from megatrain.planner.plan import Plan
 
-from megatrain.runtime.io import checkpoint_format
+from megatrain.runtime.io import checkpoint_directory, checkpoint_format
+from megatrain.runtime.io.checkpoint_directory import resolve
 from megatrain.runtime.io.checkpoint_format import ARRAYS, DTYPE_NAMES, MANIFEST, live_arrays, read_manifest
 from megatrain.runtime.config import ModelConfig, OptimizerConfig
 from megatrain.runtime.errors import CheckpointError, ConfigError, InputError, MegatrainError
@@ -73,11 +73,10 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointHandle", "CheckpointWriter", "Restored", "engine_arguments", "engine_settings",
            "read_manifest", "resolve", "restore"]
 
-LATEST = "latest"
-RESAVE = ".resave"  # a re-saved step's new copy while it replaces the old one
-_STEP_DIR = re.compile(r"step-(\d+)(?:\.resave)?")
 # Writes the checkpoint's arrays into the step's ``*.tmp`` directory; returns the manifest's ``arrays`` entries.
 WriteArrays = Callable[[str], dict[str, Any]]
+# Reads one array (its name and manifest entry) into the state, checking its CRC32s on the given worker.
+ReadArray = Callable[[str, dict[str, Any], cf.Executor], None]
 
 
 class Restored(NamedTuple):
@@ -200,13 +199,8 @@ def _check_extra(extra: Mapping[str, Any] | None) -> Any:
     try:
         return json.loads(json.dumps(extra, allow_nan=False))  # a deep copy the caller cannot mutate any more
     except (TypeError, ValueError) as e:
-        raise InputError(f"extra is not JSON-serialisable ({e}); pass plain dicts, lists, str, int, finite float") from None
-
-
-def _fsync_tree(path: str) -> None:
-    for root, _, names in os.walk(path):
-        for n in names:
-            _fsync_file(os.path.join(root, n))
+        raise InputError(f"extra is not JSON-serialisable ({e}); pass plain dicts, lists, str, int, "
+                         "finite float") from None
 
 
 def _commit(handle: CheckpointHandle, directory: str, step: int, arrays: Mapping[str, Any],
@@ -217,44 +211,32 @@ def _commit(handle: CheckpointHandle, directory: str, step: int, arrays: Mapping
     tmp = final + ".tmp"
     made_tmp = False
     try:
-        _finish_interrupted_resaves(directory)  # first: afterwards no *.tmp can be the only copy of a step
-        for name in os.listdir(directory):  # leftovers of crashed writes (one writer per directory)
-            if name.endswith(".tmp") and os.path.isdir(os.path.join(directory, name)):
-                shutil.rmtree(os.path.join(directory, name))
+        checkpoint_directory.clear_leftovers(directory)
         os.makedirs(tmp)
         made_tmp = True
         manifest["arrays"] = {} if write_arrays is None else write_arrays(tmp)
         with cf.ThreadPoolExecutor(1, thread_name_prefix="megatrain-checkpoint-fsync") as fsyncs:
             flushed = []
-            for name, t in (arrays.items() if write_arrays is None else ()):  # one after another: each one's writeback overlaps the next's encoding
+            # one after another: each one's writeback overlaps the next's encoding
+            for name, t in (arrays.items() if write_arrays is None else ()):
                 manifest["arrays"][name] = checkpoint_format.write_named_array(tmp, name, t)
-                flushed.append(fsyncs.submit(_fsync_tree, os.path.join(tmp, name)))
+                flushed.append(fsyncs.submit(checkpoint_directory.fsync_tree, os.path.join(tmp, name)))
             for f in flushed:
                 f.result()
         files = {}  # every file fsynced again (clean by now: cheap), every directory, the sizes
         for root, dirs, names in os.walk(tmp):
             for n in names:
                 full = os.path.join(root, n)
-                _fsync_file(full)
+                checkpoint_directory.fsync_file(full)
                 files[os.path.relpath(full, tmp).replace(os.sep, "/")] = os.path.getsize(full)
             for d in dirs:
-                _fsync_dir(os.path.join(root, d))
+                checkpoint_directory.fsync_dir(os.path.join(root, d))
         manifest["files"] = dict(sorted(files.items()))
-        _write_durably(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1, allow_nan=False) + "\n")
-        _fsync_dir(tmp)
+        checkpoint_directory.write_durably(os.path.join(tmp, MANIFEST),
+                                           json.dumps(manifest, indent=1, allow_nan=False) + "\n")
+        checkpoint_directory.fsync_dir(tmp)
         made_tmp = False  # complete from here on: never removed as a failed write
-        if _is_complete(final):  # re-saving a step (e.g. after loading it): the old copy stays until the switch
-            os.rename(tmp, final + RESAVE)
-            _fsync_dir(directory)
-            _switch_resave(directory, os.path.basename(final))
-        else:
-            if os.path.lexists(final):  # an incomplete directory under the final name: never a checkpoint
-                _remove(directory, os.path.basename(final))
-            # latest first: no complete step directory is ever newer than the one latest names (until the rename,
-            # latest names a directory not there yet, and readers take the newest complete one: the previous)
-            _point_latest(directory, os.path.basename(final))
-            os.rename(tmp, final)
-            _fsync_dir(directory)
+        checkpoint_directory.publish(directory, tmp, final)
     except BaseException as e:
         if made_tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -262,7 +244,7 @@ def _commit(handle: CheckpointHandle, directory: str, step: int, arrays: Mapping
         handle.write_s = time.perf_counter() - start
         return
     try:  # committed: an error from here on concerns only the older checkpoints beyond ``keep``
-        _prune(directory, os.path.basename(final), keep)
+        checkpoint_directory.prune(directory, os.path.basename(final), keep)
     except BaseException as e:
         reason = (e.strerror or str(e)) if isinstance(e, OSError) else _one_line(e)
         handle.fail(e if not isinstance(e, Exception) else CheckpointError(
@@ -270,46 +252,6 @@ def _commit(handle: CheckpointHandle, directory: str, step: int, arrays: Mapping
             "remove them by hand"))
     finally:
         handle.write_s = time.perf_counter() - start
-
-
-def _is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, MANIFEST))
-
-
-def _point_latest(directory: str, name: str) -> None:
-    """``latest`` names ``name``, atomically and durably."""
-    _write_durably(os.path.join(directory, LATEST + ".tmp"), name + "\n")
-    os.replace(os.path.join(directory, LATEST + ".tmp"), os.path.join(directory, LATEST))
-    _fsync_dir(directory)
-
-
-def _remove(directory: str, name: str) -> None:
-    """Remove a step directory: renamed to ``*.tmp`` first, so readers never see it half deleted."""
-    doomed = os.path.join(directory, name + ".deleting.tmp")
-    os.rename(os.path.join(directory, name), doomed)
-    _fsync_dir(directory)
-    shutil.rmtree(doomed)
-
-
-def _switch_resave(directory: str, name: str) -> None:
-    """``name + RESAVE`` (complete, the newer copy of the step) replaces ``name``; at every moment one of the two
-    is complete and ``latest`` names it or the other spelling (see [Note: checkpoint commit protocol])."""
-    _point_latest(directory, name + RESAVE)
-    if os.path.lexists(os.path.join(directory, name)):
-        _remove(directory, name)
-    os.rename(os.path.join(directory, name + RESAVE), os.path.join(directory, name))
-    _fsync_dir(directory)
-    _point_latest(directory, name)
-
-
-def _finish_interrupted_resaves(directory: str) -> None:
-    """A crash during a re-save leaves a complete ``step-<N>.resave``: it is the newer copy, so it takes over."""
-    for entry in sorted(os.listdir(directory)):
-        if entry.endswith(RESAVE) and _STEP_DIR.fullmatch(entry):
-            if _is_complete(os.path.join(directory, entry)):
-                _switch_resave(directory, entry[:-len(RESAVE)])
-            else:
-                _remove(directory, entry)
 
 
 def _one_line(err: BaseException) -> str:
@@ -357,63 +299,7 @@ def _make_directory(directory: Any) -> str:
     return path
 
 
-def _prune(directory: str, newest: str, keep: int) -> None:
-    complete = [(step, name) for step, name in _complete(directory) if name != newest]
-    for _, name in complete[:max(0, len(complete) - (keep - 1))]:
-        _remove(directory, name)  # invisible to readers before any file goes
-
-
-def _complete(directory: str) -> list[tuple[int, str]]:
-    """(step, name) of the complete step directories, oldest first."""
-    return sorted((int(m.group(1)), name) for name in os.listdir(directory)
-                  if (m := _STEP_DIR.fullmatch(name)) and os.path.isfile(os.path.join(directory, name, MANIFEST)))
-
-
-def _write_durably(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    _fsync_file(path)
-
-
 # ---------------------------------------------------------------------- reading
-def resolve(directory: str | os.PathLike) -> str:
-    """The complete step directory to load: ``directory`` itself, the one ``latest`` names, or the newest complete."""
-    directory = user_path(directory, "directory")
-    if os.path.isfile(os.path.join(directory, MANIFEST)):
-        if directory.rstrip("/").endswith(".tmp"):
-            raise InputError(f"{directory} is an unfinished checkpoint (*.tmp); load its parent directory instead")
-        return directory
-    if not os.path.isdir(directory):
-        raise InputError(f"no checkpoint directory at {directory}; pass the directory save_checkpoint wrote")
-    latest = os.path.join(directory, LATEST)
-    if os.path.isfile(latest):
-        with open(latest, encoding="utf-8") as f:
-            name = f.read().strip()
-        if _STEP_DIR.fullmatch(name):  # mid-switch of a re-save, the other spelling is the complete one
-            other = name[:-len(RESAVE)] if name.endswith(RESAVE) else name + RESAVE
-            for candidate in (name, other):
-                if os.path.isfile(os.path.join(directory, candidate, MANIFEST)):
-                    return os.path.join(directory, candidate)
-    complete = _complete(directory)
-    if not complete:
-        raise InputError(f"no complete checkpoint in {directory} (a step-<N> directory with {MANIFEST}); "
-                         "pass the directory save_checkpoint wrote")
-    return os.path.join(directory, complete[-1][1])
-
-
 def engine_arguments(manifest: dict[str, Any]) -> dict[str, Any]:
     """Engine(...) keyword arguments recorded in a manifest."""
     e = manifest["engine"]
@@ -428,31 +314,32 @@ def engine_arguments(manifest: dict[str, Any]) -> dict[str, Any]:
                          "load it with the megatrain that wrote it") from None
 
 
-def restore(state: "ModelState", path: str, manifest: dict[str, Any]) -> Restored:
+def restore(state: "ModelState", path: str, manifest: dict[str, Any],
+            read_array: ReadArray | None = None) -> Restored:
     """Read the arrays of a step directory into the model state, verify their CRC32s, restore the AdamW step
-    counts and the Hugging Face config; what the training loop continues from."""
+    counts and the Hugging Face config; what the training loop continues from. ``read_array``: reads each
+    array instead (a data-parallel rank's shards: sharded_checkpoint.py)."""
     try:
-        return _restore(state, path, manifest)
+        if manifest["tensors"] != state.tensor_table():
+            raise InputError(f"{path}: the checkpoint's parameter layout differs from this megatrain's; "
+                             "load it with the megatrain version that wrote it")
+        state.settle()
+        with cf.ThreadPoolExecutor(1, thread_name_prefix="megatrain-checkpoint-crc") as crc_worker:
+            for name in ARRAYS:
+                if read_array is None:
+                    checkpoint_format.read_array(path, manifest["arrays"][name], state.store, name, crc_worker)
+                else:
+                    read_array(name, manifest["arrays"][name], crc_worker)
+        block_steps = manifest["engine"]["block_steps"]
+        if len(block_steps) != len(state.steps):
+            raise InputError(f"{path}: the manifest has step counts for {len(block_steps)} blocks, the model has "
+                             f"{len(state.steps)}; the checkpoint is corrupt: load the previous step directory "
+                             "instead")
+        state.set_steps(block_steps)
+        for b in range(len(block_steps)):
+            state.store.refresh_shadow(b)
+        state.hf_config = manifest["engine"]["hf_config"]
+        return Restored(int(manifest["engine"]["step_count"]), manifest["extra"])
     except (KeyError, TypeError, AttributeError, IndexError):
         raise InputError(f"{os.path.join(path, MANIFEST)} is corrupt (a field is missing or of the wrong type); "
                          "load the previous step directory instead") from None
-
-
-def _restore(state: "ModelState", path: str, manifest: dict[str, Any]) -> Restored:
-    if manifest["tensors"] != state.tensor_table():
-        raise InputError(f"{path}: the checkpoint's parameter layout differs from this megatrain's; "
-                         "load it with the megatrain version that wrote it")
-    state.settle()
-    store = state.store
-    with cf.ThreadPoolExecutor(1, thread_name_prefix="megatrain-checkpoint-crc") as crc_worker:
-        for name in ARRAYS:
-            checkpoint_format.read_array(path, manifest["arrays"][name], store, name, crc_worker)
-    block_steps = manifest["engine"]["block_steps"]
-    if len(block_steps) != len(state.steps):
-        raise InputError(f"{path}: the manifest has step counts for {len(block_steps)} blocks, the model has "
-                         f"{len(state.steps)}; the checkpoint is corrupt: load the previous step directory instead")
-    state.set_steps(block_steps)
-    for b in range(len(block_steps)):
-        store.refresh_shadow(b)
-    state.hf_config = manifest["engine"]["hf_config"]
-    return Restored(int(manifest["engine"]["step_count"]), manifest["extra"])

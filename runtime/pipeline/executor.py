@@ -12,37 +12,45 @@ Weight traffic per step is fixed; compute grows with the number of micro-batches
 The loads, in order, are step_schedule.py's ([Note: load sequence]); each block
 computes inside ``with loader.resident(load)``.
 
-Per-parameter gradient norms go into one device vector as each block finishes
-(no host sync); clipping uses them as ``clip_grad_norm_`` does. The host waits
-only where a CPU thread must: the AdamW worker for a drain, and a block's next
-load for its update.
+Training, evaluation and logits share one forward loop (``_forward``), so an
+evaluation's loss is the same bits as the loss a step on that batch reports.
+What happens to a block's gradient once computed (norms, drain, AdamW update,
+clipping) is block_updates.py's. The host waits only where a CPU thread must:
+the AdamW worker for a drain, and a block's next load for its update.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, ContextManager
 
 import torch
 from torch.profiler import record_function
 
 from megatrain.planner.plan import Plan
 
-from megatrain.runtime.pipeline.activation_checkpoints import DeviceCheckpoints, HostCheckpoints
 from megatrain.models.layers.attention import Documents
-from megatrain.runtime.distributed.collectives import Collectives
-from megatrain.runtime.pipeline.cpu_adamw import AdamHyper, AdamJob, AdamWorker
+
 from megatrain.runtime.device.event_log import EventLog
+from megatrain.runtime.device.streams import Streams
+from megatrain.runtime.distributed.collectives import Collectives
+from megatrain.runtime.model.templates import Block, BlockKind, Templates
+from megatrain.runtime.pipeline.activation_checkpoints import DeviceCheckpoints, HostCheckpoints
+from megatrain.runtime.pipeline.block_updates import BlockUpdates, PendingUpdate
+from megatrain.runtime.pipeline.cpu_adamw import AdamHyper, AdamWorker
 from megatrain.runtime.pipeline.grad_buffers import GradBuffers
 from megatrain.runtime.pipeline.head_loss import chunked_logits, head_forward_backward, head_loss
-from megatrain.runtime.state.host_store import HostStore
-from megatrain.models.layers.rope import attention_scaling, inverse_frequencies, rotary_tables
+from megatrain.runtime.pipeline.rotary_positions import Positions, RotaryPositions
 from megatrain.runtime.pipeline.sequence_tiles import tiled_layer_backward
-from megatrain.runtime.pipeline.step_schedule import evaluation_schedule, training_schedule
+from megatrain.runtime.pipeline.step_schedule import StepSchedule, evaluation_schedule, training_schedule
 from megatrain.runtime.pipeline.step_timer import StepTimer
-from megatrain.runtime.device.streams import Event, Streams
-from megatrain.runtime.model.templates import Block, BlockKind, Templates
 from megatrain.runtime.pipeline.weight_slots import WeightLoader, WeightSlots
+from megatrain.runtime.state.host_store import HostStore
+
+__all__ = ["Batch", "Executor", "Positions"]
+
+HeadNorm = Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]  # the head's final norm(params, x)
 
 
 @dataclass
@@ -57,43 +65,19 @@ class Batch:
     documents: list[Documents | None] | None = None
 
 
-# What a layer takes besides its input, per micro-batch: cos, sin and the documents (None: the whole row).
-Positions = tuple[torch.Tensor, torch.Tensor, "Documents | None"]
-
-
-class PendingUpdate(NamedTuple):
-    """A deferred-mode block update: submitted after backward, in forward order, with the clip coefficient."""
-    block: Block
-    grads: torch.Tensor | None  # fp32 host [numel] the drain writes; None: AdamW reads them from the grads file
-    grads_ready: Event  # the drain's completion
-    release: Callable[[], None] | None  # gives the grads' host slab back once AdamW has read it (eager / spilled)
-
-
 class Executor:
-    def __init__(
-        self,
-        templates: Templates,
-        store: HostStore,
-        plan: Plan,
-        compute_dtype: torch.dtype,
-        device: torch.device,
-        max_grad_norm: float | None,
-        log: EventLog,
-        collectives: Collectives | None = None,
-    ) -> None:
+    def __init__(self, templates: Templates, store: HostStore, plan: Plan, compute_dtype: torch.dtype,
+                 device: torch.device, max_grad_norm: float | None, log: EventLog,
+                 collectives: Collectives | None = None) -> None:
         self.templates, self.store, self.plan = templates, store, plan
         # Data parallel ([Note: collectives]): the store holds this rank's shards, a slot a whole padded block.
         self.dist = collectives
         slot_numel = store.max_block_numel if collectives is None else collectives.shards.slot_numel
         self.config = templates.config
         self.compute_dtype, self.device = compute_dtype, device
-        self.max_grad_norm = max_grad_norm
-        self.eager = plan.optimizer_mode == "eager"
         self.log = log
         self.streams = Streams(device) if collectives is None else collectives.streams
         self.timer = StepTimer(self.streams.cuda)
-        pin = device.type == "cuda"
-        blocks = templates.blocks
         self.slots = WeightSlots(plan.num_slots, slot_numel, compute_dtype, device, self.streams)
         self.grad_buffers = GradBuffers(plan.device_grad_buffers, slot_numel, device, self.streams, self.timer)
         self.schedule = training_schedule(templates)  # the step's loads: [Note: load sequence]
@@ -102,14 +86,15 @@ class Executor:
         # own in backward; one extra fp32 buffer of the embedding's size, resident for the whole step.
         self.tied_grad = (torch.zeros(self._grad_numel(templates.embed), dtype=torch.float32, device=device)
                           if self.schedule.tied else None)
-        self.tied_drained: Event = self.streams.event()
         self.checkpoints: DeviceCheckpoints | HostCheckpoints = (
-            HostCheckpoints(plan.checkpoint_piece_tokens, compute_dtype, device, self.streams, pin, self.timer, log)
+            HostCheckpoints(plan.checkpoint_piece_tokens, compute_dtype, device, self.streams, device.type == "cuda",
+                            self.timer, log)
             if plan.checkpoints == "host" else DeviceCheckpoints()
         )
-        self.adam = AdamWorker(store, self.schedule.update_order(self.eager), log)  # its jobs come in this order
-        # What AdamW updates of each block: the whole layout, or this rank's shard of it.
-        self.adam_layouts = [b.layout for b in (blocks if collectives is None else collectives.shards.blocks)]
+        eager = plan.optimizer_mode == "eager"
+        self.adam = AdamWorker(store, self.schedule.update_order(eager), log)  # its jobs come in this order
+        self.updates = BlockUpdates(templates, store, self.adam, self.grad_buffers, self.streams, self.timer, log,
+                                    eager, max_grad_norm, device, collectives)
         if store.spill_files is not None:
             files, adam = store.spill_files, self.adam
             self.timer.counters = lambda: {  # noqa: E731  [Note: roofline]: the disk's busy and wait seconds
@@ -119,22 +104,21 @@ class Executor:
         self.loader = WeightLoader(self.slots, store, self.streams, plan.prefetch_depth, self._wait_updated,
                                    log, self.timer,
                                    fill=None if collectives is None else collectives.fill_slot)
-        order = {name: i for i, name in enumerate(templates.hf_parameter_order())}
-        self.norm_index = [torch.tensor([order[e.hf_name] for e in b.layout.entries], device=device) for b in blocks]
-        # Per-parameter gradient norms in model.parameters() order, filled as blocks finish.
-        self.norms = torch.zeros(len(order), dtype=torch.float32, device=device)
-        # The clip coefficient: a device scalar of its own (a temporary could be reused by the allocator
-        # before its D2H ran), copied to (pinned) host memory for the AdamW worker; rewritten only after
-        # the compute stream waited for the previous copy.
-        self.clip_dev = torch.zeros((), dtype=torch.float32, device=device)
-        self.clip_host = torch.zeros((), dtype=torch.float32, pin_memory=pin)
-        self.clip_copied: Event = self.streams.event()
-        self.grad_norm: torch.Tensor | None = None
+        self.rotary = RotaryPositions(self.config, device)
         # Predicted tokens of the last step's (or evaluation's) rows whose argmax is their label: [] int64.
         self.correct = torch.zeros((), dtype=torch.int64, device=self.device)
         self.mlp_tile = plan.mlp_tile_tokens or 0  # [Note: sequence tiles]
         self.attention_tile = plan.attention_tile_tokens or 0
-        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per length: fp32 cos, sin (rope.py)
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The last step's global gradient norm (before clipping), a device scalar."""
+        return self.updates.grad_norm
+
+    def restore(self, step: int) -> None:
+        """Continue from optimizer step ``step`` of a checkpoint, every update up to it applied."""
+        self.step_no = step
+        self.adam.restore(step)
 
     # ------------------------------------------------------------------ the step
     def train_step(self, batch: Batch, hyper: AdamHyper) -> torch.Tensor:
@@ -146,44 +130,34 @@ class Executor:
         if self.dist is not None:  # every rank divides its loss by the global count of predicted tokens
             self.dist.begin_step()
             batch.n_tokens = self.dist.all_reduce_sum(batch.n_tokens)
-        positions = self._positions(batch.input_ids.shape[1], batch.micro, batch.position_ids, batch.documents)
+        positions = self._positions(batch)
         self.checkpoints.begin(len(s.layers), *batch.input_ids.shape, self.config.hidden_size, batch.micro)
         self.loader.start(step, s.loads)
         pending: list[PendingUpdate] = []  # deferred mode: submitted once the global norm is known
 
         # ---- forward: embedding, then each layer (saving its inputs)
-        with torch.no_grad():
-            with self.loader.resident(s.embed) as params, record_function(f"fwd[{s.embed.block.index}]"):
-                x = [self.templates.run(BlockKind.EMBED, params, batch.input_ids[rows]) for rows in batch.micro]
-            for load in s.layers:
-                with self.loader.resident(load) as params, record_function(f"fwd[{load.block.index}]"):
-                    for m, rows in enumerate(batch.micro):
-                        self.checkpoints.save(load.layer, m, rows, x[m])
-                        x[m] = self._layer_forward(params, x[m], positions[m])
+        x = self._forward(s, batch.input_ids, batch.micro, positions, training=True)
         self.checkpoints.flush()
 
         # ---- head: loss and its gradient at once, chunk by chunk (with a tied lm_head, the embedding's table)
         head = s.head.block
         with self.loader.resident_together(s.head_loads) as held:
-            head_params = held[0]
             g_index, g_buf = self.grad_buffers.acquire(self._grad_numel(head))
             g_views = head.layout.views(g_buf)
             lm_weight, lm_grad = s.lm_weight(held), self._lm_grad(g_views)
-            norm_params = {k: v for k, v in head_params.items() if k.startswith("norm.")}
+            norm, norm_params = self._head_norm(held[0])
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
             dy: list[torch.Tensor] = []
             with record_function(f"head[{head.index}]"):
                 for m, rows in enumerate(batch.micro):
-                    out = head_forward_backward(
-                        lambda p, h: self.templates.run(BlockKind.HEAD, {**head_params, **p}, h), norm_params,
-                        lm_weight, x[m], batch.labels[rows], batch.n_tokens, self.plan.loss_chunk_tokens, lm_grad,
-                        self.correct)
+                    out = head_forward_backward(norm, norm_params, lm_weight, x[m], batch.labels[rows],
+                                                batch.n_tokens, self.plan.loss_chunk_tokens, lm_grad, self.correct)
                     loss = loss + out.loss
                     dy.append(out.dx)
                     for name, g in out.norm.items():
                         g_views[name].add_(g)
             del x
-        pending += self._finish_block(step, head, g_index, g_buf, hyper)
+        pending += self.updates.finish(step, head, g_index, g_buf, hyper)
 
         # ---- backward: recompute each layer from its checkpoint, backprop dy
         for load in s.backward:
@@ -195,7 +169,7 @@ class Executor:
                     for m, rows in enumerate(batch.micro):
                         x_in = self.checkpoints.get(load.layer, m, rows)
                         dy[m] = self._layer_backward(layer, params, x_in, dy[m], positions[m], g_list)
-            pending += self._finish_block(step, layer, g_index, g_buf, hyper)
+            pending += self.updates.finish(step, layer, g_index, g_buf, hyper)
 
         # ---- embedding backward: a scatter-add of dy into the rows used; no weights needed
         embed = s.embed.block
@@ -211,14 +185,38 @@ class Executor:
                 table.add_(torch.ops.aten.embedding_dense_backward(
                     dy[m], batch.input_ids[rows], self.config.vocab_size, pad, False))
         del dy
-        pending += self._finish_block(step, embed, e_index, e_buf, hyper)
+        pending += self.updates.finish(step, embed, e_index, e_buf, hyper)
 
         # ---- global norm, clip coefficient, and the deferred updates in forward order
-        clip = self._clip_coefficient()
-        for update in sorted(pending, key=lambda u: u.block.index):
-            self._submit(step, update.block, update.grads, update.grads_ready, clip, hyper, update.release)
+        self.updates.submit_pending(step, pending, hyper)
         self.timer.end(self.streams.compute)
         return loss if self.dist is None else self.dist.all_reduce_sum(loss)
+
+    def _forward(self, s: StepSchedule, input_ids: torch.Tensor, micro: list[slice], positions: list[Positions],
+                 training: bool = False) -> list[torch.Tensor]:
+        """The forward training, evaluation and logits share: the embedding, then each layer, every micro-batch
+        (rows of input_ids [B, S]) while the block is resident; returns each one's hidden states [b, S, hidden].
+        ``training``: each layer's inputs are saved as activation checkpoints and each block's phase is labelled."""
+        with torch.no_grad():
+            with self.loader.resident(s.embed) as params, self._label("fwd", s.embed.block, training):
+                x = [self.templates.run(BlockKind.EMBED, params, input_ids[rows]) for rows in micro]
+            for load in s.layers:
+                with self.loader.resident(load) as params, self._label("fwd", load.block, training):
+                    for m, rows in enumerate(micro):
+                        if training:
+                            self.checkpoints.save(load.layer, m, rows, x[m])
+                        x[m] = self._layer_forward(params, x[m], positions[m])
+        return x
+
+    @staticmethod
+    def _label(phase: str, block: Block, labelled: bool) -> ContextManager[object]:
+        """The profiler's label of a phase of the training step (``fwd[7]``); evaluation runs unlabelled."""
+        return record_function(f"{phase}[{block.index}]") if labelled else contextlib.nullcontext()
+
+    def _head_norm(self, head_params: dict[str, torch.Tensor]) -> tuple[HeadNorm, dict[str, torch.Tensor]]:
+        """The head's final norm as ``head_loss.py`` takes it: norm(params, x), and its own parameters."""
+        norm_params = {k: v for k, v in head_params.items() if k.startswith("norm.")}
+        return (lambda p, h: self.templates.run(BlockKind.HEAD, {**head_params, **p}, h)), norm_params
 
     def _layer_forward(self, params: dict[str, torch.Tensor], x: torch.Tensor, positions: Positions) -> torch.Tensor:
         """A decoder layer's forward ([b, S, hidden] -> same) with the plan's sequence tiles."""
@@ -258,88 +256,17 @@ class Executor:
         if self.tied_grad is None:
             return head_grads["lm_head.weight"]
         with self.timer.stall("d2h", self.streams.compute):
-            self.streams.compute.wait_event(self.tied_drained)
+            self.streams.compute.wait_event(self.updates.tied_drained)
         self.tied_grad.zero_()
         return self.schedule.embed.block.layout.views(self.tied_grad)["embed_tokens.weight"]
-
-    def _clip_coefficient(self) -> tuple[torch.Tensor, Event] | None:
-        """The global norm (``grad_norm``) and, with clipping, the coefficient on its way to the host."""
-        self.grad_norm = torch.linalg.vector_norm(self.norms, 2.0) if self.dist is None else self.dist.global_norm()
-        if self.max_grad_norm is None:
-            return None
-        with self.timer.stall("d2h", self.streams.compute):
-            self.streams.compute.wait_event(self.clip_copied)
-        self.clip_dev.copy_(torch.clamp(self.max_grad_norm / (self.grad_norm + 1e-6), max=1.0))
-        self.clip_copied = self._drain_scalar(self.clip_dev, self.clip_host)
-        return self.clip_host, self.clip_copied
-
-    def _finish_block(
-        self, step: int, block: Block, g_index: int | None, g_buf: torch.Tensor, hyper: AdamHyper
-    ) -> list[PendingUpdate]:
-        """Record the block's gradient norms, drain its grads to the host, queue (eager) its update.
-        Data parallel: the drain is of this rank's shard of the gradient summed over ranks."""
-        reduced: Event | None = None
-        if self.dist is None:
-            norms = torch._foreach_norm(block.layout.view_list(g_buf), 2.0)
-            self.norms.index_copy_(0, self.norm_index[block.index], torch.stack(norms))
-        else:
-            g_buf, reduced = self.dist.reduce_scatter(block.index, g_index, g_buf)
-        # One sink per piece: the whole block in RAM; a chunk at a time when the gradients spill.
-        sinks = iter(self.store.grad_sinks(block.index, check=self.adam.raise_if_failed))
-        while True:
-            with self.timer.adam_wait(self.streams.compute):  # waits only while every slab awaits its update
-                piece = next(sinks, None)
-            if piece is None:
-                break
-            sink = piece
-            with record_function(f"d2h[{block.index}]"):
-                done = self.grad_buffers.drain(g_index, g_buf[sink.lo:sink.lo + sink.host.numel()], sink.host,
-                                               after=reduced)
-            sink.on_drained(done)
-        if g_index is None:
-            self.tied_drained = done
-        self.log.record("d2h", step, block.index)
-        if sink.for_adam is None:  # spilled grads: AdamW reads the block back from the grads file
-            return [PendingUpdate(block, None, self.streams.event(), None)]
-        if self.eager:
-            self._submit(step, block, sink.for_adam, done, None, hyper, sink.release)
-            return []
-        return [PendingUpdate(block, sink.for_adam, done, sink.release)]
-
-    def _submit(self, step: int, block: Block, host: torch.Tensor | None, done: Event,
-                clip: tuple[torch.Tensor, Event] | None, hyper: AdamHyper, release: Callable[[], None] | None) -> None:
-        self.log.record("adam_submit", step, block.index)
-        self.adam.submit(AdamJob(step, block.index, host, done, clip, hyper, self.adam_layouts[block.index], release))
-
-    def _drain_scalar(self, value: torch.Tensor, host: torch.Tensor) -> Event:
-        ready = self.streams.recorded(self.streams.compute)
-        with self.streams.d2h.use():
-            self.streams.d2h.wait_event(ready)
-            host.copy_(value, non_blocking=True)
-            return self.streams.recorded(self.streams.d2h)
 
     def _wait_updated(self, block: int, step: int) -> None:
         """The loader's wait for AdamW's update of ``block`` for ``step``: exposed optimizer time, if any."""
         with self.timer.adam_wait(self.streams.compute):
             self.adam.wait_updated(block, step)
 
-    def _rotary(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 cos/sin for ``seq`` positions, one pair per length (the latest few kept)."""
-        if seq not in self._rope:
-            if len(self._rope) >= 4:
-                self._rope.pop(next(iter(self._rope)))
-            inv_freq = inverse_frequencies(self.config, seq)
-            self._rope[seq] = rotary_tables(inv_freq, seq, self.device, attention_scaling(self.config))
-        return self._rope[seq]
-
-    def _positions(self, seq: int, micro: list[slice], position_ids: torch.Tensor | None,
-                   documents: list[Documents | None] | None) -> list[Positions]:
-        """Each micro-batch's cos, sin and documents. Packed rows: the table's rows gathered by position id on
-        the device ([b, S, head_dim / 2], the values transformers computes for those positions), no host sync."""
-        cos, sin = self._rotary(seq)
-        if position_ids is None or documents is None:
-            return [(cos, sin, None)] * len(micro)
-        return [(cos[0][position_ids[rows]], sin[0][position_ids[rows]], docs) for rows, docs in zip(micro, documents)]
+    def _positions(self, batch: Batch) -> list[Positions]:
+        return self.rotary.positions(batch.input_ids.shape[1], batch.micro, batch.position_ids, batch.documents)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -352,23 +279,16 @@ class Executor:
         """
         s = self.evaluation
         self.correct = torch.zeros((), dtype=torch.int64, device=self.device)
-        positions = self._positions(batch.input_ids.shape[1], batch.micro, batch.position_ids, batch.documents)
+        positions = self._positions(batch)
         # Each load waits for its block's latest update (step_no), as the next step's would: no global wait.
         self.loader.start(self.step_no + 1, s.loads)
-        with self.loader.resident(s.embed) as params:
-            x = [self.templates.run(BlockKind.EMBED, params, batch.input_ids[rows]) for rows in batch.micro]
-        for load in s.layers:
-            with self.loader.resident(load) as params:
-                for m in range(len(batch.micro)):
-                    x[m] = self._layer_forward(params, x[m], positions[m])
+        x = self._forward(s, batch.input_ids, batch.micro, positions)
         with self.loader.resident_together(s.head_loads) as held:
-            head_params = held[0]
+            norm, norm_params = self._head_norm(held[0])
             lm_weight = s.lm_weight(held)
-            norm_params = {k: v for k, v in head_params.items() if k.startswith("norm.")}
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
             for m, rows in enumerate(batch.micro):
-                loss = loss + head_loss(lambda p, h: self.templates.run(BlockKind.HEAD, {**head_params, **p}, h),
-                                        norm_params, lm_weight, x[m], batch.labels[rows], batch.n_tokens,
+                loss = loss + head_loss(norm, norm_params, lm_weight, x[m], batch.labels[rows], batch.n_tokens,
                                         self.plan.loss_chunk_tokens, self.correct)
         return loss
 
@@ -379,14 +299,11 @@ class Executor:
         ``position_ids`` and ``documents``: packed rows, as in ``Batch``."""
         self.adam.wait_all(self.step_no)
         s = self.evaluation
-        (positions,) = self._positions(input_ids.shape[1], [slice(None)], position_ids,
-                                       None if documents is None else [documents])
+        whole = [slice(None)]  # one micro-batch: every row
+        positions = self.rotary.positions(input_ids.shape[1], whole, position_ids,
+                                          None if documents is None else [documents])
         self.loader.start(self.step_no, s.loads)
-        with self.loader.resident(s.embed) as params:
-            x = self.templates.run(BlockKind.EMBED, params, input_ids)
-        for load in s.layers:
-            with self.loader.resident(load) as params:
-                x = self._layer_forward(params, x, positions)
+        (x,) = self._forward(s, input_ids, whole, positions)
         with self.loader.resident_together(s.head_loads) as held:
             normed = self.templates.run(BlockKind.HEAD, held[0], x)
             flat = normed.reshape(-1, normed.shape[-1])

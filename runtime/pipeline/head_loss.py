@@ -57,26 +57,23 @@ def head_forward_backward(
     with torch.enable_grad():
         normed = norm(leaves, x)
     flat = normed.detach().reshape(-1, normed.shape[-1])  # [T, hidden]
-    flat_labels = labels.reshape(-1)
     d_flat = torch.empty_like(flat)
-    loss: torch.Tensor | None = None
-    for start in range(0, flat.shape[0], chunk):
-        end = min(start + chunk, flat.shape[0])
-        h = flat[start:end].detach().requires_grad_()
+
+    def chunk_loss(rows: slice, chunk_labels: torch.Tensor) -> torch.Tensor:
+        h = flat[rows].detach().requires_grad_()
         with torch.enable_grad():
             logits = F.linear(h, weight)  # [c, vocab]
-            part = F.cross_entropy(logits.float(), flat_labels[start:end], ignore_index=IGNORE_INDEX,
-                                   reduction="sum") / n_tokens
+            part = _cross_entropy(logits, chunk_labels, n_tokens)
         if correct is not None:
-            count_correct(correct, logits.detach(), flat_labels[start:end])
+            count_correct(correct, logits.detach(), chunk_labels)
         d_h, d_w = torch.autograd.grad(part, (h, weight))
-        d_flat[start:end] = d_h
+        d_flat[rows] = d_h
         lm_grad.add_(d_w)
-        # The chunk losses add up in float64: one chunk gives back the float32 value exactly.
-        loss = part.detach().double() if loss is None else loss + part.detach().double()
-    assert loss is not None
+        return part.detach()
+
+    loss = _chunked_loss(flat.shape[0], labels, chunk, chunk_loss)
     grads = torch.autograd.grad(normed, (x, *leaves.values()), d_flat.view_as(normed))
-    return HeadGrads(loss.float(), grads[0], dict(zip(leaves.keys(), grads[1:])))
+    return HeadGrads(loss, grads[0], dict(zip(leaves.keys(), grads[1:])))
 
 
 def head_loss(
@@ -89,19 +86,29 @@ def head_loss(
     chunk: int,
     correct: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The loss of ``head_forward_backward`` alone (evaluation): the same operations, chunks and sums in the
-    same order, so the value is the same bits; no gradient, and still never the full logits."""
+    """The loss of ``head_forward_backward`` alone (evaluation): the same chunk loop and operations, so the
+    value is the same bits; no gradient, and still never the full logits."""
     flat = norm(norm_params, x).reshape(-1, x.shape[-1])  # [T, hidden]
+
+    def chunk_loss(rows: slice, chunk_labels: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(flat[rows], lm_weight)  # [c, vocab]
+        if correct is not None:
+            count_correct(correct, logits, chunk_labels)
+        return _cross_entropy(logits, chunk_labels, n_tokens)
+
+    return _chunked_loss(flat.shape[0], labels, chunk, chunk_loss)
+
+
+def _chunked_loss(tokens: int, labels: torch.Tensor, chunk: int,
+                  chunk_loss: Callable[[slice, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The one chunk loop: ``chunk_loss(rows, labels of rows)`` for each ``chunk`` tokens of the ``tokens``
+    in order, summed in float64 (one chunk gives back the float32 value exactly); returns [] fp32."""
     flat_labels = labels.reshape(-1)
     loss: torch.Tensor | None = None
-    for start in range(0, flat.shape[0], chunk):
-        end = min(start + chunk, flat.shape[0])
-        logits = F.linear(flat[start:end], lm_weight)  # [c, vocab]
-        if correct is not None:
-            count_correct(correct, logits, flat_labels[start:end])
-        part = F.cross_entropy(logits.float(), flat_labels[start:end], ignore_index=IGNORE_INDEX,
-                               reduction="sum") / n_tokens
-        loss = part.double() if loss is None else loss + part.double()
+    for start in range(0, tokens, chunk):
+        rows = slice(start, min(start + chunk, tokens))
+        part = chunk_loss(rows, flat_labels[rows]).double()
+        loss = part if loss is None else loss + part
     assert loss is not None
     return loss.float()
 
@@ -110,6 +117,11 @@ def count_correct(correct: torch.Tensor, logits: torch.Tensor, labels: torch.Ten
     """correct: [] int64 += how many of the chunk's predicted tokens have their label as argmax (no host sync;
     logits: [c, vocab], the chunk's own; labels: [c] shifted, -100 ignored)."""
     correct.add_(((logits.argmax(dim=-1) == labels) & (labels != IGNORE_INDEX)).sum())
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, n_tokens: torch.Tensor) -> torch.Tensor:
+    """logits: [c, vocab]; labels: [c] -> this chunk's summed token losses over the batch's ``n_tokens`` ([] fp32)."""
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum") / n_tokens
 
 
 def chunked_logits(flat: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -1,0 +1,76 @@
+"""The Engine's constructor arguments, checked where they enter: one line per mistake, saying how to fix it.
+
+Defaults are filled in (``OptimizerConfig()``, the default plan), a plan made for another model or dtype is
+refused, and the device is picked: this rank's under data parallelism (joining the process group the
+environment describes), else the GPU when there is one.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from megatrain.planner.plan import Plan, PlanError, default_plan, shape_digest
+
+from megatrain.runtime.config import ModelConfig, OptimizerConfig
+from megatrain.runtime.distributed.process_group import Topology, join as join_ranks, rank_device
+from megatrain.runtime.errors import ConfigError
+
+COMPUTE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+class Arguments(NamedTuple):
+    """The checked arguments, defaults filled in."""
+    optimizer: OptimizerConfig
+    plan: Plan
+    topology: Topology | None  # several ranks: this one's place ([Note: collectives]); None: one process
+    device: torch.device
+
+
+def check_arguments(model_config: object, optimizer: object, plan: object, compute_dtype: object,
+                    device: str | torch.device | None, seed: object) -> Arguments:
+    """Every argument of ``Engine(...)`` checked, in the order they are listed."""
+    if not isinstance(model_config, ModelConfig):
+        raise ConfigError(f"model_config is a {type(model_config).__name__}; build one with ModelConfig(...) or "
+                          "ModelConfig.from_hf(path)")
+    optimizer = optimizer if optimizer is not None else OptimizerConfig()
+    if not isinstance(optimizer, OptimizerConfig):
+        raise ConfigError(f"optimizer is a {type(optimizer).__name__}; pass OptimizerConfig(...)")
+    plan = plan if plan is not None else default_plan(optimizer.clipping)
+    if not isinstance(plan, Plan):
+        raise PlanError(f"plan is a {type(plan).__name__}; pass a Plan (e.g. Plan.load('plan.json')) or None")
+    if plan.optimizer_mode == "eager" and optimizer.clipping:
+        raise PlanError(
+            f"optimizer_mode='eager' cannot clip gradients (max_grad_norm={optimizer.max_grad_norm}): "
+            "use optimizer_mode='deferred', or OptimizerConfig(max_grad_norm=None)"
+        )
+    if not isinstance(compute_dtype, torch.dtype) or compute_dtype not in COMPUTE_DTYPES:
+        raise ConfigError(
+            f"compute_dtype={compute_dtype!r} is not supported; use torch.bfloat16 (fast) or torch.float32 (exact)"
+        )
+    if plan.workload is not None:  # a plan's memory bounds hold only for the model and dtype it was made for
+        plan.workload.check_model(shape_digest(model_config.to_dict()), str(compute_dtype).removeprefix("torch."))
+    # Several ranks (a process group, or torchrun's environment): this rank's shards ([Note: collectives]).
+    topology = join_ranks()
+    picked = pick_device(rank_device(topology, device))
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**40:
+        raise ConfigError(f"seed={seed!r} must be an integer in [0, 2**40)")
+    return Arguments(optimizer, plan, topology, picked)
+
+
+def pick_device(device: str | torch.device | None) -> torch.device:
+    """The device to compute on: the one asked for, checked; None: the current GPU, else the CPU."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"device={device!r} is not a device; use 'cuda', 'cuda:0', 'cpu' or None (auto)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device='cuda' but torch sees no CUDA GPU; use device=None (auto) or 'cpu'")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ConfigError(f"device={device!r} is not supported; use 'cuda' or 'cpu'")
+    return dev

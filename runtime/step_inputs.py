@@ -1,0 +1,157 @@
+"""What ``step``, ``evaluate`` and ``logits`` are given, checked on the host and moved to the device.
+
+Token ids outside the vocabulary, labels that predict nothing, malformed position ids or a batch the plan
+was not made for are refused here, with one line saying how to fix it, before anything reaches the device
+(a bad id would fault it later, far from the cause). A checked batch becomes the executor's ``Batch``:
+shifted labels, the count of predicted tokens, the plan's micro-batches and each one's documents.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatrain.models.layers.attention import Documents
+from megatrain.planner.plan import Plan
+
+from megatrain.runtime.config import ModelConfig, OptimizerConfig
+from megatrain.runtime.distributed.process_group import Topology
+from megatrain.runtime.errors import InputError
+from megatrain.runtime.pipeline.cpu_adamw import AdamHyper
+from megatrain.runtime.pipeline.executor import Batch
+from megatrain.runtime.pipeline.head_loss import IGNORE_INDEX, shift_labels
+
+ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+class StepInputs:
+    def __init__(self, config: ModelConfig, optimizer: OptimizerConfig, plan: Plan, device: torch.device,
+                 topology: Topology | None) -> None:
+        self.config, self.optimizer, self.plan, self.device = config, optimizer, plan, device
+        self.ranks = 1 if topology is None else topology.world_size
+
+    def hyper(self, lr: float | None) -> AdamHyper:
+        """The AdamW hyperparameters of one step: ``lr`` (None: the optimizer's) checked."""
+        lr = self.optimizer.lr if lr is None else lr
+        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
+            raise InputError(f"lr={lr!r} must be a finite number >= 0 (e.g. 3e-4)")
+        b1, b2 = self.optimizer.betas
+        return AdamHyper(float(lr), b1, b2, self.optimizer.eps, self.optimizer.weight_decay,
+                         self.optimizer.skip_nonfinite)
+
+    def step_batch(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                   position_ids: torch.Tensor | None) -> Batch:
+        """A training step's batch: this rank's share, of the shape the plan was made for."""
+        batch = self._batch(input_ids, labels, position_ids)
+        if self.plan.workload is not None:  # host-side shape ints: no device sync
+            self.plan.workload.check_batch(*input_ids.shape)
+        return batch
+
+    def evaluation_batch(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                         position_ids: torch.Tensor | None) -> Batch:
+        """An evaluation's batch: the whole batch on every rank."""
+        batch = self._batch(input_ids, labels, position_ids)
+        if self.plan.workload is not None:  # a rank's plan is for its share; evaluation takes the whole batch
+            self.plan.workload.check_batch(-(-input_ids.shape[0] // self.ranks), input_ids.shape[1])
+        return batch
+
+    def logits_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, Documents | None]:
+        """``logits``' ids [B, S] on the device, and with packed rows their positions and documents."""
+        ids = self._ids(input_ids, "input_ids")
+        self._check_seq(ids.shape[1])
+        positions = self._positions(position_ids, ids.shape)
+        if positions is None:
+            return self._to_device(ids), None, None
+        return self._to_device(ids), self._to_device(positions), Documents.from_position_ids(positions)
+
+    def _ids(self, t: object, name: str) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name} must be a torch.Tensor of token ids, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise InputError(f"{name} has shape {tuple(t.shape)}; expected [batch, seq_len] "
+                             "(use .unsqueeze(0) for one sequence)")
+        if t.dtype not in ID_DTYPES:
+            raise InputError(f"{name} has dtype {t.dtype}; expected an integer tensor (torch.long)")
+        if t.numel() == 0:
+            raise InputError(f"{name} is empty (shape {tuple(t.shape)}); pass at least one token")
+        # Validated on the host: ids outside the vocabulary would fault the device later, far from the cause.
+        host = t.detach().to("cpu", torch.int64)
+        if name == "input_ids":
+            lo, hi = int(host.min()), int(host.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise InputError(
+                    f"input_ids has ids in [{lo}, {hi}] but vocab_size={self.config.vocab_size}; "
+                    "check the tokenizer matches the model"
+                )
+        return host
+
+    def _check_seq(self, seq: int) -> None:
+        window = self.config.sliding_window
+        if window is not None and seq > window:
+            raise InputError(
+                f"seq_len={seq} exceeds sliding_window={window}, which megatrain does not implement; "
+                f"use sequences of at most {window} tokens"
+            )
+
+    def _positions(self, position_ids: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
+        """Packed rows' position ids on the host, checked; None when every row is one sequence from 0 (then the
+        step is exactly the one without position ids)."""
+        if position_ids is None:
+            return None
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in ID_DTYPES:
+            raise InputError(f"position_ids must be an integer torch.Tensor [batch, seq_len], got "
+                             f"{getattr(position_ids, 'dtype', type(position_ids).__name__)}")
+        if position_ids.shape != shape:
+            raise InputError(f"position_ids has shape {tuple(position_ids.shape)} but input_ids has {tuple(shape)}; "
+                             "give one position per token")
+        pos = position_ids.detach().to("cpu", torch.int64)
+        step_ok = (pos[:, 1:] == 0) | (pos[:, 1:] == pos[:, :-1] + 1)
+        if bool((pos[:, 0] != 0).any()) or not bool(step_ok.all()):
+            bad = torch.cat([pos[:, :1] != 0, ~step_ok], dim=1).nonzero()[0].tolist()
+            raise InputError(f"position_ids row {bad[0]} has {int(pos[bad[0], bad[1]])} at token {bad[1]}; each row "
+                             "must be runs of 0, 1, 2, ... (0 where a document starts, the previous + 1 otherwise)")
+        if not bool((pos[:, 1:] == 0).any()):
+            return None
+        return pos
+
+    def _batch(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None) -> Batch:
+        ids = self._ids(input_ids, "input_ids")
+        lab = self._ids(labels, "labels")
+        if lab.shape != ids.shape:
+            raise InputError(
+                f"labels has shape {tuple(lab.shape)} but input_ids has {tuple(ids.shape)}; "
+                "they must match (labels are shifted inside, as in Hugging Face)"
+            )
+        bad = (lab != IGNORE_INDEX) & ((lab < 0) | (lab >= self.config.vocab_size))
+        if bool(bad.any()):
+            value = int(lab[bad][0])
+            raise InputError(
+                f"labels holds {value}, outside [0, {self.config.vocab_size}) and not -100 (ignored); "
+                "check the tokenizer or mask with -100"
+            )
+        self._check_seq(ids.shape[1])
+        shifted = shift_labels(lab)
+        n_tokens = int((shifted != IGNORE_INDEX).sum())
+        if n_tokens == 0:
+            raise InputError("labels leave no token to predict (all -100 after the shift); check the masking")
+        positions = self._positions(position_ids, ids.shape)
+        mbs = self.plan.micro_batch_size
+        micro = [slice(s, min(s + mbs, ids.shape[0])) for s in range(0, ids.shape[0], mbs)]
+        return Batch(
+            input_ids=self._to_device(ids),
+            labels=self._to_device(shifted),
+            n_tokens=self._to_device(torch.tensor(n_tokens)),
+            micro=micro,
+            position_ids=None if positions is None else self._to_device(positions),
+            documents=None if positions is None else [Documents.from_position_ids(positions[rows]) for rows in micro],
+        )
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host tensor -> device without a host sync: a copy from pageable memory would wait for the
+        stream's queued work (the previous step), so it goes through pinned memory, which torch's
+        pinned allocator keeps until the copy is done."""
+        if self.device.type != "cuda":
+            return t
+        # Contiguous first: a strided pinned tensor would be copied through pageable memory.
+        return t.contiguous().pin_memory().to(self.device, non_blocking=True)
