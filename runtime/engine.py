@@ -123,8 +123,7 @@ class Engine:
 
     @property
     def correct_tokens(self) -> torch.Tensor:
-        """Predicted tokens of the last ``step`` (this rank's rows) or ``evaluate`` whose argmax over the
-        vocabulary is their label: a 0-dim int64 device tensor (no sync), counted chunk by chunk in the head."""
+        """Labelled tokens of the last step (this rank's) or evaluate whose argmax is their label: [] int64."""
         self._check_open()
         return self.executor.correct
 
@@ -135,13 +134,10 @@ class Engine:
 
     @property
     def last_step_breakdown(self) -> dict[str, float] | None:
-        """Seconds of the last step: ``step_s``, ``compute_s``, and the exposed ``h2d_exposed_s``,
-        ``d2h_exposed_s``, ``ckpt_traffic_s`` (host checkpoints) and ``adam_exposed_s``; how long each
-        resource was busy, ``h2d_busy_s``, ``d2h_busy_s`` and ``adam_busy_s`` (the latest step whose updates
-        all finished: absent until one has); ``roofline_s`` = max(compute, H2D, D2H, AdamW busy) and
-        ``roofline_ratio`` = step / roofline (1.0: fully overlapped). On CUDA, reading it waits for that step
-        to finish on the GPU (once); on a CPU the copies' host time is what they cost.
-        None when that step was not timed: ask with ``time_next_step()`` before it."""
+        """Seconds of the last timed step (``time_next_step()`` first, else None): ``step_s``, ``compute_s``; exposed
+        ``h2d_exposed_s``, ``d2h_exposed_s``, ``ckpt_traffic_s``, ``adam_exposed_s``; busy ``h2d_busy_s``,
+        ``d2h_busy_s``, ``adam_busy_s`` (once its updates finished); ``roofline_s`` = max(compute, H2D, D2H, AdamW
+        busy), ``roofline_ratio`` = step / roofline. On CUDA, reading it waits for that step once."""
         self._check_open()
         return self.executor.timer.breakdown(self.executor.adam.busy_seconds)
 
@@ -162,8 +158,7 @@ class Engine:
 
     # ------------------------------------------------------------------ weights
     def synchronize(self) -> None:
-        """Wait until every queued optimizer update has been applied to the host store (and spill files),
-        and the device has finished what was queued (its copies may still read the host store)."""
+        """Wait until every queued update is in the host store (and spill files) and the device is idle."""
         self._check_open()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -260,8 +255,7 @@ class Engine:
         return engine
 
     def close(self) -> None:
-        """Stop the optimizer worker and unpin host memory. Afterwards every method raises ClosedError at once;
-        closing again does nothing."""
+        """Stop the optimizer worker, unpin host memory; then every method raises ClosedError (again: no-op)."""
         if getattr(self, "_closed", True):
             return  # closed already
         self._closed = True
