@@ -270,7 +270,7 @@ def layer_working_set(model: ModelShape, work: Workload, plan: Plan) -> tuple[in
             f"+ {model.numel_layer} x {c}")
 
 
-# The most elements one tensor of one attention call may have (runtime/model/attention.py's MAX_ELEMENTS, a flash
+# The most elements one tensor of one attention call may have (models/layers/attention.py's MAX_ELEMENTS, a flash
 # kernel's 32-bit indexing): the heads are split into groups under it.
 ATTENTION_MAX_ELEMENTS = 2**31 - 1
 

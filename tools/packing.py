@@ -15,7 +15,7 @@ document continues into the next row.
 
 ``documents``: the same rows, with each row's position ids (0 where a document starts, +1 per
 token), which the engine uses to restart RoPE positions and keep attention within each document
-(runtime/model/attention.py). A document is its tokens and its separator. The first token of each
+(models/layers/attention.py). A document is its tokens and its separator. The first token of each
 document is labelled -100: the token before it ends another document and cannot predict it. So a
 row's loss is the token-weighted mean of its documents' losses run one by one. A document split
 across rows continues at position 0 of the next row as its own segment, as Hugging Face's
