@@ -61,7 +61,7 @@ class Family:
     (``attention_bias``, ``o_proj_bias``, ``mlp_bias``, ``qk_norm``, ``sliding_window``) from a config dict,
     refusing what transformers' class for it would not build; ``write(config)`` the family's own config.json
     fields for a ``ModelConfig``. ``defaults``: transformers' config defaults for fields a config may leave out
-    (``max_position_embeddings``, ``head_dim``)."""
+    (``max_position_embeddings``, ``head_dim``, ``rms_norm_eps``)."""
 
     model_type: str
     architecture: str  # the transformers class, e.g. "LlamaForCausalLM"
@@ -74,6 +74,9 @@ class Family:
     head: Callable[[Dims], tuple[Param, ...]] = llama_head
     hf_name: Callable[[str, "int | None", str], str] = llama_hf_name
     blocks: str = LLAMA_BLOCKS
+    # True when ``sliding_window`` applies to every layer (the blocks apply it exactly); False: it may apply to
+    # some layers only, and a sequence longer than the window is refused.
+    window_on_every_layer: bool = False
 
     def parameters(self, dims: Dims, kind: str) -> tuple[Param, ...]:
         """The parameter table of a block of ``kind`` (``EMBED``, ``LAYER``, ``HEAD``), in layout order."""

@@ -26,7 +26,8 @@ head_dim                           integer; null or absent: the family's default
                                    hidden_size // num_attention_heads
 hidden_act                         silu, swish, gelu, gelu_pytorch_tanh, relu (transformers'
                                    ACT2FN); absent: silu; any other name refused
-rms_norm_eps                       number (absent: 1e-6); null or a string refused
+rms_norm_eps                       number (absent: the family's default, else 1e-6); null or a
+                                   string refused
 rope_theta, rope_scaling,          both spellings; rope_scaling wins when both are set, as in
 rope_parameters                    transformers; rope_type default, linear, llama3, dynamic
                                    (NTK by sequence length over max_position_embeddings), yarn
@@ -250,7 +251,7 @@ def parse(data: Mapping[str, Any]) -> DecoderConfig:
     max_pos = integer("max_position_embeddings",
                       data.get("max_position_embeddings", family.defaults.get("max_position_embeddings", 4096)))
     theta, scaling = read_rope(data, max_pos)
-    eps = number("rms_norm_eps", data.get("rms_norm_eps", 1e-6))
+    eps = number("rms_norm_eps", data.get("rms_norm_eps", family.defaults.get("rms_norm_eps", 1e-6)))
     dropout = number("attention_dropout", data.get("attention_dropout", 0.0))
     if dropout != 0.0:
         raise HFConfigError(f"attention_dropout={data['attention_dropout']!r} is not supported; megatrain trains "

@@ -34,8 +34,8 @@ class ModelConfig:
     and that type's parameters. ``qk_norm`` is an RMSNorm on queries and keys.
     ``attention_bias`` puts a bias on q, k and v; ``o_proj_bias`` (default: the same
     as ``attention_bias``) on the output projection. ``hidden_act`` is the MLP's activation, by its transformers ``ACT2FN`` name.
-    ``sliding_window`` is the attention window (``None``: full attention); megatrain
-    runs sequences up to the window, where it changes nothing.
+    ``sliding_window`` is the attention window (``None``: full attention): applied exactly when the family's
+    window is on every layer, else sequences run up to the window, where it changes nothing.
     """
 
     vocab_size: int

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from megatrain.models import registry
 from megatrain.models.layers.attention import Documents
 from megatrain.planner.plan import Plan
 
@@ -88,10 +89,10 @@ class StepInputs:
 
     def _check_seq(self, seq: int) -> None:
         window = self.config.sliding_window
-        if window is not None and seq > window:
+        if window is not None and seq > window and not registry.family(self.config.model_type).window_on_every_layer:
             raise InputError(
-                f"seq_len={seq} exceeds sliding_window={window}, which megatrain does not implement; "
-                f"use sequences of at most {window} tokens"
+                f"seq_len={seq} exceeds sliding_window={window}, which megatrain applies only when every layer "
+                f"slides; use sequences of at most {window} tokens"
             )
 
     def _positions(self, position_ids: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:

@@ -175,7 +175,7 @@ def test_bad_state_dict(engine):
 
 
 def test_sliding_window_longer_than_supported():
-    cfg = ModelConfig(**{**CONFIG.to_dict(), "model_type": "mistral", "sliding_window": 4})
+    cfg = ModelConfig(**{**CONFIG.to_dict(), "model_type": "qwen2", "sliding_window": 4})
     with Engine(cfg, device="cpu", compute_dtype=torch.float32) as e:
         with pytest.raises(InputError) as err:
             e.step(IDS, IDS)

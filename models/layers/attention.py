@@ -43,6 +43,15 @@ back in row order). Why this one:
   and flex attention with a block mask needs ``torch.compile`` and computes with other numerics.
 
 Without ``documents`` the call is one SDPA over the whole row (in head groups, [Note: head groups]).
+
+
+[Note: sliding window]
+With a window w (``sliding_window``), query i sees keys i - w + 1 .. i, as transformers' sliding-window mask.
+A sequence (or document) of at most w tokens is the plain causal call. A longer one runs in query tiles of w
+tokens: tile [a, a + w) against keys [a - w + 1, a + w) with a boolean [w, 2w - 1] mask, so memory stays
+O(S x w), never an [S, S] mask. Within packed documents each document is its own sequence, so the window
+applies inside it; sequence tiles run the same call (the attention core sees the whole sequence). A mask rules
+the flash kernel out: on CUDA in 16 bits these calls use the memory-efficient kernel.
 """
 from __future__ import annotations
 
@@ -116,36 +125,58 @@ def head_groups(batch: int, seq: int, head_dim: int, n_heads: int, n_kv_heads: i
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                     documents: Documents | None = None, max_elements: int = MAX_ELEMENTS) -> torch.Tensor:
+                     documents: Documents | None = None, max_elements: int = MAX_ELEMENTS,
+                     window: int | None = None) -> torch.Tensor:
     """q: [B, Hq, S, D], k and v: [B, Hkv, S, D] -> [B, Hq, S, D], causal within each document of ``documents``
-    (None: over the whole row); one SDPA call per head group (and per document length).
-    See [Note: document attention] and [Note: head groups]."""
+    (None: over the whole row), each query seeing the last ``window`` positions (None: all); one SDPA call per
+    head group (and per document length, per window tile).
+    See [Note: document attention], [Note: head groups] and [Note: sliding window]."""
     if documents is None:
-        return _in_head_groups(q, k, v, scale, max_elements)
+        return _windowed(q, k, v, scale, max_elements, window)
     assert len(documents.spans) == q.shape[0], (len(documents.spans), q.shape)
     out: dict[tuple[int, int], torch.Tensor] = {}  # (row, start) -> [Hq, length, D]
     for length, places in documents.groups:
         def gather(t: torch.Tensor) -> torch.Tensor:
             return torch.stack([t[r, :, start:start + length] for r, start in places])
 
-        y = _in_head_groups(gather(q), gather(k), gather(v), scale, max_elements)
+        y = _windowed(gather(q), gather(k), gather(v), scale, max_elements, window)
         out.update(zip(places, y.unbind(0)))
     return torch.stack([torch.cat([out[(r, start)] for start, _ in row], dim=1)
                         for r, row in enumerate(documents.spans)])
 
 
+def _windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, max_elements: int,
+              window: int | None) -> torch.Tensor:
+    """Causal over the whole of dim 2, within ``window`` positions ([Note: sliding window])."""
+    s = q.shape[2]
+    if window is None or s <= window:
+        return _in_head_groups(q, k, v, scale, max_elements)
+    outs = []
+    for a in range(0, s, window):
+        z, lo = min(a + window, s), max(0, a - window + 1)
+        query = torch.arange(a, z, device=q.device)[:, None]
+        key = torch.arange(lo, z, device=q.device)[None, :]
+        mask = (key <= query) & (query - key < window)
+        outs.append(_in_head_groups(q[:, :, a:z], k[:, :, lo:z], v[:, :, lo:z], scale, max_elements, mask))
+    return torch.cat(outs, dim=2)
+
+
 def _in_head_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    max_elements: int) -> torch.Tensor:
-    """Causal over the whole of dim 2, one SDPA call per head group."""
+                    max_elements: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal over the whole of dim 2 (or as ``mask`` [Sq, Sk] allows), one SDPA call per head group."""
     b, n_heads, s, d = q.shape
-    groups = head_groups(b, s, d, n_heads, k.shape[1], max_elements)
-    with _backend(q):
-        outs = [_sdpa(q[:, qh], k[:, kh], v[:, kh], scale) for qh, kh in groups]
+    groups = head_groups(b, max(s, k.shape[2]), d, n_heads, k.shape[1], max_elements)
+    with _backend(q, mask is not None):
+        outs = [_sdpa(q[:, qh], k[:, kh], v[:, kh], scale, mask) for qh, kh in groups]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+          mask: torch.Tensor | None = None) -> torch.Tensor:
     try:
+        if mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     except RuntimeError as e:
         if "No available kernel" not in str(e):
@@ -156,8 +187,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> to
             "a GPU") from None
 
 
-def _backend(q: torch.Tensor) -> contextlib.AbstractContextManager:
-    """Flash only for CUDA bf16 / fp16 (never the O(S^2) math kernel); torch's choice otherwise."""
+def _backend(q: torch.Tensor, masked: bool = False) -> contextlib.AbstractContextManager:
+    """Flash only for CUDA bf16 / fp16 (never the O(S^2) math kernel; the memory-efficient one for a window's
+    masked tiles); torch's choice otherwise."""
     if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16):
-        return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+        return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION if masked else SDPBackend.FLASH_ATTENTION])
     return contextlib.nullcontext()

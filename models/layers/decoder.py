@@ -62,6 +62,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
+        self.window = config.sliding_window
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The token-local half before attention: x [B, S, hidden] -> q [B, Hq, S, D], k and v [B, Hkv, S, D],
@@ -77,8 +78,9 @@ class Attention(nn.Module):
         return q, k, v
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None) -> torch.Tensor:
-        """Causal attention over the whole sequence (or within each of ``documents``): [B, Hq, S, D]."""
-        return causal_attention(q, k, v, scale=self.head_dim ** -0.5, documents=documents)
+        """Causal attention over the whole sequence (or within each of ``documents``), each token seeing the last
+        ``sliding_window`` positions when the model has one: [B, Hq, S, D]."""
+        return causal_attention(q, k, v, scale=self.head_dim ** -0.5, documents=documents, window=self.window)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """o_proj of attention's output [B, Hq, S, D] -> [B, S, hidden]."""
@@ -107,12 +109,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual layer: h = x + attention(norm(x)); out = h + mlp(norm(h)). ``mlp``: the MLP's class
-    (a family with another MLP passes its own; it is token-local, so the sequence tiles stay exact)."""
+    """Pre-norm residual layer: h = x + attention(norm(x)); out = h + mlp(norm(h)). ``mlp``, ``attention``: their
+    classes (a family with others passes its own; the MLP is token-local, so the sequence tiles stay exact). A
+    family with other norms overrides ``attention_input``, ``attention_output`` and ``mlp_branch``."""
 
-    def __init__(self, config: DecoderSpec, mlp: Callable[[DecoderSpec], nn.Module] = MLP) -> None:
+    def __init__(self, config: DecoderSpec, mlp: Callable[[DecoderSpec], nn.Module] = MLP,
+                 attention: Callable[[DecoderSpec], Attention] = Attention) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
+        self.self_attn = attention(config)
         self.mlp = mlp(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -131,26 +135,39 @@ class DecoderLayer(nn.Module):
         cos and sin given (their rows); "core" takes (q, k, v) and returns attention's output over the whole
         sequence; "output" takes attention's output and returns o_proj of it."""
         if part == "mlp":
-            return self.mlp(self.post_attention_layernorm(x))
+            return self.mlp_branch(x)
         if part == "project":
-            return self.self_attn.project(self.input_layernorm(x), cos, sin)
+            return self.self_attn.project(self.attention_input(x), cos, sin)
         if part == "output":
-            return self.self_attn.output(x)
+            return self.attention_output(x)
         if part == "core":
             return self.self_attn.core(*x, documents)
         if 0 < attention_tile_tokens < x.shape[1]:
             h = self._tiled_attention(x, cos, sin, documents, attention_tile_tokens)
         else:
-            h = x + self.self_attn(self.input_layernorm(x), cos, sin, documents)
+            h = x + self.attention_output(self.self_attn.core(*self.self_attn.project(self.attention_input(x), cos, sin),
+                                                              documents))
         if part == "attention":
             return h
         if not 0 < mlp_tile_tokens < h.shape[1]:
-            return h + self.mlp(self.post_attention_layernorm(h))
+            return h + self.mlp_branch(h)
         out = torch.empty_like(h)
         for start in range(0, h.shape[1], mlp_tile_tokens):
             t = h[:, start:start + mlp_tile_tokens]
-            out[:, start:start + mlp_tile_tokens] = t + self.mlp(self.post_attention_layernorm(t))
+            out[:, start:start + mlp_tile_tokens] = t + self.mlp_branch(t)
         return out
+
+    def attention_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the attention projects: the input norm of x."""
+        return self.input_layernorm(x)
+
+    def attention_output(self, out: torch.Tensor) -> torch.Tensor:
+        """What attention's output [B, Hq, S, D] adds to the residual: o_proj of it, [B, S, hidden]."""
+        return self.self_attn.output(out)
+
+    def mlp_branch(self, h: torch.Tensor) -> torch.Tensor:
+        """What the MLP adds to the residual h: mlp(norm(h))."""
+        return self.mlp(self.post_attention_layernorm(h))
 
     def _tiled_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None,
                          tile: int) -> torch.Tensor:
@@ -162,12 +179,12 @@ class DecoderLayer(nn.Module):
         del q, k, v
         h = x.clone()
         for start in range(0, x.shape[1], tile):
-            h[:, start:start + tile] += self.self_attn.output(out[:, :, start:start + tile])
+            h[:, start:start + tile] += self.attention_output(out[:, :, start:start + tile])
         return h
 
     def _project_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       rows: slice) -> tuple[torch.Tensor, ...]:
-        return self.self_attn.project(self.input_layernorm(x[:, rows]), *rope_rows(cos, sin, rows))
+        return self.self_attn.project(self.attention_input(x[:, rows]), *rope_rows(cos, sin, rows))
 
 
 def rope_rows(cos: torch.Tensor, sin: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Mistral: config rules and its preset; its blocks and parameter table are the shared Llama-style ones.
 
 Rules (transformers' ``MistralConfig``): no bias anywhere; no q/k norm; ``sliding_window`` on every layer
-(absent: 4096, null: none); ``max_position_embeddings`` absent: 131072. Pure stdlib.
+(absent: 4096, null: none), applied exactly; ``max_position_embeddings`` absent: 131072. Pure stdlib.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def write(config: Any) -> dict[str, Any]:
 
 FAMILY = Family(
     model_type=MODEL_TYPE, architecture="MistralForCausalLM", read=read, write=write,
-    defaults={"max_position_embeddings": 131072},
-    presets=(Preset("Mistral-7B", {  # mistralai/Mistral-7B-v0.1, trained here without its window
+    defaults={"max_position_embeddings": 131072}, window_on_every_layer=True,
+    presets=(Preset("Mistral-7B", {  # mistralai/Mistral-7B-v0.1, without its window
         "model_type": MODEL_TYPE, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "rope_theta": 10000.0,
         "max_position_embeddings": 32768, "sliding_window": None}),),

@@ -39,8 +39,6 @@ import torch
 
 from megatrain.models.layers.decoder import rope_rows, tile_projections
 
-MLP_PREFIXES = ("mlp.", "post_attention_layernorm.")
-OUTPUT_PREFIXES = ("self_attn.o_proj.",)
 
 RunLayer = Callable[..., torch.Tensor]  # run(params, x, cos, sin, documents, mlp_tile_tokens, part)
 AddGrads = Callable[[dict[str, torch.Tensor]], None]  # adds gradients (by parameter name) into fp32
@@ -53,7 +51,6 @@ def tiled_layer_backward(run: RunLayer, leaves: dict[str, torch.Tensor], x_in: t
     ``rotary``: what the layer takes after x (cos, sin and the documents, see executor.Positions); ``tile``:
     tokens per MLP tile (the whole sequence: one tile); ``attention_tile`` > 0: the attention half's
     token-local work in tiles of that many tokens too."""
-    mlp = {n: v for n, v in leaves.items() if n.startswith(MLP_PREFIXES)}
     if 0 < attention_tile < x_in.shape[1]:
         h, finish = _attention_half_in_tiles(run, leaves, x_in, rotary, attention_tile, add_grads)
     else:
@@ -65,9 +62,9 @@ def tiled_layer_backward(run: RunLayer, leaves: dict[str, torch.Tensor], x_in: t
         h_tile = h_const[:, rows].requires_grad_()
         with torch.enable_grad():
             out = run(leaves, h_tile, *rotary, 0, "mlp")
-        grads = torch.autograd.grad(out, (h_tile, *mlp.values()), dy[:, rows])
+        grads = torch.autograd.grad(out, (h_tile, *leaves.values()), dy[:, rows], allow_unused=True)
         dh[:, rows] += grads[0]
-        add_grads(dict(zip(mlp, grads[1:])))
+        _add_used(add_grads, leaves, grads[1:])
         del out, grads, h_tile
     del h, h_const  # the attention half's backward needs dh only (the untiled one keeps its graph in ``finish``)
     return finish(dh)
@@ -76,13 +73,12 @@ def tiled_layer_backward(run: RunLayer, leaves: dict[str, torch.Tensor], x_in: t
 def _attention_half(run: RunLayer, leaves: dict[str, torch.Tensor], x_in: torch.Tensor, rotary: tuple,
                     add_grads: AddGrads) -> tuple[torch.Tensor, Finish]:
     """h = x + attention(x) with one autograd graph, and the backward through it."""
-    attention = {n: v for n, v in leaves.items() if not n.startswith(MLP_PREFIXES)}
     with torch.enable_grad():
         h = run(leaves, x_in, *rotary, 0, "attention")
 
     def finish(dh: torch.Tensor) -> torch.Tensor:
-        grads = torch.autograd.grad(h, (x_in, *attention.values()), dh)
-        add_grads(dict(zip(attention, grads[1:])))
+        grads = torch.autograd.grad(h, (x_in, *leaves.values()), dh, allow_unused=True)
+        _add_used(add_grads, leaves, grads[1:])
         return grads[0]
     return h, finish
 
@@ -92,8 +88,6 @@ def _attention_half_in_tiles(run: RunLayer, leaves: dict[str, torch.Tensor], x_i
     """h = x + attention(x) with the token-local work in tiles (see the note), and the backward through it."""
     cos, sin, documents = rotary
     seq = x_in.shape[1]
-    output = {n: v for n, v in leaves.items() if n.startswith(OUTPUT_PREFIXES)}
-    project = {n: v for n, v in leaves.items() if not n.startswith(MLP_PREFIXES + OUTPUT_PREFIXES)}
     x = x_in.detach()
     tiles = [slice(start, start + tile) for start in range(0, seq, tile)]
     with torch.no_grad():
@@ -114,9 +108,9 @@ def _attention_half_in_tiles(run: RunLayer, leaves: dict[str, torch.Tensor], x_i
             o_tile = o[:, :, rows].requires_grad_()
             with torch.enable_grad():
                 y = run(leaves, o_tile, cos, sin, None, 0, "output")
-            grads = torch.autograd.grad(y, (o_tile, *output.values()), dh[:, rows])
+            grads = torch.autograd.grad(y, (o_tile, *leaves.values()), dh[:, rows], allow_unused=True)
             d_out[:, :, rows] = grads[0]
-            add_grads(dict(zip(output, grads[1:])))
+            _add_used(add_grads, leaves, grads[1:])
             del y, grads, o_tile
         dq, dk, dv = torch.autograd.grad(out, qkv, d_out)
         del d_out
@@ -125,10 +119,16 @@ def _attention_half_in_tiles(run: RunLayer, leaves: dict[str, torch.Tensor], x_i
             x_tile = x[:, rows].requires_grad_()
             with torch.enable_grad():
                 parts = run(leaves, x_tile, *rope_rows(cos, sin, rows), None, 0, "project")
-            grads = torch.autograd.grad(parts, (x_tile, *project.values()),
-                                        (dq[:, :, rows], dk[:, :, rows], dv[:, :, rows]))
+            grads = torch.autograd.grad(parts, (x_tile, *leaves.values()),
+                                        (dq[:, :, rows], dk[:, :, rows], dv[:, :, rows]), allow_unused=True)
             dx[:, rows] += grads[0]
-            add_grads(dict(zip(project, grads[1:])))
+            _add_used(add_grads, leaves, grads[1:])
             del parts, grads, x_tile
         return dx
     return h, finish
+
+
+def _add_used(add_grads: AddGrads, leaves: dict[str, torch.Tensor], grads: tuple) -> None:
+    """The gradients of the parameters a part used (its graph decides which: the family's norms may sit in
+    either half), by name."""
+    add_grads({n: g for n, g in zip(leaves, grads) if g is not None})
