@@ -71,16 +71,6 @@ def moe_layer(dims: Mapping[str, Any], *, router_first: bool) -> tuple[Param, ..
     return attention + mlp + norms
 
 
-def active_layer_params(dims: Mapping[str, Any], layer_params: int) -> int:
-    """The parameters one token runs through in a layer of ``layer_params``: all but the experts it is not
-    routed to (``num_experts - num_experts_per_tok`` of them)."""
-    e = dims.get("num_experts") or 0
-    if not e:
-        return layer_params
-    per_expert = 3 * dims["hidden_size"] * dims["moe_intermediate_size"]
-    return layer_params - (e - dims["num_experts_per_tok"]) * per_expert
-
-
 def per_expert_names(prefix: str, projections: tuple[str, str, str]
                      ) -> Callable[[int, Param], tuple[DiskTensor, ...] | None]:
     """The on-disk tensors of a layer's MLP parameter when transformers writes the experts one tensor per

@@ -26,6 +26,7 @@ from megatrain.errors import MegatrainError
 
 from . import hf_config
 from .buffer_kinds import spill_block_bytes
+from .expert_shapes import ExpertShape
 from megatrain.models import registry
 
 from .block_parameters import ALIGN_ELEMENTS, EMBED, HEAD, LAYER, aligned, block_table
@@ -89,10 +90,7 @@ class ModelShape:
     max_position_embeddings: int = 4096
     model_type: str = registry.DEFAULT_MODEL_TYPE
     # A sparse MLP (megatrain.models.moe): its experts, how many each token runs, their width, a shared expert.
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    shared_expert_intermediate_size: int = 0
+    experts: ExpertShape = ExpertShape()
     # The config.json fields this shape was read from (a preset's), for building the runtime's ModelConfig.
     config: Mapping[str, Any] | None = field(default=None, compare=False)
 
@@ -128,9 +126,7 @@ class ModelShape:
                 "head_dim": self.head_dim, "vocab_size": self.vocab_size,
                 "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
                 "o_proj_bias": self.o_proj_bias, "mlp_bias": self.mlp_bias, "qk_norm": self.qk_norm,
-                "num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
-                "moe_intermediate_size": self.moe_intermediate_size,
-                "shared_expert_intermediate_size": self.shared_expert_intermediate_size}
+                **self.experts.dims()}
 
     def embedding_params(self) -> list[int]:
         """embed_tokens.weight: vocab x hidden."""
@@ -198,29 +194,14 @@ class ModelShape:
 
     @property
     def params_active(self) -> int:
-        """The parameters one token runs through: ``params`` less, in each layer, the experts it is not routed to
-        (num_experts - num_experts_per_tok of them, 3 x hidden x moe_intermediate_size each); ``params`` for a
-        dense model."""
-        return self.params - self.num_layers * (self.num_experts - self.num_experts_per_tok) * self.expert_params
-
-    @property
-    def expert_params(self) -> int:
-        """One expert's parameters (gate, up, down): 3 x hidden x moe_intermediate_size; 0 for a dense model."""
-        return 3 * self.hidden_size * self.moe_intermediate_size
-
-    @property
-    def mlp_width(self) -> int:
-        """The MLP width one token runs through: intermediate_size, or for a sparse MLP num_experts_per_tok x
-        moe_intermediate_size plus the shared expert's width."""
-        if not self.num_experts:
-            return self.intermediate_size
-        return self.num_experts_per_tok * self.moe_intermediate_size + self.shared_expert_intermediate_size
+        """The parameters one token runs through: ``params`` less the experts it is not routed to (dense: all)."""
+        return self.params - self.num_layers * self.experts.inactive_params_layer(self.hidden_size)
 
     def matmul_weights_layer(self) -> int:
         """Elements of one layer's matmul weights a token runs through: its 2-D parameters (norms and biases are
         not matmuls) and the experts it is routed to (num_experts_per_tok of them)."""
         dense = sum(p.numel for p in block_table(self.config_dims(), LAYER) if len(p.shape) == 2)
-        return dense + self.num_experts_per_tok * self.expert_params
+        return dense + self.experts.num_experts_per_tok * self.experts.expert_params(self.hidden_size)
 
     def attention_flops_fwd(self, seq: int) -> float:
         """Causal attention FLOPs per token in forward (``attention_flops_per_token``)."""
@@ -286,7 +267,7 @@ class ModelShape:
         transient gradients of the widest tensors (3 x intermediate + 2 x hidden, compute dtype).
         """
         c = dtype_bytes(dtype)
-        h, i = self.hidden_size, self.mlp_width
+        h, i = self.hidden_size, self.experts.mlp_width(self.intermediate_size)
         qw, kvw = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         saved = c * (5 * h + 3 * qw + 3 * kvw + 4 * i) + 4 * 2 * h + 4 * self.num_heads
         transient = c * (3 * i + 2 * h)
@@ -295,7 +276,7 @@ class ModelShape:
     def mlp_working_bytes_per_token(self, dtype: str) -> int:
         """The MLP's share of ``layer_working_bytes_per_token``: gate, up, act(gate), their product saved and
         three transient gradients of that width, 7 x intermediate x c; what sequence tiles bound."""
-        return 7 * self.mlp_width * dtype_bytes(dtype)
+        return 7 * self.experts.mlp_width(self.intermediate_size) * dtype_bytes(dtype)
 
     def attention_whole_bytes_per_token(self, dtype: str) -> int:
         """What a layer with its attention half in sequence tiles still holds for every token at its peak
@@ -321,7 +302,8 @@ class ModelShape:
 
     def summary(self) -> dict[str, Any]:
         return {
-            "name": self.name, "params": self.params, "params_active": self.params_active, "hidden_size": self.hidden_size,
+            "name": self.name, "params": self.params, "params_active": self.params_active,
+            "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_layers": self.num_layers,
             "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
             "vocab_size": self.vocab_size, "tie_word_embeddings": self.tie_word_embeddings,
@@ -356,10 +338,7 @@ def from_config(config: Mapping[str, Any], name: str | None = None) -> ModelShap
         rope_scaling=d.rope_scaling,
         max_position_embeddings=d.max_position_embeddings,
         model_type=d.model_type,
-        num_experts=d.num_experts,
-        num_experts_per_tok=d.num_experts_per_tok,
-        moe_intermediate_size=d.moe_intermediate_size,
-        shared_expert_intermediate_size=d.shared_expert_intermediate_size,
+        experts=ExpertShape.of(d),
         config=dict(config),
     )
 
