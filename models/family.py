@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
 
-from .parameters import EMBED, HEAD, LAYER, Param, llama_embedding, llama_head, llama_hf_name, llama_layer
+from .parameters import EMBED, HEAD, LAYER, DiskTensor, Param, llama_embedding, llama_head, llama_hf_name, llama_layer
 
 Dims = Mapping[str, Any]  # a model's dimensions by their config.json names (ModelConfig.to_dict())
 # The shared Llama-style blocks (torch): a family whose blocks are those names this module.
@@ -39,6 +39,11 @@ class DecoderSpec(Protocol):
     pad_token_id: int | None
     hidden_act: str
     model_type: str
+    num_experts: int  # the sparse MLP's (megatrain.models.moe); 0: dense
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int
 
     @property
     def q_size(self) -> int: ...
@@ -77,8 +82,17 @@ class Family:
     # True when ``sliding_window`` applies to every layer (the blocks apply it exactly); False: it may apply to
     # some layers only, and a sequence longer than the window is refused.
     window_on_every_layer: bool = False
+    # A layer parameter's tensors in Hugging Face files when they are not the one tensor ``hf_name`` names
+    # (``moe.per_expert_names``); None, or returning None: that one tensor.
+    layer_disk_tensors: Callable[[int, Param], "tuple[DiskTensor, ...] | None"] | None = None
 
     def parameters(self, dims: Dims, kind: str) -> tuple[Param, ...]:
         """The parameter table of a block of ``kind`` (``EMBED``, ``LAYER``, ``HEAD``), in layout order."""
         table = {EMBED: self.embedding, LAYER: self.layer, HEAD: self.head}[kind]
         return table(dims)
+
+    def disk_tensors(self, kind: str, layer: int | None, param: Param) -> tuple[DiskTensor, ...]:
+        """The tensors a Hugging Face checkpoint holds ``param`` of a block of ``kind`` in, as transformers'
+        ``save_pretrained`` writes them."""
+        split = self.layer_disk_tensors(layer, param) if kind == LAYER and self.layer_disk_tensors else None
+        return split or (DiskTensor(self.hf_name(kind, layer, param.name), param.shape, 0),)

@@ -32,6 +32,20 @@ class Param:
         return math.prod(self.shape)
 
 
+@dataclass(frozen=True)
+class DiskTensor:
+    """One tensor of a Hugging Face checkpoint holding part of a parameter: elements [start, start + numel) of
+    it (a family whose files split a parameter, such as per-expert tensors of fused experts, names several)."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
 def embedding_parameters(*, vocab_size: int, hidden_size: int) -> tuple[Param, ...]:
     return (Param("embed_tokens.weight", (vocab_size, hidden_size)),)
 

@@ -9,15 +9,19 @@ from .errors import HFConfigError
 from .family import Family
 from .llama.family import FAMILY as LLAMA
 from .mistral.family import FAMILY as MISTRAL
+from .mixtral.family import FAMILY as MIXTRAL
 from .olmo2.family import FAMILY as OLMO2
 from .phi3.family import FAMILY as PHI3
 from .qwen2.family import FAMILY as QWEN2
 from .qwen3.family import FAMILY as QWEN3
+from .qwen2_moe.family import FAMILY as QWEN2_MOE
+from .qwen3_moe.family import FAMILY as QWEN3_MOE
 
 # A config.json without model_type is read as this family's, as transformers' LlamaConfig would.
 DEFAULT_MODEL_TYPE = LLAMA.model_type
 
-_FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, OLMO2)}
+_FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, OLMO2, MIXTRAL, QWEN3_MOE,
+                                                          QWEN2_MOE)}
 # The built-in model types, in the registry's order.
 BUILTIN_MODEL_TYPES = tuple(_FAMILIES)
 

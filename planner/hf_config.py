@@ -43,6 +43,12 @@ o_proj_bias, qk_norm,              bias, whether q and k are normed, which layer
 sliding_window,                    what window (no sliding layer: full attention); a field that
 use_sliding_window,                contradicts the family is refused. ``o_proj_bias`` and
 max_window_layers, layer_types     ``qk_norm`` are megatrain's own names (``ModelConfig.to_dict()``)
+num_experts, num_local_experts,    the family's rule (``megatrain.models.moe``): the experts of a
+num_experts_per_tok,               sparse MLP, their width, top-k renormalisation, a shared
+moe_intermediate_size,             expert; output_router_logits true (the load-balancing loss)
+norm_topk_prob, shared_expert_*,   and router jitter refused; layers of another kind
+decoder_sparse_step,               (mlp_only_layers, decoder_sparse_step > 1) refused
+mlp_only_layers
 attention_dropout                  0 honoured; any other value refused (megatrain trains
                                    without attention dropout)
 max_position_embeddings            integer (absent: the family's transformers default)
@@ -122,6 +128,11 @@ class DecoderConfig:
     pad_token_id: int | None
     sliding_window: int | None
     initializer_range: float
+    num_experts: int = 0  # the experts of a sparse MLP (megatrain.models.moe); 0: a dense MLP
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
 
     def fields(self) -> dict[str, Any]:
         """The fields as keyword arguments (``ModelConfig(**d.fields())``)."""

@@ -26,6 +26,7 @@ from megatrain.errors import MegatrainError
 
 from . import hf_config
 from .buffer_kinds import spill_block_bytes
+from .expert_shapes import ExpertShape
 from megatrain.models import registry
 
 from .block_parameters import ALIGN_ELEMENTS, EMBED, HEAD, LAYER, aligned, block_table
@@ -88,6 +89,8 @@ class ModelShape:
     rope_scaling: Mapping[str, Any] | None = field(default=None, compare=False)
     max_position_embeddings: int = 4096
     model_type: str = registry.DEFAULT_MODEL_TYPE
+    # A sparse MLP (megatrain.models.moe): its experts, how many each token runs, their width, a shared expert.
+    experts: ExpertShape = ExpertShape()
     # The config.json fields this shape was read from (a preset's), for building the runtime's ModelConfig.
     config: Mapping[str, Any] | None = field(default=None, compare=False)
 
@@ -122,7 +125,8 @@ class ModelShape:
                 "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "vocab_size": self.vocab_size,
                 "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
-                "o_proj_bias": self.o_proj_bias, "mlp_bias": self.mlp_bias, "qk_norm": self.qk_norm}
+                "o_proj_bias": self.o_proj_bias, "mlp_bias": self.mlp_bias, "qk_norm": self.qk_norm,
+                **self.experts.dims()}
 
     def embedding_params(self) -> list[int]:
         """embed_tokens.weight: vocab x hidden."""
@@ -188,9 +192,16 @@ class ModelShape:
 
     # ---- FLOPs per token ---------------------------------------------------------------------
 
+    @property
+    def params_active(self) -> int:
+        """The parameters one token runs through: ``params`` less the experts it is not routed to (dense: all)."""
+        return self.params - self.num_layers * self.experts.inactive_params_layer(self.hidden_size)
+
     def matmul_weights_layer(self) -> int:
-        """Elements of one layer's matmul weights: its 2-D parameters (norms and biases are not matmuls)."""
-        return sum(p.numel for p in block_table(self.config_dims(), LAYER) if len(p.shape) == 2)
+        """Elements of one layer's matmul weights a token runs through: its 2-D parameters (norms and biases are
+        not matmuls) and the experts it is routed to (num_experts_per_tok of them)."""
+        dense = sum(p.numel for p in block_table(self.config_dims(), LAYER) if len(p.shape) == 2)
+        return dense + self.experts.num_experts_per_tok * self.experts.expert_params(self.hidden_size)
 
     def attention_flops_fwd(self, seq: int) -> float:
         """Causal attention FLOPs per token in forward (``attention_flops_per_token``)."""
@@ -228,9 +239,9 @@ class ModelShape:
         return 4.0 * self.vocab_size * self.hidden_size
 
     def model_flops_per_token(self) -> float:
-        """FLOPs per token that model TFLOP/s counts (DESIGN.md section 7): 6 x params, no recompute,
-        no attention."""
-        return 6.0 * self.params
+        """FLOPs per token that model TFLOP/s counts (DESIGN.md section 7): 6 x active params (a mixture of
+        experts counts the experts a token is routed to, not all of them), no recompute, no attention."""
+        return 6.0 * self.params_active
 
     def hardware_flops_per_token(self, seq: int) -> float:
         """FLOPs per token the GPU really runs in one step: every layer's forward, recompute and
@@ -256,7 +267,7 @@ class ModelShape:
         transient gradients of the widest tensors (3 x intermediate + 2 x hidden, compute dtype).
         """
         c = dtype_bytes(dtype)
-        h, i = self.hidden_size, self.intermediate_size
+        h, i = self.hidden_size, self.experts.mlp_width(self.intermediate_size)
         qw, kvw = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         saved = c * (5 * h + 3 * qw + 3 * kvw + 4 * i) + 4 * 2 * h + 4 * self.num_heads
         transient = c * (3 * i + 2 * h)
@@ -265,7 +276,7 @@ class ModelShape:
     def mlp_working_bytes_per_token(self, dtype: str) -> int:
         """The MLP's share of ``layer_working_bytes_per_token``: gate, up, act(gate), their product saved and
         three transient gradients of that width, 7 x intermediate x c; what sequence tiles bound."""
-        return 7 * self.intermediate_size * dtype_bytes(dtype)
+        return 7 * self.experts.mlp_width(self.intermediate_size) * dtype_bytes(dtype)
 
     def attention_whole_bytes_per_token(self, dtype: str) -> int:
         """What a layer with its attention half in sequence tiles still holds for every token at its peak
@@ -291,7 +302,8 @@ class ModelShape:
 
     def summary(self) -> dict[str, Any]:
         return {
-            "name": self.name, "params": self.params, "hidden_size": self.hidden_size,
+            "name": self.name, "params": self.params, "params_active": self.params_active,
+            "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_layers": self.num_layers,
             "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
             "vocab_size": self.vocab_size, "tie_word_embeddings": self.tie_word_embeddings,
@@ -326,6 +338,7 @@ def from_config(config: Mapping[str, Any], name: str | None = None) -> ModelShap
         rope_scaling=d.rope_scaling,
         max_position_embeddings=d.max_position_embeddings,
         model_type=d.model_type,
+        experts=ExpertShape.of(d),
         config=dict(config),
     )
 

@@ -36,6 +36,9 @@ class ModelConfig:
     as ``attention_bias``) on the output projection. ``hidden_act`` is the MLP's activation, by its transformers ``ACT2FN`` name.
     ``sliding_window`` is the attention window (``None``: full attention): applied exactly when the family's
     window is on every layer, else sequences run up to the window, where it changes nothing.
+    ``num_experts`` > 0: the MLP is sparse (``megatrain.models.moe``): ``num_experts_per_tok`` experts of width
+    ``moe_intermediate_size`` per token, top-k weights renormalised when ``norm_topk_prob``, and a shared expert
+    of width ``shared_expert_intermediate_size`` when it is > 0.
     """
 
     vocab_size: int
@@ -59,6 +62,11 @@ class ModelConfig:
     initializer_range: float = 0.02
     model_type: str = registry.DEFAULT_MODEL_TYPE
     hidden_act: str = "silu"
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -88,8 +96,15 @@ class ModelConfig:
             _field(hf_config.optional_integer, name, getattr(self, name))
         for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
             _field(hf_config.number, name, getattr(self, name))
-        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "qk_norm"):
+        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "qk_norm", "norm_topk_prob"):
             _field(hf_config.boolean, name, getattr(self, name))
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name}={value!r} must be an integer >= 0")
+        if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size):
+            raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
+                              f"{self.num_experts} and moe_intermediate_size positive for a sparse MLP")
         if self.o_proj_bias is not None:
             _field(hf_config.boolean, "o_proj_bias", self.o_proj_bias)
         if registry.find(self.model_type) is None:

@@ -23,6 +23,11 @@ from megatrain.runtime import Engine, ModelConfig  # noqa: E402
 # head_dim 12 differs from hidden / heads, so that a family reading it wrong shows.
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=12, max_position_embeddings=128, rms_norm_eps=1e-6, sliding_window=None)
+# The mixture-of-experts families' sizes: 4 experts of width 16, 2 per token (Qwen2-MoE: a shared expert of 24).
+MOE = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+       "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True),
+       "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=24)}
 FAMILIES = registry.model_types()  # every family registered when the tests are collected
 # Per family, what its transformers defaults need changed to fit the tiny model (Phi-3's token ids are > vocab).
 TINY_EXTRA = {"phi3": dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)}
@@ -30,7 +35,8 @@ TINY_EXTRA = {"phi3": dict(pad_token_id=None, bos_token_id=None, eos_token_id=No
 
 def _hf_model(model_type: str, tied: bool):
     torch.manual_seed(1234)
-    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **TINY_EXTRA.get(model_type, {})},
+    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **TINY_EXTRA.get(model_type, {}),
+                                                              **MOE.get(model_type, {})},
                                                tie_word_embeddings=tied)
     model = getattr(transformers, registry.family(model_type).architecture)(config).float()
     randomize_norms_and_biases(model)

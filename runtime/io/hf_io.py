@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatrain.models import registry
+from megatrain.models.parameters import DiskTensor, Param
 from megatrain.planner.buffer_kinds import BufferKind
 
 from megatrain.runtime.config import ModelConfig, read_config_json
@@ -148,8 +149,12 @@ def find_shards(path: str | os.PathLike) -> list[str]:
 def load_weights(state: "ModelState", files: list[str]) -> None:
     """Stream every tensor of ``files`` into the model's fp32 masters (see [Note: streaming safetensors])."""
     state.settle()
-    expected = {e.hf_name: (b, e) for b in state.blocks for e in b.layout.entries}
     headers = {f: read_header(f) for f in files}  # every header checked before any byte is loaded
+    present = {t.name for infos in headers.values() for t in infos}
+    pieces = {(b.index, e.local_name): _disk_tensors(state, b, e, present) for b in state.blocks
+              for e in b.layout.entries}
+    expected = {d.name: (b, e, d) for b in state.blocks for e in b.layout.entries
+                for d in pieces[(b.index, e.local_name)]}
     where = _check_tensors(state, headers, expected)
     handles: dict[str, Any] = {}
     try:
@@ -158,21 +163,33 @@ def load_weights(state: "ModelState", files: list[str]) -> None:
         for block in state.blocks:  # a spilled master goes through RAM one block at a time, read and written once
             with state.edit_block(block.index) as master:
                 for entry in block.layout.entries:
-                    f, t = where[entry.hf_name]
-                    dst = master[entry.offset:entry.offset + entry.numel]
-                    if t.dtype == torch.float32:
-                        _read_into(handles[f], f, t, dst)
-                    else:
-                        tmp = torch.empty(entry.numel, dtype=t.dtype)
-                        _read_into(handles[f], f, t, tmp)
-                        dst.copy_(tmp)
+                    for d in pieces[(block.index, entry.local_name)]:
+                        f, t = where[d.name]
+                        dst = master[entry.offset + d.start:entry.offset + d.start + d.numel]
+                        if t.dtype == torch.float32:
+                            _read_into(handles[f], f, t, dst)
+                        else:
+                            tmp = torch.empty(d.numel, dtype=t.dtype)
+                            _read_into(handles[f], f, t, tmp)
+                            dst.copy_(tmp)
     finally:
         for fh in handles.values():
             fh.close()
 
 
+def _disk_tensors(state: "ModelState", block: Any, entry: Any, present: set[str] | None = None
+                  ) -> tuple[DiskTensor, ...]:
+    """The tensors ``entry`` is in a Hugging Face directory, as transformers writes them (the family's: per-expert
+    tensors of fused experts); files holding the parameter whole under its own name (``present``) are read so."""
+    whole = (DiskTensor(entry.hf_name, entry.shape, 0),)
+    if present is not None and entry.hf_name in present:
+        return whole
+    family = registry.family(state.config.model_type)
+    return family.disk_tensors(block.kind.value, block.layer, Param(entry.local_name, entry.shape))
+
+
 def _check_tensors(state: "ModelState", headers: dict[str, list[TensorInfo]],
-                   expected: dict[str, tuple[Any, Any]]) -> dict[str, tuple[str, TensorInfo]]:
+                   expected: dict[str, tuple[Any, Any, DiskTensor]]) -> dict[str, tuple[str, TensorInfo]]:
     """Each expected tensor's (file, header entry), every name and shape checked across all files first."""
     tied = state.config.tie_word_embeddings
     seen: dict[str, tuple[str, TensorInfo]] = {}
@@ -182,7 +199,7 @@ def _check_tensors(state: "ModelState", headers: dict[str, list[TensorInfo]],
                 raise InputError(f"{t.name} appears in both {seen[t.name][0]} and {f}; remove the duplicate shard")
             seen[t.name] = (f, t)
             if t.name in expected:
-                shape = expected[t.name][1].shape
+                shape = expected[t.name][2].shape
                 if t.shape != shape:
                     raise InputError(f"{f}: {t.name} has shape {t.shape}, the config implies {shape}; "
                                      "the config.json does not match the weights")
@@ -224,11 +241,11 @@ def save_pretrained(state: "ModelState", path: str | os.PathLike, dtype: torch.d
         raise CheckpointError(f"cannot create the export directory {path}: {e.strerror}; choose a writable "
                               "directory") from None
     itemsize = torch.empty((), dtype=dtype).element_size()
-    entries = [(b, e) for b in state.blocks for e in b.layout.entries]
-    shards: list[list[tuple[Any, Any]]] = [[]]
+    entries = [(b, e, d) for b in state.blocks for e in b.layout.entries for d in _disk_tensors(state, b, e)]
+    shards: list[list[tuple[Any, Any, DiskTensor]]] = [[]]
     size = 0
     for be in entries:
-        nbytes = be[1].numel * itemsize
+        nbytes = be[2].numel * itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -236,12 +253,12 @@ def save_pretrained(state: "ModelState", path: str | os.PathLike, dtype: torch.d
         size += nbytes
     names = ([SINGLE_FILE] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    total = sum(e.numel for _, e in entries) * itemsize
+    total = sum(d.numel for _, _, d in entries) * itemsize
     weight_map = {}
     try:  # each file is written as <name>.tmp and renamed: a failure leaves no partial file behind
         for name, shard in zip(names, shards):
             _write_shard(state, os.path.join(path, name), shard, dtype)
-            weight_map.update({e.hf_name: name for _, e in shard})
+            weight_map.update({d.name: name for _, _, d in shard})
         for stale in glob.glob(os.path.join(path, "model-*-of-*.safetensors")) + [os.path.join(path, SINGLE_FILE),
                                                                                     os.path.join(path, INDEX_FILE)]:
             if os.path.basename(stale) not in names and os.path.exists(stale):
@@ -253,14 +270,14 @@ def save_pretrained(state: "ModelState", path: str | os.PathLike, dtype: torch.d
         raise _export_error(e, path, total) from None
 
 
-def _write_shard(state: "ModelState", path: str, shard: list[tuple[Any, Any]], dtype: torch.dtype) -> None:
+def _write_shard(state: "ModelState", path: str, shard: list[tuple[Any, Any, DiskTensor]], dtype: torch.dtype) -> None:
     itemsize = torch.empty((), dtype=dtype).element_size()
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for _, e in shard:
-        header[e.hf_name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(e.shape),
-                             "data_offsets": [offset, offset + e.numel * itemsize]}
-        offset += e.numel * itemsize
+    for _, _, d in shard:
+        header[d.name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(d.shape),
+                          "data_offsets": [offset, offset + d.numel * itemsize]}
+        offset += d.numel * itemsize
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     tmp = path + ".tmp"
@@ -268,10 +285,10 @@ def _write_shard(state: "ModelState", path: str, shard: list[tuple[Any, Any]], d
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)) + raw)
             cached: tuple[int, torch.Tensor] | None = None  # a spilled block is read once for all its tensors
-            for block, e in shard:
+            for block, e, d in shard:
                 if cached is None or cached[0] != block.index:
                     cached = (block.index, state.read_block(BufferKind.MASTER, block.index))
-                src = cached[1][e.offset:e.offset + e.numel]
+                src = cached[1][e.offset + d.start:e.offset + d.start + d.numel]
                 t = src if dtype == torch.float32 else src.to(dtype)  # one tensor converted at a time
                 f.write(memoryview(t.view(torch.uint8).numpy()))
         os.replace(tmp, path)

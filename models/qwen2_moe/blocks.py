@@ -1,0 +1,17 @@
+"""Qwen2-MoE's blocks: the shared Llama-style blocks and the sparse MLP with its shared expert, router first,
+routing weights cast to the compute dtype."""
+from __future__ import annotations
+
+import functools
+
+from megatrain.models.family import DecoderSpec
+from megatrain.models.layers import decoder
+from megatrain.models.layers.moe import SparseMLP
+
+EmbeddingBlock = decoder.EmbeddingBlock
+HeadBlock = decoder.HeadBlock
+
+
+class DecoderLayer(decoder.DecoderLayer):
+    def __init__(self, config: DecoderSpec) -> None:
+        super().__init__(config, mlp=functools.partial(SparseMLP, router_first=True))
