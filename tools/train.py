@@ -37,7 +37,7 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from megatrain.runtime.io import training_checkpoint
 
     from . import data_order, evaluation, export, metric_sinks, metrics, model_source, packing, ranks, \
-        run_dir, tokenizer as tokenizers, train_config
+        run_dir, tokenizer as tokenizers, train_config, world_change
     from .data import Corpus
     from .plot import plot
     from .training_loop import TrainingLoop, dtype_name, next_batch
@@ -349,7 +349,11 @@ class Run:
         """
         c = self.config
         spill_root = c.spill_dir or os.path.join(self.out, run_dir.SPILL_DIR)
-        research = self.resumed is not None and self.values.get("spill") == "auto"
+        moved = None if self.resumed is None or c.plan else world_change.replan(
+            self.resumed.extra, self.resumed.plan, c.batch, self.ranks.world_size)
+        if moved:
+            self.changes.append(moved)
+        research = self.resumed is not None and (self.values.get("spill") == "auto" or moved is not None)
         if c.plan:
             plan, self.plan_description = Plan.load(c.plan), c.plan
         elif self.resumed is not None and not research:

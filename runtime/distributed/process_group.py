@@ -13,6 +13,7 @@ With CUDA each rank's device is ``cuda:LOCAL_RANK`` unless the caller names one.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ def join(timeout_s: float = DEFAULT_TIMEOUT_S) -> Topology | None:
         except (RuntimeError, ValueError) as e:
             raise ConfigError(f"cannot join the {world} ranks of this run ({_first_line(e)}); check MASTER_ADDR, "
                               "MASTER_PORT and that every rank was started (torchrun --nproc-per-node ...)") from None
+        atexit.register(_leave)  # the group this module made is taken down before the interpreter's teardown
     world = dist.get_world_size()
     if world <= 1:
         return None
@@ -72,6 +74,13 @@ def rank_device(topology: Topology | None, device: torch.device | None) -> torch
     if topology is None or device is not None or not torch.cuda.is_available():
         return device
     return torch.device("cuda", topology.local_rank % torch.cuda.device_count())
+
+
+def _leave() -> None:
+    """Destroy the process group before interpreter shutdown: left to the C++ static destructors, gloo's threads
+    can be torn down while joinable and abort the process ("terminate called without an active exception")."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _env_int(name: str, default: int) -> int:
