@@ -37,7 +37,7 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from megatrain.runtime.io import training_checkpoint
 
     from . import data_order, evaluation, export, metric_sinks, metrics, model_source, packing, ranks, \
-        run_dir, tokenizer as tokenizers, train_config, world_change
+        restart, run_dir, tokenizer as tokenizers, train_config, world_change
     from .data import Corpus
     from .plot import plot
     from .training_loop import TrainingLoop, dtype_name, next_batch
@@ -56,7 +56,8 @@ ASSUMED_DISK_GBPS = 1.0
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        rank_set = ranks.Ranks.join()  # under torchrun: this rank; every rank checks the options alike
+        rank_set = ranks.Ranks.join(ranks.collective_timeout(argv))  # under torchrun: this rank; every rank checks
+        # the options alike
         values, config = rank_set.agree(lambda: _options(argv), CHECK_ERRORS)
         return Run(config, values, rank_set).execute()
     except USER_ERRORS as e:
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _options(argv: list[str] | None) -> tuple[dict[str, Any], TrainConfig]:
     values = train_config.read_values(argv)
-    return values, train_config.build(values)
+    return restart.resolve(values, train_config.build(values))  # --resume-or-start: resume, start over or start
 
 
 def _usage_error(message: str) -> int:
@@ -145,7 +146,10 @@ class Run:
 
     def execute(self) -> int:
         # Every rank checks every input; an error on any rank stops all of them with its line.
-        return self._run(self.ranks.agree(self._setup, CHECK_ERRORS))
+        setup = self.ranks.agree(self._setup, CHECK_ERRORS)
+        self.ranks.same({"plan": setup.plan.replace(spill_dir=None).to_dict(), "data order": setup.data.state(),
+                         "start step": self.start_step, "options": train_config.absolute_paths(self.config)})
+        return self._run(setup)
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> Setup:
@@ -195,6 +199,7 @@ class Run:
                 if removed:
                     print(f"megatrain-train: --overwrite: deleted the earlier run's {', '.join(removed)} in {out}",
                           file=sys.stderr)
+            restart.record(out, self.config)  # what --resume-or-start compares a restart's options with
         try:
             self.ranks.agree(take_directories, CHECK_ERRORS, only_first=True)
             engine = self._engine(plan, setup.dtype, setup.device, setup.source)
@@ -218,6 +223,7 @@ class Run:
         finally:
             lock.release()
             # A run that wrote nothing (it stopped before its first step) leaves no directory it made behind.
+            restart.drop_lone_record(out)
             if spill_created and plan.spill_dir is not None and not run_dir.existing_entries(plan.spill_dir):
                 os.rmdir(plan.spill_dir)
             if created and not run_dir.existing_entries(out):
