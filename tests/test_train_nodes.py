@@ -1,6 +1,5 @@
 """Two nodes on one machine: two torchrun launchers (--nnodes 2 --nproc-per-node 1) meet at a c10d rendezvous on
-localhost, as two nodes would at rank 0's host. They train and checkpoint into one shared --out, each rank's spill
-files in its own node-local --spill-dir; rank 0 alone writes metrics and the export; the losses are one process's."""
+localhost, as two nodes would at rank 0's host. They train and checkpoint into one shared --out; rank 0 alone writes metrics and the export; the losses are one process's."""
 from __future__ import annotations
 
 import os
@@ -22,15 +21,14 @@ def _free_port() -> int:
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not on PATH")
 def test_two_nodes_on_localhost_train_checkpoint_and_export(tmp_path):
     one, out, export = str(tmp_path / "one"), str(tmp_path / "shared-out"), str(tmp_path / "export")
-    run = ["--batch", "4", "--steps", "3", "--spill", "all"]
+    run = ["--batch", "4", "--steps", "3"]
     ok(train("--out", one, *run))
     port = _free_port()
     nodes = []
     for node in range(2):
-        spill = str(tmp_path / f"node{node}-local-spill")
         cmd = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-               f"127.0.0.1:{port}", "--rdzv-id", "test-nodes", TRAIN, *TINY, *run, "--out", out, "--spill-dir",
-               spill, "--export-on-finish", export]
+               f"127.0.0.1:{port}", "--rdzv-id", "test-nodes", TRAIN, *TINY, *run, "--out", out, "--export-on-finish",
+               export]
         nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV))
     errs = [p.communicate(timeout=300)[1] for p in nodes]
     for p, err in zip(nodes, errs):

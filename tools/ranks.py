@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatrain.errors import MegatrainError
-from megatrain.runtime.distributed.process_group import DEFAULT_TIMEOUT_S, Topology, join, rank_device
+from megatrain.runtime.distributed.process_group import DEFAULT_TIMEOUT_S, Topology, join, leave, rank_device
 
 from . import train_config
 
@@ -110,6 +110,12 @@ class Ranks:
                 raise RankError(f"rank {rank}'s {differs[0]} differs from rank 0's; every rank must run the same "
                                 f"command on the same files (check that each node sees the same --data, --plan and "
                                 f"--out)")
+
+    def leave(self) -> None:
+        """Done with the other ranks (their engines closed, their steps over): what this rank does next (rank 0's
+        export of the run) runs as one process, and the others may exit meanwhile."""
+        if self.topology is not None:
+            leave()
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is set on any rank (one all-reduce of a CPU tensor under torchrun)."""

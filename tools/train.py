@@ -219,6 +219,7 @@ class Run:
                 summary = self._summary(engine, loop)
             finally:
                 engine.close()
+            self.ranks.leave()  # the export is rank 0's alone, as one process: the other ranks may have exited
             return self._finish(summary, loop)  # the engine's memory is free for the export
         finally:
             lock.release()
