@@ -147,7 +147,7 @@ class Run:
     def execute(self) -> int:
         # Every rank checks every input; an error on any rank stops all of them with its line.
         setup = self.ranks.agree(self._setup, CHECK_ERRORS)
-        self.ranks.same({"plan": setup.plan.replace(spill_dir=None).to_dict(), "data order": setup.data.state(),
+        self.ranks.same({"plan": {**setup.plan.to_dict(), "spill_dir": None}, "data order": setup.data.state(),
                          "start step": self.start_step, "options": train_config.absolute_paths(self.config)})
         return self._run(setup)
 
