@@ -15,14 +15,18 @@ With one process everything here is a pass-through. With W ranks (torchrun sets 
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from megatrain.errors import MegatrainError
-from megatrain.runtime.distributed.process_group import Topology, join, rank_device
+from megatrain.runtime.distributed.process_group import DEFAULT_TIMEOUT_S, Topology, join, leave, rank_device
+
+from . import train_config
 
 T = TypeVar("T")
 
@@ -36,8 +40,9 @@ class Ranks:
         self.topology = topology
 
     @classmethod
-    def join(cls) -> "Ranks":
-        return cls(join())
+    def join(cls, timeout_s: float = DEFAULT_TIMEOUT_S) -> "Ranks":
+        """This process's rank; every collective of the run waits at most ``timeout_s`` for the others."""
+        return cls(join(timeout_s))
 
     @property
     def world_size(self) -> int:
@@ -90,6 +95,28 @@ class Ranks:
             raise RankError(line if self.world_size == 1 or rank == self.rank else f"rank {rank}: {line}")
         return result
 
+    def same(self, parts: Mapping[str, Any]) -> None:
+        """Every rank holds the same ``parts`` (named JSON values: the plan, the data order, ...), else every rank
+        stops with one line naming the first part that differs. One collective."""
+        if self.topology is None:
+            return
+        digests = {name: hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+                   for name, value in parts.items()}
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, digests)
+        for rank, theirs in enumerate(everyone):
+            differs = [name for name in parts if theirs.get(name) != everyone[0].get(name)]
+            if differs:
+                raise RankError(f"rank {rank}'s {differs[0]} differs from rank 0's; every rank must run the same "
+                                f"command on the same files (check that each node sees the same --data, --plan and "
+                                f"--out)")
+
+    def leave(self) -> None:
+        """Done with the other ranks (their engines closed, their steps over): what this rank does next (rank 0's
+        export of the run) runs as one process, and the others may exit meanwhile."""
+        if self.topology is not None:
+            leave()
+
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is set on any rank (one all-reduce of a CPU tensor under torchrun)."""
         if self.topology is None:
@@ -104,6 +131,19 @@ class Ranks:
         """A line on stderr, from rank 0 only."""
         if self.writes:
             print(line, file=sys.stderr)
+
+
+def collective_timeout(argv: Sequence[str] | None) -> float:
+    """--collective-timeout (command line or TOML), read before the ranks join; the options are checked in full
+    afterwards, on every rank (a bad value is reported then)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(train_config.read_values(args).get("collective_timeout", 0.0))
+    except (train_config.TrainConfigError, ValueError, TypeError):
+        return DEFAULT_TIMEOUT_S
+    return seconds if seconds > 0 else DEFAULT_TIMEOUT_S
 
 
 def peer_failure(e: RuntimeError) -> bool:

@@ -30,12 +30,13 @@ class RunPlan:
 
 
 def choose(c: TrainConfig, values: dict[str, object], out: str, resumed: Plan | None, model: ModelConfig,
-           compute_dtype: str, topology: Topology | None) -> RunPlan:
+           compute_dtype: str, topology: Topology | None, replan: bool = False) -> RunPlan:
     """--plan, else the resumed run's plan (``resumed``), else the planner's for ``model``. --spill forces what
     spills (auto: the planner decides, or the plan given / resumed keeps its choice). ``values``: the options
-    given explicitly; ``topology``: the ranks under torchrun (None: one process)."""
+    given explicitly; ``topology``: the ranks under torchrun (None: one process); ``replan``: search again even
+    for a resumed run (it resumes at another world size, so its per-rank batch changed)."""
     spill_root = c.spill_dir or os.path.join(out, run_dir.SPILL_DIR)
-    research = resumed is not None and values.get("spill") == "auto"
+    research = resumed is not None and (values.get("spill") == "auto" or replan)
     if c.plan:
         plan, description = Plan.load(c.plan), c.plan
     elif resumed is not None and not research:

@@ -34,8 +34,7 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig
 
     from . import data_order, evaluation, export, metric_sinks, metrics, model_source, packing, ranks, \
-        resume, run_dir, run_plan, tokenizer as \
-        tokenizers, train_config, train_options
+        restart, resume, run_dir, run_plan, tokenizer as tokenizers, train_config, train_options, world_change
     from .data import Corpus
     from .plot import plot
     from .training_loop import TrainingLoop, dtype_name, next_batch
@@ -52,7 +51,8 @@ CHECK_ERRORS = (*USER_ERRORS, ValueError, OSError)
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        rank_set = ranks.Ranks.join()  # under torchrun: this rank; every rank checks the options alike
+        rank_set = ranks.Ranks.join(ranks.collective_timeout(argv))  # under torchrun: this rank; every rank checks
+        # the options alike
         values, config = rank_set.agree(lambda: _options(argv), CHECK_ERRORS)
         return Run(config, values, rank_set).execute()
     except USER_ERRORS as e:
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _options(argv: list[str] | None) -> tuple[dict[str, Any], TrainConfig]:
     values = train_options.read_values(argv)
-    return values, train_config.build(values)
+    return restart.resolve(values, train_config.build(values))  # --resume-or-start: resume, start over or start
 
 
 def _usage_error(message: str) -> int:
@@ -130,7 +130,10 @@ class Run:
 
     def execute(self) -> int:
         # Every rank checks every input; an error on any rank stops all of them with its line.
-        return self._run(self.ranks.agree(self._setup, CHECK_ERRORS))
+        setup = self.ranks.agree(self._setup, CHECK_ERRORS)
+        self.ranks.same({"plan": {**setup.plan.to_dict(), "spill_dir": None}, "data order": setup.data.state(),
+                         "start step": self.start_step, "options": train_config.absolute_paths(self.config)})
+        return self._run(setup)
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> Setup:
@@ -157,8 +160,12 @@ class Run:
         first = next_batch(batches)  # the data yields a batch: checked before anything is written
         evals = evaluation.eval_set(c, corpus, data.addresses, held_out, tokenizer.separator_id, model.vocab_size,
                                     self.packing)
+        moved = None if self.resumed is None or c.plan else world_change.replan(
+            self.resumed.extra, self.resumed.plan, c.batch, self.ranks.world_size)
+        if moved:  # a resume at another world size plans again for the new per-rank batch
+            self.changes.append(moved)
         chosen = run_plan.choose(c, self.values, self.out, self.resumed.plan if self.resumed else None, model,
-                                 dtype_name(dtype), self.ranks.topology)
+                                 dtype_name(dtype), self.ranks.topology, replan=moved is not None)
         plan, self.plan_description = chosen.plan, chosen.description
         self.notes += chosen.notes
         return Setup(own_run, overwrite, device, dtype, model, source, corpus, itertools.chain([first], batches),
@@ -183,6 +190,7 @@ class Run:
                 if removed:
                     print(f"megatrain-train: --overwrite: deleted the earlier run's {', '.join(removed)} in {out}",
                           file=sys.stderr)
+            restart.record(out, self.config)  # what --resume-or-start compares a restart's options with
         try:
             self.ranks.agree(take_directories, CHECK_ERRORS, only_first=True)
             engine = self._engine(plan, setup.dtype, setup.device, setup.source)
@@ -202,10 +210,12 @@ class Run:
                 summary = self._summary(engine, loop, plan)
             finally:
                 engine.close()
+            self.ranks.leave()  # the export is rank 0's alone, as one process: the other ranks may have exited
             return self._finish(summary, loop)  # the engine's memory is free for the export
         finally:
             lock.release()
             # A run that wrote nothing (it stopped before its first step) leaves no directory it made behind.
+            restart.drop_lone_record(out)
             if spill_created and plan.spill_dir is not None and not run_dir.existing_entries(plan.spill_dir):
                 os.rmdir(plan.spill_dir)
             if created and not run_dir.existing_entries(out):

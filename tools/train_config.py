@@ -94,6 +94,10 @@ class TrainConfig:
     keep: int = 3
     # A checkpoint directory (or a previous --out) to continue from.
     resume: str = ""
+    # Resume from the latest complete checkpoint in --out if there is one, else start (restarts, requeues).
+    resume_or_start: bool = False
+    # Seconds a collective may wait for the other ranks before every rank stops (0: the default, 300).
+    collective_timeout: float = 0.0
     # A plan.json from megatrain-plan; empty: the planner chooses one for this machine.
     plan: str = ""
     # What may live in spill files on disk: "auto" (the planner decides), "none", "optimizer" (m, v), "all".
@@ -125,6 +129,9 @@ class TrainConfig:
         for name in ("steps", "tokens", "save_every", "seed", "eval_every"):
             _require(self, name, getattr(self, name) >= 0, "must be >= 0")
         _require(self, "steps", self.steps >= 1 or self.tokens > 0, "must be >= 1 (or set --tokens)")
+        _require(self, "collective_timeout", 0 <= self.collective_timeout < math.inf, "must be seconds >= 0")
+        _require(self, "resume_or_start", not (self.resume_or_start and self.resume),
+                 "takes the run in --out; leave --resume out")
         _require(self, "lr", self.lr > 0 and math.isfinite(self.lr), "must be a positive number, e.g. 3e-4")
         _require(self, "min_lr", self.min_lr == -1.0 or 0 <= self.min_lr <= self.lr,
                  f"must be in [0, lr={self.lr}] (or -1 for lr / 10)")

@@ -56,6 +56,10 @@ HELP: dict[str, str] = {
     "keep": "checkpoints to keep (3)",
     "resume": "continue an earlier run (its --out, or one of its checkpoints), writing into that run "
               "unless --out is given",
+    "resume_or_start": "continue the run in --out from its latest complete checkpoint if it has one, else start "
+                       "it (for torchrun --max-restarts and a scheduler's requeue); another run's --out is refused",
+    "collective_timeout": "under torchrun: seconds a collective waits for the other ranks before every rank stops "
+                          "(default 300)",
     "plan": "a plan.json from megatrain-plan (default: the planner chooses)",
     "spill": "what may live in spill files on disk: auto (the planner decides; default), none, optimizer "
              "(AdamW m, v) or all (master, m, v, grads)",

@@ -14,7 +14,8 @@ import torch
 
 from megatrain.runtime import Engine
 
-from . import data_order, evaluation, lr_schedule, metric_sinks, metrics, packing, ranks, run_dir, train_config
+from . import data_order, evaluation, lr_schedule, metric_sinks, metrics, packing, ranks, run_dir, train_config, \
+    world_change
 from .interrupt import EXIT_INTERRUPTED, InterruptGuard
 from .progress import Progress
 from .trace import StepTracer
@@ -184,7 +185,7 @@ class TrainingLoop:
         extra = {"step": step, "rows_done": self.rows_done, "tokens_done": self.tokens_done,
                  "data": self.data.state(),
                  "schedule": self.schedule.to_dict(), "train_config": train_config.absolute_paths(self.config),
-                 "torch_rng": torch.get_rng_state().tolist()}
+                 "torch_rng": torch.get_rng_state().tolist(), world_change.WORLD_SIZE_KEY: self.ranks.world_size}
         handle = self.engine.save_checkpoint(self.ckpt_root, extra=extra, keep=self.config.keep, blocking=blocking)
         if blocking and handle is not None:
             handle.wait()

@@ -7,12 +7,14 @@ initialises ``torch.distributed``). ``join()`` answers, once per engine:
 - none, but torchrun's environment (``WORLD_SIZE`` > 1, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``,
   ``MASTER_PORT``): the group is initialised here, NCCL with CUDA and gloo without, every collective
   with ``timeout_s`` (a rank that stops answering fails the others instead of hanging them);
-- otherwise (or one rank): ``None``, and the engine runs as one process, exactly as without this module.
+- otherwise (or one rank, or once this process has left its group with ``leave``): ``None``, and the engine
+  runs as one process, exactly as without this module.
 
 With CUDA each rank's device is ``cuda:LOCAL_RANK`` unless the caller names one.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ import torch.distributed as dist
 
 from megatrain.runtime.errors import ConfigError
 
+_left: list[bool] = []  # non-empty once this process left its group (``leave``): one process from then on
 DEFAULT_TIMEOUT_S = 300.0  # a collective that waits longer fails (gloo: raises; NCCL: the watchdog aborts)
 
 
@@ -46,7 +49,7 @@ class Topology:
 def join(timeout_s: float = DEFAULT_TIMEOUT_S) -> Topology | None:
     """This process's place among the ranks (initialising the group from torchrun's environment if needed);
     None for a single process."""
-    if not dist.is_available():
+    if not dist.is_available() or _left:
         return None
     if not dist.is_initialized():
         world = _env_int("WORLD_SIZE", 1)
@@ -60,6 +63,7 @@ def join(timeout_s: float = DEFAULT_TIMEOUT_S) -> Topology | None:
         except (RuntimeError, ValueError) as e:
             raise ConfigError(f"cannot join the {world} ranks of this run ({_first_line(e)}); check MASTER_ADDR, "
                               "MASTER_PORT and that every rank was started (torchrun --nproc-per-node ...)") from None
+        atexit.register(leave)  # the group this module made is taken down before the interpreter's teardown
     world = dist.get_world_size()
     if world <= 1:
         return None
@@ -72,6 +76,15 @@ def rank_device(topology: Topology | None, device: torch.device | None) -> torch
     if topology is None or device is not None or not torch.cuda.is_available():
         return device
     return torch.device("cuda", topology.local_rank % torch.cuda.device_count())
+
+
+def leave() -> None:
+    """Destroy the process group (a rank done with collectives: what follows runs as one process). At exit too:
+    left to the C++ static destructors, gloo's threads can be torn down while joinable and abort the process
+    ("terminate called without an active exception")."""
+    _left.append(True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _env_int(name: str, default: int) -> int:

@@ -1,0 +1,86 @@
+"""megatrain-train --resume-or-start: the same command starts a run, continues it after a restart (torchrun
+--max-restarts, a scheduler's requeue) and refuses a directory that holds another run."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from cli_ranks import ENV, TINY, TORCHRUN, TRAIN, close, losses, ok, torchrun, train
+from megatrain.tools import restart
+
+RUN = ["--batch", "4", "--save-every", "2", "--resume-or-start"]
+
+
+def test_start_then_continue_then_refuse_another_run(tmp_path):
+    out = str(tmp_path / "run")
+    ok(train("--out", out, *RUN, "--steps", "2"))
+    err = ok(train("--out", out, *RUN, "--steps", "3"))
+    assert "resumed from" in err and "step-00000002" in err, err
+    assert sorted(losses(out)) == [1, 2, 3]
+    other = train("--out", out, *RUN, "--steps", "4", "--seed", "1")
+    assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr
+    assert "holds another run (seed 0, not 1)" in other.stderr
+    assert sorted(losses(out)) == [1, 2, 3]  # untouched
+
+
+def test_a_run_that_stopped_before_its_first_checkpoint_starts_over(tmp_path):
+    out = str(tmp_path / "run")
+    ok(train("--out", out, *RUN, "--steps", "1", "--save-every", "0"))
+    for name in ("checkpoints", "summary.json"):  # as if it had died after its first step
+        path = os.path.join(out, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    assert restart.latest_checkpoint(out) is None
+    err = ok(train("--out", out, *RUN, "--steps", "2"))
+    assert "trained steps 1-2" in err, err
+    assert sorted(losses(out)) == [1, 2]
+    foreign = str(tmp_path / "foreign")
+    os.makedirs(foreign)
+    open(os.path.join(foreign, "notes.txt"), "w").close()
+    refused = train("--out", foreign, *RUN, "--steps", "2")
+    assert refused.returncode == 2 and "already holds" in refused.stderr, refused.stderr
+
+
+def _rank_pid(parent: int, rank: int) -> int | None:
+    """The pid of the worker torchrun (``parent``) started with RANK=rank."""
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != parent:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                    return int(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun not on PATH")
+def test_a_killed_rank_restarts_and_the_run_finishes_as_if_uninterrupted(tmp_path):
+    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
+    ok(torchrun(2, "--out", whole, *RUN, "--steps", "6"))
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", TRAIN, *TINY, "--out", killed,
+           *RUN, "--steps", "6"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.monotonic() + 240
+    victim = None
+    while victim is None and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+        if os.path.exists(os.path.join(killed, "metrics.jsonl")) and 3 in losses(killed):  # past the step-2 save
+            victim = _rank_pid(proc.pid, 1)
+    assert victim is not None, "the run ended before a rank could be killed"
+    os.kill(victim, signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    with open(os.path.join(str(tmp_path), "torchrun.err"), "w") as f:
+        f.write(err)
+    assert proc.returncode == 0, err[-3000:]
+    assert "resumed from" in err, err[-3000:]
+    assert sorted(losses(killed)) == [1, 2, 3, 4, 5, 6]
+    close(losses(killed), losses(whole), [1, 2, 3, 4, 5, 6])
