@@ -224,8 +224,8 @@ class HostStore:
         return arena.tensor[lo:lo + self.numels[b]]
 
     def read_block(self, kind: BufferKind, b: int) -> torch.Tensor:
-        """Block b's ``kind`` ([numel], fp32; m and v in the state dtype): a view of RAM (writes to it are the store's), or, spilled, a
-        copy read from its file."""
+        """Block b's ``kind`` ([numel], fp32; m and v in the state dtype): a view of RAM (writes to it are the
+        store's), or, spilled, a copy read from its file."""
         if self.is_spilled(kind, b):
             assert self.spill_files is not None
             return self.spill_files.read_block(kind, b)
