@@ -166,9 +166,9 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
 
     # ---- host (and spill files) --------------------------------------------------------------
     spilled = spill_placement.Spilled.of(model, plan)
-    for kind, label in ((BufferKind.MASTER, "fp32 master"), (BufferKind.EXP_AVG, "Adam m"),
-                        (BufferKind.EXP_AVG_SQ, "Adam v")):
-        state_terms(kind, label, N, spilled, host, comps)
+    for kind, label, s in ((BufferKind.MASTER, "fp32 master", 4), (BufferKind.EXP_AVG, "Adam m", work.state_bytes),
+                           (BufferKind.EXP_AVG_SQ, "Adam v", work.state_bytes)):
+        state_terms(kind, label, N, spilled, host, comps, size=s)
     host_spill_terms(model, plan, c, spilled, host, comps)
     if plan.checkpoints == "host":
         host("activation checkpoints", L * T * h * c, f"L x T x h x c = {L} x {T} x {h} x {c}")
@@ -193,12 +193,13 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
 
 
 def state_terms(kind: BufferKind, label: str, N: int, spilled: "spill_placement.Spilled", host,
-                comps: list[Component], file_label: str | None = None) -> None:
-    """One fp32 kind's RAM arena and spill file: 4 x (N - Ns_k) bytes of RAM for the blocks in RAM (none when
-    every block spills) and F_k bytes on disk for the others (none when nothing of the kind spills)."""
+                comps: list[Component], file_label: str | None = None, size: int = 4) -> None:
+    """One kind's RAM arena and spill file: s x (N - Ns_k) bytes of RAM for the blocks in RAM (none when every
+    block spills; s: 4, or 2 for bf16 AdamW state, which never spills) and F_k bytes on disk for the others."""
     Ns, F = spilled.numel(kind), spilled.file_bytes(kind)
     if Ns < N:
-        host(label, 4 * (N - Ns), f"4 x N = 4 x {N}" if not Ns else f"4 x (N - Ns) = 4 x ({N} - {Ns})")
+        host(label, size * (N - Ns),
+             f"{size} x N = {size} x {N}" if not Ns else f"{size} x (N - Ns) = {size} x ({N} - {Ns})")
     if Ns:
         comps.append(Component(file_label or f"{label} (spill file)", "nvme", F,
                                f"sum over its spilled blocks of 4 KiB-rounded block x 4 = {F}"))

@@ -55,7 +55,7 @@ def page(model: ModelShape, work: Workload, least: dict[str, PlanChoice], preset
     figures = fastest.get("data_parallel", fastest) if fastest else None
     data = {"params": model.params, "model": model.summary(),
             "workload": {"seq_len": work.seq_len, "batch": work.batch, "compute_dtype": work.compute_dtype,
-                         "clipping": work.clipping, "spill": work.spill},
+                         "clipping": work.clipping, "spill": work.spill, "optimizer_state": work.optimizer_state},
             "gpu_bytes": gpu.memory.device_bytes, **{k: v for k, v in memory_json(host).items() if k != "gpu_bytes"},
             "host_ram_no_spill_bytes": resident.memory.host_bytes if resident else None,
             "step_seconds": figures["step_seconds"] if figures else None,
@@ -84,10 +84,18 @@ def page(model: ModelShape, work: Workload, least: dict[str, PlanChoice], preset
     text = "\n".join([
         f"{model.name} ({model_shapes.params_label(model.params)} params), {work.batch} x {work.seq_len} tokens "
         f"per step, {work.compute_dtype}, clipping {'on' if work.clipping else 'off'}, spill {work.spill}",
-        *ranks_line,
+        state_line(model, work), *ranks_line,
         f"minimum GPU memory {gib(gpu.memory.device_bytes)} (plan: {gpu.plan.micro_batch_size} seq "
         f"per micro-batch, checkpoints on {gpu.plan.checkpoints})", least_line, "",
         table(heads, rows, (False,) + (True,) * (len(heads) - 2) + (False,)),
         f"(each preset with its usual host and that host's NVMe; spill plans write to {work.spill_dir})",
     ])
     return data, text
+
+
+def state_line(model: ModelShape, work: Workload) -> str:
+    """The host state per parameter the AdamW state dtype implies, and what bf16 saves against fp32."""
+    per = 4 + 2 * work.state_bytes
+    saved = 2 * (4 - work.state_bytes) * model.numel_total
+    return (f"AdamW state {work.optimizer_state}: {per} bytes/param of host state with the fp32 master"
+            + (f" (fp32 state: 12; {gib(saved)} less)" if saved else " (bf16 state: 8, --optimizer-state bf16)"))

@@ -17,6 +17,9 @@ class WorkloadError(MegatrainError):
     """A sequence length, batch or dtype the planner cannot plan for. One line: what, and the fix."""
 
 
+OPTIMIZER_STATE_BYTES = {"fp32": 4, "bf16": 2}
+
+
 @dataclass(frozen=True)
 class Workload:
     """One optimizer step: ``batch`` sequences of ``seq_len`` tokens, computed in ``compute_dtype``.
@@ -35,6 +38,8 @@ class Workload:
     spill_dir: str | None = None
     # Free bytes on the disk under spill_dir (None: not known, not checked).
     spill_free_bytes: int | None = None
+    # AdamW m and v in host RAM: "fp32" (4 bytes each per parameter) or "bf16" (2 each; never spilled).
+    optimizer_state: str = "fp32"
 
     def __post_init__(self) -> None:
         for f in ("seq_len", "batch"):
@@ -46,6 +51,11 @@ class Workload:
         if self.spill in ("optimizer", "all") and not self.spill_dir:
             raise WorkloadError(f"spill={self.spill!r} needs a directory for the spill files: pass --spill-dir DIR "
                                 "on a fast local disk")
+        if self.optimizer_state not in OPTIMIZER_STATE_BYTES:
+            raise WorkloadError(f"optimizer_state={self.optimizer_state!r} must be fp32 or bf16")
+        if self.optimizer_state != "fp32" and self.spill in ("optimizer", "all"):
+            raise WorkloadError(f"optimizer_state={self.optimizer_state} keeps AdamW m and v in RAM, spill="
+                                f"{self.spill!r} would put them on disk: use --spill none (or auto), or fp32 state")
         if self.spill_free_bytes is not None and (not isinstance(self.spill_free_bytes, int)
                                                   or self.spill_free_bytes < 0):
             raise WorkloadError(f"spill_free_bytes={self.spill_free_bytes!r} must be an integer >= 0 (bytes)")
@@ -63,11 +73,16 @@ class Workload:
     def compute_bytes(self) -> int:
         return dtype_bytes(self.compute_dtype)
 
+    @property
+    def state_bytes(self) -> int:
+        """Bytes per element of each of AdamW's m and v."""
+        return OPTIMIZER_STATE_BYTES[self.optimizer_state]
+
     def spill_choices(self) -> tuple[str, ...]:
         """The spill values of the search's candidates: with "auto", "none" and, where there is a directory, "all",
         which the search then fills back down to the least spill that fits (search.py, [Note: fill order])."""
         if self.spill == "auto":
-            return ("none", "all") if self.spill_dir else ("none",)
+            return ("none", "all") if self.spill_dir and self.optimizer_state == "fp32" else ("none",)
         return (self.spill,)
 
     def fingerprint(self, model: ModelShape) -> WorkloadFingerprint:

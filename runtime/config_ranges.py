@@ -89,6 +89,9 @@ def check_optimizer_ranges(c: Any) -> None:
     if c.max_grad_norm is not None:
         number("max_grad_norm", c.max_grad_norm, 0, strict=True, hint=", or None for no clipping")
     flag("skip_nonfinite", c.skip_nonfinite)
+    if c.state_dtype not in ("fp32", "bf16"):
+        raise ConfigError(f"state_dtype={c.state_dtype!r} must be 'fp32' (exact) or 'bf16' (8 instead of 12 bytes "
+                          "of host state per parameter)")
     no_decay = c.no_decay
     if not isinstance(no_decay, str) and not (isinstance(no_decay, (tuple, list)) and
                                                all(isinstance(p, str) for p in no_decay)):

@@ -33,6 +33,7 @@ from megatrain.runtime.errors import ClosedError
 from megatrain.runtime.io.training_checkpoint import CheckpointHandle, engine_settings
 from megatrain.runtime.model.templates import Templates
 from megatrain.runtime.pipeline.executor import Executor
+from megatrain.runtime.pipeline.stochastic_rounding import STATE_DTYPES
 from megatrain.runtime.spill.spill_io import make_io
 from megatrain.runtime.state.host_store import HostStore
 from megatrain.runtime.step_inputs import StepInputs
@@ -71,6 +72,7 @@ class Engine:
             placement=spilled, spill_dir=self.plan.spill_dir,
             io=make_io(self.plan.io_backend, self.plan.io_threads, self.plan.io_direct) if spilled else None,
             staging=self.plan.spill_staging, chunk_bytes=self.plan.spill_chunk_bytes,
+            state_dtype=STATE_DTYPES[self.optimizer.state_dtype],
         )
         # Whole-state reads and writes (state dicts, Hugging Face files, checkpoints) first settle: see synchronize.
         self.state, self.state_io = state_io.open_state(self.templates, self.store, self.synchronize, self.collectives)

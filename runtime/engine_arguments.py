@@ -52,6 +52,8 @@ def check_arguments(model_config: object, optimizer: object, plan: object, compu
         plan.workload.check_model(shape_digest(model_config.to_dict()), str(compute_dtype).removeprefix("torch."))
     # Several ranks (a process group, or torchrun's environment): this rank's shards ([Note: collectives]).
     topology = join_ranks()
+    if topology is not None and optimizer.state_dtype != "fp32":
+        raise ConfigError("state_dtype='bf16' is not supported with data parallelism yet; use state_dtype='fp32'")
     picked = pick_device(rank_device(topology, device))
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**40:
         raise ConfigError(f"seed={seed!r} must be an integer in [0, 2**40)")

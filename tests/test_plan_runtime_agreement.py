@@ -50,18 +50,19 @@ def _nbytes(t: torch.Tensor) -> int:
                                          "spill-all", "spill-eager", "spill-all-4k", "spill-opt-8k", "spill-blocks"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_memory_model_matches_allocations(name: str, plan: Plan, dtype: torch.dtype, tmp_path) -> None:
+def test_memory_model_matches_allocations(name: str, plan: Plan, dtype: torch.dtype, tmp_path,
+                                          state: str = "fp32") -> None:
     if plan.spill_dir == SPILL_DIR:
         plan = plan.replace(spill_dir=str(tmp_path))
     hf = CONFIGS[name]
     shape = model_shapes.from_config(hf)
     batch, seq = 3, 8
     work = Workload(seq_len=seq, batch=batch, compute_dtype="fp32" if dtype == torch.float32 else "bf16",
-                    clipping=plan.optimizer_mode == "deferred")
+                    clipping=plan.optimizer_mode == "deferred", optimizer_state=state)
     est = {c.name: c.nbytes for c in memory_model.estimate(shape, work, plan).components}
     clip = 1.0 if plan.optimizer_mode == "deferred" else None
-    with Engine(ModelConfig.from_hf(hf), OptimizerConfig(max_grad_norm=clip), plan=plan, compute_dtype=dtype,
-                device="cpu") as engine:
+    with Engine(ModelConfig.from_hf(hf), OptimizerConfig(max_grad_norm=clip, state_dtype=state), plan=plan,
+                compute_dtype=dtype, device="cpu") as engine:
         assert shape.params == engine.num_parameters
         store, ex = engine.store, engine.executor
         assert shape.numel_total == store.total_numel
@@ -90,6 +91,18 @@ def test_memory_model_matches_allocations(name: str, plan: Plan, dtype: torch.dt
             assert est["checkpoint staging"] == sum(_nbytes(s) for s in ckpt.staging)
             # What the drains held at once: forward's inputs referenced until their pieces were on the host.
             assert est["checkpoint drains in flight"] == ckpt.held_peak_bytes
+
+
+# bf16 AdamW state keeps m and v in RAM: the plans that spill neither (the master and grads may spill).
+BF16_STATE_PLANS = [PLANS[0], PLANS[3], Plan(spill="blocks", spill_dir=SPILL_DIR, spill_staging=2, spill_chunk_bytes=4096,
+                                             spill_blocks={"master": [1, 3], "grads": [2]})]
+
+
+@pytest.mark.parametrize("plan", BF16_STATE_PLANS, ids=["default", "eager", "spill-master-grads"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bf16_state_memory_matches_allocations(plan: Plan, dtype: torch.dtype, tmp_path) -> None:
+    """m and v at 2 bytes per element, buffer by buffer as above."""
+    test_memory_model_matches_allocations("llama-bias", plan, dtype, tmp_path, state="bf16")
 
 
 def test_a_plan_from_the_planner_runs_here() -> None:

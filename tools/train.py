@@ -369,7 +369,7 @@ def _optimizer(c: TrainConfig) -> OptimizerConfig:
     """A non-finite gradient skips its update (and says so) instead of turning the masters into NaN."""
     return OptimizerConfig(lr=c.lr, betas=(c.beta1, c.beta2), weight_decay=c.weight_decay,
                            max_grad_norm=c.max_grad_norm if c.max_grad_norm > 0 else None, no_decay=("norm", "bias"),
-                           skip_nonfinite=True)
+                           skip_nonfinite=True, state_dtype=c.optimizer_state)
 
 
 if __name__ == "__main__":

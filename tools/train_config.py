@@ -21,6 +21,7 @@ DEVICES = ("auto", "cpu", "cuda")
 PROGRESS_STYLES = ("auto", "tqdm", "rich", "plain", "none")
 TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
 SPILL_CHOICES = ("auto", "none", "optimizer", "all")
+OPTIMIZER_STATES = ("fp32", "bf16")
 INIT_CHOICES = ("auto", "random")
 TRAIN_ON_CHOICES = ("completion", "all")
 LOG_TO_CHOICES = ("none", "tensorboard")
@@ -86,6 +87,8 @@ class TrainConfig:
     beta2: float = 0.95
     # Global-norm gradient clipping; 0 turns clipping off (and allows the eager optimizer).
     max_grad_norm: float = 1.0
+    # AdamW m and v in host RAM: "fp32" or "bf16" (stochastic rounding; 8 instead of 12 bytes/param of state).
+    optimizer_state: str = "fp32"
     steps: int = 150
     # When > 0, train this many tokens instead: steps = ceil(tokens / (batch x seq_len)).
     tokens: int = 0
@@ -145,6 +148,7 @@ class TrainConfig:
         _one_of("progress", self.progress, PROGRESS_STYLES)
         _one_of("token_dtype", self.token_dtype, TOKEN_DTYPES)
         _one_of("spill", self.spill, SPILL_CHOICES)
+        _one_of("optimizer_state", self.optimizer_state, OPTIMIZER_STATES)
         _one_of("init", self.init, INIT_CHOICES)
         _one_of("train_on", self.train_on, TRAIN_ON_CHOICES)
         _one_of("log_to", self.log_to, LOG_TO_CHOICES)

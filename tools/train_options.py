@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 from megatrain.planner.cli_args import RenamedOption
 
 from .train_config import COMPUTE_DTYPES, DEVICES, EXPORT_DTYPES, FIELDS, INIT_CHOICES, LOG_TO_CHOICES, \
-    PACKING_CHOICES, PROGRESS_STYLES, SPILL_CHOICES, TOKEN_DTYPES, TRAIN_ON_CHOICES, TrainConfig, TrainConfigError, \
+    OPTIMIZER_STATES, PACKING_CHOICES, PROGRESS_STYLES, SPILL_CHOICES, TOKEN_DTYPES, TRAIN_ON_CHOICES, TrainConfig, TrainConfigError, \
     build, relative_to
 
 # One-line help per key (shown by --help); the TOML key is the option name with underscores.
@@ -50,6 +50,8 @@ HELP: dict[str, str] = {
     "beta1": "AdamW beta1 (0.9)",
     "beta2": "AdamW beta2 (0.95)",
     "max_grad_norm": "global gradient-norm clipping, 0 = off (1.0)",
+    "optimizer_state": "AdamW m and v in host RAM: fp32 (default) or bf16 (stochastic rounding, 8 instead of 12 "
+                       "bytes/param of state; kept in RAM, never spilled)",
     "steps": "optimizer steps (150)",
     "tokens": "train this many tokens instead of --steps",
     "save_every": "checkpoint every N steps (0: at the end and on Ctrl-C only)",
@@ -82,7 +84,7 @@ HELP: dict[str, str] = {
 CHOICES: dict[str, tuple[str, ...]] = {
     "compute_dtype": COMPUTE_DTYPES, "device": DEVICES, "progress": PROGRESS_STYLES, "token_dtype": TOKEN_DTYPES,
     "spill": SPILL_CHOICES, "init": INIT_CHOICES, "train_on": TRAIN_ON_CHOICES, "log_to": LOG_TO_CHOICES,
-    "packing": PACKING_CHOICES, "export_dtype": EXPORT_DTYPES}
+    "packing": PACKING_CHOICES, "export_dtype": EXPORT_DTYPES, "optimizer_state": OPTIMIZER_STATES}
 
 
 class _Parser(argparse.ArgumentParser):

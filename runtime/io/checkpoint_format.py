@@ -1,6 +1,6 @@
 """The training checkpoint's on-disk format: zarr v3 arrays, the manifest, a direct shard reader, CRC32s.
 
-A step directory holds three 1-d float32 zarr v3 arrays, ``master``, ``exp_avg`` and
+A step directory holds three 1-d zarr v3 arrays (float32; bf16 AdamW state as int16 bits), ``master``, ``exp_avg`` and
 ``exp_avg_sq`` (every block's flat buffer in block order, as the host store keeps
 them; written by tensorstore: shards of up to 256 MiB of raw little-endian 4 MiB
 inner chunks, the shard index at the end), and ``manifest.json``: the format and
@@ -45,7 +45,6 @@ import functools
 import json
 import math
 import os
-import zlib
 from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
@@ -54,6 +53,7 @@ import torch
 from megatrain.planner.buffer_kinds import STATE_KINDS, BufferKind
 
 from megatrain.runtime.errors import InputError
+from megatrain.runtime.io.crc32s import CRC_CHUNK_BYTES, Crc32s
 
 if TYPE_CHECKING:
     from megatrain.runtime.state.host_store import HostStore
@@ -63,10 +63,12 @@ FORMAT = "megatrain-checkpoint"
 VERSION = 1
 ARRAYS = tuple(k.value for k in STATE_KINDS)  # one array per state kind, named after it
 MANIFEST = "manifest.json"
-CRC_CHUNK_BYTES = 64 * 2**20  # one CRC32 per 64 MiB of an array: names the corrupt range, cheap to verify
 READ_PIECE_BYTES = 4 * 2**20  # reads move whole inner chunks of at least this many bytes...
 READS_IN_FLIGHT = 2  # ...this many at a time (the CRC of one while the next is read)
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+# The zarr data type an array of each dtype is stored as: bf16 (AdamW state) as its raw 16-bit patterns, which
+# numpy and tensorstore move without a bfloat16 type; the manifest's "dtype" says what the bits are.
+ZARR_TYPES = {torch.float32: "float32", torch.bfloat16: "int16"}
 
 
 # ---------------------------------------------------------------------- the manifest
@@ -133,37 +135,15 @@ def _shards(t: "torch.Tensor | SpilledArena", step: int) -> Iterator[tuple[int, 
                 start, filled = start + filled, 0
 
 
-class Crc32s:
-    """CRC32 of each CRC_CHUNK_BYTES of a byte stream fed in order, piece by piece (zlib releases the GIL)."""
-
-    def __init__(self) -> None:
-        self.crcs: list[int] = []
-        self.current, self.filled = 0, 0
-
-    def update(self, piece: torch.Tensor) -> None:
-        raw = memoryview(piece.view(torch.uint8).numpy())  # pieces are contiguous: no copy
-        i = 0
-        while i < len(raw):
-            take = min(CRC_CHUNK_BYTES - self.filled, len(raw) - i)
-            self.current = zlib.crc32(raw[i:i + take], self.current)
-            self.filled, i = self.filled + take, i + take
-            if self.filled == CRC_CHUNK_BYTES:
-                self.crcs.append(self.current)
-                self.current, self.filled = 0, 0
-
-    def digest(self) -> list[int]:
-        return self.crcs + ([self.current] if self.filled else [])
-
-
 # ---------------------------------------------------------------------- writing
-def spec(path: str, numel: int | None = None) -> dict[str, Any]:
+def spec(path: str, numel: int | None = None, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     spec: dict[str, Any] = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path},
                             "context": {"file_io_sync": False}}  # we fsync every file ourselves, once
     if numel is not None:
         inner = min(numel, 2**20)  # 4 MiB chunks inside shards of up to 256 MiB
         outer = min(-(-numel // inner) * inner, 2**26)
         spec.update(create=True, delete_existing=True, metadata={
-            "shape": [numel], "data_type": "float32",
+            "shape": [numel], "data_type": ZARR_TYPES[dtype],
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [outer]}},
             "codecs": [{"name": "sharding_indexed", "configuration": {
                 "chunk_shape": [inner],
@@ -176,7 +156,7 @@ def write_array(arr: Any, t: "torch.Tensor | SpilledArena") -> list[int]:
     """Write t into the tensorstore array one shard at a time; its CRC32s, computed while tensorstore writes."""
     crc = Crc32s()
     for lo, piece in _shards(t, arr.chunk_layout.write_chunk.shape[0]):
-        pending = arr[lo:lo + piece.numel()].write(piece.numpy())
+        pending = arr[lo:lo + piece.numel()].write(_numpy(piece))
         crc.update(piece)
         pending.result()
     return crc.digest()
@@ -186,8 +166,9 @@ def write_named_array(directory: str, name: str, t: "torch.Tensor | SpilledArena
     """Write t as the array ``directory/name``; its manifest entry (path, shape, CRC32s)."""
     import tensorstore as ts
 
-    arr = ts.open(spec(os.path.join(directory, name), t.numel())).result()
-    return {"path": name, "dtype": "float32", "shape": [t.numel()], "crc32_chunk_bytes": CRC_CHUNK_BYTES,
+    dtype = torch.float32 if isinstance(t, SpilledArena) else t.dtype
+    arr = ts.open(spec(os.path.join(directory, name), t.numel(), dtype)).result()
+    return {"path": name, "dtype": DTYPE_NAMES[dtype], "shape": [t.numel()], "crc32_chunk_bytes": CRC_CHUNK_BYTES,
             "crc32": write_array(arr, t)}
 
 
@@ -235,9 +216,9 @@ def read_into(src: Any, lo: int, dst: torch.Tensor, crc: Crc32s) -> None:
     import tensorstore as ts
 
     chunk = src.chunk_layout.read_chunk.shape[0] or 1
-    step = chunk * max(1, READ_PIECE_BYTES // (4 * chunk))
+    step = chunk * max(1, READ_PIECE_BYTES // (dst.element_size() * chunk))
     n = dst.numel()
-    target = ts.array(dst.numpy(), copy=False, write=True)
+    target = ts.array(_numpy(dst), copy=False, write=True)
     inflight: collections.deque = collections.deque()
     try:
         a = 0
@@ -263,7 +244,7 @@ MISSING_CHUNK = 2**64 - 1  # a shard index entry (offset, nbytes) of a chunk nev
 
 def direct_layout(path: str) -> tuple[int, int, int] | None:
     """(numel, elements per shard, per inner chunk) where ``path/zarr.json`` describes exactly the layout ``spec``
-    writes (1-d float32, fill 0, shards of raw little-endian inner chunks, the index at the end); else None."""
+    writes (1-d float32 or int16, fill 0, shards of raw little-endian inner chunks, the index at the end); else None."""
     try:
         with open(os.path.join(path, "zarr.json"), encoding="utf-8") as f:
             meta = json.load(f)
@@ -288,7 +269,8 @@ def direct_layout(path: str) -> tuple[int, int, int] | None:
         config.pop("index_location", None)
     if meta.get("chunk_key_encoding") == {"name": "default", "configuration": {"separator": "/"}}:
         meta["chunk_key_encoding"] = {"name": "default"}
-    expected = {"zarr_format": 3, "node_type": "array", "shape": [numel], "data_type": "float32", "fill_value": 0.0,
+    data_type = meta.get("data_type") if meta.get("data_type") in ZARR_TYPES.values() else "float32"
+    expected = {"zarr_format": 3, "node_type": "array", "shape": [numel], "data_type": data_type, "fill_value": 0.0,
                 "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [outer]}},
                 "chunk_key_encoding": {"name": "default"},
                 "codecs": [{"name": "sharding_indexed", "configuration": {}}]}
@@ -317,6 +299,7 @@ def read_direct(path: str, layout: tuple[int, int, int], lo: int, dst: torch.Ten
     per_shard = outer // inner
     index_bytes = 16 * per_shard + 4  # (offset, nbytes) little-endian uint64 per inner chunk, then its crc32c
     raw = memoryview(dst.view(torch.uint8).numpy())
+    size = dst.element_size()
     pending = []
     try:
         pos, end = lo, lo + dst.numel()
@@ -341,11 +324,11 @@ def read_direct(path: str, layout: tuple[int, int, int], lo: int, dst: torch.Ten
                     offset, nbytes = (MISSING_CHUNK, MISSING_CHUNK) if fd < 0 else map(int, entries[k])
                     if (offset, nbytes) == (MISSING_CHUNK, MISSING_CHUNK):
                         dst[pos - lo:stop - lo].zero_()
-                    elif nbytes != 4 * inner or offset + nbytes > data_bytes:
+                    elif nbytes != size * inner or offset + nbytes > data_bytes:
                         raise ValueError(f"shard {shard}'s index puts chunk {k} at bytes [{offset}, {offset + nbytes})"
-                                         f" of {data_bytes} (chunks are {4 * inner} bytes)")
+                                         f" of {data_bytes} (chunks are {size * inner} bytes)")
                     else:
-                        _pread_into(fd, raw[4 * (pos - lo):4 * (stop - lo)], offset + 4 * (pos % inner))
+                        _pread_into(fd, raw[size * (pos - lo):size * (stop - lo)], offset + size * (pos % inner))
                     pending.append(crc_worker.submit(crc.update, dst[pos - lo:stop - lo]))
                     pos = stop
             finally:
@@ -373,6 +356,10 @@ def read_array(path: str, meta: dict[str, Any], store: "HostStore", name: str,
         else:  # another layout: tensorstore reads it (the same pieces, one more copy)
             src = ts.open(spec(full), open=True, read=True).result()
             shape, read = tuple(src.shape), functools.partial(read_into, src)
+        dtype = torch.float32 if isinstance(dst, SpilledArena) else dst.dtype
+        if meta.get("dtype", "float32") != DTYPE_NAMES[dtype]:
+            raise InputError(f"{full} holds {meta.get('dtype')} AdamW state, this engine keeps {DTYPE_NAMES[dtype]}: "
+                             "load it with the optimizer settings it was saved with (Engine.load_checkpoint)")
         if shape != (dst.numel(),):
             raise InputError(f"{full} has shape {shape}, this model needs ({dst.numel()},); "
                              "the checkpoint does not match its manifest")
@@ -397,3 +384,7 @@ def read_array(path: str, meta: dict[str, Any], store: "HostStore", name: str,
         raise InputError(f"{full}: checksum mismatch in bytes [{lo}, {lo + CRC_CHUNK_BYTES}); the checkpoint is "
                          "corrupt: load the previous step directory instead")
 
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """t's bytes as the numpy array of its zarr data type (``ZARR_TYPES``), no copy."""
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()

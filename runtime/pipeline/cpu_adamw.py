@@ -60,6 +60,7 @@ from megatrain.runtime.spill.read_ahead import ReadAhead
 from megatrain.runtime.spill.spill_files import Staged
 from megatrain.runtime.device.streams import Event
 from megatrain.runtime.model.templates import BlockLayout
+from megatrain.runtime.pipeline.stochastic_rounding import noise_seed, round_stochastic, widened_pieces
 
 
 @dataclass(frozen=True)
@@ -270,9 +271,10 @@ class AdamWorker:
 
     def _apply(self, job: AdamJob, lo: int, n: int, grads: torch.Tensor,
                buf: Callable[[BufferKind], torch.Tensor]) -> None:
-        """The update of elements [lo, lo + n) of one block: clip, fused AdamW on its views, the
-        compute-dtype shadow. The step count advances once per block, with its first piece."""
-        b, store, h = job.block, self.store, job.hyper
+        """The update of elements [lo, lo + n) of one block: clip, fused AdamW on its views (bf16 m and v:
+        widened to fp32 a piece at a time and rounded back, [Note: bf16 optimizer state]), the compute-dtype
+        shadow. The step count advances once per block, with its first piece."""
+        b, store = job.block, self.store
         if job.clip is not None:
             grads.mul_(job.clip[0])
         master = buf(BufferKind.MASTER)
@@ -280,19 +282,34 @@ class AdamWorker:
         step = store.steps[b]
         if lo == 0:
             step.add_(1)
-        entries, views = job.layout.range_views((master, grads, m, v), lo, n)
-        for decay, wd in ((True, h.weight_decay), (False, 0.0)):
-            pick = [i for i, e in enumerate(entries) if e.decay == decay]
-            if pick:
-                p, g, ea, eas = ([vs[i] for i in pick] for vs in views)
-                torch._fused_adamw_(
-                    p, g, ea, eas, [], [step] * len(pick),
-                    lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=wd, eps=h.eps,
-                    amsgrad=False, maximize=False,
-                )
+        if m.dtype == torch.float32:
+            _fused_adamw(job, lo, n, (master, grads, m, v), step)
+        else:
+            count = int(step)
+            for a, k in widened_pieces(n):
+                m32, v32 = m[a:a + k].float(), v[a:a + k].float()
+                _fused_adamw(job, lo + a, k, (master[a:a + k], grads[a:a + k], m32, v32), step)
+                round_stochastic(m32, m[a:a + k], noise_seed(count, b, lo + a, 0))
+                round_stochastic(v32, v[a:a + k], noise_seed(count, b, lo + a, 1))
         if store.shadow is not store.master and store.shadow is not None:
             with record_function(f"shadow[{b}]"):  # the compute-dtype copy that travels H2D
                 store.refresh_shadow(b, master, lo)
+
+
+def _fused_adamw(job: AdamJob, lo: int, n: int, flats: tuple[torch.Tensor, ...], step: torch.Tensor) -> None:
+    """torch's fused AdamW on the views of elements [lo, lo + n) of job's block; ``flats``: its fp32 master,
+    grads, m and v, each holding just those n elements. Once for the entries with weight decay, once without."""
+    h = job.hyper
+    entries, views = job.layout.range_views(flats, lo, n)
+    for decay, wd in ((True, h.weight_decay), (False, 0.0)):
+        pick = [i for i, e in enumerate(entries) if e.decay == decay]
+        if pick:
+            p, g, ea, eas = ([vs[i] for i in pick] for vs in views)
+            torch._fused_adamw_(
+                p, g, ea, eas, [], [step] * len(pick),
+                lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=wd, eps=h.eps,
+                amsgrad=False, maximize=False,
+            )
 
 
 def _finite(job: AdamJob, grads: torch.Tensor) -> bool:

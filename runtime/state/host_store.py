@@ -31,6 +31,7 @@ import torch
 
 from megatrain.planner.buffer_kinds import BufferKind, Placement, spill_chunk_numel, spilled_kinds
 
+from megatrain.runtime.errors import ConfigError
 from megatrain.runtime.spill.spill_files import SpillFiles, StagingPool
 from megatrain.runtime.spill.spill_io import FileIO
 from megatrain.runtime.model.templates import Block
@@ -123,7 +124,9 @@ class HostStore:
         io: FileIO | None = None,
         staging: int = 1,
         chunk_bytes: int = 64 * 2**20,
+        state_dtype: torch.dtype = torch.float32,
     ) -> None:
+        """``state_dtype``: AdamW m and v's (bf16: [Note: bf16 optimizer state], RAM only)."""
         self.offsets: list[int] = []
         total = 0
         for block in blocks:
@@ -137,12 +140,15 @@ class HostStore:
         # slabs, never through a grads arena or file.
         self.placement: dict[BufferKind, frozenset[int]] = {
             k: frozenset(v) for k, v in (placement or {}).items() if v and (k is not BufferKind.GRADS or full_grads)}
+        if state_dtype != torch.float32 and {BufferKind.EXP_AVG, BufferKind.EXP_AVG_SQ} & set(self.placement):
+            raise ConfigError("state_dtype='bf16' keeps AdamW m and v in RAM: use a plan that spills neither "
+                              "(e.g. --spill none), or state_dtype='fp32'")
         self.spilled: tuple[BufferKind, ...] = spilled_kinds(self.placement)  # kinds with a block on disk
         # Per kind, each RAM block's element offset in its arena (the arena holds the kind's RAM blocks in order).
         self._ram_offsets: dict[BufferKind, dict[int, int]] = {}
         self.master = self._allocate(BufferKind.MASTER, "fp32 master", pin)
-        self.exp_avg = self._allocate(BufferKind.EXP_AVG, "AdamW exp_avg", pin)
-        self.exp_avg_sq = self._allocate(BufferKind.EXP_AVG_SQ, "AdamW exp_avg_sq", pin)
+        self.exp_avg = self._allocate(BufferKind.EXP_AVG, "AdamW exp_avg", pin, state_dtype)
+        self.exp_avg_sq = self._allocate(BufferKind.EXP_AVG_SQ, "AdamW exp_avg_sq", pin, state_dtype)
         # In fp32 compute the shadow is the RAM master itself: nothing to round, nothing to store twice; a block
         # whose master is spilled has none, and its loads read the master file (``load_source``).
         self.shadow: HostArena | None
@@ -168,14 +174,15 @@ class HostStore:
                 self.close()
                 raise
 
-    def _allocate(self, kind: BufferKind, name: str, pin: bool) -> HostArena | None:
+    def _allocate(self, kind: BufferKind, name: str, pin: bool,
+                  dtype: torch.dtype = torch.float32) -> HostArena | None:
         """The arena of ``kind``'s blocks that stay in RAM, in block order (None when every block spills)."""
         offsets, at = {}, 0
         for b, n in enumerate(self.numels):
             if b not in self.placement.get(kind, ()):
                 offsets[b], at = at, at + n
         self._ram_offsets[kind] = offsets
-        return HostArena(at, torch.float32, pin, name) if offsets else None
+        return HostArena(at, dtype, pin, name) if offsets else None
 
     def is_spilled(self, kind: BufferKind, b: int) -> bool:
         """Whether block b's ``kind`` lives in its spill file."""
@@ -217,8 +224,8 @@ class HostStore:
         return arena.tensor[lo:lo + self.numels[b]]
 
     def read_block(self, kind: BufferKind, b: int) -> torch.Tensor:
-        """Block b's fp32 ``kind`` ([numel]): a view of RAM (writes to it are the store's), or, spilled, a
-        copy read from its file."""
+        """Block b's ``kind`` ([numel], fp32; m and v in the state dtype): a view of RAM (writes to it are the
+        store's), or, spilled, a copy read from its file."""
         if self.is_spilled(kind, b):
             assert self.spill_files is not None
             return self.spill_files.read_block(kind, b)

@@ -1,0 +1,129 @@
+"""bf16 AdamW state ([Note: bf16 optimizer state]): stochastic rounding, training, exact resume, the planner's bytes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatrain.planner import memory_model, model_shapes
+from megatrain.planner.workload import Workload, WorkloadError
+from megatrain.runtime import ConfigError, Engine, ModelConfig, OptimizerConfig, Plan
+from megatrain.runtime.pipeline.stochastic_rounding import noise_seed, round_stochastic
+
+CONFIG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+PLAN = Plan(micro_batch_size=2, loss_chunk_tokens=16)
+
+
+def optimizer(state_dtype: str) -> OptimizerConfig:
+    return OptimizerConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=0.5, no_decay=("norm",),
+                           state_dtype=state_dtype)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, CONFIG.vocab_size, (4, 16), generator=torch.Generator().manual_seed(100 + step))
+    return ids, ids.clone()
+
+
+def engine(state_dtype: str, plan: Plan = PLAN) -> Engine:
+    return Engine(CONFIG, optimizer(state_dtype), plan=plan, compute_dtype=torch.float32, device="cpu", seed=5)
+
+
+def train(e: Engine, start: int, stop: int) -> list[float]:
+    return [float(e.step(*batch(s % 2), lr=1e-2 / (1 + 0.1 * s))) for s in range(start, stop)]  # learnable
+
+
+def state(e: Engine) -> dict[str, torch.Tensor]:
+    e.synchronize()
+    s = e.store
+    return {"master": s.master.tensor.clone(), "exp_avg": s.exp_avg.tensor.clone(),
+            "exp_avg_sq": s.exp_avg_sq.tensor.clone(), "steps": torch.stack(s.steps)}
+
+
+def test_stochastic_rounding_is_unbiased_where_nearest_is_not() -> None:
+    # 1 + 2^-9 lies a quarter of a bf16 ULP (2^-7) above 1: round-to-nearest always gives 1.0 (bias -2^-9);
+    # stochastic rounding gives 1 + 2^-7 a quarter of the time, 1.0 otherwise: the mean is the value itself.
+    value = 1.0 + 2.0 ** -9
+    draws = 200_000
+    dst = torch.empty(draws, dtype=torch.bfloat16)
+    round_stochastic(torch.full((draws,), value), dst, seed=1234)
+    assert set(dst.float().unique().tolist()) == {1.0, 1.0 + 2.0 ** -7}
+    mean = float(dst.double().mean())
+    nearest = float(torch.tensor(value).bfloat16().double())
+    assert nearest == 1.0 and abs(nearest - value) == 2.0 ** -9
+    # the standard error of the mean is 2^-7 x sqrt(0.25 x 0.75 / draws) = 7.6e-6: 5 of them, 150x below the bias
+    assert abs(mean - value) < 4e-5
+    # negative values round the same way in magnitude
+    round_stochastic(torch.full((draws,), -value), dst, seed=99)
+    assert abs(float(dst.double().mean()) + value) < 4e-5
+
+
+def test_stochastic_rounding_is_deterministic_for_the_same_key() -> None:
+    src = torch.randn(10_000)
+    a, b, c = (torch.empty(10_000, dtype=torch.bfloat16) for _ in range(3))
+    round_stochastic(src.clone(), a, noise_seed(7, 3, 1024, 0))
+    round_stochastic(src.clone(), b, noise_seed(7, 3, 1024, 0))
+    round_stochastic(src.clone(), c, noise_seed(8, 3, 1024, 0))
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert not torch.equal(a.view(torch.int16), c.view(torch.int16))
+    # every result is one of the two bf16 neighbours of its source (truncated, or that plus one ULP)
+    down = (src.view(torch.int32) & -(1 << 16)).view(torch.float32)
+    up = ((src.view(torch.int32) & -(1 << 16)) + (1 << 16)).view(torch.float32)
+    assert bool(((a.float() == down) | (a.float() == up)).all())
+    assert len({noise_seed(s, b, o, w) for s in range(3) for b in range(3) for o in (0, 1024) for w in (0, 1)}) == 36
+
+
+def test_bf16_state_tracks_fp32_state_losses() -> None:
+    """30 steps of the tiny model on two alternating batches: the losses with bf16 m, v stay within 5e-4 (relative)
+    of fp32 state's. Measured on torch 2.13 CPU: the largest relative difference over the 30 steps is 5.6e-5 (loss
+    4.86 -> 2.44 both ways)."""
+    with engine("fp32") as e:
+        exact = train(e, 0, 30)
+    with engine("bf16") as e:
+        assert e.store.exp_avg.tensor.dtype == torch.bfloat16 == e.store.exp_avg_sq.tensor.dtype
+        compact = train(e, 0, 30)
+        assert e.store.master.tensor.dtype == torch.float32
+    assert exact[-1] < exact[0] * 0.9  # it learns
+    worst = max(abs(a - b) / a for a, b in zip(exact, compact))
+    assert worst < 5e-4, worst
+
+
+def test_bf16_state_resumes_bitwise(tmp_path) -> None:
+    with engine("bf16") as straight:
+        train(straight, 0, 6)
+        expected = state(straight)
+    with engine("bf16") as first:
+        train(first, 0, 3)
+        first.save_checkpoint(tmp_path, blocking=True)
+    with Engine.load_checkpoint(tmp_path) as resumed:
+        assert resumed.optimizer.state_dtype == "bf16"
+        assert resumed.store.exp_avg.tensor.dtype == torch.bfloat16
+        train(resumed, 3, 6)
+        got = state(resumed)
+    for name in expected:
+        assert torch.equal(expected[name].view(torch.uint8), got[name].view(torch.uint8)), name
+
+
+def test_bf16_state_refuses_spilled_optimizer_state_and_bad_names(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="keeps AdamW m and v in RAM"):
+        engine("bf16", PLAN.replace(spill="optimizer", spill_dir=str(tmp_path)))
+    with pytest.raises(ConfigError, match="state_dtype='fp16'"):
+        optimizer("fp16")
+    with pytest.raises(WorkloadError, match="keeps AdamW m and v in RAM"):
+        Workload(16, 4, "fp32", optimizer_state="bf16", spill="all", spill_dir=str(tmp_path))
+    assert Workload(16, 4, "fp32", optimizer_state="bf16", spill_dir=str(tmp_path)).spill_choices() == ("none",)
+
+
+def test_planner_counts_8_bytes_of_state_per_parameter_by_hand() -> None:
+    model = model_shapes.from_config(CONFIG.to_dict())
+    N = model.numel_total
+    rows = {}
+    for state_dtype in ("fp32", "bf16"):
+        est = memory_model.estimate(model, Workload(16, 4, "fp32", optimizer_state=state_dtype), PLAN)
+        rows[state_dtype] = {c.name: c.nbytes for c in est.components if c.where == "host"}
+    assert (rows["fp32"]["fp32 master"], rows["fp32"]["Adam m"], rows["fp32"]["Adam v"]) == (4 * N, 4 * N, 4 * N)
+    assert (rows["bf16"]["fp32 master"], rows["bf16"]["Adam m"], rows["bf16"]["Adam v"]) == (4 * N, 2 * N, 2 * N)
+    assert sum(rows["fp32"].values()) - sum(rows["bf16"].values()) == 4 * N
+    # and the runtime allocates exactly that
+    with engine("bf16") as e:
+        s = e.store
+        assert (s.master.nbytes, s.exp_avg.nbytes, s.exp_avg_sq.nbytes) == (4 * N, 2 * N, 2 * N)
