@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megatrain.errors import MegatrainError
 from megatrain.runtime.distributed.process_group import DEFAULT_TIMEOUT_S, Topology, join, leave, rank_device
 
-from . import train_config
+from . import train_config, train_options
 
 T = TypeVar("T")
 
@@ -140,7 +140,7 @@ def collective_timeout(argv: Sequence[str] | None) -> float:
     if "-h" in args or "--help" in args:
         return DEFAULT_TIMEOUT_S
     try:
-        seconds = float(train_config.read_values(args).get("collective_timeout", 0.0))
+        seconds = float(train_options.read_values(args).get("collective_timeout", 0.0))
     except (train_config.TrainConfigError, ValueError, TypeError):
         return DEFAULT_TIMEOUT_S
     return seconds if seconds > 0 else DEFAULT_TIMEOUT_S
