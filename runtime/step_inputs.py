@@ -4,6 +4,11 @@ Token ids outside the vocabulary, labels that predict nothing, malformed positio
 was not made for are refused here, with one line saying how to fix it, before anything reaches the device
 (a bad id would fault it later, far from the cause). A checked batch becomes the executor's ``Batch``:
 shifted labels, the count of predicted tokens, the plan's micro-batches and each one's documents.
+
+Without a plan given, the default plan's micro-batch is open until the first training step, which sets it to
+that step's batch (this rank's share): a batch that fits is never split into micro-batches a plan did not ask
+for (each split runs every block's matmuls once more per micro-batch). Until then evaluation takes its whole
+batch as one micro-batch.
 """
 from __future__ import annotations
 
@@ -26,9 +31,16 @@ ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 class StepInputs:
     def __init__(self, config: ModelConfig, optimizer: OptimizerConfig, plan: Plan, device: torch.device,
-                 topology: Topology | None) -> None:
+                 topology: Topology | None, plan_given: bool = True) -> None:
         self.config, self.optimizer, self.plan, self.device = config, optimizer, plan, device
         self.ranks = 1 if topology is None else topology.world_size
+        self.micro_batch_open = not plan_given  # the default plan's micro-batch: set by the first step
+
+    @property
+    def recorded_plan(self) -> Plan | None:
+        """The plan a checkpoint records: None while the default plan's micro-batch is still open (a resumed
+        engine then opens it again, at its first step)."""
+        return None if self.micro_batch_open else self.plan
 
     def hyper(self, lr: float | None) -> AdamHyper:
         """The AdamW hyperparameters of one step: ``lr`` (None: the optimizer's) checked."""
@@ -45,6 +57,9 @@ class StepInputs:
         batch = self._batch(input_ids, labels, position_ids)
         if self.plan.workload is not None:  # host-side shape ints: no device sync
             self.plan.workload.check_batch(*input_ids.shape)
+        if self.micro_batch_open:
+            self.plan = self.plan.replace(micro_batch_size=input_ids.shape[0])
+            self.micro_batch_open = False
         return batch
 
     def evaluation_batch(self, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -136,7 +151,7 @@ class StepInputs:
         if n_tokens == 0:
             raise InputError("labels leave no token to predict (all -100 after the shift); check the masking")
         positions = self._positions(position_ids, ids.shape)
-        mbs = self.plan.micro_batch_size
+        mbs = ids.shape[0] if self.micro_batch_open else self.plan.micro_batch_size
         micro = [slice(s, min(s + mbs, ids.shape[0])) for s in range(0, ids.shape[0], mbs)]
         return Batch(
             input_ids=self._to_device(ids),
