@@ -129,7 +129,8 @@ def main() -> int:
              f"{args.rounds - args.warmup} rounds after {args.warmup} warm-up, one step of each system per round "
              f"(rotating order, one process); {info['cores']} cores ({info['cpu']}), torch {info['torch']}. "
              f"The default plan took micro-batch {plan.micro_batch_size} from the first step; the planner's plan has "
-             f"micro-batch {planned.micro_batch_size}, {planned.num_slots} slots, checkpoints on {planned.checkpoints}.", "",
+             f"micro-batch {planned.micro_batch_size}, {planned.num_slots} slots, checkpoints on "
+             f"{planned.checkpoints}.", "",
              "| system | median step s | min step s | median of per-round ratios to PyTorch | last loss |",
              "|---|---|---|---|---|"]
     for r in rows:
