@@ -93,6 +93,7 @@ def main() -> int:
     cfg = MODELS[args.model]
     steps, engines, params = trainers(cfg, device, args.seq, args.batch)
     data = batches(cfg["vocab_size"], args.batch, args.seq, args.rounds)
+    load_before = os.getloadavg()  # a shared machine: how busy it was, for reading the spread
     seconds: dict[str, list[float]] = {s: [] for s in SYSTEMS}
     losses: dict[str, list[float]] = {s: [] for s in SYSTEMS}
     for r, ids in enumerate(data):
@@ -117,6 +118,7 @@ def main() -> int:
               "model": cfg, "default_plan_micro_batch_size": plan.micro_batch_size,
               "default_plan": plan.to_dict(), "planner_plan": planned.to_dict(), "results": rows,
               "seconds": seconds, "losses": losses,
+              "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
               "command": f"python benchmarks/own_loop.py --model {args.model} --seq {args.seq} --batch {args.batch} "
                          f"--rounds {args.rounds}" + (" --cpu" if args.cpu else "")}
     os.makedirs(args.out, exist_ok=True)
@@ -127,7 +129,8 @@ def main() -> int:
              f"tokens/step, fp32, {device_name} ({report['date']})", "",
              f"`{report['command']}`", "",
              f"{args.rounds - args.warmup} rounds after {args.warmup} warm-up, one step of each system per round "
-             f"(rotating order, one process); {info['cores']} cores ({info['cpu']}), torch {info['torch']}. "
+             f"(rotating order, one process); {info['cores']} cores ({info['cpu']}), torch {info['torch']}, load "
+             f"average {load_before[0]:.1f} before and {os.getloadavg()[0]:.1f} after (1 min). "
              f"The default plan took micro-batch {plan.micro_batch_size} from the first step; the planner's plan has "
              f"micro-batch {planned.micro_batch_size}, {planned.num_slots} slots, checkpoints on "
              f"{planned.checkpoints}.", "",
