@@ -45,6 +45,13 @@ def placement(plan: Plan, num_blocks: int) -> dict[BufferKind, frozenset[int]]:
     return out
 
 
+def crosses_pcie(kind: BufferKind, compute_fp32: bool) -> bool:
+    """Whether ``kind``'s RAM arena is copied to or from the GPU, and so is pinned with CUDA: the gradients (GPU to
+    host) always; the master only in fp32 compute, where it is the weights the loads copy (the shadow); never
+    m and v, which only AdamW on the CPU reads. (The compute-dtype shadow and the gradient slabs cross too.)"""
+    return kind is BufferKind.GRADS or (kind is BufferKind.MASTER and compute_fp32)
+
+
 def spilled_kinds(spilled: Placement) -> tuple[BufferKind, ...]:
     """The kinds with at least one block in a spill file, in ``BufferKind`` order."""
     return tuple(k for k in BufferKind if spilled.get(k))

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import buffer_kinds, spill_placement
-from .buffer_kinds import BufferKind, spill_chunk_numel
+from .buffer_kinds import BufferKind, crosses_pcie, spill_chunk_numel
 from .hardware import GiB, HardwareProfile
 from .model_shapes import ModelShape
 from .plan import Plan
@@ -168,7 +168,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
     spilled = spill_placement.Spilled.of(model, plan)
     for kind, label, s in ((BufferKind.MASTER, "fp32 master", 4), (BufferKind.EXP_AVG, "Adam m", work.state_bytes),
                            (BufferKind.EXP_AVG_SQ, "Adam v", work.state_bytes)):
-        state_terms(kind, label, N, spilled, host, comps, size=s)
+        state_terms(kind, label, N, spilled, host, comps, size=s, pinned=crosses_pcie(kind, c == 4))
     host_spill_terms(model, plan, c, spilled, host, comps)
     if plan.checkpoints == "host":
         host("activation checkpoints", L * T * h * c, f"L x T x h x c = {L} x {T} x {h} x {c}")
@@ -193,13 +193,14 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
 
 
 def state_terms(kind: BufferKind, label: str, N: int, spilled: "spill_placement.Spilled", host,
-                comps: list[Component], file_label: str | None = None, size: int = 4) -> None:
+                comps: list[Component], file_label: str | None = None, size: int = 4, pinned: bool = True) -> None:
     """One kind's RAM arena and spill file: s x (N - Ns_k) bytes of RAM for the blocks in RAM (none when every
-    block spills; s: 4, or 2 for bf16 AdamW state, which never spills) and F_k bytes on disk for the others."""
+    block spills; s: 4, or 2 for bf16 AdamW state, which never spills) and F_k bytes on disk for the others.
+    ``pinned``: whether the arena crosses PCIe (``buffer_kinds.crosses_pcie``), pinned with a GPU."""
     Ns, F = spilled.numel(kind), spilled.file_bytes(kind)
     if Ns < N:
         host(label, size * (N - Ns),
-             f"{size} x N = {size} x {N}" if not Ns else f"{size} x (N - Ns) = {size} x ({N} - {Ns})")
+             f"{size} x N = {size} x {N}" if not Ns else f"{size} x (N - Ns) = {size} x ({N} - {Ns})", pinned)
     if Ns:
         comps.append(Component(file_label or f"{label} (spill file)", "nvme", F,
                                f"sum over its spilled blocks of 4 KiB-rounded block x 4 = {F}"))

@@ -349,9 +349,10 @@ class Plan:
 def default_plan(clipping: bool) -> Plan:
     """The plan the runtime uses when none is given, until a measured one exists.
 
-    Two slots, prefetch one block ahead, one sequence per micro-batch, checkpoints
-    on the device; the optimizer overlaps backward unless clipping needs every
-    block's gradient norm first.
+    Two slots, prefetch one block ahead, checkpoints on the device; the optimizer
+    overlaps backward unless clipping needs every block's gradient norm first. Its
+    micro-batch is open: the Engine sets it to the first training step's batch (this
+    rank's share), so a batch is never split unless a plan says so.
     """
     return Plan(optimizer_mode="deferred" if clipping else "eager")
 

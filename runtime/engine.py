@@ -58,30 +58,27 @@ class Engine:
         """``_skip_init``: from_pretrained and load_checkpoint overwrite every weight anyway."""
         self._closed = False  # close() releases whatever of the engine was built; then every method refuses
         args = check_arguments(model_config, optimizer, plan, compute_dtype, device, seed)
-        self.config, self.optimizer, self.plan = model_config, args.optimizer, args.plan
+        self.config, self.optimizer, plan = model_config, args.optimizer, args.plan
         self.compute_dtype, self.topology, self.device, self.seed = compute_dtype, args.topology, args.device, seed
         self.event_log = EventLog()
         self.templates = Templates(model_config, self.optimizer.decays)
         self.collectives = (None if self.topology is None else Collectives(
-            self.topology, self.templates.blocks, self.device, self.plan.device_grad_buffers))
+            self.topology, self.templates.blocks, self.device, plan.device_grad_buffers))
         store_blocks = self.templates.blocks if self.collectives is None else self.collectives.shards.blocks
-        spilled = placement(self.plan, len(store_blocks))  # per kind, the blocks in spill files
-        self.store = HostStore(
-            store_blocks, compute_dtype, full_grads=self.plan.optimizer_mode == "deferred",
-            grad_slabs=self.plan.host_grad_slabs, pin=self.device.type == "cuda",
-            placement=spilled, spill_dir=self.plan.spill_dir,
-            io=make_io(self.plan.io_backend, self.plan.io_threads, self.plan.io_direct) if spilled else None,
-            staging=self.plan.spill_staging, chunk_bytes=self.plan.spill_chunk_bytes,
-            state_dtype=STATE_DTYPES[self.optimizer.state_dtype],
-        )
+        spilled = placement(plan, len(store_blocks))  # per kind, the blocks in spill files
+        self.store = HostStore(store_blocks, compute_dtype, full_grads=plan.optimizer_mode == "deferred",
+                               grad_slabs=plan.host_grad_slabs, pin=self.device.type == "cuda", placement=spilled,
+                               spill_dir=plan.spill_dir, staging=plan.spill_staging, chunk_bytes=plan.spill_chunk_bytes,
+                               io=make_io(plan.io_backend, plan.io_threads, plan.io_direct) if spilled else None,
+                               state_dtype=STATE_DTYPES[self.optimizer.state_dtype])
         # Whole-state reads and writes (state dicts, Hugging Face files, checkpoints) first settle: see synchronize.
         self.state, self.state_io = state_io.open_state(self.templates, self.store, self.synchronize, self.collectives)
         if not _skip_init:
             self.state.initialize(seed)
         self.checkpoint_extra: dict | None = None  # the caller's ``extra`` of the checkpoint this engine resumed
         self.skipped_steps: list[int] = []  # steps whose update was skipped for a non-finite gradient
-        self.inputs = StepInputs(model_config, self.optimizer, self.plan, self.device, self.topology)
-        self.executor = Executor(self.templates, self.store, self.plan, compute_dtype, self.device,
+        self.inputs = StepInputs(model_config, self.optimizer, plan, self.device, self.topology, args.plan_given)
+        self.executor = Executor(self.templates, self.store, plan, compute_dtype, self.device,
                                  self.optimizer.max_grad_norm, self.event_log, self.collectives)
         _OPEN_ENGINES.add(self)
 
@@ -105,13 +102,10 @@ class Engine:
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor,
                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The mean loss over ``labels``' predicted tokens with the current weights, as ``step`` computes it
-        (inputs as for ``step``), without training: no gradient, no update, no change to the step count,
-        the optimizer state or the random state. Streams the blocks through the device as a step's forward
-        does and never materialises the full logits. Returns a 0-dim fp32 tensor on the device (no sync).
-
-        The value is the same bits as the loss ``step`` returns for this batch before its update. Under data
-        parallelism every rank passes the same whole batch (not its share, as for ``step``) and gets its loss.
-        """
+        (inputs as ``step``'s), without training: no gradient, update, step count, optimizer or random state
+        changed. Streams the blocks as a step's forward does, never the full logits; a 0-dim fp32 device tensor
+        (no sync), the same bits as ``step``'s loss for this batch before its update. Under data parallelism
+        every rank passes the same whole batch (not its share, as for ``step``) and gets its loss."""
         self._check_open()
         batch = self.inputs.evaluation_batch(input_ids, labels, position_ids)
         self._report_skipped()
@@ -142,6 +136,11 @@ class Engine:
         busy), ``roofline_ratio`` = step / roofline. On CUDA, reading it waits for that step once."""
         self._check_open()
         return self.executor.timer.breakdown(self.executor.adam.busy_seconds)
+
+    @property
+    def plan(self) -> Plan:
+        """The plan this engine runs: the one given, else ``default_plan`` with the first step's micro-batch."""
+        return self.inputs.plan
 
     @property
     def step_count(self) -> int:
@@ -231,7 +230,8 @@ class Engine:
         The newest ``keep`` checkpoints stay. See runtime/io/training_checkpoint.py for the commit protocol.
         """
         self._check_open()
-        settings = engine_settings(self.config, self.optimizer, self.plan, self.compute_dtype, self.seed)
+        plan = self.inputs.recorded_plan  # None: the default plan, its micro-batch still open
+        settings = engine_settings(self.config, self.optimizer, plan, self.compute_dtype, self.seed)
         return self.state_io.save_checkpoint(self.step_count, settings, directory, extra, keep, blocking)
 
     def wait_for_checkpoint(self) -> str | None:

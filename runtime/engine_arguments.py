@@ -1,7 +1,8 @@
 """The Engine's constructor arguments, checked where they enter: one line per mistake, saying how to fix it.
 
-Defaults are filled in (``OptimizerConfig()``, the default plan), a plan made for another model or dtype is
-refused, and the device is picked: this rank's under data parallelism (joining the process group the
+Defaults are filled in (``OptimizerConfig()``, the default plan: ``default_plan``, whose micro-batch the first
+training step's batch sets, so a batch is never split unless a plan says so), a plan made for another model or
+dtype is refused, and the device is picked: this rank's under data parallelism (joining the process group the
 environment describes), else the GPU when there is one.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ class Arguments(NamedTuple):
     """The checked arguments, defaults filled in."""
     optimizer: OptimizerConfig
     plan: Plan
+    plan_given: bool  # False: the default plan, its micro-batch still open (step_inputs.StepInputs)
     topology: Topology | None  # several ranks: this one's place ([Note: collectives]); None: one process
     device: torch.device
 
@@ -36,6 +38,7 @@ def check_arguments(model_config: object, optimizer: object, plan: object, compu
     optimizer = optimizer if optimizer is not None else OptimizerConfig()
     if not isinstance(optimizer, OptimizerConfig):
         raise ConfigError(f"optimizer is a {type(optimizer).__name__}; pass OptimizerConfig(...)")
+    plan_given = plan is not None
     plan = plan if plan is not None else default_plan(optimizer.clipping)
     if not isinstance(plan, Plan):
         raise PlanError(f"plan is a {type(plan).__name__}; pass a Plan (e.g. Plan.load('plan.json')) or None")
@@ -57,7 +60,7 @@ def check_arguments(model_config: object, optimizer: object, plan: object, compu
     picked = pick_device(rank_device(topology, device))
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**40:
         raise ConfigError(f"seed={seed!r} must be an integer in [0, 2**40)")
-    return Arguments(optimizer, plan, topology, picked)
+    return Arguments(optimizer, plan, plan_given, topology, picked)
 
 
 def pick_device(device: str | torch.device | None) -> torch.device:

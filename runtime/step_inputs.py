@@ -1,9 +1,15 @@
-"""What ``step``, ``evaluate`` and ``logits`` are given, checked on the host and moved to the device.
+"""What ``step``, ``evaluate`` and ``logits`` are given, checked where they are and moved to the device.
 
 Token ids outside the vocabulary, labels that predict nothing, malformed position ids or a batch the plan
 was not made for are refused here, with one line saying how to fix it, before anything reaches the device
-(a bad id would fault it later, far from the cause). A checked batch becomes the executor's ``Batch``:
-shifted labels, the count of predicted tokens, the plan's micro-batches and each one's documents.
+(a bad id would fault it later, far from the cause). Tensors already on the GPU are checked there: only the
+figures a check needs (a minimum, a count) reach the host, never the tensor. A checked batch becomes the
+executor's ``Batch``: shifted labels, the count of predicted tokens, the plan's micro-batches and each one's documents.
+
+Without a plan given, the default plan's micro-batch is open until the first training step, which sets it to
+that step's batch (this rank's share): a batch that fits is never split into micro-batches a plan did not ask
+for (each split runs every block's matmuls once more per micro-batch). Until then evaluation takes its whole
+batch as one micro-batch.
 """
 from __future__ import annotations
 
@@ -27,9 +33,16 @@ ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 class StepInputs:
     def __init__(self, config: ModelConfig, optimizer: OptimizerConfig, plan: Plan, device: torch.device,
-                 topology: Topology | None) -> None:
+                 topology: Topology | None, plan_given: bool = True) -> None:
         self.config, self.optimizer, self.plan, self.device = config, optimizer, plan, device
         self.ranks = 1 if topology is None else topology.world_size
+        self.micro_batch_open = not plan_given  # the default plan's micro-batch: set by the first step
+
+    @property
+    def recorded_plan(self) -> Plan | None:
+        """The plan a checkpoint records: None while the default plan's micro-batch is still open (a resumed
+        engine then opens it again, at its first step)."""
+        return None if self.micro_batch_open else self.plan
 
     def hyper(self, lr: float | None) -> AdamHyper:
         """The AdamW hyperparameters of one step: ``lr`` (None: the optimizer's) checked."""
@@ -46,6 +59,9 @@ class StepInputs:
         batch = self._batch(input_ids, labels, position_ids)
         if self.plan.workload is not None:  # host-side shape ints: no device sync
             self.plan.workload.check_batch(*input_ids.shape)
+        if self.micro_batch_open:
+            self.plan = self.plan.replace(micro_batch_size=input_ids.shape[0])
+            self.micro_batch_open = False
         return batch
 
     def evaluation_batch(self, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -76,16 +92,17 @@ class StepInputs:
             raise InputError(f"{name} has dtype {t.dtype}; expected an integer tensor (torch.long)")
         if t.numel() == 0:
             raise InputError(f"{name} is empty (shape {tuple(t.shape)}); pass at least one token")
-        # Validated on the host: ids outside the vocabulary would fault the device later, far from the cause.
-        host = t.detach().to("cpu", torch.int64)
+        # Validated before the step: ids outside the vocabulary would fault the device later, far from the cause.
+        # Where they are: a GPU tensor is checked on the GPU, only its minimum and maximum read back.
+        ids = t.detach().to(torch.int64)
         if name == "input_ids":
-            lo, hi = int(host.min()), int(host.max())
+            lo, hi = (int(x) for x in torch.aminmax(ids))
             if lo < 0 or hi >= self.config.vocab_size:
                 raise InputError(
                     f"input_ids has ids in [{lo}, {hi}] but vocab_size={self.config.vocab_size}; "
                     "check the tokenizer matches the model"
                 )
-        return host
+        return ids
 
     def _check_seq(self, seq: int) -> None:
         window = self.config.sliding_window
@@ -96,7 +113,7 @@ class StepInputs:
             )
 
     def _positions(self, position_ids: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
-        """Packed rows' position ids on the host, checked; None when every row is one sequence from 0 (then the
+        """Packed rows' position ids (where they are), checked; None when every row is one sequence from 0 (then the
         step is exactly the one without position ids)."""
         if position_ids is None:
             return None
@@ -106,7 +123,7 @@ class StepInputs:
         if position_ids.shape != shape:
             raise InputError(f"position_ids has shape {tuple(position_ids.shape)} but input_ids has {tuple(shape)}; "
                              "give one position per token")
-        pos = position_ids.detach().to("cpu", torch.int64)
+        pos = position_ids.detach().to(torch.int64)
         step_ok = (pos[:, 1:] == 0) | (pos[:, 1:] == pos[:, :-1] + 1)
         if bool((pos[:, 0] != 0).any()) or not bool(step_ok.all()):
             bad = torch.cat([pos[:, :1] != 0, ~step_ok], dim=1).nonzero()[0].tolist()
@@ -137,7 +154,7 @@ class StepInputs:
         if n_tokens == 0:
             raise InputError("labels leave no token to predict (all -100 after the shift); check the masking")
         positions = self._positions(position_ids, ids.shape)
-        mbs = self.plan.micro_batch_size
+        mbs = ids.shape[0] if self.micro_batch_open else self.plan.micro_batch_size
         micro = [slice(s, min(s + mbs, ids.shape[0])) for s in range(0, ids.shape[0], mbs)]
         return Batch(
             input_ids=self._to_device(ids),
@@ -149,10 +166,14 @@ class StepInputs:
         )
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """Host tensor -> device without a host sync: a copy from pageable memory would wait for the
+        """Tensor -> the compute device without a host sync: a copy from pageable memory would wait for the
         stream's queued work (the previous step), so it goes through pinned memory, which torch's
-        pinned allocator keeps until the copy is done."""
-        if self.device.type != "cuda":
+        pinned allocator keeps until the copy is done. A tensor already pinned (a DataLoader's
+        ``pin_memory=True``) is copied from where it is, one on the GPU stays there."""
+        if self.device.type != "cuda" or t.device == self.device:
             return t
-        # Contiguous first: a strided pinned tensor would be copied through pageable memory.
-        return t.contiguous().pin_memory().to(self.device, non_blocking=True)
+        if not t.is_cuda:
+            # Contiguous first: a strided pinned tensor would be copied through pageable memory.
+            t = t.contiguous()
+            t = t if t.is_pinned() else t.pin_memory()
+        return t.to(self.device, non_blocking=True)

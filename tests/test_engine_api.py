@@ -167,3 +167,22 @@ def test_breakdown_has_the_disk_when_state_spills(tmp_path, monkeypatch):
     assert b["disk_exposed_s"] == b["disk_load_exposed_s"] + b["disk_adam_exposed_s"] and b["disk_load_exposed_s"] >= 0.01
     assert b["disk_busy_s"] >= max(b["disk_read_busy_s"], b["disk_write_busy_s"]) > 0
     assert b["roofline_s"] >= b["disk_busy_s"]
+
+
+def test_without_a_plan_the_first_step_sets_the_micro_batch(tmp_path):
+    """No plan: the default plan's micro-batch is the first step's batch (one micro-batch, never split), the same
+    bits as that plan given explicitly; a checkpoint before any step leaves it open for the resumed engine."""
+    opt = OptimizerConfig(lr=1e-3, max_grad_norm=1.0)
+    batches = list(_data(steps=3, batch=4))
+    with Engine(CONFIG, opt, compute_dtype=torch.float32, device="cpu") as own:
+        own.save_checkpoint(tmp_path / "early", blocking=True)
+        assert own.plan.micro_batch_size == 1  # open until a step
+        losses = [own.step(ids, labels).item() for ids, labels in batches]
+        assert own.plan == Plan(optimizer_mode="deferred", micro_batch_size=4)
+        weights = own.state_dict()
+    with Engine(CONFIG, opt, plan=Plan(micro_batch_size=4), compute_dtype=torch.float32, device="cpu") as given:
+        assert [given.step(ids, labels).item() for ids, labels in batches] == losses
+        assert all(torch.equal(weights[k], v) for k, v in given.state_dict().items())
+    with Engine.load_checkpoint(tmp_path / "early") as resumed:
+        assert [resumed.step(ids, labels).item() for ids, labels in batches] == losses
+        assert resumed.plan.micro_batch_size == 4

@@ -42,6 +42,12 @@ PLANS = [Plan(), Plan(num_slots=3, prefetch_depth=2, checkpoints="host", device_
               spill_blocks={"master": [1, 3], "exp_avg": [0, 1], "exp_avg_sq": [3], "grads": [2]})]
 
 
+# The host arenas copied to or from the GPU (pinned there), by compute dtype: m and v never; the master only where
+# it is the weights the loads copy (fp32); the bf16 shadow, the gradients and their slabs always.
+CROSSING = {torch.float32: {"fp32 master", "fp32 grads", "gradient slabs"},
+            torch.bfloat16: {"shadow", "fp32 grads", "gradient slabs"}}
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -83,6 +89,13 @@ def test_memory_model_matches_allocations(name: str, plan: Plan, dtype: torch.dt
         listed = sum(c.nbytes for c in memory_model.estimate(shape, work, plan).components
                      if c.where == "host" and c.name not in (*memory_model.FIXED_TERMS, "activation checkpoints"))
         assert listed == store.nbytes  # every host buffer of the store is a term, and nothing else is
+        # Pinned with a GPU: what crosses PCIe, the planner's pinned terms and the store's arenas alike.
+        full = memory_model.estimate(shape, work, plan)
+        pinned = full.pinned_host_bytes - sum(c.nbytes for c in full.components
+                                              if c.name == "activation checkpoints" and c.where == "host")
+        assert pinned == store.pcie_bytes
+        assert {a.name: a.crosses_pcie for a in store.arenas()} == {a.name: a.name in CROSSING[dtype]
+                                                                    for a in store.arenas()}
         ids = torch.randint(0, hf["vocab_size"], (batch, seq))
         engine.step(ids, ids)
         if plan.checkpoints == "host":

@@ -46,7 +46,11 @@ def test_llama_8b_device_checkpoints_deferred_by_hand() -> None:
     assert est.device_bytes == tensors + int(0.05 * tensors) + CUDA_CONTEXT_BYTES
     # host: 4 master + 4 m + 4 v + 2 shadow + 4 grads = 18 bytes per parameter, plus the process
     assert est.host_bytes == 18 * N + HOST_PROCESS_BYTES
-    assert est.pinned_host_bytes == 18 * N
+    # pinned: only what crosses PCIe, the bf16 shadow (host to GPU) and the grads (GPU to host); master, m and v
+    # are read and written by AdamW on the CPU alone
+    assert est.pinned_host_bytes == (2 + 4) * N
+    pinned = {c.name for c in est.components if c.pinned}
+    assert pinned == {"compute-dtype shadow", "fp32 grads (full arena)"}
     assert est.nvme_bytes == 0
     assert ("device", "tied embedding grad") not in got
 
@@ -89,3 +93,16 @@ def test_tied_fp32_and_cpu_device() -> None:
     over = est.overruns(small)
     assert [o.budget for o in over] == ["host RAM"]
     assert over[0].needed == est.host_bytes + est.device_bytes
+
+
+def test_pinned_in_fp32_is_the_master_that_travels_and_the_gradients() -> None:
+    """fp32 compute: the master is the weights the loads copy, so it is pinned; m and v never are (eager: the slabs
+    carry the gradients)."""
+    m = PRESETS["Qwen2.5-7B"]
+    N, bmax = 7_615_616_512, 3584 + 152064 * 3584
+    for mode, grads in (("deferred", 4 * N), ("eager", 2 * bmax * 4)):
+        plan = Plan(optimizer_mode=mode, host_grad_slabs=2)
+        work = Workload(seq_len=1024, batch=1, compute_dtype="fp32", clipping=mode == "deferred")
+        est = memory_model.estimate(m, work, plan, H100)
+        assert est.pinned_host_bytes == 4 * N + grads
+        assert not any(c.pinned for c in est.components if c.name in ("Adam m", "Adam v"))

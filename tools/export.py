@@ -94,7 +94,8 @@ def export(source: str, out: str, dtype: str = "bf16", say: Any = None) -> list[
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.export-", dir=parent)
-    spill = tempfile.mkdtemp(prefix=".megatrain-export-spill-", dir=parent) if plan.spill != "none" else None
+    spill = (tempfile.mkdtemp(prefix=".megatrain-export-spill-", dir=parent)
+             if plan is not None and plan.spill != "none" else None)
     try:
         # The checkpoint's spill files (if its plan spills) go to a scratch directory of our own, removed after.
         engine = Engine.load_checkpoint(path, device="cpu", plan=plan.replace(spill_dir=spill) if spill else None)

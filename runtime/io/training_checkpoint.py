@@ -178,16 +178,17 @@ class CheckpointWriter:
         return handle
 
 
-def engine_settings(config: ModelConfig, optimizer: OptimizerConfig, plan: Plan, compute_dtype: torch.dtype,
+def engine_settings(config: ModelConfig, optimizer: OptimizerConfig, plan: Plan | None, compute_dtype: torch.dtype,
                     seed: int) -> dict[str, Any]:
-    """The Engine(...) arguments a manifest records (``engine_arguments`` reads them back)."""
+    """The Engine(...) arguments a manifest records (``engine_arguments`` reads them back). ``plan`` None: the
+    default plan before its first step set its micro-batch (the resumed engine sets it at its own)."""
     opt = optimizer
     return {
         "model_config": config.to_dict(),
         "optimizer": {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay,
                       "max_grad_norm": opt.max_grad_norm, "no_decay": list(opt.no_decay),
                       "skip_nonfinite": opt.skip_nonfinite, "state_dtype": opt.state_dtype},
-        "plan": plan.to_dict(),
+        "plan": None if plan is None else plan.to_dict(),
         "compute_dtype": DTYPE_NAMES[compute_dtype],
         "seed": seed,
     }
@@ -307,7 +308,7 @@ def engine_arguments(manifest: dict[str, Any]) -> dict[str, Any]:
         opt = dict(e["optimizer"])
         opt["betas"], opt["no_decay"] = tuple(opt["betas"]), tuple(opt["no_decay"])
         return {"model_config": ModelConfig(**e["model_config"]), "optimizer": OptimizerConfig(**opt),
-                "plan": Plan.from_dict(e["plan"]), "seed": e["seed"],
+                "plan": None if e["plan"] is None else Plan.from_dict(e["plan"]), "seed": e["seed"],
                 "compute_dtype": {v: k for k, v in DTYPE_NAMES.items()}[e["compute_dtype"]]}
     except (KeyError, TypeError) as err:
         raise InputError(f"the checkpoint manifest's engine section is invalid ({err}); "

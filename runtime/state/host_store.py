@@ -3,10 +3,13 @@
 One arena per buffer kind (``BufferKind``), allocated once at start, holding
 that kind's blocks that stay in RAM in block order; with nothing of the kind
 spilled, block b owns the fixed range ``[offset[b], offset[b] + numel[b])`` of
-it (its layout's flat buffer). With CUDA the arenas are pinned by registering each whole
-allocation with the driver (``cudaHostRegister``): torch's own pinned allocator
-rounds every request up to a power of two. Without CUDA they are ordinary
-memory and the same code runs.
+it (its layout's flat buffer). With CUDA the arenas that cross PCIe are pinned by
+registering each whole allocation with the driver (``cudaHostRegister``): torch's
+own pinned allocator rounds every request up to a power of two. They are the shadow
+(host to GPU), the gradients and their slabs (GPU to host), and the master only
+where it is the shadow (fp32 compute); m and v stay pageable: only AdamW on the CPU
+reads them (``buffer_kinds.crosses_pcie``, the rule the memory model charges the
+pinned budget by). Without CUDA nothing is pinned and the same code runs.
 
 Host RAM: 4 (master) + 8 (m, v) + 2 (bf16 shadow; 0 in fp32, where the shadow
 is the master itself) bytes per parameter, plus 4 for the full gradient arena in
@@ -29,7 +32,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NamedTuple, Sequ
 
 import torch
 
-from megatrain.planner.buffer_kinds import BufferKind, Placement, spill_chunk_numel, spilled_kinds
+from megatrain.planner.buffer_kinds import BufferKind, Placement, crosses_pcie, spill_chunk_numel, spilled_kinds
 
 from megatrain.runtime.errors import ConfigError
 from megatrain.runtime.spill.spill_files import SpillFiles, StagingPool
@@ -43,13 +46,14 @@ __all__ = ["BufferKind", "GradSink", "GradSlabs", "HostArena", "HostStore"]
 
 
 class HostArena:
-    """One contiguous host allocation of one dtype, pinned in place when ``pin``."""
+    """One contiguous host allocation of one dtype, pinned in place when ``pin`` (CUDA) and it ``crosses_pcie``."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, pin: bool, name: str) -> None:
+    def __init__(self, numel: int, dtype: torch.dtype, pin: bool, name: str, crosses_pcie: bool = True) -> None:
         self.name = name
         self.tensor = torch.zeros(numel, dtype=dtype)
+        self.crosses_pcie = crosses_pcie  # copied to or from the GPU: what is pinned where there is one
         self._registered = False
-        if pin and numel > 0:
+        if pin and crosses_pcie and numel > 0:
             err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
             if int(err) != 0:
                 raise MemoryError(
@@ -182,7 +186,8 @@ class HostStore:
             if b not in self.placement.get(kind, ()):
                 offsets[b], at = at, at + n
         self._ram_offsets[kind] = offsets
-        return HostArena(at, dtype, pin, name) if offsets else None
+        crosses = crosses_pcie(kind, self.compute_dtype == torch.float32)
+        return HostArena(at, dtype, pin, name, crosses) if offsets else None
 
     def is_spilled(self, kind: BufferKind, b: int) -> bool:
         """Whether block b's ``kind`` lives in its spill file."""
@@ -275,13 +280,22 @@ class HostStore:
         """The first (for a block in RAM, the only) sink of ``grad_sinks(b)``."""
         return next(iter(self.grad_sinks(b, check)))
 
+    def arenas(self) -> list[HostArena]:
+        """Every RAM arena of the store, each once (in fp32 the shadow is the master)."""
+        arenas = [self.master, self.exp_avg, self.exp_avg_sq, self.grads, self.slabs.arena if self.slabs else None]
+        if self.shadow is not self.master:
+            arenas.append(self.shadow)
+        return [a for a in arenas if a is not None]
+
     @property
     def nbytes(self) -> int:
-        arenas = [self.master, self.exp_avg, self.exp_avg_sq, self.grads, self.slabs.arena if self.slabs else None]
-        if self.shadow is not self.master and self.shadow is not None:
-            arenas.append(self.shadow)
         staging = 0 if self.staging is None else self.staging.nbytes
-        return sum(a.nbytes for a in arenas if a is not None) + staging
+        return sum(a.nbytes for a in self.arenas()) + staging
+
+    @property
+    def pcie_bytes(self) -> int:
+        """Bytes of the arenas copied to or from the GPU: those pinned with CUDA (the memory model's pinned terms)."""
+        return sum(a.nbytes for a in self.arenas() if a.crosses_pcie)
 
     def close(self) -> None:
         for arena in (self.master, self.exp_avg, self.exp_avg_sq, self.shadow, self.grads,

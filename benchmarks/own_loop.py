@@ -1,0 +1,150 @@
+"""The README's own-loop example against plain PyTorch: ``Engine(config)`` with no plan, step for step.
+
+    python benchmarks/own_loop.py --model 25m --seq 128 --batch 4 --rounds 12     # on a CPU (fp32)
+
+One process holds three trainers of the same model from the same initial weights: megatrain as the README's
+"Train from your own loop" builds it (no plan: the default plan, whose micro-batch the first step sets to the
+batch), megatrain with ``Plan()`` (one sequence per micro-batch, the default before it took the batch),
+megatrain with the plan ``megatrain-train`` would run (``plan_request.choose_plan`` on this machine's profile), and
+plain PyTorch (the equivalence tests' reference model, no activation checkpointing, fused ``torch.optim.AdamW``,
+global-norm clipping). Each round runs one step of each, in a rotating order, on the same batch, so the
+ratios of adjacent steps hold little of a shared machine's drift. Reports median step seconds, the median of
+the per-round ratios to PyTorch, and the last losses (equal to about 1e-6 in fp32).
+Writes ``benchmarks/results/<date>_<device>_own_loop_<model>.{json,md}``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from throughput import MODELS as THROUGHPUT_MODELS, batches, machine  # noqa: E402
+
+MODELS = {
+    **THROUGHPUT_MODELS,
+    # 25.8M parameters: 6 layers of h512 (GQA 8/4 heads), vocabulary 8192, untied.
+    "25m": dict(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=6,
+                num_attention_heads=8, num_key_value_heads=4),
+}
+SYSTEMS = ("megatrain, no plan", "megatrain, Plan()", "megatrain, planner's plan", "pytorch")
+
+
+def trainers(cfg: dict, device: torch.device, seq: int, batch: int):
+    """One step function per system, each from the same initial weights: ``step(ids) -> loss``."""
+    from reference_model import ReferenceLM
+
+    from megatrain.planner import model_shapes
+    from megatrain.planner.plan_request import PlanRequest, choose_plan
+    from megatrain.planner.profiler import this_machine
+    from megatrain.planner.workload import Workload
+    from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
+    from megatrain.runtime.pipeline.head_loss import shift_labels
+
+    config = ModelConfig(**cfg)
+    optimizer = OptimizerConfig(lr=1e-4, max_grad_norm=1.0)
+    own = Engine(config, optimizer=optimizer, compute_dtype=torch.float32, device=device)  # the README's example
+    old = Engine(config, optimizer=optimizer, plan=Plan(), compute_dtype=torch.float32, device=device)
+    work = Workload(seq, batch, compute_dtype="fp32", clipping=True)
+    chosen = choose_plan(model_shapes.from_config(dict(cfg, model_type="llama")), PlanRequest(work), this_machine())
+    planned = Engine(config, optimizer=optimizer, plan=chosen.plan, compute_dtype=torch.float32, device=device)
+    model = ReferenceLM(config)
+    model.load_state_dict(own.state_dict())
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def pytorch(ids: torch.Tensor) -> float:
+        ids = ids.to(device)
+        labels = shift_labels(ids)
+        logits = model(ids)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    engines = [own, old, planned]
+    steps = {SYSTEMS[0]: lambda ids: own.step(ids, ids).item(), SYSTEMS[1]: lambda ids: old.step(ids, ids).item(),
+             SYSTEMS[2]: lambda ids: planned.step(ids, ids).item(), SYSTEMS[3]: pytorch}
+    return steps, engines, own.num_parameters
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="25m")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=2, help="rounds left out of the medians")
+    p.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA exists")
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = p.parse_args()
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the reference model of the equivalence tests
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    cfg = MODELS[args.model]
+    steps, engines, params = trainers(cfg, device, args.seq, args.batch)
+    data = batches(cfg["vocab_size"], args.batch, args.seq, args.rounds)
+    load_before = os.getloadavg()  # a shared machine: how busy it was, for reading the spread
+    seconds: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+    losses: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+    for r, ids in enumerate(data):
+        order = SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[:r % len(SYSTEMS)]  # rotate who goes first
+        for system in order:
+            t0 = time.perf_counter()
+            losses[system].append(steps[system](ids))  # .item() inside: the step's end, as a loop sees it
+            if r >= args.warmup:
+                seconds[system].append(time.perf_counter() - t0)
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{s} {losses[s][-1]:.6f}" for s in SYSTEMS),
+              file=sys.stderr, flush=True)
+    plan, planned = engines[0].plan, engines[2].plan
+    for engine in engines:
+        engine.close()
+    base = seconds["pytorch"]
+    rows = [{"system": s, "median_step_s": statistics.median(seconds[s]), "min_step_s": min(seconds[s]),
+             "median_ratio_to_pytorch": statistics.median(a / b for a, b in zip(seconds[s], base)),
+             "final_loss": losses[s][-1]} for s in SYSTEMS]
+    info = machine()
+    device_name = "cpu" if device.type == "cpu" else (info.get("gpu") or "gpu").replace(" ", "-")
+    report = {"date": datetime.date.today().isoformat(), "machine": info, "args": vars(args), "params": params,
+              "model": cfg, "default_plan_micro_batch_size": plan.micro_batch_size,
+              "default_plan": plan.to_dict(), "planner_plan": planned.to_dict(), "results": rows,
+              "seconds": seconds, "losses": losses,
+              "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
+              "command": f"python benchmarks/own_loop.py --model {args.model} --seq {args.seq} --batch {args.batch} "
+                         f"--rounds {args.rounds}" + (" --cpu" if args.cpu else "")}
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"{report['date']}_{device_name}_own_loop_{args.model}")
+    with open(stem + ".json", "w") as f:
+        json.dump(report, f, indent=2)
+    lines = [f"# The README's own loop vs PyTorch, {args.model} ({params / 1e6:.1f}M), {args.batch} x {args.seq} "
+             f"tokens/step, fp32, {device_name} ({report['date']})", "",
+             f"`{report['command']}`", "",
+             f"{args.rounds - args.warmup} rounds after {args.warmup} warm-up, one step of each system per round "
+             f"(rotating order, one process); {info['cores']} cores ({info['cpu']}), torch {info['torch']}, load "
+             f"average {load_before[0]:.1f} before and {os.getloadavg()[0]:.1f} after (1 min). "
+             f"The default plan took micro-batch {plan.micro_batch_size} from the first step; the planner's plan has "
+             f"micro-batch {planned.micro_batch_size}, {planned.num_slots} slots, checkpoints on "
+             f"{planned.checkpoints}.", "",
+             "| system | median step s | min step s | median of per-round ratios to PyTorch | last loss |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['system']} | {r['median_step_s']:.3f} | {r['min_step_s']:.3f} | "
+                     f"{r['median_ratio_to_pytorch']:.2f}x | {r['final_loss']:.6f} |")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {stem}.json and .md", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
