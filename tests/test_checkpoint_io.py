@@ -21,7 +21,7 @@ import torch
 
 from megatrain.runtime import Engine, InputError, ModelConfig, OptimizerConfig
 
-from megatrain.runtime.io import checkpoint_format
+from megatrain.runtime.io import checkpoint_format, crc32s
 
 INNER, OUTER = 1000, 5000  # elements per inner chunk and per shard
 NUMELS = [3000, 7000, 2345]  # blocks: the second spans two shard boundaries, the last shard is short
@@ -57,7 +57,8 @@ def reference_crcs(data: torch.Tensor, chunk_bytes: int) -> list[int]:
 
 
 def test_shards_pieces_and_crcs_at_every_boundary(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(checkpoint_format, "CRC_CHUNK_BYTES", 4 * 1500)  # CRC ranges that cut pieces and blocks
+    for module in (crc32s, checkpoint_format):  # CRC ranges that cut pieces and blocks (defined in crc32s)
+        monkeypatch.setattr(module, "CRC_CHUNK_BYTES", 4 * 1500)
     monkeypatch.setattr(checkpoint_format, "READ_PIECE_BYTES", 4 * 2 * INNER)  # reads of two inner chunks
     data = torch.randn(sum(NUMELS))
     want = reference_crcs(data, 4 * 1500)

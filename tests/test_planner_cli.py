@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from megatrain.planner import model_shapes
 from megatrain.planner.plan import Plan
 
 KEYS = {"params", "gpu_bytes", "host_ram_bytes", "nvme_bytes", "step_seconds", "tokens_per_second"}
@@ -108,7 +109,7 @@ def test_overview_with_a_preset_and_json() -> None:
     r = run("--hardware", "H200", "--json")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
-    assert len(data["models"]) == 13
+    assert sorted(e["model"] for e in data["models"]) == sorted(model_shapes.PRESETS)  # every preset, once each
     assert data["largest_model"] is not None and data["longest_context"]["seq_len"] > 0
     assert data["compute_dtype"] == "bfloat16"
     for e in data["models"]:

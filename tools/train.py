@@ -215,9 +215,9 @@ class Run:
         finally:
             lock.release()
             # A run that wrote nothing (it stopped before its first step) leaves no directory it made behind.
-            restart.drop_lone_record(out)
             if spill_created and plan.spill_dir is not None and not run_dir.existing_entries(plan.spill_dir):
                 os.rmdir(plan.spill_dir)
+            restart.drop_lone_record(out)  # after the spill directory: OUT/spill may be what kept OUT non-empty
             if created and not run_dir.existing_entries(out):
                 os.rmdir(out)
 
