@@ -42,6 +42,23 @@ def test_three_steps_match_transformers(tied: bool) -> None:
     assert_matches_transformers(config.vocab_size, hf, mt_config, steps=3)
 
 
+def test_a_directory_transformers_saved_loads_and_exports_the_same(tmp_path) -> None:
+    config, hf = _hf(rope_scaling={"rope_type": "linear", "factor": 2.0})
+    hf.save_pretrained(tmp_path / "hf")
+    ids, _ = batch(config.vocab_size)
+    with Engine.from_pretrained(tmp_path / "hf", compute_dtype=torch.float32, device="cpu") as engine:
+        ours = engine.state_dict()
+        logits = engine.logits(ids)
+        engine.save_pretrained(tmp_path / "out", dtype=torch.float32)
+    theirs = hf.state_dict()
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, hf(ids).logits, rtol=0, atol=1e-5)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert type(loaded).__name__ == "Gemma3ForCausalLM" and loaded.config.layer_types == config.layer_types
+    assert all(torch.equal(loaded.state_dict()[n], t) for n, t in theirs.items())
+
+
 @pytest.mark.parametrize("data", [OLD_SPELLING, {"model_type": "gemma3_text"}, dict(OLD_SPELLING, rope_scaling=None),
                                   dict(OLD_SPELLING, layer_types=["full_attention", "sliding_attention"] * 2)])
 def test_config_reads_as_transformers_reads_it(data: dict) -> None:
