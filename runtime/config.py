@@ -120,8 +120,8 @@ class ModelConfig:
             object.__setattr__(self, "layer_types", types)
         for name in ("rope_local_base_freq", "query_pre_attn_scalar", "final_logit_softcapping"):
             value = getattr(self, name)
-            if value is not None and not _field(hf_config.number, name, value) > 0:
-                raise ConfigError(f"{name}={value!r} must be a positive number, or None")
+            if value is not None and not 0 < _field(hf_config.number, name, value) < float("inf"):
+                raise ConfigError(f"{name}={value!r} must be a positive finite number, or None")
             object.__setattr__(self, name, None if value is None else float(value))
         if registry.find(self.model_type) is None:
             raise ConfigError(
