@@ -53,7 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rank_set = ranks.Ranks.join(ranks.collective_timeout(argv))  # under torchrun: this rank; every rank checks
         # the options alike
-        values, config = rank_set.agree(lambda: _options(argv), CHECK_ERRORS)
+        try:
+            values, config = rank_set.agree(lambda: _options(argv), CHECK_ERRORS)
+        except restart.RunFinished as e:  # a requeued run that had finished: every rank sees the same checkpoint
+            if rank_set.writes:
+                print(f"megatrain-train: {e}", file=sys.stderr)
+            return 0
         return Run(config, values, rank_set).execute()
     except USER_ERRORS as e:
         return _usage_error(str(e))
