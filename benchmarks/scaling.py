@@ -27,7 +27,15 @@ import torch.multiprocessing as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from throughput import MODELS, batches, machine  # noqa: E402
+from throughput import MODELS as THROUGHPUT_MODELS, batches, machine  # noqa: E402
+
+# "33m": a model whose host state dominates a CPU rank's RSS (16 B/param, 0.5 GiB at one rank), for the memory rows.
+MODELS = {**THROUGHPUT_MODELS,
+          "33m": dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=4)}
+
+
+LOAD_BEFORE = "unknown"
 
 
 def rank_main(rank: int, world: int, store: str, args: argparse.Namespace, rank_batch: int, out: str) -> None:
@@ -108,11 +116,16 @@ def predict(args: argparse.Namespace, world: int, rank_batch: int) -> dict:
     s = data_parallel.scaling(model, work, plan, hw, topo)
     mem = data_parallel.memory(model, work, plan, hw, topo)
     state = sum(c.nbytes for c in mem.components if c.name in data_parallel.STATE_COMPONENTS)
+    # What one rank's peak RSS should be: its host buffers, and on a CPU its device buffers too.
+    rank = mem.host_bytes + (mem.device_bytes if hw.device_is_host else 0)
     return {"tokens_per_second": s.tokens_per_second, "step_seconds": s.step_seconds, "comm_seconds": s.comm_seconds,
-            "state_bytes": state, "bandwidth": topo.source, "hardware": hw.source}
+            "state_bytes": state, "rank_bytes": rank, "components": mem.rows(), "bandwidth": topo.source,
+            "hardware": hw.source}
 
 
 def main() -> int:
+    global LOAD_BEFORE
+    LOAD_BEFORE = _loadavg()[1]
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", choices=sorted(MODELS))
     p.add_argument("--seq", type=int, default=128)
@@ -125,10 +138,12 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--cpu", action="store_true", help="CPU ranks even with GPUs")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--modes", default="fixed global batch,fixed per-rank batch")
     args = p.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
+    modes = args.modes.split(",")
     rows = []
-    for mode in ("fixed global batch", "fixed per-rank batch"):
+    for mode in modes:
         for w in worlds:
             rank_batch = args.global_batch // w if mode == "fixed global batch" else args.rank_batch
             print(f"scaling: {mode}, world {w}, {rank_batch} sequences per rank ...", file=sys.stderr, flush=True)
@@ -143,27 +158,40 @@ def main() -> int:
     device = "gpu" if torch.cuda.is_available() and not args.cpu else "cpu"
     stem = os.path.join(args.out, f"{datetime.date.today().isoformat()}_{device}_scaling")
     report = {"date": datetime.date.today().isoformat(), "machine": machine(), "device": device, "args": vars(args),
-              "results": rows}
+              "loadavg": _loadavg(), "results": rows}
     os.makedirs(args.out, exist_ok=True)
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=1)
     lines = [f"# Data-parallel scaling ({device}, {args.model}, seq {args.seq}, {args.steps} timed steps)", "",
              f"Machine: {report['machine']}", "",
+             f"Load average (1, 5, 15 min) before / after: {report['loadavg'][0]} / {report['loadavg'][1]}", "",
              "| batch | world | per-rank batch | tokens/s | speed-up | predicted tokens/s | predicted speed-up "
-             "| store MiB per rank | predicted state MiB | peak RSS MiB per rank |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| store MiB per rank | predicted state MiB | peak RSS MiB per rank | predicted MiB per rank "
+             "| measured / predicted |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         q = r["predicted"]
+        peaks = r["peak_rss_bytes"]
         lines.append(f"| {r['mode']} | {r['world']} | {r['rank_batch']} | {r['tokens_per_second']:,.0f} | "
                      f"{r['speedup']:.2f}x | {q['tokens_per_second']:,.0f} | {q['speedup']:.2f}x | "
                      f"{max(r['store_bytes']) / 2**20:.1f} | {q['state_bytes'] / 2**20:.1f} | "
-                     f"{max(r['peak_rss_bytes']) / 2**20:.0f} |")
+                     f"{', '.join(f'{b / 2**20:.0f}' for b in peaks)} | {q['rank_bytes'] / 2**20:.0f} | "
+                     f"{min(peaks) / q['rank_bytes']:.2f}-{max(peaks) / q['rank_bytes']:.2f} |")
     lines += ["", f"Planner: {rows[-1]['predicted']['bandwidth']}; hardware {rows[-1]['predicted']['hardware']}.",
               f"Command: `python benchmarks/scaling.py {' '.join(sys.argv[1:])}`".rstrip()]
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {stem}.json, {stem}.md; plot: {plot(rows, stem + '.png')}", file=sys.stderr)
     return 0
+
+
+def _loadavg() -> list[str]:
+    try:
+        with open("/proc/loadavg") as f:
+            now = " ".join(f.read().split()[:3])
+    except OSError:
+        now = "unknown"
+    return [LOAD_BEFORE, now]
 
 
 def plot(rows: list[dict], path: str) -> str:
@@ -177,6 +205,8 @@ def plot(rows: list[dict], path: str) -> str:
     fig, ax = plt.subplots(figsize=(7, 4))
     for mode, marker in (("fixed global batch", "o"), ("fixed per-rank batch", "s")):
         sel = [r for r in rows if r["mode"] == mode]
+        if not sel:
+            continue
         worlds = [r["world"] for r in sel]
         ax.plot(worlds, [r["tokens_per_second"] for r in sel], marker + "-", label=f"{mode}: measured")
         ax.plot(worlds, [r["predicted"]["tokens_per_second"] for r in sel], marker + "--", label=f"{mode}: planner")

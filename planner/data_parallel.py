@@ -12,8 +12,9 @@ the fp32 gradient reduce-scattered, AdamW run on the shard. Symbols as in memory
        min(intra, network per node / G) (each GPU's share of the node's network)
 
 Memory per rank: memory_model.estimate at the rank's batch (B / W), with the host state (master,
-m, v, shadow, full grad arena, spill files) at N_W instead of N, slabs and staging at Bmax_W, and
-(grad buffers + 1) fp32 gradient shards on the device. Per node: G x that.
+m, v, shadow, full grad arena, spill files) at N_W instead of N, slabs and staging at Bmax_W, slots and
+gradient accumulators of whole padded blocks, and on a GPU (grad buffers + 1) fp32 gradient shards
+([Note: per-rank buffers]). Per node: G x that.
 
 Time per rank: the single-process estimate at the rank's batch (cost_model), then per phase
 
@@ -108,25 +109,64 @@ def shard_numel(numel: int, world: int) -> int:
 
 
 def memory(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, topo: Topology) -> MemoryEstimate:
-    """One rank's buffers for ``work`` (the global step) with ``plan`` (the rank's plan)."""
+    """One rank's buffers for ``work`` (the global step) with ``plan`` (the rank's plan); with one rank, the
+    single process's. [Note: per-rank buffers]"""
     W = topo.world
     est = memory_model.estimate(model, rank_workload(work, topo), plan, hw)
-    N = model.numel_total
-    NW = sum(shard_numel(n, W) for n in block_numels(model))
+    if W == 1:
+        return est
+    return MemoryEstimate(tuple(rank_components(model, plan, hw, W, est.components)))
+
+
+def rank_components(model: ModelShape, plan: Plan, hw: HardwareProfile, W: int,
+                    components: tuple[Component, ...]) -> list[Component]:
+    """The single-process ``components`` at the rank's batch made one rank's of W.
+
+    [Note: per-rank buffers]
+    What a rank holds, each the runtime's buffer (tests/test_rank_memory.py checks them one by one):
+    - host state (master, m, v, shadow, full grad arena, spill files): x N_W / N;
+    - chunk-bounded host buffers (grad slabs, spill staging): x Bmax_W / Bmax;
+    - weight slots and grad accumulators: whole padded blocks, K x W x Bmax_W x c and G x W x Bmax_W x 4 (a slot
+      holds the gathered block; the accumulator the whole gradient the collectives reduce); a tied embedding's
+      gradient W x E_W x 4;
+    - gradient shards: (G + 1) x Bmax_W x 4 on a GPU (NCCL reduce-scatters into them); none on CPU ranks, where
+      the gradient is all-reduced in place and the shard is a view of it;
+    - collective staging: none on CPU ranks (gloo's gather and reduce-scatter would each allocate a whole padded
+      block per call: the runtime gathers by broadcasts into the slot and reduces in place instead; on a GPU
+      NCCL's buffers are its own, in the CUDA context's term);
+    - the process (Python, torch, the engine's libraries): each rank is one.
+    The rest (checkpoints, activations, working sets, logits) is the memory model's at the rank's batch."""
+    N, NW = model.numel_total, sum(shard_numel(n, W) for n in block_numels(model))
     Bmax = model.numel_largest_block
     BW = shard_numel(Bmax, W)
+    E_W = shard_numel(model.numel_embedding, W)
+    K, G = plan.num_slots, plan.device_grad_buffers
     out: list[Component] = []
-    for comp in est.components:
+    for comp in components:
         if comp.name in STATE_COMPONENTS or comp.name.endswith("(spill file)"):
             comp = dataclasses.replace(comp, nbytes=comp.nbytes * NW // N,
                                        formula=f"{comp.formula}, sharded: x N_W / N = x {NW} / {N}")
         elif comp.name in ("fp32 grad slabs", "spill staging"):
             comp = dataclasses.replace(comp, nbytes=-(-comp.nbytes * BW // Bmax),
                                        formula=f"{comp.formula}, sharded: x Bmax_W / Bmax = x {BW} / {Bmax}")
+        elif comp.name == "weight slots":
+            c = comp.nbytes // (K * Bmax)
+            comp = dataclasses.replace(comp, nbytes=K * W * BW * c,
+                                       formula=f"K x W x Bmax_W x c = {K} x {W} x {BW} x {c} (whole padded blocks)")
+        elif comp.name == "grad accumulators":
+            comp = dataclasses.replace(comp, nbytes=G * W * BW * 4,
+                                       formula=f"G x W x Bmax_W x 4 = {G} x {W} x {BW} x 4 (whole padded blocks)")
+        elif comp.name == "tied embedding grad":
+            comp = dataclasses.replace(comp, nbytes=W * E_W * 4, formula=f"W x E_W x 4 = {W} x {E_W} x 4")
         out.append(comp)
-    G = plan.device_grad_buffers
-    out.append(Component("gradient shards", "device", (G + 1) * BW * 4, f"(G + 1) x Bmax_W x 4 = {G + 1} x {BW} x 4"))
-    return MemoryEstimate(tuple(out))
+    if hw.device_is_host:
+        out.append(Component("gradient shards", "device", 0, "0: views of the grad accumulators (gloo, in place)"))
+        out.append(Component("collective staging", "device", 0,
+                             "0: gathers by broadcast into the slot, gradients all-reduced in place (gloo)"))
+    else:
+        out.append(Component("gradient shards", "device", (G + 1) * BW * 4,
+                             f"(G + 1) x Bmax_W x 4 = {G + 1} x {BW} x 4"))
+    return out
 
 
 def node_memory(mem: MemoryEstimate, hw: HardwareProfile, topo: Topology) -> MemoryEstimate:

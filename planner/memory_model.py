@@ -35,10 +35,11 @@ ALLOCATOR_SLACK_FRACTION = 0.05
 # The host process itself: Python, torch libraries, the data loader (not pinned), fitted later. With a GPU,
 # the CUDA libraries and the context's host side are most of it.
 HOST_PROCESS_BYTES = 2 * GiB
-# The same without a GPU: Python and torch's CPU libraries only. Resident bytes of a process that imported
-# torch and megatrain, before the engine: 0.22 GiB measured (benchmarks/spill_scale.py's rss_before_engine, torch
-# 2.13 CPU build); the step's transients are the device terms (the device is the host).
-HOST_PROCESS_BYTES_CPU = 256 * 2**20
+# The same without a GPU: Python and torch's CPU libraries only. Peak resident bytes of a process that ran an
+# engine's first steps, less its tensors: 0.30 GiB measured (one process and each of 2 gloo ranks, a 0.4M-parameter
+# model whose buffers are 6-11 MiB; 0.22 GiB of it before the engine, the rest the engine's libraries and the step's
+# kernels; torch 2.13 CPU build); the step's transients are the device terms (the device is the host).
+HOST_PROCESS_BYTES_CPU = 312 * 2**20
 
 WHERE = ("device", "host", "nvme")
 
@@ -117,10 +118,12 @@ class MemoryEstimate:
                 for c in self.components]
 
 
-def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile | None = None) -> MemoryEstimate:
+def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile | None = None, *,
+             nonblocking_saves: bool = False) -> MemoryEstimate:
     """Every buffer of ``plan`` for ``model`` and ``work``. ``hw`` decides whether the device is a GPU
     (CUDA context, allocator slack, pinned host arenas) or the CPU itself, and, where it carries a
-    calibration for the compute dtype, the fixed terms (process baseline, temporaries) are its fitted ones."""
+    calibration for the compute dtype, the fixed terms (process baseline, temporaries) are its fitted ones.
+    ``nonblocking_saves``: the run saves checkpoints without blocking (``checkpoint_snapshot``)."""
     on_gpu = hw is None or not hw.device_is_host
     c = work.compute_bytes
     h, V, L = model.hidden_size, model.vocab_size, model.num_layers
@@ -187,9 +190,35 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
         host("temporaries", cal.temporaries(transient),
              f"fitted: a + b x (working set + logits chunk) = {cal.temporaries_bytes} + "
              f"{cal.temporaries_factor:.3f} x {transient}", pinned=False)
+    if nonblocking_saves:
+        comps.append(checkpoint_snapshot(model, work, spilled))
+        comps.append(checkpoint_writer_staging(model))
     if not spilled.kinds:
         comps.append(Component("spill files", "nvme", 0, "0: nothing spills in this plan"))
     return MemoryEstimate(tuple(comps))
+
+
+# The checkpoint writer's unit: one zarr shard of up to 2**26 elements (runtime/io/checkpoint_format.py's spec).
+CHECKPOINT_SHARD_BYTES = 2**26 * 4
+
+
+def checkpoint_writer_staging(model: ModelShape) -> Component:
+    """What tensorstore holds while it writes one array's shard: the shard, min(4 x N, 256 MiB) (measured: a save's
+    peak growth beyond its snapshot was 1.5 x one 64 MiB array on this CPU, within this term plus one more shard)."""
+    n = min(4 * model.numel_total, CHECKPOINT_SHARD_BYTES)
+    return Component("checkpoint writer staging", "host", n, f"min(4 x N, 256 MiB) = {n}", pinned=False)
+
+
+def checkpoint_snapshot(model: ModelShape, work: Workload, spilled: "spill_placement.Spilled") -> Component:
+    """A non-blocking checkpoint save's snapshot (runtime/io/training_checkpoint.py, [Note: asynchronous
+    checkpoints]): copies of the master, m and v arenas held while the background write runs, (4 + 2 x s) x N
+    (s: AdamW state bytes, 4, or 2 in bf16). None when the plan spills any kind (such a save writes from the store,
+    blocking) or, in data parallelism, on a rank (its shards are written blocking)."""
+    N, s = model.numel_total, work.state_bytes
+    if spilled.kinds:
+        return Component("checkpoint snapshot", "host", 0, "0: a plan that spills saves blocking", pinned=False)
+    return Component("checkpoint snapshot", "host", (4 + 2 * s) * N, f"(4 + 2 x s) x N = {4 + 2 * s} x {N}",
+                     pinned=False)
 
 
 def state_terms(kind: BufferKind, label: str, N: int, spilled: "spill_placement.Spilled", host,

@@ -37,3 +37,26 @@ def test_two_nodes_on_localhost_train_checkpoint_and_export(tmp_path):
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step-00000003"]
     assert os.path.isfile(os.path.join(export, "config.json"))
     assert sum("trained steps 1-3" in err for err in errs) == 1  # rank 0 reports, the other node says nothing
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun not on PATH")
+def test_two_nodes_with_node_local_spill_directories_train_and_checkpoint(tmp_path):
+    """Each node spills its rank's state to its own --spill-dir (a node-local disk); --out is shared. Spilled state
+    trains the same numbers as state in RAM."""
+    one, out = str(tmp_path / "one"), str(tmp_path / "shared-out")
+    run = ["--batch", "4", "--steps", "3", "--save-every", "2"]
+    ok(train("--out", one, *run))
+    port = _free_port()
+    nodes = []
+    for node in range(2):
+        cmd = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+               f"127.0.0.1:{port}", "--rdzv-id", "test-spill", TRAIN, *TINY, *run, "--out", out, "--spill", "all",
+               "--spill-dir", str(tmp_path / f"node{node}-local")]
+        nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV))
+    errs = [p.communicate(timeout=300)[1] for p in nodes]
+    for p, err in zip(nodes, errs):
+        assert p.returncode == 0, err[-3000:]
+    close(losses(out), losses(one), [1, 2, 3])
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step-00000002", "step-00000003"]
+    assert sum(f"spilling master, m, v and grads to {tmp_path / 'node0-local'}" in err for err in errs) == 1, errs

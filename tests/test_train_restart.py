@@ -28,6 +28,20 @@ def test_start_then_continue_then_refuse_another_run(tmp_path):
     assert sorted(losses(out)) == [1, 2, 3]  # untouched
 
 
+def test_a_requeued_run_that_had_finished_exits_0_saying_so(tmp_path):
+    out = str(tmp_path / "run")
+    ok(train("--out", out, *RUN, "--steps", "2"))
+    before = {name: os.path.getmtime(os.path.join(out, name)) for name in os.listdir(out)}
+    again = train("--out", out, *RUN, "--steps", "2")
+    assert again.returncode == 0, again.stderr
+    assert again.stderr.count("\n") == 1 and "already done" in again.stderr and "step 2 of 2" in again.stderr, \
+        again.stderr
+    assert {name: os.path.getmtime(os.path.join(out, name)) for name in os.listdir(out)} == before  # untouched
+    assert sorted(losses(out)) == [1, 2]
+    plain = train("--resume", out, "--steps", "2", *RUN[:4])  # an explicit --resume still asks for more steps
+    assert plain.returncode == 2 and "raise --steps" in plain.stderr, plain.stderr
+
+
 def test_a_run_that_stopped_before_its_first_checkpoint_starts_over(tmp_path):
     out = str(tmp_path / "run")
     ok(train("--out", out, *RUN, "--steps", "1", "--save-every", "0"))

@@ -7,7 +7,9 @@ again, and it must pick the run up where its last complete checkpoint left it. W
   step directory still being written when the run died is not complete and is not read);
 - ``--out`` holds the files of a run that stopped before its first checkpoint (its ``RUN_RECORD``, written when
   the run took the directory): the run starts over, replacing those files (metrics rows, the lock);
-- ``--out`` is new or empty: the run starts.
+- ``--out`` is new or empty: the run starts;
+- ``--out``'s latest checkpoint is at the run's last step (the run finished, then was requeued): ``RunFinished``,
+  which ``megatrain-train`` reports as one line and exit status 0; nothing is written.
 
 A directory that holds another run (an option that defines the model, the data or the optimizer state differs
 from the recorded run's) or files no run recorded is refused, as for any new run: nothing is deleted or mixed.
@@ -21,10 +23,14 @@ from typing import Any, Mapping
 from megatrain.runtime import MegatrainError
 from megatrain.runtime.io import training_checkpoint
 
-from . import run_dir, train_config
+from . import resume, run_dir, train_config
 from .train_config import TrainConfig, TrainConfigError
 
 RUN_RECORD = "run.json"  # the options of the run that took the directory (absolute paths)
+
+
+class RunFinished(Exception):
+    """The run in ``--out`` already trained all its steps: nothing to do (not an error: exit status 0)."""
 
 
 def resolve(values: Mapping[str, Any], config: TrainConfig) -> tuple[dict[str, Any], TrainConfig]:
@@ -42,7 +48,12 @@ def resolve(values: Mapping[str, Any], config: TrainConfig) -> tuple[dict[str, A
     if checkpoint is None:
         return {**values, "overwrite": True}, train_config.build(values)
     values["resume"] = out
-    return values, train_config.build(values)
+    config = train_config.build(values)
+    resumed = resume.read(config, values)
+    if resumed.step >= resumed.config.total_steps:
+        raise RunFinished(f"{out} is already done: its checkpoint is at step {resumed.step} of "
+                          f"{resumed.config.total_steps}; nothing to train (raise --steps to train further)")
+    return values, config
 
 
 def latest_checkpoint(out: str) -> str | None:

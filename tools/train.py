@@ -53,7 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rank_set = ranks.Ranks.join(ranks.collective_timeout(argv))  # under torchrun: this rank; every rank checks
         # the options alike
-        values, config = rank_set.agree(lambda: _options(argv), CHECK_ERRORS)
+        try:
+            values, config = rank_set.agree(lambda: _options(argv), CHECK_ERRORS)
+        except restart.RunFinished as e:  # a requeued run that had finished: every rank sees the same checkpoint
+            if rank_set.writes:
+                print(f"megatrain-train: {e}", file=sys.stderr)
+            return 0
         return Run(config, values, rank_set).execute()
     except USER_ERRORS as e:
         return _usage_error(str(e))
@@ -132,7 +137,9 @@ class Run:
         # Every rank checks every input; an error on any rank stops all of them with its line.
         setup = self.ranks.agree(self._setup, CHECK_ERRORS)
         self.ranks.same({"plan": {**setup.plan.to_dict(), "spill_dir": None}, "data order": setup.data.state(),
-                         "start step": self.start_step, "options": train_config.absolute_paths(self.config)})
+                         "start step": self.start_step,
+                         # a node's own --spill-dir may differ (node-local disks); its plan may not
+                         "options": {**train_config.absolute_paths(self.config), "spill_dir": None}})
         return self._run(setup)
 
     # ------------------------------------------------------------------ setup
@@ -193,6 +200,12 @@ class Run:
             restart.record(out, self.config)  # what --resume-or-start compares a restart's options with
         try:
             self.ranks.agree(take_directories, CHECK_ERRORS, only_first=True)
+
+            def local_spill_dir() -> None:  # a node-local --spill-dir: the other nodes' ranks make their own
+                nonlocal spill_created
+                if not self.ranks.writes and plan.spill != "none" and plan.spill_dir is not None:
+                    spill_created = run_dir.make_dir("spill_dir", plan.spill_dir)
+            self.ranks.agree(local_spill_dir, CHECK_ERRORS)
             engine = self._engine(plan, setup.dtype, setup.device, setup.source)
             try:
                 if not self.ranks.writes:  # the run's files are rank 0's

@@ -25,6 +25,19 @@ issued on the comm stream and only order streams); on a CPU the streams are
 no-ops and gloo runs each collective when issued. A shard buffer is reused by
 the gradient buffer of the same index, after that buffer's ``drained`` event.
 Device memory: (grad buffers + 1) x largest shard x 4 bytes.
+
+[Note: collectives in place on gloo]
+gloo's ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` allocate a
+temporary the size of the whole padded block per call (measured: +64 MiB of
+peak RSS per call on a 64 MiB block; the reduce-scatter is an all-reduce of a
+copy of the input). On CPU ranks (gloo) these are the rank's memory too, so
+there: the slot is gathered by W broadcasts, rank r's shard from rank r into
+its place in the slot (in place, the same bytes received); the gradient is
+all-reduced in place in its device buffer, which nothing reads afterwards, and
+the rank's shard is a view of it (bitwise what the reduce-scatter gives, which
+reduces the same way), so no shard buffers either. Extra memory of a CPU
+rank's collectives: none. NCCL keeps the single collectives and the shard
+buffers (its temporaries are its own, on the device).
 """
 from __future__ import annotations
 
@@ -48,9 +61,11 @@ class Collectives:
         self.streams = streams = Streams(device)
         shards = self.shards
         self.comm = Stream(torch.cuda.Stream(device)) if streams.cuda else streams.compute
+        self.in_place = topology.backend == "gloo"  # [Note: collectives in place on gloo]
         largest = max(shards.numel(b.index) for b in shards.blocks)
-        # One shard buffer per device gradient buffer, plus one for a tied embedding's (index None).
-        self.grad_shards = [torch.zeros(largest, dtype=torch.float32, device=device) for _ in range(grad_buffers + 1)]
+        # One shard buffer per device gradient buffer, plus one for a tied embedding's (index None); none on gloo.
+        self.grad_shards = [] if self.in_place else [
+            torch.zeros(largest, dtype=torch.float32, device=device) for _ in range(grad_buffers + 1)]
         self.norm_sq = torch.zeros((), dtype=torch.float32, device=device)  # this rank's sum of squared grads
 
     # ---- per step ---------------------------------------------------------------------
@@ -88,19 +103,24 @@ class Collectives:
         copied = self.streams.recorded(self.streams.h2d)
         with self.comm.use():
             self.comm.wait_event(copied)
-            _all_gather(slot[:self.shards.padded(block)], slot[own])
+            self._gather(block, slot)
             gathered = self.streams.recorded(self.comm)
         self.streams.h2d.wait_event(gathered)
 
     def reduce_scatter(self, block: int, index: int | None, grads: torch.Tensor) -> tuple[torch.Tensor, Event]:
         """Block's gradient ``grads`` ([padded] fp32, written on the compute stream) summed over ranks; returns this
-        rank's shard (a device buffer reused after the drain of gradient buffer ``index``) and its ready event.
+        rank's shard (a device buffer reused after the drain of gradient buffer ``index``; on gloo a view of ``grads``,
+        all-reduced in place) and its ready event.
         The shard's sum of squares goes into the rank's partial norm."""
         n = self.shards.numel(block)
-        shard = self.grad_shards[-1 if index is None else index][:n]
         with self.comm.use():
             self.comm.wait_event(self.streams.recorded(self.streams.compute))
-            _reduce_scatter(shard, grads, op=dist.ReduceOp.SUM)
+            if self.in_place:
+                dist.all_reduce(grads, op=dist.ReduceOp.SUM)
+                shard = grads[self.shards.own(block)]
+            else:
+                shard = self.grad_shards[-1 if index is None else index][:n]
+                _reduce_scatter(shard, grads, op=dist.ReduceOp.SUM)
             self.norm_sq.add_(torch.dot(shard, shard))
             ready = self.streams.recorded(self.comm)
         return shard, ready
@@ -109,10 +129,24 @@ class Collectives:
     def gather_host(self, block: int, shard: torch.Tensor) -> torch.Tensor:
         """Block's whole flat fp32 layout ([numel]) from every rank's host ``shard``, on every rank."""
         padded = self.shards.padded(block)
-        device = torch.device("cpu") if self.topology.backend == "gloo" else self.norm_sq.device
+        device = torch.device("cpu") if self.in_place else self.norm_sq.device
         out = torch.empty(padded, dtype=shard.dtype, device=device)
-        _all_gather(out, shard.to(device))
+        if self.in_place:
+            out[self.shards.own(block)] = shard
+            self._gather(block, out)
+        else:
+            _all_gather(out, shard.to(device))
         return out[:self.shards.full[block].layout.numel].cpu()
+
+    def _gather(self, block: int, whole: torch.Tensor) -> None:
+        """Every rank's shard of ``block`` into its place in ``whole`` (this rank's already there): one
+        all-gather, or on gloo one broadcast per rank, in place ([Note: collectives in place on gloo])."""
+        own, s = self.shards.own(block), self.shards.numel(block)
+        if not self.in_place:
+            _all_gather(whole[:self.shards.padded(block)], whole[own])
+            return
+        for r in range(self.shards.world_size):
+            dist.broadcast(whole[r * s:(r + 1) * s], src=r)
 
     def barrier(self) -> None:
         dist.barrier()

@@ -59,7 +59,8 @@ def join(timeout_s: float = DEFAULT_TIMEOUT_S) -> Topology | None:
         if backend == "nccl":
             torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
         try:
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+            timeout = datetime.timedelta(seconds=timeout_s)
+            dist.init_process_group(backend, timeout=timeout, **_attempt_store(world, timeout))
         except (RuntimeError, ValueError) as e:
             raise ConfigError(f"cannot join the {world} ranks of this run ({_first_line(e)}); check MASTER_ADDR, "
                               "MASTER_PORT and that every rank was started (torchrun --nproc-per-node ...)") from None
@@ -69,6 +70,23 @@ def join(timeout_s: float = DEFAULT_TIMEOUT_S) -> Topology | None:
         return None
     return Topology(rank=dist.get_rank(), world_size=world, local_rank=_env_int("LOCAL_RANK", dist.get_rank()),
                     local_world_size=_env_int("LOCAL_WORLD_SIZE", world), backend=str(dist.get_backend()))
+
+
+def _attempt_store(world: int, timeout: datetime.timedelta) -> dict:
+    """[Note: a restart's own store]
+    Under torchrun with the agent's store (``TORCHELASTIC_USE_AGENT_STORE``: the c10d rendezvous, ``--standalone``)
+    every attempt's ranks connect to the same TCPStore server, which the agent creates once and keeps across
+    ``--max-restarts``, and torch's ``env://`` adds no per-attempt prefix. The keys a process group writes there
+    (each rank's gloo address) outlive the attempt that wrote them: a restarted rank could read its dead peer's
+    address before the peer's new one replaces it and fail with "Connection refused". So the group's keys go
+    under ``megatrain/<run id>/attempt-<restart count>``, fresh for every attempt. Otherwise: torch's ``env://``."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    run, restarts = os.environ.get("TORCHELASTIC_RUN_ID", ""), _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    attempt = f"megatrain/{run}/attempt-{restarts}"
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0), world, is_master=False,
+                           timeout=timeout)
+    return {"store": dist.PrefixStore(attempt, client), "rank": _env_int("RANK", 0), "world_size": world}
 
 
 def rank_device(topology: Topology | None, device: torch.device | None) -> torch.device | None:

@@ -41,7 +41,10 @@ snapshot and commits. Cost: while a write is in flight the snapshot holds
 12 bytes per parameter of extra host RAM (freed when the write ends), and at
 most one write is in flight (a second save waits for the first: that is the
 bound). ``blocking=True`` writes straight from the live arenas: no extra RAM,
-training waits for the whole write.
+training waits for the whole write. The planner counts the snapshot and the
+writer's staging (one zarr shard) when asked for non-blocking saves
+(``memory_model.estimate(..., nonblocking_saves=True)``; tests/test_checkpoint_memory.py
+measures the peak against it).
 
 """
 from __future__ import annotations
