@@ -45,9 +45,11 @@ use_sliding_window,                contradicts the family is refused. ``o_proj_b
 max_window_layers, layer_types     ``qk_norm`` are megatrain's own names (``ModelConfig.to_dict()``)
 num_experts, num_local_experts,    the family's rule (``megatrain.models.moe``): the experts of a
 num_experts_per_tok,               sparse MLP, their width, top-k renormalisation, a shared
-moe_intermediate_size,             expert; output_router_logits true (the load-balancing loss)
-norm_topk_prob, shared_expert_*,   and router jitter refused; layers of another kind
-decoder_sparse_step,               (mlp_only_layers, decoder_sparse_step > 1) refused
+moe_intermediate_size,             expert; output_router_logits true: the load-balancing loss
+norm_topk_prob, shared_expert_*,   weighted by router_aux_loss_coef (absent: 0.001); router
+output_router_logits,              jitter refused; layers of another kind (mlp_only_layers,
+router_aux_loss_coef,              decoder_sparse_step > 1) refused
+decoder_sparse_step,
 mlp_only_layers
 attention_dropout                  0 honoured; any other value refused (megatrain trains
                                    without attention dropout)
@@ -133,6 +135,7 @@ class DecoderConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
+    router_aux_loss_coef: float | None = None  # the load-balancing loss's weight; None: output_router_logits false
 
     def fields(self) -> dict[str, Any]:
         """The fields as keyword arguments (``ModelConfig(**d.fields())``)."""

@@ -33,6 +33,7 @@ from megatrain.runtime.errors import ClosedError
 from megatrain.runtime.io.training_checkpoint import CheckpointHandle, engine_settings
 from megatrain.runtime.model.templates import Templates
 from megatrain.runtime.pipeline.executor import Executor
+from megatrain.runtime.pipeline.router_balance import StepRouting
 from megatrain.runtime.pipeline.stochastic_rounding import STATE_DTYPES
 from megatrain.runtime.spill.spill_io import make_io
 from megatrain.runtime.state.host_store import HostStore
@@ -122,6 +123,15 @@ class Engine:
         """Labelled tokens of the last step (this rank's) or evaluate whose argmax is their label: [] int64."""
         self._check_open()
         return self.executor.correct
+
+    @property
+    def routing(self) -> StepRouting | None:
+        """The last step's routing, on the device (no sync): ``tokens`` [layers, experts] int64, the tokens each
+        layer routed to each expert (over the global batch); ``aux_loss`` [] fp32, the load-balancing loss
+        (unweighted, included in the step's loss with ``router_aux_loss_coef``; None when off). None for a dense
+        model or before the first step."""
+        self._check_open()
+        return self.executor.routing.last
 
     def time_next_step(self) -> None:
         """Time the next ``step()`` for ``last_step_breakdown`` (only a step asked for records timing events)."""
