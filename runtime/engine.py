@@ -33,7 +33,6 @@ from megatrain.runtime.errors import ClosedError
 from megatrain.runtime.io.training_checkpoint import CheckpointHandle, engine_settings
 from megatrain.runtime.model.templates import Templates
 from megatrain.runtime.pipeline.executor import Executor
-from megatrain.runtime.pipeline.router_balance import StepRouting
 from megatrain.runtime.pipeline.stochastic_rounding import STATE_DTYPES
 from megatrain.runtime.spill.spill_io import make_io
 from megatrain.runtime.state.host_store import HostStore
@@ -52,6 +51,7 @@ def _close_open_engines() -> None:
 
 class Engine:
     """A facade over engine_arguments.py, step_inputs.py, the executor and state_io.py."""
+    routing = property(lambda self: self.executor.routing.last, doc="The last step's StepRouting (MoE) or None")
 
     def __init__(self, model_config: ModelConfig, optimizer: OptimizerConfig | None = None, plan: Plan | None = None,
                  compute_dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None, seed: int = 0,
@@ -91,9 +91,8 @@ class Engine:
         ``position_ids``: [B, S] integer, packed documents (each row runs of 0, 1, 2, ...; a document starts
         where its position is 0): RoPE positions and attention restart at each document. None: one sequence
         per row. Label the first token of each document -100 to keep the token before it (the previous
-        document's end) from predicting it. Returns the mean loss over all predicted tokens as a 0-dim fp32
-        tensor on the device.
-        """
+        document's end) from predicting it. Returns the mean loss over all predicted tokens (+ the weighted
+        load-balancing loss of a model with one, ``routing``) as a 0-dim fp32 tensor on the device."""
         self._check_open()
         hyper = self.inputs.hyper(lr)
         batch = self.inputs.step_batch(input_ids, labels, position_ids)
@@ -123,15 +122,6 @@ class Engine:
         """Labelled tokens of the last step (this rank's) or evaluate whose argmax is their label: [] int64."""
         self._check_open()
         return self.executor.correct
-
-    @property
-    def routing(self) -> StepRouting | None:
-        """The last step's routing, on the device (no sync): ``tokens`` [layers, experts] int64, the tokens each
-        layer routed to each expert (over the global batch); ``aux_loss`` [] fp32, the load-balancing loss
-        (unweighted, included in the step's loss with ``router_aux_loss_coef``; None when off). None for a dense
-        model or before the first step."""
-        self._check_open()
-        return self.executor.routing.last
 
     def time_next_step(self) -> None:
         """Time the next ``step()`` for ``last_step_breakdown`` (only a step asked for records timing events)."""

@@ -42,7 +42,7 @@ from megatrain.runtime.pipeline.cpu_adamw import AdamHyper, AdamWorker
 from megatrain.runtime.pipeline.grad_buffers import GradBuffers
 from megatrain.runtime.pipeline.head_loss import chunked_logits, head_forward_backward, head_loss
 from megatrain.runtime.pipeline.rotary_positions import Positions, RotaryPositions
-from megatrain.runtime.pipeline.router_balance import RouterBalance, StepRouting, observing_backward, observing_forward
+from megatrain.runtime.pipeline.router_balance import RouterBalance
 from megatrain.runtime.pipeline.sequence_tiles import tiled_layer_backward
 from megatrain.runtime.pipeline.step_schedule import StepSchedule, evaluation_schedule, training_schedule
 from megatrain.runtime.pipeline.step_timer import StepTimer
@@ -105,8 +105,7 @@ class Executor:
         self.loader = WeightLoader(self.slots, store, self.streams, plan.prefetch_depth, self._wait_updated,
                                    log, self.timer,
                                    fill=None if collectives is None else collectives.fill_slot)
-        self.rotary = RotaryPositions(self.config, device)
-        self.routing = RouterBalance(self.config, device, collectives)  # [Note: router balance]
+        self.rotary, self.routing = RotaryPositions(self.config, device), RouterBalance(self.config, device, self.dist)
         # Predicted tokens of the last step's (or evaluation's) rows whose argmax is their label: [] int64.
         self.correct = torch.zeros((), dtype=torch.int64, device=self.device)
         self.mlp_tile = plan.mlp_tile_tokens or 0  # [Note: sequence tiles]
@@ -136,10 +135,9 @@ class Executor:
         self.checkpoints.begin(len(s.layers), *batch.input_ids.shape, self.config.hidden_size, batch.micro)
         self.loader.start(step, s.loads)
         pending: list[PendingUpdate] = []  # deferred mode: submitted once the global norm is known
-        routing = self.routing.begin(training=True)
 
         # ---- forward: embedding, then each layer (saving its inputs)
-        x = self._forward(s, batch.input_ids, batch.micro, positions, training=True, routing=routing)
+        x = self._forward(s, batch.input_ids, batch.micro, positions, training=True)
         self.checkpoints.flush()
 
         # ---- head: loss and its gradient at once, chunk by chunk (with a tied lm_head, the embedding's table)
@@ -168,7 +166,7 @@ class Executor:
             with self.loader.resident(load) as params:
                 g_index, g_buf = self.grad_buffers.acquire(self._grad_numel(layer))
                 g_list = layer.layout.view_list(g_buf)
-                with record_function(f"bwd[{layer.index}]"), observing_backward(routing):
+                with record_function(f"bwd[{layer.index}]"), self.routing.backward():
                     for m, rows in enumerate(batch.micro):
                         x_in = self.checkpoints.get(load.layer, m, rows)
                         dy[m] = self._layer_backward(layer, params, x_in, dy[m], positions[m], g_list)
@@ -193,27 +191,23 @@ class Executor:
         # ---- global norm, clip coefficient, and the deferred updates in forward order
         self.updates.submit_pending(step, pending, hyper)
         self.timer.end(self.streams.compute)
-        loss = loss if self.dist is None else self.dist.all_reduce_sum(loss)
-        return loss if routing is None else routing.loss(loss)  # + the load-balancing loss, when on
+        return self.routing.loss(loss if self.dist is None else self.dist.all_reduce_sum(loss))  # + aux, if on
 
     def _forward(self, s: StepSchedule, input_ids: torch.Tensor, micro: list[slice], positions: list[Positions],
-                 training: bool = False, routing: StepRouting | None = None) -> list[torch.Tensor]:
+                 training: bool = False) -> list[torch.Tensor]:
         """The forward training, evaluation and logits share: the embedding, then each layer, every micro-batch
         (rows of input_ids [B, S]) while the block is resident; returns each one's hidden states [b, S, hidden].
-        ``training``: each layer's inputs are saved as activation checkpoints and each block's phase is labelled.
-        ``routing``: where the routers' statistics add up (finished here, once every layer has run)."""
+        ``training``: each layer's inputs are saved as activation checkpoints and each block's phase is labelled."""
         with torch.no_grad():
             with self.loader.resident(s.embed) as params, self._label("fwd", s.embed.block, training):
                 x = [self.templates.run(BlockKind.EMBED, params, input_ids[rows]) for rows in micro]
             for load in s.layers:
                 with self.loader.resident(load) as params, self._label("fwd", load.block, training), \
-                        observing_forward(routing, load.layer):
+                        self.routing.forward(load.layer, training):
                     for m, rows in enumerate(micro):
                         if training:
                             self.checkpoints.save(load.layer, m, rows, x[m])
                         x[m] = self._layer_forward(params, x[m], positions[m])
-        if routing is not None:
-            routing.finish_forward()
         return x
 
     @staticmethod
@@ -290,8 +284,7 @@ class Executor:
         positions = self._positions(batch)
         # Each load waits for its block's latest update (step_no), as the next step's would: no global wait.
         self.loader.start(self.step_no + 1, s.loads)
-        routing = self.routing.begin(training=False)
-        x = self._forward(s, batch.input_ids, batch.micro, positions, routing=routing)
+        x = self._forward(s, batch.input_ids, batch.micro, positions)
         with self.loader.resident_together(s.head_loads) as held:
             norm, norm_params = self._head_norm(held[0])
             lm_weight = s.lm_weight(held)
@@ -299,7 +292,7 @@ class Executor:
             for m, rows in enumerate(batch.micro):
                 loss = loss + head_loss(norm, norm_params, lm_weight, x[m], batch.labels[rows], batch.n_tokens,
                                         self.plan.loss_chunk_tokens, self.correct)
-        return loss if routing is None else routing.loss(loss)
+        return self.routing.loss(loss)
 
     @torch.no_grad()
     def forward_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,

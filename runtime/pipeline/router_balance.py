@@ -29,7 +29,7 @@ The counts of the experts actually routed to (the router's own top-k, used for t
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -38,7 +38,7 @@ from megatrain.models.layers import routing_observer
 from megatrain.runtime.config import ModelConfig
 from megatrain.runtime.distributed.collectives import Collectives
 
-__all__ = ["RouterBalance", "StepRouting", "observing_forward", "observing_backward"]
+__all__ = ["RouterBalance", "StepRouting"]
 
 
 class StepRouting:
@@ -74,7 +74,8 @@ class StepRouting:
         fraction = self.assigned.to(torch.float32) / rows  # f_e
         self.aux_loss = torch.sum(fraction * (self.prob_sum / rows)) * self.experts
         # d(coef x aux)/dp[t, e], in the order transformers' autograd forms it.
-        self.weights = (torch.tensor(self.coef, dtype=torch.float32, device=rows.device) * self.experts) * fraction / rows
+        coef = torch.tensor(self.coef, dtype=torch.float32, device=rows.device)
+        self.weights = (coef * self.experts) * fraction / rows
 
     def loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The reported loss: ``loss`` (the cross-entropy) + coef x aux, as transformers' ``outputs.loss``."""
@@ -146,35 +147,43 @@ class _BalanceGradient(torch.autograd.Function):
 
 
 class RouterBalance:
-    """The executor's routing bookkeeping: a ``StepRouting`` per step (None for a dense model)."""
+    """The executor's routing bookkeeping (nothing for a dense model): a ``StepRouting`` per forward pass, begun by
+    the first layer's forward and finished by the last one's; the backward's observer; the loss with aux added."""
 
     def __init__(self, config: ModelConfig, device: torch.device, collectives: Collectives | None) -> None:
         self.config, self.device, self.dist = config, device, collectives
+        self.current: StepRouting | None = None  # the forward pass running or last run
         self.last: StepRouting | None = None  # the last training step's, for the metrics
 
-    def begin(self, training: bool) -> StepRouting | None:
-        """Fresh statistics for a step (``training``: over the ranks' global batch, kept as ``last``) or an
-        evaluation (each rank evaluates the whole batch it is given: nothing is all-reduced)."""
+    @contextlib.contextmanager
+    def forward(self, layer: int, training: bool) -> Iterator[None]:
+        """Layer ``layer``'s forward reports its routing: layer 0 begins fresh statistics (``training``: over the
+        ranks' global batch, kept as ``last``; else evaluation or logits, where each rank runs the whole batch it
+        is given, nothing all-reduced), the last layer finishes them."""
         c = self.config
         if not c.num_experts:
-            return None
-        step = StepRouting(c.num_hidden_layers, c.num_experts, c.num_experts_per_tok, c.router_aux_loss_coef,
-                           self.device, self.dist if training else None)
-        if training:
-            self.last = step
-        return step
+            yield
+            return
+        if layer == 0:
+            self.current = StepRouting(c.num_hidden_layers, c.num_experts, c.num_experts_per_tok,
+                                       c.router_aux_loss_coef, self.device, self.dist if training else None)
+            if training:
+                self.last = self.current
+        assert self.current is not None
+        with routing_observer.observing(_Recorder(self.current, layer)):
+            yield
+        if layer == c.num_hidden_layers - 1:
+            self.current.finish_forward()
 
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        """The recomputed routers inside add the load-balancing loss's gradient (when the loss is on)."""
+        if self.current is None or self.current.coef is None:
+            yield
+            return
+        with routing_observer.observing(_Gradient(self.current)):
+            yield
 
-def observing_forward(step: StepRouting | None, layer: int) -> ContextManager[None]:
-    """Layer ``layer``'s forward reports its routing to ``step`` (None: nothing to report)."""
-    return contextlib.nullcontext() if step is None else routing_observer.observing(_Recorder(step, layer))
-
-
-@contextlib.contextmanager
-def observing_backward(step: StepRouting | None) -> Iterator[None]:
-    """The recomputed routers inside add the load-balancing loss's gradient (when the loss is on)."""
-    if step is None or step.coef is None:
-        yield
-        return
-    with routing_observer.observing(_Gradient(step)):
-        yield
+    def loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The pass's reported loss: ``loss`` (the cross-entropy) + coef x aux when the loss is on."""
+        return loss if self.current is None else self.current.loss(loss)
