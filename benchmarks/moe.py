@@ -76,7 +76,8 @@ def worker(system: str, directory: str, batch: int, seq: int, rounds: int) -> No
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return {"loss": out.loss.item(), "aux_loss": out.aux_loss.item()}
-    print(json.dumps({"loaded_rss_bytes": rss_bytes()}), flush=True)
+    experts = None if system == "megatrain" else getattr(model.config, "_experts_implementation", None)
+    print(json.dumps({"loaded_rss_bytes": rss_bytes(), "experts_implementation": experts}), flush=True)
     for line in sys.stdin:
         r = int(line)
         t0 = time.perf_counter()
@@ -115,7 +116,8 @@ def main() -> int:
         procs = {s: subprocess.Popen([sys.executable, __file__, "--worker", s, directory, "--batch", str(args.batch),
                                       "--seq", str(args.seq), "--rounds", str(args.rounds)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for s in SYSTEMS}
-        loaded = {s: json.loads(procs[s].stdout.readline())["loaded_rss_bytes"] for s in SYSTEMS}
+        ready = {s: json.loads(procs[s].stdout.readline()) for s in SYSTEMS}
+        loaded = {s: ready[s]["loaded_rss_bytes"] for s in SYSTEMS}
         steps: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
         for r in range(args.rounds):
             for s in (SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]):  # alternate who goes first
@@ -139,6 +141,7 @@ def main() -> int:
         cfg["hidden_size"] * cfg["moe_intermediate_size"]
     report = {"date": datetime.date.today().isoformat(), "machine": machine(), "args": vars(args), "params": params,
               "params_active": active, "model": cfg, "results": rows,
+              "transformers_experts_implementation": ready["transformers"]["experts_implementation"],
               "median_ratio_megatrain_to_transformers": statistics.median(ratios), "ratios": ratios,
               "seconds": seconds, "losses": losses,
               "max_loss_difference": max(abs(a - b) for a, b in zip(losses["megatrain"], losses["transformers"])),
