@@ -137,3 +137,35 @@ def test_a_bad_coefficient_is_refused_in_one_line(fields: dict, words: str) -> N
     with pytest.raises(ConfigError, match="dense model") as err:
         ModelConfig(**{k: v for k, v in TINY.items() if k != "sliding_window"}, router_aux_loss_coef=0.01)
     assert "\n" not in str(err.value)
+
+
+def _moe_ranks(rank: int, world: int) -> dict:
+    """A tiny Qwen3-MoE with the loss on, 2 steps over rank ``rank``'s rows of a global batch of 4."""
+    config = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True, model_type="qwen3_moe",
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+                         router_aux_loss_coef=0.3)
+    gen = torch.Generator().manual_seed(5)
+    data = [torch.randint(0, 61, (4, 12), generator=gen) for _ in range(2)]
+    rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    with Engine(config, OPTIMIZER, plan=Plan(micro_batch_size=1), compute_dtype=torch.float32, device="cpu",
+                seed=3) as engine:
+        initial = engine.state_dict()
+        out: dict = {"losses": [], "aux": [], "tokens": []}
+        for ids in data:
+            out["losses"].append(engine.step(ids[rows], ids[rows]).item())
+            out["aux"].append(engine.routing.aux_loss.item())
+            out["tokens"].append(engine.routing.tokens.clone())
+        return {**out, "initial": initial, "final": engine.state_dict()}
+
+
+def test_data_parallel_ranks_balance_over_the_global_batch(tmp_path) -> None:
+    """2 gloo ranks: counts, aux and loss over the global batch, as one process; the same weights after."""
+    from rank_processes import run_ranks
+
+    single = _moe_ranks(0, 1)
+    for got in run_ranks(_moe_ranks, 2, tmp_path):
+        for a, b in zip(got["losses"] + got["aux"], single["losses"] + single["aux"]):
+            assert abs(a - b) <= 1e-6 * abs(b)
+        assert all(torch.equal(a, b) for a, b in zip(got["tokens"], single["tokens"]))
+        assert_update_close(got["final"], single["final"], single["initial"])
