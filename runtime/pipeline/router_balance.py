@@ -14,7 +14,10 @@ accumulators (no host sync); after the forward, f is known, and so is aux's grad
 w_e = coef x E x f_e / R, a constant over tokens and layers. In the backward, each layer's recomputed router
 passes its logits through ``_BalanceGradient``, which adds softmax's backward of w to their gradient: that
 layer's share of d(coef x aux)/dz, computed as transformers' autograd does (w cast to z's dtype, softmax's
-backward). Nothing is kept per token between forward and backward.
+backward). Nothing is kept per token between forward and backward. (A forward run with autograd on, whose
+graph is kept for the backward, gets the same wrapping in the forward; ``weights`` is read when the backward
+runs.) The first layer's forward begins a pass's statistics and the last layer's finishes them: training,
+evaluation (whose loss includes coef x aux, as transformers' eval loss does) and logits alike.
 
 What one step equals: the statistics cover the whole batch (every micro-batch, every position, padding
 included, as transformers without an attention mask), so a step equals transformers' forward over the whole
