@@ -169,3 +169,20 @@ def test_data_parallel_ranks_balance_over_the_global_batch(tmp_path) -> None:
             assert abs(a - b) <= 1e-6 * abs(b)
         assert all(torch.equal(a, b) for a, b in zip(got["tokens"], single["tokens"]))
         assert_update_close(got["final"], single["final"], single["initial"])
+
+
+def test_a_step_of_micro_batches_is_one_forward_not_a_trainers_accumulation(tmp_path) -> None:
+    """What a step of 3 one-row micro-batches equals: transformers' loss of the 3 rows in one forward. The HF
+    Trainer accumulating over the same micro-batches (``num_items_in_batch``, losses summed) adds each one's
+    coef x aux instead, 3 aux terms: megatrain's loss does not depend on the plan's micro-batches."""
+    hf = _saved(tmp_path, "qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.3)
+    ids, labels = batch(hf.config.vocab_size)
+    n_items = int((labels[:, 1:] != -100).sum())
+    with torch.no_grad():
+        whole = hf(ids, labels=labels).loss.item()
+        accumulated = sum(hf(ids[r:r + 1], labels=labels[r:r + 1], num_items_in_batch=n_items).loss.item()
+                          for r in range(3))
+    with Engine.from_pretrained(tmp_path / "hf", OPTIMIZER, plan=Plan(micro_batch_size=1),
+                                compute_dtype=torch.float32, device="cpu") as engine:
+        loss = engine.step(ids, labels).item()
+    assert abs(loss - whole) <= 1e-5 and accumulated - whole > 0.3  # two more aux terms of ~2 x 0.3
