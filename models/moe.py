@@ -10,7 +10,8 @@ a contiguous range of the fused tensor, so ``disk_tensors`` names the ranges and
 
 ``ModelConfig`` fields (megatrain's own names, the same for every family): ``num_experts`` (0: a dense MLP),
 ``num_experts_per_tok``, ``moe_intermediate_size`` (an expert's width), ``norm_topk_prob`` (the top-k weights
-renormalised to sum to 1), ``shared_expert_intermediate_size`` (0: none).
+renormalised to sum to 1), ``shared_expert_intermediate_size`` (0: none), ``router_aux_loss_coef`` (None: no
+load-balancing loss; else its weight in the loss, transformers' ``output_router_logits`` true).
 """
 from __future__ import annotations
 
@@ -22,33 +23,39 @@ from .parameters import DiskTensor, Param, linear, llama_layer
 
 # The ModelConfig fields of a dense model.
 DENSE = {"num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0, "norm_topk_prob": False,
-         "shared_expert_intermediate_size": 0}
+         "shared_expert_intermediate_size": 0, "router_aux_loss_coef": None}
 
 
 def read_experts(model_type: str, data: Mapping[str, Any], *, experts: int, width: int, norm_topk_prob: bool,
                  shared: int = 0) -> dict[str, Any]:
     """The expert fields, checked: ``experts``, ``width``, ``shared`` are the numbers transformers read (its
-    config names differ by family); ``norm_topk_prob`` its renormalisation. Training with the router's
-    load-balancing loss and with router jitter is refused (one line each)."""
+    config names differ by family); ``norm_topk_prob`` its renormalisation; ``output_router_logits`` true: the
+    router's load-balancing loss with ``router_aux_loss_coef`` (absent: transformers' 0.001) as its weight.
+    Router jitter is refused (one line)."""
     top_k = integer("num_experts_per_tok", data.get("num_experts_per_tok", 2))
     if experts < 1 or not 1 <= top_k <= experts:
         raise HFConfigError(f"num_experts_per_tok={top_k} must be between 1 and the number of experts ({experts}) "
                             f"for model_type={model_type!r}; fix it in the config")
     if width < 1:
         raise HFConfigError(f"the experts' width {width} must be a positive integer; fix it in the config")
+    coef = None  # output_router_logits false: no load-balancing loss
     if boolean("output_router_logits", data.get("output_router_logits", False)):
-        raise HFConfigError("output_router_logits=true (the router's load-balancing loss) is not supported in "
-                            "training by megatrain; set it to false")
+        coef = number("router_aux_loss_coef", data.get("router_aux_loss_coef", 0.001))
+        if not 0 <= coef < float("inf"):
+            raise HFConfigError(f"router_aux_loss_coef={coef!r} must be a number >= 0; fix it in the config")
     if number("router_jitter_noise", data.get("router_jitter_noise", 0.0)) != 0.0:
         raise HFConfigError(f"router_jitter_noise={data['router_jitter_noise']!r} is not supported; megatrain "
                             "routes without jitter: set it to 0.0")
     return {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": width,
-            "norm_topk_prob": norm_topk_prob, "shared_expert_intermediate_size": shared}
+            "norm_topk_prob": norm_topk_prob, "shared_expert_intermediate_size": shared,
+            "router_aux_loss_coef": coef}
 
 
 def write_experts(config: Any) -> dict[str, Any]:
     """The config.json fields every MoE family writes (besides its own names for the expert count and width)."""
-    return {"num_experts_per_tok": config.num_experts_per_tok, "output_router_logits": False}
+    coef = config.router_aux_loss_coef
+    return {"num_experts_per_tok": config.num_experts_per_tok, "output_router_logits": coef is not None,
+            **({} if coef is None else {"router_aux_loss_coef": coef})}
 
 
 def moe_layer(dims: Mapping[str, Any], *, router_first: bool) -> tuple[Param, ...]:

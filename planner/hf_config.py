@@ -50,9 +50,11 @@ max_window_layers, layer_types,    ``qk_norm`` are megatrain's own names (``Mode
 sliding_window_pattern
 num_experts, num_local_experts,    the family's rule (``megatrain.models.moe``): the experts of a
 num_experts_per_tok,               sparse MLP, their width, top-k renormalisation, a shared
-moe_intermediate_size,             expert; output_router_logits true (the load-balancing loss)
-norm_topk_prob, shared_expert_*,   and router jitter refused; layers of another kind
-decoder_sparse_step,               (mlp_only_layers, decoder_sparse_step > 1) refused
+moe_intermediate_size,             expert; output_router_logits true: the load-balancing loss
+norm_topk_prob, shared_expert_*,   weighted by router_aux_loss_coef (absent: 0.001); router
+output_router_logits,              jitter refused; layers of another kind (mlp_only_layers,
+router_aux_loss_coef,              decoder_sparse_step > 1) refused
+decoder_sparse_step,
 mlp_only_layers
 query_pre_attn_scalar,             the family's rule (gemma3_text): the attention scale, the final
 final_logit_softcapping,           logits' soft cap, hidden_activation read instead of hidden_act;
@@ -149,6 +151,7 @@ class DecoderConfig:
     rope_local_base_freq: float | None = None  # the sliding layers' RoPE base, unscaled; None: the full layers'
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    router_aux_loss_coef: float | None = None  # the load-balancing loss's weight; None: output_router_logits false
 
     def fields(self) -> dict[str, Any]:
         """The fields as keyword arguments (``ModelConfig(**d.fields())``)."""

@@ -42,7 +42,8 @@ class ModelConfig:
     c x tanh(logits / c) (``None``: not capped).
     ``num_experts`` > 0: the MLP is sparse (``megatrain.models.moe``): ``num_experts_per_tok`` experts of width
     ``moe_intermediate_size`` per token, top-k weights renormalised when ``norm_topk_prob``, and a shared expert
-    of width ``shared_expert_intermediate_size`` when it is > 0.
+    of width ``shared_expert_intermediate_size`` when it is > 0; ``router_aux_loss_coef`` (None: none) the weight
+    of the routers' load-balancing loss in the loss (transformers' ``output_router_logits``).
     """
 
     vocab_size: int
@@ -75,6 +76,7 @@ class ModelConfig:
     rope_local_base_freq: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    router_aux_loss_coef: float | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -113,6 +115,9 @@ class ModelConfig:
         if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size):
             raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
                               f"{self.num_experts} and moe_intermediate_size positive for a sparse MLP")
+        if self.router_aux_loss_coef is not None and not self.num_experts:
+            raise ConfigError(f"router_aux_loss_coef={self.router_aux_loss_coef!r} weighs the load-balancing loss of a "
+                              "sparse MLP; set it to None for a dense model (num_experts=0)")
         if self.o_proj_bias is not None:
             _field(hf_config.boolean, "o_proj_bias", self.o_proj_bias)
         if self.layer_types is not None:

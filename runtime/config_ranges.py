@@ -58,6 +58,8 @@ def check_model_ranges(c: Any) -> None:
     number("initializer_range", c.initializer_range, 0, strict=False, hint=", e.g. 0.02")
     for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "qk_norm"):
         flag(name, getattr(c, name))
+    if c.router_aux_loss_coef is not None:
+        number("router_aux_loss_coef", c.router_aux_loss_coef, 0, strict=False, hint=" or None (no aux loss)")
     flag("o_proj_bias", c.o_proj_bias, optional=True)
     if not isinstance(c.model_type, str):
         raise ConfigError(f"model_type={c.model_type!r} must be a string such as {registry.DEFAULT_MODEL_TYPE!r}")

@@ -51,6 +51,7 @@ def _close_open_engines() -> None:
 
 class Engine:
     """A facade over engine_arguments.py, step_inputs.py, the executor and state_io.py."""
+    routing = property(lambda self: self.executor.routing.last, doc="The last step's StepRouting (MoE) or None")
 
     def __init__(self, model_config: ModelConfig, optimizer: OptimizerConfig | None = None, plan: Plan | None = None,
                  compute_dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None, seed: int = 0,
@@ -90,9 +91,8 @@ class Engine:
         ``position_ids``: [B, S] integer, packed documents (each row runs of 0, 1, 2, ...; a document starts
         where its position is 0): RoPE positions and attention restart at each document. None: one sequence
         per row. Label the first token of each document -100 to keep the token before it (the previous
-        document's end) from predicting it. Returns the mean loss over all predicted tokens as a 0-dim fp32
-        tensor on the device.
-        """
+        document's end) from predicting it. Returns the mean loss over all predicted tokens (+ the weighted
+        load-balancing loss of a model with one, ``routing``) as a 0-dim fp32 tensor on the device."""
         self._check_open()
         hyper = self.inputs.hyper(lr)
         batch = self.inputs.step_batch(input_ids, labels, position_ids)

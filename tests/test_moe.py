@@ -2,7 +2,8 @@
 disk) loads with ``Engine.from_pretrained`` (and so does one holding the fused in-memory tensors), trains 3 fp32
 AdamW steps with clipping equal to transformers' model under ``torch.optim.AdamW`` (an expert no token is routed
 to: zero gradient, decayed all the same), and its export loads back in transformers with the same weights.
-Config rules: the router's load-balancing loss and dense layers among sparse ones are refused in one line.
+Config rules: dense layers among sparse ones are refused in one line (the router's load-balancing loss:
+test_router_balance.py).
 """
 from __future__ import annotations
 
@@ -90,7 +91,6 @@ def test_fused_expert_tensors_on_disk_load_too(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"output_router_logits": True}, "output_router_logits=true"),
     ({"mlp_only_layers": [0]}, "mlp_only_layers"),
     ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok=9"),

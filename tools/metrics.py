@@ -20,6 +20,7 @@ import torch
 
 from megatrain.planner import model_shapes
 
+from . import metrics_routing
 from .progress import format_bytes
 
 
@@ -159,6 +160,7 @@ def summarize(records: list[dict[str, Any]], num_parameters: int, flops: TokenFl
         "gpu_peak_bytes": gpu_peak_bytes(device),
         "host_peak_bytes": host_peak_bytes(),
         "epoch": records[-1].get("epoch") if records else None,
+        **metrics_routing.summary(records),
     }
     evaluated = [r for r in records if "eval_loss" in r]
     if evaluated:  # the last evaluation of this invocation
@@ -192,6 +194,7 @@ def format_summary(s: Mapping[str, Any]) -> str:
            f"{segment['first_loss']:.4f} -> {segment['last_loss']:.4f}; {segment['tokens']:,} positions, "
            f"{segment['trained_tokens']:,} labelled tokens"] if segment else []),
         *([packing_line(s["packing"])] if s.get("packing") else []),
+        *metrics_routing.summary_line(s),
         *([f"eval         loss {s['eval_loss']:.4f}, perplexity {s['eval_perplexity']:.4g}"
            + (f", token accuracy {100 * s['eval_token_accuracy']:.2f}%" if s.get("eval_token_accuracy") is not None
               else "") + f" at step {s['eval_step']} ({s['eval_tokens']:,} labelled tokens held out)"]

@@ -1,5 +1,5 @@
-"""The live progress display: step, loss, token accuracy, tokens/s (positions processed), labelled tokens
-trained, MFU, ETA, GPU and host memory.
+"""The live progress display: step, loss, token accuracy, the experts' load (MoE), tokens/s (positions processed),
+labelled tokens trained, MFU, ETA, GPU and host memory.
 
 Styles: ``tqdm`` or ``rich`` when installed, else ``plain`` (a line rewritten in place with ``\\r``
 on a terminal, a new line every ``log_every`` steps otherwise, e.g. in a log file), or ``none``.
@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 import time
 from typing import Any, Mapping, TextIO
+
+from . import metrics_routing
 
 
 def _importable(name: str) -> bool:
@@ -52,6 +54,8 @@ def describe(m: Mapping[str, Any]) -> str:
         parts.append(f"acc {100 * m['token_accuracy']:.1f}%")
     if m.get("eval_loss") is not None:
         parts.append(f"eval {m['eval_loss']:.4f}")
+    if (routing := metrics_routing.progress_part(m)) is not None:
+        parts.append(routing)
     if m.get("epoch") is not None:
         parts.append(f"epoch {m['epoch']:.2f}")
     # tokens/s counts positions processed (padding and prompts included); the loss, labelled tokens only.

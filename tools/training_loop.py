@@ -14,8 +14,8 @@ import torch
 
 from megatrain.runtime import Engine
 
-from . import data_order, evaluation, lr_schedule, metric_sinks, metrics, packing, ranks, run_dir, train_config, \
-    world_change
+from . import data_order, evaluation, lr_schedule, metric_sinks, metrics, metrics_routing, packing, ranks, run_dir, \
+    train_config, world_change
 from .interrupt import EXIT_INTERRUPTED, InterruptGuard
 from .progress import Progress
 from .trace import StepTracer
@@ -51,6 +51,7 @@ class Pending:
     finished_at: float | None = None            # when the step was known done (set before an evaluation)
     correct: torch.Tensor | None = None   # [] int64 on the device: this rank's tokens predicted right (argmax)
     own_tokens: int = 0       # this rank's predicted tokens (what ``correct`` is a share of)
+    routing: Any = None       # Engine.routing: the experts' token counts and aux loss on the device (MoE)
 
 
 
@@ -111,6 +112,7 @@ class TrainingLoop:
                     launched = Pending(step, loss, engine.grad_norm, lr, int((labels[:, 1:] != -100).sum()),
                                        ids.numel(), breakdown, self.data.epoch)
                     launched.correct = engine.correct_tokens  # read with the loss, one step later
+                    launched.routing = engine.routing
                     launched.own_tokens = int((labels[self.rows][:, 1:] != -100).sum())
                     self._flush(log, progress)
                     self.pending = launched
@@ -163,6 +165,8 @@ class TrainingLoop:
             "gpu_memory_bytes": metrics.gpu_peak_bytes(self.engine.device),
             "host_memory_bytes": metrics.host_peak_bytes(), "epoch": p.epoch,
         }
+        if p.routing is not None:
+            record.update(metrics_routing.figures(p.routing))
         if p.evaluation is not None:
             record.update(p.evaluation)
         if p.breakdown is not None:

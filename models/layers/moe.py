@@ -1,7 +1,8 @@
 """The sparse MLP of a mixture-of-experts layer, computed as transformers 5 computes it (architecture only).
 
 Router: logits = x @ gate.weight^T [T, E]; probabilities = softmax in float32; the top-k experts of each token
-and their probabilities, renormalised to sum to 1 when ``norm_topk_prob`` (Mixtral always). Experts: each a
+and their probabilities, renormalised to sum to 1 when ``norm_topk_prob`` (Mixtral always); the runtime's
+observer (``routing_observer``), when one is installed, sees the logits and the chosen experts. Experts: each a
 gated MLP down(act(gate(x)) * up(x)) over the tokens routed to it, its output scaled by the token's weight and
 added into the token's row, expert by expert in ascending order (``index_add_``), as transformers' per-expert
 loop does. Qwen2-MoE adds a shared expert every token runs through, scaled by sigmoid(shared_expert_gate(x)).
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatrain.models.family import DecoderSpec
+from megatrain.models.layers import routing_observer
 from megatrain.models.layers.decoder import ACTIVATIONS, MLP
 
 
@@ -32,10 +34,15 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight)
+        observer = routing_observer.current()  # the runtime's statistics and load-balancing loss, if any
+        if observer is not None:
+            logits = observer.logits(logits)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if observer is not None:
+            observer.routed(experts)
         return weights, experts
 
 

@@ -42,6 +42,7 @@ from megatrain.runtime.pipeline.cpu_adamw import AdamHyper, AdamWorker
 from megatrain.runtime.pipeline.grad_buffers import GradBuffers
 from megatrain.runtime.pipeline.head_loss import chunked_logits, head_forward_backward, head_loss
 from megatrain.runtime.pipeline.rotary_positions import LayerPositions, Positions, RotaryPositions
+from megatrain.runtime.pipeline.router_balance import RouterBalance
 from megatrain.runtime.pipeline.sequence_tiles import tiled_layer_backward
 from megatrain.runtime.pipeline.step_schedule import StepSchedule, evaluation_schedule, training_schedule
 from megatrain.runtime.pipeline.step_timer import StepTimer
@@ -104,7 +105,7 @@ class Executor:
         self.loader = WeightLoader(self.slots, store, self.streams, plan.prefetch_depth, self._wait_updated,
                                    log, self.timer,
                                    fill=None if collectives is None else collectives.fill_slot)
-        self.rotary = RotaryPositions(self.config, device)
+        self.rotary, self.routing = RotaryPositions(self.config, device), RouterBalance(self.config, device, self.dist)
         # Predicted tokens of the last step's (or evaluation's) rows whose argmax is their label: [] int64.
         self.correct = torch.zeros((), dtype=torch.int64, device=self.device)
         self.mlp_tile = plan.mlp_tile_tokens or 0  # [Note: sequence tiles]
@@ -166,7 +167,7 @@ class Executor:
             with self.loader.resident(load) as params:
                 g_index, g_buf = self.grad_buffers.acquire(self._grad_numel(layer))
                 g_list = layer.layout.view_list(g_buf)
-                with record_function(f"bwd[{layer.index}]"):
+                with record_function(f"bwd[{layer.index}]"), self.routing.backward():
                     for m, rows in enumerate(batch.micro):
                         x_in = self.checkpoints.get(load.layer, m, rows)
                         dy[m] = self._layer_backward(layer, params, x_in, dy[m], positions[layer.layer_type][m], g_list)
@@ -189,7 +190,7 @@ class Executor:
         # ---- global norm, clip coefficient, and the deferred updates in forward order
         self.updates.submit_pending(step, pending, hyper)
         self.timer.end(self.streams.compute)
-        return loss if self.dist is None else self.dist.all_reduce_sum(loss)
+        return self.routing.loss(loss if self.dist is None else self.dist.all_reduce_sum(loss))  # + aux, if on
 
     def _forward(self, s: StepSchedule, input_ids: torch.Tensor, micro: list[slice], positions: LayerPositions,
                  training: bool = False) -> list[torch.Tensor]:
@@ -200,7 +201,8 @@ class Executor:
             with self.loader.resident(s.embed) as params, self._label("fwd", s.embed.block, training):
                 x = [self.templates.run(BlockKind.EMBED, params, input_ids[rows]) for rows in micro]
             for load in s.layers:
-                with self.loader.resident(load) as params, self._label("fwd", load.block, training):
+                with self.loader.resident(load) as params, self._label("fwd", load.block, training), \
+                        self.routing.forward(load.layer, training):
                     for m, rows in enumerate(micro):
                         if training:
                             self.checkpoints.save(load.layer, m, rows, x[m])
@@ -290,7 +292,7 @@ class Executor:
             for m, rows in enumerate(batch.micro):
                 loss = loss + head_loss(norm, norm_params, lm_weight, x[m], batch.labels[rows], batch.n_tokens,
                                         self.plan.loss_chunk_tokens, self.correct, self.cap)
-        return loss
+        return self.routing.loss(loss)
 
     @torch.no_grad()
     def forward_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
