@@ -39,6 +39,8 @@ from megatrain.runtime.model.templates import Block, BlockKind, Templates
 from megatrain.runtime.pipeline.activation_checkpoints import DeviceCheckpoints, HostCheckpoints
 from megatrain.runtime.pipeline.block_updates import BlockUpdates, PendingUpdate
 from megatrain.runtime.pipeline.cpu_adamw import AdamHyper, AdamWorker
+from megatrain.runtime.pipeline.expert_layers import ExpertLayers
+from megatrain.runtime.pipeline.expert_parts import check_streamable, layer_parts, slot_numel as parts_slot_numel
 from megatrain.runtime.pipeline.grad_buffers import GradBuffers
 from megatrain.runtime.pipeline.head_loss import chunked_logits, head_forward_backward, head_loss
 from megatrain.runtime.pipeline.rotary_positions import Positions, RotaryPositions
@@ -73,6 +75,9 @@ class Executor:
         # Data parallel ([Note: collectives]): the store holds this rank's shards, a slot a whole padded block.
         self.dist = collectives
         slot_numel = store.max_block_numel if collectives is None else collectives.shards.slot_numel
+        self.parts = layer_parts(templates, plan.expert_group_size)  # [Note: expert groups]
+        check_streamable(self.parts, store, collectives is not None)
+        slot_numel = parts_slot_numel(templates, self.parts) if self.parts else slot_numel
         self.config = templates.config
         self.compute_dtype, self.device = compute_dtype, device
         self.log = log
@@ -80,8 +85,8 @@ class Executor:
         self.timer = StepTimer(self.streams.cuda)
         self.slots = WeightSlots(plan.num_slots, slot_numel, compute_dtype, device, self.streams)
         self.grad_buffers = GradBuffers(plan.device_grad_buffers, slot_numel, device, self.streams, self.timer)
-        self.schedule = training_schedule(templates)  # the step's loads: [Note: load sequence]
-        self.evaluation = evaluation_schedule(templates)
+        self.schedule = training_schedule(templates, self.parts)  # the step's loads: [Note: load sequence]
+        self.evaluation = evaluation_schedule(templates, self.parts)
         # Tied embeddings: the head's lm_head gradient lands here in forward and the embedding's
         # own in backward; one extra fp32 buffer of the embedding's size, resident for the whole step.
         self.tied_grad = (torch.zeros(self._grad_numel(templates.embed), dtype=torch.float32, device=device)
@@ -109,6 +114,9 @@ class Executor:
         self.correct = torch.zeros((), dtype=torch.int64, device=self.device)
         self.mlp_tile = plan.mlp_tile_tokens or 0  # [Note: sequence tiles]
         self.attention_tile = plan.attention_tile_tokens or 0
+        self.expert_layers = ExpertLayers(templates, store, self.grad_buffers, self.updates, self.adam.raise_if_failed,
+                                          self.streams, self.timer, self.attention_tile,
+                                          isinstance(self.checkpoints, HostCheckpoints)) if self.parts else None
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
@@ -131,7 +139,7 @@ class Executor:
             self.dist.begin_step()
             batch.n_tokens = self.dist.all_reduce_sum(batch.n_tokens)
         positions = self._positions(batch)
-        self.checkpoints.begin(len(s.layers), *batch.input_ids.shape, self.config.hidden_size, batch.micro)
+        self.checkpoints.begin(len(self.templates.layers), *batch.input_ids.shape, self.config.hidden_size, batch.micro)
         self.loader.start(step, s.loads)
         pending: list[PendingUpdate] = []  # deferred mode: submitted once the global norm is known
 
@@ -162,6 +170,11 @@ class Executor:
         # ---- backward: recompute each layer from its checkpoint, backprop dy
         for load in s.backward:
             layer = load.block
+            if self.expert_layers is not None and load.part is not None:  # [Note: expert groups]
+                with self.loader.resident(load) as params:
+                    pending += self.expert_layers.backward(step, load, params, batch.micro, positions, dy,
+                                                           self.checkpoints.get, hyper)
+                continue
             with self.loader.resident(load) as params:
                 g_index, g_buf = self.grad_buffers.acquire(self._grad_numel(layer))
                 g_list = layer.layout.view_list(g_buf)
@@ -201,6 +214,11 @@ class Executor:
             with self.loader.resident(s.embed) as params, self._label("fwd", s.embed.block, training):
                 x = [self.templates.run(BlockKind.EMBED, params, input_ids[rows]) for rows in micro]
             for load in s.layers:
+                if self.expert_layers is not None and load.part is not None:  # [Note: expert groups]
+                    with self.loader.resident(load) as params, self._label("fwd", load.block, training):
+                        self.expert_layers.forward(load, params, x, micro, positions,
+                                                   self.checkpoints.save if training else None)
+                    continue
                 with self.loader.resident(load) as params, self._label("fwd", load.block, training):
                     for m, rows in enumerate(micro):
                         if training:
