@@ -40,7 +40,7 @@ from megatrain.runtime.pipeline.activation_checkpoints import DeviceCheckpoints,
 from megatrain.runtime.pipeline.block_updates import BlockUpdates, PendingUpdate
 from megatrain.runtime.pipeline.cpu_adamw import AdamHyper, AdamWorker
 from megatrain.runtime.pipeline.expert_layers import ExpertLayers
-from megatrain.runtime.pipeline.expert_parts import check_streamable, layer_parts, slot_numel as parts_slot_numel
+from megatrain.runtime.pipeline.expert_parts import streamed_parts
 from megatrain.runtime.pipeline.grad_buffers import GradBuffers
 from megatrain.runtime.pipeline.head_loss import chunked_logits, head_forward_backward, head_loss
 from megatrain.runtime.pipeline.rotary_positions import Positions, RotaryPositions
@@ -75,9 +75,7 @@ class Executor:
         # Data parallel ([Note: collectives]): the store holds this rank's shards, a slot a whole padded block.
         self.dist = collectives
         slot_numel = store.max_block_numel if collectives is None else collectives.shards.slot_numel
-        self.parts = layer_parts(templates, plan.expert_group_size)  # [Note: expert groups]
-        check_streamable(self.parts, store, collectives is not None)
-        slot_numel = parts_slot_numel(templates, self.parts) if self.parts else slot_numel
+        self.parts, slot_numel = streamed_parts(templates, plan, store, collectives is not None, slot_numel)
         self.config = templates.config
         self.compute_dtype, self.device = compute_dtype, device
         self.log = log
@@ -114,9 +112,7 @@ class Executor:
         self.correct = torch.zeros((), dtype=torch.int64, device=self.device)
         self.mlp_tile = plan.mlp_tile_tokens or 0  # [Note: sequence tiles]
         self.attention_tile = plan.attention_tile_tokens or 0
-        self.expert_layers = ExpertLayers(templates, store, self.grad_buffers, self.updates, self.adam.raise_if_failed,
-                                          self.streams, self.timer, self.attention_tile,
-                                          isinstance(self.checkpoints, HostCheckpoints)) if self.parts else None
+        self.expert_layers = ExpertLayers(self)  # the loads of layers streamed in parts: [Note: expert groups]
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
@@ -153,7 +149,7 @@ class Executor:
             g_index, g_buf = self.grad_buffers.acquire(self._grad_numel(head))
             g_views = head.layout.views(g_buf)
             lm_weight, lm_grad = s.lm_weight(held), self._lm_grad(g_views)
-            norm, norm_params = self._head_norm(held[0])
+            norm, norm_params = _head_norm(self.templates, held[0])
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
             dy: list[torch.Tensor] = []
             with record_function(f"head[{head.index}]"):
@@ -170,12 +166,10 @@ class Executor:
         # ---- backward: recompute each layer from its checkpoint, backprop dy
         for load in s.backward:
             layer = load.block
-            if self.expert_layers is not None and load.part is not None:  # [Note: expert groups]
-                with self.loader.resident(load) as params:
-                    pending += self.expert_layers.backward(step, load, params, batch.micro, positions, dy,
-                                                           self.checkpoints.get, hyper)
-                continue
             with self.loader.resident(load) as params:
+                if load.part is not None:
+                    pending += self.expert_layers.backward(step, load, params, batch.micro, positions, dy, hyper)
+                    continue
                 g_index, g_buf = self.grad_buffers.acquire(self._grad_numel(layer))
                 g_list = layer.layout.view_list(g_buf)
                 with record_function(f"bwd[{layer.index}]"):
@@ -211,30 +205,18 @@ class Executor:
         (rows of input_ids [B, S]) while the block is resident; returns each one's hidden states [b, S, hidden].
         ``training``: each layer's inputs are saved as activation checkpoints and each block's phase is labelled."""
         with torch.no_grad():
-            with self.loader.resident(s.embed) as params, self._label("fwd", s.embed.block, training):
+            with self.loader.resident(s.embed) as params, _label("fwd", s.embed.block, training):
                 x = [self.templates.run(BlockKind.EMBED, params, input_ids[rows]) for rows in micro]
             for load in s.layers:
-                if self.expert_layers is not None and load.part is not None:  # [Note: expert groups]
-                    with self.loader.resident(load) as params, self._label("fwd", load.block, training):
-                        self.expert_layers.forward(load, params, x, micro, positions,
-                                                   self.checkpoints.save if training else None)
-                    continue
-                with self.loader.resident(load) as params, self._label("fwd", load.block, training):
+                with self.loader.resident(load) as params, _label("fwd", load.block, training):
+                    if load.part is not None:
+                        self.expert_layers.forward(load, params, x, micro, positions, training)
+                        continue
                     for m, rows in enumerate(micro):
                         if training:
                             self.checkpoints.save(load.layer, m, rows, x[m])
                         x[m] = self._layer_forward(params, x[m], positions[m])
         return x
-
-    @staticmethod
-    def _label(phase: str, block: Block, labelled: bool) -> ContextManager[object]:
-        """The profiler's label of a phase of the training step (``fwd[7]``); evaluation runs unlabelled."""
-        return record_function(f"{phase}[{block.index}]") if labelled else contextlib.nullcontext()
-
-    def _head_norm(self, head_params: dict[str, torch.Tensor]) -> tuple[HeadNorm, dict[str, torch.Tensor]]:
-        """The head's final norm as ``head_loss.py`` takes it: norm(params, x), and its own parameters."""
-        norm_params = {k: v for k, v in head_params.items() if k.startswith("norm.")}
-        return (lambda p, h: self.templates.run(BlockKind.HEAD, {**head_params, **p}, h)), norm_params
 
     def _layer_forward(self, params: dict[str, torch.Tensor], x: torch.Tensor, positions: Positions) -> torch.Tensor:
         """A decoder layer's forward ([b, S, hidden] -> same) with the plan's sequence tiles."""
@@ -302,7 +284,7 @@ class Executor:
         self.loader.start(self.step_no + 1, s.loads)
         x = self._forward(s, batch.input_ids, batch.micro, positions)
         with self.loader.resident_together(s.head_loads) as held:
-            norm, norm_params = self._head_norm(held[0])
+            norm, norm_params = _head_norm(self.templates, held[0])
             lm_weight = s.lm_weight(held)
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
             for m, rows in enumerate(batch.micro):
@@ -332,3 +314,14 @@ class Executor:
         self.adam.close()
         if isinstance(self.checkpoints, HostCheckpoints):
             self.checkpoints.close()
+
+
+def _label(phase: str, block: Block, labelled: bool) -> ContextManager[object]:
+    """The profiler's label of a phase of the training step (``fwd[7]``); evaluation runs unlabelled."""
+    return record_function(f"{phase}[{block.index}]") if labelled else contextlib.nullcontext()
+
+
+def _head_norm(templates: Templates, head_params: dict[str, torch.Tensor]) -> tuple[HeadNorm, dict[str, torch.Tensor]]:
+    """The head's final norm as ``head_loss.py`` takes it: norm(params, x), and its own parameters."""
+    norm_params = {k: v for k, v in head_params.items() if k.startswith("norm.")}
+    return (lambda p, h: templates.run(BlockKind.HEAD, {**head_params, **p}, h)), norm_params

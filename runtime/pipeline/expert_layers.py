@@ -7,7 +7,7 @@ gradient sink) lives here from its first load to its last.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 from torch.profiler import record_function
@@ -16,8 +16,9 @@ from megatrain.models.layers import expert_group
 from megatrain.models.layers.expert_group import DOWN, GATE_UP, Routed, Routing
 
 from megatrain.runtime.model.templates import BlockKind, Templates
+from megatrain.runtime.pipeline.activation_checkpoints import DeviceCheckpoints, HostCheckpoints
 from megatrain.runtime.pipeline.block_updates import BlockUpdates, PendingUpdate
-from megatrain.runtime.pipeline.cpu_adamw import AdamHyper
+from megatrain.runtime.pipeline.cpu_adamw import AdamHyper, AdamWorker
 from megatrain.runtime.pipeline.grad_buffers import GradBuffers
 from megatrain.runtime.pipeline.rotary_positions import Positions
 from megatrain.runtime.pipeline.step_schedule import Load
@@ -25,13 +26,25 @@ from megatrain.runtime.pipeline.step_timer import StepTimer
 from megatrain.runtime.device.streams import Event, Streams
 from megatrain.runtime.state.host_store import GradSink, HostStore
 
-SaveCheckpoint = Callable[[int, int, slice, torch.Tensor], None]  # (layer, micro-batch, rows, input)
-GetCheckpoint = Callable[[int, int, slice], torch.Tensor]  # (layer, micro-batch, rows) -> input
+
+
+class Step(Protocol):
+    """What of the executor's step the loads of a layer in parts use (its own attributes, read as they are)."""
+    templates: Templates
+    store: HostStore
+    grad_buffers: GradBuffers
+    updates: BlockUpdates
+    adam: AdamWorker
+    streams: Streams
+    timer: StepTimer
+    checkpoints: DeviceCheckpoints | HostCheckpoints
+    attention_tile: int
 
 
 class _Backward(NamedTuple):
     inputs: list[torch.Tensor]  # per micro-batch, the layer's input [b, S, hidden] (its checkpoint)
-    routed: list[Routed]
+    tokens: list[torch.Tensor]  # per micro-batch, the routed tokens [b x S, hidden] (without a graph)
+    routing: list[Routing]
     d_tokens: list[torch.Tensor]  # per micro-batch, the gradient of the routed tokens [b x S, hidden], over groups
     d_weights: list[torch.Tensor]  # per micro-batch, the gradient of the routing weights [b x S, k], over groups
     squares: torch.Tensor  # [entries of the block] fp32: each parameter's squared gradient norm, over parts
@@ -40,15 +53,15 @@ class _Backward(NamedTuple):
 
 
 class ExpertLayers:
-    def __init__(self, templates: Templates, store: HostStore, grad_buffers: GradBuffers, updates: BlockUpdates,
-                 adam_check: Callable[[], None], streams: Streams, timer: StepTimer, attention_tile: int,
-                 keep_inputs: bool) -> None:
-        """``keep_inputs``: the checkpoints hand out buffers they reuse (host checkpoints): the backward copies
-        the layer's inputs to keep them from its first dense load to its last."""
-        self.layer = templates.modules[BlockKind.LAYER]
-        self.store, self.grad_buffers, self.updates = store, grad_buffers, updates
-        self.adam_check, self.streams, self.timer = adam_check, streams, timer
-        self.attention_tile, self.keep_inputs = attention_tile, keep_inputs
+    def __init__(self, step: Step) -> None:
+        self.layer = step.templates.modules[BlockKind.LAYER]
+        self.store, self.grad_buffers, self.updates = step.store, step.grad_buffers, step.updates
+        self.adam_check: Callable[[], None] = step.adam.raise_if_failed
+        self.streams, self.timer, self.checkpoints = step.streams, step.timer, step.checkpoints
+        self.attention_tile = step.attention_tile
+        # host checkpoints hand out buffers they reuse: the backward copies a layer's inputs to keep them from its
+        # first dense load to its last
+        self.keep_inputs = isinstance(step.checkpoints, HostCheckpoints)
         self._forward: dict[int, tuple[list[Routed], list[torch.Tensor]]] = {}  # per layer: routed, experts' sum
         self._backward: dict[int, _Backward] = {}
 
@@ -57,15 +70,16 @@ class ExpertLayers:
 
     # ------------------------------------------------------------------ forward (no grad)
     def forward(self, load: Load, params: dict[str, torch.Tensor], x: list[torch.Tensor], micro: list[slice],
-                positions: list[Positions], save: SaveCheckpoint | None) -> None:
-        """One load of a layer's forward over every micro-batch; after its last group, x[m] is the layer's output."""
+                positions: list[Positions], training: bool) -> None:
+        """One load of a layer's forward over every micro-batch; after its last group, x[m] is the layer's output.
+        ``training``: the dense part saves the layer's inputs as activation checkpoints."""
         part, layer = load.part, load.layer
         assert part is not None
         if part.number == 0:
             routed = []
             for m, rows in enumerate(micro):
-                if save is not None:
-                    save(layer, m, rows, x[m])
+                if training:
+                    self.checkpoints.save(layer, m, rows, x[m])
                 routed.append(self._dense(params, x[m], positions[m]))
             self._forward[layer] = (routed, [torch.zeros_like(r.tokens) for r in routed])
             return
@@ -83,8 +97,7 @@ class ExpertLayers:
         return x.clone() if self.keep_inputs else x
 
     def backward(self, step: int, load: Load, params: dict[str, torch.Tensor], micro: list[slice],
-                 positions: list[Positions], dy: list[torch.Tensor], get: GetCheckpoint,
-                 hyper: AdamHyper) -> list[PendingUpdate]:
+                 positions: list[Positions], dy: list[torch.Tensor], hyper: AdamHyper) -> list[PendingUpdate]:
         """One load of a layer's backward; after its last (the dense part again), dy[m] is the gradient of the
         layer's input and the block's update is handed on (returned when deferred)."""
         part, layer = load.part, load.layer
@@ -92,12 +105,16 @@ class ExpertLayers:
         state = self._backward.get(layer)
         if state is None:  # the first dense load: the routing again, from the checkpoints
             # each copied before the next get: that one reloads into the buffer before it
-            inputs = [self._keep(get(layer, m, rows)) for m, rows in enumerate(micro)]
+            inputs = [self._keep(self.checkpoints.get(layer, m, rows)) for m, rows in enumerate(micro)]
+            tokens, routing = [], []
             with torch.no_grad():
-                routed = [self._dense(params, x, p) for x, p in zip(inputs, positions)]
+                for x, p in zip(inputs, positions):
+                    r = self._dense(params, x, p)  # h and the shared term are not kept: the third load's own
+                    tokens.append(r.tokens)
+                    routing.append(r.routing)
             squares = torch.zeros(len(load.block.layout.entries), dtype=torch.float32, device=dy[0].device)
-            self._backward[layer] = _Backward(inputs, routed, [torch.zeros_like(r.tokens) for r in routed],
-                                              [torch.zeros_like(r.routing.weights) for r in routed], squares, [], [])
+            self._backward[layer] = _Backward(inputs, tokens, routing, [torch.zeros_like(t) for t in tokens],
+                                              [torch.zeros_like(r.weights) for r in routing], squares, [], [])
             return []
         g_index, g_buf = self.grad_buffers.acquire(part.numel)
         grads = part.layout.views(g_buf)
@@ -120,14 +137,14 @@ class ExpertLayers:
                         grads: dict[str, torch.Tensor], dy: torch.Tensor, first: int) -> None:
         """Group's experts over micro-batch m with autograd: their gradients into ``grads``, those of the routed
         tokens and weights added into the layer's sums."""
-        r = state.routed[m]
-        tokens = r.tokens.detach().requires_grad_()
-        weights = r.routing.weights.detach().requires_grad_()
+        routing = state.routing[m]
+        tokens = state.tokens[m].detach().requires_grad_()
+        weights = routing.weights.detach().requires_grad_()
         gate_up, down = params[GATE_UP].detach().requires_grad_(), params[DOWN].detach().requires_grad_()
         with torch.enable_grad():
             out = torch.zeros_like(tokens)
-            ran = expert_group.add_group(self.layer, out, tokens, Routing(weights, r.routing.order, r.routing.starts), gate_up, down,
-                                         first)
+            ran = expert_group.add_group(self.layer, out, tokens, Routing(weights, routing.order, routing.starts),
+                                         gate_up, down, first)
         if not ran:  # no token reached these experts: their gradient stays zero
             return
         d = torch.autograd.grad(out, (tokens, weights, gate_up, down), dy.reshape(out.shape))

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from megatrain.planner.block_parameters import aligned
 from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.planner.plan import Plan
 
 from megatrain.models.layers.expert_group import DOWN, GATE_UP, splits
 from megatrain.runtime.errors import ConfigError
@@ -104,6 +105,15 @@ def _parts(block: Block, num_experts: int, g: int) -> tuple[Part, ...]:
     assert all(a + n == b for (a, n), (b, _) in zip(covered, covered[1:])) and covered[-1][0] + covered[-1][1] == \
         block.layout.numel, "the parts tile the block"
     return tuple(parts)
+
+
+def streamed_parts(templates: Templates, plan: Plan, store: HostStore, data_parallel: bool,
+                   whole: int) -> tuple[dict[int, tuple[Part, ...]], int]:
+    """The executor's parts (``layer_parts`` of the plan's group size, checked by ``check_streamable``) and its slot
+    size: ``whole`` (the largest block) when every layer streams whole, else ``slot_numel``."""
+    parts = layer_parts(templates, plan.expert_group_size)
+    check_streamable(parts, store, data_parallel)
+    return parts, slot_numel(templates, parts) if parts else whole
 
 
 def slot_numel(templates: Templates, parts: dict[int, tuple[Part, ...]]) -> int:
