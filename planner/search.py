@@ -226,9 +226,9 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
 
 def expert_groups(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None) -> Plan:
     """The plan with the fewest expert groups (whole layers first: ``ExpertShape.group_sizes``) whose device
-    memory fits the GPU with the smallest loss chunk; the smallest groups when none does. Whole layers on a
-    CPU device and with data-parallel ranks (the runtime streams groups on one process)."""
-    if hw.device_is_host or ranks is not None:
+    memory fits the GPU with the smallest loss chunk; the smallest groups when none does. Whole layers for a dense
+    model, on a CPU device and with data-parallel ranks (the runtime streams groups on one process)."""
+    if hw.device_is_host or ranks is not None or not model.experts.num_experts:
         return plan
     chunk = _chunks(plan.micro_batch_size * work.seq_len)[-1]
     for g in model.experts.group_sizes():
