@@ -246,7 +246,8 @@ def layer_working_set(model: ModelShape, work: Workload, plan: Plan) -> tuple[in
     """One layer's peak (backward after recompute) for one micro-batch, and its formula.
 
     Untiled: t x w + layer x c (w: ``layer_working_bytes_per_token``; autograd's per-parameter grads of
-    one layer in compute dtype before they are added into fp32; with expert groups, of one part: min(layer, Bu)). With ``mlp_tile_tokens`` below the
+    one layer in compute dtype before they are added into fp32; with expert groups, of one part: layer is then
+    min(layer, Bu)). With ``mlp_tile_tokens`` below the
     sequence, the MLP's share m (``mlp_working_bytes_per_token``) is held for one tile of
     u = micro-batch x tile tokens only, plus dh (t x h x c), the layer-input gradient the tiles fill:
     t x (w - m) + u x m + t x h x c + layer x c. With ``attention_tile_tokens`` below the sequence too, the
