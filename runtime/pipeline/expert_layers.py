@@ -27,7 +27,6 @@ from megatrain.runtime.device.streams import Event, Streams
 from megatrain.runtime.state.host_store import GradSink, HostStore
 
 
-
 class Step(Protocol):
     """What of the executor's step the loads of a layer in parts use (its own attributes, read as they are)."""
     templates: Templates
