@@ -1,12 +1,17 @@
 """A model's sparse MLP in numbers: its experts, how many a token runs through, their widths. Pure stdlib.
 
 ``ModelShape.experts`` holds one; a dense model's is all zeros. Active parameters (what model TFLOP/s counts,
-6 x active N per token) leave out, in each layer, the experts a token is not routed to.
+6 x active N per token) leave out, in each layer, the experts a token is not routed to. Expert groups (the
+runtime's [Note: expert groups]): a layer's fused expert tensors and one group of them as the runtime lays them
+out in a slot (``experts_numel``, ``group_numel``), what the memory model sizes slots by, and the group sizes
+the search tries (``group_sizes``).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
+
+from .block_parameters import aligned
 
 
 @dataclass(frozen=True)
@@ -42,3 +47,26 @@ class ExpertShape:
         if not self.num_experts:
             return intermediate_size
         return self.num_experts_per_tok * self.moe_intermediate_size + self.shared_expert_intermediate_size
+
+    def experts_numel(self, hidden_size: int) -> int:
+        """Elements of a layer's fused expert tensors in its flat buffer: X = a(E x 2I x h) + a(E x h x I), a(n) n
+        rounded up to the layout's 64 elements (gate_up_proj [E, 2I, h], then down_proj [E, h, I])."""
+        e, i = self.num_experts, self.moe_intermediate_size
+        return aligned(e * 2 * i * hidden_size) + aligned(e * hidden_size * i)
+
+    def group_numel(self, hidden_size: int, group: int) -> int:
+        """Elements of the largest group of ``group`` experts in a slot: Xg = a(g x 2I x h) + a(g x h x I) for a
+        whole group, and for the last one (E - lo experts from lo, reaching to the end of each fused tensor's
+        padding) a(a(E x 2I x h) - lo x 2I x h) + a(a(E x h x I) - lo x h x I); the larger."""
+        e, per_up, per_down = self.num_experts, 2 * self.moe_intermediate_size * hidden_size, \
+            hidden_size * self.moe_intermediate_size
+        g = min(group, e)
+        lo = (e - 1) // g * g  # the last group's first expert
+        last = aligned(aligned(e * per_up) - lo * per_up) + aligned(aligned(e * per_down) - lo * per_down)
+        return max(aligned(g * per_up) + aligned(g * per_down), last) if lo else last
+
+    def group_sizes(self) -> tuple[int | None, ...]:
+        """The expert-group sizes the search tries, fewest groups first: whole layers (None), then every divisor
+        g of E from E down to 1 (E: the dense part and all the experts apart). A dense model: whole layers."""
+        e = self.num_experts
+        return (None, *(g for g in range(e, 0, -1) if e % g == 0)) if e else (None,)

@@ -5,7 +5,8 @@ holds for the whole step (or a transient that peaks inside one block), and the
 totals are plain sums. Symbols used in the formulas:
 
   N   elements of all distinct blocks' flat buffers (params, each offset aligned to 64 elements)
-  Bmax elements of the largest block (one slot); E the embedding block's elements
+  Bmax elements of the largest block; E the embedding block's elements
+  Bu  elements of one slot: Bmax, or with expert groups the largest part streamed (``slot_numel``)
   L   decoder layers; h hidden size; V vocab size
   T   global batch tokens per step (batch x seq); t micro-batch tokens (micro_batch_size x seq)
   c   compute dtype bytes (2 for bf16/fp16, 4 for fp32)
@@ -140,8 +141,11 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
         comps.append(Component(name, "host", int(nbytes), formula, pinned=pinned and on_gpu))
 
     # ---- device -----------------------------------------------------------------------------
-    dev("weight slots", K * Bmax * c, f"K x Bmax x c = {K} x {Bmax} x {c}")
-    dev("grad accumulators", G * Bmax * 4, f"G x Bmax x 4 = {G} x {Bmax} x 4")
+    Bu, unit = slot_numel(model, plan)
+    dev("weight slots", K * Bu * c, f"K x {unit} x c = {K} x {Bu} x {c}")
+    dev("grad accumulators", G * Bu * 4, f"G x {unit} x 4 = {G} x {Bu} x 4")
+    if grouped(model, plan):
+        dev("expert-group routed state", *routed_state(model, work))
     if model.tie_word_embeddings:
         # The head's gradient of the shared weight waits here until the embedding's backward.
         dev("tied embedding grad", E * 4, f"E x 4 = {E} x 4")
@@ -271,7 +275,8 @@ def layer_working_set(model: ModelShape, work: Workload, plan: Plan) -> tuple[in
     """One layer's peak (backward after recompute) for one micro-batch, and its formula.
 
     Untiled: t x w + layer x c (w: ``layer_working_bytes_per_token``; autograd's per-parameter grads of
-    one layer in compute dtype before they are added into fp32). With ``mlp_tile_tokens`` below the
+    one layer in compute dtype before they are added into fp32; with expert groups, of one part: layer is then
+    min(layer, Bu)). With ``mlp_tile_tokens`` below the
     sequence, the MLP's share m (``mlp_working_bytes_per_token``) is held for one tile of
     u = micro-batch x tile tokens only, plus dh (t x h x c), the layer-input gradient the tiles fill:
     t x (w - m) + u x m + t x h x c + layer x c. With ``attention_tile_tokens`` below the sequence too, the
@@ -283,7 +288,8 @@ def layer_working_set(model: ModelShape, work: Workload, plan: Plan) -> tuple[in
     mbs = min(plan.micro_batch_size, work.batch)
     t = mbs * work.seq_len
     w = model.layer_working_bytes_per_token(work.compute_dtype)
-    grads = model.numel_layer * c
+    layer_n = min(model.numel_layer, slot_numel(model, plan)[0])  # with expert groups: one part's
+    grads = layer_n * c
     tile, attention_tile = plan.mlp_tile_tokens, plan.attention_tile_tokens
     m = model.mlp_working_bytes_per_token(work.compute_dtype)
     u = mbs * tile if tile is not None and tile < work.seq_len else t
@@ -292,13 +298,43 @@ def layer_working_set(model: ModelShape, work: Workload, plan: Plan) -> tuple[in
         a = model.attention_tile_bytes_per_token(work.compute_dtype)
         v = mbs * attention_tile
         return (t * A + u * m + v * a + grads,
-                f"t x A + u x m + v x a + layer x c = {t} x {A} + {u} x {m} + {v} x {a} + {model.numel_layer} x {c}")
+                f"t x A + u x m + v x a + layer x c = {t} x {A} + {u} x {m} + {v} x {a} + {layer_n} x {c}")
     if tile is None or tile >= work.seq_len:
-        return t * w + grads, f"t x w + layer x c = {t} x {w} + {model.numel_layer} x {c}"
+        return t * w + grads, f"t x w + layer x c = {t} x {w} + {layer_n} x {c}"
     h = model.hidden_size
     return (t * (w - m) + u * m + t * h * c + grads,
             f"t x (w - m) + u x m + t x h x c + layer x c = {t} x ({w} - {m}) + {u} x {m} + {t} x {h} x {c} "
-            f"+ {model.numel_layer} x {c}")
+            f"+ {layer_n} x {c}")
+
+
+def grouped(model: ModelShape, plan: Plan) -> bool:
+    """Whether ``plan`` streams ``model``'s sparse layers in expert groups (the runtime's [Note: expert groups])."""
+    return bool(plan.expert_group_size) and model.experts.num_experts > 0
+
+
+def slot_numel(model: ModelShape, plan: Plan) -> tuple[int, str]:
+    """Elements of one weight slot and one device gradient accumulator, and the symbol: the largest unit a step
+    streams. Whole layers: Bmax. Expert groups of g = ``plan.expert_group_size`` (a sparse model):
+      Bu = max(E, Hd, D, Xg), D = layer - X
+    with E the embedding's and Hd the head's elements, X the layer's fused experts and Xg the largest group
+    (``ExpertShape.experts_numel``, ``group_numel``: a(g x 2I x h) + a(g x h x I), a(n) n rounded up to 64
+    elements), D the dense part (attention, norms, router, shared expert). The device budget bounds g."""
+    if not grouped(model, plan):
+        return model.numel_largest_block, "Bmax"
+    h = model.hidden_size
+    dense = model.numel_layer - model.experts.experts_numel(h)
+    assert plan.expert_group_size is not None
+    group = model.experts.group_numel(h, plan.expert_group_size)
+    return max(model.numel_embedding, model.numel_head, dense, group), "Bu"
+
+
+def routed_state(model: ModelShape, work: Workload) -> tuple[int, str]:
+    """What a layer in expert groups holds for every micro-batch while its groups pass: forward, h, the routed
+    tokens, the experts' sum and the shared term (4 x h x c a token), the routing weights and their sorted order
+    (k x (4 + 8)); backward, the input, the routed tokens and their gradient, the routing and the weights'
+    gradient (fewer): T x (4 x h x c + 16 x k)."""
+    c, h, k, T = work.compute_bytes, model.hidden_size, model.experts.num_experts_per_tok, work.tokens
+    return T * (4 * h * c + 16 * k), f"T x (4 x h x c + 16 x k) = {T} x (4 x {h} x {c} + 16 x {k})"
 
 
 # The most elements one tensor of one attention call may have (models/layers/attention.py's MAX_ELEMENTS, a flash

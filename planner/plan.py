@@ -165,6 +165,9 @@ class Plan:
                           named block and kind off RAM); the shorthands are every block of their kinds
       spill_staging       with spill: that many sets of host staging buffers (each: one chunk per
                           spilled kind, fp32), so reads run ahead of AdamW and writes behind it
+      expert_group_size   a sparse layer streams as its dense part and groups of this many experts: slots
+                          and gradient buffers hold the largest part, not the layer (None or 0: whole layers;
+                          memory_model.slot_numel)
       spill_chunk_bytes   with spill: the I/O and AdamW unit; a block larger than this (the embedding,
                           lm_head) is read, updated and written back in pieces of at most this many
                           bytes, so every spill buffer in host RAM is bounded by it, not by the block
@@ -196,6 +199,8 @@ class Plan:
     # Tokens per sequence tile of the attention half's token-local work (input norm, q/k/v projections and RoPE,
     # o_proj), forward and backward, around one attention call over the whole sequence (None: untiled).
     attention_tile_tokens: int | None = None
+    # Experts per group a sparse layer streams in, apart from its dense part (None or 0: whole layers).
+    expert_group_size: int | None = None
     # What lives in spill files instead of host RAM: "none", "optimizer" (m, v), "all" (fp32 master, m, v, grads),
     # or "blocks" (per kind, the blocks spill_blocks names).
     spill: str = "none"
@@ -246,6 +251,8 @@ class Plan:
         if self.attention_tile_tokens is not None:
             _at_least("attention_tile_tokens", self.attention_tile_tokens, 1,
                       "it is the number of tokens per tile of the attention's projections, or null")
+        if self.expert_group_size is not None:
+            _at_least("expert_group_size", self.expert_group_size, 0, "experts per group, or 0 / null for whole layers")
         _one_of("spill", self.spill, SPILL_CHOICES)
         self._check_spill_blocks()
         _one_of("io_backend", self.io_backend, IO_BACKENDS)

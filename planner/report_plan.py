@@ -45,6 +45,8 @@ def page(model: ModelShape, work: Workload, chosen: ChosenPlan, ranks: Ranks,
         f"optimizer {p.optimizer_mode}, loss chunk {p.loss_chunk_tokens} tokens"
         + (f", MLP tiles of {p.mlp_tile_tokens} tokens" if p.mlp_tile_tokens else "")
         + (f", attention projection tiles of {p.attention_tile_tokens} tokens" if p.attention_tile_tokens else "")
+        + (("" if not model.experts.num_experts else f", experts in groups of {p.expert_group_size}"
+            if p.expert_group_size else ", experts streamed with their whole layer"))
         + (f", saved to {saved_to}" if saved_to else ""), spill, "",
         memory_table(best.memory), "",
         time_table(c), "",

@@ -224,10 +224,25 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
     return spill_placement.at_level(plan, model, hi)
 
 
+def expert_groups(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None) -> Plan:
+    """The plan with the fewest expert groups (whole layers first: ``ExpertShape.group_sizes``) whose device
+    memory fits the GPU with the smallest loss chunk; the smallest groups when none does. Whole layers for a dense
+    model, on a CPU device and with data-parallel ranks (the runtime streams groups on one process)."""
+    if hw.device_is_host or ranks is not None or not model.experts.num_experts:
+        return plan
+    chunk = _chunks(plan.micro_batch_size * work.seq_len)[-1]
+    for g in model.experts.group_sizes():
+        p = plan.replace(expert_group_size=g)
+        mem = _memory(model, work, p.replace(loss_chunk_tokens=chunk), hw, ranks)
+        if mem.device_bytes <= hw.gpu_mem_bytes:
+            return p
+    return p
+
+
 def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None) -> PlanChoice:
     """The plan with the largest loss chunk that fits (spilling the least that lets it: ``fill``); else the
     smallest chunk, with its overruns."""
-    plan = fill(model, work, plan, hw, ranks)
+    plan = fill(model, work, expert_groups(model, work, plan, hw, ranks), hw, ranks)
     choice = None
     for chunk in _chunks(plan.micro_batch_size * work.seq_len):
         p = plan.replace(loss_chunk_tokens=chunk)

@@ -33,9 +33,11 @@ def batch(vocab: int, rows: int = 3, seq: int = 20, seed: int = 0) -> tuple[torc
     return ids, labels
 
 
-def assert_matches_transformers(vocab_size: int, hf: torch.nn.Module, mt_config: ModelConfig, steps: int = 3) -> None:
+def assert_matches_transformers(vocab_size: int, hf: torch.nn.Module, mt_config: ModelConfig, steps: int = 3,
+                                plan: Plan | None = None) -> None:
+    """``plan``: megatrain's (default: one row per micro-batch, loss chunks of 16 tokens)."""
     optimizer = OptimizerConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0)
-    engine = Engine(mt_config, optimizer, plan=Plan(micro_batch_size=1, loss_chunk_tokens=16),
+    engine = Engine(mt_config, optimizer, plan=plan or Plan(micro_batch_size=1, loss_chunk_tokens=16),
                     compute_dtype=torch.float32, device="cpu")
     try:
         engine.load_state_dict(hf.state_dict())

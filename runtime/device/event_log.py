@@ -27,6 +27,7 @@ class LogEntry:
     lo: int = -1  # the piece's first element in its block, for spill_read / spill_write / spill_discard
     micro: int = -1  # micro-batch, for the ckpt_ ops
     piece: int = -1  # piece of the micro-batch's checkpoint, for ckpt_drain / ckpt_reload
+    part: int = -1  # h2d / compute / release of a layer in parts: 0 its dense part, 1 + j expert group j
 
 
 class EventLog:

@@ -20,7 +20,7 @@ from megatrain.runtime.model.templates import Block, Templates
 from megatrain.runtime.pipeline.cpu_adamw import AdamHyper, AdamJob, AdamWorker
 from megatrain.runtime.pipeline.grad_buffers import GradBuffers
 from megatrain.runtime.pipeline.step_timer import StepTimer
-from megatrain.runtime.state.host_store import HostStore
+from megatrain.runtime.state.host_store import GradSink, HostStore
 
 
 class PendingUpdate(NamedTuple):
@@ -79,6 +79,11 @@ class BlockUpdates:
             sink.on_drained(done)
         if g_index is None:
             self.tied_drained = done
+        return self.hand_off(step, block, sink, done, hyper)
+
+    def hand_off(self, step: int, block: Block, sink: GradSink, done: Event, hyper: AdamHyper) -> list[PendingUpdate]:
+        """Block's gradient has drained into ``sink`` (``done``: its last drain): its update queued (eager) or
+        kept pending. The end of ``finish``; a layer streamed in parts drains part by part first (expert_layers.py)."""
         self.log.record("d2h", step, block.index)
         if sink.for_adam is None:  # spilled grads: AdamW reads the block back from the grads file
             return [PendingUpdate(block, None, self.streams.event(), None)]

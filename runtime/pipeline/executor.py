@@ -39,6 +39,8 @@ from megatrain.runtime.model.templates import Block, BlockKind, Templates
 from megatrain.runtime.pipeline.activation_checkpoints import DeviceCheckpoints, HostCheckpoints
 from megatrain.runtime.pipeline.block_updates import BlockUpdates, PendingUpdate
 from megatrain.runtime.pipeline.cpu_adamw import AdamHyper, AdamWorker
+from megatrain.runtime.pipeline.expert_layers import ExpertLayers
+from megatrain.runtime.pipeline.expert_parts import streamed_parts
 from megatrain.runtime.pipeline.grad_buffers import GradBuffers
 from megatrain.runtime.pipeline.head_loss import chunked_logits, head_forward_backward, head_loss
 from megatrain.runtime.pipeline.rotary_positions import LayerPositions, Positions, RotaryPositions
@@ -74,6 +76,7 @@ class Executor:
         # Data parallel ([Note: collectives]): the store holds this rank's shards, a slot a whole padded block.
         self.dist = collectives
         slot_numel = store.max_block_numel if collectives is None else collectives.shards.slot_numel
+        self.parts, slot_numel = streamed_parts(templates, plan, store, collectives is not None, slot_numel)
         self.config = templates.config
         self.compute_dtype, self.device = compute_dtype, device
         self.log = log
@@ -81,8 +84,8 @@ class Executor:
         self.timer = StepTimer(self.streams.cuda)
         self.slots = WeightSlots(plan.num_slots, slot_numel, compute_dtype, device, self.streams)
         self.grad_buffers = GradBuffers(plan.device_grad_buffers, slot_numel, device, self.streams, self.timer)
-        self.schedule = training_schedule(templates)  # the step's loads: [Note: load sequence]
-        self.evaluation = evaluation_schedule(templates)
+        self.schedule = training_schedule(templates, self.parts)  # the step's loads: [Note: load sequence]
+        self.evaluation = evaluation_schedule(templates, self.parts)
         # Tied embeddings: the head's lm_head gradient lands here in forward and the embedding's
         # own in backward; one extra fp32 buffer of the embedding's size, resident for the whole step.
         self.tied_grad = (torch.zeros(self._grad_numel(templates.embed), dtype=torch.float32, device=device)
@@ -111,6 +114,7 @@ class Executor:
         self.mlp_tile = plan.mlp_tile_tokens or 0  # [Note: sequence tiles]
         self.attention_tile = plan.attention_tile_tokens or 0
         self.cap = self.config.final_logit_softcapping  # the head's logit soft-cap (head_loss.py), None: none
+        self.expert_layers = ExpertLayers(self)  # the loads of layers streamed in parts: [Note: expert groups]
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
@@ -133,7 +137,7 @@ class Executor:
             self.dist.begin_step()
             batch.n_tokens = self.dist.all_reduce_sum(batch.n_tokens)
         positions = self._positions(batch)
-        self.checkpoints.begin(len(s.layers), *batch.input_ids.shape, self.config.hidden_size, batch.micro)
+        self.checkpoints.begin(len(self.templates.layers), *batch.input_ids.shape, self.config.hidden_size, batch.micro)
         self.loader.start(step, s.loads)
         pending: list[PendingUpdate] = []  # deferred mode: submitted once the global norm is known
 
@@ -147,7 +151,7 @@ class Executor:
             g_index, g_buf = self.grad_buffers.acquire(self._grad_numel(head))
             g_views = head.layout.views(g_buf)
             lm_weight, lm_grad = s.lm_weight(held), self._lm_grad(g_views)
-            norm, norm_params = self._head_norm(held[0])
+            norm, norm_params = _head_norm(self.templates, held[0])
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
             dy: list[torch.Tensor] = []
             with record_function(f"head[{head.index}]"):
@@ -165,6 +169,10 @@ class Executor:
         for load in s.backward:
             layer = load.block
             with self.loader.resident(load) as params:
+                if load.part is not None:
+                    pending += self.expert_layers.backward(step, load, params, batch.micro, positions[layer.layer_type], dy,
+                                                           hyper)
+                    continue
                 g_index, g_buf = self.grad_buffers.acquire(self._grad_numel(layer))
                 g_list = layer.layout.view_list(g_buf)
                 with record_function(f"bwd[{layer.index}]"), self.routing.backward():
@@ -198,26 +206,19 @@ class Executor:
         (rows of input_ids [B, S]) while the block is resident; returns each one's hidden states [b, S, hidden].
         ``training``: each layer's inputs are saved as activation checkpoints and each block's phase is labelled."""
         with torch.no_grad():
-            with self.loader.resident(s.embed) as params, self._label("fwd", s.embed.block, training):
+            with self.loader.resident(s.embed) as params, _label("fwd", s.embed.block, training):
                 x = [self.templates.run(BlockKind.EMBED, params, input_ids[rows]) for rows in micro]
             for load in s.layers:
-                with self.loader.resident(load) as params, self._label("fwd", load.block, training), \
-                        self.routing.forward(load.layer, training):
+                with self.loader.resident(load) as params, _label("fwd", load.block, training), \
+                        self.routing.forward(load.layer, training, load.part):
+                    if load.part is not None:
+                        self.expert_layers.forward(load, params, x, micro, positions[load.block.layer_type], training)
+                        continue
                     for m, rows in enumerate(micro):
                         if training:
                             self.checkpoints.save(load.layer, m, rows, x[m])
                         x[m] = self._layer_forward(load.block, params, x[m], positions[load.block.layer_type][m])
         return x
-
-    @staticmethod
-    def _label(phase: str, block: Block, labelled: bool) -> ContextManager[object]:
-        """The profiler's label of a phase of the training step (``fwd[7]``); evaluation runs unlabelled."""
-        return record_function(f"{phase}[{block.index}]") if labelled else contextlib.nullcontext()
-
-    def _head_norm(self, head_params: dict[str, torch.Tensor]) -> tuple[HeadNorm, dict[str, torch.Tensor]]:
-        """The head's final norm as ``head_loss.py`` takes it: norm(params, x), and its own parameters."""
-        norm_params = {k: v for k, v in head_params.items() if k.startswith("norm.")}
-        return (lambda p, h: self.templates.run(BlockKind.HEAD, {**head_params, **p}, h)), norm_params
 
     def _layer_forward(self, layer: Block, params: dict[str, torch.Tensor], x: torch.Tensor,
                        positions: Positions) -> torch.Tensor:
@@ -286,7 +287,7 @@ class Executor:
         self.loader.start(self.step_no + 1, s.loads)
         x = self._forward(s, batch.input_ids, batch.micro, positions)
         with self.loader.resident_together(s.head_loads) as held:
-            norm, norm_params = self._head_norm(held[0])
+            norm, norm_params = _head_norm(self.templates, held[0])
             lm_weight = s.lm_weight(held)
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
             for m, rows in enumerate(batch.micro):
@@ -316,3 +317,14 @@ class Executor:
         self.adam.close()
         if isinstance(self.checkpoints, HostCheckpoints):
             self.checkpoints.close()
+
+
+def _label(phase: str, block: Block, labelled: bool) -> ContextManager[object]:
+    """The profiler's label of a phase of the training step (``fwd[7]``); evaluation runs unlabelled."""
+    return record_function(f"{phase}[{block.index}]") if labelled else contextlib.nullcontext()
+
+
+def _head_norm(templates: Templates, head_params: dict[str, torch.Tensor]) -> tuple[HeadNorm, dict[str, torch.Tensor]]:
+    """The head's final norm as ``head_loss.py`` takes it: norm(params, x), and its own parameters."""
+    norm_params = {k: v for k, v in head_params.items() if k.startswith("norm.")}
+    return (lambda p, h: templates.run(BlockKind.HEAD, {**head_params, **p}, h)), norm_params

@@ -40,6 +40,7 @@ from megatrain.models.layers import routing_observer
 
 from megatrain.runtime.config import ModelConfig
 from megatrain.runtime.distributed.collectives import Collectives
+from megatrain.runtime.pipeline.expert_parts import Part
 
 __all__ = ["RouterBalance", "StepRouting"]
 
@@ -159,12 +160,13 @@ class RouterBalance:
         self.last: StepRouting | None = None  # the last training step's, for the metrics
 
     @contextlib.contextmanager
-    def forward(self, layer: int, training: bool) -> Iterator[None]:
-        """Layer ``layer``'s forward reports its routing: layer 0 begins fresh statistics (``training``: over the
+    def forward(self, layer: int, training: bool, part: Part | None = None) -> Iterator[None]:
+        """Layer ``layer``'s forward reports its routing (a layer streamed in parts: its dense part, where it
+        routes; [Note: expert groups]): layer 0 begins fresh statistics (``training``: over the
         ranks' global batch, kept as ``last``; else evaluation or logits, where each rank runs the whole batch it
         is given, nothing all-reduced), the last layer finishes them."""
         c = self.config
-        if not c.num_experts:
+        if not c.num_experts or (part is not None and part.number > 0):
             yield
             return
         if layer == 0:

@@ -16,7 +16,9 @@ keeps ``prefetch_depth`` loads ahead of the one computing (step_schedule.py
 builds the sequences). Compute holds a load inside
 ``with loader.resident(load)``: entering it is the LOADING -> IN_USE
 transition, leaving it IN_USE -> FREE. Memory: K x largest block x
-compute-dtype bytes on the device.
+compute-dtype bytes on the device; with a layer streamed in parts ([Note: expert
+groups]), a load is a part of its block (its ranges copied into the slot one
+after another) and a slot the size of the largest part or other block.
 
 In fp32 a block whose master is spilled has no copy of its weights in host RAM
 (``HostStore.load_source`` is None): the load reads the block from the master
@@ -129,7 +131,7 @@ class WeightLoader:
     @contextlib.contextmanager
     def resident_together(self, loads: Sequence[Load]) -> Iterator[list[dict[str, torch.Tensor]]]:
         """Several loads resident at once (the head and a tied embedding): acquired, then released, in order."""
-        params = [load.block.layout.views(self._acquire(load.index)) for load in loads]
+        params = [load.layout.views(self._acquire(load.index)) for load in loads]
         yield params
         for load in loads:
             self._release(load.index)
@@ -149,7 +151,7 @@ class WeightLoader:
         with self.timer.stall("h2d", self.streams.compute):
             self.streams.compute.wait_event(self.slots.loaded[slot])
         load = self.sequence[j]
-        self.log.record("compute", self.step, load.block.index, slot=slot, load=j, phase=load.phase)
+        self.log.record("compute", self.step, load.block.index, slot=slot, load=j, phase=load.phase, part=_part(load))
         return self.slots.buffers[slot]
 
     def _release(self, j: int) -> None:
@@ -159,7 +161,7 @@ class WeightLoader:
         self.slots.released[slot].record(self.streams.compute)
         self._released[j] = True
         load = self.sequence[j]
-        self.log.record("release", self.step, load.block.index, slot=slot, load=j, phase=load.phase)
+        self.log.record("release", self.step, load.block.index, slot=slot, load=j, phase=load.phase, part=_part(load))
         self._prefetch()
 
     def _slot(self, j: int) -> int:
@@ -192,12 +194,16 @@ class WeightLoader:
                 with self.timer.disk_wait(self.streams.compute):
                     self.store.spill_files.wait_write(BufferKind.MASTER, block)
             with self.timer.copy("h2d", self.streams.h2d):
-                if self.fill is not None:  # data parallel: this rank's shard into its place, then the all-gather
+                if load.part is not None:  # a part of the block ([Note: expert groups]): its ranges, in RAM
+                    assert source is not None and self.fill is None, "refused by expert_parts.check_streamable"
+                    for lo, n, at in load.part.ranges:
+                        self.slots.buffers[slot][at:at + n].copy_(source[lo:lo + n], non_blocking=True)
+                elif self.fill is not None:  # data parallel: this rank's shard into its place, then the all-gather
                     self.fill(block, self.slots.buffers[slot], lambda own: self._place(block, slot, source, own))
                 else:
                     self._place(block, slot, source, self.slots.buffers[slot][:numel], wait=False)
             self.slots.loaded[slot].record(self.streams.h2d)
-        self.log.record("h2d", self.step, block, slot=slot, load=j, phase=load.phase)
+        self.log.record("h2d", self.step, block, slot=slot, load=j, phase=load.phase, part=_part(load))
 
     def _place(self, block: int, slot: int, source: torch.Tensor | None, out: torch.Tensor, wait: bool = True) -> None:
         """Block ``block``'s weights (this rank's shard, data parallel) into ``out``, on the h2d stream: copied from
@@ -232,3 +238,8 @@ class WeightLoader:
             files.read_async(BufferKind.MASTER, block, self._bounce[k], lo, n).result()
             out[lo:lo + n].copy_(self._bounce[k][:n], non_blocking=True)
             self._bounce_free[k] = self.streams.recorded(self.streams.h2d)
+
+
+def _part(load: Load) -> int:
+    """The event log's part number of a load: -1 the whole block, else ``Part.number``."""
+    return -1 if load.part is None else load.part.number

@@ -1,0 +1,107 @@
+"""A sparse layer computed in parts whose weights stream apart (architecture only): its dense part (attention,
+the norms, the router, Qwen2-MoE's shared expert) and groups of its experts. The runtime's
+[Note: expert groups] (``runtime/pipeline/expert_parts.py``) says when each part's weights are resident.
+
+``dense`` runs the attention half and routes: the tokens the experts read (the post-attention norm of h), the
+routing, and the shared expert's term. ``route`` sorts a micro-batch's (token, choice) pairs by expert once
+(stable: each expert's tokens in ascending order, the order ``torch.where`` gives the whole layer's loop) and
+reads the per-expert counts to the host once: one host sync per layer pass and micro-batch, where the whole
+layer's loop (``Experts.forward``) has one per expert. ``add_group`` runs experts [first, first + g) as
+``Experts.forward`` runs each one and adds their weighted outputs into ``out`` with ``index_add_`` in ascending
+expert order; over every group in turn that is the whole layer's loop, operation for operation, so the forward
+is bitwise the whole layer's. ``finish`` adds the shared term and the residual as ``SparseMLP`` and
+``DecoderLayer`` do.
+
+Only the pre-norm decoder layer with ``SparseMLP`` and its ``Experts`` splits so (``splits``); another family's
+layer (its own experts or norms) streams whole.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from megatrain.models.layers.attention import Documents
+from megatrain.models.layers.decoder import DecoderLayer
+from megatrain.models.layers.moe import Experts, SparseMLP
+
+GATE_UP, DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+
+
+class Routing(NamedTuple):
+    weights: torch.Tensor  # [T, k]: each token's expert weights (in the compute dtype where the family casts them)
+    order: torch.Tensor  # [T x k] int64: token x k + choice, sorted by expert (stable)
+    starts: list[int]  # host: expert e's pairs are order[starts[e]:starts[e + 1]]
+
+
+class Routed(NamedTuple):
+    """A micro-batch after the dense part: what the expert groups and ``finish`` read."""
+    h: torch.Tensor  # [b, S, hidden]: the residual after attention
+    tokens: torch.Tensor  # [b x S, hidden]: the experts' input, the post-attention norm of h
+    routing: Routing
+    shared: torch.Tensor | None  # [b x S, hidden]: sigmoid(shared_expert_gate) x shared_expert; None without one
+
+
+def splits(layer: nn.Module) -> bool:
+    """Whether ``layer`` (a decoder-layer template) computes in a dense part and expert groups as this module does."""
+    return (isinstance(layer, DecoderLayer) and type(layer).mlp_branch is DecoderLayer.mlp_branch
+            and isinstance(layer.mlp, SparseMLP) and type(layer.mlp.experts) is Experts)
+
+
+def _sub(params: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
+
+
+def dense(layer: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          documents: Documents | None, attention_tile_tokens: int) -> Routed:
+    """The dense part of ``layer`` over x [b, S, hidden], its parameters ``params`` (no expert tensor) bound."""
+    h = functional_call(layer, params, (x, cos, sin, documents, 0, "attention", attention_tile_tokens))
+    t = functional_call(layer.post_attention_layernorm, _sub(params, "post_attention_layernorm."), (h,))
+    tokens = t.reshape(-1, t.shape[-1])
+    mlp = layer.mlp
+    weights, experts = functional_call(mlp.gate, _sub(params, "mlp.gate."), (tokens,))
+    if mlp.weights_in_compute_dtype:
+        weights = weights.to(x.dtype)
+    shared = None
+    if hasattr(mlp, "shared_expert"):
+        gate = functional_call(mlp.shared_expert_gate, _sub(params, "mlp.shared_expert_gate."), (tokens,))
+        shared = torch.sigmoid(gate) * functional_call(mlp.shared_expert, _sub(params, "mlp.shared_expert."),
+                                                       (tokens,))
+    return Routed(h, tokens, route(weights, experts, mlp.experts.gate_up_proj.shape[0]), shared)
+
+
+def route(weights: torch.Tensor, experts: torch.Tensor, num_experts: int) -> Routing:
+    """The (token, choice) pairs of experts [T, k] sorted by expert, and each expert's range (one host read)."""
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    starts = [0] + torch.cumsum(counts, 0).tolist()  # the host sync of this layer pass and micro-batch
+    return Routing(weights, order, starts)
+
+
+def add_group(layer: nn.Module, out: torch.Tensor, tokens: torch.Tensor, routing: Routing, gate_up: torch.Tensor,
+              down: torch.Tensor, first: int) -> bool:
+    """Experts [first, first + g) (gate_up [g, 2I, hidden], down [g, hidden, I]) over their tokens
+    (tokens [T, hidden]), their weighted outputs added into out [T, hidden] expert by expert, as
+    ``Experts.forward`` does. Returns whether any of them had a token."""
+    act, k, ran = layer.mlp.experts.act_fn, routing.weights.shape[1], False
+    for j in range(gate_up.shape[0]):
+        lo, hi = routing.starts[first + j], routing.starts[first + j + 1]
+        if lo == hi:
+            continue
+        pairs = routing.order[lo:hi]
+        token, slot = pairs // k, pairs % k
+        gate, up = F.linear(tokens[token], gate_up[j]).chunk(2, dim=-1)
+        y = F.linear(act(gate) * up, down[j]) * routing.weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+        ran = True
+    return ran
+
+
+def finish(routed: Routed, experts_out: torch.Tensor) -> torch.Tensor:
+    """The layer's output [b, S, hidden]: h + (experts' outputs + the shared term), as the whole layer adds them."""
+    out = experts_out if routed.shared is None else experts_out + routed.shared
+    return routed.h + out.reshape(routed.h.shape)
