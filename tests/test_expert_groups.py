@@ -225,3 +225,20 @@ def test_megatrain_plan_shows_the_group_size(capsys) -> None:
     assert "experts in groups of 32" in out and "K x Bu x c" in out
     assert cli.main(argv) == 0
     assert "experts streamed with their whole layer" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_expert_groups_with_the_balance_loss_and_sliding_layers_train_as_the_whole_layer(family: str) -> None:
+    """The dense part routes under the forward's observer once per layer (counts and the loss's statistics), its
+    autograd recompute takes the load-balancing gradient, and each layer type's dense part is its own template."""
+    config = _config(family, experts=4, top_k=2, output_router_logits=True, router_aux_loss_coef=0.3,
+                     use_sliding_window=True, sliding_window=5, max_window_layers=2)
+    if family == "qwen3_moe":
+        config.pop("max_window_layers")
+    base = Plan(micro_batch_size=2, loss_chunk_tokens=8)
+    whole, grouped = _train(config, base), _train(config, base.replace(expert_group_size=1))
+    assert whole[3].routing is not None and grouped[3].routing is not None
+    torch.testing.assert_close(grouped[3].routing.tokens, whole[3].routing.tokens, rtol=0, atol=0)
+    _assert_same(whole, grouped, bitwise=False)
+    off = _train({**config, "router_aux_loss_coef": 0.0}, base.replace(expert_group_size=1))
+    assert off[0][1] != grouped[0][1], "the loss's gradient changes the second step"
