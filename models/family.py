@@ -66,7 +66,8 @@ class Family:
     (``attention_bias``, ``o_proj_bias``, ``mlp_bias``, ``qk_norm``, ``sliding_window``) from a config dict,
     refusing what transformers' class for it would not build; ``write(config)`` the family's own config.json
     fields for a ``ModelConfig``. ``defaults``: transformers' config defaults for fields a config may leave out
-    (``max_position_embeddings``, ``head_dim``, ``rms_norm_eps``)."""
+    (``max_position_embeddings``, ``head_dim``, ``rms_norm_eps``; ``rope``: the RoPE fields of a config that
+    states none)."""
 
     model_type: str
     architecture: str  # the transformers class, e.g. "LlamaForCausalLM"

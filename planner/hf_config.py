@@ -29,7 +29,8 @@ hidden_act                         silu, swish, gelu, gelu_pytorch_tanh, relu (t
 rms_norm_eps                       number (absent: the family's default, else 1e-6); null or a
                                    string refused
 rope_theta, rope_scaling,          both spellings; rope_scaling wins when both are set, as in
-rope_parameters                    transformers; rope_type default, linear, llama3, dynamic
+rope_parameters                    transformers (absent: the family's default, e.g. gpt-oss's YaRN);
+                                   rope_type default, linear, llama3, dynamic
                                    (NTK by sequence length over max_position_embeddings), yarn
                                    (attention_factor, beta_fast, beta_slow, mscale,
                                    mscale_all_dim, truncate as transformers reads them) honoured
@@ -261,7 +262,8 @@ def parse(data: Mapping[str, Any]) -> DecoderConfig:
     head_dim = optional_integer("head_dim", data.get("head_dim", family.defaults.get("head_dim")))
     max_pos = integer("max_position_embeddings",
                       data.get("max_position_embeddings", family.defaults.get("max_position_embeddings", 4096)))
-    theta, scaling = read_rope(data, max_pos)
+    rope_defaults = family.defaults.get("rope", {})  # the family's RoPE where the config states none (gpt-oss)
+    theta, scaling = read_rope({**data, **{k: v for k, v in rope_defaults.items() if data.get(k) is None}}, max_pos)
     eps = number("rms_norm_eps", data.get("rms_norm_eps", family.defaults.get("rms_norm_eps", 1e-6)))
     dropout = number("attention_dropout", data.get("attention_dropout", 0.0))
     if dropout != 0.0:

@@ -30,7 +30,8 @@ MOE = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
                          shared_expert_intermediate_size=24)}
 FAMILIES = registry.model_types()  # every family registered when the tests are collected
 # Per family, what its transformers defaults need changed to fit the tiny model (Phi-3's token ids are > vocab).
-TINY_EXTRA = {"phi3": dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)}
+TINY_EXTRA = {"phi3": dict(pad_token_id=None, bos_token_id=None, eos_token_id=None),
+              "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=16, sliding_window=32)}
 
 
 def _hf_model(model_type: str, tied: bool):

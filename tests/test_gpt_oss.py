@@ -158,7 +158,9 @@ def _pack(codes: torch.Tensor, exponents: torch.Tensor) -> tuple[torch.Tensor, t
     return blocks.contiguous(), (exponents.permute(0, 2, 1) + 127).to(torch.uint8).contiguous()
 
 
-def test_mxfp4_checkpoint_dequantizes_on_load(tmp_path) -> None:
+def _write_mxfp4(path) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A gpt-oss directory whose experts are MXFP4 with known values: transformers' model (its other weights) and
+    the experts' values."""
     config, hf = _hf_model(intermediate_size=32, quantization_config={"quant_method": "mxfp4"})
     tensors = {n: p.detach().contiguous() for n, p in hf.named_parameters()}
     expected, gen = {}, torch.Generator().manual_seed(5)
@@ -175,8 +177,13 @@ def test_mxfp4_checkpoint_dequantizes_on_load(tmp_path) -> None:
                                                       dtype=torch.float32), expected[name])
     gate_up = expected["model.layers.0.mlp.experts.gate_up_proj"]
     assert gate_up[0, 0, 0] == 12.0 and gate_up[1, 31, 2] == -0.125
-    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
-    safetensors.save_file(tensors, str(tmp_path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config.to_dict()))
+    safetensors.save_file(tensors, str(path / "model.safetensors"))
+    return hf, expected
+
+
+def test_mxfp4_checkpoint_dequantizes_on_load(tmp_path) -> None:
+    hf, expected = _write_mxfp4(tmp_path)
     with Engine.from_pretrained(tmp_path, compute_dtype=torch.float32, device="cpu") as engine:
         loaded = engine.state_dict()
         engine.save_pretrained(tmp_path / "out", dtype=torch.float32)
@@ -189,6 +196,47 @@ def test_mxfp4_checkpoint_dequantizes_on_load(tmp_path) -> None:
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
     for name, p in plain.named_parameters():
         assert torch.equal(p, loaded[name]), name
+
+
+def test_mxfp4_loads_as_transformers_loads_it(tmp_path) -> None:
+    pytest.importorskip("accelerate")  # transformers' MXFP4 loading needs it (then dequantizes on the CPU)
+    _write_mxfp4(tmp_path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    with Engine.from_pretrained(tmp_path, compute_dtype=torch.float32, device="cpu") as engine:
+        ours = engine.state_dict()
+    for name, p in theirs.named_parameters():
+        assert torch.equal(ours[name], p.detach()), name
+
+
+def test_train_cli_trains_and_exports_gpt_oss(tmp_path) -> None:
+    pytest.importorskip("tokenizers")
+    from chat_model import RECORDS, write_tokenizer
+    from megatrain.tools import export, train
+
+    model = write_tokenizer(str(tmp_path / "model"))
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model("gpt_oss", **{**SHAPE, "vocab_size": 300, "hidden_size": 64,
+                                                              "bos_token_id": 0, "eos_token_id": 2})
+    transformers.GptOssForCausalLM(config).save_pretrained(model)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in RECORDS * 4) + "\n")
+    run = tmp_path / "run"
+    assert train.main(["--model", model, "--tokenizer", os.path.join(model, "tokenizer.json"), "--data", str(data),
+                       "--out", str(run), "--seq-len", "32", "--batch", "2", "--steps", "2", "--progress", "none",
+                       "--no-plot", "--warmup-steps", "1", "--compute-dtype", "fp32"]) == 0
+    assert export.main([str(run), str(tmp_path / "exported"), "--dtype", "fp32"]) == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    assert type(loaded).__name__ == "GptOssForCausalLM" and loaded.config.layer_types == config.layer_types
+
+
+def test_config_without_rope_reads_as_transformers_defaults_it() -> None:
+    data = {"model_type": "gpt_oss", **{k: SHAPE[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                               "num_hidden_layers", "num_attention_heads")}}
+    theirs = transformers.GptOssConfig(**data).rope_parameters
+    ours = ModelConfig.from_hf(data)
+    assert ours.rope_theta == theirs["rope_theta"] == 150000.0
+    assert {**ours.rope_scaling, "rope_theta": ours.rope_theta} == theirs
+    assert ours.sliding_window == 128 and ours.num_experts == 128 and ours.num_experts_per_tok == 4
 
 
 @pytest.mark.parametrize("change, words", [

@@ -6,8 +6,8 @@ width ``intermediate_size``, ``num_experts_per_tok`` (absent: 4) per token, a ro
 the chosen k; the experts' clamped SwiGLU with the published ``swiglu_alpha`` 1.702 and ``swiglu_limit`` 7.0
 (other values refused). ``layer_types`` (absent: sliding and full attention alternating, sliding first) over a
 ``sliding_window`` (absent: 128); the window is not on every layer, so sequences longer than it are refused.
-``rope_parameters`` (or ``rope_scaling``) must be present (transformers' default is YaRN, factor 32 over
-theta 150000; published configs state it). ``quantization_config`` may only be MXFP4 (``runtime/io/mxfp4.py``
+No ``rope_parameters`` (nor ``rope_scaling``): transformers' default, YaRN of factor 32 over 4096 positions,
+``rope_theta`` (absent) 150000. ``quantization_config`` may only be MXFP4 (``runtime/io/mxfp4.py``
 dequantizes its expert tensors on load). On disk: the parameters' own names (``mlp.router``, the fused
 ``mlp.experts.gate_up_proj`` and its bias, ...), as transformers writes them.
 """
@@ -24,6 +24,8 @@ from ..parameters import Param, head_dim, linear
 MODEL_TYPE = "gpt_oss"
 LAYER_TYPES = ("sliding_attention", "full_attention")
 SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 4096}
 
 
 def layer_types(data: Mapping[str, Any], layers: int) -> list[str]:
@@ -42,9 +44,6 @@ def read(data: Mapping[str, Any], num_hidden_layers: int) -> dict[str, Any]:
         if number(name, data.get(name, value)) != value:
             raise HFConfigError(f"{name}={data[name]!r} is not supported; megatrain trains gpt-oss's published "
                                 f"clamped SwiGLU ({name} {value})")
-    if data.get("rope_parameters") is None and data.get("rope_scaling") is None:
-        raise HFConfigError("a gpt_oss config without rope_parameters is not supported; state the RoPE (the published "
-                            "configs' rope_scaling: yarn, factor 32, rope_theta 150000)")
     quantization = data.get("quantization_config")
     if quantization is not None and (not isinstance(quantization, Mapping)
                                      or quantization.get("quant_method") != "mxfp4"):
@@ -89,15 +88,15 @@ def _gpt_oss(name: str, layers: int, experts: int) -> Preset:
         "model_type": MODEL_TYPE, "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": layers,
         "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088,
         "tie_word_embeddings": False, "rope_theta": 150000.0, "max_position_embeddings": 131072,
-        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                         "original_max_position_embeddings": 4096},
+        "rope_scaling": YARN,
         "sliding_window": 128, "num_local_experts": experts, "num_experts_per_tok": 4, "rms_norm_eps": 1e-5,
         "attention_bias": True, "swiglu_limit": 7.0})
 
 
 FAMILY = Family(
     model_type=MODEL_TYPE, architecture="GptOssForCausalLM", read=read, write=write,
-    defaults={"max_position_embeddings": 131072, "head_dim": 64, "rms_norm_eps": 1e-5},
+    defaults={"max_position_embeddings": 131072, "head_dim": 64, "rms_norm_eps": 1e-5, "rope": {
+        "rope_theta": 150000.0, "rope_parameters": YARN}},
     presets=(_gpt_oss("gpt-oss-20b", 24, 32), _gpt_oss("gpt-oss-120b", 36, 128)),
     layer=layer, blocks="megatrain.models.gpt_oss.blocks",
 )

@@ -133,4 +133,6 @@ def _attention_half_in_tiles(run: RunLayer, leaves: dict[str, torch.Tensor], x_i
 def _add_used(add_grads: AddGrads, leaves: dict[str, torch.Tensor], grads: tuple) -> None:
     """The gradients of the parameters a part used (its graph decides which: the family's norms may sit in
     either half), by name."""
-    add_grads({n: g for n, g in zip(leaves, grads) if g is not None})
+    used = {n: g for n, g in zip(leaves, grads) if g is not None}
+    if used:
+        add_grads(used)
