@@ -12,6 +12,9 @@ from .errors import HFConfigError
 
 # transformers' ACT2FN names whose function the shared MLP implements (layers/decoder.py).
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
+# transformers' ``layer_types``: what each decoder layer's attention is.
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
 def integer(name: str, value: Any) -> int:
@@ -37,6 +40,23 @@ def boolean(name: str, value: Any) -> bool:
 
 def optional_integer(name: str, value: Any) -> int | None:
     return None if value is None else integer(name, value)
+
+
+def layer_types(name: str, value: Any, layers: int) -> tuple[str, ...]:
+    """``value`` as one of ``LAYER_TYPES`` per decoder layer, or one line naming ``name``."""
+    if not isinstance(value, (list, tuple)) or len(value) != layers or any(t not in LAYER_TYPES for t in value):
+        raise HFConfigError(f"{name}={value!r} must list {layers} layer types, each "
+                            f"{' or '.join(map(repr, LAYER_TYPES))}; fix it in the config")
+    return tuple(value)
+
+
+def layer_windows(window: int | None, types: tuple[str, ...]) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` of a model whose layers are ``types`` and whose sliding layers see the
+    last ``window`` positions (None: none slides). Layers all alike: ``layer_types`` None (every layer slides when
+    ``sliding_window`` is set, none when it is None)."""
+    if window is None or SLIDING_ATTENTION not in types:
+        return {"sliding_window": None, "layer_types": None}
+    return {"sliding_window": window, "layer_types": None if FULL_ATTENTION not in types else types}
 
 
 def activation(name: str, value: Any) -> str:

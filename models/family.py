@@ -44,6 +44,7 @@ class DecoderSpec(Protocol):
     moe_intermediate_size: int
     norm_topk_prob: bool
     shared_expert_intermediate_size: int
+    query_pre_attn_scalar: float | None  # attention scores scaled by its ** -0.5 (Gemma 3); None: head_dim's
 
     @property
     def q_size(self) -> int: ...
@@ -63,11 +64,11 @@ class Preset:
 @dataclass(frozen=True)
 class Family:
     """One ``model_type``. ``read(data, num_hidden_layers)`` returns the family's fields of ``ModelConfig``
-    (``attention_bias``, ``o_proj_bias``, ``mlp_bias``, ``qk_norm``, ``sliding_window``) from a config dict,
-    refusing what transformers' class for it would not build; ``write(config)`` the family's own config.json
-    fields for a ``ModelConfig``. ``defaults``: transformers' config defaults for fields a config may leave out
-    (``max_position_embeddings``, ``head_dim``, ``rms_norm_eps``; ``rope``: the RoPE fields of a config that
-    states none)."""
+    (``attention_bias``, ``o_proj_bias``, ``mlp_bias``, ``qk_norm``, ``sliding_window``, ``layer_types``) from a
+    config dict, refusing what transformers' class for it would not build; ``write(config)`` the family's own
+    config.json fields for a ``ModelConfig``. ``defaults``: transformers' config defaults for fields a config may
+    leave out (``max_position_embeddings``, ``head_dim``, ``rms_norm_eps``, ...; ``rope``: the RoPE fields of a
+    config that states none)."""
 
     model_type: str
     architecture: str  # the transformers class, e.g. "LlamaForCausalLM"
@@ -80,9 +81,8 @@ class Family:
     head: Callable[[Dims], tuple[Param, ...]] = llama_head
     hf_name: Callable[[str, "int | None", str], str] = llama_hf_name
     blocks: str = LLAMA_BLOCKS
-    # True when ``sliding_window`` applies to every layer (the blocks apply it exactly); False: it may apply to
-    # some layers only, and a sequence longer than the window is refused.
-    window_on_every_layer: bool = False
+    # The weight with which a norm scales by one, what a new model's norms start at (Gemma's (1 + w) norms: 0).
+    unit_norm_weight: float = 1.0
     # A layer parameter's tensors in Hugging Face files when they are not the one tensor ``hf_name`` names
     # (``moe.per_expert_names``); None, or returning None: that one tensor.
     layer_disk_tensors: Callable[[int, Param], "tuple[DiskTensor, ...] | None"] | None = None

@@ -35,21 +35,31 @@ rope_parameters                    transformers (absent: the family's default, e
                                    (attention_factor, beta_fast, beta_slow, mscale,
                                    mscale_all_dim, truncate as transformers reads them) honoured
                                    (llama3's and yarn's original_max_position_embeddings default
-                                   to max_position_embeddings); other types and per-layer RoPE
-                                   refused; factors must be numbers
+                                   to max_position_embeddings); other types refused; factors must
+                                   be numbers. One RoPE per layer type only for a family with a
+                                   local RoPE (``read_layer_ropes``), else refused
+rope_local_base_freq               a family with a default for it (gemma3_text): the sliding layers'
+                                   RoPE base, unscaled (also rope_parameters.sliding_attention, of
+                                   the default type); absent: the family's default
 partial_rotary_factor              1.0 honoured (top level or in the RoPE dict); other refused
-tie_word_embeddings                boolean (absent: false)
+tie_word_embeddings, pad_token_id  absent: the family's default, else false and null
 attention_bias, mlp_bias,          the family's rule (its ``read``): which projections have a
 o_proj_bias, qk_norm,              bias, whether q and k are normed, which layers slide and over
 sliding_window,                    what window (no sliding layer: full attention); a field that
 use_sliding_window,                contradicts the family is refused. ``o_proj_bias`` and
-max_window_layers, layer_types     ``qk_norm`` are megatrain's own names (``ModelConfig.to_dict()``)
+max_window_layers, layer_types,    ``qk_norm`` are megatrain's own names (``ModelConfig.to_dict()``)
+sliding_window_pattern
 num_experts, num_local_experts,    the family's rule (``megatrain.models.moe``): the experts of a
 num_experts_per_tok,               sparse MLP, their width, top-k renormalisation, a shared
 moe_intermediate_size,             expert; output_router_logits true (the load-balancing loss)
 norm_topk_prob, shared_expert_*,   and router jitter refused; layers of another kind
 decoder_sparse_step,               (mlp_only_layers, decoder_sparse_step > 1) refused
 mlp_only_layers
+query_pre_attn_scalar,             the family's rule (gemma3_text): the attention scale, the final
+final_logit_softcapping,           logits' soft cap, hidden_activation read instead of hidden_act;
+hidden_activation,                 attention soft-capping and bidirectional attention refused
+attn_logit_softcapping,
+use_bidirectional_attention
 attention_dropout                  0 honoured; any other value refused (megatrain trains
                                    without attention dropout)
 max_position_embeddings            integer (absent: the family's transformers default)
@@ -70,13 +80,14 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 from megatrain.models import registry
-from megatrain.models.config_fields import (SUPPORTED_ACTIVATIONS, activation, boolean, integer, json_type, number,
+from megatrain.models.config_fields import (FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, SUPPORTED_ACTIVATIONS,
+                                            activation, boolean, integer, json_type, layer_types, number,
                                             optional_integer)
 from megatrain.models.errors import HFConfigError
 
 __all__ = ["HFConfigError", "DecoderConfig", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ROPE_TYPES", "SUPPORTED_ACTIVATIONS",
-           "integer", "number", "boolean", "optional_integer", "activation", "rope_scaling", "read_rope",
-           "read_config_json", "read", "parse"]
+           "integer", "number", "boolean", "optional_integer", "activation", "layer_types", "rope_scaling",
+           "read_rope", "read_config_json", "read", "parse"]
 
 # The built-in families (``megatrain.models.registry``; ``registry.model_types()`` adds those registered later).
 SUPPORTED_MODEL_TYPES = registry.BUILTIN_MODEL_TYPES
@@ -103,7 +114,8 @@ class DecoderConfig:
     """What the blocks of a decoder are, read from a config.json. Field names are ``ModelConfig``'s.
 
     ``head_dim=None``: ``hidden_size // num_attention_heads``. ``sliding_window``: the window of
-    the sliding layers, ``None`` when every layer attends to the whole sequence.
+    the sliding layers, ``None`` when every layer attends to the whole sequence; ``layer_types``: each
+    layer's ``full_attention`` or ``sliding_attention``, ``None`` when every layer is alike.
     ``rope_scaling``: ``None`` (plain RoPE) or ``{"rope_type": "linear" | "llama3" | "dynamic" |
     "yarn", ...}`` holding that type's parameters (yarn's optional ones only when given).
     """
@@ -134,6 +146,10 @@ class DecoderConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
+    layer_types: tuple[str, ...] | None = None
+    rope_local_base_freq: float | None = None  # the sliding layers' RoPE base, unscaled; None: the full layers'
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
 
     def fields(self) -> dict[str, Any]:
         """The fields as keyword arguments (``ModelConfig(**d.fields())``)."""
@@ -214,6 +230,36 @@ def read_rope(data: Mapping[str, Any], max_position_embeddings: int | None) -> t
     return theta, rope_scaling(scaling, max_position_embeddings, name)
 
 
+def read_layer_ropes(data: Mapping[str, Any], max_position_embeddings: int,
+                     defaults: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """rope_theta and scaling of the full-attention layers, and the sliding layers' unscaled base, as transformers'
+    ``Gemma3TextConfig`` reads them: ``rope_parameters`` per layer type (``{"full_attention": {...},
+    "sliding_attention": {...}}``), the old ``rope_scaling`` updating the full layers', ``rope_theta`` and
+    ``rope_local_base_freq`` where a type's dict has no ``rope_theta`` (absent: the family's ``defaults``)."""
+    params = data.get("rope_parameters")
+    if params is not None and not (isinstance(params, Mapping) and all(isinstance(v, Mapping) or v is None
+                                                                       for v in params.values())
+                                   and set(params) <= set(LAYER_TYPES)):
+        raise HFConfigError(f"rope_parameters={params!r} must hold one RoPE per layer type: "
+                            '{"full_attention": {...}, "sliding_attention": {...}}; fix it in the config')
+    full = dict((params or {}).get(FULL_ATTENTION) or {})
+    local = dict((params or {}).get(SLIDING_ATTENTION) or {})
+    if data.get("rope_scaling"):
+        if not isinstance(data["rope_scaling"], Mapping):
+            raise HFConfigError(f"rope_scaling={data['rope_scaling']!r} must be an object or null; fix it in the "
+                                "config")
+        full.update(data["rope_scaling"])
+    full.setdefault("rope_theta", data.get("rope_theta", defaults["rope_theta"]))
+    local.setdefault("rope_theta", data.get("rope_local_base_freq", defaults["rope_local_base_freq"]))
+    theta, scaling = read_rope({"rope_parameters": full, "partial_rotary_factor": data.get("partial_rotary_factor")},
+                               max_position_embeddings)
+    local_theta, local_scaling = read_rope({"rope_parameters": local}, max_position_embeddings)
+    if local_scaling is not None:
+        raise HFConfigError(f"rope_parameters.sliding_attention of type {local_scaling['rope_type']!r} is not "
+                            "supported; the sliding layers take the default RoPE with their own rope_theta")
+    return theta, scaling, local_theta
+
+
 # ---- the reader --------------------------------------------------------------------------------
 
 
@@ -262,26 +308,35 @@ def parse(data: Mapping[str, Any]) -> DecoderConfig:
     head_dim = optional_integer("head_dim", data.get("head_dim", family.defaults.get("head_dim")))
     max_pos = integer("max_position_embeddings",
                       data.get("max_position_embeddings", family.defaults.get("max_position_embeddings", 4096)))
-    rope_defaults = family.defaults.get("rope", {})  # the family's RoPE where the config states none (gpt-oss)
-    theta, scaling = read_rope({**data, **{k: v for k, v in rope_defaults.items() if data.get(k) is None}}, max_pos)
+    if family.defaults.get("rope_local_base_freq") is None:
+        rope_defaults = family.defaults.get("rope", {})  # the family's RoPE where the config states none (gpt-oss)
+        theta, scaling = read_rope({**data, **{k: v for k, v in rope_defaults.items() if data.get(k) is None}},
+                                   max_pos)
+        ropes: dict[str, Any] = {}
+    else:  # a family whose sliding layers have their own RoPE
+        theta, scaling, local = read_layer_ropes(data, max_pos, family.defaults)
+        ropes = {"rope_local_base_freq": local}
     eps = number("rms_norm_eps", data.get("rms_norm_eps", family.defaults.get("rms_norm_eps", 1e-6)))
     dropout = number("attention_dropout", data.get("attention_dropout", 0.0))
     if dropout != 0.0:
         raise HFConfigError(f"attention_dropout={data['attention_dropout']!r} is not supported; megatrain trains "
                             "without attention dropout: set it to 0.0")
-    own = family.read(data, sizes["num_hidden_layers"])
+    own = family.read(data, sizes["num_hidden_layers"])  # may read the activation under its own name
+    act = own.pop("hidden_act", None) or activation("hidden_act", data.get("hidden_act", "silu"))
     return DecoderConfig(
         model_type=mtype,
         **sizes,
         num_key_value_heads=heads if kv is None else kv,
         head_dim=head_dim,
-        hidden_act=activation("hidden_act", data.get("hidden_act", "silu")),
+        hidden_act=act,
         rms_norm_eps=eps,
         rope_theta=theta,
         rope_scaling=scaling,
-        tie_word_embeddings=boolean("tie_word_embeddings", data.get("tie_word_embeddings", False)),
+        tie_word_embeddings=boolean("tie_word_embeddings", data.get(
+            "tie_word_embeddings", family.defaults.get("tie_word_embeddings", False))),
         max_position_embeddings=max_pos,
-        pad_token_id=optional_integer("pad_token_id", data.get("pad_token_id")),
+        pad_token_id=optional_integer("pad_token_id", data.get("pad_token_id", family.defaults.get("pad_token_id"))),
         initializer_range=number("initializer_range", data.get("initializer_range", 0.02)),
+        **ropes,
         **own,
     )

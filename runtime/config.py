@@ -34,8 +34,12 @@ class ModelConfig:
     and that type's parameters. ``qk_norm`` is an RMSNorm on queries and keys.
     ``attention_bias`` puts a bias on q, k and v; ``o_proj_bias`` (default: the same
     as ``attention_bias``) on the output projection. ``hidden_act`` is the MLP's activation, by its transformers ``ACT2FN`` name.
-    ``sliding_window`` is the attention window (``None``: full attention): applied exactly when the family's
-    window is on every layer, else sequences run up to the window, where it changes nothing.
+    ``sliding_window`` is the window of the sliding layers (``None``: full attention): each query sees the last
+    ``sliding_window`` positions. ``layer_types`` is each layer's ``full_attention`` or ``sliding_attention``
+    (``None``: every layer alike, sliding when ``sliding_window`` is set). ``rope_local_base_freq``: the RoPE base
+    of the sliding layers, unscaled (``None``: theirs is the full layers'). ``query_pre_attn_scalar``: attention
+    scores scaled by its ** -0.5 (``None``: head_dim's); ``final_logit_softcapping``: logits capped to
+    c x tanh(logits / c) (``None``: not capped).
     ``num_experts`` > 0: the MLP is sparse (``megatrain.models.moe``): ``num_experts_per_tok`` experts of width
     ``moe_intermediate_size`` per token, top-k weights renormalised when ``norm_topk_prob``, and a shared expert
     of width ``shared_expert_intermediate_size`` when it is > 0.
@@ -59,6 +63,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     pad_token_id: int | None = None
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
     initializer_range: float = 0.02
     model_type: str = registry.DEFAULT_MODEL_TYPE
     hidden_act: str = "silu"
@@ -67,6 +72,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
+    rope_local_base_freq: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -107,6 +115,14 @@ class ModelConfig:
                               f"{self.num_experts} and moe_intermediate_size positive for a sparse MLP")
         if self.o_proj_bias is not None:
             _field(hf_config.boolean, "o_proj_bias", self.o_proj_bias)
+        if self.layer_types is not None:
+            types = _field(hf_config.layer_types, "layer_types", self.layer_types, self.num_hidden_layers)
+            object.__setattr__(self, "layer_types", types)
+        for name in ("rope_local_base_freq", "query_pre_attn_scalar", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not _field(hf_config.number, name, value) > 0:
+                raise ConfigError(f"{name}={value!r} must be a positive number, or None")
+            object.__setattr__(self, name, None if value is None else float(value))
         if registry.find(self.model_type) is None:
             raise ConfigError(
                 f"model_type={self.model_type!r} is not supported; supported: {', '.join(registry.model_types())}"

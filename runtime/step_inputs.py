@@ -17,7 +17,6 @@ import math
 
 import torch
 
-from megatrain.models import registry
 from megatrain.models.layers.attention import Documents
 from megatrain.planner.plan import Plan
 
@@ -76,7 +75,6 @@ class StepInputs:
                       ) -> tuple[torch.Tensor, torch.Tensor | None, Documents | None]:
         """``logits``' ids [B, S] on the device, and with packed rows their positions and documents."""
         ids = self._ids(input_ids, "input_ids")
-        self._check_seq(ids.shape[1])
         positions = self._positions(position_ids, ids.shape)
         if positions is None:
             return self._to_device(ids), None, None
@@ -103,14 +101,6 @@ class StepInputs:
                     "check the tokenizer matches the model"
                 )
         return ids
-
-    def _check_seq(self, seq: int) -> None:
-        window = self.config.sliding_window
-        if window is not None and seq > window and not registry.family(self.config.model_type).window_on_every_layer:
-            raise InputError(
-                f"seq_len={seq} exceeds sliding_window={window}, which megatrain applies only when every layer "
-                f"slides; use sequences of at most {window} tokens"
-            )
 
     def _positions(self, position_ids: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
         """Packed rows' position ids (where they are), checked; None when every row is one sequence from 0 (then the
@@ -148,7 +138,6 @@ class StepInputs:
                 f"labels holds {value}, outside [0, {self.config.vocab_size}) and not -100 (ignored); "
                 "check the tokenizer or mask with -100"
             )
-        self._check_seq(ids.shape[1])
         shifted = shift_labels(lab)
         n_tokens = int((shifted != IGNORE_INDEX).sum())
         if n_tokens == 0:

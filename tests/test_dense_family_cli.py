@@ -1,5 +1,5 @@
-"""``megatrain-train --model DIR`` on directories transformers wrote for the Phi-3 and OLMo 2 families: two steps,
-then the run's export loads in transformers as the same architecture."""
+"""``megatrain-train --model DIR`` on directories transformers wrote for the Phi-3, OLMo 2 and Gemma 3 families: two
+steps, then the run's export loads in transformers as the same architecture (Gemma 3 with the same layer types)."""
 from __future__ import annotations
 
 import json
@@ -20,12 +20,17 @@ SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_l
              eos_token_id=2, pad_token_id=None)
 
 
-@pytest.mark.parametrize("architecture", ["Phi3ForCausalLM", "Olmo2ForCausalLM"])
+# Gemma 3: sliding layers of window 8 under the 32-token rows, every second layer global.
+EXTRA = {"Gemma3ForCausalLM": dict(sliding_window=8, sliding_window_pattern=2, final_logit_softcapping=30.0)}
+
+
+@pytest.mark.parametrize("architecture", ["Phi3ForCausalLM", "Olmo2ForCausalLM", "Gemma3ForCausalLM"])
 def test_train_cli_trains_and_exports_the_family(tmp_path, architecture: str) -> None:
-    model_type = {"Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2"}[architecture]
+    model_type = {"Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2", "Gemma3ForCausalLM": "gemma3_text"}[
+        architecture]
     model = write_tokenizer(str(tmp_path / "model"))
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(model_type, **SHAPE)
+    config = transformers.AutoConfig.for_model(model_type, **SHAPE, **EXTRA.get(architecture, {}))
     getattr(transformers, architecture)(config).save_pretrained(model)
     data = tmp_path / "chat.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in RECORDS * 4) + "\n")
@@ -36,3 +41,4 @@ def test_train_cli_trains_and_exports_the_family(tmp_path, architecture: str) ->
     assert export.main([str(run), str(tmp_path / "exported"), "--dtype", "fp32"]) == 0
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
     assert type(loaded).__name__ == architecture
+    assert getattr(loaded.config, "layer_types", None) == getattr(config, "layer_types", None)

@@ -172,11 +172,3 @@ def test_bad_state_dict(engine):
     with pytest.raises(InputError) as e:
         engine.load_state_dict(broken)
     _one_line(e, "unexpected", "extra")
-
-
-def test_sliding_window_longer_than_supported():
-    cfg = ModelConfig(**{**CONFIG.to_dict(), "model_type": "qwen2", "sliding_window": 4})
-    with Engine(cfg, device="cpu", compute_dtype=torch.float32) as e:
-        with pytest.raises(InputError) as err:
-            e.step(IDS, IDS)
-        _one_line(err, "sliding_window=4")

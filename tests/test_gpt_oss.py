@@ -31,8 +31,8 @@ from test_families import TINY  # noqa: E402
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: E402
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward  # noqa: E402
 
-# 4 experts of width 16, 2 per token; the window over every sequence of the batches (20 tokens; see _WINDOW_NOTE).
-SHAPE = {**TINY, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16, "sliding_window": 32,
+# 4 experts of width 16, 2 per token; sliding and full layers alternating, the window (5) under a row's 20 tokens.
+SHAPE = {**TINY, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16, "sliding_window": 5,
          "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
 
 
@@ -101,6 +101,7 @@ def test_saved_by_transformers_trains_like_transformers_and_exports(tmp_path) ->
     starved = experts.down_proj[-1].detach().clone()
 
     mt_config = ModelConfig.from_hf(tmp_path / "hf")
+    assert mt_config.layer_types == ("sliding_attention", "full_attention") and mt_config.sliding_window == 5
     assert (mt_config.rope_scaling["rope_type"], mt_config.num_experts, mt_config.moe_intermediate_size) == ("yarn", 4, 16)
     with Engine.from_pretrained(tmp_path / "hf", compute_dtype=torch.float32, device="cpu") as engine:
         loaded = engine.state_dict()

@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_reference import assert_matches_transformers, batch, randomize_norms_and_biases  # noqa: E402
-from megatrain.runtime import Engine, InputError, ModelConfig, Plan  # noqa: E402
+from megatrain.runtime import Engine, ModelConfig, Plan  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
@@ -96,17 +96,18 @@ def test_a_window_transformers_does_not_apply_is_full_attention(family: str, ext
     ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)),
     ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
 ])
-def test_a_window_transformers_applies_is_refused_beyond_it(family: str, extra: dict) -> None:
-    """Qwen's window may be on some layers only: refused beyond it (a window on every layer applies exactly:
-    test_sliding_window.py)."""
-    cls = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config}[family]
-    mt_config = ModelConfig.from_hf(cls(**COMMON, **extra).to_dict())
+def test_a_window_transformers_applies_matches_it_beyond_the_window(family: str, extra: dict) -> None:
+    """Qwen's window on every layer, or on the layers from max_window_layers on (the others full attention),
+    over sequences of 20 tokens, longer than the window of 8."""
+    torch.manual_seed(1234)
+    config = (transformers.Qwen3Config if family == "qwen3" else transformers.Qwen2Config)(
+        **COMMON, **extra, **({"head_dim": 12} if family == "qwen3" else {}))
+    hf = MODELS[family](config).float()
+    mt_config = ModelConfig.from_hf(config.to_dict())
     assert mt_config.sliding_window == 8
-    with Engine(mt_config, plan=Plan(micro_batch_size=1), compute_dtype=torch.float32, device="cpu") as engine:
-        ids, labels = batch(mt_config.vocab_size)
-        with pytest.raises(InputError, match="sliding_window=8"):
-            engine.step(ids, labels)
-        engine.step(ids[:, :8], labels[:, :8])  # within the window it changes nothing
+    assert mt_config.layer_types == (None if extra["max_window_layers"] == 0 else
+                                     ("full_attention",) * 1 + ("sliding_attention",) * (config.num_hidden_layers - 1))
+    assert_matches_transformers(config.vocab_size, hf, mt_config, steps=1)
 
 
 def test_from_hf_reads_both_rope_spellings(tmp_path) -> None:

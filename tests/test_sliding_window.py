@@ -1,8 +1,10 @@
 """Sliding-window attention applied exactly: each token sees only the last ``sliding_window`` positions.
 
-Against transformers on sequences longer than the window (Mistral's window and Phi-3's, both on every layer):
-logits and three AdamW steps; within packed documents (each document alone in transformers); and under sequence
-tiles (the attention half's and the MLP's token-local work in tiles) against the untiled run.
+Against transformers on sequences longer than the window (Mistral's window and Phi-3's, both on every layer, and
+a Qwen2 whose first layer attends to the whole sequence and whose second slides): logits and three AdamW steps;
+each Qwen family's layer types read as transformers reads them; within packed documents (each document alone in
+transformers); and under sequence tiles (the attention half's and the MLP's token-local work in tiles) against the
+untiled run.
 """
 from __future__ import annotations
 
@@ -18,12 +20,15 @@ WINDOW = 5
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, sliding_window=WINDOW,
               pad_token_id=None, bos_token_id=None, eos_token_id=None)
-ARCHITECTURES = {"mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
+ARCHITECTURES = {"mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# Qwen2: layers >= max_window_layers slide, so layer 0 is full attention and layer 1 slides.
+EXTRA = {"qwen2": dict(use_sliding_window=True, max_window_layers=1)}
+LAYER_TYPES = {"mistral": None, "phi3": None, "qwen2": ("full_attention", "sliding_attention")}
 
 
 def _hf(model_type: str):
     torch.manual_seed(7)
-    config = transformers.AutoConfig.for_model(model_type, **COMMON)
+    config = transformers.AutoConfig.for_model(model_type, **COMMON, **EXTRA.get(model_type, {}))
     model = getattr(transformers, ARCHITECTURES[model_type])(config).float()
     randomize_norms_and_biases(model)
     return config, model
@@ -33,7 +38,7 @@ def _hf(model_type: str):
 def test_training_beyond_the_window_matches_transformers(model_type: str) -> None:
     config, hf = _hf(model_type)
     mt_config = ModelConfig.from_hf(config.to_dict())
-    assert mt_config.sliding_window == WINDOW
+    assert mt_config.sliding_window == WINDOW and mt_config.layer_types == LAYER_TYPES[model_type]
     assert_matches_transformers(config.vocab_size, hf, mt_config, steps=3)  # 20 tokens a row, window 5
 
 
@@ -70,3 +75,26 @@ def test_sequence_tiles_keep_the_window(model_type: str) -> None:
     assert plain == pytest.approx(tiled, abs=1e-6)
     for name, tensor in plain_state.items():
         torch.testing.assert_close(tiled_state[name], tensor, rtol=0, atol=1e-5)
+
+
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+WINDOW_SETTINGS = [dict(), dict(use_sliding_window=True), dict(use_sliding_window=True, max_window_layers=2),
+                   dict(use_sliding_window=True, max_window_layers=0),
+                   dict(use_sliding_window=False, max_window_layers=1),
+                   dict(use_sliding_window=True, layer_types=["sliding_attention", "full_attention"] * 2)]
+
+
+@pytest.mark.parametrize("settings", WINDOW_SETTINGS)
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "qwen2_moe", "qwen3_moe"])
+def test_qwen_layer_types_read_as_transformers_reads_them(model_type: str, settings: dict) -> None:
+    shape = {**COMMON, "num_hidden_layers": 4, **(MOE if model_type.endswith("moe") else {})}
+    config = transformers.AutoConfig.for_model(model_type, **shape, **settings)
+    ours = ModelConfig.from_hf(config.to_dict())
+    if model_type == "qwen3_moe":  # its attention reads no layer_types: the window on every layer, or on none
+        theirs = ["sliding_attention" if config.sliding_window else "full_attention"] * 4
+    else:
+        theirs = config.layer_types
+    per_layer = ours.layer_types or ["sliding_attention" if ours.sliding_window else "full_attention"] * 4
+    assert list(per_layer) == list(theirs)
+    if "sliding_attention" in theirs:
+        assert ours.sliding_window == config.sliding_window == WINDOW

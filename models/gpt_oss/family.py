@@ -4,8 +4,8 @@ Rules (transformers' ``GptOssConfig``): biases on q, k, v and o (``attention_bia
 attention sink per query head; the MLP is sparse on every layer: ``num_local_experts`` (absent: 128) experts of
 width ``intermediate_size``, ``num_experts_per_tok`` (absent: 4) per token, a router with a bias, softmax over
 the chosen k; the experts' clamped SwiGLU with the published ``swiglu_alpha`` 1.702 and ``swiglu_limit`` 7.0
-(other values refused). ``layer_types`` (absent: sliding and full attention alternating, sliding first) over a
-``sliding_window`` (absent: 128); the window is not on every layer, so sequences longer than it are refused.
+(other values refused). ``layer_types`` (absent: sliding and full attention alternating, sliding first), the sliding layers seeing the
+last ``sliding_window`` (absent: 128) positions.
 No ``rope_parameters`` (nor ``rope_scaling``): transformers' default, YaRN of factor 32 over 4096 positions,
 ``rope_theta`` (absent) 150000. ``quantization_config`` may only be MXFP4 (``runtime/io/mxfp4.py``
 dequantizes its expert tensors on load). On disk: the parameters' own names (``mlp.router``, the fused
@@ -15,28 +15,18 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..config_fields import attention_biases, fixed_flag, integer, number, optional_integer
+from ..config_fields import (FULL_ATTENTION, SLIDING_ATTENTION, attention_biases, fixed_flag, integer, layer_types,
+                             layer_windows, number, optional_integer)
 from ..errors import HFConfigError
 from ..family import Family, Preset
 from ..moe import read_experts, write_experts
 from ..parameters import Param, head_dim, linear
 
 MODEL_TYPE = "gpt_oss"
-LAYER_TYPES = ("sliding_attention", "full_attention")
+ALTERNATING = (SLIDING_ATTENTION, FULL_ATTENTION)  # transformers' default: layer i is ALTERNATING[i % 2]
 SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
         "original_max_position_embeddings": 4096}
-
-
-def layer_types(data: Mapping[str, Any], layers: int) -> list[str]:
-    """Each layer's attention type: the config's, else transformers' default (sliding on even layers)."""
-    types = data.get("layer_types")
-    if types is None:
-        return [LAYER_TYPES[i % 2] for i in range(layers)]
-    if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
-        raise HFConfigError(f"layer_types={types!r} must list {layers} of {' or '.join(map(repr, LAYER_TYPES))}; "
-                            "fix it in the config")
-    return types
 
 
 def read(data: Mapping[str, Any], num_hidden_layers: int) -> dict[str, Any]:
@@ -50,18 +40,18 @@ def read(data: Mapping[str, Any], num_hidden_layers: int) -> dict[str, Any]:
         raise HFConfigError(f"quantization_config={quantization!r} is not supported; megatrain loads gpt-oss's "
                             "MXFP4 experts or plain float weights")
     window = optional_integer("sliding_window", data.get("sliding_window", 128))
-    sliding = window is not None and "sliding_attention" in layer_types(data, num_hidden_layers)
+    types = data.get("layer_types") or [ALTERNATING[i % 2] for i in range(num_hidden_layers)]
     return {**attention_biases(MODEL_TYPE, {**data, "attention_bias": data.get("attention_bias", True)}, mlp=False),
             "qk_norm": fixed_flag(MODEL_TYPE, data, "qk_norm", False),
-            "sliding_window": window if sliding else None,
+            **layer_windows(window, layer_types("layer_types", types, num_hidden_layers)),
             **read_experts(MODEL_TYPE, {**data, "num_experts_per_tok": data.get("num_experts_per_tok", 4)},
                            experts=integer("num_local_experts", data.get("num_local_experts", 128)),
                            width=integer("intermediate_size", data["intermediate_size"]), norm_topk_prob=False)}
 
 
 def write(config: Any) -> dict[str, Any]:
-    types = [LAYER_TYPES[i % 2] if config.sliding_window else "full_attention"
-             for i in range(config.num_hidden_layers)]
+    every = SLIDING_ATTENTION if config.sliding_window else FULL_ATTENTION
+    types = list(config.layer_types or [every] * config.num_hidden_layers)
     return {"attention_bias": config.attention_bias, "sliding_window": config.sliding_window, "layer_types": types,
             "num_local_experts": config.num_experts, "intermediate_size": config.moe_intermediate_size, **SWIGLU,
             **write_experts(config)}

@@ -26,7 +26,7 @@ def write(config: Any) -> dict[str, Any]:
 
 FAMILY = Family(
     model_type=MODEL_TYPE, architecture="MistralForCausalLM", read=read, write=write,
-    defaults={"max_position_embeddings": 131072}, window_on_every_layer=True,
+    defaults={"max_position_embeddings": 131072},
     presets=(Preset("Mistral-7B", {  # mistralai/Mistral-7B-v0.1, without its window
         "model_type": MODEL_TYPE, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "rope_theta": 10000.0,

@@ -46,7 +46,7 @@ def layer(dims: Mapping[str, Any]) -> tuple[Param, ...]:
 FAMILY = Family(
     model_type=MODEL_TYPE, architecture="Phi3ForCausalLM", read=read, write=write,
     defaults={"max_position_embeddings": 4096, "rms_norm_eps": 1e-5}, layer=layer,
-    blocks="megatrain.models.phi3.blocks", window_on_every_layer=True,
+    blocks="megatrain.models.phi3.blocks",
     presets=(Preset("Phi-3-medium", {  # microsoft/Phi-3-medium-4k-instruct
         "model_type": MODEL_TYPE, "hidden_size": 5120, "intermediate_size": 17920, "num_hidden_layers": 40,
         "num_attention_heads": 40, "num_key_value_heads": 10, "vocab_size": 32064, "rope_theta": 10000.0,

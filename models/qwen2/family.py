@@ -2,49 +2,45 @@
 
 Rules (transformers' ``Qwen2Config``): q, k and v always have a bias, o and the MLP none; no q/k norm; a sliding
 window only when ``use_sliding_window`` is true, on the layers ``layer_types`` names ``sliding_attention``
-(absent: layers >= ``max_window_layers``, default 28), and no sliding layer means full attention;
+(absent: layers >= ``max_window_layers``, default 28), the others attending to the whole sequence;
 ``max_position_embeddings`` absent: 32768. Pure stdlib.
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..config_fields import attention_biases, boolean, fixed_flag, integer, optional_integer
-from ..errors import HFConfigError
+from ..config_fields import (FULL_ATTENTION, SLIDING_ATTENTION, attention_biases, boolean, fixed_flag, integer,
+                             layer_types, layer_windows, optional_integer)
 from ..family import Family, Preset
 
 MODEL_TYPE = "qwen2"
 DEFAULT_WINDOW = 4096
 DEFAULT_MAX_WINDOW_LAYERS = 28
-LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def sliding_window(data: Mapping[str, Any], layers: int) -> int | None:
-    """The window of the sliding layers (Qwen2's and Qwen3's rule), or None when every layer sees the whole
-    sequence."""
+def windows(data: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` by Qwen2's and Qwen3's rule (``config_fields.layer_windows``)."""
     window = optional_integer("sliding_window", data.get("sliding_window", DEFAULT_WINDOW))
-    if window is None or not boolean("use_sliding_window", data.get("use_sliding_window", False)):
-        return None
+    if not boolean("use_sliding_window", data.get("use_sliding_window", False)):
+        window = None
     types = data.get("layer_types")
     if types is None:
         first = integer("max_window_layers", data.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS))
-        return window if first < layers else None
-    if not isinstance(types, list) or any(t not in LAYER_TYPES for t in types):
-        raise HFConfigError(f"layer_types={types!r} must be a list of {' or '.join(map(repr, LAYER_TYPES))}; "
-                            "fix it in the config")
-    return window if "sliding_attention" in types else None
+        types = [SLIDING_ATTENTION if window is not None and i >= first else FULL_ATTENTION for i in range(layers)]
+    return layer_windows(window, layer_types("layer_types", types, layers))
 
 
 def window_fields(config: Any) -> dict[str, Any]:
-    """The config.json fields of a window on every layer (or of none)."""
+    """The config.json fields of the model's windows: ``layer_types`` when only some layers slide."""
+    types = {} if config.layer_types is None else {"layer_types": list(config.layer_types)}
     return {"use_sliding_window": config.sliding_window is not None, "sliding_window": config.sliding_window,
-            "max_window_layers": 0}
+            "max_window_layers": 0, **types}
 
 
 def read(data: Mapping[str, Any], num_hidden_layers: int) -> dict[str, Any]:
     return {**attention_biases(MODEL_TYPE, data, qkv=True, o=False, mlp=False),
             "qk_norm": fixed_flag(MODEL_TYPE, data, "qk_norm", False),
-            "sliding_window": sliding_window(data, num_hidden_layers)}
+            **windows(data, num_hidden_layers)}
 
 
 def _qwen25(name: str, h: int, i: int, layers: int, heads: int, kv: int, vocab: int, tie: bool,

@@ -10,14 +10,14 @@ from typing import Any, Mapping
 
 from ..config_fields import attention_biases, fixed_flag
 from ..family import Family, Preset
-from ..qwen2.family import sliding_window, window_fields
+from ..qwen2.family import window_fields, windows
 
 MODEL_TYPE = "qwen3"
 
 
 def read(data: Mapping[str, Any], num_hidden_layers: int) -> dict[str, Any]:
     return {**attention_biases(MODEL_TYPE, data, mlp=False), "qk_norm": fixed_flag(MODEL_TYPE, data, "qk_norm", True),
-            "sliding_window": sliding_window(data, num_hidden_layers)}
+            **windows(data, num_hidden_layers)}
 
 
 def write(config: Any) -> dict[str, Any]:

@@ -1,20 +1,21 @@
 """Qwen3-MoE: config rules, parameter table, on-disk names and presets. Pure stdlib.
 
 Rules (transformers' ``Qwen3MoeConfig``): Qwen3's attention (q/k norm; ``attention_bias`` on q, k, v and o;
-Qwen2's sliding-window rule); the MLP is sparse on every layer (``decoder_sparse_step`` 1, no
-``mlp_only_layers``; other layouts refused): ``num_experts`` (written as ``num_local_experts``; absent: 128)
-experts of width ``moe_intermediate_size`` (absent: 768), ``num_experts_per_tok`` (absent: 8) per token, top-k
-weights renormalised when ``norm_topk_prob`` (absent: false); experts registered before the router. On disk:
-``mlp.experts.N.gate_proj/up_proj/down_proj`` and ``mlp.gate``. ``max_position_embeddings`` absent: 32768.
+``sliding_window`` on every layer when ``use_sliding_window``); the MLP is sparse on every layer
+(``decoder_sparse_step`` 1, no ``mlp_only_layers``; other layouts refused): ``num_experts`` (written as
+``num_local_experts``; absent: 128) experts of width ``moe_intermediate_size`` (absent: 768),
+``num_experts_per_tok`` (absent: 8) per token, top-k weights renormalised when ``norm_topk_prob`` (absent: false);
+experts registered before the router. On disk: ``mlp.experts.N.gate_proj/up_proj/down_proj`` and ``mlp.gate``.
+``max_position_embeddings`` absent: 32768.
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..config_fields import attention_biases, boolean, fixed_flag, integer
+from ..config_fields import attention_biases, boolean, fixed_flag, integer, optional_integer
 from ..family import Family, Preset
 from ..moe import every_layer_sparse, moe_layer, per_expert_names, read_experts, write_experts
-from ..qwen2.family import sliding_window, window_fields
+from ..qwen2.family import DEFAULT_WINDOW
 
 MODEL_TYPE = "qwen3_moe"
 QWEN_MOE_DISK = per_expert_names("mlp", ("gate_proj", "up_proj", "down_proj"))
@@ -24,14 +25,22 @@ def read(data: Mapping[str, Any], num_hidden_layers: int) -> dict[str, Any]:
     every_layer_sparse(MODEL_TYPE, data)
     experts = integer("num_local_experts", data.get("num_local_experts", data.get("num_experts", 128)))
     return {**attention_biases(MODEL_TYPE, data, mlp=False), "qk_norm": fixed_flag(MODEL_TYPE, data, "qk_norm", True),
-            "sliding_window": sliding_window(data, num_hidden_layers),
+            "sliding_window": window(data), "layer_types": None,
             **read_experts(MODEL_TYPE, data, experts=experts,
                            width=integer("moe_intermediate_size", data.get("moe_intermediate_size", 768)),
                            norm_topk_prob=boolean("norm_topk_prob", data.get("norm_topk_prob", False)))}
 
 
+def window(data: Mapping[str, Any]) -> int | None:
+    """Qwen3-MoE's window: ``sliding_window`` on every layer when ``use_sliding_window`` (transformers' Qwen3-MoE
+    reads no ``layer_types``), else none."""
+    use = boolean("use_sliding_window", data.get("use_sliding_window", False))
+    return optional_integer("sliding_window", data.get("sliding_window", DEFAULT_WINDOW)) if use else None
+
+
 def write(config: Any) -> dict[str, Any]:
-    return {"attention_bias": config.attention_bias, **window_fields(config), "num_local_experts": config.num_experts,
+    return {"attention_bias": config.attention_bias, "use_sliding_window": config.sliding_window is not None,
+            "sliding_window": config.sliding_window, "num_local_experts": config.num_experts,
             "moe_intermediate_size": config.moe_intermediate_size, "norm_topk_prob": config.norm_topk_prob,
             "decoder_sparse_step": 1, "mlp_only_layers": [], **write_experts(config)}
 

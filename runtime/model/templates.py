@@ -9,6 +9,9 @@ views of the slot's flat buffer into the template with
 ``torch.func.functional_call``: no per-layer copy into module parameters, no
 autograd graph across blocks, no persistent per-layer modules on the device.
 
+Decoder layers of different types (``layer_types.py``: full or sliding attention, each type with its own window
+and RoPE) have one template per type; each layer ``Block`` names its type and ``run`` picks its template.
+
 The templates are the model family's blocks and the layout its parameter table
 (``megatrain.models``, asked through ``megatrain.planner.block_parameters``, the one
 the planner sizes blocks from), which is the templates' registration order (that
@@ -33,6 +36,7 @@ from megatrain.planner import block_parameters
 from megatrain.planner.block_parameters import Param
 
 from megatrain.runtime.config import ModelConfig
+from megatrain.runtime.model.layer_types import distinct_layer_types, layer_config, layer_type
 
 
 class BlockKind(enum.Enum):
@@ -81,6 +85,7 @@ class Block:
     kind: BlockKind
     layer: int | None  # decoder layer number, for LAYER blocks
     layout: BlockLayout
+    layer_type: str | None = None  # a LAYER block's type (layer_types.py); None: every layer alike
 
     @property
     def label(self) -> str:
@@ -97,20 +102,23 @@ def parameter_table(config: ModelConfig, kind: BlockKind) -> tuple[Param, ...]:
 
 
 class Templates:
-    """The meta-device template of each block kind, and the model's block list."""
+    """The meta-device template of each block kind (of decoder layers, one per layer type), and the model's block
+    list."""
 
     def __init__(self, config: ModelConfig, decays: Callable[[str], bool]) -> None:
         self.config = config
         self.hf_name = registry.family(config.model_type).hf_name
         classes = block_classes(config.model_type)
         with torch.device("meta"):
+            self.layer_modules: dict[str | None, nn.Module] = {
+                t: classes.layer(layer_config(config, t)) for t in distinct_layer_types(config)}
             self.modules: dict[BlockKind, nn.Module] = {
                 BlockKind.EMBED: classes.embedding(config),
-                BlockKind.LAYER: classes.layer(config),
+                BlockKind.LAYER: next(iter(self.layer_modules.values())),  # the first layer's type
                 BlockKind.HEAD: classes.head(config),
             }
         self.tables = {kind: parameter_table(config, kind) for kind in BlockKind}
-        for kind, module in self.modules.items():
+        for kind, module in [*self.modules.items(), *((BlockKind.LAYER, m) for m in self.layer_modules.values())]:
             registered = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
             assert registered == [(p.name, p.shape) for p in self.tables[kind]], (kind, registered)
         blocks = [self._block(0, BlockKind.EMBED, None, decays)]
@@ -126,7 +134,8 @@ class Templates:
             entry = ParamEntry(p.name, hf_name, p.shape, offset, decays(hf_name))
             entries.append(entry)
             offset = _align(offset + entry.numel)
-        return Block(index, kind, layer, BlockLayout(tuple(entries), offset))
+        kind_of_layer = None if layer is None else layer_type(self.config, layer)
+        return Block(index, kind, layer, BlockLayout(tuple(entries), offset), kind_of_layer)
 
     @property
     def embed(self) -> Block:
@@ -144,6 +153,21 @@ class Templates:
         """Hugging Face names in ``model.parameters()`` order (tied lm_head counted once, as torch does)."""
         return [e.hf_name for block in self.blocks for e in block.layout.entries]
 
-    def run(self, kind: BlockKind, params: dict[str, torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
-        """Run the template of ``kind`` with ``params`` bound (views of a slot)."""
-        return functional_call(self.modules[kind], params, args, strict=True)
+    def embedding_backward(self, dy: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding table's gradient [vocab, hidden] (dy's dtype) for dy [b, S, hidden], the gradient of its
+        output at input_ids [b, S]: a scatter-add of dy into the rows used (times the family's output scale,
+        Gemma 3's scaled embeddings), the padding row left out; no weights needed."""
+        scale = getattr(self.modules[BlockKind.EMBED], "output_scale", None)
+        rows = dy if scale is None else dy * scale(dy.dtype)
+        pad = -1 if self.config.pad_token_id is None else self.config.pad_token_id
+        return torch.ops.aten.embedding_dense_backward(rows, input_ids, self.config.vocab_size, pad, False)
+
+    def run(self, block: BlockKind | Block, params: dict[str, torch.Tensor], *args: object) -> torch.Tensor:
+        """Run the template of ``block`` (a decoder layer's: its type's) with ``params`` bound (views of a slot).
+        A kind alone names the embedding's, the head's, or the layers' when they are all alike."""
+        if isinstance(block, Block):
+            module = self.layer_modules[block.layer_type] if block.kind is BlockKind.LAYER else self.modules[block.kind]
+        else:
+            assert block is not BlockKind.LAYER or len(self.layer_modules) == 1, "a layer of which type?"
+            module = self.modules[block]
+        return functional_call(module, params, args, strict=True)

@@ -41,7 +41,7 @@ from megatrain.runtime.pipeline.block_updates import BlockUpdates, PendingUpdate
 from megatrain.runtime.pipeline.cpu_adamw import AdamHyper, AdamWorker
 from megatrain.runtime.pipeline.grad_buffers import GradBuffers
 from megatrain.runtime.pipeline.head_loss import chunked_logits, head_forward_backward, head_loss
-from megatrain.runtime.pipeline.rotary_positions import Positions, RotaryPositions
+from megatrain.runtime.pipeline.rotary_positions import LayerPositions, Positions, RotaryPositions
 from megatrain.runtime.pipeline.sequence_tiles import tiled_layer_backward
 from megatrain.runtime.pipeline.step_schedule import StepSchedule, evaluation_schedule, training_schedule
 from megatrain.runtime.pipeline.step_timer import StepTimer
@@ -109,6 +109,7 @@ class Executor:
         self.correct = torch.zeros((), dtype=torch.int64, device=self.device)
         self.mlp_tile = plan.mlp_tile_tokens or 0  # [Note: sequence tiles]
         self.attention_tile = plan.attention_tile_tokens or 0
+        self.cap = self.config.final_logit_softcapping  # the head's logit soft-cap (head_loss.py), None: none
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
@@ -150,8 +151,8 @@ class Executor:
             dy: list[torch.Tensor] = []
             with record_function(f"head[{head.index}]"):
                 for m, rows in enumerate(batch.micro):
-                    out = head_forward_backward(norm, norm_params, lm_weight, x[m], batch.labels[rows],
-                                                batch.n_tokens, self.plan.loss_chunk_tokens, lm_grad, self.correct)
+                    out = head_forward_backward(norm, norm_params, lm_weight, x[m], batch.labels[rows], batch.n_tokens,
+                                                self.plan.loss_chunk_tokens, lm_grad, self.correct, self.cap)
                     loss = loss + out.loss
                     dy.append(out.dx)
                     for name, g in out.norm.items():
@@ -168,7 +169,7 @@ class Executor:
                 with record_function(f"bwd[{layer.index}]"):
                     for m, rows in enumerate(batch.micro):
                         x_in = self.checkpoints.get(load.layer, m, rows)
-                        dy[m] = self._layer_backward(layer, params, x_in, dy[m], positions[m], g_list)
+                        dy[m] = self._layer_backward(layer, params, x_in, dy[m], positions[layer.layer_type][m], g_list)
             pending += self.updates.finish(step, layer, g_index, g_buf, hyper)
 
         # ---- embedding backward: a scatter-add of dy into the rows used; no weights needed
@@ -179,11 +180,9 @@ class Executor:
         else:
             e_index, e_buf = self.grad_buffers.acquire(self._grad_numel(embed))
         table = embed.layout.views(e_buf)["embed_tokens.weight"]
-        pad = -1 if self.config.pad_token_id is None else self.config.pad_token_id
         with record_function(f"bwd[{embed.index}]"):
             for m, rows in enumerate(batch.micro):
-                table.add_(torch.ops.aten.embedding_dense_backward(
-                    dy[m], batch.input_ids[rows], self.config.vocab_size, pad, False))
+                table.add_(self.templates.embedding_backward(dy[m], batch.input_ids[rows]))
         del dy
         pending += self.updates.finish(step, embed, e_index, e_buf, hyper)
 
@@ -192,7 +191,7 @@ class Executor:
         self.timer.end(self.streams.compute)
         return loss if self.dist is None else self.dist.all_reduce_sum(loss)
 
-    def _forward(self, s: StepSchedule, input_ids: torch.Tensor, micro: list[slice], positions: list[Positions],
+    def _forward(self, s: StepSchedule, input_ids: torch.Tensor, micro: list[slice], positions: LayerPositions,
                  training: bool = False) -> list[torch.Tensor]:
         """The forward training, evaluation and logits share: the embedding, then each layer, every micro-batch
         (rows of input_ids [B, S]) while the block is resident; returns each one's hidden states [b, S, hidden].
@@ -205,7 +204,7 @@ class Executor:
                     for m, rows in enumerate(micro):
                         if training:
                             self.checkpoints.save(load.layer, m, rows, x[m])
-                        x[m] = self._layer_forward(params, x[m], positions[m])
+                        x[m] = self._layer_forward(load.block, params, x[m], positions[load.block.layer_type][m])
         return x
 
     @staticmethod
@@ -218,9 +217,10 @@ class Executor:
         norm_params = {k: v for k, v in head_params.items() if k.startswith("norm.")}
         return (lambda p, h: self.templates.run(BlockKind.HEAD, {**head_params, **p}, h)), norm_params
 
-    def _layer_forward(self, params: dict[str, torch.Tensor], x: torch.Tensor, positions: Positions) -> torch.Tensor:
+    def _layer_forward(self, layer: Block, params: dict[str, torch.Tensor], x: torch.Tensor,
+                       positions: Positions) -> torch.Tensor:
         """A decoder layer's forward ([b, S, hidden] -> same) with the plan's sequence tiles."""
-        return self.templates.run(BlockKind.LAYER, params, x, *positions, self.mlp_tile, "layer", self.attention_tile)
+        return self.templates.run(layer, params, x, *positions, self.mlp_tile, "layer", self.attention_tile)
 
     def _layer_backward(self, layer: Block, params: dict[str, torch.Tensor], x_in: torch.Tensor, dy: torch.Tensor,
                         positions: Positions, g_list: list[torch.Tensor]) -> torch.Tensor:
@@ -236,11 +236,11 @@ class Executor:
 
         seq = x_in.shape[1]
         if 0 < self.mlp_tile < seq or 0 < self.attention_tile < seq:  # [Note: sequence tiles]
-            run = functools.partial(self.templates.run, BlockKind.LAYER)
+            run = functools.partial(self.templates.run, layer)
             return tiled_layer_backward(run, leaves, x_in, dy, positions, self.mlp_tile if 0 < self.mlp_tile < seq
                                         else seq, add_grads, self.attention_tile)
         with torch.enable_grad():
-            out = self.templates.run(BlockKind.LAYER, leaves, x_in, *positions)
+            out = self.templates.run(layer, leaves, x_in, *positions)
         grads = torch.autograd.grad(out, (x_in, *leaves.values()), dy)
         by_name = dict(zip(leaves.keys(), grads[1:]))
         torch._foreach_add_(g_list, [by_name[e.local_name] for e in layer.layout.entries])
@@ -265,7 +265,7 @@ class Executor:
         with self.timer.adam_wait(self.streams.compute):
             self.adam.wait_updated(block, step)
 
-    def _positions(self, batch: Batch) -> list[Positions]:
+    def _positions(self, batch: Batch) -> LayerPositions:
         return self.rotary.positions(batch.input_ids.shape[1], batch.micro, batch.position_ids, batch.documents)
 
     # ------------------------------------------------------------------ evaluation
@@ -289,7 +289,7 @@ class Executor:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
             for m, rows in enumerate(batch.micro):
                 loss = loss + head_loss(norm, norm_params, lm_weight, x[m], batch.labels[rows], batch.n_tokens,
-                                        self.plan.loss_chunk_tokens, self.correct)
+                                        self.plan.loss_chunk_tokens, self.correct, self.cap)
         return loss
 
     @torch.no_grad()
@@ -307,7 +307,7 @@ class Executor:
         with self.loader.resident_together(s.head_loads) as held:
             normed = self.templates.run(BlockKind.HEAD, held[0], x)
             flat = normed.reshape(-1, normed.shape[-1])
-            logits = chunked_logits(flat, s.lm_weight(held), self.plan.loss_chunk_tokens).float()
+            logits = chunked_logits(flat, s.lm_weight(held), self.plan.loss_chunk_tokens, self.cap).float()
         return logits.view(*input_ids.shape, -1)
 
     def close(self) -> None:

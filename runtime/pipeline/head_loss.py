@@ -10,6 +10,9 @@ Labels follow Hugging Face: same shape as input_ids, shifted inside (position
 t predicts labels[t + 1]), -100 ignored. Each micro-batch's loss is its summed
 token losses divided by ``n_tokens``, the number of predicted tokens in the
 whole batch, so the micro-batch losses (and gradients) add up to the batch mean.
+
+``softcap`` (``ModelConfig.final_logit_softcapping``, Gemma 3): each chunk's logits become c x tanh(logits / c)
+before the loss, in the compute dtype, as transformers caps them.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ def head_forward_backward(
     chunk: int,
     lm_grad: torch.Tensor,
     correct: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> HeadGrads:
     """norm(params, x) -> normed; lm_weight: [vocab, hidden]; x: [b, S, hidden]; labels: [b, S] shifted.
 
@@ -62,7 +66,7 @@ def head_forward_backward(
     def chunk_loss(rows: slice, chunk_labels: torch.Tensor) -> torch.Tensor:
         h = flat[rows].detach().requires_grad_()
         with torch.enable_grad():
-            logits = F.linear(h, weight)  # [c, vocab]
+            logits = soft_cap(F.linear(h, weight), softcap)  # [c, vocab]
             part = _cross_entropy(logits, chunk_labels, n_tokens)
         if correct is not None:
             count_correct(correct, logits.detach(), chunk_labels)
@@ -85,13 +89,14 @@ def head_loss(
     n_tokens: torch.Tensor,
     chunk: int,
     correct: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The loss of ``head_forward_backward`` alone (evaluation): the same chunk loop and operations, so the
     value is the same bits; no gradient, and still never the full logits."""
     flat = norm(norm_params, x).reshape(-1, x.shape[-1])  # [T, hidden]
 
     def chunk_loss(rows: slice, chunk_labels: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(flat[rows], lm_weight)  # [c, vocab]
+        logits = soft_cap(F.linear(flat[rows], lm_weight), softcap)  # [c, vocab]
         if correct is not None:
             count_correct(correct, logits, chunk_labels)
         return _cross_entropy(logits, chunk_labels, n_tokens)
@@ -124,6 +129,13 @@ def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, n_tokens: torch.T
     return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum") / n_tokens
 
 
-def chunked_logits(flat: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch.Tensor:
+def chunked_logits(flat: torch.Tensor, weight: torch.Tensor, chunk: int,
+                   softcap: float | None = None) -> torch.Tensor:
     """flat: [T, hidden] -> [T, vocab] (evaluation only: materialises the logits the caller asked for)."""
-    return torch.cat([F.linear(flat[s:s + chunk], weight) for s in range(0, flat.shape[0], chunk)])
+    return torch.cat([soft_cap(F.linear(flat[s:s + chunk], weight), softcap) for s in range(0, flat.shape[0], chunk)])
+
+
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """logits [c, vocab] capped to cap x tanh(logits / cap) (transformers' final logit soft-capping); None: as
+    they are."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
+from megatrain.models import registry
 from megatrain.planner.buffer_kinds import BufferKind
 
 from megatrain.runtime.config import ModelConfig
@@ -66,8 +67,10 @@ class ModelState:
 
     # ---- whole state --------------------------------------------------------------------
     def initialize(self, seed: int) -> None:
-        """Hugging Face's init: normal(0, initializer_range) weights, zero biases, unit norms, zero pad row."""
+        """Hugging Face's init: normal(0, initializer_range) weights, zero biases, unit norms (the family's
+        ``unit_norm_weight``), zero pad row."""
         std, pad = self.config.initializer_range, self.config.pad_token_id
+        unit_norm = registry.family(self.config.model_type).unit_norm_weight
         for block in self.templates.blocks:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + block.index)
             with self.edit_block(block.index) as master:
@@ -75,7 +78,7 @@ class ModelState:
                 for e in block.layout.entries:
                     t = views[e.local_name]
                     if e.local_name.endswith("norm.weight"):
-                        t.fill_(1.0)
+                        t.fill_(unit_norm)
                     elif e.local_name.endswith(".bias"):
                         t.zero_()
                     else:
