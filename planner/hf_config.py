@@ -60,6 +60,8 @@ final_logit_softcapping,           logits' soft cap, hidden_activation read inst
 hidden_activation,                 attention soft-capping and bidirectional attention refused
 attn_logit_softcapping,
 use_bidirectional_attention
+swiglu_alpha, swiglu_limit,        gpt_oss: the published 1.702 and 7.0 honoured, others refused; MXFP4
+quantization_config                honoured (its expert tensors dequantized on load), other methods refused
 attention_dropout                  0 honoured; any other value refused (megatrain trains
                                    without attention dropout)
 max_position_embeddings            integer (absent: the family's transformers default)

@@ -4,12 +4,12 @@ Rules (transformers' ``GptOssConfig``): biases on q, k, v and o (``attention_bia
 attention sink per query head; the MLP is sparse on every layer: ``num_local_experts`` (absent: 128) experts of
 width ``intermediate_size``, ``num_experts_per_tok`` (absent: 4) per token, a router with a bias, softmax over
 the chosen k; the experts' clamped SwiGLU with the published ``swiglu_alpha`` 1.702 and ``swiglu_limit`` 7.0
-(other values refused). ``layer_types`` (absent: sliding and full attention alternating, sliding first), the sliding layers seeing the
-last ``sliding_window`` (absent: 128) positions.
-No ``rope_parameters`` (nor ``rope_scaling``): transformers' default, YaRN of factor 32 over 4096 positions,
-``rope_theta`` (absent) 150000. ``quantization_config`` may only be MXFP4 (``runtime/io/mxfp4.py``
-dequantizes its expert tensors on load). On disk: the parameters' own names (``mlp.router``, the fused
-``mlp.experts.gate_up_proj`` and its bias, ...), as transformers writes them.
+(other values refused). ``layer_types`` (absent: sliding and full attention alternating, sliding first), the
+sliding layers seeing the last ``sliding_window`` (absent: 128) positions. No ``rope_parameters`` (nor
+``rope_scaling``): transformers' default, YaRN of factor 32 over 4096 positions, ``rope_theta`` (absent) 150000.
+``quantization_config`` may only be MXFP4 (``runtime/io/mxfp4.py`` dequantizes its expert tensors on load).
+On disk: the parameters' own names (``mlp.router``, the fused ``mlp.experts.gate_up_proj`` and its bias, ...), as
+transformers writes them.
 """
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ def write(config: Any) -> dict[str, Any]:
 
 def layer(dims: Mapping[str, Any]) -> tuple[Param, ...]:
     """GptOssDecoderLayer's parameters in ``named_parameters`` order: the attention's sinks (its own parameter,
-    before its submodules'), its projections (with biases when ``attention_bias``), the router and the experts with their biases, the two norms."""
+    before its submodules'), its projections (with biases when ``attention_bias``), the router and the experts
+    with their biases, the two norms."""
     h, d, bias = dims["hidden_size"], head_dim(dims), bool(dims.get("attention_bias"))
     heads = dims["num_attention_heads"]
     q, kv = heads * d, (dims.get("num_key_value_heads") or heads) * d
