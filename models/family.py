@@ -67,7 +67,8 @@ class Family:
     (``attention_bias``, ``o_proj_bias``, ``mlp_bias``, ``qk_norm``, ``sliding_window``, ``layer_types``) from a
     config dict, refusing what transformers' class for it would not build; ``write(config)`` the family's own
     config.json fields for a ``ModelConfig``. ``defaults``: transformers' config defaults for fields a config may
-    leave out (``max_position_embeddings``, ``head_dim``, ``rms_norm_eps``, ...)."""
+    leave out (``max_position_embeddings``, ``head_dim``, ``rms_norm_eps``, ...; ``rope``: the RoPE fields of a
+    config that states none)."""
 
     model_type: str
     architecture: str  # the transformers class, e.g. "LlamaForCausalLM"
@@ -85,6 +86,10 @@ class Family:
     # A layer parameter's tensors in Hugging Face files when they are not the one tensor ``hf_name`` names
     # (``moe.per_expert_names``); None, or returning None: that one tensor.
     layer_disk_tensors: Callable[[int, Param], "tuple[DiskTensor, ...] | None"] | None = None
+
+    # Whether a sparse layer of this family streams in a dense part and expert groups ([Note: expert groups]); the
+    # planner chooses groups only for a family whose blocks compute that way.
+    expert_groups: bool = True
 
     def parameters(self, dims: Dims, kind: str) -> tuple[Param, ...]:
         """The parameter table of a block of ``kind`` (``EMBED``, ``LAYER``, ``HEAD``), in layout order."""

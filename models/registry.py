@@ -8,6 +8,7 @@ from __future__ import annotations
 from .errors import HFConfigError
 from .family import Family
 from .gemma3_text.family import FAMILY as GEMMA3_TEXT
+from .gpt_oss.family import FAMILY as GPT_OSS
 from .llama.family import FAMILY as LLAMA
 from .mistral.family import FAMILY as MISTRAL
 from .mixtral.family import FAMILY as MIXTRAL
@@ -22,7 +23,7 @@ from .qwen3_moe.family import FAMILY as QWEN3_MOE
 DEFAULT_MODEL_TYPE = LLAMA.model_type
 
 _FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, OLMO2, MIXTRAL, QWEN3_MOE,
-                                                          QWEN2_MOE, GEMMA3_TEXT)}
+                                                          QWEN2_MOE, GEMMA3_TEXT, GPT_OSS)}
 # The built-in model types, in the registry's order.
 BUILTIN_MODEL_TYPES = tuple(_FAMILIES)
 

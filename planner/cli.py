@@ -3,7 +3,7 @@
     megatrain-plan                       what this machine can train (every preset model)
     megatrain-plan profile               measure this machine into hardware.json
     megatrain-plan plan --model M ...    the chosen plan, its memory table, time breakdown, bottleneck
-    megatrain-plan size --model M ...    minimum GPU / host / NVMe, and step time on each GPU preset
+    megatrain-plan size --model M ...    minimum GPU / host / NVMe, and step time on each GPU preset (or --hardware one)
     megatrain-plan ram --model M ...     batch and throughput per RAM size, with and without an NVMe; the least
                                          RAM reaching a throughput target, and its cost
 

@@ -29,7 +29,8 @@ hidden_act                         silu, swish, gelu, gelu_pytorch_tanh, relu (t
 rms_norm_eps                       number (absent: the family's default, else 1e-6); null or a
                                    string refused
 rope_theta, rope_scaling,          both spellings; rope_scaling wins when both are set, as in
-rope_parameters                    transformers; rope_type default, linear, llama3, dynamic
+rope_parameters                    transformers (absent: the family's default, e.g. gpt-oss's YaRN);
+                                   rope_type default, linear, llama3, dynamic
                                    (NTK by sequence length over max_position_embeddings), yarn
                                    (attention_factor, beta_fast, beta_slow, mscale,
                                    mscale_all_dim, truncate as transformers reads them) honoured
@@ -61,6 +62,8 @@ final_logit_softcapping,           logits' soft cap, hidden_activation read inst
 hidden_activation,                 attention soft-capping and bidirectional attention refused
 attn_logit_softcapping,
 use_bidirectional_attention
+swiglu_alpha, swiglu_limit,        gpt_oss: the published 1.702 and 7.0 honoured, others refused; MXFP4
+quantization_config                honoured (its expert tensors dequantized on load), other methods refused
 attention_dropout                  0 honoured; any other value refused (megatrain trains
                                    without attention dropout)
 max_position_embeddings            integer (absent: the family's transformers default)
@@ -311,7 +314,9 @@ def parse(data: Mapping[str, Any]) -> DecoderConfig:
     max_pos = integer("max_position_embeddings",
                       data.get("max_position_embeddings", family.defaults.get("max_position_embeddings", 4096)))
     if family.defaults.get("rope_local_base_freq") is None:
-        theta, scaling = read_rope(data, max_pos)
+        rope_defaults = family.defaults.get("rope", {})  # the family's RoPE where the config states none (gpt-oss)
+        theta, scaling = read_rope({**data, **{k: v for k, v in rope_defaults.items() if data.get(k) is None}},
+                                   max_pos)
         ropes: dict[str, Any] = {}
     else:  # a family whose sliding layers have their own RoPE
         theta, scaling, local = read_layer_ropes(data, max_pos, family.defaults)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatrain.errors import MegatrainError
+from megatrain.models import registry
 
 from . import cost_model, data_parallel, memory_model, spill_placement
 from .cost_model import CostEstimate
@@ -227,8 +228,10 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
 def expert_groups(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None) -> Plan:
     """The plan with the fewest expert groups (whole layers first: ``ExpertShape.group_sizes``) whose device
     memory fits the GPU with the smallest loss chunk; the smallest groups when none does. Whole layers for a dense
-    model, on a CPU device and with data-parallel ranks (the runtime streams groups on one process)."""
-    if hw.device_is_host or ranks is not None or not model.experts.num_experts:
+    model, on a CPU device, with data-parallel ranks (the runtime streams groups on one process) and for a family whose
+    blocks do not compute in groups (``Family.expert_groups``)."""
+    if (hw.device_is_host or ranks is not None or not model.experts.num_experts
+            or not registry.family(model.model_type).expert_groups):
         return plan
     chunk = _chunks(plan.micro_batch_size * work.seq_len)[-1]
     for g in model.experts.group_sizes():

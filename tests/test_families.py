@@ -34,7 +34,8 @@ FAMILIES = registry.model_types()  # every family registered when the tests are 
 TINY_EXTRA = {"phi3": dict(pad_token_id=None, bos_token_id=None, eos_token_id=None),
               "gemma3_text": dict(pad_token_id=None, bos_token_id=None, eos_token_id=None, sliding_window=5,
                                   layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=3.0,
-                                  rope_scaling={"rope_type": "linear", "factor": 2.0})}
+                                  rope_scaling={"rope_type": "linear", "factor": 2.0}),
+              "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=16, sliding_window=5)}
 
 
 def _hf_model(model_type: str, tied: bool):

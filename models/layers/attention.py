@@ -52,11 +52,26 @@ tokens: tile [a, a + w) against keys [a - w + 1, a + w) with a boolean [w, 2w - 
 O(S x w), never an [S, S] mask. Within packed documents each document is its own sequence, so the window
 applies inside it; sequence tiles run the same call (the attention core sees the whole sequence). A mask rules
 the flash kernel out: on CUDA in 16 bits these calls use the memory-efficient kernel.
+
+
+[Note: attention sinks]
+gpt-oss gives each query head a learned logit (its sink) that joins every query's softmax over the keys and is
+dropped after it: p_ij = exp(s_ij) / (sum_j exp(s_ij) + exp(sink_h)), out_i = sum_j p_ij v_j. ``sink_attention``
+runs it through the same SDPA calls as ``causal_attention``: one key is put before the sequence whose only
+non-zero is a 1 in an extra column, where every query carries sink_h / scale, so its score is sink_h for every
+query and real keys score as before (0 in that column); its value is zero. A zero query is put before the
+sequence too, so ``is_causal=True`` (upper-left) lets query i see the sink and keys 0..i; that row's output is
+dropped. The extra columns (``SINK_COLUMNS``: the sink's, then zeros to keep head_dim a multiple of 8 for the
+fused kernels) cost one copy of q, k and v with head_dim + 8 and 8 / head_dim more attention FLOPs; the
+gradient of the sink comes through the extra column of q. Windows (the sink's key always in every tile's mask),
+documents (each its own sequence, with the sink) and sequence tiles (the core sees the whole sequence) run as
+for ``causal_attention``.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -131,15 +146,31 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     (None: over the whole row), each query seeing the last ``window`` positions (None: all); one SDPA call per
     head group (and per document length, per window tile).
     See [Note: document attention], [Note: head groups] and [Note: sliding window]."""
+    return _per_document(q, k, v, documents, lambda q, k, v: _windowed(q, k, v, scale, max_elements, window))
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, *, scale: float,
+                   documents: Documents | None = None, max_elements: int = MAX_ELEMENTS,
+                   window: int | None = None) -> torch.Tensor:
+    """``causal_attention`` with a learned logit per query head joining every query's softmax and dropped after
+    it (sinks: [Hq]), as gpt-oss computes attention; see [Note: attention sinks]."""
+    return _per_document(q, k, v, documents,
+                         lambda q, k, v: _with_sink(q, k, v, sinks, scale, max_elements, window))
+
+
+def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None,
+                  attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``attend`` over whole rows (``documents`` None), or over each document's stack of tokens, put back in row
+    order ([Note: document attention])."""
     if documents is None:
-        return _windowed(q, k, v, scale, max_elements, window)
+        return attend(q, k, v)
     assert len(documents.spans) == q.shape[0], (len(documents.spans), q.shape)
     out: dict[tuple[int, int], torch.Tensor] = {}  # (row, start) -> [Hq, length, D]
     for length, places in documents.groups:
         def gather(t: torch.Tensor) -> torch.Tensor:
             return torch.stack([t[r, :, start:start + length] for r, start in places])
 
-        y = _windowed(gather(q), gather(k), gather(v), scale, max_elements, window)
+        y = attend(gather(q), gather(k), gather(v))
         out.update(zip(places, y.unbind(0)))
     return torch.stack([torch.cat([out[(r, start)] for start, _ in row], dim=1)
                         for r, row in enumerate(documents.spans)])
@@ -158,6 +189,34 @@ def _windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, m
         key = torch.arange(lo, z, device=q.device)[None, :]
         mask = (key <= query) & (query - key < window)
         outs.append(_in_head_groups(q[:, :, a:z], k[:, :, lo:z], v[:, :, lo:z], scale, max_elements, mask))
+    return torch.cat(outs, dim=2)
+
+
+# The width a sink adds to each head: one column carries the sink logit, the rest keep head_dim a multiple of 8
+# (the fused SDPA kernels' alignment).
+SINK_COLUMNS = 8
+
+
+def _with_sink(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float,
+               max_elements: int, window: int | None) -> torch.Tensor:
+    """Causal over the whole of dim 2 within ``window`` positions, each query's softmax joined by its head's sink
+    logit ([Note: attention sinks])."""
+    b, hq, s, d = q.shape
+    column = (sinks.to(q.dtype) / scale).view(1, hq, 1, 1).expand(b, hq, s + 1, 1)
+    q = torch.cat([F.pad(q, (0, 0, 1, 0)), column, q.new_zeros(b, hq, s + 1, SINK_COLUMNS - 1)], dim=-1)
+    k = F.pad(k, (0, SINK_COLUMNS, 1, 0))
+    k[:, :, 0, d] = 1.0
+    v = F.pad(v, (0, SINK_COLUMNS, 1, 0))
+    if window is None or s <= window:
+        return _in_head_groups(q, k, v, scale, max_elements)[:, :, 1:, :d]
+    outs = []
+    for a in range(0, s, window):
+        z, lo = min(a + window, s), max(0, a - window + 1)
+        query = torch.arange(a, z, device=q.device)[:, None]
+        key = torch.arange(lo, z, device=q.device)[None, :]
+        mask = torch.cat([torch.ones_like(query, dtype=torch.bool), (key <= query) & (query - key < window)], dim=1)
+        keys = [torch.cat([t[:, :, :1], t[:, :, 1 + lo:1 + z]], dim=2) for t in (k, v)]
+        outs.append(_in_head_groups(q[:, :, 1 + a:1 + z], *keys, scale, max_elements, mask)[..., :d])
     return torch.cat(outs, dim=2)
 
 

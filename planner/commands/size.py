@@ -14,6 +14,7 @@ def add_parser(sub: Any) -> None:
     cli_args.workload_args(sp, need_batch=True, sizing_only=True)
     sp.add_argument("--host", help=f"host preset for every GPU ({', '.join(hwmod.HOST_PRESETS)}); "
                                    "default: each GPU's usual host")
+    sp.add_argument("--hardware", help=f"only this GPU preset ({', '.join(hwmod.GPU_PRESETS)}); default: every one")
     sp.add_argument("--ram", help="override host RAM on every preset, e.g. 1T")
     sp.add_argument("--nvme", type=cli_args.positive_float, help="override the NVMe read/write GB/s on every preset")
     data_parallel_report.add_arguments(sp, cli_args.positive_int, cli_args.positive_float)
@@ -26,7 +27,7 @@ def run(args: argparse.Namespace) -> None:
     work = cli_args.workload(args, cli_args.compute_dtype(args, probe), spill_dir=args.spill_dir or NVME_DIR)
     least = search.minimum_memory(model, work, probe, data_parallel_report.checked_topology(args, work, probe))
     presets = []
-    for name in hwmod.GPU_PRESETS:
+    for name in _presets(args.hardware):
         hw = hwmod.preset(name, args.host).with_overrides(
             ram_bytes=parse_size(args.ram, "--ram") if args.ram else None, nvme_gbps=args.nvme)
         ranks = data_parallel_report.checked_topology(args, work, hw)
@@ -36,3 +37,11 @@ def run(args: argparse.Namespace) -> None:
         presets.append(report_size.Preset(name, hw, result, dp))
     data, text = report_size.page(model, work, least, presets, args.gpus_per_node, args.nodes)
     report.emit(args.json, data, text)
+
+
+def _presets(hardware: str | None) -> list[str]:
+    """The GPU presets to size: every one, or the one ``--hardware`` names (an unknown name: one line)."""
+    if hardware is None:
+        return list(hwmod.GPU_PRESETS)
+    hwmod.preset(hardware)
+    return [name for name in hwmod.GPU_PRESETS if name.lower() == hardware.lower()]

@@ -35,6 +35,7 @@ from megatrain.planner.buffer_kinds import BufferKind
 
 from megatrain.runtime.config import ModelConfig, read_config_json
 from megatrain.runtime.errors import CheckpointError, ConfigError, InputError
+from megatrain.runtime.io import mxfp4
 from megatrain.runtime.paths import user_path
 
 if TYPE_CHECKING:
@@ -91,10 +92,13 @@ def read_header(path: str) -> list[TensorInfo]:
             dtype_name, shape, (begin, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
         except (TypeError, KeyError, ValueError):
             raise InputError(f"{path}: the header entry of {name} is malformed; re-download or re-export it") from None
-        if dtype_name not in _DTYPES:
+        if dtype_name == "U8" and name.endswith(mxfp4.SUFFIXES):
+            dtype = torch.uint8  # MXFP4 blocks and scales (mxfp4.py)
+        elif dtype_name not in _DTYPES:
             kind = "an integer/bool/fp8" if dtype_name in _OTHER_DTYPES else "an unknown"
             raise InputError(f"{path}: {name} has {kind} dtype {dtype_name}; megatrain loads F32, BF16, F16 or F64 weights")
-        dtype = _DTYPES[dtype_name]
+        else:
+            dtype = _DTYPES[dtype_name]
         numel = 1
         for d in shape:
             numel *= d
@@ -151,8 +155,8 @@ def load_weights(state: "ModelState", files: list[str]) -> None:
     state.settle()
     headers = {f: read_header(f) for f in files}  # every header checked before any byte is loaded
     present = {t.name for infos in headers.values() for t in infos}
-    pieces = {(b.index, e.local_name): _disk_tensors(state, b, e, present) for b in state.blocks
-              for e in b.layout.entries}
+    pieces = {(b.index, e.local_name): mxfp4.quantized_pieces(e.hf_name, e.shape, present)
+              or _disk_tensors(state, b, e, present) for b in state.blocks for e in b.layout.entries}
     expected = {d.name: (b, e, d) for b in state.blocks for e in b.layout.entries
                 for d in pieces[(b.index, e.local_name)]}
     where = _check_tensors(state, headers, expected)
@@ -163,6 +167,11 @@ def load_weights(state: "ModelState", files: list[str]) -> None:
         for block in state.blocks:  # a spilled master goes through RAM one block at a time, read and written once
             with state.edit_block(block.index) as master:
                 for entry in block.layout.entries:
+                    if mxfp4.is_quantized(pieces[(block.index, entry.local_name)]):
+                        mxfp4.load(lambda name, at, out: _read_part(handles, where, name, at, out),
+                                   pieces[(block.index, entry.local_name)],
+                                   master[entry.offset:entry.offset + entry.numel].view(entry.shape))
+                        continue
                     for d in pieces[(block.index, entry.local_name)]:
                         f, t = where[d.name]
                         dst = master[entry.offset + d.start:entry.offset + d.start + d.numel]
@@ -212,6 +221,15 @@ def _check_tensors(state: "ModelState", headers: dict[str, list[TensorInfo]],
         raise InputError(f"{missing[0]}{more} is in no safetensors file of {os.path.dirname(next(iter(headers)))}; "
                          "download every shard or check config.json")
     return seen
+
+
+def _read_part(handles: dict[str, Any], where: dict[str, tuple[str, TensorInfo]], name: str, at: int,
+               dst: torch.Tensor) -> None:
+    """Bytes [at, at + dst's bytes) of the tensor ``name`` into ``dst``, whose dtype it must have."""
+    f, t = where[name]
+    if t.dtype != dst.dtype:
+        raise InputError(f"{f}: {name} has dtype {t.dtype}, {dst.dtype} expected; re-download or re-export it")
+    _read_into(handles[f], f, TensorInfo(name, t.dtype, t.shape, t.start + at, dst.numel() * dst.element_size()), dst)
 
 
 def _read_into(fh: Any, path: str, t: TensorInfo, dst: torch.Tensor) -> None:
@@ -360,6 +378,8 @@ def hf_config_dict(state: "ModelState", dtype: torch.dtype) -> dict[str, Any]:
                                                                  {"rope_type": "default"})},
         }
         data.update(family.write(c))
+    if isinstance(data.get("quantization_config"), dict) and data["quantization_config"].get("quant_method") == "mxfp4":
+        del data["quantization_config"]  # the export is dequantized (mxfp4.py)
     data.setdefault("architectures", [family.architecture])
     data["dtype"] = data["torch_dtype"] = str(dtype).removeprefix("torch.")
     again = ModelConfig.from_hf(data)

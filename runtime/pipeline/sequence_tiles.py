@@ -112,7 +112,9 @@ def _attention_half_in_tiles(run: RunLayer, leaves: dict[str, torch.Tensor], x_i
             d_out[:, :, rows] = grads[0]
             _add_used(add_grads, leaves, grads[1:])
             del y, grads, o_tile
-        dq, dk, dv = torch.autograd.grad(out, qkv, d_out)
+        grads = torch.autograd.grad(out, (*qkv, *leaves.values()), d_out, allow_unused=True)
+        dq, dk, dv = grads[:3]
+        _add_used(add_grads, leaves, grads[3:])  # the attention core's own parameters (gpt-oss's sinks), if any
         del d_out
         dx = dh  # the residual's share; each tile adds the projections' share
         for rows in tiles:
@@ -131,4 +133,6 @@ def _attention_half_in_tiles(run: RunLayer, leaves: dict[str, torch.Tensor], x_i
 def _add_used(add_grads: AddGrads, leaves: dict[str, torch.Tensor], grads: tuple) -> None:
     """The gradients of the parameters a part used (its graph decides which: the family's norms may sit in
     either half), by name."""
-    add_grads({n: g for n, g in zip(leaves, grads) if g is not None})
+    used = {n: g for n, g in zip(leaves, grads) if g is not None}
+    if used:
+        add_grads(used)

@@ -1,0 +1,1 @@
+"""gpt-oss (``model_type`` gpt_oss)."""
