@@ -51,7 +51,8 @@ class ProfileFigureError(CalibrationError):
     """One figure of the hardware profile (``finding.figure``) is off against the runs: measure it again."""
 
     def __init__(self, finding: Implausible) -> None:
-        super().__init__(f"the profile's {finding.line()}; measure it again with megatrain-plan profile")
+        super().__init__(f"the profile's {finding.line()}; measure it again with megatrain-plan profile on a quiet "
+                         "machine, then run megatrain-plan calibrate")
         self.finding = finding
 
 
@@ -284,7 +285,7 @@ def fit(runs: Sequence[RunSample], compute_dtype: str, overhead_run: RunSample |
         raise CalibrationError("no runs to fit; run megatrain-plan calibrate with at least one model")
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(compute_dtype, compute_dtype)
     for r in [*runs, *([overhead_run] if overhead_run is not None else [])]:
-        if (off := attention_overrun(r.name, dtype, r.attention_s, r.compute_s)) is not None:
+        if (off := attention_overrun(r.name, dtype, r.attention_flops, r.attention_s, r.compute_s)) is not None:
             raise ProfileFigureError(off)
 
     def head_timed(r: RunSample) -> bool:

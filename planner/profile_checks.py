@@ -90,13 +90,13 @@ def attention_findings(matmul: Mapping[str, float],
     return out
 
 
-def attention_overrun(run: str, dtype: str, attention_s: float, compute_s: float) -> Implausible | None:
-    """A calibration run whose attention, timed at the profile's rate, takes more than ATTENTION_SHARE_MAX of
-    the run's whole measured compute: the profile's attention rate for ``dtype`` (its name in the profile,
-    "float32") is off."""
+def attention_overrun(run: str, dtype: str, attention_flops: float, attention_s: float,
+                      compute_s: float) -> Implausible | None:
+    """A calibration run whose attention (``attention_flops``), timed at the profile's rate (``attention_s``),
+    takes more than ATTENTION_SHARE_MAX of the run's whole measured compute: the profile's attention rate for
+    ``dtype`` (its name in the profile, "float32") is off."""
     if attention_s <= ATTENTION_SHARE_MAX * compute_s:
         return None
-    return Implausible(f"attention_tflops[{dtype}]", attention_s,
-                       f"at the profile's {dtype} causal-attention rate, run {run}'s attention alone takes "
-                       f"{attention_s:.3f} s, more than its whole measured compute {compute_s:.3f} s can hold",
-                       dtype)
+    return Implausible(f"attention_tflops[{dtype}]", attention_flops / attention_s / 1e12,
+                       f"at that rate run {run}'s attention alone takes {attention_s:.3f} s, more than its whole "
+                       f"measured compute {compute_s:.3f} s can hold", dtype)

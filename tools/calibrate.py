@@ -306,7 +306,8 @@ def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: s
         layers, small = reduce_all(h.replace(calibrations=()))
         return fit(layers, dtype, overhead_run=small, source=source, samples=steps * rounds)
 
-    cal, hw = fit_checked(fit_once, hw, log)
+    cal, hw, more = fit_checked(fit_once, hw, log)
+    warnings += more
     # The profile's source line, which the planner prints, says the constants are fitted (once).
     base = hw.source.split(FITTED_NOTE)[0].rstrip("; ")
     fitted = ", ".join(sorted({c.compute_dtype for c in hw.calibrations} | {dtype}))
