@@ -98,5 +98,5 @@ def attention_overrun(run: str, dtype: str, attention_flops: float, attention_s:
     if attention_s <= ATTENTION_SHARE_MAX * compute_s:
         return None
     return Implausible(f"attention_tflops[{dtype}]", attention_flops / attention_s / 1e12,
-                       f"at that rate run {run}'s attention alone takes {attention_s:.3f} s, more than its whole "
-                       f"measured compute {compute_s:.3f} s can hold", dtype)
+                       f"at that rate run {run}'s attention alone takes {attention_s:.3f} s, over "
+                       f"{ATTENTION_SHARE_MAX:.0%} of its whole measured compute {compute_s:.3f} s", dtype)
