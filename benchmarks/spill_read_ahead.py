@@ -63,7 +63,7 @@ def main() -> int:
     shape = model_shapes.from_config(CONFIG)
     work = Workload(SEQ, BATCH, "fp32", clipping=True, spill="all", spill_dir=args.dir)
     chosen = search.search(shape, work, hw).require().plan.spill_staging
-    depths = [chosen if int(s) == 0 else int(s) for s in args.staging.split(",")]
+    depths = list(dict.fromkeys(chosen if int(s) == 0 else int(s) for s in args.staging.split(",")))
     load = [os.getloadavg()]
     measured: dict[int, list[dict[str, float]]] = {d: [] for d in depths}
     for r in range(args.rounds):
