@@ -95,8 +95,9 @@ def main() -> int:
              "| predicted step s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['staging']} | {'yes' if r['planner_choice'] else ''} | {r['median_step_s']:.3f} | "
-                     f"{r['median_compute_s']:.3f} | {r['median_disk_busy_s']:.3f} | {r['median_disk_exposed_s']:.3f} | "
-                     f"{r['median_disk_adam_exposed_s']:.3f} | {r['predicted_step_s']:.3f} |")
+                     f"{r['median_compute_s']:.3f} | {r['median_disk_busy_s']:.3f} | "
+                     f"{r['median_disk_exposed_s']:.3f} | {r['median_disk_adam_exposed_s']:.3f} | "
+                     f"{r['predicted_step_s']:.3f} |")
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -287,16 +287,16 @@ def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: s
         return samples[1:], samples[0]  # the layers' runs, the overhead run (todo's first)
 
     (runs, overhead), warnings = reduce_all(plain), []
-    for sample in [overhead, *runs]:
-        if sample.spread > SPREAD_WARN:
-            warnings.append(f"{sample.name}: step times spread {sample.spread:.0%} across its samples (a busy machine?); "
+    for r in [overhead, *runs]:
+        if r.spread > SPREAD_WARN:
+            warnings.append(f"{r.name}: step times spread {r.spread:.0%} across its samples (a busy machine?); "
                             f"the fit keeps the {'fastest' if percentile == 0 else f'p{percentile:g}'} sample; "
                             "run again on a quiet machine for tighter figures")
-        if sample.head_s >= HEAD_SHARE_MAX * sample.compute_s and sample.name != OVERHEAD_RUN[0]:
-            warnings.append(f"{sample.name}: its head alone took {sample.head_s:.3f} s of a {sample.compute_s:.3f} s step "
+        if r.head_s >= HEAD_SHARE_MAX * r.compute_s and r.name != OVERHEAD_RUN[0]:
+            warnings.append(f"{r.name}: its head alone took {r.head_s:.3f} s of a {r.compute_s:.3f} s step "
                             "(a busy machine?); the fit counts this run's head with its layers")
-        log(f"{sample.name}: step {sample.step_s:.3f} s (spread {sample.spread:.0%}), compute {sample.compute_s:.3f} s, "
-            f"head alone {sample.head_s:.3f} s, peak RSS growth {sample.peak_rss_growth_bytes / 2**30:.3f} GiB")
+        log(f"{r.name}: step {r.step_s:.3f} s (spread {r.spread:.0%}), compute {r.compute_s:.3f} s, "
+            f"head alone {r.head_s:.3f} s, peak RSS growth {r.peak_rss_growth_bytes / 2**30:.3f} GiB")
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     kept = "best" if percentile == 0 else f"p{percentile:g}"
     source = (f"`{command}` on {when}: {len(todo)} runs x {rounds} rounds x {steps} steps, {kept} of each kept, "
