@@ -3,6 +3,7 @@
     megatrain-plan calibrate                        # once: fit the constants on this machine
     python benchmarks/plan_validation.py            # fp32, ~10M .. ~300M parameters (a few minutes on a CPU)
     python benchmarks/plan_validation.py --quick    # the three smallest configs
+    python benchmarks/plan_validation.py --spill-dir DIR   # and the spilled rows (everything on disk in DIR)
 
 The planner plans with the saved hardware profile (``megatrain-plan profile`` /
 ``calibrate``; its fitted constants where it has them, the defaults otherwise,
@@ -43,6 +44,15 @@ CONFIGS = {
     "110M": (dict(_llama(768, 2048, 10, 12, 4, 32000), model_type="qwen2"), 256, 2),
     "200M": (_llama(1024, 2816, 12, 16, 8, 32000), 256, 2),
     "300M": (_llama(1024, 2816, 20, 16, 8, 32000), 256, 2),
+    # shapes unlike the calibration's models (4 layers, widths 256 .. 1024)
+    "wide-shallow": (_llama(1536, 4096, 2, 12, 4, 32000), 256, 2),
+    "deep-narrow": (_llama(256, 768, 32, 4, 2, 12000), 256, 4),
+}
+# With --spill-dir: the same models with master, gradients and AdamW state all in spill files there
+# (spill="all"), the planner choosing the rest of the plan (the read-ahead's staging sets among it).
+SPILL_CONFIGS = {
+    "50M-spill": (_llama(512, 1536, 8, 8, 4, 16384, tie_word_embeddings=True), 256, 4),
+    "200M-spill": (_llama(1024, 2816, 12, 16, 8, 32000), 256, 2),
 }
 GPU_CONFIGS = {
     "1B-fp32": (_llama(2048, 8192, 16, 32, 8, 128256, tie_word_embeddings=True, rope_theta=500000.0), 2048, 8),
@@ -63,6 +73,8 @@ def main() -> int:
                    help="fresh processes per config, round by round over the configs; steps pooled (2)")
     p.add_argument("--percentile", type=float, default=0.0, help="which step to keep: 0 the fastest, 50 the median")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--spill-dir", help="also run SPILL_CONFIGS with everything spilled into this folder")
+    p.add_argument("--only", help="comma-separated config names to run (default: all)")
     args = p.parse_args()
 
     from megatrain.planner import cost_model, memory_model, model_shapes, profiler, search
@@ -78,11 +90,16 @@ def main() -> int:
         configs.update(GPU_CONFIGS)
     if args.quick:
         configs = dict(list(CONFIGS.items())[:3])
+    if args.spill_dir:
+        configs.update(SPILL_CONFIGS)
+    if args.only:
+        configs = {k: v for k, v in configs.items() if k in args.only.split(",")}
     rows: list[dict[str, object]] = []
     planned = []  # (name, hf, seq, batch, shape, work, plan, cost, mem) of the configs that fit
     for name, (hf, seq, batch) in configs.items():
         shape = model_shapes.from_config(hf)
-        work = Workload(seq_len=seq, batch=batch, compute_dtype="fp32", clipping=True)
+        spill = dict(spill="all", spill_dir=args.spill_dir) if name in SPILL_CONFIGS else {}
+        work = Workload(seq_len=seq, batch=batch, compute_dtype="fp32", clipping=True, **spill)
         result = search.search(shape, work, hw)
         if result.best is None:
             rows.append({"config": name, "status": f"infeasible: {result.reason()}"})
@@ -121,6 +138,10 @@ def main() -> int:
             "bottleneck": cost.bottleneck, "step_times": [s["step_s"] for s in measured["steps"]],
             "memory": mem.rows()})
         r = rows[-1]
+        if plan.spill != "none":  # the disk's share: predicted seconds of its bytes, measured busy and exposed
+            r["disk"] = {"predicted_disk_seconds": cost.disk_seconds,
+                         **{k: [s.get(k) for s in measured["steps"]] for k in ("disk_busy_s", "disk_exposed_s",
+                                                                              "compute_s", "adam_busy_s")}}
         print(f"  step {r['predicted_step_seconds']:.3f} s predicted, {r['measured_step_seconds']:.3f} s measured "
               f"({r['step_error']:+.1%}, spread {step.spread:.0%}); peak RSS {predicted_host / 2**30:.3f} GiB "
               f"predicted, {measured['peak_rss_bytes'] / 2**30:.3f} measured ({r['host_error']:+.1%})",

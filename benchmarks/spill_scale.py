@@ -83,6 +83,14 @@ def child(args) -> dict:
         planned = search.search(shape, Workload(args.seq, args.batch, "fp32", clipping=True, spill_dir=args.dir,
                                                 spill_free_bytes=free), hw).require().plan
         spill, blocks = planned.spill, planned.spill_blocks
+    staging = args.staging
+    if staging <= 0 and spill != "none":  # the planner's read-ahead depth for this disk and the RAM left
+        from megatrain.planner import search, sizing
+
+        hw, _ = sizing.with_disk(this_machine())
+        staging = search.search(shape, Workload(args.seq, args.batch, "fp32", clipping=True, spill="all",
+                                                spill_dir=args.dir), hw).require().plan.spill_staging
+    args.staging = max(1, staging)
     plan = Plan(spill=spill, spill_blocks=blocks, spill_dir=args.dir if spill != "none" else None,
                 spill_staging=args.staging, spill_chunk_bytes=args.chunk_mib * 2**20)
     print(f"  placement: {spill_placement.label(plan)}", file=sys.stderr, flush=True)
@@ -164,7 +172,8 @@ def main() -> int:
     p.add_argument("--dir", required=False, default=None, help="spill directory (on the disk to measure)")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--staging", type=int, default=3)
+    p.add_argument("--staging", type=int, default=0,
+                   help="spill staging sets (0: the planner's choice for this disk and the RAM left)")
     p.add_argument("--chunk-mib", type=int, default=64)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--read-gbps", type=float, default=None)

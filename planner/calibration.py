@@ -34,6 +34,8 @@ from typing import Any, Mapping, Sequence
 
 from megatrain.errors import MegatrainError
 
+from .profile_checks import Implausible, attention_overrun
+
 # A figure whose samples spread by more than this (max / min - 1) was measured on a busy machine.
 SPREAD_WARN = 0.25
 # A head timed alone at more than this share of its run's compute was measured on a busy machine (the head is
@@ -43,6 +45,15 @@ HEAD_SHARE_MAX = 0.8
 
 class CalibrationError(MegatrainError):
     """Calibration data cannot be used. One line: what, and the fix."""
+
+
+class ProfileFigureError(CalibrationError):
+    """One figure of the hardware profile (``finding.figure``) is off against the runs: measure it again."""
+
+    def __init__(self, finding: Implausible) -> None:
+        super().__init__(f"the profile's {finding.line()}; measure it again with megatrain-plan profile on a quiet "
+                         "machine, then run megatrain-plan calibrate")
+        self.finding = finding
 
 
 @dataclass(frozen=True)
@@ -272,6 +283,11 @@ def fit(runs: Sequence[RunSample], compute_dtype: str, overhead_run: RunSample |
     """
     if not runs:
         raise CalibrationError("no runs to fit; run megatrain-plan calibrate with at least one model")
+    dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(compute_dtype, compute_dtype)
+    for r in [*runs, *([overhead_run] if overhead_run is not None else [])]:
+        if (off := attention_overrun(r.name, dtype, r.attention_flops, r.attention_s, r.compute_s)) is not None:
+            raise ProfileFigureError(off)
+
     def head_timed(r: RunSample) -> bool:
         # a head timed alone as long as the whole step was measured on a busy machine: not usable
         return 0 < r.head_s < HEAD_SHARE_MAX * r.compute_s
@@ -298,9 +314,9 @@ def fit(runs: Sequence[RunSample], compute_dtype: str, overhead_run: RunSample |
         flops, seconds, units = body(r)
         pure = seconds - o * units
         if pure <= 0:
-            raise CalibrationError(f"run {r.name}: the per-block overhead ({o * 1e3:.2f} ms x "
-                                   f"{r.overhead_units:g}) exceeds its compute time {r.compute_s:.3f} s; "
-                                   "calibrate with larger models")
+            raise CalibrationError(f"run {r.name}: the per-block overhead fitted from the overhead run ({o * 1e3:.2f} "
+                                   f"ms x {units:g}) exceeds its compute without attention and head ({seconds:.3f} "
+                                   f"s of {r.compute_s:.3f} s); calibrate with larger models")
         by_width.setdefault(r.hidden_size, []).append((r.tokens_per_micro_batch, flops / pure / 1e12))
     t_half = statistics.median(halves) if (halves := [fit_t_half(v) for v in by_width.values()
                                                         if len({t for t, _ in v if t > 0}) >= 2]) else 0.0

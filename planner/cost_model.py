@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from . import spill_placement, step_replay, step_traffic
+from . import spill_placement, spill_timing, step_replay, step_traffic
 from .buffer_kinds import BufferKind
 from .hardware import HardwareProfile
 from .model_shapes import ModelShape
@@ -120,16 +120,23 @@ def _copy_s(nbytes: float, gbps: float) -> float:
 def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile) -> CostEstimate:
     """The step's time, phase by phase: rates, the block visits of forward and backward, AdamW, the replay."""
     batch = _Batch.of(work, plan)
-    rates = _with_disk_loads(_Rates.of(model, work, batch, hw), model, work, plan, hw)
     adam = _AdamTime(model, work, plan, hw)
+    on_cpu = spill_timing.applies(hw, plan, adam.spilled)  # a spilled deferred step without a GPU: spill_timing
+    rates = _Rates.of(model, work, batch, hw)
+    rates = rates if on_cpu else _with_disk_loads(rates, model, work, plan, hw)
     slabs = _HostSlabs(plan)
     steps = _forward_steps(model, work, plan, batch, rates, adam, slabs)
     n_fwd = len(steps)
     steps += _backward_steps(model, work, plan, batch, rates, adam, slabs)
     if plan.optimizer_mode != "eager" and not hw.device_is_host:
         _gate_loads_on_deferred_adam(model, steps, adam)
-    total_adam = adam.total()
-    fwd_end, step, exposed = step_replay.step_time(steps, n_fwd, plan, hw, total_adam)
+    total_adam = adam.arithmetic() if on_cpu else adam.total()  # on_cpu: its disk time is spill_timing's
+    if on_cpu:
+        cpu = spill_timing.cpu_step(adam.spilled, plan, hw, steps, n_fwd, total_adam, model.tie_word_embeddings,
+                                    work.compute_bytes)
+        fwd_end, step, exposed = cpu.forward_s, cpu.step_s, total_adam + cpu.forward_exposed_s
+    else:
+        fwd_end, step, exposed = step_replay.step_time(steps, n_fwd, plan, hw, total_adam)
     eager = plan.optimizer_mode == "eager"
     fwd = PhaseTime(fwd_end, *step_replay.busy(steps[:n_fwd]),
                     adam_s=(0.0 if eager or hw.device_is_host else total_adam))
@@ -254,6 +261,10 @@ class _AdamTime:
     def total(self) -> float:
         """Every block's update, one after another: the sum of ``block``."""
         return sum(self.block(b) for b in range(len(self.spilled.numels)))
+
+    def arithmetic(self) -> float:
+        """Every block's update without its disk time: N x seconds per parameter."""
+        return sum(self.spilled.numels) * self.per_param
 
 
 class _HostSlabs:

@@ -18,6 +18,7 @@ import os
 import time
 from typing import Any, Callable
 
+from . import profile_checks
 from .hardware import GiB, MiB, HardwareProfile, preset
 from .host_probe import disk_bandwidth, gpu_present, host_memory, memlock_bytes
 
@@ -28,12 +29,19 @@ DTYPES_GPU = ("bfloat16", "float16", "tf32", "float32")
 # longer contexts take the longest length's rate.
 ATTENTION_SEQS_GPU = (1024, 4096, 16384, 65536)
 ATTENTION_SEQS_CPU = (256, 1024, 4096)
+ATTENTION_DTYPES_GPU = ("bfloat16", "float16", "float32")
 
 
 # ---- torch measurements ------------------------------------------------------------------------
 
-def _best_of(fn: Callable[[], float], repeats: int) -> float:
-    return min(fn() for _ in range(repeats))
+def _quiet(line: str) -> None:
+    """A ``log`` that says nothing."""
+
+
+def _best_of(fn: Callable[[], float], repeats: int, what: str = "", log: Callable[[str], None] = _quiet) -> float:
+    """The fastest of ``repeats`` samples; a round spread above profile_checks.SAMPLE_SPREAD_MAX is measured
+    again, and ``log`` says so ([profile_checks.steady_minimum])."""
+    return profile_checks.steady_minimum(lambda: [fn() for _ in range(repeats)], what or "a sample", log)
 
 
 def cpu_shadow_rate(numel: int) -> float:
@@ -75,7 +83,8 @@ def cpu_adam_rate(numel: int, threads: list[int]) -> list[tuple[int, float]]:
     return out
 
 
-def matmul_tflops(device: str, dtypes: tuple[str, ...], n: int, repeats: int = 3) -> dict[str, float]:
+def matmul_tflops(device: str, dtypes: tuple[str, ...], n: int, repeats: int = 3,
+                  log: Callable[[str], None] = _quiet) -> dict[str, float]:
     """Dense n x n x n matmul TFLOP/s per dtype (2 n^3 FLOPs). "tf32" is float32 with TF32 allowed."""
     import torch
     out = {}
@@ -101,14 +110,14 @@ def matmul_tflops(device: str, dtypes: tuple[str, ...], n: int, repeats: int = 3
             return time.perf_counter() - t0
 
         once()
-        out[name] = 2 * n ** 3 / _best_of(once, repeats) / 1e12
+        out[name] = 2 * n ** 3 / _best_of(once, repeats, f"{name} matmul", log) / 1e12
     if on_gpu:
         torch.backends.cuda.matmul.allow_tf32 = False
     return out
 
 
-def attention_tflops(device: str, dtypes: tuple[str, ...], seqs: tuple[int, ...], heads: int,
-                     head_dim: int) -> dict[str, tuple[tuple[int, float], ...]]:
+def attention_tflops(device: str, dtypes: tuple[str, ...], seqs: tuple[int, ...], heads: int, head_dim: int,
+                     log: Callable[[str], None] = _quiet) -> dict[str, tuple[tuple[int, float], ...]]:
     """Causal attention TFLOP/s per dtype and sequence length, forward + backward of one sequence through
     scaled_dot_product_attention(is_causal=True), as the runtime calls it; FLOPs counted as the planner counts
     them: seq x attention_flops_per_token x (1 + ATTENTION_BWD_FACTOR). On CUDA, bf16 and fp16 run the
@@ -143,7 +152,7 @@ def attention_tflops(device: str, dtypes: tuple[str, ...], seqs: tuple[int, ...]
                     return time.perf_counter() - t0
 
                 once()
-                seconds = _best_of(once, 2)
+                seconds = _best_of(once, 3, f"{name} causal attention at {seq} tokens", log)
             except RuntimeError:  # torch.cuda.OutOfMemoryError is one too
                 continue  # too long for this device, or no kernel for the dtype: not measured there
             finally:
@@ -153,6 +162,35 @@ def attention_tflops(device: str, dtypes: tuple[str, ...], seqs: tuple[int, ...]
         if pts:
             out[name] = tuple(pts)
     return out
+
+
+def attention_rates(on_gpu: bool, dtypes: tuple[str, ...],
+                    log: Callable[[str], None] = _quiet) -> dict[str, tuple[tuple[int, float], ...]]:
+    """``attention_tflops`` at the profile's sizes: on a GPU 32 heads x 128 over ATTENTION_SEQS_GPU, on a CPU
+    4 heads x 64 over ATTENTION_SEQS_CPU."""
+    if on_gpu:
+        return attention_tflops("cuda", dtypes, ATTENTION_SEQS_GPU, 32, 128, log)
+    return attention_tflops("cpu", dtypes, ATTENTION_SEQS_CPU, 4, 64, log)
+
+
+def plausible_attention(matmul: dict[str, float], attention: dict[str, tuple[tuple[int, float], ...]],
+                        on_gpu: bool, log: Callable[[str], None]
+                        ) -> tuple[dict[str, tuple[tuple[int, float], ...]], list[profile_checks.Implausible]]:
+    """The attention rates, each dtype found implausible against its matmul rate
+    (``profile_checks.attention_findings``) measured again, up to REMEASURE_TRIES measurements in all, with
+    ``log`` saying so; and the findings still standing after that (kept, for the caller to name)."""
+    out = dict(attention)
+    for attempt in range(2, profile_checks.REMEASURE_TRIES + 1):
+        bad = profile_checks.attention_findings(matmul, out)
+        if not bad:
+            return out, []
+        for f in bad:
+            log(f"{f.line()}: measuring it again ({attempt}/{profile_checks.REMEASURE_TRIES})")
+        out.update(attention_rates(on_gpu, tuple(f.dtype for f in bad), log))
+    left = profile_checks.attention_findings(matmul, out)
+    for f in left:
+        log(f"{f.line()}: kept after {profile_checks.REMEASURE_TRIES} measurements; profile again on a quiet machine")
+    return out, left
 
 
 def gpu_transfers(sizes: tuple[int, ...]) -> list[tuple[int, float, float, float]]:
@@ -263,9 +301,8 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
         big = table[-1]
         h2d, d2h, duplex = big[1], big[2], big[3]
         log("GPU matmul TFLOP/s")
-        tflops = matmul_tflops("cuda", DTYPES_GPU, 8192)
+        tflops = matmul_tflops("cuda", DTYPES_GPU, 8192, log=log)
         log("GPU causal attention TFLOP/s (forward + backward), 1k .. 64k tokens")
-        attention = attention_tflops("cuda", ("bfloat16", "float16", "float32"), ATTENTION_SEQS_GPU, 32, 128)
         link = interconnect_label(name)
     else:
         notes.append("no GPU: the device is the CPU; transfers are host memcpy, matmul is CPU; "
@@ -274,10 +311,12 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
         log("host memcpy and CPU matmul (no GPU)")
         h2d = d2h = cpu_copy_gbps()
         duplex = h2d
-        tflops = matmul_tflops("cpu", ("float32", "bfloat16"), 1024)
+        tflops = matmul_tflops("cpu", ("float32", "bfloat16"), 1024, log=log)
         log("CPU causal attention TFLOP/s (fp32, forward + backward), 256 .. 4k tokens")
-        attention = attention_tflops("cpu", ("float32",), ATTENTION_SEQS_CPU, 4, 64)
         link = "none"
+    attention, off = plausible_attention(tflops, attention_rates(on_gpu, ATTENTION_DTYPES_GPU if on_gpu else
+                                                                 ("float32",), log), on_gpu, log)
+    notes += [f"{f.line()} (kept after {profile_checks.REMEASURE_TRIES} measurements)" for f in off]
     return HardwareProfile(
         gpu_name=name, gpu_mem_bytes=mem, h2d_gbps=h2d, d2h_gbps=d2h, duplex_gbps=duplex, matmul_tflops=tflops,
         cpu_adam_params_per_s=max(r for _, r in adam), host_ram_bytes=total, host_available_bytes=avail,

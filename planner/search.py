@@ -36,8 +36,10 @@ from .workload import Workload
 Ranks = data_parallel.Topology | None
 
 PREFETCH_DEPTHS = (1, 2, 3)
-# Staging sets between disk and AdamW: 1 (least RAM, no read-ahead) or 3 (reads ahead, writes behind).
-SPILL_STAGING = (1, 3)
+# Staging sets between disk and AdamW: 1 (least RAM, no read-ahead), 3 (reads ahead, writes behind), and deeper
+# read-ahead into the backward's idle disk time (spill_timing): the cost model times what they buy, the memory
+# model what they cost, and near-ties go to the fewest.
+SPILL_STAGING = (1, 3, 8, 24, 64)
 HOST_GRAD_SLABS = (2, 4)
 # Plans this close to the fastest count as equally fast (the cost model is not more precise than that).
 TIME_TOLERANCE = 0.01

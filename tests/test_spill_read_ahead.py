@@ -106,3 +106,41 @@ def test_a_state_written_between_steps_drops_what_was_read_ahead(tmp_path) -> No
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
     for k in oa:
         assert all(torch.equal(oa[k][f], ob[k][f]) for f in ("exp_avg", "exp_avg_sq", "step")), k
+
+
+def test_a_deep_read_ahead_fills_every_staging_set_before_the_backward_ends_and_trains_bitwise(tmp_path) -> None:
+    """The planner's deeper staging (search.SPILL_STAGING): every set is filled with the next step's first
+    pieces, in update order, after this step's updates and before the next step's backward hands over its first
+    job; never more than the sets; and training stays bitwise what it is without spill."""
+    staging = 6
+    plan = Plan(spill="all", spill_dir=str(tmp_path), spill_staging=staging, spill_chunk_bytes=4096)
+    steps = 3
+    log, pieces = _spill_log(plan, steps)
+    assert len(pieces) > staging
+    at = {(e.op, e.step, e.block, e.lo): i for i, e in enumerate(log) if e.op.startswith(("spill_", "adam_"))}
+    for step in range(2, steps + 1):
+        ahead = [i for i, e in enumerate(log) if e.op == "spill_read" and e.step == step and e.phase == "ahead"]
+        assert [(log[i].block, log[i].lo) for i in ahead] == pieces[:staging]  # forward order is the update order
+        submitted = min(i for i, e in enumerate(log) if e.op == "adam_submit" and e.step == step)
+        assert max(ahead) < submitted
+        # each read ahead after its own chunk's writes of the step before
+        assert all(at[("spill_write", step - 1, log[i].block, log[i].lo)] < i for i in ahead)
+        # the backward of that step ran while they were in flight: its first backward compute comes after the first
+        first_bwd = min(i for i, e in enumerate(log) if e.op == "compute" and e.step == step and e.phase == "bwd")
+        assert min(ahead) < first_bwd
+    held = 0
+    for e in log:
+        held += {"spill_read": 1, "spill_write": -1, "spill_discard": -1}.get(e.op, 0)
+        assert 0 <= held <= staging
+    opt = OptimizerConfig(lr=1e-3, max_grad_norm=1.0)
+    states = []
+    for p in (Plan(), plan.replace(spill_dir=str(tmp_path / "again"))):
+        (tmp_path / "again").mkdir(exist_ok=True)
+        with Engine(CONFIG, opt, plan=p, compute_dtype=torch.float32, device="cpu", seed=0) as engine:
+            for ids in _batches(steps):
+                engine.step(ids, ids)
+            states.append((engine.state_dict(), engine.optimizer_state_dict()))
+    (pa, oa), (pb, ob) = states
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    for k in oa:
+        assert all(torch.equal(oa[k][f], ob[k][f]) for f in ("exp_avg", "exp_avg_sq", "step")), k

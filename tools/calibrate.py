@@ -178,8 +178,6 @@ def run_in_rounds(measurements: Sequence[Measurement], rounds: int,
     return pooled
 
 
-# ---- reduction and fitting ----------------------------------------------------------------------
-
 def reduce_run(name: str, config: dict[str, Any], seq: int, batch: int, dtype: str, plan: Any,
                measured: dict[str, Any], hw: Any, percentile: float) -> Any:
     """Measured steps -> a RunSample: each figure at ``percentile`` of its samples, with the planner's
@@ -256,8 +254,10 @@ def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: s
     from megatrain.planner import model_shapes, search
     from megatrain.planner.calibration import HEAD_SHARE_MAX, SPREAD_WARN, fit
     from megatrain.planner.workload import Workload
+    from megatrain.tools.profile_repair import checked_profile, fit_checked
 
     hw, path = base_profile(out, log)
+    hw = checked_profile(hw, dtype, log)  # a figure of the profile that is off is measured again first
     plain = hw.replace(calibrations=())
     todo = [OVERHEAD_RUN, *(RUNS[:3] if quick else RUNS)]
     plans, measurements = [], []
@@ -280,30 +280,34 @@ def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: s
             f"params, {batch} x {seq} tokens")
 
     measured = run_in_rounds(measurements, rounds, progress)
-    runs, warnings = [], []
-    overhead = None
-    for (name, config, seq, batch, _), plan, m in zip(todo, plans, measured):
-        sample = reduce_run(name, config, seq, batch, dtype, plan, m, plain, percentile)
-        if sample.spread > SPREAD_WARN:
-            warnings.append(f"{name}: step times spread {sample.spread:.0%} across its samples (a busy machine?); "
+
+    def reduce_all(h: Any) -> tuple[list[Any], Any]:
+        samples = [reduce_run(name, config, seq, batch, dtype, plan, m, h, percentile)
+                   for (name, config, seq, batch, _), plan, m in zip(todo, plans, measured)]
+        return samples[1:], samples[0]  # the layers' runs, the overhead run (todo's first)
+
+    (runs, overhead), warnings = reduce_all(plain), []
+    for r in [overhead, *runs]:
+        if r.spread > SPREAD_WARN:
+            warnings.append(f"{r.name}: step times spread {r.spread:.0%} across its samples (a busy machine?); "
                             f"the fit keeps the {'fastest' if percentile == 0 else f'p{percentile:g}'} sample; "
                             "run again on a quiet machine for tighter figures")
-        if sample.head_s >= HEAD_SHARE_MAX * sample.compute_s and name != OVERHEAD_RUN[0]:
-            warnings.append(f"{name}: its head alone took {sample.head_s:.3f} s of a {sample.compute_s:.3f} s step "
+        if r.head_s >= HEAD_SHARE_MAX * r.compute_s and r.name != OVERHEAD_RUN[0]:
+            warnings.append(f"{r.name}: its head alone took {r.head_s:.3f} s of a {r.compute_s:.3f} s step "
                             "(a busy machine?); the fit counts this run's head with its layers")
-        log(f"{name}: step {sample.step_s:.3f} s (spread {sample.spread:.0%}), compute {sample.compute_s:.3f} s, "
-            f"head alone {sample.head_s:.3f} s, "
-            f"peak RSS growth {sample.peak_rss_growth_bytes / 2**30:.3f} GiB")
-        if name == OVERHEAD_RUN[0]:
-            overhead = sample
-        else:
-            runs.append(sample)
+        log(f"{r.name}: step {r.step_s:.3f} s (spread {r.spread:.0%}), compute {r.compute_s:.3f} s, "
+            f"head alone {r.head_s:.3f} s, peak RSS growth {r.peak_rss_growth_bytes / 2**30:.3f} GiB")
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     kept = "best" if percentile == 0 else f"p{percentile:g}"
-    spread = max(r.spread for r in [*runs, overhead] if r is not None)
     source = (f"`{command}` on {when}: {len(todo)} runs x {rounds} rounds x {steps} steps, {kept} of each kept, "
-              f"spread up to {spread:.0%}")
-    cal = fit(runs, dtype, overhead_run=overhead, source=source, samples=steps * rounds)
+              f"spread up to {max(r.spread for r in [*runs, overhead]):.0%}")
+
+    def fit_once(h: Any) -> Any:  # the fit with the profile's figures ``h`` (measured again when one is off)
+        layers, small = reduce_all(h.replace(calibrations=()))
+        return fit(layers, dtype, overhead_run=small, source=source, samples=steps * rounds)
+
+    cal, hw, more = fit_checked(fit_once, hw, log)
+    warnings += more
     # The profile's source line, which the planner prints, says the constants are fitted (once).
     base = hw.source.split(FITTED_NOTE)[0].rstrip("; ")
     fitted = ", ".join(sorted({c.compute_dtype for c in hw.calibrations} | {dtype}))

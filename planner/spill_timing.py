@@ -1,0 +1,108 @@
+"""A spilled step without a GPU, deferred mode: the disk as a resource beside the CPU in each half of the step,
+as the runtime schedules it ([Note: spill read-ahead] in runtime/spill/read_ahead.py). Pure stdlib.
+
+The CPU runs the step's compute, its copies and AdamW's arithmetic one after another (they share the cores:
+``cpu`` below, the replay's sum). The disk runs beside them, and the step waits on it only where the work it
+must finish first is longer than the CPU work it overlaps:
+
+  backward   the loads of the layers whose master spills (layer x 4 bytes each, read), the drains of the
+             spilled gradients (written), and the read-ahead: the next update's first chunks' master, m and v
+             (those that spill) in update order, at most ``spill_staging`` chunks (one staging set each), and
+             no more than the disk can read in the backward's CPU time beside the loads and drains:
+               ahead <= max(0, B - loads_b / R - grads / W) x R        (B: the backward's CPU seconds)
+             exposed_b = max(0, loads_b / R + grads / W + ahead / R - B)
+  forward    AdamW updates block i (forward order) before the forward loads it: its spilled kinds read (less
+             what was read ahead), its master, m and v written behind, then its load's read of the master;
+             the disk does that block after block while the CPU computes the blocks already updated:
+               a_i = a_{i-1} + (reads_i - ahead_i) / R + writes_i / W + load_i / R
+               e_i = max(e_{i-1}, a_i) + f_i        (f_i: block i's forward CPU seconds, e_{-1} = a_{-1} = 0)
+             exposed_f = e_last - sum f_i
+
+  step = sum over visits of (load + compute + drain) + AdamW arithmetic + exposed_f + exposed_b
+
+R, W: the profile's disk read and write GB/s. Loads of blocks whose master spills read the disk straight into
+the slot (no host copy: their load is 0 on the CPU side). The cost model adds the floor every spill plan has
+(``step >= disk bytes / GB/s``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from . import spill_placement
+from .buffer_kinds import BufferKind, spill_chunks
+from .hardware import HardwareProfile
+from .plan import Plan
+from .step_replay import BlockVisit
+
+UPDATED = (BufferKind.MASTER, BufferKind.EXP_AVG, BufferKind.EXP_AVG_SQ)  # what AdamW reads ahead and writes back
+
+
+@dataclass(frozen=True)
+class SpillStep:
+    """The spilled step's timing on the CPU (seconds; bytes of the read-ahead)."""
+
+    forward_s: float          # end of the forward half (the head's loss and backward included; AdamW's arithmetic
+                              # counts with the backward half, as the cost model's other CPU steps count it)
+    step_s: float
+    forward_exposed_s: float  # the CPU waited on the disk in the forward half (AdamW's I/O and the loads)
+    backward_exposed_s: float
+    read_ahead_bytes: float   # the next update's master, m and v read during backward
+
+
+def applies(hw: HardwareProfile, plan: Plan, spilled: "spill_placement.Spilled") -> bool:
+    """This model times the step: no GPU, deferred updates, something on disk."""
+    return hw.device_is_host and plan.optimizer_mode == "deferred" and bool(spilled.kinds)
+
+
+def read_ahead(spilled: "spill_placement.Spilled", chunk_bytes: int, sets: int, budget: float) -> list[float]:
+    """Bytes of each block read ahead: the blocks in update order (forward order), each chunk
+    (``buffer_kinds.spill_chunks``, as the runtime cuts them) of a block whose master, m or v spills one
+    staging set, at most ``sets`` chunks and ``budget`` bytes in all."""
+    out = [0.0] * len(spilled.numels)
+    for b, numel in enumerate(spilled.numels):
+        k = sum(1 for kind in UPDATED if b in spilled.blocks.get(kind, ()))
+        for _, piece in (spill_chunks(numel, chunk_bytes) if k else ()):
+            if sets <= 0 or budget <= 0:
+                return out
+            nbytes = min(budget, piece * 4.0 * k)
+            out[b] += nbytes
+            budget -= nbytes
+            sets -= 1
+    return out
+
+
+def cpu_step(spilled: "spill_placement.Spilled", plan: Plan, hw: HardwareProfile, steps: Sequence[BlockVisit],
+             n_fwd: int, adam_cpu_s: float, tied: bool, compute_bytes: int) -> SpillStep:
+    """The step (see the module docstring). ``steps``: the forward's visits (the embedding, the layers, the head:
+    block i at visit i), then the backward's (the layers in reverse, the embedding); ``adam_cpu_s``: AdamW's
+    arithmetic for every block."""
+    R, W = hw.disk_read_gbps * 1e9, hw.disk_write_gbps * 1e9
+    n = len(spilled.numels)
+    on_disk = spilled.blocks.get(BufferKind.MASTER, frozenset()) if compute_bytes == 4 else frozenset()
+
+    def cpu(st: BlockVisit, block: int | None) -> float:  # a spilled master loads from disk: no host copy
+        return (0.0 if block in on_disk else st.load_s) + st.compute_s + st.d2h_s
+
+    fwd_blocks = list(range(n))
+    bwd_blocks: list[int | None] = [*range(n - 2, 0, -1), None]      # the layers in reverse; the embedding's
+    f = [cpu(st, b) for st, b in zip(steps[:n_fwd], fwd_blocks)]   # backward loads nothing
+    B = sum(cpu(st, b) for st, b in zip(steps[n_fwd:], bwd_blocks))
+    # loads reading the master from disk: forward, each block once (the tied head the embedding again too);
+    # backward, each layer once
+    fwd_load = [spilled.numels[b] * 4.0 if b in on_disk else 0.0 for b in fwd_blocks]
+    if tied and 0 in on_disk:
+        fwd_load[n - 1] += spilled.numels[0] * 4.0
+    bwd_load = sum(spilled.numels[b] * 4.0 for b in bwd_blocks if b in on_disk)
+    grads = sum(spilled.numels[b] * 4.0 for b in spilled.blocks.get(BufferKind.GRADS, ()))
+    busy_b = bwd_load / R + grads / W
+    ahead = read_ahead(spilled, plan.spill_chunk_bytes, plan.spill_staging, max(0.0, B - busy_b) * R)
+    exposed_b = max(0.0, busy_b + sum(ahead) / R - B)
+    a = e = 0.0
+    for b in fwd_blocks:
+        kinds = [k for k in BufferKind if b in spilled.blocks.get(k, ())]
+        reads = spilled.numels[b] * 4.0 * len(kinds) - ahead[b]
+        writes = spilled.numels[b] * 4.0 * sum(1 for k in kinds if k in UPDATED)
+        a += reads / R + writes / W + fwd_load[b] / R
+        e = max(e, a) + f[b]
+    return SpillStep(e, e + B + exposed_b + adam_cpu_s, e - sum(f), exposed_b, sum(ahead))

@@ -1,0 +1,107 @@
+"""The spilled step on a CPU (planner/spill_timing.py): the disk beside the CPU in each half of the step, the
+read-ahead the staging sets and the backward's idle disk allow, checked by hand; the cost model uses it."""
+from __future__ import annotations
+
+import pytest
+
+from megatrain.planner import cost_model, model_shapes, spill_placement, spill_timing
+from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.planner.hardware import HardwareProfile
+from megatrain.planner.plan import Plan
+from megatrain.planner.spill_placement import Spilled
+from megatrain.planner.step_replay import BlockVisit
+from megatrain.planner.workload import Workload
+
+CHUNK = 262144                 # elements of one 1 MiB chunk
+U = CHUNK * 4 / 1e9            # seconds of one block's kind (a chunk) at 1 GB/s
+HEAD = 1024                    # the head block's elements (its norm)
+
+
+def _hw(**kw: object) -> HardwareProfile:
+    base = dict(gpu_name="cpu", gpu_mem_bytes=0, h2d_gbps=5.0, d2h_gbps=5.0, duplex_gbps=5.0,
+                matmul_tflops={"float32": 0.1}, cpu_adam_params_per_s=1e9, host_ram_bytes=64 << 30,
+                host_available_bytes=60 << 30, cores=2, disk_read_gbps=1.0, disk_write_gbps=1.0)
+    return HardwareProfile(**{**base, **kw})
+
+
+def _all(numels: tuple[int, ...]) -> Spilled:
+    every = frozenset(range(len(numels)))
+    return Spilled({k: every for k in BufferKind}, numels)
+
+
+def _visits(fwd: list[float], bwd: list[float]) -> list[BlockVisit]:
+    """Forward visits (embedding, layers, head) then backward (layers in reverse, embedding, which loads
+    nothing): compute only, with a host copy of 1 s each that a spilled master does not pay."""
+    back = [BlockVisit(1.0 if i < len(bwd) - 1 else 0.0, c, 0.0, backward=True) for i, c in enumerate(bwd)]
+    return [BlockVisit(1.0, c, 0.0) for c in fwd] + back
+
+
+def _plan(staging: int) -> Plan:
+    return Plan(spill="all", spill_dir="/tmp", spill_staging=staging, spill_chunk_bytes=CHUNK * 4)
+
+
+def test_the_step_by_hand() -> None:
+    """Embedding, two layers of one chunk each, a tiny head; everything spilled; 1 GB/s each way; two staging
+    sets: the backward reads the embedding's and layer 1's master, m and v ahead."""
+    spilled = _all((CHUNK, CHUNK, CHUNK, HEAD))
+    f, bwd = [0.001, 0.01, 0.01, 0.002], [0.02, 0.02, 0.001]
+    got = spill_timing.cpu_step(spilled, _plan(2), _hw(), _visits(f, bwd), 4, 0.5, False, 4)
+    h = HEAD * 4 / 1e9
+    B = sum(bwd)
+    # backward: the layers' loads (2 U read), every block's gradients (3 U + h written), 6 U read ahead
+    assert got.read_ahead_bytes == pytest.approx(6 * U * 1e9)
+    assert got.backward_exposed_s == max(0.0, 2 * U + 3 * U + h + 6 * U - B) == 0.0
+    # forward: a_i = a_{i-1} + (4 U - ahead) reads + 3 U writes + U load; e_i = max(e_{i-1}, a_i) + f_i
+    a0 = U + 3 * U + U
+    e0 = a0 + f[0]
+    a1 = a0 + U + 3 * U + U
+    e1 = max(e0, a1) + f[1]
+    a2 = a1 + 4 * U + 3 * U + U
+    e2 = max(e1, a2) + f[2]
+    a3 = a2 + 8 * h
+    e3 = max(e2, a3) + f[3]
+    assert got.forward_s == pytest.approx(e3)
+    assert got.forward_exposed_s == pytest.approx(e3 - sum(f))
+    assert got.step_s == pytest.approx(e3 + B + 0.5)
+
+
+def test_the_read_ahead_is_bounded_by_the_staging_sets_and_the_idle_disk() -> None:
+    spilled = _all((4 * CHUNK, CHUNK, CHUNK, HEAD))   # an embedding of four chunks
+    f, bwd = [0.001, 0.01, 0.01, 0.002], [0.02, 0.02, 0.001]
+    by_sets = [spill_timing.cpu_step(spilled, _plan(p), _hw(), _visits(f, bwd), 4, 0.0, False, 4) for p in (1, 3)]
+    assert [s.read_ahead_bytes for s in by_sets] == pytest.approx([3 * U * 1e9, 9 * U * 1e9])
+    assert by_sets[1].forward_exposed_s == pytest.approx(by_sets[0].forward_exposed_s - 6 * U)
+    # a short backward: its idle disk time, not the sets, bounds what is read ahead, and nothing is exposed there
+    short = [0.006, 0.006, 0.001]
+    busy = 2 * U + 6 * U + HEAD * 4 / 1e9             # the layers' loads, every block's gradients
+    got = spill_timing.cpu_step(spilled, _plan(100), _hw(), _visits(f, short), 4, 0.0, False, 4)
+    assert got.read_ahead_bytes == pytest.approx((sum(short) - busy) * 1e9)
+    assert got.backward_exposed_s == pytest.approx(0.0, abs=1e-12)
+    # a backward too short for its own loads and drains: exposed by the difference, nothing read ahead
+    tiny = [0.0001, 0.0001, 0.0001]
+    got = spill_timing.cpu_step(spilled, _plan(100), _hw(), _visits(f, tiny), 4, 0.0, False, 4)
+    assert got.read_ahead_bytes == 0 and got.backward_exposed_s == pytest.approx(busy - sum(tiny))
+
+
+def test_the_read_ahead_follows_the_runtime_chunks() -> None:
+    """Chunks as buffer_kinds.spill_chunks cuts them, blocks in update (forward) order, only the spilled kinds
+    of master, m and v."""
+    spilled = Spilled({BufferKind.EXP_AVG: frozenset({1, 2}), BufferKind.EXP_AVG_SQ: frozenset({1, 2})},
+                      (CHUNK, CHUNK + 1024, CHUNK, HEAD))
+    got = spill_timing.read_ahead(spilled, CHUNK * 4, 3, float("inf"))
+    assert got == [0.0, (CHUNK + 1024) * 8.0, CHUNK * 8.0, 0.0]  # block 1: two chunks, block 2: the third set
+    assert spill_timing.read_ahead(spilled, CHUNK * 4, 3, 100.0) == [0.0, 100.0, 0.0, 0.0]
+
+
+def test_the_cost_model_times_a_spilled_cpu_step_with_it() -> None:
+    shape = model_shapes.from_config(dict(model_type="llama", vocab_size=4096, hidden_size=256,
+                                          intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                                          num_key_value_heads=2))
+    work = Workload(seq_len=128, batch=2, compute_dtype="fp32", clipping=True)
+    hw = _hw(disk_read_gbps=2.0, disk_write_gbps=2.0)   # the backward leaves the disk idle time to read ahead
+    few, many = (cost_model.estimate(shape, work, _plan(p).replace(micro_batch_size=2), hw) for p in (1, 64))
+    assert many.step_seconds < few.step_seconds          # staging sets the backward fills pay
+    spilled = spill_placement.Spilled.of(shape, _plan(1))
+    assert spill_timing.applies(hw, _plan(1), spilled)
+    assert not spill_timing.applies(hw, _plan(1).replace(optimizer_mode="eager"), spilled)
+    assert few.step_seconds >= few.disk_seconds          # never faster than the disk's bytes
