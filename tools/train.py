@@ -262,7 +262,7 @@ class Run:
                 raise TrainConfigError(f"tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size "
                                        f"is {model.vocab_size}; resume with the run's own tokenizer")
         else:
-            source = model_source.resolve(c.model, tokenizer.vocab_size, c.seq_len, c.init)
+            source = model_source.resolve(c.model, tokenizer.vocab_size, c.seq_len, c.init, c.revision)
             model = source.config
         if tokenizer.separator_id >= model.vocab_size:
             raise TrainConfigError(f"separator_id={tokenizer.separator_id} is outside the model's vocabulary "

@@ -14,6 +14,8 @@ from typing import Any, Mapping
 
 from megatrain.runtime.errors import MegatrainError
 
+from . import hub_models
+
 # The built-in demo model's name for --model (a few million parameters, Llama-shaped, random init).
 DEMO_MODEL = "demo"
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")
@@ -28,9 +30,9 @@ LOG_TO_CHOICES = ("none", "tensorboard")
 PACKING_CHOICES = ("auto", "whole", "documents", "concat", "none")
 # Options a resumed run cannot change: they define the model, its optimizer state or the data position.
 # The others (lr, steps, save cadence, plan, device, ...) apply from the resume on, and are printed.
-FIXED_ON_RESUME = ("model", "init", "data", "tokenizer", "text_field", "train_on", "token_dtype", "separator_id",
-                   "seq_len", "packing", "batch", "compute_dtype", "seed", "shuffle", "eval_fraction", "beta1",
-                   "beta2", "weight_decay", "max_grad_norm")
+FIXED_ON_RESUME = ("model", "revision", "init", "data", "tokenizer", "text_field", "train_on", "token_dtype",
+                   "separator_id", "seq_len", "packing", "batch", "compute_dtype", "seed", "shuffle", "eval_fraction",
+                   "beta1", "beta2", "weight_decay", "max_grad_norm")
 PATH_KEYS = ("data", "eval_data", "tokenizer", "plan", "spill_dir", "model", "export_on_finish")
 EXPORT_DTYPES = ("bf16", "fp32")
 
@@ -43,9 +45,12 @@ class TrainConfigError(MegatrainError):
 class TrainConfig:
     """Everything one ``megatrain-train`` run needs. Field names are the TOML keys."""
 
-    # What to train: "demo", a planner preset (random init, e.g. "Llama-3.2-1B"), a Hugging Face
-    # model directory (its *.safetensors weights), or a config.json (random init).
+    # What to train: "demo", a planner preset (random init, e.g. "shape:Llama-3.2-1B"), a Hugging Face
+    # model directory (its *.safetensors weights), a Hugging Face Hub name ("org/name", tools/hub_models.py;
+    # a local directory of that name wins), or a config.json (random init).
     model: str = DEMO_MODEL
+    # A Hub name's branch, tag or commit (empty: main).
+    revision: str = ""
     # "auto": a model directory's weights (refused when it has none megatrain reads); "random": random init.
     init: str = "auto"
     # Training text or tokens: files or directories (.txt/.md, .jsonl, .parquet, .npy, .bin).
@@ -161,6 +166,8 @@ class TrainConfig:
                                    "--eval-data, not both")
         _require(self, "separator_id", self.separator_id >= -1, "must be a token id >= 0 (or -1 for the tokenizer's)")
         _require(self, "out", bool(self.out), "must name an output directory")
+        _require(self, "revision", not self.revision or hub_models.is_hub_name(self.model),
+                 "applies to a Hugging Face Hub name only (--model org/name); leave it out")
         for key in ("data", "eval_data"):
             for path in getattr(self, key):
                 if not os.path.exists(path):
@@ -193,8 +200,12 @@ FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Tr
 def build(values: Mapping[str, Any]) -> TrainConfig:
     values = {k: v for k, v in values.items() if k != "overwrite"}
     model = values.get("model")
-    if "tokenizer" not in values and isinstance(model, str) and os.path.isfile(os.path.join(model, "tokenizer.json")):
-        values["tokenizer"] = os.path.join(model, "tokenizer.json")  # a model directory's own tokenizer by default
+    if "tokenizer" not in values and isinstance(model, str) and model != DEMO_MODEL:
+        if hub_models.is_hub_name(model):  # its snapshot in the Hugging Face cache (downloaded when missing)
+            revision = values.get("revision", "")
+            model = hub_models.snapshot(model, revision if isinstance(revision, str) else "")
+        if os.path.isfile(os.path.join(model, "tokenizer.json")):
+            values["tokenizer"] = os.path.join(model, "tokenizer.json")  # a model directory's own tokenizer
     try:
         return TrainConfig(**values)
     except TypeError as e:  # a value of the wrong type reached a comparison
@@ -258,6 +269,8 @@ def relative_to(base: str, key: str, value: Any) -> Any:
     def fix(p: str) -> str:
         if key == "model" and not (os.sep in p or p.endswith(".json")):
             return p  # a preset name or "demo"
+        if key == "model" and hub_models.is_hub_name(p, base):
+            return p  # a Hugging Face Hub name (no such directory here)
         if key == "tokenizer" and p == "byte":
             return p
         return p if os.path.isabs(p) or not p else os.path.join(base, p)

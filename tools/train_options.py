@@ -20,8 +20,11 @@ from .train_config import COMPUTE_DTYPES, DEVICES, EXPORT_DTYPES, FIELDS, INIT_C
 
 # One-line help per key (shown by --help); the TOML key is the option name with underscores.
 HELP: dict[str, str] = {
-    "model": "'demo' (default), a preset (e.g. Llama-3.2-1B; random init), a Hugging Face model "
-             "directory (its safetensors weights), or a config.json (random init)",
+    "model": "'demo' (default), a shape preset (e.g. shape:Llama-3.2-1B; random init), a Hugging Face model "
+             "directory (its safetensors weights), a Hugging Face Hub name org/name (from the huggingface_hub "
+             "cache, HF_HOME/HF_HUB_CACHE, downloaded when missing unless HF_HUB_OFFLINE=1; a local directory of "
+             "that name wins), or a config.json (random init)",
+    "revision": "with a Hub name: the branch, tag or commit to use (default: main)",
     "init": "auto: a model directory's safetensors weights (default); random: random init from its config",
     "data": "training files or directories: .txt/.md, .jsonl, .parquet, .npy, .bin (default: Python's "
             "pydoc topics)",
