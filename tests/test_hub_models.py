@@ -141,3 +141,9 @@ def test_hub_names_as_paths_and_revision_options():
     assert train_config.relative_to("/somewhere", "model", "./local/model") == "/somewhere/./local/model"
     with pytest.raises(train_config.TrainConfigError, match="revision.*Hub name only"):
         train_config.TrainConfig(model="demo", revision="main")
+
+
+def test_a_preset_bare_name_is_refused_naming_the_shape_and_the_hub(capsys):
+    assert train.main(["--model", "qwen2.5-0.5b", "--steps", "1", "--progress", "none"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--model shape:Qwen2.5-0.5B" in err[0] and "Hugging Face Hub name (org/name)" in err[0]

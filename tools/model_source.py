@@ -55,6 +55,9 @@ def resolve(model: str, vocab_size: int, seq_len: int, init: str = "auto", revis
     else:
         try:
             shape = model_shapes.resolve(model)
+        except model_shapes.BarePresetName as e:
+            raise TrainConfigError(f"model: {e} for its shape with random weights, or its Hugging Face Hub name "
+                                   f"(org/name) for the published weights") from None
         except model_shapes.ModelShapeError as e:
             raise TrainConfigError(f"model: {e}; or 'demo', a Hugging Face directory or a config.json") from None
         source = ModelSource(_from_shape(shape), None, f"preset {shape.name} (random init)")
