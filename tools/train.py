@@ -335,6 +335,7 @@ class Run:
         summary["plot"] = plot(metrics.read_metrics(loop.metrics_path), os.path.join(self.out, "training.png")) \
             if c.plot else "off (--no-plot)"
         metrics.write_summary(os.path.join(self.out, "summary.json"), summary)
+        loop.sink.close(summary)  # --log-to: the summary too
         print(metrics.format_summary(summary), file=sys.stderr)
         for note in self.notes:
             print(f"note: {note}", file=sys.stderr)

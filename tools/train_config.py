@@ -26,7 +26,8 @@ SPILL_CHOICES = ("auto", "none", "optimizer", "all")
 OPTIMIZER_STATES = ("fp32", "bf16")
 INIT_CHOICES = ("auto", "random")
 TRAIN_ON_CHOICES = ("completion", "all")
-LOG_TO_CHOICES = ("none", "tensorboard")
+# --log-to's targets: one, or several joined by commas ("tensorboard,wandb").
+LOG_TO_CHOICES = ("none", "tensorboard", "wandb")
 PACKING_CHOICES = ("auto", "whole", "documents", "concat", "none")
 # Options a resumed run cannot change: they define the model, its optimizer state or the data position.
 # The others (lr, steps, save cadence, plan, device, ...) apply from the resume on, and are printed.
@@ -122,7 +123,8 @@ class TrainConfig:
     # Non-interactive progress: one line every N steps.
     log_every: int = 10
     plot: bool = True
-    # Where metrics go besides OUT/metrics.jsonl: "none" or "tensorboard" (OUT/tensorboard; needs tensorboard).
+    # Where metrics go besides OUT/metrics.jsonl: "none", "tensorboard" (OUT/tensorboard; needs tensorboard),
+    # "wandb" (Weights & Biases; needs wandb), or several joined by commas ("tensorboard,wandb").
     log_to: str = "none"
     # At the end of the run, export the model as megatrain-export does into this new or empty directory.
     export_on_finish: str = ""
@@ -156,7 +158,7 @@ class TrainConfig:
         _one_of("optimizer_state", self.optimizer_state, OPTIMIZER_STATES)
         _one_of("init", self.init, INIT_CHOICES)
         _one_of("train_on", self.train_on, TRAIN_ON_CHOICES)
-        _one_of("log_to", self.log_to, LOG_TO_CHOICES)
+        log_targets(self.log_to)
         _one_of("packing", self.packing, PACKING_CHOICES)
         _one_of("export_dtype", self.export_dtype, EXPORT_DTYPES)
         _require(self, "eval_fraction", 0 <= self.eval_fraction < 1 and math.isfinite(self.eval_fraction),
@@ -275,6 +277,16 @@ def relative_to(base: str, key: str, value: Any) -> Any:
             return p
         return p if os.path.isabs(p) or not p else os.path.join(base, p)
     return tuple(fix(p) for p in value) if isinstance(value, tuple) else fix(value)
+
+
+def log_targets(log_to: str) -> tuple[str, ...]:
+    """``--log-to``'s targets, in order ("none": none); one line naming the choices for anything else."""
+    targets = tuple(t.strip() for t in str(log_to).split(","))
+    if any(t not in LOG_TO_CHOICES for t in targets) or ("none" in targets and len(targets) > 1) \
+            or len(set(targets)) < len(targets):
+        raise TrainConfigError(f"log_to={log_to!r} is not one of {', '.join(LOG_TO_CHOICES)} (or several of "
+                               f"tensorboard, wandb joined by commas, e.g. tensorboard,wandb)")
+    return () if targets == ("none",) else targets
 
 
 def _require(config: TrainConfig, name: str, ok: bool, what: str) -> None:

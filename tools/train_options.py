@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from megatrain.planner.cli_args import RenamedOption
 
-from .train_config import COMPUTE_DTYPES, DEVICES, EXPORT_DTYPES, FIELDS, INIT_CHOICES, LOG_TO_CHOICES, \
+from .train_config import COMPUTE_DTYPES, DEVICES, EXPORT_DTYPES, FIELDS, INIT_CHOICES, \
     OPTIMIZER_STATES, PACKING_CHOICES, PROGRESS_STYLES, SPILL_CHOICES, TOKEN_DTYPES, TRAIN_ON_CHOICES, TrainConfig, TrainConfigError, \
     build, relative_to
 
@@ -78,7 +78,9 @@ HELP: dict[str, str] = {
     "progress": "progress display: auto, tqdm, rich, plain or none",
     "log_every": "with plain progress, one line every N steps (10)",
     "plot": "write OUT/training.png when matplotlib is installed (default on; --no-plot)",
-    "log_to": "also log metrics to: none (default) or tensorboard (OUT/tensorboard; needs tensorboard)",
+    "log_to": "also log metrics to: none (default), tensorboard (OUT/tensorboard; needs tensorboard), wandb "
+              "(Weights & Biases: WANDB_PROJECT, WANDB_MODE=offline, WANDB_DIR as wandb reads them; needs wandb), "
+              "or several joined by commas: tensorboard,wandb",
     "export_on_finish": "at the end, write the model as megatrain-export does into this new or empty directory",
     "export_dtype": "weight dtype of --export-on-finish: bf16 (default) or fp32",
 }
@@ -86,7 +88,7 @@ HELP: dict[str, str] = {
 # The options that take one of a fixed set of words.
 CHOICES: dict[str, tuple[str, ...]] = {
     "compute_dtype": COMPUTE_DTYPES, "device": DEVICES, "progress": PROGRESS_STYLES, "token_dtype": TOKEN_DTYPES,
-    "spill": SPILL_CHOICES, "init": INIT_CHOICES, "train_on": TRAIN_ON_CHOICES, "log_to": LOG_TO_CHOICES,
+    "spill": SPILL_CHOICES, "init": INIT_CHOICES, "train_on": TRAIN_ON_CHOICES,
     "packing": PACKING_CHOICES, "export_dtype": EXPORT_DTYPES, "optimizer_state": OPTIMIZER_STATES}
 
 
