@@ -34,7 +34,8 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig
 
     from . import data_order, evaluation, export, metric_sinks, metrics, model_source, packing, ranks, \
-        restart, resume, run_dir, run_plan, tokenizer as tokenizers, train_config, train_options, world_change
+        restart, resume, run_dir, run_plan, tokenizer as tokenizers, tokenizer_check, train_config, train_options, \
+        world_change
     from .data import Corpus
     from .plot import plot
     from .training_loop import TrainingLoop, dtype_name, next_batch
@@ -152,6 +153,8 @@ class Run:
         tokenizer, model, source = self._check_model()
         corpus = Corpus(c.data, tokenizer, c.text_field, c.token_dtype, c.train_on)
         corpus.check_token_ids(model.vocab_size)
+        if self.resumed is None and "tokenizer" not in self.values:  # the model directory's, not one chosen
+            tokenizer_check.check(tokenizer, c.data, c.text_field, c.token_dtype, c.train_on)
         metric_sinks.check(c)
         self.packing = data_order.packing_mode(c.packing, corpus)
         data, held_out = data_order.training_data(c, corpus, tokenizer.separator_id, self.data_state, self.rows_done,

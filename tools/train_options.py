@@ -29,7 +29,8 @@ HELP: dict[str, str] = {
     "data": "training files or directories: .txt/.md, .jsonl, .parquet, .npy, .bin (default: Python's "
             "pydoc topics)",
     "tokenizer": "a tokenizer.json (needs `tokenizers`) or 'byte' (default: the --model directory's tokenizer.json "
-                 "when it has one, else byte)",
+                 "when it has one, else byte; that default is refused at start when transformers' AutoTokenizer "
+                 "builds another tokenizer from the directory: given here, the file is used as written)",
     "text_field": "the text field of .jsonl and .parquet records (text)",
     "train_on": "chat records ({\"messages\"} or {\"prompt\", \"completion\"}): completion = loss on the "
                 "assistant's tokens only (default), all = on every token",
