@@ -2,7 +2,8 @@
 
 megatrain reads ``tokenizer.json`` as written (the ``tokenizers`` package); transformers' ``AutoTokenizer``
 may build another tokenizer from the same directory (its ``tokenizer_config.json`` names a class whose
-own normalizer or pre-tokenizer replaces the file's), and a model trained with one and served with the
+own normalizer or pre-tokenizer replaces the file's; transformers 5 builds the model type's class, e.g.
+``Qwen2Tokenizer`` for a qwen2 directory), and a model trained with one and served with the
 other sees other tokens. At start-up, when transformers is installed and the tokenizer's directory holds
 its files, the first ``SAMPLE_DOCUMENTS`` documents of the data are encoded both ways (each text exactly
 as the run encodes it: a chat record's rendering, prompt and completion), and a chat record's assistant
@@ -66,8 +67,9 @@ def check(tokenizer: Any, data: tuple[str, ...], text_field: str, token_dtype: s
                 f"tokenizer: transformers' AutoTokenizer builds another tokenizer from {directory} than its "
                 f"tokenizer.json ({type(hf).__name__}: token {at} of {text[:40]!r}... is "
                 f"{_at(theirs, at)} there, {_at(ours, at)} here), so the model would be served other tokens than "
-                f"it was trained on; fix tokenizer_config.json's tokenizer_class, or pass {tokenizer_flag} "
-                f"{os.path.join(directory, 'tokenizer.json')} to train with the file as written")
+                f"it was trained on; save the tokenizer transformers builds (AutoTokenizer.from_pretrained(D)"
+                f".save_pretrained(D)), or pass {tokenizer_flag} {os.path.join(directory, 'tokenizer.json')} to "
+                f"train with the file as written")
     if train_on == "completion":
         _check_masks(tokenizer, hf, data, directory, tokenizer_flag)
 
