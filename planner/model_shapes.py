@@ -358,12 +358,24 @@ def from_config_file(path: str) -> ModelShape:
 
 # ---- presets: the numbers of each model's published config.json, from the families ----------------------
 
-PRESETS: dict[str, ModelShape] = {p.name: from_config(p.config, name=p.name)
+# A preset is a published model's shape, trained from random weights: its name says so ("shape:Qwen2.5-0.5B"),
+# so that nobody takes it for the published weights (a Hub name, org/name, is those). The one place the rule is.
+SHAPE_PREFIX = "shape:"
+PRESETS: dict[str, ModelShape] = {SHAPE_PREFIX + p.name: from_config(p.config, name=SHAPE_PREFIX + p.name)
                                   for f in registry.families() for p in f.presets}
 
 
+class BarePresetName(ModelShapeError):
+    """A preset's name without ``shape:`` (its name before presets were marked as shapes)."""
+
+    def __init__(self, model: str, preset: str) -> None:
+        self.preset = preset  # the preset's name, shape: included
+        super().__init__(f"{model!r} is now {preset} (the published shape with random weights, not the published "
+                         f"weights); pass --model {preset}")
+
+
 def resolve(model: str | Mapping[str, Any] | ModelShape) -> ModelShape:
-    """A preset name (case-insensitive), a config.json path, a config dict, or a ModelShape."""
+    """A preset name (``shape:NAME``, case-insensitive), a config.json path, a config dict, or a ModelShape."""
     if isinstance(model, ModelShape):
         return model
     if isinstance(model, Mapping):
@@ -371,6 +383,8 @@ def resolve(model: str | Mapping[str, Any] | ModelShape) -> ModelShape:
     by_lower = {k.lower(): v for k, v in PRESETS.items()}
     if model.lower() in by_lower:
         return by_lower[model.lower()]
+    if (SHAPE_PREFIX + model).lower() in by_lower and not os.path.exists(model):
+        raise BarePresetName(model, by_lower[(SHAPE_PREFIX + model).lower()].name)
     if os.path.exists(model) or model.endswith(".json"):
         return from_config_file(model)
     raise ModelShapeError(f"unknown model {model!r}; valid: {', '.join(PRESETS)}, or a config.json path")

@@ -201,7 +201,7 @@ def test_slot_formula_by_hand_for_qwen3_235b() -> None:
     """h 4096, I 1536, E 128, V 151936: embedding 151936 x 4096 = 622329856, head 4096 + 622329856 = 622333952;
     experts X = 128 x 3 x 1536 x 4096 = 2415919104 of a 2487755008-element layer, so the dense part D =
     71835904; a group of 32: 32 x 2 x 1536 x 4096 + 32 x 4096 x 1536 = 603979776; of 64: 1207959552."""
-    shape = model_shapes.resolve("Qwen3-235B-A22B")
+    shape = model_shapes.resolve("shape:Qwen3-235B-A22B")
     assert shape.numel_layer == 2487755008 and shape.experts.experts_numel(4096) == 2415919104
     plan = Plan(expert_group_size=32)
     assert memory_model.slot_numel(shape, plan) == (622333952, "Bu")  # the head is the largest unit
@@ -218,7 +218,7 @@ def test_slot_formula_by_hand_for_qwen3_235b() -> None:
 
 def test_megatrain_plan_shows_the_group_size(capsys) -> None:
     from megatrain.planner import cli
-    argv = ["plan", "--model", "Qwen3-235B-A22B", "--hardware", "H100-SXM", "--host", "server-2t", "--seq-len",
+    argv = ["plan", "--model", "shape:Qwen3-235B-A22B", "--hardware", "H100-SXM", "--host", "server-2t", "--seq-len",
             "4096", "--batch", "8", "--spill", "none", "--ram", "8T"]
     assert cli.main(argv + ["--gpu-mem", "24G"]) == 0
     out = capsys.readouterr().out

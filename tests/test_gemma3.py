@@ -136,7 +136,7 @@ def test_sequence_tiles_and_packed_documents_over_sliding_and_global_layers() ->
 
 def test_gemma_3_27b_preset_has_the_published_size() -> None:
     """google/gemma-3-27b-pt's text model: 27.0B parameters (the published 27B; the vision tower is not counted)."""
-    shape = model_shapes.resolve("Gemma-3-27B")
+    shape = model_shapes.resolve("shape:Gemma-3-27B")
     assert abs(shape.params - 27.0e9) / 27.0e9 < 0.01
     config = ModelConfig.from_hf(shape.config)
     assert config.layer_types.count("full_attention") == 10 and config.sliding_window == 1024

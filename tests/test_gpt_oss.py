@@ -263,7 +263,7 @@ def test_unsupported_configs_are_refused_in_one_line(change: dict, words: str) -
 def test_presets_have_the_published_total_and_active_parameters(name: str, total: float, active: float) -> None:
     """OpenAI's model card counts active parameters without the embedding table (a lookup, not a matmul);
     megatrain's ``params_active`` (6 x N per token) includes it, as for every family."""
-    shape = model_shapes.resolve(name)
+    shape = model_shapes.resolve(f"shape:{name}")
     embedding = shape.vocab_size * shape.hidden_size
     assert abs(shape.params - total) / total < 0.005
     assert abs(shape.params_active - embedding - active) / active < 0.02
@@ -271,7 +271,7 @@ def test_presets_have_the_published_total_and_active_parameters(name: str, total
 
 
 def test_plan_size_on_an_h200_answers_with_ram_and_nvme() -> None:
-    r = subprocess.run([sys.executable, "-m", "megatrain.planner.cli", "size", "--model", "gpt-oss-120b", "--hardware",
+    r = subprocess.run([sys.executable, "-m", "megatrain.planner.cli", "size", "--model", "shape:gpt-oss-120b", "--hardware",
                         "H200", "--seq-len", "4096", "--batch", "16", "--json"], capture_output=True, text=True,
                        timeout=300, env={**os.environ})
     assert r.returncode == 0, r.stderr

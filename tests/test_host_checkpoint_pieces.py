@@ -105,7 +105,7 @@ def test_planner_cuts_long_context_checkpoints_into_128_mib_pieces() -> None:
     """Llama-3.1-8B (h 4096) in bf16, one sequence of 128k tokens per micro-batch: its input is
     131072 x 4096 x 2 = 1 GiB > 256 MiB, so pieces of 128 MiB / (4096 x 2) = 16384 tokens; at 8k tokens (64 MiB),
     one copy."""
-    shape = model_shapes.resolve("Llama-3.1-8B")
+    shape = model_shapes.resolve("shape:Llama-3.1-8B")
     long = Workload(seq_len=131072, batch=1, compute_dtype="bf16", clipping=True)
     assert search.checkpoint_piece_tokens(shape, long, 1) == 128 * 2**20 // (4096 * 2) == 16384
     short = Workload(seq_len=8192, batch=8, compute_dtype="bf16", clipping=True)

@@ -1,7 +1,11 @@
-"""--log-to (tools/metric_sinks.py): TensorBoard scalars equal the records logged; a resume purges later steps."""
+"""--log-to (tools/metric_sinks.py): TensorBoard scalars equal the records logged; a resume purges later steps;
+Weights & Biases (offline) gets the run's options, the same scalars and the summary; several targets at once."""
 from __future__ import annotations
 
 import builtins
+import glob
+import json
+import struct
 
 import pytest
 
@@ -75,8 +79,10 @@ def test_none_writes_nothing_and_missing_tensorboard_is_one_line(tmp_path, monke
     with pytest.raises(TrainConfigError, match="pip install tensorboard") as e:
         metric_sinks.check(TrainConfig(log_to="tensorboard"))
     assert "\n" not in str(e.value)
-    with pytest.raises(TrainConfigError, match="log_to='wandb' is not one of none, tensorboard"):
-        TrainConfig(log_to="wandb")
+    for bad in ("mlflow", "wandb,wandb", "none,wandb", "tensorboard,"):
+        with pytest.raises(TrainConfigError, match="is not one of none, tensorboard, wandb .*tensorboard,wandb"):
+            TrainConfig(log_to=bad)
+    assert TrainConfig(log_to="tensorboard, wandb").log_to == "tensorboard, wandb"
 
 
 def test_megatrain_train_logs_the_metrics_rows_to_tensorboard(tmp_path):
@@ -90,3 +96,82 @@ def test_megatrain_train_logs_the_metrics_rows_to_tensorboard(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     scalars = read_scalars(out / "tensorboard")
     assert scalars["train/loss"] == [(r["step"], pytest.approx(r["loss"])) for r in rows]
+
+
+def wandb_records(wandb_dir) -> dict[str, list]:
+    """An offline wandb run's records (``WANDB_DIR/wandb/offline-run-*/run-*.wandb``: wandb's LevelDB-style log of
+    protobuf records, in 32 KiB blocks after a 7-byte header) by kind: run (with its config), history, summary."""
+    import wandb
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    wandb.teardown()  # the wandb service writes the file: stopped, it has written everything
+    (path,) = glob.glob(str(wandb_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B"
+    pos, pending, out = 7, b"", {}
+    while pos < len(data):
+        left = 32768 - pos % 32768
+        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7]) if left >= 7 else (0, 0)
+        if length == 0 and kind == 0:  # the rest of a block is padding
+            pos += left
+            continue
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = pb.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            out.setdefault(record.WhichOneof("record_type"), []).append(getattr(record, record.WhichOneof(
+                "record_type")))
+    return out
+
+
+def test_megatrain_train_logs_to_wandb_offline_and_tensorboard_at_once(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from megatrain.tools import train
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    out = tmp_path / "run"
+    assert train.main(["--out", str(out), "--steps", "3", "--seq-len", "32", "--batch", "2", "--progress", "none",
+                       "--no-plot", "--lr", "3e-3", "--log-to", "tensorboard,wandb"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    assert read_scalars(out / "tensorboard")["train/loss"] == [(r["step"], pytest.approx(r["loss"])) for r in rows]
+    records = wandb_records(tmp_path)
+    (run,) = records["run"]
+    assert run.project == "megatrain" and run.display_name == "run"
+    config = {u.key: json.loads(u.value_json) for u in run.config.update}
+    assert config["lr"] == 3e-3 and config["steps"] == 3 and config["log_to"] == "tensorboard,wandb"
+    history = {int(h.step.num): {i.nested_key[0]: json.loads(i.value_json) for i in h.item} for h in records["history"]}
+    assert sorted(history) == [r["step"] for r in rows]
+    for r in rows:
+        assert history[r["step"]]["train/loss"] == pytest.approx(r["loss"])
+        assert history[r["step"]]["train/tokens"] == r["tokens"]
+    logged = {u.key: json.loads(u.value_json) for s in records["summary"] for u in s.update if u.key}
+    assert logged["num_parameters"] == summary["num_parameters"] and logged["exit_code"] == 0
+    assert logged["plan"] == summary["plan"]
+
+
+def test_a_resumed_run_continues_its_wandb_run_and_a_missing_wandb_is_one_line(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "first"))
+    metric_sinks.open(TrainConfig(log_to="wandb"), str(tmp_path / "out")).close({"exit_code": 0})
+    run_id = (tmp_path / "out" / "wandb" / "run_id").read_text()
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "again"))
+    metric_sinks.open(TrainConfig(log_to="wandb"), str(tmp_path / "out"), start_step=2).close({"exit_code": 0})
+    (again,) = wandb_records(tmp_path / "again")["run"]
+    assert again.run_id == run_id == wandb_records(tmp_path / "first")["run"][0].run_id
+    real_import = builtins.__import__
+
+    def no_wandb(name, *args, **kwargs):
+        if name == "wandb" or name.startswith("wandb."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    with pytest.raises(TrainConfigError, match="pip install wandb") as e:
+        metric_sinks.check(TrainConfig(log_to="tensorboard,wandb"))
+    assert "\n" not in str(e.value)

@@ -103,7 +103,8 @@ def test_unsupported_layouts_are_refused_in_one_line(change: dict, words: str) -
 
 
 @pytest.mark.parametrize("name, total, active", [
-    ("Mixtral-8x7B", 46.7e9, 12.9e9), ("Qwen3-30B-A3B", 30.5e9, 3.3e9), ("Qwen3-235B-A22B", 235e9, 22e9)])
+    ("shape:Mixtral-8x7B", 46.7e9, 12.9e9), ("shape:Qwen3-30B-A3B", 30.5e9, 3.3e9), ("shape:Qwen3-235B-A22B", 235e9,
+     22e9)])
 def test_presets_have_the_published_total_and_active_parameters(name: str, total: float, active: float) -> None:
     shape = model_shapes.resolve(name)
     assert abs(shape.params - total) / total < 0.01 and abs(shape.params_active - active) / active < 0.03

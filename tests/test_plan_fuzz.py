@@ -19,9 +19,9 @@ from hypothesis_budget import examples
 
 COMMANDS = [[], ["plan"], ["size"], ["ram"]]
 GOOD = {  # enough for the command to run, so that only the bad input can stop it
-    "plan": ["--model", "Llama-3.2-1B", "--seq-len", "1024", "--batch", "4", "--hardware", "H100-SXM"],
-    "size": ["--model", "Llama-3.2-1B", "--seq-len", "1024", "--batch", "4"],
-    "ram": ["--model", "Llama-3.2-1B", "--seq-len", "1024", "--hardware", "H200"],
+    "plan": ["--model", "shape:Llama-3.2-1B", "--seq-len", "1024", "--batch", "4", "--hardware", "H100-SXM"],
+    "size": ["--model", "shape:Llama-3.2-1B", "--seq-len", "1024", "--batch", "4"],
+    "ram": ["--model", "shape:Llama-3.2-1B", "--seq-len", "1024", "--hardware", "H200"],
 }
 FREE_OPTIONS = ["--seq-len", "--batch", "--dtype", "--hardware", "--host", "--ram", "--gpu-mem", "--nvme", "--model"]
 TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=10)

@@ -155,7 +155,7 @@ def test_spilling_never_needs_more_ram(name: str, dtype: torch.dtype, tmp_path) 
 
 def test_spill_terms_for_a_3b_model_are_bounded_by_the_chunk() -> None:
     """Llama-3.2-3B in fp32, spill all, 64 MiB chunks: no shadow, and the spill buffers are P x k + S chunks (by hand)."""
-    shape = model_shapes.resolve("Llama-3.2-3B")
+    shape = model_shapes.resolve("shape:Llama-3.2-3B")
     work = Workload(seq_len=512, batch=1, compute_dtype="fp32", clipping=True)
     plan = Plan(spill="all", spill_dir="/tmp", spill_staging=3, host_grad_slabs=2, spill_chunk_bytes=64 * 2**20)
     est = {c.name: c.nbytes for c in memory_model.estimate(shape, work, plan).components}

@@ -27,7 +27,7 @@ def _main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str
 
 
 def test_size_reports_the_nvme_of_every_answer(capsys) -> None:
-    rc, out, err = _main(capsys, "size", "--model", "Llama-3.1-8B", "--seq-len", "4096", "--batch", "8", "--json")
+    rc, out, err = _main(capsys, "size", "--model", "shape:Llama-3.1-8B", "--seq-len", "4096", "--batch", "8", "--json")
     assert rc == 0, err
     data = json.loads(out)
     n = data["params"]
@@ -42,7 +42,7 @@ def test_size_reports_the_nvme_of_every_answer(capsys) -> None:
         assert e["host_ram_bytes"] + e["nvme_bytes"] >= 12 * n, e["hardware"]
         assert e["host_ram_bytes"] <= e["host_ram_available_bytes"]
     assert any(e["nvme_bytes"] > 0 for e in rows)     # a 128 GiB workstation spills
-    rc, out, err = _main(capsys, "size", "--model", "Llama-3.1-8B", "--seq-len", "4096", "--batch", "8")
+    rc, out, err = _main(capsys, "size", "--model", "shape:Llama-3.1-8B", "--seq-len", "4096", "--batch", "8")
     assert rc == 0 and "on NVMe" in out and "without NVMe" in out and "issue #" not in out
 
 
@@ -58,14 +58,14 @@ def test_overview_on_a_24g_cpu_machine_trains_with_spill(capsys, monkeypatch, tm
     assert data["disk"] == {"spill_dir": str(tmp_path), "free_bytes": FREE, "read_gbps": sizing.ASSUMED_DISK_GBPS,
                             "write_gbps": sizing.ASSUMED_DISK_GBPS, "speed_measured": False}
     models = {e["model"]: e for e in data["models"]}
-    one_b = models["Llama-3.2-1B"]
+    one_b = models["shape:Llama-3.2-1B"]
     assert one_b["fits"] == "spill" and 0 < one_b["nvme_bytes"] <= FREE and one_b["tokens_per_second"] > 0
     assert one_b["spill_cost_seconds"] > 0
-    assert not search.fits(model_shapes.PRESETS["Llama-3.2-1B"],
+    assert not search.fits(model_shapes.PRESETS["shape:Llama-3.2-1B"],
                            Workload(4096, 1, "fp32", spill="none"), CPU_24G)   # RAM alone cannot
     # Every model's answer agrees with the least memory any plan of it needs at batch 1.
     hw, _ = sizing.with_disk(CPU_24G)
-    for name in ("Llama-3.2-3B", "Llama-3.1-8B"):
+    for name in ("shape:Llama-3.2-3B", "shape:Llama-3.1-8B"):
         least = search.minimum_memory(model_shapes.PRESETS[name],
                                       Workload(4096, 1, "fp32", spill_dir=str(tmp_path), spill_free_bytes=FREE), hw)
         mem = least["host"].memory
@@ -85,7 +85,7 @@ def _free_disk(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
 
 
 def test_plan_spill_is_honoured_or_refused_with_the_fix(capsys, monkeypatch, tmp_path) -> None:
-    args = ("plan", "--model", "Llama-3.1-8B", "--seq-len", "1024", "--batch", "4", "--hardware", "RTX-4090")
+    args = ("plan", "--model", "shape:Llama-3.1-8B", "--seq-len", "1024", "--batch", "4", "--hardware", "RTX-4090")
     _free_disk(monkeypatch, 1 << 40)
     for spill in ("optimizer", "all"):
         rc, out, err = _main(capsys, *args, "--spill", spill, "--spill-dir", str(tmp_path), "--json")
@@ -99,12 +99,13 @@ def test_plan_spill_is_honoured_or_refused_with_the_fix(capsys, monkeypatch, tmp
     _free_disk(monkeypatch, FREE)
     profile = tmp_path / "hw.json"
     CPU_24G.save(str(profile))
-    rc, out, err = _main(capsys, "plan", "--model", "Llama-3.2-1B", "--seq-len", "1024", "--batch", "1", "--hardware",
-                         str(profile), "--spill", "all", "--spill-dir", str(tmp_path))
+    rc, out, err = _main(capsys, "plan", "--model", "shape:Llama-3.2-1B", "--seq-len", "1024", "--batch", "1",
+                         "--hardware", str(profile), "--spill", "all", "--spill-dir", str(tmp_path))
     assert rc == 2 and len(err.strip().splitlines()) == 1
     assert "--nvme" in err and "profile --spill-dir" in err
-    rc, out, err = _main(capsys, "plan", "--model", "Llama-3.2-1B", "--seq-len", "1024", "--batch", "1", "--hardware",
-                         str(profile), "--spill", "all", "--spill-dir", str(tmp_path), "--nvme", "2", "--json")
+    rc, out, err = _main(capsys, "plan", "--model", "shape:Llama-3.2-1B", "--seq-len", "1024", "--batch", "1",
+                         "--hardware", str(profile), "--spill", "all", "--spill-dir", str(tmp_path), "--nvme", "2",
+                         "--json")
     assert rc == 0, err
     assert json.loads(out)["spill"] == "all"
     # auto without --spill-dir spills nothing, and an infeasible answer says how spilling would help.
@@ -114,11 +115,11 @@ def test_plan_spill_is_honoured_or_refused_with_the_fix(capsys, monkeypatch, tmp
 
 def test_plan_out_carries_its_workload(capsys, tmp_path) -> None:
     out_path = tmp_path / "plan.json"
-    rc, out, err = _main(capsys, "plan", "--model", "Llama-3.2-1B", "--seq-len", "2048", "--batch", "8", "--hardware",
-                         "H100-SXM", "--out", str(out_path))
+    rc, out, err = _main(capsys, "plan", "--model", "shape:Llama-3.2-1B", "--seq-len", "2048", "--batch", "8",
+                         "--hardware", "H100-SXM", "--out", str(out_path))
     assert rc == 0, err
     w = json.loads(out_path.read_text())["workload"]
-    assert (w["model"], w["seq_len"], w["batch"], w["compute_dtype"]) == ("Llama-3.2-1B", 2048, 8, "bfloat16")
+    assert (w["model"], w["seq_len"], w["batch"], w["compute_dtype"]) == ("shape:Llama-3.2-1B", 2048, 8, "bfloat16")
 
 
 def test_profile_refuses_an_unwritable_destination_before_measuring(capsys, tmp_path) -> None:

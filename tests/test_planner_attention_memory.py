@@ -24,7 +24,7 @@ def test_groups_are_the_runtime_split(rows: int, seq: int, head_dim: int, heads:
 
 def test_llama_8b_attention_working_set_by_hand() -> None:
     """Llama-3.1-8B (32 query heads, 8 kv heads, head_dim 128), bf16 (c = 2), one sequence per micro-batch."""
-    m = PRESETS["Llama-3.1-8B"]
+    m = PRESETS["shape:Llama-3.1-8B"]
     plan = Plan(checkpoints="host", mlp_tile_tokens=4096)
     # 128k tokens: one head is 2^17 x 128 = 2^24 elements; all 8 kv heads with their 4 query heads each are
     # 2^29 elements per tensor, under 2^31: one call of gq = 32, gk = 8; the GQA expansion of dk, dv counts.
@@ -57,5 +57,5 @@ def test_no_gqa_expansion_without_shared_kv_heads() -> None:
 def test_grads_counted_leaves_the_gqa_expansion_and_the_second_output() -> None:
     """Llama-3.1-8B at 1M tokens, bf16, with dq, dk, dv and the accumulator counted elsewhere."""
     work = Workload(seq_len=2**20, batch=1, compute_dtype="bf16")
-    nbytes, _ = memory_model.attention_working_set(PRESETS["Llama-3.1-8B"], work, Plan(), grads_counted=True)
+    nbytes, _ = memory_model.attention_working_set(PRESETS["shape:Llama-3.1-8B"], work, Plan(), grads_counted=True)
     assert nbytes == 2**20 * 128 * (2 * 8 * 2) + 2**20 * 4096 * 2

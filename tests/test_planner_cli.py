@@ -22,7 +22,7 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 def test_plan_json_and_out(tmp_path) -> None:
     out = tmp_path / "plan.json"
-    r = run("plan", "--model", "Qwen2.5-7B", "--seq-len", "1024", "--batch", "158", "--hardware", "H100-SXM",
+    r = run("plan", "--model", "shape:Qwen2.5-7B", "--seq-len", "1024", "--batch", "158", "--hardware", "H100-SXM",
             "--out", str(out), "--json")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
@@ -36,7 +36,8 @@ def test_plan_json_and_out(tmp_path) -> None:
 
 
 def test_plan_table_shows_memory_time_and_bottleneck() -> None:
-    r = run("plan", "--model", "Llama-3.2-1B", "--seq-len", "2048", "--tokens-per-step", "16384", "--hardware", "L40S",
+    r = run("plan", "--model", "shape:Llama-3.2-1B", "--seq-len", "2048", "--tokens-per-step", "16384", "--hardware",
+            "L40S",
             "--ram", "256G", "--no-clip")
     assert r.returncode == 0, r.stderr
     for word in ("weight slots", "fp32 master", "TOTAL", "forward", "backward", "bottleneck", "8 x 2048"):
@@ -55,18 +56,18 @@ def test_plan_with_config_json(tmp_path) -> None:
 
 
 def test_size_json() -> None:
-    r = run("size", "--model", "Llama-3.1-8B", "--seq-len", "4096", "--batch", "16", "--json", "--spill", "none")
+    r = run("size", "--model", "shape:Llama-3.1-8B", "--seq-len", "4096", "--batch", "16", "--json", "--spill", "none")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert KEYS <= set(data)
     assert {e["hardware"] for e in data["hardware"]} >= {"H100-SXM", "RTX-3090"}
     assert any(not e["feasible"] and "host RAM" in e["reason"] for e in data["hardware"])
-    r = run("size", "--model", "Llama-3.1-8B", "--seq-len", "4096", "--batch", "16")
+    r = run("size", "--model", "shape:Llama-3.1-8B", "--seq-len", "4096", "--batch", "16")
     assert r.returncode == 0 and "minimum GPU memory" in r.stdout and "H200" in r.stdout
 
 
 def test_ram_json_and_table() -> None:
-    r = run("ram", "--model", "Qwen2.5-7B", "--tokens-per-second", "5000", "--hardware", "H100-SXM",
+    r = run("ram", "--model", "shape:Qwen2.5-7B", "--tokens-per-second", "5000", "--hardware", "H100-SXM",
             "--price-per-gb", "3", "--json")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
@@ -93,13 +94,13 @@ def test_ram_json_and_table() -> None:
 
 
 def test_ram_out_of_reach_names_the_best_and_its_bound() -> None:
-    r = run("ram", "--model", "Qwen2.5-7B", "--tokens-per-second", "1e9", "--hardware", "RTX-3090",
+    r = run("ram", "--model", "shape:Qwen2.5-7B", "--tokens-per-second", "1e9", "--hardware", "RTX-3090",
             "--max-batch", "16", "--json")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert not data["reachable"] and 0 < data["best_tokens_per_second"] < 1e9
     assert data["bound_by"]
-    r = run("ram", "--model", "Qwen2.5-7B", "--tokens-per-second", "1e9", "--hardware", "RTX-3090",
+    r = run("ram", "--model", "shape:Qwen2.5-7B", "--tokens-per-second", "1e9", "--hardware", "RTX-3090",
             "--max-batch", "16")
     assert r.returncode == 0 and "out of reach" in r.stdout and "the best is" in r.stdout and "bound by" in r.stdout
     assert not re.search(r"at most [0-9,]+ tok/s", r.stdout)
@@ -132,30 +133,33 @@ def test_profile_writes_a_profile(tmp_path) -> None:
     r = run("profile", "--out", str(out), "--spill-dir", str(tmp_path), "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["saved_to"] == str(out)
-    r = run("plan", "--model", "Qwen2.5-0.5B", "--seq-len", "128", "--batch", "2", "--hardware", str(out), "--ram", "16G",
-            "--json")  # RAM fixed: what is free at the moment must not decide the test
+    r = run("plan", "--model", "shape:Qwen2.5-0.5B", "--seq-len", "128", "--batch", "2", "--hardware", str(out),
+            "--ram", "16G", "--json")  # RAM fixed: what is free at the moment must not decide the test
     assert r.returncode == 0, r.stderr
 
 
 @pytest.mark.parametrize("args, needle", [
-    (("plan", "--model", "GPT-5", "--seq-len", "1024", "--batch", "1", "--hardware", "H100-SXM"), "Llama-3.1-8B"),
-    (("plan", "--model", "Qwen2.5-7B", "--seq-len", "1024", "--batch", "1", "--hardware", "B200"), "H100-SXM"),
-    (("size", "--model", "Qwen2.5-7B", "--seq-len", "1024", "--batch", "1", "--host", "tiny"), "server-1t"),
-    (("plan", "--model", "Llama-3.1-405B", "--seq-len", "4096", "--batch", "8", "--hardware", "RTX-4090"),
+    (("plan", "--model", "GPT-5", "--seq-len", "1024", "--batch", "1", "--hardware", "H100-SXM"), "shape:Llama-3.1-8B"),
+    (("plan", "--model", "shape:Qwen2.5-7B", "--seq-len", "1024", "--batch", "1", "--hardware", "B200"), "H100-SXM"),
+    (("size", "--model", "shape:Qwen2.5-7B", "--seq-len", "1024", "--batch", "1", "--host", "tiny"), "server-1t"),
+    (("plan", "--model", "shape:Llama-3.1-405B", "--seq-len", "4096", "--batch", "8", "--hardware", "RTX-4090"),
      "gpu memory"),
-    (("plan", "--model", "Llama-3.1-8B", "--seq-len", "1024", "--batch", "1", "--hardware", "H100-SXM",
+    (("plan", "--model", "shape:Llama-3.1-8B", "--seq-len", "1024", "--batch", "1", "--hardware", "H100-SXM",
       "--ram", "16G"), "host RAM"),
-    (("plan", "--model", "Qwen2.5-7B", "--seq-len", "1024", "--batch", "1", "--ram", "lots"), "512G"),
-    (("plan", "--model", "Qwen2.5-7B", "--seq-len", "0", "--batch", "1"), "--seq-len"),
-    (("plan", "--model", "Qwen2.5-7B", "--seq-len", "64", "--batch", "1", "--dtype", "int4"), "bf16"),
+    (("plan", "--model", "shape:Qwen2.5-7B", "--seq-len", "1024", "--batch", "1", "--ram", "lots"), "512G"),
+    (("plan", "--model", "shape:Qwen2.5-7B", "--seq-len", "0", "--batch", "1"), "--seq-len"),
+    (("plan", "--model", "shape:Qwen2.5-7B", "--seq-len", "64", "--batch", "1", "--dtype", "int4"), "bf16"),
     (("frobnicate",), "plan"),
     (("profile", "--spill-dir", "/nonexistent/dir"), "--spill-dir"),
-    (("plan", "--model", "Llama-3.1-8B", "--seq-len", "1024", "--batch", "1", "--hardware", "H100-SXM",
+    (("plan", "--model", "shape:Llama-3.1-8B", "--seq-len", "1024", "--batch", "1", "--hardware", "H100-SXM",
       "--spill", "all"), "--spill-dir"),
-    (("plan", "--model", "Llama-3.1-8B", "--seq-len", "1024", "--batch", "1", "--hardware", "H100-SXM",
+    (("plan", "--model", "shape:Llama-3.1-8B", "--seq-len", "1024", "--batch", "1", "--hardware", "H100-SXM",
       "--spill-d", "/tmp"), "unrecognized arguments: --spill-d"),
-    (("size", "--model", "Llama-3.1-8B", "--seq-len", "1024", "--bat", "1"), "--batch --tokens-per-step is required"),
-    (("ram", "--model", "Llama-3.1-8B", "--nvme-size", "huge"), "--nvme-size"),
+    (("size", "--model", "shape:Llama-3.1-8B", "--seq-len", "1024", "--bat", "1"),
+     "--batch --tokens-per-step is required"),
+    (("ram", "--model", "shape:Llama-3.1-8B", "--nvme-size", "huge"), "--nvme-size"),
+    (("plan", "--model", "Qwen2.5-7B", "--seq-len", "1024", "--batch", "1"), "is now shape:Qwen2.5-7B (the published "
+                                                                              "shape with random weights"),
 ])
 def test_bad_input_is_one_line_exit_2(args: tuple[str, ...], needle: str) -> None:
     r = run(*args)

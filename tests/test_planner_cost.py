@@ -9,7 +9,7 @@ from megatrain.planner.model_shapes import PRESETS
 from megatrain.planner.plan import Plan
 from megatrain.planner.workload import Workload
 
-M8 = PRESETS["Llama-3.1-8B"]
+M8 = PRESETS["shape:Llama-3.1-8B"]
 
 
 def _hw(**kw: object) -> hardware.HardwareProfile:
@@ -104,7 +104,7 @@ def test_cpu_device_serialises_adam() -> None:
     cpu = hardware.HardwareProfile(gpu_name="cpu", gpu_mem_bytes=0, h2d_gbps=10, d2h_gbps=10, duplex_gbps=10,
                                    matmul_tflops={"float32": 0.1, "bfloat16": 0.1}, cpu_adam_params_per_s=1e9,
                                    host_ram_bytes=64 << 30, host_available_bytes=60 << 30, cores=2)
-    m = PRESETS["Qwen2.5-0.5B"]
+    m = PRESETS["shape:Qwen2.5-0.5B"]
     est = cost_model.estimate(m, Workload(256, 2), Plan(), cpu)
     assert est.optimizer_exposed_seconds == pytest.approx(m.numel_total * cost_model.ADAM_SHADOW_FACTOR / 1e9)
 
@@ -139,7 +139,7 @@ def test_disk_terms_of_a_spilled_step_by_hand() -> None:
                                    matmul_tflops={"float32": 100.0, "bfloat16": 100.0}, cpu_adam_params_per_s=1e12,
                                    host_ram_bytes=64 << 30, host_available_bytes=60 << 30, cores=2,
                                    disk_read_gbps=2.0, disk_write_gbps=1.0)
-    m = PRESETS["Llama-3.2-1B"]
+    m = PRESETS["shape:Llama-3.2-1B"]
     plan = Plan(spill="all", spill_dir="/tmp")
     est = cost_model.estimate(m, Workload(128, 1, compute_dtype="fp32"), plan, cpu)
     F = m.spill_file_bytes

@@ -21,7 +21,7 @@ def _by_name(est: memory_model.MemoryEstimate) -> dict[tuple[str, str], int]:
 
 
 def test_one_ranks_memory_by_hand() -> None:
-    m = PRESETS["Llama-3.1-8B"]
+    m = PRESETS["shape:Llama-3.1-8B"]
     work = Workload(seq_len=4096, batch=16, compute_dtype="bf16")
     topo = data_parallel.topology(H100, 8, 1)
     got = _by_name(data_parallel.memory(m, work, PLAN, H100, topo))
@@ -41,7 +41,7 @@ def test_one_ranks_memory_by_hand() -> None:
 
 def test_collectives_time_by_hand() -> None:
     """With a bandwidth far below everything else, the step is the collectives: r x bytes / bw per phase."""
-    m = PRESETS["Llama-3.1-8B"]
+    m = PRESETS["shape:Llama-3.1-8B"]
     work = Workload(seq_len=4096, batch=16, compute_dtype="bf16")
     topo = data_parallel.topology(H100, 4, 2, intra_gbps=300.0, network_gbps=0.4)  # 0.1 GB/s per rank
     assert topo.bus_gbps == pytest.approx(0.1)
@@ -56,7 +56,7 @@ def test_collectives_time_by_hand() -> None:
 
 
 def test_one_rank_is_the_single_process_and_more_ranks_scale_below_one() -> None:
-    m = PRESETS["Llama-3.1-8B"]
+    m = PRESETS["shape:Llama-3.1-8B"]
     work = Workload(seq_len=4096, batch=16, compute_dtype="bf16")
     one = data_parallel.scaling(m, work, PLAN, H100, data_parallel.topology(H100, 1, 1))
     assert one.efficiency == 1.0 and one.comm_seconds == 0.0
@@ -68,7 +68,8 @@ def test_one_rank_is_the_single_process_and_more_ranks_scale_below_one() -> None
 
 
 def test_plan_command_reports_ranks(capsys) -> None:
-    assert cli.main(["plan", "--model", "Llama-3.1-8B", "--seq-len", "4096", "--batch", "16", "--hardware", "H100-SXM",
+    assert cli.main(["plan", "--model", "shape:Llama-3.1-8B", "--seq-len", "4096", "--batch", "16", "--hardware",
+                    "H100-SXM",
                      "--gpus-per-node", "8", "--nodes", "2"]) == 0
     out = capsys.readouterr().out
     assert "data parallel: 16 ranks (8 per node x 2 nodes), 1 sequences per rank" in out
@@ -101,7 +102,7 @@ def test_the_search_judges_a_node_of_ranks_against_its_host_ram() -> None:
     """8 ranks share a 160 GiB node: one rank's plan with the checkpoints in host RAM fits the host as if it were
     alone (what planning the rank's batch as one process answers), but 8 of them do not; the search moves the
     checkpoints to the GPU, and the node's RAM (8 x one rank's host bytes, by hand) fits."""
-    m = PRESETS["Llama-3.1-8B"]
+    m = PRESETS["shape:Llama-3.1-8B"]
     hw = H100.with_overrides(ram_bytes=160 * hardware.GiB)
     work = Workload(seq_len=4096, batch=16, compute_dtype="bf16", spill="none")
     topo = data_parallel.topology(hw, 8, 1)

@@ -18,8 +18,8 @@ def _json(argv: list[str], capsys) -> dict:
 
 def test_size_per_gpu_per_node_and_the_collectives_by_hand(capsys) -> None:
     """4 ranks at 0.1 GB/s: the step is the collectives, (L + 2) latencies plus r x bytes / bw per phase."""
-    m = PRESETS["Llama-3.2-1B"]
-    data = _json(["size", "--model", "Llama-3.2-1B", "--seq-len", "1024", "--batch", "8", "--gpus-per-node", "4",
+    m = PRESETS["shape:Llama-3.2-1B"]
+    data = _json(["size", "--model", "shape:Llama-3.2-1B", "--seq-len", "1024", "--batch", "8", "--gpus-per-node", "4",
                   "--intra-gbps", "0.1"], capsys)
     assert (data["world"], data["gpus_per_node"], data["nodes"]) == (4, 4, 1)
     N, L, layer, E = m.numel_total, m.num_layers, m.numel_layer, m.numel_embedding
@@ -43,7 +43,8 @@ def test_size_per_gpu_per_node_and_the_collectives_by_hand(capsys) -> None:
     fastest = min(data["hardware"], key=lambda e: e["data_parallel"]["step_seconds"])
     assert data["fastest_hardware"] == fastest["hardware"]
     assert data["efficiency"] == fastest["data_parallel"]["efficiency"]
-    assert cli.main(["size", "--model", "Llama-3.2-1B", "--seq-len", "1024", "--batch", "8", "--gpus-per-node", "4",
+    assert cli.main(["size", "--model", "shape:Llama-3.2-1B", "--seq-len", "1024", "--batch", "8", "--gpus-per-node",
+                    "4",
                      "--intra-gbps", "0.1"]) == 0
     out = capsys.readouterr().out
     assert "data parallel: 4 ranks (4 per node x 1 node), 2 sequences per rank" in out
@@ -53,7 +54,7 @@ def test_size_per_gpu_per_node_and_the_collectives_by_hand(capsys) -> None:
 def test_ram_per_node_ladder_with_ranks(capsys) -> None:
     """The ladder's RAM is a node's: batches are multiples of the 6 ranks, each row's plan fits the node's
     usable RAM with its 3 ranks together, and the throughput is all ranks' (global tokens / their step)."""
-    data = _json(["ram", "--model", "Llama-3.2-1B", "--seq-len", "1024", "--hardware", "H100-SXM",
+    data = _json(["ram", "--model", "shape:Llama-3.2-1B", "--seq-len", "1024", "--hardware", "H100-SXM",
                   "--gpus-per-node", "3", "--nodes", "2", "--max-batch", "96"], capsys)
     assert (data["world"], data["ram_per"]) == (6, "node")
     fitted = [r for r in data["ladder"] if r["batch"]]
@@ -76,7 +77,7 @@ def test_ram_per_node_ladder_with_ranks(capsys) -> None:
 ])
 def test_bad_rank_values_are_one_line_and_exit_2(argv, says, capsys) -> None:
     try:
-        rc = cli.main([argv[0], "--model", "Llama-3.2-1B", "--seq-len", "1024", *argv[1:]])
+        rc = cli.main([argv[0], "--model", "shape:Llama-3.2-1B", "--seq-len", "1024", *argv[1:]])
     except SystemExit as e:  # argparse's refusals
         rc = e.code
     assert rc == 2

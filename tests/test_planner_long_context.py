@@ -11,7 +11,7 @@ from megatrain.planner.workload import Workload
 
 
 def test_tiled_layer_working_set_by_hand() -> None:
-    m = model_shapes.resolve("Llama-3.1-8B")
+    m = model_shapes.resolve("shape:Llama-3.1-8B")
     work = Workload(seq_len=524288, batch=1, compute_dtype="bf16", clipping=True)
     untiled, _ = memory_model.layer_working_set(m, work, Plan())
     tiled, formula = memory_model.layer_working_set(m, work, Plan(mlp_tile_tokens=4096))
@@ -31,7 +31,7 @@ def test_tiles_chosen_above_4096_tokens() -> None:
 
 
 def test_attention_tiles_in_the_layer_working_set_by_hand() -> None:
-    m = model_shapes.resolve("Llama-3.1-8B")
+    m = model_shapes.resolve("shape:Llama-3.1-8B")
     work = Workload(seq_len=524288, batch=1, compute_dtype="bf16", clipping=True)
     both, formula = memory_model.layer_working_set(m, work, Plan(mlp_tile_tokens=4096, attention_tile_tokens=4096))
     # whole: q, k, v, output, its gradient, dq, dk, dv (4 x 4096 + 4 x 1024), h and dh (2 x 4096) in bf16, the
@@ -50,7 +50,7 @@ def test_attention_tiles_in_the_layer_working_set_by_hand() -> None:
 
 
 def test_8b_at_512k_fits_an_h200_and_an_h100() -> None:
-    m = model_shapes.resolve("Llama-3.1-8B")
+    m = model_shapes.resolve("shape:Llama-3.1-8B")
     work = Workload(seq_len=524288, batch=1, compute_dtype="bf16", clipping=True)
     best = search.search(m, work, hardware.resolve("H200", "server-2t")).require()
     assert best.plan.mlp_tile_tokens == best.plan.attention_tile_tokens == 4096 and best.plan.checkpoints == "host"

@@ -15,7 +15,7 @@ def _by_name(est: memory_model.MemoryEstimate) -> dict[tuple[str, str], int]:
 
 
 def test_llama_8b_device_checkpoints_deferred_by_hand() -> None:
-    m = PRESETS["Llama-3.1-8B"]
+    m = PRESETS["shape:Llama-3.1-8B"]
     work = Workload(seq_len=4096, batch=8, compute_dtype="bf16")
     plan = Plan(num_slots=2, prefetch_depth=1, micro_batch_size=1, checkpoints="device",
                 optimizer_mode="deferred", device_grad_buffers=2, loss_chunk_tokens=1024)
@@ -56,7 +56,7 @@ def test_llama_8b_device_checkpoints_deferred_by_hand() -> None:
 
 
 def test_qwen_7b_host_checkpoints_eager_by_hand() -> None:
-    m = PRESETS["Qwen2.5-7B"]
+    m = PRESETS["shape:Qwen2.5-7B"]
     work = Workload(seq_len=1024, batch=16, compute_dtype="bf16", clipping=False)
     plan = Plan(num_slots=3, prefetch_depth=2, micro_batch_size=4, checkpoints="host", optimizer_mode="eager",
                 host_grad_slabs=4, loss_chunk_tokens=8192)
@@ -77,7 +77,7 @@ def test_qwen_7b_host_checkpoints_eager_by_hand() -> None:
 
 
 def test_tied_fp32_and_cpu_device() -> None:
-    m = PRESETS["Llama-3.2-1B"]
+    m = PRESETS["shape:Llama-3.2-1B"]
     work = Workload(seq_len=512, batch=2, compute_dtype="fp32")
     cpu = hardware.HardwareProfile(gpu_name="cpu", gpu_mem_bytes=0, h2d_gbps=5, d2h_gbps=5, duplex_gbps=5,
                                    matmul_tflops={"float32": 0.1}, cpu_adam_params_per_s=1e9,
@@ -98,7 +98,7 @@ def test_tied_fp32_and_cpu_device() -> None:
 def test_pinned_in_fp32_is_the_master_that_travels_and_the_gradients() -> None:
     """fp32 compute: the master is the weights the loads copy, so it is pinned; m and v never are (eager: the slabs
     carry the gradients)."""
-    m = PRESETS["Qwen2.5-7B"]
+    m = PRESETS["shape:Qwen2.5-7B"]
     N, bmax = 7_615_616_512, 3584 + 152064 * 3584
     for mode, grads in (("deferred", 4 * N), ("eager", 2 * bmax * 4)):
         plan = Plan(optimizer_mode=mode, host_grad_slabs=2)

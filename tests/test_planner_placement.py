@@ -16,7 +16,7 @@ from megatrain.planner.workload import Workload
 from test_planner_answers import CPU_24G
 
 HW, _ = sizing.with_disk(CPU_24G)  # 1 GB/s read and write
-ONE_B = PRESETS["Llama-3.2-1B"]    # tied: blocks 0 embedding, 1..16 layers, 17 head (its norm)
+ONE_B = PRESETS["shape:Llama-3.2-1B"]    # tied: blocks 0 embedding, 1..16 layers, 17 head (its norm)
 
 
 def _rows(model, work, plan) -> dict[str, int]:
@@ -98,7 +98,7 @@ def _level(model, plan: Plan) -> int:
 
 
 def test_search_fills_ram_first_and_spills_the_least_that_fits() -> None:
-    m = PRESETS["Llama-3.2-3B"]
+    m = PRESETS["shape:Llama-3.2-3B"]
     work = Workload(1024, 1, "fp32", spill_dir="/d", spill_free_bytes=60 * GiB)
     best = search.search(m, work, HW).require()
     level = _level(m, best.plan)
@@ -115,7 +115,7 @@ def test_ram_and_disk_together_train_what_neither_shorthand_fits() -> None:
     """Llama-3.2-3B in fp32: m and v alone on disk leave 8 bytes/param (26 GB) in RAM, too much; everything on
     disk takes 16 bytes/param (51 GB), more than a 40 GB disk. Filling RAM first and the disk with the rest
     fits both."""
-    m = PRESETS["Llama-3.2-3B"]
+    m = PRESETS["shape:Llama-3.2-3B"]
     disk = 40 * 10**9
     work = Workload(1024, 1, "fp32", spill_dir="/d", spill_free_bytes=disk)
     for forced in ("optimizer", "all"):
@@ -170,5 +170,5 @@ def test_overview_names_the_largest_llama_for_ram_and_disk(capsys, monkeypatch, 
     big = json.loads(capsys.readouterr().out)["largest_llama"]
     answer = sizing.largest_llama(Workload(1024, 1, "fp32", spill_dir=str(tmp_path), spill_free_bytes=FREE), HW)
     assert big == answer.to_dict() and 0 < big["nvme_bytes"] <= FREE
-    assert big["params"] > PRESETS["Llama-3.2-3B"].params       # more than RAM alone or the shorthands allow
+    assert big["params"] > PRESETS["shape:Llama-3.2-3B"].params       # more than RAM alone or the shorthands allow
     assert answer.line().startswith(f"largest Llama-shaped model with this RAM and disk: {big['params'] / 1e9:.2f}B")

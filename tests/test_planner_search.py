@@ -93,7 +93,7 @@ def test_plans_fit_and_refusals_are_true(hw: HardwareProfile, model: ModelShape,
 
 
 def test_infeasible_names_the_budget() -> None:
-    r = search.search(PRESETS["Llama-3.1-405B"], Workload(4096, 8), hardware.preset("RTX-4090"))
+    r = search.search(PRESETS["shape:Llama-3.1-405B"], Workload(4096, 8), hardware.preset("RTX-4090"))
     assert not r.feasible
     assert {o.budget for o in r.overruns} == {"gpu memory", "host RAM"}
     assert "short by" in r.reason()
@@ -106,7 +106,7 @@ def test_infeasible_names_the_budget() -> None:
 
 
 def test_clipping_forces_deferred_and_no_clip_may_choose_eager() -> None:
-    m, hw = PRESETS["Llama-3.1-8B"], hardware.preset("RTX-4090")
+    m, hw = PRESETS["shape:Llama-3.1-8B"], hardware.preset("RTX-4090")
     clip = search.search(m, Workload(4096, 4, clipping=True, spill="none"), hw)
     assert not clip.feasible                      # 18 B/param do not fit 128 GiB of RAM...
     eager = search.search(m, Workload(4096, 4, clipping=False, spill="none"), hw)
@@ -120,7 +120,7 @@ def test_clipping_forces_deferred_and_no_clip_may_choose_eager() -> None:
 
 
 def test_spill_needs_a_directory_and_disk_figures() -> None:
-    m, hw = PRESETS["Llama-3.1-8B"], hardware.preset("RTX-4090")
+    m, hw = PRESETS["shape:Llama-3.1-8B"], hardware.preset("RTX-4090")
     # auto without a directory: the search never invents one, so nothing spills and 8B does not fit.
     r = search.search(m, Workload(4096, 4), hw)
     assert not r.feasible and all(p.spill == "none" for p in search.candidates(m, Workload(4096, 4), hw))
@@ -137,7 +137,7 @@ def test_spill_needs_a_directory_and_disk_figures() -> None:
 
 
 def test_spill_respects_free_disk_space() -> None:
-    m, hw = PRESETS["Llama-3.1-8B"], hardware.preset("RTX-4090")
+    m, hw = PRESETS["shape:Llama-3.1-8B"], hardware.preset("RTX-4090")
     roomy = search.search(m, Workload(4096, 4, spill_dir="/nvme", spill_free_bytes=1 << 40), hw).require()
     nvme = roomy.memory.nvme_bytes
     assert nvme > 0
@@ -149,11 +149,11 @@ def test_spill_respects_free_disk_space() -> None:
 
 
 def test_search_records_the_workload() -> None:
-    m, hw = PRESETS["Llama-3.2-1B"], hardware.preset("H100-SXM")
+    m, hw = PRESETS["shape:Llama-3.2-1B"], hardware.preset("H100-SXM")
     plan = search.search(m, Workload(2048, 8, "fp32"), hw).require().plan
     w = plan.workload
     assert w is not None and (w.seq_len, w.batch, w.compute_dtype, w.params) == (2048, 8, "float32", m.params)
-    assert w.model == "Llama-3.2-1B" and Plan.from_json(plan.to_json()) == plan
+    assert w.model == "shape:Llama-3.2-1B" and Plan.from_json(plan.to_json()) == plan
 
 
 def test_preferred_compute_dtype_follows_the_profile() -> None:
@@ -163,7 +163,7 @@ def test_preferred_compute_dtype_follows_the_profile() -> None:
 
 
 def test_plan_is_valid_and_bounds_follow_each_other() -> None:
-    r = search.search(PRESETS["Qwen2.5-7B"], Workload(1024, 158), hardware.preset("H100-SXM")).require()
+    r = search.search(PRESETS["shape:Qwen2.5-7B"], Workload(1024, 158), hardware.preset("H100-SXM")).require()
     p = r.plan
     assert p.num_slots == p.prefetch_depth + 1
     assert p.loss_chunk_tokens <= p.micro_batch_size * 1024
@@ -177,7 +177,7 @@ def test_micro_batch_sizes_cover_counts() -> None:
 
 
 def test_longest_context_and_minimum_memory() -> None:
-    m, hw = PRESETS["Llama-3.2-1B"], hardware.preset("H100-SXM")
+    m, hw = PRESETS["shape:Llama-3.2-1B"], hardware.preset("H100-SXM")
     ctx = search.longest_context(m, hw)
     assert ctx % 1024 == 0 and ctx > 65536
     assert search.fits(m, Workload(ctx, 1), hw) and not search.fits(m, Workload(ctx + 1024, 1), hw)

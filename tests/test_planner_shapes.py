@@ -10,7 +10,7 @@ from megatrain.planner.model_shapes import ModelShapeError
 
 
 def test_llama_3_1_8b_params_by_hand() -> None:
-    m = ms.PRESETS["Llama-3.1-8B"]
+    m = ms.PRESETS["shape:Llama-3.1-8B"]
     embed = 128256 * 4096                                   # 525,336,576
     q = 4096 * 4096                                         # 32 heads x 128 = 4096 wide
     kv = 4096 * (8 * 128)                                   # 8 kv heads x 128 = 1024 wide
@@ -29,7 +29,7 @@ def test_llama_3_1_8b_params_by_hand() -> None:
 
 
 def test_qwen2_5_7b_params_by_hand() -> None:
-    m = ms.PRESETS["Qwen2.5-7B"]
+    m = ms.PRESETS["shape:Qwen2.5-7B"]
     embed = 152064 * 3584                                   # 544,997,376
     q = 3584 * 3584 + 3584                                  # q_proj weight + bias (Qwen2 has qkv bias)
     kv = 3584 * 512 + 512                                   # 4 kv heads x 128 = 512 wide, + bias
@@ -43,15 +43,15 @@ def test_qwen2_5_7b_params_by_hand() -> None:
 
 
 def test_known_param_counts() -> None:
-    published = {"Llama-3.2-1B": 1_235_814_400, "Llama-3.2-3B": 3_212_749_824, "Llama-3.1-70B": 70_553_706_496,
-                 "Llama-3.1-405B": 405_853_388_800, "Qwen2.5-0.5B": 494_032_768, "Qwen3-8B": 8_190_735_360,
-                 "Mistral-7B": 7_241_732_096}
+    published = {"shape:Llama-3.2-1B": 1_235_814_400, "shape:Llama-3.2-3B": 3_212_749_824,
+                 "shape:Llama-3.1-70B": 70_553_706_496, "shape:Llama-3.1-405B": 405_853_388_800,
+                 "shape:Qwen2.5-0.5B": 494_032_768, "shape:Qwen3-8B": 8_190_735_360, "shape:Mistral-7B": 7_241_732_096}
     for name, n in published.items():
         assert ms.PRESETS[name].params == n, name
 
 
 def test_flops_by_hand_llama_8b() -> None:
-    m = ms.PRESETS["Llama-3.1-8B"]
+    m = ms.PRESETS["shape:Llama-3.1-8B"]
     seq = 4096
     matmul = 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336      # q, o; k, v; gate, up, down
     assert m.matmul_weights_layer() == matmul == 218_103_808
@@ -70,7 +70,7 @@ def test_flops_by_hand_llama_8b() -> None:
 
 
 def test_activation_bytes_qwen_7b() -> None:
-    m = ms.PRESETS["Qwen2.5-7B"]
+    m = ms.PRESETS["shape:Qwen2.5-7B"]
     assert m.checkpoint_bytes_per_token("bf16") == 3584 * 2
     assert m.logits_bytes_per_token("bf16") == 152064 * (2 + 4 + 4)
     h, i, q, kv = 3584, 18944, 3584, 512
@@ -80,14 +80,14 @@ def test_activation_bytes_qwen_7b() -> None:
 
 
 def test_qwen3_head_dim_independent() -> None:
-    m = ms.PRESETS["Qwen3-32B"]
+    m = ms.PRESETS["shape:Qwen3-32B"]
     assert m.head_dim == 128 and m.num_heads * m.head_dim == 8192 != m.hidden_size
     # q_proj: 5120 x 8192, k/v: 5120 x 1024, o: 8192 x 5120, q_norm/k_norm: 128 each
     assert m.params_layer == 5120 * 8192 * 2 + 2 * 5120 * 1024 + 3 * 5120 * 25600 + 2 * 5120 + 2 * 128
 
 
 def test_tied_head_is_only_the_norm() -> None:
-    m = ms.PRESETS["Llama-3.2-1B"]
+    m = ms.PRESETS["shape:Llama-3.2-1B"]
     assert m.tie_word_embeddings
     assert m.params_head == 2048
     assert m.numel_head == 2048
@@ -137,14 +137,18 @@ def test_config_file_and_errors(tmp_path) -> None:
     path.write_text(json.dumps(_config()))
     assert ms.resolve(str(path)).hidden_size == 256
     assert ms.resolve(str(tmp_path)).hidden_size == 256          # a folder holding config.json
-    assert ms.resolve("llama-3.1-8b") is ms.PRESETS["Llama-3.1-8B"]
+    assert ms.resolve("shape:llama-3.1-8b") is ms.PRESETS["shape:Llama-3.1-8B"]
+    # A preset's bare name is refused, naming the shape: form: it is a shape with random weights, not the model.
+    with pytest.raises(ms.BarePresetName, match="'llama-3.1-8b' is now shape:Llama-3.1-8B .*--model shape:Llama"):
+        ms.resolve("llama-3.1-8b")
+    assert all(name.startswith("shape:") and shape.name == name for name, shape in ms.PRESETS.items())
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ModelShapeError, match="not valid JSON"):
         ms.resolve(str(bad))
     with pytest.raises(ModelShapeError, match="hidden_size"):
         ms.from_config({"model_type": "llama"})
-    with pytest.raises(ModelShapeError, match="valid: Llama-3.2-1B"):
+    with pytest.raises(ModelShapeError, match="valid: shape:Llama-3.2-1B"):
         ms.resolve("GPT-5")
     with pytest.raises(ModelShapeError, match="num_key_value_heads"):
         ms.from_config(_config(num_key_value_heads=3))

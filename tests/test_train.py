@@ -95,7 +95,7 @@ def test_toml_config_command_line_overrides_and_unknown_keys(tmp_path, capsys):
     assert (config.steps, config.seq_len, config.batch, config.plot) == (7, 32, 2, False)
     assert config.data == (str(tmp_path / "notes.txt"),)  # relative to the file
     for text, fragment in [("seq-len = 32\n", "unknown key 'seq-len'; did you mean 'seq_len'?"),
-                           ("stepz = 3\n", "unknown key 'stepz'; valid keys: model, init, data"),
+                           ("stepz = 3\n", "unknown key 'stepz'; valid keys: model, revision, init, data"),
                            ('steps = "ten"\n', "steps = 'ten' should be an integer"),
                            ("steps = [\n", "is not valid TOML")]:
         cfg.write_text(text)

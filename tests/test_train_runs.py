@@ -250,7 +250,7 @@ def test_options_that_define_the_run_cannot_change_on_resume(tmp_path, capsys):
     other = tmp_path / "other.txt"
     other.write_text("other text " * 50)
     for args, key in [(["--seq-len", "64"], "seq_len"), (["--batch", "4"], "batch"),
-                      (["--model", "Llama-3.2-1B"], "model"), (["--data", str(other)], "data"),
+                      (["--model", "shape:Llama-3.2-1B"], "model"), (["--data", str(other)], "data"),
                       (["--compute-dtype", "bf16"], "compute_dtype"), (["--weight-decay", "0.5"], "weight_decay")]:
         capsys.readouterr()
         assert train.main(["--resume", str(out), "--steps", "3"] + args) == 2, args

@@ -159,9 +159,14 @@ def check_out(out: str) -> None:
 
 
 def _tokenizer_files(train_config: dict[str, Any]) -> dict[str, str]:
-    """Name -> source path of the files to copy: the run's --model directory's, then its --tokenizer's."""
+    """Name -> source path of the files to copy: the run's --model directory's (a Hub name's snapshot, when
+    the cache holds it), then its --tokenizer's."""
+    from . import hub_models
+
     directories = []
     model, tok = train_config.get("model") or "", train_config.get("tokenizer") or ""
+    if model and hub_models.is_hub_name(model):
+        model = hub_models.cached(model, train_config.get("revision") or "") or ""
     if model and os.path.isdir(model):
         directories.append(model)
     if tok and tok != "byte":

@@ -1,4 +1,4 @@
-"""``--model``: the built-in demo, a planner preset, a Hugging Face directory, or a config.json.
+"""``--model``: the built-in demo, a planner preset, a Hugging Face directory or Hub name, or a config.json.
 
 Returns the ModelConfig to train and, for a directory with safetensors weights, the path to load
 them from (``Engine.from_pretrained``). Random weights only when asked for: the demo, a preset, a
@@ -14,6 +14,7 @@ from megatrain.planner import model_shapes
 from megatrain.runtime import ModelConfig
 from megatrain.runtime.io import hf_io
 
+from . import hub_models
 from .train_config import DEMO_MODEL, TrainConfigError
 
 # Weight files megatrain never reads (pickles, TensorFlow, Flax, GGUF): named in the refusal.
@@ -34,31 +35,48 @@ def demo_config(vocab_size: int, seq_len: int) -> ModelConfig:
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(seq_len, 256))
 
 
-def resolve(model: str, vocab_size: int, seq_len: int, init: str = "auto") -> ModelSource:
+def resolve(model: str, vocab_size: int, seq_len: int, init: str = "auto", revision: str = "") -> ModelSource:
     """``vocab_size``: the tokenizer's (the demo model is sized to it; other models must cover it).
 
     A model directory's weights are loaded (``init="auto"``) or ignored (``"random"``); a directory with no
-    weights megatrain reads is refused unless ``init="random"``: random init only when asked for.
+    weights megatrain reads is refused unless ``init="random"``: random init only when asked for. A Hub name
+    (``org/name``, no local path of that name) is its snapshot at ``revision`` (tools/hub_models.py).
     """
     if model == DEMO_MODEL:
         return ModelSource(demo_config(vocab_size, seq_len), None, "demo model (random init)")
+    if hub_models.is_hub_name(model):
+        at = f"@{revision}" if revision else ""
+        return _covers(_directory(hub_models.snapshot(model, revision), init, f"{model}{at}, Hugging Face cache"),
+                       vocab_size)
     if os.path.isdir(model):
-        if not os.path.exists(os.path.join(model, "config.json")):
-            raise TrainConfigError(f"model: {model} has no config.json; pass a Hugging Face model directory")
-        config = ModelConfig.from_hf(model)
-        if init == "random":
-            source = ModelSource(config, None, f"{model} (random init: --init random)")
-        else:
-            _require_weights(model)
-            source = ModelSource(config, model, f"{model} (pretrained weights)")
+        source = _directory(model, init, model)
     elif os.path.isfile(model):
         source = ModelSource(ModelConfig.from_hf(model), None, f"{model} (random init)")
     else:
         try:
             shape = model_shapes.resolve(model)
+        except model_shapes.BarePresetName as e:
+            raise TrainConfigError(f"model: {e} for its shape with random weights, or its Hugging Face Hub name "
+                                   f"(org/name) for the published weights") from None
         except model_shapes.ModelShapeError as e:
             raise TrainConfigError(f"model: {e}; or 'demo', a Hugging Face directory or a config.json") from None
         source = ModelSource(_from_shape(shape), None, f"preset {shape.name} (random init)")
+    return _covers(source, vocab_size)
+
+
+def _directory(model: str, init: str, label: str) -> ModelSource:
+    """A Hugging Face model directory: its weights (``init="auto"``, refused when absent) or its config alone."""
+    if not os.path.exists(os.path.join(model, "config.json")):
+        raise TrainConfigError(f"model: {model} has no config.json; pass a Hugging Face model directory")
+    config = ModelConfig.from_hf(model)
+    if init == "random":
+        return ModelSource(config, None, f"{label} (random init: --init random)")
+    _require_weights(model)
+    return ModelSource(config, model, f"{label} (pretrained weights)")
+
+
+def _covers(source: ModelSource, vocab_size: int) -> ModelSource:
+    """The model's vocabulary holds the tokenizer's ids."""
     if vocab_size > source.config.vocab_size:
         raise TrainConfigError(f"tokenizer has {vocab_size} ids but the model's vocab_size is "
                                f"{source.config.vocab_size}; pass the model's own tokenizer.json with --tokenizer")

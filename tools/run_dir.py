@@ -33,7 +33,7 @@ SPILL_DIR = "spill"
 # What a run writes in its directory; --overwrite deletes these and nothing else. (Spill files under
 # SPILL_DIR are the runtime's: each run's in its own subdirectory, reclaimed by the runtime.)
 RUN_FILES = ("metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "summary.json.tmp", "training.png",
-             "trace.json", "tensorboard", "run.json", "run.json.tmp", CHECKPOINT_DIR)
+             "trace.json", "tensorboard", "wandb", "run.json", "run.json.tmp", CHECKPOINT_DIR)
 
 
 def check_writable_dir(option: str, path: str) -> None:

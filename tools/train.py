@@ -34,7 +34,8 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig
 
     from . import data_order, evaluation, export, metric_sinks, metrics, model_source, packing, ranks, \
-        restart, resume, run_dir, run_plan, tokenizer as tokenizers, train_config, train_options, world_change
+        restart, resume, run_dir, run_plan, tokenizer as tokenizers, tokenizer_check, train_config, train_options, \
+        world_change
     from .data import Corpus
     from .plot import plot
     from .training_loop import TrainingLoop, dtype_name, next_batch
@@ -159,6 +160,8 @@ class Run:
         tokenizer, model, source = self._check_model()
         corpus = Corpus(c.data, tokenizer, c.text_field, c.token_dtype, c.train_on)
         corpus.check_token_ids(model.vocab_size)
+        if self.resumed is None and "tokenizer" not in self.values:  # the model directory's, not one chosen
+            tokenizer_check.check(tokenizer, c.data, c.text_field, c.token_dtype, c.train_on)
         metric_sinks.check(c)
         self.packing = data_order.packing_mode(c.packing, corpus)
         data, held_out = data_order.training_data(c, corpus, tokenizer.separator_id, self.data_state, self.rows_done,
@@ -275,7 +278,7 @@ class Run:
                 raise TrainConfigError(f"tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size "
                                        f"is {model.vocab_size}; resume with the run's own tokenizer")
         else:
-            source = model_source.resolve(c.model, tokenizer.vocab_size, c.seq_len, c.init)
+            source = model_source.resolve(c.model, tokenizer.vocab_size, c.seq_len, c.init, c.revision)
             model = source.config
         if tokenizer.separator_id >= model.vocab_size:
             raise TrainConfigError(f"separator_id={tokenizer.separator_id} is outside the model's vocabulary "
@@ -348,6 +351,7 @@ class Run:
         summary["plot"] = plot(metrics.read_metrics(loop.metrics_path), os.path.join(self.out, "training.png")) \
             if c.plot else "off (--no-plot)"
         metrics.write_summary(os.path.join(self.out, "summary.json"), summary)
+        loop.sink.close(summary)  # --log-to: the summary too
         print(metrics.format_summary(summary), file=sys.stderr)
         for note in self.notes:
             print(f"note: {note}", file=sys.stderr)

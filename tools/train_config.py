@@ -14,6 +14,8 @@ from typing import Any, Mapping
 
 from megatrain.runtime.errors import MegatrainError
 
+from . import hub_models
+
 # The built-in demo model's name for --model (a few million parameters, Llama-shaped, random init).
 DEMO_MODEL = "demo"
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")
@@ -24,13 +26,14 @@ SPILL_CHOICES = ("auto", "none", "optimizer", "all")
 OPTIMIZER_STATES = ("fp32", "bf16")
 INIT_CHOICES = ("auto", "random")
 TRAIN_ON_CHOICES = ("completion", "all")
-LOG_TO_CHOICES = ("none", "tensorboard")
+# --log-to's targets: one, or several joined by commas ("tensorboard,wandb").
+LOG_TO_CHOICES = ("none", "tensorboard", "wandb")
 PACKING_CHOICES = ("auto", "whole", "documents", "concat", "none")
 # Options a resumed run cannot change: they define the model, its optimizer state or the data position.
 # The others (lr, steps, save cadence, plan, device, ...) apply from the resume on, and are printed.
-FIXED_ON_RESUME = ("model", "init", "data", "tokenizer", "text_field", "train_on", "token_dtype", "separator_id",
-                   "seq_len", "packing", "batch", "compute_dtype", "seed", "shuffle", "eval_fraction", "beta1",
-                   "beta2", "weight_decay", "max_grad_norm")
+FIXED_ON_RESUME = ("model", "revision", "init", "data", "tokenizer", "text_field", "train_on", "token_dtype",
+                   "separator_id", "seq_len", "packing", "batch", "compute_dtype", "seed", "shuffle", "eval_fraction",
+                   "beta1", "beta2", "weight_decay", "max_grad_norm")
 PATH_KEYS = ("data", "eval_data", "tokenizer", "plan", "spill_dir", "model", "export_on_finish")
 EXPORT_DTYPES = ("bf16", "fp32")
 
@@ -43,9 +46,12 @@ class TrainConfigError(MegatrainError):
 class TrainConfig:
     """Everything one ``megatrain-train`` run needs. Field names are the TOML keys."""
 
-    # What to train: "demo", a planner preset (random init, e.g. "Llama-3.2-1B"), a Hugging Face
-    # model directory (its *.safetensors weights), or a config.json (random init).
+    # What to train: "demo", a planner preset (random init, e.g. "shape:Llama-3.2-1B"), a Hugging Face
+    # model directory (its *.safetensors weights), a Hugging Face Hub name ("org/name", tools/hub_models.py;
+    # a local directory of that name wins), or a config.json (random init).
     model: str = DEMO_MODEL
+    # A Hub name's branch, tag or commit (empty: main).
+    revision: str = ""
     # "auto": a model directory's weights (refused when it has none megatrain reads); "random": random init.
     init: str = "auto"
     # Training text or tokens: files or directories (.txt/.md, .jsonl, .parquet, .npy, .bin).
@@ -117,7 +123,8 @@ class TrainConfig:
     # Non-interactive progress: one line every N steps.
     log_every: int = 10
     plot: bool = True
-    # Where metrics go besides OUT/metrics.jsonl: "none" or "tensorboard" (OUT/tensorboard; needs tensorboard).
+    # Where metrics go besides OUT/metrics.jsonl: "none", "tensorboard" (OUT/tensorboard; needs tensorboard),
+    # "wandb" (Weights & Biases; needs wandb), or several joined by commas ("tensorboard,wandb").
     log_to: str = "none"
     # At the end of the run, export the model as megatrain-export does into this new or empty directory.
     export_on_finish: str = ""
@@ -151,7 +158,7 @@ class TrainConfig:
         _one_of("optimizer_state", self.optimizer_state, OPTIMIZER_STATES)
         _one_of("init", self.init, INIT_CHOICES)
         _one_of("train_on", self.train_on, TRAIN_ON_CHOICES)
-        _one_of("log_to", self.log_to, LOG_TO_CHOICES)
+        log_targets(self.log_to)
         _one_of("packing", self.packing, PACKING_CHOICES)
         _one_of("export_dtype", self.export_dtype, EXPORT_DTYPES)
         _require(self, "eval_fraction", 0 <= self.eval_fraction < 1 and math.isfinite(self.eval_fraction),
@@ -161,6 +168,8 @@ class TrainConfig:
                                    "--eval-data, not both")
         _require(self, "separator_id", self.separator_id >= -1, "must be a token id >= 0 (or -1 for the tokenizer's)")
         _require(self, "out", bool(self.out), "must name an output directory")
+        _require(self, "revision", not self.revision or hub_models.is_hub_name(self.model),
+                 "applies to a Hugging Face Hub name only (--model org/name); leave it out")
         for key in ("data", "eval_data"):
             for path in getattr(self, key):
                 if not os.path.exists(path):
@@ -193,8 +202,12 @@ FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Tr
 def build(values: Mapping[str, Any]) -> TrainConfig:
     values = {k: v for k, v in values.items() if k != "overwrite"}
     model = values.get("model")
-    if "tokenizer" not in values and isinstance(model, str) and os.path.isfile(os.path.join(model, "tokenizer.json")):
-        values["tokenizer"] = os.path.join(model, "tokenizer.json")  # a model directory's own tokenizer by default
+    if "tokenizer" not in values and isinstance(model, str) and model != DEMO_MODEL:
+        if hub_models.is_hub_name(model):  # its snapshot in the Hugging Face cache (downloaded when missing)
+            revision = values.get("revision", "")
+            model = hub_models.snapshot(model, revision if isinstance(revision, str) else "")
+        if os.path.isfile(os.path.join(model, "tokenizer.json")):
+            values["tokenizer"] = os.path.join(model, "tokenizer.json")  # a model directory's own tokenizer
     try:
         return TrainConfig(**values)
     except TypeError as e:  # a value of the wrong type reached a comparison
@@ -258,10 +271,22 @@ def relative_to(base: str, key: str, value: Any) -> Any:
     def fix(p: str) -> str:
         if key == "model" and not (os.sep in p or p.endswith(".json")):
             return p  # a preset name or "demo"
+        if key == "model" and hub_models.is_hub_name(p, base):
+            return p  # a Hugging Face Hub name (no such directory here)
         if key == "tokenizer" and p == "byte":
             return p
         return p if os.path.isabs(p) or not p else os.path.join(base, p)
     return tuple(fix(p) for p in value) if isinstance(value, tuple) else fix(value)
+
+
+def log_targets(log_to: str) -> tuple[str, ...]:
+    """``--log-to``'s targets, in order ("none": none); one line naming the choices for anything else."""
+    targets = tuple(t.strip() for t in str(log_to).split(","))
+    if any(t not in LOG_TO_CHOICES for t in targets) or ("none" in targets and len(targets) > 1) \
+            or len(set(targets)) < len(targets):
+        raise TrainConfigError(f"log_to={log_to!r} is not one of {', '.join(LOG_TO_CHOICES)} (or several of "
+                               f"tensorboard, wandb joined by commas, e.g. tensorboard,wandb)")
+    return () if targets == ("none",) else targets
 
 
 def _require(config: TrainConfig, name: str, ok: bool, what: str) -> None:

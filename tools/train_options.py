@@ -14,19 +14,23 @@ from typing import Any, Mapping, Sequence
 
 from megatrain.planner.cli_args import RenamedOption
 
-from .train_config import COMPUTE_DTYPES, DEVICES, EXPORT_DTYPES, FIELDS, INIT_CHOICES, LOG_TO_CHOICES, \
+from .train_config import COMPUTE_DTYPES, DEVICES, EXPORT_DTYPES, FIELDS, INIT_CHOICES, \
     OPTIMIZER_STATES, PACKING_CHOICES, PROGRESS_STYLES, SPILL_CHOICES, TOKEN_DTYPES, TRAIN_ON_CHOICES, TrainConfig, TrainConfigError, \
     build, relative_to
 
 # One-line help per key (shown by --help); the TOML key is the option name with underscores.
 HELP: dict[str, str] = {
-    "model": "'demo' (default), a preset (e.g. Llama-3.2-1B; random init), a Hugging Face model "
-             "directory (its safetensors weights), or a config.json (random init)",
+    "model": "'demo' (default), a shape preset (e.g. shape:Llama-3.2-1B; random init), a Hugging Face model "
+             "directory (its safetensors weights), a Hugging Face Hub name org/name (from the huggingface_hub "
+             "cache, HF_HOME/HF_HUB_CACHE, downloaded when missing unless HF_HUB_OFFLINE=1; a local directory of "
+             "that name wins), or a config.json (random init)",
+    "revision": "with a Hub name: the branch, tag or commit to use (default: main)",
     "init": "auto: a model directory's safetensors weights (default); random: random init from its config",
     "data": "training files or directories: .txt/.md, .jsonl, .parquet, .npy, .bin (default: Python's "
             "pydoc topics)",
     "tokenizer": "a tokenizer.json (needs `tokenizers`) or 'byte' (default: the --model directory's tokenizer.json "
-                 "when it has one, else byte)",
+                 "when it has one, else byte; that default is refused at start when transformers' AutoTokenizer "
+                 "builds another tokenizer from the directory: given here, the file is used as written)",
     "text_field": "the text field of .jsonl and .parquet records (text)",
     "train_on": "chat records ({\"messages\"} or {\"prompt\", \"completion\"}): completion = loss on the "
                 "assistant's tokens only (default), all = on every token",
@@ -75,7 +79,9 @@ HELP: dict[str, str] = {
     "progress": "progress display: auto, tqdm, rich, plain or none",
     "log_every": "with plain progress, one line every N steps (10)",
     "plot": "write OUT/training.png when matplotlib is installed (default on; --no-plot)",
-    "log_to": "also log metrics to: none (default) or tensorboard (OUT/tensorboard; needs tensorboard)",
+    "log_to": "also log metrics to: none (default), tensorboard (OUT/tensorboard; needs tensorboard), wandb "
+              "(Weights & Biases: WANDB_PROJECT, WANDB_MODE=offline, WANDB_DIR as wandb reads them; needs wandb), "
+              "or several joined by commas: tensorboard,wandb",
     "export_on_finish": "at the end, write the model as megatrain-export does into this new or empty directory",
     "export_dtype": "weight dtype of --export-on-finish: bf16 (default) or fp32",
 }
@@ -83,7 +89,7 @@ HELP: dict[str, str] = {
 # The options that take one of a fixed set of words.
 CHOICES: dict[str, tuple[str, ...]] = {
     "compute_dtype": COMPUTE_DTYPES, "device": DEVICES, "progress": PROGRESS_STYLES, "token_dtype": TOKEN_DTYPES,
-    "spill": SPILL_CHOICES, "init": INIT_CHOICES, "train_on": TRAIN_ON_CHOICES, "log_to": LOG_TO_CHOICES,
+    "spill": SPILL_CHOICES, "init": INIT_CHOICES, "train_on": TRAIN_ON_CHOICES,
     "packing": PACKING_CHOICES, "export_dtype": EXPORT_DTYPES, "optimizer_state": OPTIMIZER_STATES}
 
 

@@ -135,10 +135,12 @@ class TrainingLoop:
                     self._flush(log, progress)
                     self._save(c.total_steps, blocking=True)
                 engine.wait_for_checkpoint()
+        except BaseException:
+            self.sink.close()  # the run failed: no summary (else the run closes the sink with its summary)
+            raise
         finally:
             progress.close()
             log.close()
-            self.sink.close()
             if self.tracer is not None:
                 self.tracer.close(engine.synchronize)
 
