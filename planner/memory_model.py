@@ -6,7 +6,8 @@ totals are plain sums. Symbols used in the formulas:
 
   N   elements of all distinct blocks' flat buffers (params, each offset aligned to 64 elements)
   Bmax elements of the largest block (one slot); E the embedding block's elements
-  L   decoder layers; h hidden size; V vocab size
+  L   decoder layers; h hidden size; V vocab size; k the layers the plan keeps (``Plan.kept_layers``), whose
+      activations stay for backward instead of a checkpoint (kept_layers.py: a bytes per token)
   T   global batch tokens per step (batch x seq); t micro-batch tokens (micro_batch_size x seq)
   c   compute dtype bytes (2 for bf16/fp16, 4 for fp32)
   K   plan.num_slots; G plan.device_grad_buffers; S plan.host_grad_slabs
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import buffer_kinds, spill_placement
+from . import buffer_kinds, kept_layers, spill_placement
 from .buffer_kinds import BufferKind, crosses_pcie, spill_chunk_numel
 from .hardware import GiB, HardwareProfile
 from .model_shapes import ModelShape
@@ -142,14 +143,17 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
     if model.tie_word_embeddings:
         # The head's gradient of the shared weight waits here until the embedding's backward.
         dev("tied embedding grad", E * 4, f"E x 4 = {E} x 4")
+    R = kept_layers.recomputed_layers(model, plan)  # L - k: the layers with a boundary checkpoint
     if plan.checkpoints == "device":
-        dev("activation checkpoints", L * T * h * c, f"L x T x h x c = {L} x {T} x {h} x {c}")
+        dev("activation checkpoints", R * T * h * c, f"(L - k) x T x h x c = {R} x {T} x {h} x {c}")
     else:
         # The runtime's [Note: host checkpoints in pieces]: the recompute reads a micro-batch's whole input, so
         # it comes back into one of two reload buffers of t x h; the drains read forward's inputs in place and
         # hold one per micro-batch (T x h in all) until their last piece is on the host. Pieces add nothing.
         dev("checkpoint staging", 2 * t * h * c, f"2 x t x h x c = 2 x {t} x {h} x {c}")
-        dev("checkpoint drains in flight", T * h * c, f"T x h x c = {T} x {h} x {c}")
+        dev("checkpoint drains in flight", T * h * c if R else 0, f"T x h x c = {T} x {h} x {c} (none if k = L)")
+    if plan.kept_layers:  # [Note: kept layers]: what their forward graphs hold until their backward
+        dev("kept activations", *kept_layers.kept_activation_bytes(model, work, plan))
     # dy for every micro-batch at the block boundary being back-propagated (both placements).
     dev("activation grad", T * h * c, f"T x h x c = {T} x {h} x {c}")
     dev("layer working set", *layer_working_set(model, work, plan))
@@ -171,7 +175,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
         state_terms(kind, label, N, spilled, host, comps, size=s, pinned=crosses_pcie(kind, c == 4))
     host_spill_terms(model, plan, c, spilled, host, comps)
     if plan.checkpoints == "host":
-        host("activation checkpoints", L * T * h * c, f"L x T x h x c = {L} x {T} x {h} x {c}")
+        host("activation checkpoints", R * T * h * c, f"(L - k) x T x h x c = {R} x {T} x {h} x {c}")
     cal = hw.fitted(work.compute_dtype) if hw is not None else None
     if cal is None:
         if on_gpu:
@@ -331,6 +335,19 @@ def listed_host_bytes(est: MemoryEstimate, device_is_host: bool) -> int:
     is the CPU), without the fixed terms: what peak RSS growth is compared with."""
     return sum(x.nbytes for x in est.components
                if (x.where == "host" or (device_is_host and x.where == "device")) and x.name not in FIXED_TERMS)
+
+
+# The device buffers that grow with the batch's tokens (the weight slots, gradient buffers and host arenas are
+# allocated with the engine, before its first step).
+ACTIVATION_TERMS = ("activation checkpoints", "checkpoint staging", "checkpoint drains in flight", "activation grad",
+                    "layer working set", "attention working set", "logits chunk", "kept activations")
+
+
+def activation_bytes(model: ModelShape, work: Workload, plan: Plan) -> int:
+    """The plan's device buffers of ``ACTIVATION_TERMS``: what ``Engine(config)`` without a plan weighs against
+    the memory free at its first step (kept_layers.default_kept_layers)."""
+    return sum(x.nbytes for x in estimate(model, work, plan).components
+               if x.where == "device" and x.name in ACTIVATION_TERMS)
 
 
 # Components that are not buffers of the runtime: constants or fitted from runs.

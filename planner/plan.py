@@ -159,6 +159,9 @@ class Plan:
       attention_tile_tokens  the attention half's token-local intermediates (norm output, fp32 norm copies,
                           pre-RoPE q and k, o_proj's input) for micro-batch x min(tile, S) tokens instead of S
                           (None: untiled); q, k, v, attention's output and their gradients stay whole
+      kept_layers         the decoder layers (0..L-1) whose forward graph stays for backward instead of being
+                          recomputed from a boundary checkpoint: each T x (kept bytes per token - h x c) more
+                          (memory_model "kept activations"), one layer forward less in backward
       spill               "optimizer": AdamW m and v live in spill files on disk (8 bytes/param off RAM);
                           "all": the fp32 master and gradients too (16 bytes/param off RAM);
                           "blocks": per kind, the blocks ``spill_blocks`` names (4 bytes/param of each
@@ -196,6 +199,9 @@ class Plan:
     # Tokens per sequence tile of the attention half's token-local work (input norm, q/k/v projections and RoPE,
     # o_proj), forward and backward, around one attention call over the whole sequence (None: untiled).
     attention_tile_tokens: int | None = None
+    # Decoder layers (0..L-1) whose activations are kept for backward (no recompute); the others are recomputed
+    # from their boundary checkpoints ([Note: kept layers] in runtime/pipeline/kept_layers.py).
+    kept_layers: tuple[int, ...] = ()
     # What lives in spill files instead of host RAM: "none", "optimizer" (m, v), "all" (fp32 master, m, v, grads),
     # or "blocks" (per kind, the blocks spill_blocks names).
     spill: str = "none"
@@ -246,6 +252,7 @@ class Plan:
         if self.attention_tile_tokens is not None:
             _at_least("attention_tile_tokens", self.attention_tile_tokens, 1,
                       "it is the number of tokens per tile of the attention's projections, or null")
+        self._check_kept_layers()
         _one_of("spill", self.spill, SPILL_CHOICES)
         self._check_spill_blocks()
         _one_of("io_backend", self.io_backend, IO_BACKENDS)
@@ -265,6 +272,22 @@ class Plan:
             object.__setattr__(self, "workload", _fingerprint_from_dict(self.workload))
         if self.workload is not None and not isinstance(self.workload, WorkloadFingerprint):
             raise PlanError(f"workload={self.workload!r} must be a WorkloadFingerprint or None")
+
+    def _check_kept_layers(self) -> None:
+        value = self.kept_layers
+        if not isinstance(value, (list, tuple)) or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in value):
+            raise PlanError(f"kept_layers={value!r} must be a list of decoder layer numbers >= 0 (0 the first layer)")
+        if len(set(value)) != len(value):
+            raise PlanError(f"kept_layers={list(value)!r} names a layer twice; list each layer once")
+        object.__setattr__(self, "kept_layers", tuple(sorted(value)))
+
+    def check_kept_layers(self, num_layers: int) -> None:
+        """Refuse a kept layer the model does not have (one line)."""
+        bad = [b for b in self.kept_layers if b >= num_layers]
+        if bad:
+            raise PlanError(f"kept_layers names layer {bad[0]}, but this model has {num_layers} decoder layers "
+                            f"(0 .. {num_layers - 1}); plan again for this model with megatrain-plan plan")
 
     def _check_spill_blocks(self) -> None:
         if isinstance(self.spill_blocks, Mapping):  # from JSON

@@ -51,6 +51,7 @@ def check_arguments(model_config: object, optimizer: object, plan: object, compu
         raise ConfigError(
             f"compute_dtype={compute_dtype!r} is not supported; use torch.bfloat16 (fast) or torch.float32 (exact)"
         )
+    plan.check_kept_layers(model_config.num_hidden_layers)
     if plan.workload is not None:  # a plan's memory bounds hold only for the model and dtype it was made for
         plan.workload.check_model(shape_digest(model_config.to_dict()), str(compute_dtype).removeprefix("torch."))
     # Several ranks (a process group, or torchrun's environment): this rank's shards ([Note: collectives]).

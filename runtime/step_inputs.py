@@ -62,6 +62,7 @@ class StepInputs:
         if self.micro_batch_open:
             self.plan = self.plan.replace(micro_batch_size=input_ids.shape[0])
             self.micro_batch_open = False
+        batch.kept = frozenset(self.plan.kept_layers)  # [Note: kept layers]
         return batch
 
     def evaluation_batch(self, input_ids: torch.Tensor, labels: torch.Tensor,

@@ -41,6 +41,7 @@ from megatrain.runtime.pipeline.block_updates import BlockUpdates, PendingUpdate
 from megatrain.runtime.pipeline.cpu_adamw import AdamHyper, AdamWorker
 from megatrain.runtime.pipeline.grad_buffers import GradBuffers
 from megatrain.runtime.pipeline.head_loss import chunked_logits, head_forward_backward, head_loss
+from megatrain.runtime.pipeline.kept_layers import KeptGraphs
 from megatrain.runtime.pipeline.rotary_positions import Positions, RotaryPositions
 from megatrain.runtime.pipeline.sequence_tiles import tiled_layer_backward
 from megatrain.runtime.pipeline.step_schedule import StepSchedule, evaluation_schedule, training_schedule
@@ -63,6 +64,8 @@ class Batch:
     # each micro-batch's documents (host data); None: one sequence per row, positions 0..S-1.
     position_ids: torch.Tensor | None = None
     documents: list[Documents | None] | None = None
+    # Decoder layers whose forward graph is kept for backward, not recomputed ([Note: kept layers]).
+    kept: frozenset[int] = frozenset()
 
 
 class Executor:
@@ -107,6 +110,7 @@ class Executor:
         self.rotary = RotaryPositions(self.config, device)
         # Predicted tokens of the last step's (or evaluation's) rows whose argmax is their label: [] int64.
         self.correct = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.kept = KeptGraphs(log)  # [Note: kept layers]
         self.mlp_tile = plan.mlp_tile_tokens or 0  # [Note: sequence tiles]
         self.attention_tile = plan.attention_tile_tokens or 0
 
@@ -131,7 +135,9 @@ class Executor:
             self.dist.begin_step()
             batch.n_tokens = self.dist.all_reduce_sum(batch.n_tokens)
         positions = self._positions(batch)
-        self.checkpoints.begin(len(s.layers), *batch.input_ids.shape, self.config.hidden_size, batch.micro)
+        self.kept.begin(batch.kept)
+        self.checkpoints.begin([ld.layer for ld in s.layers if ld.layer not in batch.kept], *batch.input_ids.shape,
+                               self.config.hidden_size, batch.micro)
         self.loader.start(step, s.loads)
         pending: list[PendingUpdate] = []  # deferred mode: submitted once the global norm is known
 
@@ -167,6 +173,9 @@ class Executor:
                 g_list = layer.layout.view_list(g_buf)
                 with record_function(f"bwd[{layer.index}]"):
                     for m, rows in enumerate(batch.micro):
+                        if self.kept.holds(load.layer):  # [Note: kept layers]: through its forward's graph
+                            dy[m] = self.kept.backward(load.layer, m, params, dy[m], self._add_grads(layer, g_list))
+                            continue
                         x_in = self.checkpoints.get(load.layer, m, rows)
                         dy[m] = self._layer_backward(layer, params, x_in, dy[m], positions[m], g_list)
             pending += self.updates.finish(step, layer, g_index, g_buf, hyper)
@@ -203,6 +212,10 @@ class Executor:
             for load in s.layers:
                 with self.loader.resident(load) as params, self._label("fwd", load.block, training):
                     for m, rows in enumerate(micro):
+                        if training and self.kept.holds(load.layer):  # [Note: kept layers]
+                            x[m] = self.kept.forward(load.layer, m, functools.partial(
+                                self._layer_forward, positions=positions[m]), params, x[m], positions[m][:2])
+                            continue
                         if training:
                             self.checkpoints.save(load.layer, m, rows, x[m])
                         x[m] = self._layer_forward(params, x[m], positions[m])
@@ -228,12 +241,8 @@ class Executor:
         parameter gradients add into ``g_list`` (fp32, layout order); returns the gradient w.r.t. x_in."""
         x_in = x_in.detach().requires_grad_()
         leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
-        index = {e.local_name: i for i, e in enumerate(layer.layout.entries)}
-
-        def add_grads(by_name: dict[str, torch.Tensor]) -> None:
-            names = list(by_name)
-            torch._foreach_add_([g_list[index[n]] for n in names], [by_name[n] for n in names])
-
+        add_grads = self._add_grads(layer, g_list)
+        self.log.record("recompute", self.step_no, layer.index)
         seq = x_in.shape[1]
         if 0 < self.mlp_tile < seq or 0 < self.attention_tile < seq:  # [Note: sequence tiles]
             run = functools.partial(self.templates.run, BlockKind.LAYER)
@@ -245,6 +254,16 @@ class Executor:
         by_name = dict(zip(leaves.keys(), grads[1:]))
         torch._foreach_add_(g_list, [by_name[e.local_name] for e in layer.layout.entries])
         return grads[0]
+
+    @staticmethod
+    def _add_grads(layer: Block, g_list: list[torch.Tensor]) -> Callable[[dict[str, torch.Tensor]], None]:
+        """Adds parameter gradients (by local name) into ``g_list`` (fp32, layout order)."""
+        index = {e.local_name: i for i, e in enumerate(layer.layout.entries)}
+
+        def add_grads(by_name: dict[str, torch.Tensor]) -> None:
+            names = list(by_name)
+            torch._foreach_add_([g_list[index[n]] for n in names], [by_name[n] for n in names])
+        return add_grads
 
     def _grad_numel(self, block: Block) -> int:
         """Elements of block's device gradient buffer: its layout, padded to whole shards in data parallel."""
