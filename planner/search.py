@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from megatrain.errors import MegatrainError
 
-from . import cost_model, data_parallel, memory_model, spill_placement
+from . import cost_model, data_parallel, kept_layers, memory_model, spill_placement
 from .cost_model import CostEstimate
 from .hardware import HardwareProfile
 from .memory_model import MemoryEstimate, Overrun
@@ -225,9 +225,13 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
 
 
 def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None) -> PlanChoice:
-    """The plan with the largest loss chunk that fits (spilling the least that lets it: ``fill``); else the
-    smallest chunk, with its overruns."""
+    """The plan keeping the most layers that fit with the smallest loss chunk (kept_layers.keep_most: a kept
+    layer saves a recompute, a larger chunk hardly any time), then the largest loss chunk that fits (spilling
+    the least that lets it: ``fill``); else the smallest chunk, with its overruns."""
     plan = fill(model, work, plan, hw, ranks)
+    smallest = plan.replace(loss_chunk_tokens=_chunks(plan.micro_batch_size * work.seq_len)[-1])
+    plan = kept_layers.keep_most(model, _rank(work, ranks), plan, lambda p: not overruns(
+        _memory(model, work, p.replace(loss_chunk_tokens=smallest.loss_chunk_tokens), hw, ranks), work, hw, ranks))
     choice = None
     for chunk in _chunks(plan.micro_batch_size * work.seq_len):
         p = plan.replace(loss_chunk_tokens=chunk)
