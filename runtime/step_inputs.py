@@ -27,8 +27,8 @@ from megatrain.planner.kept_layers import default_kept_layers
 from megatrain.planner.plan import Plan
 from megatrain.planner.workload import Workload
 
-from megatrain.runtime.config import ModelConfig, OptimizerConfig
-from megatrain.runtime.distributed.process_group import Topology
+from megatrain.runtime.config import ModelConfig
+from megatrain.runtime.engine_arguments import Arguments
 from megatrain.runtime.errors import InputError
 from megatrain.runtime.pipeline.cpu_adamw import AdamHyper
 from megatrain.runtime.pipeline.executor import Batch
@@ -38,12 +38,11 @@ ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
 class StepInputs:
-    def __init__(self, config: ModelConfig, optimizer: OptimizerConfig, plan: Plan, device: torch.device,
-                 topology: Topology | None, plan_given: bool = True, compute_dtype: torch.dtype = torch.bfloat16) -> None:
-        self.config, self.optimizer, self.plan, self.device = config, optimizer, plan, device
+    def __init__(self, config: ModelConfig, args: Arguments, compute_dtype: torch.dtype) -> None:
+        self.config, self.optimizer, self.plan, self.device = config, args.optimizer, args.plan, args.device
         self.compute_dtype = compute_dtype
-        self.ranks = 1 if topology is None else topology.world_size
-        self.micro_batch_open = not plan_given  # the default plan's micro-batch: set by the first step
+        self.ranks = 1 if args.topology is None else args.topology.world_size
+        self.micro_batch_open = not args.plan_given  # the default plan's micro-batch: set by the first step
 
     @property
     def recorded_plan(self) -> Plan | None:
@@ -83,7 +82,8 @@ class StepInputs:
         work = Workload(seq, batch, str(self.compute_dtype).removeprefix("torch."), self.optimizer.clipping)
         free = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
                 else psutil.virtual_memory().available)
-        return default_kept_layers(shape, work, plan, free, functools.partial(memory_model.activation_bytes, shape, work))
+        needs = functools.partial(memory_model.activation_bytes, shape, work)
+        return default_kept_layers(shape, work, plan, free, needs)
 
     def evaluation_batch(self, input_ids: torch.Tensor, labels: torch.Tensor,
                          position_ids: torch.Tensor | None) -> Batch:

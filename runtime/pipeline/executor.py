@@ -43,7 +43,7 @@ from megatrain.runtime.pipeline.grad_buffers import GradBuffers
 from megatrain.runtime.pipeline.head_loss import chunked_logits, head_forward_backward, head_loss
 from megatrain.runtime.pipeline.kept_layers import KeptGraphs
 from megatrain.runtime.pipeline.rotary_positions import Positions, RotaryPositions
-from megatrain.runtime.pipeline.sequence_tiles import tiled_layer_backward
+from megatrain.runtime.pipeline.layer_backward import grad_adder, recompute_backward
 from megatrain.runtime.pipeline.step_schedule import StepSchedule, evaluation_schedule, training_schedule
 from megatrain.runtime.pipeline.step_timer import StepTimer
 from megatrain.runtime.pipeline.weight_slots import WeightLoader, WeightSlots
@@ -174,7 +174,8 @@ class Executor:
                 with record_function(f"bwd[{layer.index}]"):
                     for m, rows in enumerate(batch.micro):
                         if self.kept.holds(load.layer):  # [Note: kept layers]: through its forward's graph
-                            dy[m] = self.kept.backward(load.layer, m, params, dy[m], self._add_grads(layer, g_list))
+                            dy[m] = self.kept.backward(load.layer, m, params, dy[m],
+                                                      grad_adder(layer.layout.entries, g_list))
                             continue
                         x_in = self.checkpoints.get(load.layer, m, rows)
                         dy[m] = self._layer_backward(layer, params, x_in, dy[m], positions[m], g_list)
@@ -237,33 +238,10 @@ class Executor:
 
     def _layer_backward(self, layer: Block, params: dict[str, torch.Tensor], x_in: torch.Tensor, dy: torch.Tensor,
                         positions: Positions, g_list: list[torch.Tensor]) -> torch.Tensor:
-        """One micro-batch through ``layer`` again from its checkpoint x_in ([b, S, hidden]), autograd on: the
-        parameter gradients add into ``g_list`` (fp32, layout order); returns the gradient w.r.t. x_in."""
-        x_in = x_in.detach().requires_grad_()
-        leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
-        add_grads = self._add_grads(layer, g_list)
+        """One micro-batch through ``layer`` again from its checkpoint x_in: layer_backward.py."""
         self.log.record("recompute", self.step_no, layer.index)
-        seq = x_in.shape[1]
-        if 0 < self.mlp_tile < seq or 0 < self.attention_tile < seq:  # [Note: sequence tiles]
-            run = functools.partial(self.templates.run, BlockKind.LAYER)
-            return tiled_layer_backward(run, leaves, x_in, dy, positions, self.mlp_tile if 0 < self.mlp_tile < seq
-                                        else seq, add_grads, self.attention_tile)
-        with torch.enable_grad():
-            out = self.templates.run(BlockKind.LAYER, leaves, x_in, *positions)
-        grads = torch.autograd.grad(out, (x_in, *leaves.values()), dy)
-        by_name = dict(zip(leaves.keys(), grads[1:]))
-        torch._foreach_add_(g_list, [by_name[e.local_name] for e in layer.layout.entries])
-        return grads[0]
-
-    @staticmethod
-    def _add_grads(layer: Block, g_list: list[torch.Tensor]) -> Callable[[dict[str, torch.Tensor]], None]:
-        """Adds parameter gradients (by local name) into ``g_list`` (fp32, layout order)."""
-        index = {e.local_name: i for i, e in enumerate(layer.layout.entries)}
-
-        def add_grads(by_name: dict[str, torch.Tensor]) -> None:
-            names = list(by_name)
-            torch._foreach_add_([g_list[index[n]] for n in names], [by_name[n] for n in names])
-        return add_grads
+        return recompute_backward(functools.partial(self.templates.run, BlockKind.LAYER), layer.layout.entries,
+                                  params, x_in, dy, positions, g_list, self.mlp_tile, self.attention_tile)
 
     def _grad_numel(self, block: Block) -> int:
         """Elements of block's device gradient buffer: its layout, padded to whole shards in data parallel."""
