@@ -124,7 +124,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
     calibration for the compute dtype, the fixed terms (process baseline, temporaries) are its fitted ones."""
     on_gpu = hw is None or not hw.device_is_host
     c = work.compute_bytes
-    h, V, L = model.hidden_size, model.vocab_size, model.num_layers
+    h, V = model.hidden_size, model.vocab_size
     N, Bmax, E = model.numel_total, model.numel_largest_block, model.numel_embedding
     T = work.tokens
     t = min(plan.micro_batch_size, work.batch) * work.seq_len

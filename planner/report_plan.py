@@ -45,6 +45,7 @@ def page(model: ModelShape, work: Workload, chosen: ChosenPlan, ranks: Ranks,
         f"optimizer {p.optimizer_mode}, loss chunk {p.loss_chunk_tokens} tokens"
         + (f", MLP tiles of {p.mlp_tile_tokens} tokens" if p.mlp_tile_tokens else "")
         + (f", attention projection tiles of {p.attention_tile_tokens} tokens" if p.attention_tile_tokens else "")
+        + (f", {len(p.kept_layers)} of {model.num_layers} layers kept (no recompute)" if p.kept_layers else "")
         + (f", saved to {saved_to}" if saved_to else ""), spill, "",
         memory_table(best.memory), "",
         time_table(c), "",
