@@ -93,6 +93,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2, help="rounds left out of the medians")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA exists")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--label", default="", help="appended to the results' file names (keeps another run's files)")
     args = p.parse_args()
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the reference model of the equivalence tests
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
@@ -128,7 +129,8 @@ def main() -> int:
               "command": f"python benchmarks/own_loop.py --model {args.model} --seq {args.seq} --batch {args.batch} "
                          f"--rounds {args.rounds}" + (" --cpu" if args.cpu else "")}
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{report['date']}_{device_name}_own_loop_{args.model}")
+    stem = os.path.join(args.out, f"{report['date']}_{device_name}_own_loop_{args.model}"
+                                  + (f"_{args.label}" if args.label else ""))
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=2)
     lines = [f"# The README's own loop vs PyTorch, {args.model} ({params / 1e6:.1f}M), {args.batch} x {args.seq} "
