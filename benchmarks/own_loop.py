@@ -93,6 +93,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2, help="rounds left out of the medians")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA exists")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--systems", default=",".join(str(i) for i in range(len(SYSTEMS))),
+                   help="comma-separated numbers of the systems to run, of " +
+                   "; ".join(f"{i}: {s}" for i, s in enumerate(SYSTEMS)) + " (PyTorch always runs)")
     p.add_argument("--label", default="", help="appended to the results' file names (keeps another run's files)")
     args = p.parse_args()
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the reference model of the equivalence tests
@@ -100,17 +103,18 @@ def main() -> int:
     cfg = MODELS[args.model]
     steps, engines, params = trainers(cfg, device, args.seq, args.batch)
     data = batches(cfg["vocab_size"], args.batch, args.seq, args.rounds)
+    chosen = tuple(SYSTEMS[int(i)] for i in args.systems.split(",") if SYSTEMS[int(i)] != "pytorch") + ("pytorch",)
     load_before = os.getloadavg()  # a shared machine: how busy it was, for reading the spread
-    seconds: dict[str, list[float]] = {s: [] for s in SYSTEMS}
-    losses: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+    seconds: dict[str, list[float]] = {s: [] for s in chosen}
+    losses: dict[str, list[float]] = {s: [] for s in chosen}
     for r, ids in enumerate(data):
-        order = SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[:r % len(SYSTEMS)]  # rotate who goes first
+        order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]  # rotate who goes first
         for system in order:
             t0 = time.perf_counter()
             losses[system].append(steps[system](ids))  # .item() inside: the step's end, as a loop sees it
             if r >= args.warmup:
                 seconds[system].append(time.perf_counter() - t0)
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{s} {losses[s][-1]:.6f}" for s in SYSTEMS),
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{s} {losses[s][-1]:.6f}" for s in chosen),
               file=sys.stderr, flush=True)
     plan, planned = engines[0].plan, engines[2].plan
     for engine in engines:
@@ -118,7 +122,7 @@ def main() -> int:
     base = seconds["pytorch"]
     rows = [{"system": s, "median_step_s": statistics.median(seconds[s]), "min_step_s": min(seconds[s]),
              "median_ratio_to_pytorch": statistics.median(a / b for a, b in zip(seconds[s], base)),
-             "final_loss": losses[s][-1]} for s in SYSTEMS]
+             "final_loss": losses[s][-1]} for s in chosen]
     info = machine()
     device_name = "cpu" if device.type == "cpu" else (info.get("gpu") or "gpu").replace(" ", "-")
     report = {"date": datetime.date.today().isoformat(), "machine": info, "args": vars(args), "params": params,
@@ -127,7 +131,8 @@ def main() -> int:
               "seconds": seconds, "losses": losses,
               "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
               "command": f"python benchmarks/own_loop.py --model {args.model} --seq {args.seq} --batch {args.batch} "
-                         f"--rounds {args.rounds}" + (" --cpu" if args.cpu else "")}
+                         f"--rounds {args.rounds} --systems {args.systems}" + (" --cpu" if args.cpu else "")
+                         + (f" --label {args.label}" if args.label else "")}
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"{report['date']}_{device_name}_own_loop_{args.model}"
                                   + (f"_{args.label}" if args.label else ""))
