@@ -5,8 +5,9 @@
 layer saves its input as a boundary checkpoint and is recomputed from it in backward
 (activation_checkpoints.py). A kept layer's forward runs with autograd on, every micro-batch, and its
 backward is ``torch.autograd.grad`` through that graph: the same kernels, in the same order, on the same
-inputs as a recompute followed by its backward, so the gradients are the same bits (and the same as plain
-PyTorch's, which never recomputes).
+inputs as a whole-sequence recompute followed by its backward, so the gradients are the same bits (and the
+same as plain PyTorch's, which never recomputes; with sequence tiles, the tiled forward's graph, within the
+tiles' summation-order bound). The planner keeps layers only where nothing is tiled.
 
 The hazard: autograd saves the tensors a backward formula needs, and for a matmul or a norm one of them is
 the weight, here a view of the device slot the block ran from. That slot is refilled with other blocks'
