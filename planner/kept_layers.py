@@ -89,6 +89,8 @@ def keep_most(model: ModelShape, work: Workload, plan: Plan, fits: Callable[[Pla
 
     if fits(with_count(len(order))):
         return with_count(len(order))
+    if not fits(with_count(0)):  # nothing fits, kept or not: no bisection (the search's misfits are many)
+        return with_count(0)
     lo, hi = 0, len(order)  # with_count(hi) does not fit; lo is the most known to fit (or 0)
     while hi - lo > 1:
         mid = (lo + hi) // 2

@@ -256,6 +256,12 @@ def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile,
             misfit.append(choice)
             continue
         fit.append(PlanChoice(choice.plan, choice.memory, cost_model.estimate(model, rank, choice.plan, hw)))
+        if not choice.plan.kept_layers:
+            continue
+        none = choice.plan.replace(kept_layers=())  # every layer recomputed: as fast where recompute is off the
+        mem = _memory(model, work, none, hw, ranks)  # critical path, and then less memory wins the tie
+        if not overruns(mem, work, hw, ranks):
+            fit.append(PlanChoice(none, mem, cost_model.estimate(model, rank, none, hw)))
     return fit, misfit
 
 
