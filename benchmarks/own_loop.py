@@ -2,9 +2,11 @@
 
     python benchmarks/own_loop.py --model 25m --seq 128 --batch 4 --rounds 12     # on a CPU (fp32)
 
-One process holds three trainers of the same model from the same initial weights: megatrain as the README's
+One process holds five trainers of the same model from the same initial weights: megatrain as the README's
 "Train from your own loop" builds it (no plan: the default plan, whose micro-batch the first step sets to the
-batch), megatrain with ``Plan()`` (one sequence per micro-batch, the default before it took the batch),
+batch and which keeps the layers whose activations fit: [Note: kept layers]), megatrain with that micro-batch
+but every layer recomputed from its checkpoint (``Plan(micro_batch_size=batch)``: the default before layers were
+kept), megatrain with ``Plan()`` (one sequence per micro-batch, the default before it took the batch),
 megatrain with the plan ``megatrain-train`` would run (``plan_request.choose_plan`` on this machine's profile), and
 plain PyTorch (the equivalence tests' reference model, no activation checkpointing, fused ``torch.optim.AdamW``,
 global-norm clipping). Each round runs one step of each, in a rotating order, on the same batch, so the
@@ -35,7 +37,8 @@ MODELS = {
     "25m": dict(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=6,
                 num_attention_heads=8, num_key_value_heads=4),
 }
-SYSTEMS = ("megatrain, no plan", "megatrain, Plan()", "megatrain, planner's plan", "pytorch")
+SYSTEMS = ("megatrain, no plan", "megatrain, every layer recomputed", "megatrain, Plan()", "megatrain, planner's plan",
+           "pytorch")
 
 
 def trainers(cfg: dict, device: torch.device, seq: int, batch: int):
@@ -53,6 +56,8 @@ def trainers(cfg: dict, device: torch.device, seq: int, batch: int):
     optimizer = OptimizerConfig(lr=1e-4, max_grad_norm=1.0)
     own = Engine(config, optimizer=optimizer, compute_dtype=torch.float32, device=device)  # the README's example
     old = Engine(config, optimizer=optimizer, plan=Plan(), compute_dtype=torch.float32, device=device)
+    recompute = Engine(config, optimizer=optimizer, plan=Plan(micro_batch_size=batch), compute_dtype=torch.float32,
+                       device=device)
     work = Workload(seq, batch, compute_dtype="fp32", clipping=True)
     chosen = choose_plan(model_shapes.from_config(dict(cfg, model_type="llama")), PlanRequest(work), this_machine())
     planned = Engine(config, optimizer=optimizer, plan=chosen.plan, compute_dtype=torch.float32, device=device)
@@ -72,9 +77,10 @@ def trainers(cfg: dict, device: torch.device, seq: int, batch: int):
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    engines = [own, old, planned]
-    steps = {SYSTEMS[0]: lambda ids: own.step(ids, ids).item(), SYSTEMS[1]: lambda ids: old.step(ids, ids).item(),
-             SYSTEMS[2]: lambda ids: planned.step(ids, ids).item(), SYSTEMS[3]: pytorch}
+    engines = [own, old, planned, recompute]
+    steps = {SYSTEMS[0]: lambda ids: own.step(ids, ids).item(), SYSTEMS[1]: lambda ids: recompute.step(ids, ids).item(),
+             SYSTEMS[2]: lambda ids: old.step(ids, ids).item(), SYSTEMS[3]: lambda ids: planned.step(ids, ids).item(),
+             SYSTEMS[4]: pytorch}
     return steps, engines, own.num_parameters
 
 
@@ -87,23 +93,28 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2, help="rounds left out of the medians")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA exists")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--systems", default=",".join(str(i) for i in range(len(SYSTEMS))),
+                   help="comma-separated numbers of the systems to run, of " +
+                   "; ".join(f"{i}: {s}" for i, s in enumerate(SYSTEMS)) + " (PyTorch always runs)")
+    p.add_argument("--label", default="", help="appended to the results' file names (keeps another run's files)")
     args = p.parse_args()
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the reference model of the equivalence tests
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     cfg = MODELS[args.model]
     steps, engines, params = trainers(cfg, device, args.seq, args.batch)
     data = batches(cfg["vocab_size"], args.batch, args.seq, args.rounds)
+    chosen = tuple(SYSTEMS[int(i)] for i in args.systems.split(",") if SYSTEMS[int(i)] != "pytorch") + ("pytorch",)
     load_before = os.getloadavg()  # a shared machine: how busy it was, for reading the spread
-    seconds: dict[str, list[float]] = {s: [] for s in SYSTEMS}
-    losses: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+    seconds: dict[str, list[float]] = {s: [] for s in chosen}
+    losses: dict[str, list[float]] = {s: [] for s in chosen}
     for r, ids in enumerate(data):
-        order = SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[:r % len(SYSTEMS)]  # rotate who goes first
+        order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]  # rotate who goes first
         for system in order:
             t0 = time.perf_counter()
             losses[system].append(steps[system](ids))  # .item() inside: the step's end, as a loop sees it
             if r >= args.warmup:
                 seconds[system].append(time.perf_counter() - t0)
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{s} {losses[s][-1]:.6f}" for s in SYSTEMS),
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{s} {losses[s][-1]:.6f}" for s in chosen),
               file=sys.stderr, flush=True)
     plan, planned = engines[0].plan, engines[2].plan
     for engine in engines:
@@ -111,7 +122,7 @@ def main() -> int:
     base = seconds["pytorch"]
     rows = [{"system": s, "median_step_s": statistics.median(seconds[s]), "min_step_s": min(seconds[s]),
              "median_ratio_to_pytorch": statistics.median(a / b for a, b in zip(seconds[s], base)),
-             "final_loss": losses[s][-1]} for s in SYSTEMS]
+             "final_loss": losses[s][-1]} for s in chosen]
     info = machine()
     device_name = "cpu" if device.type == "cpu" else (info.get("gpu") or "gpu").replace(" ", "-")
     report = {"date": datetime.date.today().isoformat(), "machine": info, "args": vars(args), "params": params,
@@ -120,9 +131,11 @@ def main() -> int:
               "seconds": seconds, "losses": losses,
               "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
               "command": f"python benchmarks/own_loop.py --model {args.model} --seq {args.seq} --batch {args.batch} "
-                         f"--rounds {args.rounds}" + (" --cpu" if args.cpu else "")}
+                         f"--rounds {args.rounds} --systems {args.systems}" + (" --cpu" if args.cpu else "")
+                         + (f" --label {args.label}" if args.label else "")}
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{report['date']}_{device_name}_own_loop_{args.model}")
+    stem = os.path.join(args.out, f"{report['date']}_{device_name}_own_loop_{args.model}"
+                                  + (f"_{args.label}" if args.label else ""))
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=2)
     lines = [f"# The README's own loop vs PyTorch, {args.model} ({params / 1e6:.1f}M), {args.batch} x {args.seq} "
@@ -131,9 +144,10 @@ def main() -> int:
              f"{args.rounds - args.warmup} rounds after {args.warmup} warm-up, one step of each system per round "
              f"(rotating order, one process); {info['cores']} cores ({info['cpu']}), torch {info['torch']}, load "
              f"average {load_before[0]:.1f} before and {os.getloadavg()[0]:.1f} after (1 min). "
-             f"The default plan took micro-batch {plan.micro_batch_size} from the first step; the planner's plan has "
+             f"The default plan took micro-batch {plan.micro_batch_size} from the first step and keeps "
+             f"{len(plan.kept_layers)} of {cfg['num_hidden_layers']} layers; the planner's plan has "
              f"micro-batch {planned.micro_batch_size}, {planned.num_slots} slots, checkpoints on "
-             f"{planned.checkpoints}.", "",
+             f"{planned.checkpoints}, {len(planned.kept_layers)} layers kept.", "",
              "| system | median step s | min step s | median of per-round ratios to PyTorch | last loss |",
              "|---|---|---|---|---|"]
     for r in rows:

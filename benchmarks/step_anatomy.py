@@ -11,7 +11,8 @@ the copies' device time (tools/trace_anatomy.py). The roofline is max(compute, H
 CPU AdamW) for the plan that ran; the ratio is step / roofline (issue 7's target: within
 1.10). Both readings are reported: the event timer's compute still holds launch gaps, the
 trace's does not. Beside them, the planner's cost model for the same plan (its step and
-busy times), so each run also checks the planner. Writes benchmarks/results/<date>_<device>_step_anatomy.{json,md}, and
+busy times, and the FLOPs its recomputed layers run again in backward: the layers it does not keep),
+so each run also checks the planner. Writes benchmarks/results/<date>_<device>_step_anatomy.{json,md}, and
 with --trace-dir one Chrome trace per configuration.
 """
 from __future__ import annotations
@@ -39,6 +40,8 @@ VARIANTS = {  # plan changes tried beside the planner's own choice
     "eager": {"optimizer_mode": "eager"},
     "deferred": {"optimizer_mode": "deferred"},
     "prefetch1": {"prefetch_depth": 1},
+    "recompute-all": {"kept_layers": ()},  # every layer recomputed from its checkpoint
+    "keep-all": {"kept_layers": "all"},  # every layer's activations kept for backward
 }
 
 
@@ -52,7 +55,8 @@ def predict(spec: RunSpec, plan: Any, clipping: bool, hw: Any) -> dict[str, Any]
     c = cost_model.estimate(model_shapes.from_config(spec.config), work, plan, hw)
     f, b = c.forward, c.backward
     return {"step_s": c.step_seconds, "compute_s": f.compute_s + b.compute_s, "h2d_s": f.h2d_s + b.h2d_s,
-            "d2h_s": f.d2h_s + b.d2h_s, "adam_s": f.adam_s + b.adam_s, "bottleneck": c.bottleneck}
+            "d2h_s": f.d2h_s + b.d2h_s, "adam_s": f.adam_s + b.adam_s, "bottleneck": c.bottleneck,
+            "recompute_flops": c.recompute_flops, "hardware_flops": c.hardware_flops}
 
 
 def measure(spec: RunSpec, variant: str, args: argparse.Namespace, hw: Any, echo) -> dict[str, Any]:
@@ -63,12 +67,15 @@ def measure(spec: RunSpec, variant: str, args: argparse.Namespace, hw: Any, echo
 
     plan, said = plan_for(spec)
     changes = dict(VARIANTS[variant])
+    if changes.get("kept_layers") == "all":
+        changes["kept_layers"] = tuple(range(spec.config["num_hidden_layers"]))
     if changes.get("optimizer_mode") == "eager":
         changes["host_grad_slabs"] = max(plan.host_grad_slabs, 2)
     plan = plan.replace(**changes) if changes else plan
     clip = None if plan.optimizer_mode == "eager" else spec.max_grad_norm  # eager cannot clip
     cuda = spec.device == "cuda"
     row: dict[str, Any] = {"model": spec.model, "seq": spec.seq, "batch": spec.batch, "variant": variant,
+                           "layers": spec.config["num_hidden_layers"],
                            "plan": plan.to_dict(), "clipping": clip is not None, **said,
                            "predicted": predict(spec, plan, clip is not None, hw)}
     gen = torch.Generator().manual_seed(spec.seed)
@@ -121,10 +128,12 @@ def markdown(rep: dict[str, Any]) -> str:
              "| model | seq | variant | plan | step s | tokens/s | events: compute / H2D / D2H / AdamW busy | "
              "exposed H2D / D2H / ckpt / AdamW | events ratio | trace: compute / H2D / D2H / AdamW / of it bf16 shadow "
              "| bound by "
-             "| trace ratio | planner: step / compute / H2D / D2H / AdamW |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| trace ratio | planner: step / compute / H2D / D2H / AdamW | kept layers | recomputed GFLOP / of "
+             "hardware GFLOP |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rep["runs"]:
         if r.get("status") != "ok":
-            lines.append(f"| {r['model']} | {r['seq']} | {r['variant']} | - | {r.get('status')} |  |  |  |  |  |  |  |  |")
+            lines.append(f"| {r['model']} | {r['seq']} | {r['variant']} | - | {r.get('status')} |"
+                         + "  |" * 10)
             continue
         p, e, t, q = r["plan"], r["events"], r["trace"], r["predicted"]
         f = lambda *vals: " / ".join("-" if v is None else f"{v:.3f}" for v in vals)  # noqa: E731
@@ -135,7 +144,9 @@ def markdown(rep: dict[str, Any]) -> str:
             f"| {f(e['h2d_exposed_s'], e['d2h_exposed_s'], e['ckpt_traffic_s'], e['adam_exposed_s'])} "
             f"| {e['roofline_ratio']:.2f} | {f(t['compute_s'], t['h2d_s'], t['d2h_s'], t['adam_s'], t['shadow_s'])} "
             f"| {t['bound_by']} | {t['roofline_ratio']:.2f} "
-            f"| {f(q['step_s'], q['compute_s'], q['h2d_s'], q['d2h_s'], q['adam_s'])} |")
+            f"| {f(q['step_s'], q['compute_s'], q['h2d_s'], q['d2h_s'], q['adam_s'])} "
+            f"| {len(p.get('kept_layers', ()))} of {r['layers']} "
+            f"| {q['recompute_flops'] / 1e9:,.1f} / {q['hardware_flops'] / 1e9:,.1f} |")
     lines += ["", f"Machine: {rep['machine'].get('gpu') or rep['machine'].get('cpu')}, {rep['machine'].get('cores')} "
               f"cores, torch {rep['machine'].get('torch')}. Command: `{rep['command']}`.", ""]
     return "\n".join(lines)

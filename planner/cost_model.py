@@ -20,13 +20,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from . import spill_placement, spill_timing, step_replay, step_traffic
+from . import kept_layers, spill_placement, spill_timing, step_replay, step_traffic
 from .buffer_kinds import BufferKind
 from .hardware import HardwareProfile
 from .model_shapes import ModelShape
 from .plan import Plan
 from .step_replay import BlockVisit
-from .workload import Workload
+from .workload import StepBatch, Workload
 
 # Fixed cost of one copy on a stream (launch + DMA setup), seconds.
 COPY_LATENCY_S = 10e-6
@@ -80,6 +80,7 @@ class CostEstimate:
     disk_write_bytes: float = 0.0  # and writes to them
     disk_seconds: float = 0.0      # read / read GB/s + write / write GB/s: the disk's share of the roofline
     constants: str = "defaults"  # where the efficiency terms came from (hw.constants)
+    recompute_flops: float = 0.0   # the recomputed layers' forwards in backward (inside hardware_flops)
 
     @property
     def tokens_per_second(self) -> float:
@@ -109,7 +110,7 @@ class CostEstimate:
                 "hardware_tflops": self.hardware_flops / self.step_seconds / 1e12, "bottleneck": self.bottleneck,
                 "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes, "disk_read_bytes": self.disk_read_bytes,
                 "disk_write_bytes": self.disk_write_bytes, "disk_seconds": self.disk_seconds,
-                "constants": self.constants}
+                "recompute_flops": self.recompute_flops, "constants": self.constants}
 
 
 def _copy_s(nbytes: float, gbps: float) -> float:
@@ -119,7 +120,7 @@ def _copy_s(nbytes: float, gbps: float) -> float:
 
 def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile) -> CostEstimate:
     """The step's time, phase by phase: rates, the block visits of forward and backward, AdamW, the replay."""
-    batch = _Batch.of(work, plan)
+    batch = StepBatch.of(work, plan)
     adam = _AdamTime(model, work, plan, hw)
     on_cpu = spill_timing.applies(hw, plan, adam.spilled)  # a spilled deferred step without a GPU: spill_timing
     rates = _Rates.of(model, work, batch, hw)
@@ -148,29 +149,17 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
     disk_read, disk_write = step_traffic.disk_traffic(model, work, plan)
     disk_s = (disk_read / (hw.disk_read_gbps * 1e9) + disk_write / (hw.disk_write_gbps * 1e9)) if disk_read else 0.0
     step = max(step, disk_s)  # the disk is a resource of the step like the others: never faster than it
+    # recompute = (L - k) x T x layer_flops_recompute(seq); hardware FLOPs count every layer's recompute, less the
+    # kept layers' k x T x layer_flops_recompute(seq)
+    per_layer = T * model.layer_flops_recompute(seq)
+    recompute = kept_layers.recomputed_layers(model, plan) * per_layer
+    hardware = model.hardware_flops_per_token(seq) * T - (model.num_layers * per_layer - recompute)
     return CostEstimate(step_seconds=step, forward=fwd, backward=bwd, optimizer_exposed_seconds=exposed,
-                        tokens=T, model_flops=model.model_flops_per_token() * T,
-                        hardware_flops=model.hardware_flops_per_token(seq) * T, attention_flops=attn,
+                        tokens=T, model_flops=model.model_flops_per_token() * T, recompute_flops=recompute,
+                        hardware_flops=hardware, attention_flops=attn,
                         peak_tflops=rates.peak_tflops, h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes,
                         disk_read_bytes=disk_read, disk_write_bytes=disk_write, disk_seconds=disk_s,
                         constants=hw.constants(work.compute_dtype))
-
-
-@dataclass(frozen=True)
-class _Batch:
-    """The step's tokens as the plan cuts them."""
-
-    tokens: int          # T = batch x seq
-    seq: int
-    micro_batches: int   # M = ceil(batch / mbs)
-    micro_tokens: int    # t = mbs x seq, tokens per micro-batch
-    loss_chunks: int     # chunks per micro-batch = ceil(t / min(loss_chunk_tokens, t))
-
-    @classmethod
-    def of(cls, work: Workload, plan: Plan) -> "_Batch":
-        mbs = min(plan.micro_batch_size, work.batch)
-        t = mbs * work.seq_len
-        return cls(work.tokens, work.seq_len, work.micro_batches(mbs), t, -(-t // min(plan.loss_chunk_tokens, t)))
 
 
 @dataclass(frozen=True)
@@ -188,7 +177,7 @@ class _Rates:
     peak_tflops: float
 
     @classmethod
-    def of(cls, model: ModelShape, work: Workload, batch: _Batch, hw: HardwareProfile) -> "_Rates":
+    def of(cls, model: ModelShape, work: Workload, batch: StepBatch, hw: HardwareProfile) -> "_Rates":
         h, t = model.hidden_size, batch.micro_tokens
         peak = hw.tflops(work.compute_dtype)
         cal = hw.fitted(work.compute_dtype)
@@ -282,7 +271,7 @@ class _HostSlabs:
         return wait_for
 
 
-def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: _Batch, rates: _Rates, adam: _AdamTime,
+def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBatch, rates: _Rates, adam: _AdamTime,
                    slabs: _HostSlabs) -> list[BlockVisit]:
     """Embedding, the layers, and the head (whose loss and backward run in the forward pass)."""
     c, M, T = work.compute_bytes, batch.micro_batches, batch.tokens
@@ -293,15 +282,17 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: _Batch,
     h2d, d2h = rates.h2d_gbps * scale, rates.d2h_gbps * scale
     # Embedding: load E x c; compute is a gather (launches only).
     steps = [BlockVisit(_copy_s(E * c, h2d), M * rates.launch_fwd_s, 0.0)]
-    for _ in range(model.num_layers):
+    kept = set(plan.kept_layers)
+    for layer in range(model.num_layers):
         # compute_fwd(M) = T x flops_fwd(seq) / rate (attention at its own rate) + M x launch
         comp = (rates.layer_seconds(T * model.layer_flops_fwd(batch.seq), T * model.attention_flops_fwd(batch.seq))
                 + M * rates.launch_fwd_s)
         # host checkpoints: D2H of the block's input (T x h x c), read in place; the layer's compute waits for
         # the previous layer's drain (the runtime lets each micro-batch's drained input go before it saves the
         # next layer's: [Note: host checkpoints in pieces]).
-        drain = _copy_s(ckpt_bytes, d2h) if host_ckpt else 0.0
-        wait = len(steps) - 1 if host_ckpt and len(steps) >= 2 else None
+        # A kept layer drains no checkpoint ([Note: kept layers]).
+        drain = _copy_s(ckpt_bytes, d2h) if host_ckpt and layer not in kept else 0.0
+        wait = len(steps) - 1 if drain and len(steps) >= 2 else None
         steps.append(BlockVisit(_copy_s(Lw * c, h2d), comp, drain, d2h_at_start=True, wait_d2h_of=wait))
     # Head: load (norm [+ lm_head]) x c, plus the embedding again when tied; compute its forward and
     # backward: T x (2 + 4) x V x h / rate + M x chunks x launch; untied head drains its fp32 grads.
@@ -319,7 +310,7 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: _Batch,
     return steps
 
 
-def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: _Batch, rates: _Rates, adam: _AdamTime,
+def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBatch, rates: _Rates, adam: _AdamTime,
                     slabs: _HostSlabs) -> list[BlockVisit]:
     """The layers in reverse, then the embedding; indices continue after the forward's steps."""
     c, G, M, T = work.compute_bytes, plan.device_grad_buffers, batch.micro_batches, batch.tokens
@@ -332,10 +323,13 @@ def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: _Batch
     for layer in reversed(range(model.num_layers)):
         # load = layer x c (+ its checkpoint T x h x c when on the host); compute = (recompute + bwd)
         # = T x (flops_fwd + flops_bwd)(seq) / rate + M x launch; drain = layer x 4 (fp32 grads).
-        load = _copy_s(Lw * c + ckpt_bytes, h2d)
-        flops = T * (model.layer_flops_recompute(batch.seq) + model.layer_flops_bwd(batch.seq))
-        attention = T * (model.attention_flops_fwd(batch.seq) + model.attention_flops_bwd(batch.seq))
-        comp = rates.layer_seconds(flops, attention) + M * rates.launch_bwd_s
+        # A kept layer ([Note: kept layers]): no checkpoint, no recompute, and its forward's launches not
+        # repeated: T x flops_bwd(seq) / rate + M x (launch_bwd - launch_fwd).
+        kept = layer in plan.kept_layers
+        load = _copy_s(Lw * c + (0 if kept else ckpt_bytes), h2d)
+        flops = T * ((0.0 if kept else model.layer_flops_recompute(batch.seq)) + model.layer_flops_bwd(batch.seq))
+        attention = T * ((0.0 if kept else model.attention_flops_fwd(batch.seq)) + model.attention_flops_bwd(batch.seq))
+        comp = rates.layer_seconds(flops, attention) + M * (rates.launch_bwd_s - (rates.launch_fwd_s if kept else 0.0))
         wait = grad_users[-G] if len(grad_users) >= G else None   # a grad buffer frees when its drain ends
         index = first + len(steps)
         grad_users.append(index)
@@ -377,17 +371,18 @@ def _with_disk_loads(rates: "_Rates", model: ModelShape, work: Workload, plan: P
 def overhead_units(model: ModelShape, work: Workload, plan: Plan) -> float:
     """The step's fixed per-block costs counted in decoder-layer visits (forward + recompute + backward
     of one layer for one micro-batch = 1), the unit of a fitted ``block_overhead_s``:
-    units = (M (embedding) + L M) x f + (M x chunks (head) + L M + M (embedding backward)) x b,
-    f = LAUNCH_FWD / (LAUNCH_FWD + LAUNCH_BWD), b = 1 - f."""
-    batch = _Batch.of(work, plan)
+    units = (M (embedding) + L M) x f + (M x chunks (head) + L M + M (embedding backward)) x b - k M f,
+    f = LAUNCH_FWD / (LAUNCH_FWD + LAUNCH_BWD), b = 1 - f, k kept layers (no recompute's launches)."""
+    batch = StepBatch.of(work, plan)
     M, L, chunks = batch.micro_batches, model.num_layers, batch.loss_chunks
+    k = L - kept_layers.recomputed_layers(model, plan)
     f = LAUNCH_FWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
-    return (M + L * M) * f + (M * chunks + L * M + M) * (1 - f)
+    return (M + L * M) * f + (M * chunks + L * M + M) * (1 - f) - k * M * f
 
 
 def head_overhead_units(model: ModelShape, work: Workload, plan: Plan) -> float:
     """The head's share of ``overhead_units``: M x chunks x b."""
-    batch = _Batch.of(work, plan)
+    batch = StepBatch.of(work, plan)
     return batch.micro_batches * batch.loss_chunks * LAUNCH_BWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
 
 

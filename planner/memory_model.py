@@ -7,7 +7,8 @@ totals are plain sums. Symbols used in the formulas:
   N   elements of all distinct blocks' flat buffers (params, each offset aligned to 64 elements)
   Bmax elements of the largest block; E the embedding block's elements
   Bu  elements of one slot: Bmax, or with expert groups the largest part streamed (``slot_numel``)
-  L   decoder layers; h hidden size; V vocab size
+  L   decoder layers; h hidden size; V vocab size; k the layers the plan keeps (``Plan.kept_layers``), whose
+      activations stay for backward instead of a checkpoint (kept_layers.py: a bytes per token)
   T   global batch tokens per step (batch x seq); t micro-batch tokens (micro_batch_size x seq)
   c   compute dtype bytes (2 for bf16/fp16, 4 for fp32)
   K   plan.num_slots; G plan.device_grad_buffers; S plan.host_grad_slabs
@@ -22,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import buffer_kinds, spill_placement
+from . import buffer_kinds, kept_layers, spill_placement
+from .attention_memory import attention_working_set
 from .buffer_kinds import BufferKind, crosses_pcie, spill_chunk_numel
 from .hardware import GiB, HardwareProfile
 from .model_shapes import ModelShape
@@ -127,7 +129,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
     ``nonblocking_saves``: the run saves checkpoints without blocking (``checkpoint_snapshot``)."""
     on_gpu = hw is None or not hw.device_is_host
     c = work.compute_bytes
-    h, V, L = model.hidden_size, model.vocab_size, model.num_layers
+    h, V = model.hidden_size, model.vocab_size
     N, Bmax, E = model.numel_total, model.numel_largest_block, model.numel_embedding
     T = work.tokens
     t = min(plan.micro_batch_size, work.batch) * work.seq_len
@@ -149,14 +151,17 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
     if model.tie_word_embeddings:
         # The head's gradient of the shared weight waits here until the embedding's backward.
         dev("tied embedding grad", E * 4, f"E x 4 = {E} x 4")
+    R = kept_layers.recomputed_layers(model, plan)  # L - k: the layers with a boundary checkpoint
     if plan.checkpoints == "device":
-        dev("activation checkpoints", L * T * h * c, f"L x T x h x c = {L} x {T} x {h} x {c}")
+        dev("activation checkpoints", R * T * h * c, f"(L - k) x T x h x c = {R} x {T} x {h} x {c}")
     else:
         # The runtime's [Note: host checkpoints in pieces]: the recompute reads a micro-batch's whole input, so
         # it comes back into one of two reload buffers of t x h; the drains read forward's inputs in place and
         # hold one per micro-batch (T x h in all) until their last piece is on the host. Pieces add nothing.
         dev("checkpoint staging", 2 * t * h * c, f"2 x t x h x c = 2 x {t} x {h} x {c}")
-        dev("checkpoint drains in flight", T * h * c, f"T x h x c = {T} x {h} x {c}")
+        dev("checkpoint drains in flight", T * h * c if R else 0, f"T x h x c = {T} x {h} x {c} (none if k = L)")
+    if plan.kept_layers:  # [Note: kept layers]: what their forward graphs hold until their backward
+        dev("kept activations", *kept_layers.kept_activation_bytes(model, work, plan))
     # dy for every micro-batch at the block boundary being back-propagated (both placements).
     dev("activation grad", T * h * c, f"T x h x c = {T} x {h} x {c}")
     dev("layer working set", *layer_working_set(model, work, plan))
@@ -178,7 +183,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
         state_terms(kind, label, N, spilled, host, comps, size=s, pinned=crosses_pcie(kind, c == 4))
     host_spill_terms(model, plan, c, spilled, host, comps)
     if plan.checkpoints == "host":
-        host("activation checkpoints", L * T * h * c, f"L x T x h x c = {L} x {T} x {h} x {c}")
+        host("activation checkpoints", R * T * h * c, f"(L - k) x T x h x c = {R} x {T} x {h} x {c}")
     cal = hw.fitted(work.compute_dtype) if hw is not None else None
     if cal is None:
         if on_gpu:
@@ -337,65 +342,24 @@ def routed_state(model: ModelShape, work: Workload) -> tuple[int, str]:
     return T * (4 * h * c + 16 * k), f"T x (4 x h x c + 16 x k) = {T} x (4 x {h} x {c} + 16 x {k})"
 
 
-# The most elements one tensor of one attention call may have (models/layers/attention.py's MAX_ELEMENTS, a flash
-# kernel's 32-bit indexing): the heads are split into groups under it.
-ATTENTION_MAX_ELEMENTS = 2**31 - 1
-
-
-def attention_head_groups(rows: int, seq: int, head_dim: int, n_heads: int, n_kv_heads: int,
-                          max_elements: int = ATTENTION_MAX_ELEMENTS) -> tuple[int, int, int]:
-    """(query heads, kv heads, calls) of the runtime's attention split ([Note: head groups] in attention.py):
-    with n_rep = n_heads / n_kv_heads and one head of rows x seq x head_dim elements, the most kv heads g (a
-    divisor of n_kv_heads) with g x n_rep x head <= max_elements, each with its n_rep query heads; else one kv
-    head with the most query heads r (a divisor of n_rep) with r x head <= max_elements. (One head over the
-    limit is refused by the runtime; counted here as one head per call.)"""
-    n_rep = n_heads // n_kv_heads
-    head = rows * seq * head_dim
-    fits = [g for g in range(1, n_kv_heads + 1) if n_kv_heads % g == 0 and g * n_rep * head <= max_elements]
-    if fits:
-        g = max(fits)
-        return g * n_rep, g, n_kv_heads // g
-    r = max([r for r in range(1, n_rep + 1) if n_rep % r == 0 and r * head <= max_elements] or [1])
-    return r, 1, n_kv_heads * (n_rep // r)
-
-
-def attention_working_set(model: ModelShape, work: Workload, plan: Plan,
-                          grads_counted: bool = False) -> tuple[int, str]:
-    """What one attention call's backward adds to the layer working set, for one micro-batch, counted for one
-    head group (the calls run one after another; ``attention_head_groups``), and its formula.
-
-    The layer working set already holds q, k, v and the attention output (O(t), flash: no S x S scores).
-    Per group of gq query heads and gk kv heads, the backward adds: dq, dk, dv of the group (t x D x (gq + 2 gk)
-    x c) and in bf16 / fp16 flash's fp32 dQ accumulator (t x D x gq x a, a = 4 where c < 4, else 0), unless
-    ``grads_counted`` (a layer working set that already holds them for every head); and always, when the
-    group shares kv heads (gq > gk), dk and dv expanded to its query heads before they are summed
-    (t x D x 2 gq x c), and with more than one call the output twice (the groups' outputs, saved for their
-    backward, and their concatenation: t x q x c):
-      t x D x ([gq x (c + a) + 2 gk x c] [+ 2 gq x c if gq > gk]) [+ t x q x c if calls > 1]
-    On a CPU (fp32, torch's flash kernel for CPU) peak memory grows linearly in t: no S x S scores
-    (one attention forward + backward, 4 heads / 2 kv heads / D 64: 119, 199, 360 MiB at 16k, 32k, 64k tokens;
-    with two calls 426 MiB at 64k: one more output)."""
-    c = work.compute_bytes
-    a = 4 if c < 4 else 0
-    rows = min(plan.micro_batch_size, work.batch)
-    t, D, q = rows * work.seq_len, model.head_dim, model.num_heads * model.head_dim
-    gq, gk, calls = attention_head_groups(rows, work.seq_len, D, model.num_heads, model.num_kv_heads)
-    grads = 0 if grads_counted else gq * (c + a) + 2 * gk * c
-    shared = 2 * gq * c if gq > gk else 0
-    both = t * q * c if calls > 1 else 0
-    terms = ([] if grads_counted else [("gq x (c + a) + 2 gk x c", f"{gq} x {c + a} + 2 x {gk} x {c}")]) + (
-        [("2 gq x c", f"2 x {gq} x {c}")] if shared else [])
-    formula = (f"t x D x ({' + '.join(n for n, _ in terms) or '0'}){' + t x q x c' if both else ''} = {t} x {D} x "
-               f"({' + '.join(v for _, v in terms) or '0'}){f' + {t} x {q} x {c}' if both else ''} "
-               f"({calls} call{'s' if calls > 1 else ''} of {gq} query heads)")
-    return t * D * (grads + shared) + both, formula
-
-
 def listed_host_bytes(est: MemoryEstimate, device_is_host: bool) -> int:
     """Bytes of the buffers the runtime allocates that live in host RAM (device ones too when the device
     is the CPU), without the fixed terms: what peak RSS growth is compared with."""
     return sum(x.nbytes for x in est.components
                if (x.where == "host" or (device_is_host and x.where == "device")) and x.name not in FIXED_TERMS)
+
+
+# The device buffers that grow with the batch's tokens (the weight slots, gradient buffers and host arenas are
+# allocated with the engine, before its first step).
+ACTIVATION_TERMS = ("activation checkpoints", "checkpoint staging", "checkpoint drains in flight", "activation grad",
+                    "layer working set", "attention working set", "logits chunk", "kept activations")
+
+
+def activation_bytes(model: ModelShape, work: Workload, plan: Plan) -> int:
+    """The plan's device buffers of ``ACTIVATION_TERMS``: what ``Engine(config)`` without a plan weighs against
+    the memory free at its first step (kept_layers.default_kept_layers)."""
+    return sum(x.nbytes for x in estimate(model, work, plan).components
+               if x.where == "device" and x.name in ACTIVATION_TERMS)
 
 
 # Components that are not buffers of the runtime: constants or fitted from runs.

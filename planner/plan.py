@@ -11,12 +11,12 @@ the runtime.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from megatrain.errors import MegatrainError
+from .plan_checks import PlanError, at_least, one_of
+from .workload_fingerprint import WorkloadFingerprint, fingerprint_from_dict
 
 PLAN_VERSION = 1
 
@@ -31,78 +31,6 @@ SPILL_SHORTHANDS = {"none": (), "optimizer": ("exp_avg", "exp_avg_sq"), "all": S
 IO_BACKENDS = ("auto", "posix", "kvikio")
 # spill_chunk_bytes is a multiple of this: the spill files' alignment (buffer_kinds.SPILL_ALIGN).
 SPILL_CHUNK_ALIGN = 4096
-
-
-class PlanError(MegatrainError):
-    """A Plan field is out of range, or a plan file cannot be read.
-
-    The message is one line: the field, the value, and how to fix it.
-    """
-
-
-# The dimensions that decide every parameter's shape, by their Hugging Face config.json names.
-SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "attention_bias",
-                "o_proj_bias", "mlp_bias", "qk_norm")
-COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
-
-
-def shape_digest(dims: Mapping[str, Any]) -> str:
-    """A short stable digest of a model's parameter shapes, from ``SHAPE_FIELDS`` of ``dims``.
-
-    Unset defaults are resolved the way config.json means them (num_key_value_heads: the head count;
-    head_dim: hidden_size / heads; o_proj_bias: attention_bias), so the runtime's ModelConfig and the
-    planner's ModelShape of one model give the same digest.
-    """
-    d = {k: dims.get(k) for k in SHAPE_FIELDS}
-    d["num_key_value_heads"] = d["num_key_value_heads"] or d["num_attention_heads"]
-    d["head_dim"] = d["head_dim"] or int(d["hidden_size"]) // int(d["num_attention_heads"])
-    if d["o_proj_bias"] is None:
-        d["o_proj_bias"] = d["attention_bias"]
-    for k in ("tie_word_embeddings", "attention_bias", "o_proj_bias", "mlp_bias", "qk_norm"):
-        d[k] = bool(d[k])
-    text = json.dumps([d[k] if isinstance(d[k], bool) else int(d[k]) for k in SHAPE_FIELDS])
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-@dataclass(frozen=True)
-class WorkloadFingerprint:
-    """The workload a Plan was chosen for. Its memory bounds hold for this model and dtype, and for at
-    most ``batch`` sequences of at most ``seq_len`` tokens per step."""
-
-    model: str            # a name for people (preset, folder of config.json)
-    params: int           # parameter count, for people
-    shape_digest: str     # shape_digest() of the model: what is compared
-    seq_len: int
-    batch: int
-    compute_dtype: str    # "bfloat16", "float16" or "float32"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.shape_digest, str) or not self.shape_digest:
-            raise PlanError(f"workload.shape_digest={self.shape_digest!r} must be a non-empty string; "
-                            "write the plan again with megatrain-plan")
-        for f in ("params", "seq_len", "batch"):
-            _at_least(f"workload.{f}", getattr(self, f), 1, "write the plan again with megatrain-plan")
-        _one_of("workload.compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
-
-    def check_model(self, digest: str, compute_dtype: str) -> None:
-        """Refuse another model or compute dtype (the plan's memory figures would not hold)."""
-        if digest != self.shape_digest:
-            raise PlanError(f"this plan was made for {self.model} ({self.params:,} params, shape {self.shape_digest}), "
-                            f"not for this model (shape {digest}); plan again for this model with megatrain-plan "
-                            "plan, or pass no plan")
-        if compute_dtype != self.compute_dtype:
-            raise PlanError(f"this plan was made for compute dtype {self.compute_dtype}, not {compute_dtype}; plan "
-                            f"again with megatrain-plan plan --dtype, or train in {self.compute_dtype}")
-
-    def check_batch(self, batch: int, seq_len: int) -> None:
-        """Refuse a step larger than planned (activation memory grows with it); smaller is fine."""
-        if seq_len > self.seq_len:
-            raise PlanError(f"sequences of {seq_len} tokens exceed the {self.seq_len} this plan was made for; "
-                            f"plan again with megatrain-plan plan --seq-len {seq_len}")
-        if batch > self.batch:
-            raise PlanError(f"a batch of {batch} sequences exceeds the {self.batch} this plan was made for; "
-                            f"plan again with megatrain-plan plan --batch {batch}")
 
 
 @dataclass(frozen=True)
@@ -159,6 +87,9 @@ class Plan:
       attention_tile_tokens  the attention half's token-local intermediates (norm output, fp32 norm copies,
                           pre-RoPE q and k, o_proj's input) for micro-batch x min(tile, S) tokens instead of S
                           (None: untiled); q, k, v, attention's output and their gradients stay whole
+      kept_layers         the decoder layers (0..L-1) whose forward graph stays for backward instead of being
+                          recomputed from a boundary checkpoint: each T x (kept bytes per token - h x c) more
+                          (memory_model "kept activations"), one layer forward less in backward
       spill               "optimizer": AdamW m and v live in spill files on disk (8 bytes/param off RAM);
                           "all": the fp32 master and gradients too (16 bytes/param off RAM);
                           "blocks": per kind, the blocks ``spill_blocks`` names (4 bytes/param of each
@@ -201,6 +132,9 @@ class Plan:
     attention_tile_tokens: int | None = None
     # Experts per group a sparse layer streams in, apart from its dense part (None or 0: whole layers).
     expert_group_size: int | None = None
+    # Decoder layers (0..L-1) whose activations are kept for backward (no recompute); the others are recomputed
+    # from their boundary checkpoints ([Note: kept layers] in runtime/pipeline/kept_layers.py).
+    kept_layers: tuple[int, ...] = ()
     # What lives in spill files instead of host RAM: "none", "optimizer" (m, v), "all" (fp32 master, m, v, grads),
     # or "blocks" (per kind, the blocks spill_blocks names).
     spill: str = "none"
@@ -229,38 +163,39 @@ class Plan:
                 f"plan version {self.version!r} is not supported (this megatrain reads version "
                 f"{PLAN_VERSION}); write the plan again with this release's megatrain-plan"
             )
-        _at_least("num_slots", self.num_slots, 2, "the pipeline needs one slot computing and one loading")
-        _at_least("prefetch_depth", self.prefetch_depth, 1, "use 1 for double buffering")
+        at_least("num_slots", self.num_slots, 2, "the pipeline needs one slot computing and one loading")
+        at_least("prefetch_depth", self.prefetch_depth, 1, "use 1 for double buffering")
         if self.prefetch_depth > self.num_slots - 1:
             raise PlanError(
                 f"prefetch_depth={self.prefetch_depth} needs at least {self.prefetch_depth + 1} slots "
                 f"but num_slots={self.num_slots}; raise num_slots or lower prefetch_depth"
             )
-        _at_least("micro_batch_size", self.micro_batch_size, 1, "it counts sequences per micro-batch")
-        _one_of("checkpoints", self.checkpoints, CHECKPOINT_PLACEMENTS)
+        at_least("micro_batch_size", self.micro_batch_size, 1, "it counts sequences per micro-batch")
+        one_of("checkpoints", self.checkpoints, CHECKPOINT_PLACEMENTS)
         if self.checkpoint_piece_tokens is not None:
-            _at_least("checkpoint_piece_tokens", self.checkpoint_piece_tokens, 1,
+            at_least("checkpoint_piece_tokens", self.checkpoint_piece_tokens, 1,
                       "it is the number of tokens per checkpoint copy, or null for whole micro-batches")
-        _one_of("optimizer_mode", self.optimizer_mode, OPTIMIZER_MODES)
-        _at_least("device_grad_buffers", self.device_grad_buffers, 2,
+        one_of("optimizer_mode", self.optimizer_mode, OPTIMIZER_MODES)
+        at_least("device_grad_buffers", self.device_grad_buffers, 2,
                   "one buffer accumulates while the previous one drains to the host")
-        _at_least("host_grad_slabs", self.host_grad_slabs, 1, "eager mode needs somewhere to land gradients")
-        _at_least("loss_chunk_tokens", self.loss_chunk_tokens, 1, "it is the number of tokens per logits chunk")
+        at_least("host_grad_slabs", self.host_grad_slabs, 1, "eager mode needs somewhere to land gradients")
+        at_least("loss_chunk_tokens", self.loss_chunk_tokens, 1, "it is the number of tokens per logits chunk")
         if self.mlp_tile_tokens is not None:
-            _at_least("mlp_tile_tokens", self.mlp_tile_tokens, 1, "it is the number of tokens per MLP tile, or null")
+            at_least("mlp_tile_tokens", self.mlp_tile_tokens, 1, "it is the number of tokens per MLP tile, or null")
         if self.attention_tile_tokens is not None:
-            _at_least("attention_tile_tokens", self.attention_tile_tokens, 1,
+            at_least("attention_tile_tokens", self.attention_tile_tokens, 1,
                       "it is the number of tokens per tile of the attention's projections, or null")
         if self.expert_group_size is not None:
-            _at_least("expert_group_size", self.expert_group_size, 0, "experts per group, or 0 / null for whole layers")
-        _one_of("spill", self.spill, SPILL_CHOICES)
+            at_least("expert_group_size", self.expert_group_size, 0, "experts per group, or 0 / null for whole layers")
+        self._check_kept_layers()
+        one_of("spill", self.spill, SPILL_CHOICES)
         self._check_spill_blocks()
-        _one_of("io_backend", self.io_backend, IO_BACKENDS)
-        _at_least("spill_staging", self.spill_staging, 1, "AdamW needs one staging set to work in")
-        _at_least("io_threads", self.io_threads, 1, "the POSIX backend needs a thread")
+        one_of("io_backend", self.io_backend, IO_BACKENDS)
+        at_least("spill_staging", self.spill_staging, 1, "AdamW needs one staging set to work in")
+        at_least("io_threads", self.io_threads, 1, "the POSIX backend needs a thread")
         if not isinstance(self.io_direct, bool):
             raise PlanError(f"io_direct={self.io_direct!r} must be true or false")
-        _at_least("spill_chunk_bytes", self.spill_chunk_bytes, SPILL_CHUNK_ALIGN, "it is the unit of spill I/O")
+        at_least("spill_chunk_bytes", self.spill_chunk_bytes, SPILL_CHUNK_ALIGN, "it is the unit of spill I/O")
         if self.spill_chunk_bytes % SPILL_CHUNK_ALIGN:
             raise PlanError(f"spill_chunk_bytes={self.spill_chunk_bytes} must be a multiple of {SPILL_CHUNK_ALIGN} "
                             "(the spill files' alignment); round it to one")
@@ -269,9 +204,25 @@ class Plan:
         if self.spill_dir is not None and not isinstance(self.spill_dir, str):
             raise PlanError(f"spill_dir={self.spill_dir!r} must be a directory path (a string)")
         if isinstance(self.workload, Mapping):  # from JSON
-            object.__setattr__(self, "workload", _fingerprint_from_dict(self.workload))
+            object.__setattr__(self, "workload", fingerprint_from_dict(self.workload))
         if self.workload is not None and not isinstance(self.workload, WorkloadFingerprint):
             raise PlanError(f"workload={self.workload!r} must be a WorkloadFingerprint or None")
+
+    def _check_kept_layers(self) -> None:
+        value = self.kept_layers
+        if not isinstance(value, (list, tuple)) or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in value):
+            raise PlanError(f"kept_layers={value!r} must be a list of decoder layer numbers >= 0 (0 the first layer)")
+        if len(set(value)) != len(value):
+            raise PlanError(f"kept_layers={list(value)!r} names a layer twice; list each layer once")
+        object.__setattr__(self, "kept_layers", tuple(sorted(value)))
+
+    def check_kept_layers(self, num_layers: int) -> None:
+        """Refuse a kept layer the model does not have (one line)."""
+        bad = [b for b in self.kept_layers if b >= num_layers]
+        if bad:
+            raise PlanError(f"kept_layers names layer {bad[0]}, but this model has {num_layers} decoder layers "
+                            f"(0 .. {num_layers - 1}); plan again for this model with megatrain-plan plan")
 
     def _check_spill_blocks(self) -> None:
         if isinstance(self.spill_blocks, Mapping):  # from JSON
@@ -315,7 +266,7 @@ class Plan:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "kept_layers": list(self.kept_layers)}  # as JSON has it
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
@@ -362,21 +313,3 @@ def default_plan(clipping: bool) -> Plan:
     rank's share), so a batch is never split unless a plan says so.
     """
     return Plan(optimizer_mode="deferred" if clipping else "eager")
-
-
-def _fingerprint_from_dict(data: Mapping[str, Any]) -> WorkloadFingerprint:
-    known = {f.name for f in dataclasses.fields(WorkloadFingerprint)}
-    if set(data) != known:
-        raise PlanError(f"plan field workload has keys {', '.join(sorted(data))}; expected {', '.join(sorted(known))} "
-                        "(write the plan again with megatrain-plan)")
-    return WorkloadFingerprint(**data)
-
-
-def _at_least(field: str, value: Any, low: int, why: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise PlanError(f"{field}={value!r} must be an integer >= {low} ({why})")
-
-
-def _one_of(field: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise PlanError(f"{field}={value!r} must be one of {', '.join(repr(c) for c in choices)}")

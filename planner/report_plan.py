@@ -47,6 +47,7 @@ def page(model: ModelShape, work: Workload, chosen: ChosenPlan, ranks: Ranks,
         + (f", attention projection tiles of {p.attention_tile_tokens} tokens" if p.attention_tile_tokens else "")
         + (("" if not model.experts.num_experts else f", experts in groups of {p.expert_group_size}"
             if p.expert_group_size else ", experts streamed with their whole layer"))
+        + (f", {len(p.kept_layers)} of {model.num_layers} layers kept (no recompute)" if p.kept_layers else "")
         + (f", saved to {saved_to}" if saved_to else ""), spill, "",
         memory_table(best.memory), "",
         time_table(c), "",

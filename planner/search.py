@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from megatrain.errors import MegatrainError
 from megatrain.models import registry
 
-from . import cost_model, data_parallel, memory_model, spill_placement
+from . import cost_model, data_parallel, kept_layers, memory_model, spill_placement
 from .cost_model import CostEstimate
 from .hardware import HardwareProfile
 from .memory_model import MemoryEstimate, Overrun
@@ -245,9 +245,14 @@ def expert_groups(model: ModelShape, work: Workload, plan: Plan, hw: HardwarePro
 
 
 def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None) -> PlanChoice:
-    """The plan with the largest loss chunk that fits (spilling the least that lets it: ``fill``); else the
-    smallest chunk, with its overruns."""
+    """The plan in the fewest expert groups whose device memory fits (``expert_groups``), keeping the most layers
+    that fit with the smallest loss chunk (kept_layers.keep_most: a kept layer saves a recompute, a larger chunk
+    hardly any time), then the largest loss chunk that fits (spilling
+    the least that lets it: ``fill``); else the smallest chunk, with its overruns."""
     plan = fill(model, work, expert_groups(model, work, plan, hw, ranks), hw, ranks)
+    smallest = plan.replace(loss_chunk_tokens=_chunks(plan.micro_batch_size * work.seq_len)[-1])
+    plan = kept_layers.keep_most(model, _rank(work, ranks), plan, lambda p: not overruns(
+        _memory(model, work, p.replace(loss_chunk_tokens=smallest.loss_chunk_tokens), hw, ranks), work, hw, ranks))
     choice = None
     for chunk in _chunks(plan.micro_batch_size * work.seq_len):
         p = plan.replace(loss_chunk_tokens=chunk)
@@ -272,6 +277,12 @@ def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile,
             misfit.append(choice)
             continue
         fit.append(PlanChoice(choice.plan, choice.memory, cost_model.estimate(model, rank, choice.plan, hw)))
+        if not choice.plan.kept_layers:
+            continue
+        none = choice.plan.replace(kept_layers=())  # every layer recomputed: as fast where recompute is off the
+        mem = _memory(model, work, none, hw, ranks)  # critical path, and then less memory wins the tie
+        if not overruns(mem, work, hw, ranks):
+            fit.append(PlanChoice(none, mem, cost_model.estimate(model, rank, none, hw)))
     return fit, misfit
 
 

@@ -3,7 +3,7 @@ device, the bytes it reads and writes on the spill disk, and the attention FLOPs
 """
 from __future__ import annotations
 
-from . import spill_placement
+from . import kept_layers, spill_placement
 from .buffer_kinds import BufferKind
 from .model_shapes import ModelShape
 from .plan import Plan
@@ -19,11 +19,13 @@ def hardware_attention_flops(model: ModelShape, work: Workload) -> float:
 
 def traffic(model: ModelShape, work: Workload, plan: Plan) -> tuple[float, float]:
     """(H2D, D2H) bytes one step moves, the sums of the copies ``estimate`` schedules:
-    H2D = (E + L x layer + head [+ E tied]) x c forward + L x layer x c backward [+ L x T x h x c host ckpts]
-    D2H = (L x layer + E [+ head untied]) x 4 fp32 grads [+ L x T x h x c host ckpts]"""
+    H2D = (E + L x layer + head [+ E tied]) x c forward + L x layer x c backward [+ (L - k) x T x h x c host ckpts]
+    D2H = (L x layer + E [+ head untied]) x 4 fp32 grads [+ (L - k) x T x h x c host ckpts]
+    (k kept layers: no checkpoint)"""
     c, L = work.compute_bytes, model.num_layers
     E, Lw, H = model.numel_embedding, model.numel_layer, model.numel_head
-    ckpt = L * work.tokens * model.hidden_size * c if plan.checkpoints == "host" else 0
+    R = kept_layers.recomputed_layers(model, plan)
+    ckpt = R * work.tokens * model.hidden_size * c if plan.checkpoints == "host" else 0
     tied = model.tie_word_embeddings
     h2d = (E + 2 * L * Lw + H + (E if tied else 0)) * c + ckpt
     d2h = (L * Lw + E + (0 if tied else H)) * 4 + ckpt

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from megatrain.errors import MegatrainError
 
 from .model_shapes import DTYPE_ALIASES, ModelShape, dtype_bytes
-from .plan import WorkloadFingerprint, shape_digest
+from .plan import Plan
+from .workload_fingerprint import WorkloadFingerprint, shape_digest
 
 
 class WorkloadError(MegatrainError):
@@ -93,3 +94,20 @@ class Workload:
     def micro_batches(self, micro_batch_size: int) -> int:
         """M = ceil(batch / micro_batch_size)."""
         return -(-self.batch // micro_batch_size)
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """The step's tokens as a plan cuts them (the cost model's unit)."""
+
+    tokens: int          # T = batch x seq
+    seq: int
+    micro_batches: int   # M = ceil(batch / mbs)
+    micro_tokens: int    # t = mbs x seq, tokens per micro-batch
+    loss_chunks: int     # chunks per micro-batch = ceil(t / min(loss_chunk_tokens, t))
+
+    @classmethod
+    def of(cls, work: Workload, plan: Plan) -> "StepBatch":
+        mbs = min(plan.micro_batch_size, work.batch)
+        t = mbs * work.seq_len
+        return cls(work.tokens, work.seq_len, work.micro_batches(mbs), t, -(-t // min(plan.loss_chunk_tokens, t)))

@@ -78,7 +78,7 @@ class Engine:
             self.state.initialize(seed)
         self.checkpoint_extra: dict | None = None  # the caller's ``extra`` of the checkpoint this engine resumed
         self.skipped_steps: list[int] = []  # steps whose update was skipped for a non-finite gradient
-        self.inputs = StepInputs(model_config, self.optimizer, plan, self.device, self.topology, args.plan_given)
+        self.inputs = StepInputs(model_config, args, compute_dtype)
         self.executor = Executor(self.templates, self.store, plan, compute_dtype, self.device,
                                  self.optimizer.max_grad_norm, self.event_log, self.collectives)
         _OPEN_ENGINES.add(self)

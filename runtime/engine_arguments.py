@@ -11,7 +11,8 @@ from typing import NamedTuple
 
 import torch
 
-from megatrain.planner.plan import Plan, PlanError, default_plan, shape_digest
+from megatrain.planner.plan import Plan, PlanError, default_plan
+from megatrain.planner.workload_fingerprint import shape_digest
 
 from megatrain.runtime.config import ModelConfig, OptimizerConfig
 from megatrain.runtime.distributed.process_group import Topology, join as join_ranks, rank_device
@@ -51,6 +52,7 @@ def check_arguments(model_config: object, optimizer: object, plan: object, compu
         raise ConfigError(
             f"compute_dtype={compute_dtype!r} is not supported; use torch.bfloat16 (fast) or torch.float32 (exact)"
         )
+    plan.check_kept_layers(model_config.num_hidden_layers)
     if plan.workload is not None:  # a plan's memory bounds hold only for the model and dtype it was made for
         plan.workload.check_model(shape_digest(model_config.to_dict()), str(compute_dtype).removeprefix("torch."))
     # Several ranks (a process group, or torchrun's environment): this rank's shards ([Note: collectives]).

@@ -9,19 +9,25 @@ executor's ``Batch``: shifted labels, the count of predicted tokens, the plan's 
 Without a plan given, the default plan's micro-batch is open until the first training step, which sets it to
 that step's batch (this rank's share): a batch that fits is never split into micro-batches a plan did not ask
 for (each split runs every block's matmuls once more per micro-batch). Until then evaluation takes its whole
-batch as one micro-batch.
+batch as one micro-batch. The same first step sets the layers it keeps ([Note: kept layers]): the planner's
+``default_kept_layers`` for that batch and the memory the device has free then.
 """
 from __future__ import annotations
 
+import functools
 import math
 
+import psutil
 import torch
 
 from megatrain.models.layers.attention import Documents
+from megatrain.planner import memory_model, model_shapes
+from megatrain.planner.kept_layers import default_kept_layers
 from megatrain.planner.plan import Plan
+from megatrain.planner.workload import Workload
 
-from megatrain.runtime.config import ModelConfig, OptimizerConfig
-from megatrain.runtime.distributed.process_group import Topology
+from megatrain.runtime.config import ModelConfig
+from megatrain.runtime.engine_arguments import Arguments
 from megatrain.runtime.errors import InputError
 from megatrain.runtime.pipeline.cpu_adamw import AdamHyper
 from megatrain.runtime.pipeline.executor import Batch
@@ -31,11 +37,11 @@ ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
 class StepInputs:
-    def __init__(self, config: ModelConfig, optimizer: OptimizerConfig, plan: Plan, device: torch.device,
-                 topology: Topology | None, plan_given: bool = True) -> None:
-        self.config, self.optimizer, self.plan, self.device = config, optimizer, plan, device
-        self.ranks = 1 if topology is None else topology.world_size
-        self.micro_batch_open = not plan_given  # the default plan's micro-batch: set by the first step
+    def __init__(self, config: ModelConfig, args: Arguments, compute_dtype: torch.dtype) -> None:
+        self.config, self.optimizer, self.plan, self.device = config, args.optimizer, args.plan, args.device
+        self.compute_dtype = compute_dtype
+        self.ranks = 1 if args.topology is None else args.topology.world_size
+        self.micro_batch_open = not args.plan_given  # the default plan's micro-batch: set by the first step
 
     @property
     def recorded_plan(self) -> Plan | None:
@@ -59,9 +65,24 @@ class StepInputs:
         if self.plan.workload is not None:  # host-side shape ints: no device sync
             self.plan.workload.check_batch(*input_ids.shape)
         if self.micro_batch_open:
-            self.plan = self.plan.replace(micro_batch_size=input_ids.shape[0])
+            plan = self.plan.replace(micro_batch_size=input_ids.shape[0])
+            self.plan = plan.replace(kept_layers=self._default_kept(plan, *input_ids.shape))
             self.micro_batch_open = False
+        batch.kept = frozenset(self.plan.kept_layers)  # [Note: kept layers]
         return batch
+
+    def _default_kept(self, plan: Plan, batch: int, seq: int) -> tuple[int, ...]:
+        """The layers the default plan keeps for batches of [batch, seq]: the planner's choice for the memory the
+        device has free now (the engine's buffers allocated); none for a family the planner cannot size."""
+        try:
+            shape = model_shapes.from_config(self.config.to_dict())
+        except model_shapes.ModelShapeError:
+            return ()
+        work = Workload(seq, batch, str(self.compute_dtype).removeprefix("torch."), self.optimizer.clipping)
+        free = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
+                else psutil.virtual_memory().available)
+        needs = functools.partial(memory_model.activation_bytes, shape, work)
+        return default_kept_layers(shape, work, plan, free, needs)
 
     def evaluation_batch(self, input_ids: torch.Tensor, labels: torch.Tensor,
                          position_ids: torch.Tensor | None) -> Batch:

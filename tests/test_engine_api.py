@@ -178,11 +178,45 @@ def test_without_a_plan_the_first_step_sets_the_micro_batch(tmp_path):
         own.save_checkpoint(tmp_path / "early", blocking=True)
         assert own.plan.micro_batch_size == 1  # open until a step
         losses = [own.step(ids, labels).item() for ids, labels in batches]
-        assert own.plan == Plan(optimizer_mode="deferred", micro_batch_size=4)
+        # ... and keeps every layer's activations, which fit ([Note: kept layers]; the planner's choice)
+        assert own.plan == Plan(optimizer_mode="deferred", micro_batch_size=4, kept_layers=(0, 1))
         weights = own.state_dict()
-    with Engine(CONFIG, opt, plan=Plan(micro_batch_size=4), compute_dtype=torch.float32, device="cpu") as given:
+    with Engine(CONFIG, opt, plan=Plan(micro_batch_size=4, kept_layers=(0, 1)), compute_dtype=torch.float32,
+                device="cpu") as given:
         assert [given.step(ids, labels).item() for ids, labels in batches] == losses
         assert all(torch.equal(weights[k], v) for k, v in given.state_dict().items())
     with Engine.load_checkpoint(tmp_path / "early") as resumed:
         assert [resumed.step(ids, labels).item() for ids, labels in batches] == losses
         assert resumed.plan.micro_batch_size == 4
+
+
+def test_without_a_plan_the_first_step_keeps_what_memory_allows(monkeypatch):
+    """No plan: the layers kept are the planner's ``default_kept_layers`` for the first step's batch and the memory
+    free then: all of them with room, fewer as it shrinks, none with almost nothing free; training is the same
+    bits whichever are kept."""
+    import psutil
+
+    from megatrain.planner import memory_model, model_shapes
+    from megatrain.planner.kept_layers import DEFAULT_KEEP_SHARE
+    from megatrain.planner.workload import Workload
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2)
+    shape = model_shapes.from_config(config.to_dict())
+    work = Workload(16, 4, "float32", clipping=True)
+
+    def needs(k: int) -> int:
+        plan = Plan(micro_batch_size=4, kept_layers=tuple(range(4 - k, 4)))
+        return memory_model.activation_bytes(shape, work, plan)
+
+    (ids, labels), = _data(steps=1, batch=4)
+    losses = set()
+    for free, kept in [(2**40, (0, 1, 2, 3)), (int(needs(2) / DEFAULT_KEEP_SHARE) + 1, (2, 3)), (1, ())]:
+        monkeypatch.setattr(psutil, "virtual_memory", lambda free=free: type("VM", (), {"available": free})())
+        with Engine(config, OptimizerConfig(lr=1e-3, max_grad_norm=1.0), compute_dtype=torch.float32,
+                    device="cpu") as engine:
+            losses.add(engine.step(ids, labels).item())
+            engine.step(ids, labels)
+            assert engine.plan.kept_layers == kept
+            losses.add(engine.step(ids, labels).item())
+    assert len(losses) == 2  # the first and third step's losses, the same for every choice

@@ -1,6 +1,6 @@
 """The correctness contract: megatrain in float32 equals ordinary PyTorch training.
 
-For random small models, batches, plans and optimizer settings, megatrain's
+For random small models, batches, plans (each layer kept or recomputed among them) and optimizer settings, megatrain's
 losses, parameters and AdamW state after 1-4 steps are compared with
 ``reference_model.ReferenceLM`` trained by plain autograd over the same
 micro-batches in the same order, ``clip_grad_norm_`` and
@@ -64,13 +64,14 @@ def cases(draw):
         explicit_head_dim = True
     vocab = draw(st.integers(8, 128))
     scaling = draw(st.sampled_from([None, "linear", "llama3"]))
+    layers = draw(st.integers(1, 4))
     rope_scaling = None if scaling is None else (
         {"rope_type": "linear", "factor": 2.0} if scaling == "linear" else
         {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
          "original_max_position_embeddings": 16})
     config = ModelConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=draw(st.integers(8, 128)),
-        num_hidden_layers=draw(st.integers(1, 4)), num_attention_heads=heads, num_key_value_heads=kv_heads,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=head_dim if explicit_head_dim else None, rope_theta=draw(st.sampled_from([100.0, 10000.0, 5e5])),
         rope_scaling=rope_scaling, tie_word_embeddings=draw(st.booleans()), qk_norm=draw(st.booleans()),
         attention_bias=draw(st.booleans()), mlp_bias=draw(st.booleans()),
@@ -96,6 +97,8 @@ def cases(draw):
         loss_chunk_tokens=math.ceil(tokens / n_chunks),
         mlp_tile_tokens=draw(st.one_of(st.none(), st.integers(1, 48))),
         attention_tile_tokens=draw(st.one_of(st.none(), st.integers(1, 48))),
+        # Per layer: its forward graph kept for backward, or recomputed from its checkpoint ([Note: kept layers]).
+        kept_layers=tuple(layer for layer in range(layers) if draw(st.booleans())),
     )
     optimizer = OptimizerConfig(
         lr=1e-3, betas=(0.9, draw(st.sampled_from([0.95, 0.999]))), eps=draw(st.sampled_from([1e-8, 1e-6])),

@@ -39,7 +39,10 @@ PLANS = [Plan(), Plan(num_slots=3, prefetch_depth=2, checkpoints="host", device_
          Plan(spill="optimizer", spill_dir=SPILL_DIR, spill_staging=3, spill_chunk_bytes=8192),
          # Per block: each kind's RAM arena holds the blocks not named, each file only those named.
          Plan(spill="blocks", spill_dir=SPILL_DIR, spill_staging=2, spill_chunk_bytes=4096,
-              spill_blocks={"master": [1, 3], "exp_avg": [0, 1], "exp_avg_sq": [3], "grads": [2]})]
+              spill_blocks={"master": [1, 3], "exp_avg": [0, 1], "exp_avg_sq": [3], "grads": [2]}),
+         # Kept layers ([Note: kept layers]): no checkpoint for layer 0 (host: one row less), or none at all.
+         Plan(checkpoints="host", micro_batch_size=2, kept_layers=(0,)),
+         Plan(checkpoints="host", kept_layers=(0, 1))]
 
 
 # The host arenas copied to or from the GPU (pinned there), by compute dtype: m and v never; the master only where
@@ -53,7 +56,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=["default", "host-ckpt", "host-ckpt-pieces", "eager", "spill-opt",
-                                         "spill-all", "spill-eager", "spill-all-4k", "spill-opt-8k", "spill-blocks"])
+                                         "spill-all", "spill-eager", "spill-all-4k", "spill-opt-8k", "spill-blocks",
+                                         "host-ckpt-kept-0", "host-ckpt-kept-all"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_memory_model_matches_allocations(name: str, plan: Plan, dtype: torch.dtype, tmp_path,
@@ -104,6 +108,35 @@ def test_memory_model_matches_allocations(name: str, plan: Plan, dtype: torch.dt
             assert est["checkpoint staging"] == sum(_nbytes(s) for s in ckpt.staging)
             # What the drains held at once: forward's inputs referenced until their pieces were on the host.
             assert est["checkpoint drains in flight"] == ckpt.held_peak_bytes
+        assert est.get("kept activations", 0) == ex.kept.held_bytes
+
+
+# Which layers are kept, with how many micro-batches (4 x 8 tokens): some, all, one of three micro-batches' worth.
+KEPT_PLANS = [Plan(kept_layers=(1,)), Plan(micro_batch_size=2, kept_layers=(0, 1)),
+              Plan(micro_batch_size=3, kept_layers=(0,), checkpoints="host")]
+
+
+@pytest.mark.parametrize("plan", KEPT_PLANS, ids=["one", "all-2-micro", "host-uneven-micro"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kept_activations_match_what_the_graphs_hold(name: str, plan: Plan, dtype: torch.dtype) -> None:
+    """The memory model's kept activations are the bytes the kept layers' graphs hold at the end of forward
+    (each storage once, the weights never: they are re-read from the slot), and the boundary checkpoints it
+    counts are those of the other layers."""
+    hf = CONFIGS[name]
+    shape = model_shapes.from_config(hf)
+    batch, seq = 4, 8
+    work = Workload(seq_len=seq, batch=batch, compute_dtype="fp32" if dtype == torch.float32 else "bf16")
+    est = {c.name: c.nbytes for c in memory_model.estimate(shape, work, plan).components}
+    with Engine(ModelConfig.from_hf(hf), OptimizerConfig(max_grad_norm=1.0), plan=plan, compute_dtype=dtype,
+                device="cpu") as engine:
+        ids = torch.randint(0, hf["vocab_size"], (batch, seq))
+        engine.step(ids, ids)
+        ex = engine.executor
+        assert est["kept activations"] == ex.kept.held_bytes > 0
+        if plan.checkpoints == "host":
+            assert est["activation checkpoints"] == ex.checkpoints.host_bytes
+            assert est["checkpoint drains in flight"] == ex.checkpoints.held_peak_bytes
 
 
 # bf16 AdamW state keeps m and v in RAM: the plans that spill neither (the master and grads may spill).

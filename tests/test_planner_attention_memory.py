@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatrain.planner import memory_model
+from megatrain.planner import attention_memory, memory_model
 from megatrain.planner.model_shapes import PRESETS, from_config
 from megatrain.planner.plan import Plan
 from megatrain.planner.workload import Workload
@@ -19,7 +19,7 @@ def test_groups_are_the_runtime_split(rows: int, seq: int, head_dim: int, heads:
     calls = head_groups(rows, seq, head_dim, heads, kv, limit)
     gq = max(q.stop - q.start for q, _ in calls)
     gk = max(k.stop - k.start for _, k in calls)
-    assert memory_model.attention_head_groups(rows, seq, head_dim, heads, kv, limit) == (gq, gk, len(calls))
+    assert attention_memory.attention_head_groups(rows, seq, head_dim, heads, kv, limit) == (gq, gk, len(calls))
 
 
 def test_llama_8b_attention_working_set_by_hand() -> None:
@@ -29,13 +29,13 @@ def test_llama_8b_attention_working_set_by_hand() -> None:
     # 128k tokens: one head is 2^17 x 128 = 2^24 elements; all 8 kv heads with their 4 query heads each are
     # 2^29 elements per tensor, under 2^31: one call of gq = 32, gk = 8; the GQA expansion of dk, dv counts.
     work = Workload(seq_len=2**17, batch=1, compute_dtype="bf16")
-    nbytes, formula = memory_model.attention_working_set(m, work, plan)
+    nbytes, formula = attention_memory.attention_working_set(m, work, plan)
     assert nbytes == 2**17 * 128 * (32 * (2 + 4) + 2 * 8 * 2 + 2 * 32 * 2)      # 5.5 GiB
     assert "1 call of 32 query heads" in formula
     # 1M tokens: one head is 2^27 elements, 4 query heads per kv head 2^29; 2 kv heads (2^30) fit, 4 do not:
     # 4 calls of gq = 8, gk = 2, and the output exists twice (groups' outputs and their concatenation).
     work = Workload(seq_len=2**20, batch=1, compute_dtype="bf16")
-    nbytes, formula = memory_model.attention_working_set(m, work, plan)
+    nbytes, formula = attention_memory.attention_working_set(m, work, plan)
     assert nbytes == 2**20 * 128 * (8 * 6 + 2 * 2 * 2 + 2 * 8 * 2) + 2**20 * 4096 * 2
     assert "4 calls of 8 query heads" in formula
     est = {c.name: c.nbytes for c in memory_model.estimate(m, work, plan).components}
@@ -47,15 +47,15 @@ def test_no_gqa_expansion_without_shared_kv_heads() -> None:
     m = from_config(dict(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=6, num_key_value_heads=6))
     work = Workload(seq_len=100, batch=3, compute_dtype="fp32")
-    nbytes, formula = memory_model.attention_working_set(m, work, Plan(micro_batch_size=2))
+    nbytes, formula = attention_memory.attention_working_set(m, work, Plan(micro_batch_size=2))
     assert nbytes == 2 * 100 * 8 * (6 * (4 + 0) + 2 * 6 * 4)          # no flash fp32 accumulator in fp32
     assert formula.startswith("t x D x (gq x (c + a) + 2 gk x c) = 200 x 8 x (6 x 4 + 2 x 6 x 4)")
     # A layer working set that holds every head's dq, dk, dv and accumulator already: nothing more for MHA.
-    assert memory_model.attention_working_set(m, work, Plan(micro_batch_size=2), grads_counted=True)[0] == 0
+    assert attention_memory.attention_working_set(m, work, Plan(micro_batch_size=2), grads_counted=True)[0] == 0
 
 
 def test_grads_counted_leaves_the_gqa_expansion_and_the_second_output() -> None:
     """Llama-3.1-8B at 1M tokens, bf16, with dq, dk, dv and the accumulator counted elsewhere."""
     work = Workload(seq_len=2**20, batch=1, compute_dtype="bf16")
-    nbytes, _ = memory_model.attention_working_set(PRESETS["shape:Llama-3.1-8B"], work, Plan(), grads_counted=True)
+    nbytes, _ = attention_memory.attention_working_set(PRESETS["shape:Llama-3.1-8B"], work, Plan(), grads_counted=True)
     assert nbytes == 2**20 * 128 * (2 * 8 * 2) + 2**20 * 4096 * 2

@@ -93,3 +93,32 @@ def test_weights_load_once_per_pass() -> None:
         fwd = [(b, "fwd") for b in range(n)] + ([(0, "fwd")] if tied else [])
         bwd = [(b, "bwd") for b in range(n - 2, 0, -1)]
         assert loads == fwd + bwd
+
+
+@pytest.mark.parametrize("checkpoints", ["device", "host"])
+def test_kept_layers_are_not_recomputed(checkpoints: str) -> None:
+    """A kept layer's forward keeps its graph (every micro-batch) and its backward runs through it: no recompute,
+    no checkpoint drained or reloaded; every other layer is recomputed once per micro-batch. Backward still loads
+    every layer once (the kept graph reads its weights from that load)."""
+    kept = (0, 2)
+    plan = Plan(num_slots=2, micro_batch_size=2, checkpoints=checkpoints, kept_layers=kept)
+    engine, log = _run(plan, steps=2)
+    layers = [b.index for b in engine.templates.layers]
+    kept_blocks = {layers[k] for k in kept}
+    for step in (1, 2):
+        entries = [e for e in log if e.step == step]
+        for op in ("kept_forward", "kept_backward"):
+            assert sorted((e.block, e.micro) for e in entries if e.op == op) == sorted(
+                (b, m) for b in kept_blocks for m in range(2)), op
+        recomputed = [e.block for e in entries if e.op == "recompute"]
+        assert sorted(recomputed) == sorted(b for b in layers if b not in kept_blocks for _ in range(2))
+        assert not kept_blocks & {e.block for e in entries if e.op.startswith("ckpt_")}
+        if checkpoints == "host":
+            assert {e.block for e in entries if e.op == "ckpt_drain"} == set(layers) - kept_blocks
+        # A kept layer's backward comes while its block is resident for backward.
+        for e in entries:
+            if e.op == "kept_backward":
+                computing = [x for x in entries[:entries.index(e)] if x.op == "compute"][-1]
+                assert computing.block == e.block and computing.phase == "bwd"
+        loads = [(e.block, e.phase) for e in entries if e.op == "h2d"]
+        assert loads.count((layers[0], "bwd")) == 1 and len([x for x in loads if x[1] == "bwd"]) == len(layers)

@@ -268,7 +268,7 @@ def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: s
         if result.best is None:
             raise CalibrateError(f"calibration model {name} does not fit this machine ({result.reason()}); "
                                  "free memory and run again")
-        plan = result.best.plan.replace(micro_batch_size=mbs)
+        plan = result.best.plan.replace(micro_batch_size=mbs, kept_layers=())  # recomputed, as the fit's FLOPs count
         plans.append(plan)
         # the overhead run's steps take milliseconds: three times the samples cost next to nothing
         n = 3 * steps if name == OVERHEAD_RUN[0] else steps

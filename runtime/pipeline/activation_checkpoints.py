@@ -1,6 +1,7 @@
-"""Activation checkpoints at block boundaries: each decoder layer's input, per micro-batch.
+"""Activation checkpoints at block boundaries: each recomputed decoder layer's input, per micro-batch.
 
-Forward saves x[layer][m]; backward recomputes the layer from it. The plan puts
+Forward saves x[layer][m]; backward recomputes the layer from it. A kept layer ([Note: kept layers] in
+kept_layers.py) saves none: its forward graph holds its input. The plan puts
 them on the device (kept as the tensors forward produced: no copy) or in host
 memory (pinned on CUDA), moved in pieces on the checkpoint stream
 ([Note: host checkpoints in pieces]).
@@ -31,6 +32,8 @@ The first two reloads are issued when forward ends, so they overlap the head.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from megatrain.runtime.device.event_log import EventLog
@@ -51,7 +54,7 @@ class DeviceCheckpoints:
     def __init__(self) -> None:
         self._saved: dict[tuple[int, int], torch.Tensor] = {}
 
-    def begin(self, n_layers: int, batch: int, seq: int, hidden: int, micro: list[slice]) -> None:
+    def begin(self, layers: Sequence[int], batch: int, seq: int, hidden: int, micro: list[slice]) -> None:
         self._saved.clear()
 
     def save(self, layer: int, m: int, rows: slice, x: torch.Tensor) -> None:
@@ -72,7 +75,8 @@ class HostCheckpoints:
         self.piece_tokens, self.dtype, self.device, self.streams, self.pin = piece_tokens, dtype, device, streams, pin
         self.timer, self.log = timer, log
         self._arena: HostArena | None = None
-        self._host: torch.Tensor | None = None  # [n_layers, B, S, hidden] in host memory
+        self._host: torch.Tensor | None = None  # [recomputed layers, B, S, hidden] in host memory
+        self._row: dict[int, int] = {}  # decoder layer -> its row of _host
         self.staging: list[torch.Tensor] = []  # RELOAD_BUFFERS x [t_max x hidden] on the device
         self._released: list[Event] = []  # per reload buffer: the compute stream is past its last reader
         self._loaded: list[list[Event]] = []  # per reload buffer: its pieces' events, for the item it holds
@@ -86,7 +90,10 @@ class HostCheckpoints:
         self.step = 0
         self.held_peak_bytes = 0  # the most bytes of drained inputs held at once (tests compare the memory model)
 
-    def begin(self, n_layers: int, batch: int, seq: int, hidden: int, micro: list[slice]) -> None:
+    def begin(self, layers: Sequence[int], batch: int, seq: int, hidden: int, micro: list[slice]) -> None:
+        """A step whose recomputed layers are ``layers`` (in forward order) over ``micro``'s rows of [batch, seq]."""
+        n_layers = len(layers)
+        self._row = {layer: i for i, layer in enumerate(layers)}
         shape = (n_layers, batch, seq, hidden)
         t_max = max(r.stop - r.start for r in micro) * seq
         if self._host is None or self._host.shape != shape or self.staging[0].shape[0] != t_max:
@@ -105,7 +112,7 @@ class HostCheckpoints:
             self._let_go(m)
         self._drained.clear()
         self._micro, self._seq, self._hidden = list(micro), seq, hidden
-        self._order = [(layer, m) for layer in reversed(range(n_layers)) for m in range(len(micro))]
+        self._order = [(layer, m) for layer in reversed(layers) for m in range(len(micro))]
         self._reloaded = self._got = 0
         self.step += 1
 
@@ -114,7 +121,7 @@ class HostCheckpoints:
         assert self._host is not None
         self._let_go(m)  # the previous layer's input of this micro-batch: its drain is done by now
         flat = x.reshape(-1, self._hidden)  # [t, hidden]; held (with its storage) until the last piece is out
-        host = self._host[layer, rows].view(-1, self._hidden)
+        host = self._host[self._row[layer], rows].view(-1, self._hidden)
         ready = self.streams.recorded(self.streams.compute)
         done: list[Event] = []
         with self.streams.ckpt.use():
@@ -155,7 +162,7 @@ class HostCheckpoints:
         assert self._host is not None
         layer, m = self._order[k]
         rows, b = self._micro[m], k % RELOAD_BUFFERS
-        host = self._host[layer, rows].view(-1, self._hidden)
+        host = self._host[self._row[layer], rows].view(-1, self._hidden)
         out = self.staging[b]
         drained = self._drained.pop((layer, m))
         loaded: list[Event] = []

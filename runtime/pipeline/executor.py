@@ -43,9 +43,10 @@ from megatrain.runtime.pipeline.expert_layers import ExpertLayers
 from megatrain.runtime.pipeline.expert_parts import streamed_parts
 from megatrain.runtime.pipeline.grad_buffers import GradBuffers
 from megatrain.runtime.pipeline.head_loss import chunked_logits, head_forward_backward, head_loss
+from megatrain.runtime.pipeline.kept_layers import KeptGraphs
+from megatrain.runtime.pipeline.layer_backward import grad_adder, recompute_backward
 from megatrain.runtime.pipeline.rotary_positions import LayerPositions, Positions, RotaryPositions
 from megatrain.runtime.pipeline.router_balance import RouterBalance
-from megatrain.runtime.pipeline.sequence_tiles import tiled_layer_backward
 from megatrain.runtime.pipeline.step_schedule import StepSchedule, evaluation_schedule, training_schedule
 from megatrain.runtime.pipeline.step_timer import StepTimer
 from megatrain.runtime.pipeline.weight_slots import WeightLoader, WeightSlots
@@ -66,6 +67,8 @@ class Batch:
     # each micro-batch's documents (host data); None: one sequence per row, positions 0..S-1.
     position_ids: torch.Tensor | None = None
     documents: list[Documents | None] | None = None
+    # Decoder layers whose forward graph is kept for backward, not recomputed ([Note: kept layers]).
+    kept: frozenset[int] = frozenset()
 
 
 class Executor:
@@ -111,6 +114,7 @@ class Executor:
         self.rotary, self.routing = RotaryPositions(self.config, device), RouterBalance(self.config, device, self.dist)
         # Predicted tokens of the last step's (or evaluation's) rows whose argmax is their label: [] int64.
         self.correct = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.kept = KeptGraphs(log)  # [Note: kept layers]
         self.mlp_tile = plan.mlp_tile_tokens or 0  # [Note: sequence tiles]
         self.attention_tile = plan.attention_tile_tokens or 0
         self.cap = self.config.final_logit_softcapping  # the head's logit soft-cap (head_loss.py), None: none
@@ -137,7 +141,9 @@ class Executor:
             self.dist.begin_step()
             batch.n_tokens = self.dist.all_reduce_sum(batch.n_tokens)
         positions = self._positions(batch)
-        self.checkpoints.begin(len(self.templates.layers), *batch.input_ids.shape, self.config.hidden_size, batch.micro)
+        self.kept.begin(batch.kept)
+        self.checkpoints.begin([b.layer for b in self.templates.layers if b.layer not in batch.kept],
+                               *batch.input_ids.shape, self.config.hidden_size, batch.micro)
         self.loader.start(step, s.loads)
         pending: list[PendingUpdate] = []  # deferred mode: submitted once the global norm is known
 
@@ -170,13 +176,17 @@ class Executor:
             layer = load.block
             with self.loader.resident(load) as params:
                 if load.part is not None:
-                    pending += self.expert_layers.backward(step, load, params, batch.micro, positions[layer.layer_type], dy,
-                                                           hyper)
+                    pending += self.expert_layers.backward(step, load, params, batch.micro,
+                                                           positions[layer.layer_type], dy, hyper)
                     continue
                 g_index, g_buf = self.grad_buffers.acquire(self._grad_numel(layer))
                 g_list = layer.layout.view_list(g_buf)
                 with record_function(f"bwd[{layer.index}]"), self.routing.backward():
                     for m, rows in enumerate(batch.micro):
+                        if self.kept.holds(load.layer):  # [Note: kept layers]: through its forward's graph
+                            dy[m] = self.kept.backward(load.layer, m, params, dy[m],
+                                                      grad_adder(layer.layout.entries, g_list))
+                            continue
                         x_in = self.checkpoints.get(load.layer, m, rows)
                         dy[m] = self._layer_backward(layer, params, x_in, dy[m], positions[layer.layer_type][m], g_list)
             pending += self.updates.finish(step, layer, g_index, g_buf, hyper)
@@ -214,10 +224,15 @@ class Executor:
                     if load.part is not None:
                         self.expert_layers.forward(load, params, x, micro, positions[load.block.layer_type], training)
                         continue
+                    own = positions[load.block.layer_type]  # this layer type's positions per micro-batch
                     for m, rows in enumerate(micro):
+                        if training and self.kept.holds(load.layer):  # [Note: kept layers]
+                            x[m] = self.kept.forward(load.layer, m, functools.partial(
+                                self._layer_forward, load.block, positions=own[m]), params, x[m], own[m][:2])
+                            continue
                         if training:
                             self.checkpoints.save(load.layer, m, rows, x[m])
-                        x[m] = self._layer_forward(load.block, params, x[m], positions[load.block.layer_type][m])
+                        x[m] = self._layer_forward(load.block, params, x[m], own[m])
         return x
 
     def _layer_forward(self, layer: Block, params: dict[str, torch.Tensor], x: torch.Tensor,
@@ -227,27 +242,10 @@ class Executor:
 
     def _layer_backward(self, layer: Block, params: dict[str, torch.Tensor], x_in: torch.Tensor, dy: torch.Tensor,
                         positions: Positions, g_list: list[torch.Tensor]) -> torch.Tensor:
-        """One micro-batch through ``layer`` again from its checkpoint x_in ([b, S, hidden]), autograd on: the
-        parameter gradients add into ``g_list`` (fp32, layout order); returns the gradient w.r.t. x_in."""
-        x_in = x_in.detach().requires_grad_()
-        leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
-        index = {e.local_name: i for i, e in enumerate(layer.layout.entries)}
-
-        def add_grads(by_name: dict[str, torch.Tensor]) -> None:
-            names = list(by_name)
-            torch._foreach_add_([g_list[index[n]] for n in names], [by_name[n] for n in names])
-
-        seq = x_in.shape[1]
-        if 0 < self.mlp_tile < seq or 0 < self.attention_tile < seq:  # [Note: sequence tiles]
-            run = functools.partial(self.templates.run, layer)
-            return tiled_layer_backward(run, leaves, x_in, dy, positions, self.mlp_tile if 0 < self.mlp_tile < seq
-                                        else seq, add_grads, self.attention_tile)
-        with torch.enable_grad():
-            out = self.templates.run(layer, leaves, x_in, *positions)
-        grads = torch.autograd.grad(out, (x_in, *leaves.values()), dy)
-        by_name = dict(zip(leaves.keys(), grads[1:]))
-        torch._foreach_add_(g_list, [by_name[e.local_name] for e in layer.layout.entries])
-        return grads[0]
+        """One micro-batch through ``layer`` again from its checkpoint x_in: layer_backward.py."""
+        self.log.record("recompute", self.step_no, layer.index)
+        return recompute_backward(functools.partial(self.templates.run, layer), layer.layout.entries,
+                                  params, x_in, dy, positions, g_list, self.mlp_tile, self.attention_tile)
 
     def _grad_numel(self, block: Block) -> int:
         """Elements of block's device gradient buffer: its layout, padded to whole shards in data parallel."""

@@ -113,6 +113,9 @@ def streamed_parts(templates: Templates, plan: Plan, store: HostStore, data_para
     size: ``whole`` (the largest block) when every layer streams whole, else ``slot_numel``."""
     parts = layer_parts(templates, plan.expert_group_size)
     check_streamable(parts, store, data_parallel)
+    if parts and plan.kept_layers:
+        raise ConfigError("kept_layers: a layer streamed in expert groups is recomputed; plan with kept_layers [] "
+                          "or expert_group_size null")
     return parts, slot_numel(templates, parts) if parts else whole
 
 
