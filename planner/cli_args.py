@@ -108,6 +108,9 @@ def workload_args(p: argparse.ArgumentParser, need_batch: bool, sizing_only: boo
     p.add_argument("--optimizer-state", choices=("fp32", "bf16"), default="fp32",
                    help="AdamW m and v in host RAM: fp32 (12 bytes/param of state with the master; default) or bf16 "
                         "(8 bytes/param, stochastic rounding; never spilled)")
+    p.add_argument("--save-every", type=positive_int, metavar="N",
+                   help="the run saves a checkpoint every N steps (megatrain-train's option): RAM for the save's "
+                        "snapshot of the master and AdamW state is counted")
     if sizing_only:
         p.add_argument("--spill-dir", help=f"the spill folder the plans name (default {NVME_DIR}: the NVMe of "
                                            "the hardware being sized)")
@@ -151,4 +154,5 @@ def workload(args: argparse.Namespace, dtype: str, batch: int | None = None, spi
     if batch is None:
         batch = args.batch if args.batch else -(-args.tokens_per_step // args.seq_len)
     return Workload(args.seq_len, batch, dtype, clipping=not args.no_clip, spill=args.spill, spill_dir=spill_dir,
-                    spill_free_bytes=free, optimizer_state=args.optimizer_state)
+                    spill_free_bytes=free, optimizer_state=args.optimizer_state,
+                    nonblocking_saves=bool(args.save_every))

@@ -121,12 +121,11 @@ class MemoryEstimate:
                 for c in self.components]
 
 
-def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile | None = None, *,
-             nonblocking_saves: bool = False) -> MemoryEstimate:
+def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile | None = None) -> MemoryEstimate:
     """Every buffer of ``plan`` for ``model`` and ``work``. ``hw`` decides whether the device is a GPU
     (CUDA context, allocator slack, pinned host arenas) or the CPU itself, and, where it carries a
     calibration for the compute dtype, the fixed terms (process baseline, temporaries) are its fitted ones.
-    ``nonblocking_saves``: the run saves checkpoints without blocking (``checkpoint_snapshot``)."""
+    ``work.nonblocking_saves``: the run saves checkpoints without blocking (``checkpoint_snapshot``)."""
     on_gpu = hw is None or not hw.device_is_host
     c = work.compute_bytes
     h, V = model.hidden_size, model.vocab_size
@@ -199,7 +198,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
         host("temporaries", cal.temporaries(transient),
              f"fitted: a + b x (working set + logits chunk) = {cal.temporaries_bytes} + "
              f"{cal.temporaries_factor:.3f} x {transient}", pinned=False)
-    if nonblocking_saves:
+    if work.nonblocking_saves:
         comps.append(checkpoint_snapshot(model, work, spilled))
         comps.append(checkpoint_writer_staging(model))
     if not spilled.kinds:

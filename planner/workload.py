@@ -41,6 +41,9 @@ class Workload:
     spill_free_bytes: int | None = None
     # AdamW m and v in host RAM: "fp32" (4 bytes each per parameter) or "bf16" (2 each; never spilled).
     optimizer_state: str = "fp32"
+    # The run saves checkpoints while it trains, without blocking the step: the save's snapshot of the master and
+    # AdamW state is held beside the arenas (memory_model.checkpoint_snapshot).
+    nonblocking_saves: bool = False
 
     def __post_init__(self) -> None:
         for f in ("seq_len", "batch"):

@@ -5,6 +5,8 @@ The model's state dominates its RSS (a 32k vocabulary, one narrow layer: 16.8M p
 201 MiB snapshot against a 0.3 GiB process). Runs in a fresh process, so that the peak is the engine's alone."""
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import pickle
 
@@ -58,7 +60,7 @@ def test_a_non_blocking_saves_peak_rss_is_within_the_planners_figure(tmp_path):
     shape = model_shapes.from_config(HF)
     work = Workload(seq_len=SEQ, batch=BATCH, compute_dtype="fp32", clipping=True)
     hw = detect()
-    est = memory_model.estimate(shape, work, PLAN, hw, nonblocking_saves=True)
+    est = memory_model.estimate(shape, dataclasses.replace(work, nonblocking_saves=True), PLAN, hw)
     snapshot = next(c.nbytes for c in est.components if c.name == "checkpoint snapshot")
     staging = next(c.nbytes for c in est.components if c.name == "checkpoint writer staging")
     assert snapshot == 12 * shape.numel_total and got["state"] == 16 * shape.numel_total  # master, m, v; + grads
@@ -69,3 +71,23 @@ def test_a_non_blocking_saves_peak_rss_is_within_the_planners_figure(tmp_path):
     growth = got["save_peak"] - got["before"]
     assert snapshot // 2 < growth <= snapshot + staging + chunk, (growth, snapshot, staging, chunk)  # real, bounded
     assert os.path.isdir(tmp_path / "ckpt" / "step-00000001")
+
+
+def test_a_run_that_saves_while_training_is_planned_with_the_snapshot() -> None:
+    """megatrain-plan plan --save-every (megatrain-train's option) counts the save's snapshot: (4 + 2 x 4) x N bytes
+    of fp32 master, m and v beside the arenas, plus the writer's one staging shard; without it neither."""
+    import json
+    import subprocess
+    import sys
+    args = [sys.executable, "-m", "megatrain.planner.cli", "plan", "--model", "shape:Llama-3.2-1B", "--seq-len",
+            "1024", "--batch", "8", "--hardware", "H100-SXM", "--ram", "512G", "--json"]
+    rows = {}
+    for extra in ([], ["--save-every", "100"]):
+        r = subprocess.run(args + extra, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        rows[bool(extra)] = {row["name"]: row["bytes"] for row in json.loads(r.stdout)["memory"]}
+    assert "checkpoint snapshot" not in rows[False] and "checkpoint snapshot" in rows[True]
+    n = model_shapes.resolve("shape:Llama-3.2-1B").numel_total
+    assert rows[True]["checkpoint snapshot"] == (4 + 2 * 4) * n
+    added = set(rows[True]) - set(rows[False])
+    assert added == {"checkpoint snapshot", "checkpoint writer staging"}

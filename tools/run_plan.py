@@ -54,7 +54,7 @@ def _search(c: TrainConfig, model: ModelConfig, compute_dtype: str, spill_root: 
     hw = this_machine()
     work = Workload(c.seq_len, c.batch, compute_dtype=compute_dtype, clipping=c.max_grad_norm > 0,
                     spill=c.spill, spill_dir=spill_root, spill_free_bytes=disk_space.free_bytes(spill_root),
-                    optimizer_state=c.optimizer_state)
+                    optimizer_state=c.optimizer_state, nonblocking_saves=c.save_every > 0)
     shape = model_shapes.from_config(model.to_dict(), name=planner_name(c.model))
     chosen = choose_plan(shape, PlanRequest(work, assume_disk_speed=True), hw, _planner_ranks(hw, topology))
     notes = []

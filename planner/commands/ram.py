@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> None:
     nvme_size = parse_size(args.nvme_size, "--nvme-size")
     work = Workload(args.seq_len, 1, cli_args.compute_dtype(args, hw), clipping=not args.no_clip, spill=args.spill,
                     spill_dir=args.spill_dir or NVME_DIR, spill_free_bytes=nvme_size,
-                    optimizer_state=args.optimizer_state)
+                    optimizer_state=args.optimizer_state, nonblocking_saves=bool(args.save_every))
     ranks = data_parallel_report.checked_topology(
         args, dataclasses.replace(work, batch=args.gpus_per_node * args.nodes), hw)
     ladder = sizing.ram_ladder(model, work, hw, args.max_batch, ranks=ranks)

@@ -43,7 +43,7 @@ most one write is in flight (a second save waits for the first: that is the
 bound). ``blocking=True`` writes straight from the live arenas: no extra RAM,
 training waits for the whole write. The planner counts the snapshot and the
 writer's staging (one zarr shard) when asked for non-blocking saves
-(``memory_model.estimate(..., nonblocking_saves=True)``; tests/test_checkpoint_memory.py
+(``Workload.nonblocking_saves``; tests/test_checkpoint_memory.py
 measures the peak against it).
 
 """
