@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..config_fields import (FULL_ATTENTION, SLIDING_ATTENTION, attention_biases, fixed_flag, integer, layer_types,
-                             layer_windows, number, optional_integer)
+from ..config_fields import (FULL_ATTENTION, SLIDING_ATTENTION, attention_biases, boolean, fixed_flag, integer,
+                             layer_types, layer_windows, number, optional_integer)
 from ..errors import HFConfigError
 from ..family import Family, Preset
 from ..moe import read_experts, write_experts
@@ -39,6 +39,9 @@ def read(data: Mapping[str, Any], num_hidden_layers: int) -> dict[str, Any]:
                                      or quantization.get("quant_method") != "mxfp4"):
         raise HFConfigError(f"quantization_config={quantization!r} is not supported; megatrain loads gpt-oss's "
                             "MXFP4 experts or plain float weights")
+    if boolean("output_router_logits", data.get("output_router_logits", False)):
+        raise HFConfigError("output_router_logits=true (the router's load-balancing loss) is not supported for "
+                            "gpt_oss; set it to false in the config")
     window = optional_integer("sliding_window", data.get("sliding_window", 128))
     types = data.get("layer_types") or [ALTERNATING[i % 2] for i in range(num_hidden_layers)]
     return {**attention_biases(MODEL_TYPE, {**data, "attention_bias": data.get("attention_bias", True)}, mlp=False),
