@@ -91,12 +91,18 @@ def hardware_args(p: argparse.ArgumentParser, default_help: str = "this machine"
     p.add_argument("--nvme", type=positive_float, help="override NVMe read/write GB/s")
 
 
-def workload_args(p: argparse.ArgumentParser, need_batch: bool, sizing_only: bool = False) -> None:
+def workload_args(p: argparse.ArgumentParser, need_batch: bool, sizing_only: bool = False,
+                  default_batch: int | None = None) -> None:
+    """The step's options. ``need_batch``: --batch (or --tokens-per-step) is asked for, and --seq-len with it,
+    unless ``default_batch`` gives both a default (that batch of 4096-token sequences)."""
     p.add_argument("--model", required=True, help=f"preset ({', '.join(model_shapes.PRESETS)}) or config.json")
-    seq_len_arg(p, default=None if need_batch else 4096, required=need_batch, help="tokens per sequence")
+    required = need_batch and default_batch is None
+    seq_len_arg(p, default=None if required else 4096, required=required,
+                help="tokens per sequence" + ("" if required else " (default 4096)"))
     if need_batch:
-        g = p.add_mutually_exclusive_group(required=True)
-        g.add_argument("--batch", type=positive_int, help="sequences per optimizer step")
+        g = p.add_mutually_exclusive_group(required=required)
+        g.add_argument("--batch", type=positive_int, default=default_batch, help="sequences per optimizer step" + (
+            "" if required else f" (default {default_batch})"))
         g.add_argument("--tokens-per-step", type=positive_int, help="tokens per optimizer step (sets --batch)")
     p.add_argument("--dtype", default="auto", help="compute dtype: bf16, fp16, fp32, or auto (default: bf16 unless "
                                                    "the hardware multiplies fp32 faster)")
@@ -152,7 +158,7 @@ def workload(args: argparse.Namespace, dtype: str, batch: int | None = None, spi
              free: int | None = None) -> Workload:
     """The step the workload options describe (--batch, or --tokens-per-step rounded up to whole sequences)."""
     if batch is None:
-        batch = args.batch if args.batch else -(-args.tokens_per_step // args.seq_len)
+        batch = -(-args.tokens_per_step // args.seq_len) if args.tokens_per_step else args.batch
     return Workload(args.seq_len, batch, dtype, clipping=not args.no_clip, spill=args.spill, spill_dir=spill_dir,
                     spill_free_bytes=free, optimizer_state=args.optimizer_state,
                     nonblocking_saves=bool(args.save_every))

@@ -271,9 +271,9 @@ def test_presets_have_the_published_total_and_active_parameters(name: str, total
 
 
 def test_plan_size_on_an_h200_answers_with_ram_and_nvme() -> None:
-    r = subprocess.run([sys.executable, "-m", "megatrain.planner.cli", "size", "--model", "shape:gpt-oss-120b", "--hardware",
-                        "H200", "--seq-len", "4096", "--batch", "16", "--json"], capture_output=True, text=True,
-                       timeout=300, env={**os.environ})
+    """The sizing question as a user asks it: no step named, 16 x 4096 tokens by default."""
+    r = subprocess.run([sys.executable, "-m", "megatrain.planner.cli", "size", "--model", "shape:gpt-oss-120b",
+                        "--hardware", "H200", "--json"], capture_output=True, text=True, timeout=300, env={**os.environ})
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert [e["hardware"] for e in data["hardware"]] == ["H200"]

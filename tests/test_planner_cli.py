@@ -155,8 +155,9 @@ def test_profile_writes_a_profile(tmp_path) -> None:
       "--spill", "all"), "--spill-dir"),
     (("plan", "--model", "shape:Llama-3.1-8B", "--seq-len", "1024", "--batch", "1", "--hardware", "H100-SXM",
       "--spill-d", "/tmp"), "unrecognized arguments: --spill-d"),
-    (("size", "--model", "shape:Llama-3.1-8B", "--seq-len", "1024", "--bat", "1"),
+    (("plan", "--model", "shape:Llama-3.1-8B", "--seq-len", "1024", "--bat", "1"),
      "--batch --tokens-per-step is required"),
+    (("size", "--model", "shape:Llama-3.1-8B", "--seq-len", "1024", "--bat", "1"), "unrecognized arguments: --bat"),
     (("ram", "--model", "shape:Llama-3.1-8B", "--nvme-size", "huge"), "--nvme-size"),
     (("plan", "--model", "Qwen2.5-7B", "--seq-len", "1024", "--batch", "1"), "is now shape:Qwen2.5-7B (the published "
                                                                               "shape with random weights"),

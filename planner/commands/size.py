@@ -8,10 +8,13 @@ from .. import cli_args, data_parallel_report, model_shapes, report, report_size
 from .. import hardware as hwmod
 from ..cli_args import NVME_DIR, parse_size
 
+# A sizing question without a step named: 16 sequences of 4096 tokens (65k tokens per step).
+SIZE_BATCH = 16
+
 
 def add_parser(sub: Any) -> None:
     sp = sub.add_parser("size", help="minimum memory, and step time on each GPU preset")
-    cli_args.workload_args(sp, need_batch=True, sizing_only=True)
+    cli_args.workload_args(sp, need_batch=True, sizing_only=True, default_batch=SIZE_BATCH)
     sp.add_argument("--host", help=f"host preset for every GPU ({', '.join(hwmod.HOST_PRESETS)}); "
                                    "default: each GPU's usual host")
     sp.add_argument("--hardware", help=f"only this GPU preset ({', '.join(hwmod.GPU_PRESETS)}); default: every one")
