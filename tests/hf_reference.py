@@ -69,3 +69,20 @@ def assert_matches_transformers(vocab_size: int, hf: torch.nn.Module, mt_config:
         assert_update_close({n: ours[n] for n in theirs}, theirs, initial)
     finally:
         engine.close()
+
+
+def assert_packed_documents_match_transformers(hf: torch.nn.Module, mt_config: ModelConfig, ids: torch.Tensor,
+                                               lengths: list[list[int]]) -> None:
+    """megatrain's logits for rows of packed documents (``lengths`` per row, positions restarting at each) equal
+    transformers' for each document run alone."""
+    positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths])
+    with Engine(mt_config, compute_dtype=torch.float32, device="cpu") as engine:
+        engine.load_state_dict(hf.state_dict())
+        logits = engine.logits(ids, position_ids=positions)
+    with torch.no_grad():
+        for r, row in enumerate(lengths):
+            start = 0
+            for n in row:
+                alone = hf(ids[r:r + 1, start:start + n]).logits[0]
+                torch.testing.assert_close(logits[r, start:start + n], alone, rtol=0, atol=1e-5)
+                start += n

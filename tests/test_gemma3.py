@@ -10,7 +10,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_reference import assert_matches_transformers, batch, randomize_norms_and_biases  # noqa: E402
+from hf_reference import (assert_matches_transformers, assert_packed_documents_match_transformers, batch,  # noqa: E402
+                          randomize_norms_and_biases)
 from megatrain.planner import model_shapes  # noqa: E402
 from megatrain.runtime import ConfigError, Engine, ModelConfig, Plan  # noqa: E402
 
@@ -121,17 +122,7 @@ def test_sequence_tiles_and_packed_documents_over_sliding_and_global_layers() ->
         torch.testing.assert_close(tiled_state[name], tensor, rtol=0, atol=1e-5)
 
     lengths = [[13, 7], [4, 16]]
-    positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths])
-    with Engine(ModelConfig.from_hf(config.to_dict()), compute_dtype=torch.float32, device="cpu") as engine:
-        engine.load_state_dict(hf.state_dict())
-        logits = engine.logits(ids[:2], position_ids=positions)
-    with torch.no_grad():
-        for r, row in enumerate(lengths):
-            start = 0
-            for n in row:
-                alone = hf(ids[r:r + 1, start:start + n]).logits[0]
-                torch.testing.assert_close(logits[r, start:start + n], alone, rtol=0, atol=1e-5)
-                start += n
+    assert_packed_documents_match_transformers(hf, ModelConfig.from_hf(config.to_dict()), ids[:2], lengths)
 
 
 def test_gemma_3_27b_preset_has_the_published_size() -> None:

@@ -13,7 +13,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_reference import assert_matches_transformers, batch, randomize_norms_and_biases  # noqa: E402
+from hf_reference import (assert_matches_transformers, assert_packed_documents_match_transformers, batch,  # noqa: E402
+                          randomize_norms_and_biases)
 from megatrain.runtime import Engine, ModelConfig, Plan  # noqa: E402
 
 WINDOW = 5
@@ -47,17 +48,7 @@ def test_window_applies_within_packed_documents() -> None:
     lengths = [[13, 7], [4, 16]]
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 96, (2, 20), generator=gen)
-    positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths])
-    with Engine(ModelConfig.from_hf(config.to_dict()), compute_dtype=torch.float32, device="cpu") as engine:
-        engine.load_state_dict(hf.state_dict())
-        logits = engine.logits(ids, position_ids=positions)
-    with torch.no_grad():
-        for r, row in enumerate(lengths):
-            start = 0
-            for n in row:
-                alone = hf(ids[r:r + 1, start:start + n]).logits[0]
-                torch.testing.assert_close(logits[r, start:start + n], alone, rtol=0, atol=1e-5)
-                start += n
+    assert_packed_documents_match_transformers(hf, ModelConfig.from_hf(config.to_dict()), ids, lengths)
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
