@@ -35,8 +35,8 @@ from peer_runners.spec import MODELS, RunSpec, model_config, model_label  # noqa
 
 VARIANTS = {  # plan changes tried beside the planner's own choice
     "planner": {},
-    "host-ckpt": {"checkpoints": "host"},
-    "device-ckpt": {"checkpoints": "device"},
+    "host-ckpt": {"checkpoints": "host", "kept_layers": ()},  # checkpoints only exist for recomputed layers
+    "device-ckpt": {"checkpoints": "device", "kept_layers": ()},
     "eager": {"optimizer_mode": "eager"},
     "deferred": {"optimizer_mode": "deferred"},
     "prefetch1": {"prefetch_depth": 1},

@@ -1,23 +1,21 @@
 """Model shapes: what a decoder-only transformer costs in parameters, bytes and FLOPs.
 
-A ModelShape comes from a Hugging Face ``config.json`` (a path or a dict, read by
-``hf_config``, the reader the runtime uses too) or a named preset. Everything the
-memory and cost models need about a model is here, per block, in the runtime's
-block order: embedding, each decoder layer, head
-(final norm + lm_head; when embeddings are tied the head holds only the norm and
-borrows the embedding's weight, so the embedding block is loaded a second time).
+A ModelShape comes from a Hugging Face ``config.json`` (a path or a dict, read by ``hf_config``, the reader the
+runtime uses too) or a named preset. Everything the memory and cost models need about a model is here, per block, in
+the runtime's block order: embedding, each decoder layer, head (final norm + lm_head; when embeddings are tied the
+head holds only the norm and borrows the embedding's weight, so the embedding block is loaded a second time).
 
-The parameters of each block come from the model's family (``block_parameters``
-asks ``megatrain.models``), the table the runtime lays its blocks out from; the
-presets are the families' too. Each block is one flat buffer in the runtime;
-each parameter's offset is aligned to ``ALIGN_ELEMENTS`` elements, so a block's
-buffer is slightly larger than its parameter count. ``block_numel`` is the aligned size (what slots and arenas hold);
-``params`` counts the model's real parameters (what FLOPs and MFU count).
+The parameters of each block come from the model's family (``block_parameters`` asks ``megatrain.models``), the
+table the runtime lays its blocks out from; the presets are the families' too. Each block is one flat buffer in the
+runtime; each parameter's offset is aligned to ``ALIGN_ELEMENTS`` elements, so a block's buffer is slightly larger
+than its parameter count. ``block_numel`` is the aligned size (what slots and arenas hold); ``params`` counts the
+model's real parameters (what FLOPs and MFU count).
 
 Pure stdlib.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -128,17 +126,22 @@ class ModelShape:
                 "o_proj_bias": self.o_proj_bias, "mlp_bias": self.mlp_bias, "qk_norm": self.qk_norm,
                 **self.experts.dims()}
 
+    @functools.cache
+    def table(self, kind: str) -> tuple[Any, ...]:
+        """The family's parameter table of a block of ``kind`` (cached: the search asks for it thousands of times)."""
+        return tuple(block_table(self.config_dims(), kind))
+
     def embedding_params(self) -> list[int]:
         """embed_tokens.weight: vocab x hidden."""
-        return [p.numel for p in block_table(self.config_dims(), EMBED)]
+        return [p.numel for p in self.table(EMBED)]
 
     def layer_params(self) -> list[int]:
         """One decoder layer's parameters, in the order the runtime lays them out (the family's table)."""
-        return [p.numel for p in block_table(self.config_dims(), LAYER)]
+        return [p.numel for p in self.table(LAYER)]
 
     def head_params(self) -> list[int]:
         """Final norm, plus lm_head (vocab x hidden) unless it is the embedding's weight."""
-        return [p.numel for p in block_table(self.config_dims(), HEAD)]
+        return [p.numel for p in self.table(HEAD)]
 
     @property
     def params_embedding(self) -> int:
@@ -200,7 +203,7 @@ class ModelShape:
     def matmul_weights_layer(self) -> int:
         """Elements of one layer's matmul weights a token runs through: its 2-D parameters (norms and biases are
         not matmuls) and the experts it is routed to (num_experts_per_tok of them)."""
-        dense = sum(p.numel for p in block_table(self.config_dims(), LAYER) if len(p.shape) == 2)
+        dense = sum(p.numel for p in self.table(LAYER) if len(p.shape) == 2)
         return dense + self.experts.num_experts_per_tok * self.experts.expert_params(self.hidden_size)
 
     def attention_flops_fwd(self, seq: int) -> float:
@@ -222,8 +225,7 @@ class ModelShape:
         return 2.0 * self.matmul_weights_layer() + self.attention_flops_fwd(seq)
 
     def layer_flops_bwd(self, seq: int) -> float:
-        """One decoder layer, backward (without recompute), per token: 4 x matmul weights (dX and dW)
-        + attention backward."""
+        """One decoder layer, backward (without recompute), per token: 4 x matmul weights (dX, dW) + attention's."""
         return 4.0 * self.matmul_weights_layer() + self.attention_flops_bwd(seq)
 
     def layer_flops_recompute(self, seq: int) -> float:
