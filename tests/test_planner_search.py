@@ -48,6 +48,11 @@ workloads = st.builds(Workload, seq_len=st.sampled_from([128, 1000, 2048, 4096, 
                       spill_free_bytes=st.sampled_from([None, 0, 64 * GiB, 1 << 40]))
 
 
+def _grouped_candidates(model: ModelShape, work: Workload, hw: HardwareProfile) -> list[Plan]:
+    """Every candidate in the expert groups the search gives it (a sparse model's layers may stream in parts)."""
+    return [search.expert_groups(model, work, plan, hw) for plan in search.candidates(model, work, hw)]
+
+
 @settings(max_examples=examples(100))
 @given(hw=profiles(), model=models(), work=workloads)
 def test_plans_fit_and_refusals_are_true(hw: HardwareProfile, model: ModelShape, work: Workload) -> None:
@@ -76,14 +81,14 @@ def test_plans_fit_and_refusals_are_true(hw: HardwareProfile, model: ModelShape,
         assert o.available == budgets[o.budget]
         assert o.needed > o.available, o.message()
     # And it really is infeasible: no candidate (with its smallest loss chunk) fits.
-    for plan in search.candidates(model, work, hw):
+    for plan in _grouped_candidates(model, work, hw):
         p = plan.replace(loss_chunk_tokens=min(64, plan.loss_chunk_tokens))
         mem = memory_model.estimate(model, work, p, hw)
         assert mem.overruns(hw) or (work.spill_free_bytes is not None and mem.nvme_bytes > work.spill_free_bytes)
     # A budget every plan exceeds is reported with the least any plan needs.
     for o in result.overruns:
         needs = []
-        for plan in search.candidates(model, work, hw):
+        for plan in _grouped_candidates(model, work, hw):
             p = plan.replace(loss_chunk_tokens=min(64, plan.loss_chunk_tokens))
             mem = memory_model.estimate(model, work, p, hw)
             needs.append(mem.nvme_bytes if o.budget == "NVMe"
