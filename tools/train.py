@@ -32,6 +32,7 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from megatrain.planner.plan import Plan, PlanError
     from megatrain.planner.workload import WorkloadError
     from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig
+    from megatrain.runtime.distributed.process_group import exit_process
 
     from . import data_order, evaluation, export, metric_sinks, metrics, model_source, packing, ranks, \
         restart, resume, run_dir, run_plan, tokenizer as tokenizers, tokenizer_check, train_config, train_options, \
@@ -389,5 +390,11 @@ def _optimizer(c: TrainConfig) -> OptimizerConfig:
                            skip_nonfinite=True, state_dtype=c.optimizer_state)
 
 
+def command() -> None:
+    """The ``megatrain-train`` program: ``main`` and the exit with its status (a rank's exit skips the interpreter's
+    finalization: [Note: a rank's exit] in runtime/distributed/process_group.py)."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()
