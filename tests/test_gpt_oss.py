@@ -3,7 +3,7 @@
 AdamW steps with clipping equal to transformers under ``torch.optim.AdamW`` (YaRN RoPE, biased router, clamped
 SwiGLU; an expert the router's bias starves: zero gradient, decayed all the same), within packed documents and
 under sequence tiles, and exports back; an MXFP4 checkpoint with known values dequantizes on load as transformers'
-``convert_moe_packed_tensors``; ``megatrain-train --model DIR`` trains and exports; the presets' published sizes;
+``convert_moe_packed_tensors``; the presets' published sizes (``megatrain-train --model DIR``: test_family_cli.py);
 ``megatrain-plan size --hardware H200`` answers with host RAM and NVMe.
 """
 from __future__ import annotations
@@ -195,27 +195,6 @@ def test_mxfp4_loads_as_transformers_loads_it(tmp_path) -> None:
         ours = engine.state_dict()
     for name, p in theirs.named_parameters():
         assert torch.equal(ours[name], p.detach()), name
-
-
-def test_train_cli_trains_and_exports_gpt_oss(tmp_path) -> None:
-    pytest.importorskip("tokenizers")
-    from chat_model import RECORDS, write_tokenizer
-    from megatrain.tools import export, train
-
-    model = write_tokenizer(str(tmp_path / "model"))
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model("gpt_oss", **{**SHAPE, "vocab_size": 300, "hidden_size": 64,
-                                                              "bos_token_id": 0, "eos_token_id": 2})
-    transformers.GptOssForCausalLM(config).save_pretrained(model)
-    data = tmp_path / "chat.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in RECORDS * 4) + "\n")
-    run = tmp_path / "run"
-    assert train.main(["--model", model, "--tokenizer", os.path.join(model, "tokenizer.json"), "--data", str(data),
-                       "--out", str(run), "--seq-len", "32", "--batch", "2", "--steps", "2", "--progress", "none",
-                       "--no-plot", "--warmup-steps", "1", "--compute-dtype", "fp32"]) == 0
-    assert export.main([str(run), str(tmp_path / "exported"), "--dtype", "fp32"]) == 0
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
-    assert type(loaded).__name__ == "GptOssForCausalLM" and loaded.config.layer_types == config.layer_types
 
 
 def test_config_without_rope_reads_as_transformers_defaults_it() -> None:
