@@ -287,14 +287,16 @@ def layer_working_set(model: ModelShape, work: Workload, plan: Plan) -> tuple[in
     attention half holds whole only q, k, v, its output and their gradients, h and dh
     (A = ``attention_whole_bytes_per_token``), and its token-local work for one tile of v tokens
     (a = ``attention_tile_bytes_per_token``): t x A + u x m + v x a + layer x c (u = t when the MLP is
-    untiled)."""
+    untiled). Layers in expert groups run their experts over a micro-batch's routed tokens in one go, whatever
+    ``mlp_tile_tokens`` says (the runtime's [Note: expert groups]): their MLP counts untiled, u = t."""
     c = work.compute_bytes
     mbs = min(plan.micro_batch_size, work.batch)
     t = mbs * work.seq_len
     w = model.layer_working_bytes_per_token(work.compute_dtype)
     layer_n = min(model.numel_layer, slot_numel(model, plan)[0])  # with expert groups: one part's
     grads = layer_n * c
-    tile, attention_tile = plan.mlp_tile_tokens, plan.attention_tile_tokens
+    tile = None if grouped(model, plan) else plan.mlp_tile_tokens
+    attention_tile = plan.attention_tile_tokens
     m = model.mlp_working_bytes_per_token(work.compute_dtype)
     u = mbs * tile if tile is not None and tile < work.seq_len else t
     if attention_tile is not None and attention_tile < work.seq_len:

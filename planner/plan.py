@@ -83,7 +83,8 @@ class Plan:
                           (deferred mode keeps a full fp32 gradient arena instead)
       loss_chunk_tokens   logits chunk: chunk x vocab x (compute + 4 + 4) bytes
       mlp_tile_tokens     the MLP's intermediates: micro-batch x min(tile, S) x intermediate x 3 x compute
-                          bytes (None: untiled, S tokens)
+                          bytes (None: untiled, S tokens); layers streamed in expert groups run their experts
+                          untiled whatever it says
       attention_tile_tokens  the attention half's token-local intermediates (norm output, fp32 norm copies,
                           pre-RoPE q and k, o_proj's input) for micro-batch x min(tile, S) tokens instead of S
                           (None: untiled); q, k, v, attention's output and their gradients stay whole

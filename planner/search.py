@@ -229,15 +229,15 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
 
 def expert_groups(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None) -> Plan:
     """The plan with the fewest expert groups (whole layers first: ``ExpertShape.group_sizes``) whose device
-    memory fits the GPU with the smallest loss chunk; the smallest groups when none does. Whole layers for a dense
-    model, on a CPU device, with data-parallel ranks (the runtime streams groups on one process) and for a family whose
-    blocks do not compute in groups (``Family.expert_groups``)."""
+    memory fits the GPU with the smallest loss chunk; the smallest groups when none does (with groups, no MLP
+    tiles: their layers ignore them). Whole layers for a dense model, on a CPU device, with data-parallel ranks
+    (the runtime streams groups on one process) and for a family whose blocks do not compute in groups."""
     if (hw.device_is_host or ranks is not None or not model.experts.num_experts
             or not registry.family(model.model_type).expert_groups):
         return plan
     chunk = _chunks(plan.micro_batch_size * work.seq_len)[-1]
     for g in model.experts.group_sizes():
-        p = plan.replace(expert_group_size=g)
+        p = plan.replace(expert_group_size=g, mlp_tile_tokens=plan.mlp_tile_tokens if g is None else None)
         mem = _memory(model, work, p.replace(loss_chunk_tokens=chunk), hw, ranks)
         if mem.device_bytes <= hw.gpu_mem_bytes:
             return p

@@ -1,5 +1,5 @@
-"""Training megatrain against transformers' own model on the same weights (shared by test_hf_parity and
-test_families).
+"""Training megatrain against transformers' own model on the same weights (shared by test_hf_parity,
+test_families, test_moe and test_gpt_oss).
 
 ``assert_matches_transformers``: logits within 1e-5 in float32, then a few steps of megatrain against the
 transformers model trained by ``torch.optim.AdamW`` with ``clip_grad_norm_``, losses within 1e-5 each step and
@@ -7,6 +7,8 @@ the parameters within float32 noise after them (``numerics.assert_update_close``
 transformers' attention kernel and its loss reduction differ in summation order from megatrain's).
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -69,6 +71,30 @@ def assert_matches_transformers(vocab_size: int, hf: torch.nn.Module, mt_config:
         assert_update_close({n: ours[n] for n in theirs}, theirs, initial)
     finally:
         engine.close()
+
+
+def assert_saved_trains_and_exports(directory: Path, hf: torch.nn.Module, out: Path) -> None:
+    """The model transformers saved in ``directory`` (``hf`` itself, untrained) loads with
+    ``Engine.from_pretrained`` with the same weights, trains 3 steps as ``hf`` trains (``assert_matches_transformers``
+    on the config read from the directory; ``hf`` is trained by it), and its export to ``out`` loads back in
+    transformers with the weights that were saved."""
+    with Engine.from_pretrained(directory, compute_dtype=torch.float32, device="cpu") as engine:
+        loaded = engine.state_dict()
+        engine.save_pretrained(out, dtype=torch.float32)
+    for name, p in hf.named_parameters():
+        assert torch.equal(loaded[name], p.detach()), name
+
+    assert_matches_transformers(hf.config.vocab_size, hf, ModelConfig.from_hf(directory), steps=3)
+
+    import transformers  # the callers skip without it
+
+    saved = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(exported) is type(saved)
+    theirs = dict(exported.named_parameters())
+    assert sorted(theirs) == sorted(n for n, _ in saved.named_parameters())
+    for name, p in saved.named_parameters():
+        assert torch.equal(theirs[name], p), name
 
 
 def assert_packed_documents_match_transformers(hf: torch.nn.Module, mt_config: ModelConfig, ids: torch.Tensor,

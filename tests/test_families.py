@@ -4,6 +4,9 @@
   logits, each step's loss and the weights after the steps within float32 noise (``hf_reference``);
 - Hugging Face round trip: ``save_pretrained`` of a model megatrain built (its config.json written by the family)
   loads in transformers with the same weights and logits, and reads back as the same ModelConfig;
+- a model ``save_pretrained`` wrote (the dense families; the MoE ones: test_moe.py, test_gpt_oss.py) loads with
+  ``Engine.from_pretrained``, trains 3 steps as transformers' model does and exports what it loaded
+  (``hf_reference.assert_saved_trains_and_exports``);
 - the planner's parameter count (the family's table) is ``sum(p.numel())`` of transformers' model.
 
 A family is found in transformers by its ``model_type`` (``AutoConfig``) and ``architecture``. Seconds per family.
@@ -15,7 +18,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_reference import assert_matches_transformers, batch, randomize_norms_and_biases  # noqa: E402
+from hf_reference import (assert_matches_transformers, assert_saved_trains_and_exports, batch,  # noqa: E402
+                          randomize_norms_and_biases)
 from megatrain.models import registry  # noqa: E402
 from megatrain.planner import model_shapes  # noqa: E402
 from megatrain.runtime import Engine, ModelConfig  # noqa: E402
@@ -29,6 +33,7 @@ MOE = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
        "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                          shared_expert_intermediate_size=24)}
 FAMILIES = registry.model_types()  # every family registered when the tests are collected
+DENSE = [t for t in FAMILIES if t not in MOE and t != "gpt_oss"]
 # Per family, what its transformers defaults need changed to fit the tiny model (Phi-3's token ids are > vocab).
 # Gemma 3: a sliding layer (window 5, under the 20 tokens of a row) then a global one, and soft-capped logits.
 TINY_EXTRA = {"phi3": dict(pad_token_id=None, bos_token_id=None, eos_token_id=None),
@@ -55,6 +60,14 @@ def test_training_matches_transformers(model_type: str, tied: bool) -> None:
     mt_config = ModelConfig.from_hf(config.to_dict())
     assert mt_config.model_type == model_type and mt_config.head_dim == 12
     assert_matches_transformers(config.vocab_size, hf, mt_config, steps=2)
+
+
+@pytest.mark.parametrize("model_type", DENSE)
+def test_saved_by_transformers_trains_like_transformers_and_exports(tmp_path, model_type: str) -> None:
+    _, hf = _hf_model(model_type, tied=False)
+    hf.save_pretrained(tmp_path / "hf")
+    assert ModelConfig.from_hf(tmp_path / "hf").model_type == model_type
+    assert_saved_trains_and_exports(tmp_path / "hf", hf, tmp_path / "out")
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

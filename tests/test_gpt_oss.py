@@ -3,7 +3,7 @@
 AdamW steps with clipping equal to transformers under ``torch.optim.AdamW`` (YaRN RoPE, biased router, clamped
 SwiGLU; an expert the router's bias starves: zero gradient, decayed all the same), within packed documents and
 under sequence tiles, and exports back; an MXFP4 checkpoint with known values dequantizes on load as transformers'
-``convert_moe_packed_tensors``; ``megatrain-train --model DIR`` trains and exports; the presets' published sizes;
+``convert_moe_packed_tensors``; the presets' published sizes (``megatrain-train --model DIR``: test_family_cli.py);
 ``megatrain-plan size --hardware H200`` answers with host RAM and NVMe.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from safetensors import safe_open
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
 
-from hf_reference import (assert_matches_transformers, assert_packed_documents_match_transformers, batch,  # noqa: E402
+from hf_reference import (assert_packed_documents_match_transformers, assert_saved_trains_and_exports, batch,  # noqa: E402
                           randomize_norms_and_biases)
 from megatrain.models.layers.attention import Documents, sink_attention  # noqa: E402
 from megatrain.planner import model_shapes  # noqa: E402
@@ -106,25 +106,15 @@ def test_saved_by_transformers_trains_like_transformers_and_exports(tmp_path) ->
     assert mt_config.rope_scaling["rope_type"] == "yarn"
     assert (mt_config.num_experts, mt_config.moe_intermediate_size) == (4, 16)
     with Engine.from_pretrained(tmp_path / "hf", compute_dtype=torch.float32, device="cpu") as engine:
-        loaded = engine.state_dict()
         engine.step(ids, labels)
         counts = engine.routing.tokens.cpu()  # [layers, experts]: the router reports the experts it chose
     assert counts.shape == (config.num_hidden_layers, 4)
     assert (counts.sum(dim=1) == ids.numel() * config.num_experts_per_tok).all()
     assert not counts[:, -1].any(), "the starved expert receives no token"
-    for name, p in hf.named_parameters():
-        assert torch.equal(loaded[name], p.detach()), name
 
-    assert_matches_transformers(config.vocab_size, hf, mt_config, steps=3)
+    assert_saved_trains_and_exports(tmp_path / "hf", hf, tmp_path / "out")
     decay = (1 - 1e-3 * 0.1) ** 3  # hf_reference's lr and weight decay: AdamW decays the expert all the same
     torch.testing.assert_close(experts.down_proj[-1].detach(), starved * decay)
-
-    with Engine.from_pretrained(tmp_path / "hf", compute_dtype=torch.float32, device="cpu") as engine:
-        engine.save_pretrained(tmp_path / "out", dtype=torch.float32)
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
-    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
-    for (name, p), (_, q) in zip(back.named_parameters(), again.named_parameters()):
-        assert torch.equal(p, q), name
 
 
 def test_packed_documents_and_sequence_tiles() -> None:
@@ -205,27 +195,6 @@ def test_mxfp4_loads_as_transformers_loads_it(tmp_path) -> None:
         ours = engine.state_dict()
     for name, p in theirs.named_parameters():
         assert torch.equal(ours[name], p.detach()), name
-
-
-def test_train_cli_trains_and_exports_gpt_oss(tmp_path) -> None:
-    pytest.importorskip("tokenizers")
-    from chat_model import RECORDS, write_tokenizer
-    from megatrain.tools import export, train
-
-    model = write_tokenizer(str(tmp_path / "model"))
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model("gpt_oss", **{**SHAPE, "vocab_size": 300, "hidden_size": 64,
-                                                              "bos_token_id": 0, "eos_token_id": 2})
-    transformers.GptOssForCausalLM(config).save_pretrained(model)
-    data = tmp_path / "chat.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in RECORDS * 4) + "\n")
-    run = tmp_path / "run"
-    assert train.main(["--model", model, "--tokenizer", os.path.join(model, "tokenizer.json"), "--data", str(data),
-                       "--out", str(run), "--seq-len", "32", "--batch", "2", "--steps", "2", "--progress", "none",
-                       "--no-plot", "--warmup-steps", "1", "--compute-dtype", "fp32"]) == 0
-    assert export.main([str(run), str(tmp_path / "exported"), "--dtype", "fp32"]) == 0
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
-    assert type(loaded).__name__ == "GptOssForCausalLM" and loaded.config.layer_types == config.layer_types
 
 
 def test_config_without_rope_reads_as_transformers_defaults_it() -> None:

@@ -2,15 +2,18 @@
 
 The planner never imports the runtime, so nothing but this test keeps the two in step:
 model sizes, device slots, gradient buffers, host arenas and checkpoint buffers must be
-the bytes the Engine holds. And a plan chosen by the planner for this machine runs.
+the bytes the Engine holds; a sequence tile saves memory in the planner where the runtime's
+graphs hold less. And a plan chosen by the planner for this machine runs.
 """
 from __future__ import annotations
+
+import weakref
 
 import pytest
 import torch
 
 from megatrain.planner import memory_model, model_shapes, search
-from megatrain.planner.hardware import HardwareProfile
+from megatrain.planner.hardware import HardwareProfile, preset
 from megatrain.planner.plan import Plan
 from megatrain.planner.profiler import detect
 from megatrain.planner.workload import Workload
@@ -195,3 +198,67 @@ def test_spill_terms_for_a_3b_model_are_bounded_by_the_chunk() -> None:
     assert "compute-dtype shadow" not in est and "fp32 master" not in est
     assert est["spill staging"] == 3 * 4 * 64 * 2**20
     assert est["fp32 grad slabs"] == 2 * 64 * 2**20
+
+
+class _GraphBytes:
+    """The bytes autograd's graphs save (each saved tensor's, released with its graph) and their peak: what a layer's
+    working set is made of, the runtime's side of ``memory_model.layer_working_set``."""
+
+    def __init__(self) -> None:
+        self.held = self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> tuple[object, torch.Tensor]:
+        n = t.numel() * t.element_size()
+        self.held += n
+        self.peak = max(self.peak, self.held)
+        token = _Token()  # held by the graph with the tensor: its finalizer runs when the graph lets both go
+        weakref.finalize(token, self._release, n)
+        return token, t
+
+    def _release(self, n: int) -> None:
+        self.held -= n
+
+
+class _Token:
+    """A saved tensor's handle."""
+
+
+def _graph_peak(config: dict, plan: Plan, rows: int, seq: int) -> int:
+    bytes_ = _GraphBytes()
+    with Engine(ModelConfig.from_hf(config), OptimizerConfig(max_grad_norm=1.0), plan=plan, compute_dtype=torch.float32,
+                device="cpu", seed=0) as engine:
+        ids = torch.randint(0, config["vocab_size"], (rows, seq), generator=torch.Generator().manual_seed(0))
+        with torch.autograd.graph.saved_tensors_hooks(bytes_.pack, lambda packed: packed[1]):
+            engine.step(ids, ids)
+    return bytes_.peak
+
+
+def test_mlp_tiles_save_memory_in_the_planner_where_the_runtime_tiles() -> None:
+    """``mlp_tile_tokens`` lowers the layer working set the planner counts exactly where the runtime's graphs hold
+    less: a sparse layer streamed whole runs its MLP (the experts) in tiles, one streamed in expert groups runs its
+    experts over all routed tokens at once (the tile changes neither side); and the search never pairs groups
+    with MLP tiles."""
+    config = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=96, norm_topk_prob=True)
+    shape = model_shapes.from_config(config)
+    rows, seq = 2, 32
+    work = Workload(seq_len=seq, batch=rows, compute_dtype="fp32", clipping=True)
+    for group in (None, 2):
+        plan = Plan(micro_batch_size=rows, loss_chunk_tokens=8, expert_group_size=group)
+        tiled = plan.replace(mlp_tile_tokens=4)
+        planned = [memory_model.layer_working_set(shape, work, p)[0] for p in (plan, tiled)]
+        held = [_graph_peak(config, p, rows, seq) for p in (plan, tiled)]
+        if group is None:
+            assert planned[1] < planned[0] and held[1] < held[0], (planned, held)
+        else:
+            assert planned[1] == planned[0] and held[1] == held[0], (planned, held)
+
+    # megatrain-plan plan --model shape:Qwen3-235B-A22B --gpu-mem 24G --ram 8T --seq-len 8192: layers too large
+    # for the device, sequences long enough for tiles
+    long = Workload(seq_len=8192, batch=2, compute_dtype="bf16", clipping=True, spill="none")
+    hw = preset("H100-SXM", "server-2t").replace(gpu_mem_bytes=24 * 2**30, host_ram_bytes=8 * 2**40,
+                                                 host_available_bytes=8 * 2**40)
+    best = search.search(model_shapes.resolve("shape:Qwen3-235B-A22B"), long, hw).best
+    assert best is not None and best.plan.expert_group_size and best.plan.attention_tile_tokens
+    assert best.plan.mlp_tile_tokens is None

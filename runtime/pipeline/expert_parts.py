@@ -32,7 +32,10 @@ token); the routed state of every micro-batch is held while the groups pass (``m
 Host syncs: one read of the per-expert counts per layer pass and micro-batch (``expert_group.route``); the
 whole layer's loop reads the routing once per expert. Not streamed in parts: data-parallel ranks, blocks whose
 gradients spill, and in fp32 blocks whose master spills (their loads read whole chunks of the master file);
-those are refused in one line.
+those are refused in one line. Sequence tiles: the dense part runs its attention half in
+``Plan.attention_tile_tokens`` tiles; the experts run over a micro-batch's routed tokens at once, never in
+``Plan.mlp_tile_tokens`` tiles (the planner counts a grouped layer's MLP untiled and never pairs groups with
+MLP tiles: ``memory_model.layer_working_set``).
 """
 from __future__ import annotations
 
