@@ -7,11 +7,12 @@ and experts with biases kept as transformers keeps them, input-major: ``gate_up_
 and up interleaved: columns 0, 2, 4, ... gate, 1, 3, 5, ... up), ``gate_up_proj_bias`` [E, 2I], ``down_proj``
 [E, I, hidden], ``down_proj_bias`` [E, hidden]. An expert computes the clamped SwiGLU: gate clamped above at
 ``SWIGLU_LIMIT``, up to +-``SWIGLU_LIMIT``, (up + 1) x gate x sigmoid(``SWIGLU_ALPHA`` x gate), then down with
-its bias; its output scaled by the token's weight is added into the token's row expert by expert
-(``index_add_``), as ``GptOssExperts`` does. Norms multiply in fp32 and then cast (``GptOssRMSNorm``).
+its bias; its output scaled by the token's weight is added into the token's row (``index_add_``), as
+``GptOssExperts`` does, run over the routing sorted by expert as grouped matrix multiplies (each pair's biases
+gathered by its expert) or expert by expert ([Note: grouped experts] in ``layers/sorted_experts.py``). Norms
+multiply in fp32 and then cast (``GptOssRMSNorm``).
 
-An expert no token is routed to does not run (one host read of its routed tokens per expert, as transformers'
-loop): its gradient, biases included, is zero and AdamW still decays it.
+An expert no token is routed to gets no row: its gradient, biases included, is zero and AdamW still decays it.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from megatrain.models.family import DecoderSpec
 from megatrain.models.layers import decoder
 from megatrain.models.layers import routing_observer
 from megatrain.models.layers.attention import Documents, sink_attention
+from megatrain.models.layers.sorted_experts import ExpertTensors, add_experts, grouped_mm_runs, sort_pairs
 from megatrain.models.olmo2.blocks import RMSNorm
 
 __all__ = ["EmbeddingBlock", "DecoderLayer", "HeadBlock", "SWIGLU_ALPHA", "SWIGLU_LIMIT"]
@@ -75,13 +77,11 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]; weights, experts [T, k] -> [T, hidden]."""
         out = torch.zeros_like(x)
-        for e in range(self.gate_up_proj.shape[0]):
-            token, slot = torch.where(experts == e)  # the one host read of the routing, per expert
-            if token.numel() == 0:
-                continue
-            gate_up = x[token] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
-            y = clamped_swiglu(gate_up) @ self.down_proj[e] + self.down_proj_bias[e]
-            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        tensors = ExpertTensors(self.gate_up_proj, self.down_proj, clamped_swiglu, self.gate_up_proj_bias,
+                                self.down_proj_bias)
+        grouped = grouped_mm_runs(x, tensors)
+        pairs = sort_pairs(experts, self.gate_up_proj.shape[0], read_starts=not grouped)
+        add_experts(out, x, weights, pairs, tensors, grouped=grouped)
         return out
 
 

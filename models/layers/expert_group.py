@@ -4,13 +4,13 @@ the norms, the router, Qwen2-MoE's shared expert) and groups of its experts. The
 
 ``dense`` runs the attention half and routes: the tokens the experts read (the post-attention norm of h), the
 routing, and the shared expert's term. ``route`` sorts a micro-batch's (token, choice) pairs by expert once
-(stable: each expert's tokens in ascending order, the order ``torch.where`` gives the whole layer's loop) and
-reads the per-expert counts to the host once: one host sync per layer pass and micro-batch, where the whole
-layer's loop (``Experts.forward``) has one per expert. ``add_group`` runs experts [first, first + g) as
-``Experts.forward`` runs each one and adds their weighted outputs into ``out`` with ``index_add_`` in ascending
-expert order; over every group in turn that is the whole layer's loop, operation for operation, so the forward
-is bitwise the whole layer's. ``finish`` adds the shared term and the residual as ``SparseMLP`` and
-``DecoderLayer`` do.
+(``sorted_experts.sort_pairs``) and reads the per-expert starts to the host once: one host sync per layer pass
+and micro-batch, which slices each group's rows (grouped path) or each expert's (loop). ``add_group`` runs
+experts [first, first + g) through ``sorted_experts.add_experts`` as ``Experts.forward`` runs all of them, on the
+path the same rule picks ([Note: grouped experts]), their weighted outputs added into ``out`` with
+``index_add_`` in ascending expert order; over every group in turn that is the whole layer's computation in its
+order (on the CPU bitwise; on CUDA's grouped path the kernel's tiles may differ with the group's shape).
+``finish`` adds the shared term and the residual as ``SparseMLP`` and ``DecoderLayer`` do.
 
 Only the pre-norm decoder layer with ``SparseMLP`` and its ``Experts`` splits so (``splits``); another family's
 layer (its own experts or norms) streams whole.
@@ -20,21 +20,20 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
 from megatrain.models.layers.attention import Documents
 from megatrain.models.layers.decoder import DecoderLayer
 from megatrain.models.layers.moe import Experts, SparseMLP
+from megatrain.models.layers.sorted_experts import SortedPairs, add_experts, sort_pairs
 
 GATE_UP, DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
 
 
 class Routing(NamedTuple):
     weights: torch.Tensor  # [T, k]: each token's expert weights (in the compute dtype where the family casts them)
-    order: torch.Tensor  # [T x k] int64: token x k + choice, sorted by expert (stable)
-    starts: list[int]  # host: expert e's pairs are order[starts[e]:starts[e + 1]]
+    pairs: SortedPairs  # the (token, choice) pairs sorted by expert, their starts read to the host
 
 
 class Routed(NamedTuple):
@@ -75,30 +74,16 @@ def dense(layer: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, co
 
 def route(weights: torch.Tensor, experts: torch.Tensor, num_experts: int) -> Routing:
     """The (token, choice) pairs of experts [T, k] sorted by expert, and each expert's range (one host read)."""
-    flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    starts = [0] + torch.cumsum(counts, 0).tolist()  # the host sync of this layer pass and micro-batch
-    return Routing(weights, order, starts)
+    return Routing(weights, sort_pairs(experts, num_experts, read_starts=True))
 
 
 def add_group(layer: nn.Module, out: torch.Tensor, tokens: torch.Tensor, routing: Routing, gate_up: torch.Tensor,
               down: torch.Tensor, first: int) -> bool:
     """Experts [first, first + g) (gate_up [g, 2I, hidden], down [g, hidden, I]) over their tokens
-    (tokens [T, hidden]), their weighted outputs added into out [T, hidden] expert by expert, as
-    ``Experts.forward`` does. Returns whether any of them had a token."""
-    act, k, ran = layer.mlp.experts.act_fn, routing.weights.shape[1], False
-    for j in range(gate_up.shape[0]):
-        lo, hi = routing.starts[first + j], routing.starts[first + j + 1]
-        if lo == hi:
-            continue
-        pairs = routing.order[lo:hi]
-        token, slot = pairs // k, pairs % k
-        gate, up = F.linear(tokens[token], gate_up[j]).chunk(2, dim=-1)
-        y = F.linear(act(gate) * up, down[j]) * routing.weights[token, slot, None]
-        out.index_add_(0, token, y.to(out.dtype))
-        ran = True
-    return ran
+    (tokens [T, hidden]), their weighted outputs added into out [T, hidden], as ``Experts.forward`` adds them.
+    Returns whether any of them had a token."""
+    experts = layer.mlp.experts
+    return add_experts(out, tokens, routing.weights, routing.pairs, experts.tensors(gate_up, down), first)
 
 
 def finish(routed: Routed, experts_out: torch.Tensor) -> torch.Tensor:

@@ -147,7 +147,7 @@ class ExpertLayers:
         gate_up, down = params[GATE_UP].detach().requires_grad_(), params[DOWN].detach().requires_grad_()
         with torch.enable_grad():
             out = torch.zeros_like(tokens)
-            ran = expert_group.add_group(self.layer, out, tokens, Routing(weights, routing.order, routing.starts),
+            ran = expert_group.add_group(self.layer, out, tokens, Routing(weights, routing.pairs),
                                          gate_up, down, first)
         if not ran:  # no token reached these experts: their gradient stays zero
             return
