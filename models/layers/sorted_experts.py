@@ -132,18 +132,22 @@ def _loop(out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, order: torc
           tensors: ExpertTensors, k: int) -> bool:
     """The loop: expert j over order[starts[j]:starts[j + 1]] (host ints), as transformers' eager loop."""
     ran = False
-    for j in range(tensors.gate_up.shape[0]):
+    # one view per expert from one unbind: its backward stacks the experts' gradients once, where indexing each
+    # expert would add a zero-filled gradient of the whole fused tensor per expert
+    gate_up, down = tensors.gate_up.unbind(0), tensors.down.unbind(0)
+    gate_up_bias, down_bias = (None if b is None else b.unbind(0) for b in (tensors.gate_up_bias, tensors.down_bias))
+    for j in range(len(gate_up)):
         lo, hi = starts[j], starts[j + 1]
         if lo == hi:
             continue
         pairs = order[lo:hi]
         token, slot = pairs // k, pairs % k
-        hidden = x[token] @ tensors.gate_up[j]
-        if tensors.gate_up_bias is not None:
-            hidden = hidden + tensors.gate_up_bias[j]
-        y = tensors.glu(hidden) @ tensors.down[j]
-        if tensors.down_bias is not None:
-            y = y + tensors.down_bias[j]
+        hidden = x[token] @ gate_up[j]
+        if gate_up_bias is not None:
+            hidden = hidden + gate_up_bias[j]
+        y = tensors.glu(hidden) @ down[j]
+        if down_bias is not None:
+            y = y + down_bias[j]
         out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         ran = True
     return ran
