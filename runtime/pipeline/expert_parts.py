@@ -29,10 +29,10 @@ whole layer, so the other gradients differ by float32 rounding noise.
 Cost of streaming in parts: the dense part is loaded three times a step instead of twice and its forward
 recomputed twice in backward (for Qwen3-235B-A22B 3% of a layer's bytes and about a third of its FLOPs per
 token); the routed state of every micro-batch is held while the groups pass (``memory_model``'s term).
-Host syncs: one read of the per-expert counts per layer pass and micro-batch (``expert_group.route``); the
-whole layer's loop reads the routing once per expert. Not streamed in parts: data-parallel ranks, blocks whose
-gradients spill, and in fp32 blocks whose master spills (their loads read whole chunks of the master file);
-those are refused in one line.
+Host syncs: one read of the per-expert counts per layer pass and micro-batch (``expert_group.route``); a
+whole layer reads none on the grouped path and one on the loop ([Note: grouped experts]). Not streamed in
+parts: data-parallel ranks, blocks whose gradients spill, and in fp32 blocks whose master spills (their loads
+read whole chunks of the master file); those are refused in one line.
 """
 from __future__ import annotations
 
