@@ -30,7 +30,7 @@ def one_pass(experts: Experts, x: torch.Tensor, weights: torch.Tensor, chosen: t
     start = time.perf_counter()
     out = torch.zeros_like(x)
     pairs = sorted_experts.sort_pairs(chosen, experts.gate_up_proj.shape[0], read_starts=not grouped)
-    sorted_experts.add_experts(out, x, weights, pairs, experts.tensors(experts.gate_up_proj, experts.down_proj),
+    sorted_experts.add_experts(out, x, weights, pairs, experts.tensors(dict(experts.named_parameters())),
                                grouped=grouped)
     torch.autograd.grad(out, (x, experts.gate_up_proj, experts.down_proj), torch.ones_like(out))
     if device == "cuda":
@@ -60,7 +60,7 @@ def main() -> None:
     logits = torch.randn(a.tokens, a.experts, device=a.device)
     weights, chosen = torch.topk(torch.softmax(logits, -1), a.top_k, dim=-1)
     weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
-    rule = sorted_experts.grouped_mm_runs(x, experts.tensors(experts.gate_up_proj, experts.down_proj))
+    rule = sorted_experts.grouped_mm_runs(x, experts.tensors(dict(experts.named_parameters())))
     load_before = os.getloadavg()[0]
     for grouped in (True, False):  # warm-up
         one_pass(experts, x, weights, chosen, grouped, a.device)

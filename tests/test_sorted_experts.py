@@ -120,10 +120,7 @@ def test_grouped_equals_loop(family):
 
 
 def _tensors(ours: torch.nn.Module, family: str) -> sorted_experts.ExpertTensors:
-    if family == "gpt_oss":
-        return sorted_experts.ExpertTensors(ours.gate_up_proj, ours.down_proj, gpt_oss.clamped_swiglu,
-                                            ours.gate_up_proj_bias, ours.down_proj_bias)
-    return ours.tensors(ours.gate_up_proj, ours.down_proj)
+    return ours.tensors(dict(ours.named_parameters()))
 
 
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "loop"])
@@ -159,7 +156,7 @@ def test_sort_pairs_is_torch_where_order():
 def test_rule():
     x = torch.zeros(4, H)
     t = moe.Experts(SimpleNamespace(num_experts=E, hidden_size=H, moe_intermediate_size=I, hidden_act="silu"))
-    tensors = t.tensors(t.gate_up_proj, t.down_proj)
+    tensors = t.tensors(dict(t.named_parameters()))
     assert sorted_experts.grouped_mm_runs(x, tensors) == sorted_experts.CPU_GROUPED
     assert not sorted_experts.grouped_mm_runs(x.bfloat16(), tensors._replace(
         gate_up=tensors.gate_up.bfloat16(), down=tensors.down.bfloat16()))
@@ -181,7 +178,7 @@ def test_grouped_bf16_cuda():
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     experts = torch.stack([torch.randperm(e - 2, device="cuda")[:k] for _ in range(t)])  # the last two: no token
     weights = torch.softmax(torch.randn(t, k, device="cuda"), -1).bfloat16()
-    tensors = ours.tensors(ours.gate_up_proj, ours.down_proj)
+    tensors = ours.tensors(dict(ours.named_parameters()))
     assert sorted_experts.grouped_mm_runs(x, tensors)
     results = []
     for grouped in (True, False):

@@ -16,6 +16,8 @@ An expert no token is routed to gets no row: its gradient, biases included, is z
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,7 +26,7 @@ from megatrain.models.family import DecoderSpec
 from megatrain.models.layers import decoder
 from megatrain.models.layers import routing_observer
 from megatrain.models.layers.attention import Documents, sink_attention
-from megatrain.models.layers.sorted_experts import ExpertTensors, add_experts, grouped_mm_runs, sort_pairs
+from megatrain.models.layers.sorted_experts import ExpertTensors, FusedExperts
 from megatrain.models.olmo2.blocks import RMSNorm
 
 __all__ = ["EmbeddingBlock", "DecoderLayer", "HeadBlock", "SWIGLU_ALPHA", "SWIGLU_LIMIT"]
@@ -63,8 +65,10 @@ class Router(nn.Module):
         return torch.softmax(top, dim=1, dtype=top.dtype), experts
 
 
-class Experts(nn.Module):
+class Experts(FusedExperts):
     """``mlp.experts``: the fused expert tensors and their biases (module docstring)."""
+
+    FUSED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
     def __init__(self, config: DecoderSpec) -> None:
         super().__init__()
@@ -74,15 +78,10 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, i, h))
         self.down_proj_bias = nn.Parameter(torch.empty(e, h))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden]; weights, experts [T, k] -> [T, hidden]."""
-        out = torch.zeros_like(x)
-        tensors = ExpertTensors(self.gate_up_proj, self.down_proj, clamped_swiglu, self.gate_up_proj_bias,
-                                self.down_proj_bias)
-        grouped = grouped_mm_runs(x, tensors)
-        pairs = sort_pairs(experts, self.gate_up_proj.shape[0], read_starts=not grouped)
-        add_experts(out, x, weights, pairs, tensors, grouped=grouped)
-        return out
+    def tensors(self, fused: Mapping[str, torch.Tensor]) -> ExpertTensors:
+        """The input-major tensors as they are, the clamped SwiGLU, the biases."""
+        return ExpertTensors(fused["gate_up_proj"], fused["down_proj"], clamped_swiglu, fused["gate_up_proj_bias"],
+                             fused["down_proj_bias"])
 
 
 def clamped_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -95,6 +94,8 @@ def clamped_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 class SparseMLP(nn.Module):
     """Router, then experts. x [B, S, hidden] -> [B, S, hidden]."""
+
+    ROUTER = "router"  # the router's attribute (expert_group.dense routes with it); its weights in x's dtype
 
     def __init__(self, config: DecoderSpec) -> None:
         super().__init__()

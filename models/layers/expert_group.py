@@ -12,8 +12,10 @@ path the same rule picks ([Note: grouped experts]), their weighted outputs added
 order (on the CPU bitwise; on CUDA's grouped path the kernel's tiles may differ with the group's shape).
 ``finish`` adds the shared term and the residual as ``SparseMLP`` and ``DecoderLayer`` do.
 
-Only the pre-norm decoder layer with ``SparseMLP`` and its ``Experts`` splits so (``splits``); another family's
-layer (its own experts or norms) streams whole.
+The pre-norm decoder layer whose sparse MLP names its router (``ROUTER``: Qwen-MoE and Mixtral's ``gate``,
+gpt-oss's ``router``) and whose experts are ``FusedExperts`` splits so (``splits``); a group's parameters are its
+rows of every fused expert tensor (``expert_names``: gpt-oss's biases with their experts). Another layer streams
+whole.
 """
 from __future__ import annotations
 
@@ -25,10 +27,9 @@ from torch.func import functional_call
 
 from megatrain.models.layers.attention import Documents
 from megatrain.models.layers.decoder import DecoderLayer
-from megatrain.models.layers.moe import Experts, SparseMLP
-from megatrain.models.layers.sorted_experts import SortedPairs, add_experts, sort_pairs
+from megatrain.models.layers.sorted_experts import FusedExperts, SortedPairs, add_experts, sort_pairs
 
-GATE_UP, DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+EXPERTS = "mlp.experts."  # the prefix of a layer's fused expert tensors
 
 
 class Routing(NamedTuple):
@@ -46,8 +47,14 @@ class Routed(NamedTuple):
 
 def splits(layer: nn.Module) -> bool:
     """Whether ``layer`` (a decoder-layer template) computes in a dense part and expert groups as this module does."""
+    mlp = getattr(layer, "mlp", None)
     return (isinstance(layer, DecoderLayer) and type(layer).mlp_branch is DecoderLayer.mlp_branch
-            and isinstance(layer.mlp, SparseMLP) and type(layer.mlp.experts) is Experts)
+            and isinstance(getattr(mlp, "experts", None), FusedExperts) and hasattr(mlp, "ROUTER"))
+
+
+def expert_names(layer: nn.Module) -> tuple[str, ...]:
+    """The local names of a splitting layer's fused expert tensors (one row per expert each), in layout order."""
+    return tuple(EXPERTS + name for name in layer.mlp.experts.FUSED)
 
 
 def _sub(params: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -61,15 +68,15 @@ def dense(layer: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, co
     t = functional_call(layer.post_attention_layernorm, _sub(params, "post_attention_layernorm."), (h,))
     tokens = t.reshape(-1, t.shape[-1])
     mlp = layer.mlp
-    weights, experts = functional_call(mlp.gate, _sub(params, "mlp.gate."), (tokens,))
-    if mlp.weights_in_compute_dtype:
+    weights, experts = functional_call(getattr(mlp, mlp.ROUTER), _sub(params, f"mlp.{mlp.ROUTER}."), (tokens,))
+    if getattr(mlp, "weights_in_compute_dtype", False):
         weights = weights.to(x.dtype)
     shared = None
     if hasattr(mlp, "shared_expert"):
         gate = functional_call(mlp.shared_expert_gate, _sub(params, "mlp.shared_expert_gate."), (tokens,))
         shared = torch.sigmoid(gate) * functional_call(mlp.shared_expert, _sub(params, "mlp.shared_expert."),
                                                        (tokens,))
-    return Routed(h, tokens, route(weights, experts, mlp.experts.gate_up_proj.shape[0]), shared)
+    return Routed(h, tokens, route(weights, experts, getattr(mlp, mlp.ROUTER).weight.shape[0]), shared)
 
 
 def route(weights: torch.Tensor, experts: torch.Tensor, num_experts: int) -> Routing:
@@ -77,13 +84,13 @@ def route(weights: torch.Tensor, experts: torch.Tensor, num_experts: int) -> Rou
     return Routing(weights, sort_pairs(experts, num_experts, read_starts=True))
 
 
-def add_group(layer: nn.Module, out: torch.Tensor, tokens: torch.Tensor, routing: Routing, gate_up: torch.Tensor,
-              down: torch.Tensor, first: int) -> bool:
-    """Experts [first, first + g) (gate_up [g, 2I, hidden], down [g, hidden, I]) over their tokens
-    (tokens [T, hidden]), their weighted outputs added into out [T, hidden], as ``Experts.forward`` adds them.
-    Returns whether any of them had a token."""
-    experts = layer.mlp.experts
-    return add_experts(out, tokens, routing.weights, routing.pairs, experts.tensors(gate_up, down), first)
+def add_group(layer: nn.Module, out: torch.Tensor, tokens: torch.Tensor, routing: Routing,
+              params: dict[str, torch.Tensor], first: int) -> bool:
+    """Experts [first, first + g) (``params``: their rows [g, ...] of each fused tensor, by local name) over their
+    tokens (tokens [T, hidden]), their weighted outputs added into out [T, hidden], as the experts' forward adds
+    them. Returns whether any of them had a token."""
+    tensors = layer.mlp.experts.tensors(_sub(params, EXPERTS))
+    return add_experts(out, tokens, routing.weights, routing.pairs, tensors, first)
 
 
 def finish(routed: Routed, experts_out: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,8 @@ per expert); the output does not depend on the order of the tokens or on sequenc
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,7 +24,7 @@ from torch import nn
 from megatrain.models.family import DecoderSpec
 from megatrain.models.layers import routing_observer
 from megatrain.models.layers.decoder import ACTIVATIONS, MLP
-from megatrain.models.layers.sorted_experts import ExpertTensors, add_experts, grouped_mm_runs, sort_pairs
+from megatrain.models.layers.sorted_experts import ExpertTensors, FusedExperts
 
 
 class Router(nn.Module):
@@ -48,8 +50,10 @@ class Router(nn.Module):
         return weights, experts
 
 
-class Experts(nn.Module):
+class Experts(FusedExperts):
     """``mlp.experts``: gate_up_proj [E, 2I, hidden] (gate rows, then up rows), down_proj [E, hidden, I]."""
+
+    FUSED = ("gate_up_proj", "down_proj")
 
     def __init__(self, config: DecoderSpec) -> None:
         super().__init__()
@@ -58,19 +62,9 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         self.act_fn = ACTIVATIONS[config.hidden_act]
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden]; weights, experts [T, k] -> [T, hidden]."""
-        out = torch.zeros_like(x)
-        tensors = self.tensors(self.gate_up_proj, self.down_proj)
-        grouped = grouped_mm_runs(x, tensors)
-        pairs = sort_pairs(experts, self.gate_up_proj.shape[0], read_starts=not grouped)
-        add_experts(out, x, weights, pairs, tensors, grouped=grouped)
-        return out
-
-    def tensors(self, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertTensors:
-        """Fused experts gate_up [g, 2I, hidden], down [g, hidden, I] (all of them or a group) as the matmuls
-        see them: input-major views, the chunked GLU."""
-        return ExpertTensors(gate_up.transpose(1, 2), down.transpose(1, 2), self.glu)
+    def tensors(self, fused: Mapping[str, torch.Tensor]) -> ExpertTensors:
+        """Input-major views of the output-major fused tensors, the chunked GLU."""
+        return ExpertTensors(fused["gate_up_proj"].transpose(1, 2), fused["down_proj"].transpose(1, 2), self.glu)
 
     def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[n, 2I] (gate, then up) -> act(gate) x up [n, I]."""
@@ -81,6 +75,8 @@ class Experts(nn.Module):
 class SparseMLP(nn.Module):
     """Router and experts (registered in the family's order: ``router_first``), and the shared expert with its
     gate when ``shared_expert_intermediate_size`` > 0. x [B, S, hidden] -> [B, S, hidden]."""
+
+    ROUTER = "gate"  # the router's attribute (expert_group.dense routes with it)
 
     def __init__(self, config: DecoderSpec, router_first: bool = True, weights_in_compute_dtype: bool = True) -> None:
         super().__init__()

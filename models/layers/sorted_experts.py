@@ -32,9 +32,10 @@ scaling), so none reaches it.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 import torch
+from torch import nn
 
 # The CPU's float32 path, by measurement (benchmarks/grouped_experts.py, torch 2.13, 2 shared cores): one
 # qwen3-moe-100m layer's experts (h 512, 16 experts of width 576, 2 per token, 256 tokens) forward and backward
@@ -58,6 +59,26 @@ class ExpertTensors(NamedTuple):
     glu: Callable[[torch.Tensor], torch.Tensor]  # [n, 2I] -> [n, I]: the family's gated activation
     gate_up_bias: torch.Tensor | None = None  # [g, 2I]
     down_bias: torch.Tensor | None = None  # [g, hidden]
+
+
+class FusedExperts(nn.Module):
+    """A family's experts as fused tensors (``FUSED``: their names, each [E, ...] with one row per expert, in
+    registration order) that run through ``add_experts``; ``tensors`` says how the matmuls see them."""
+
+    FUSED: tuple[str, ...] = ()
+
+    def tensors(self, fused: Mapping[str, torch.Tensor]) -> ExpertTensors:
+        """The fused tensors by name (all experts or a group's rows) as ``ExpertTensors``."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden]; weights, experts [T, k] -> [T, hidden]."""
+        out = torch.zeros_like(x)
+        tensors = self.tensors({name: getattr(self, name) for name in self.FUSED})
+        grouped = grouped_mm_runs(x, tensors)
+        pairs = sort_pairs(experts, tensors.gate_up.shape[0], read_starts=not grouped)
+        add_experts(out, x, weights, pairs, tensors, grouped=grouped)
+        return out
 
 
 def sort_pairs(experts: torch.Tensor, num_experts: int, read_starts: bool) -> SortedPairs:
