@@ -19,8 +19,8 @@ end among them is found on the device (``searchsorted`` on the sorted experts: n
 
 - CUDA: bf16 operands on compute capability 9.x or 10.x (torch's CUTLASS grouped kernel), every stride but the
   unit one a multiple of 16 bytes and 16-byte aligned bases (the kernel's requirement). Elsewhere torch's own
-  fallback loops over the groups after reading ``offs`` to the host (one sync per call, three calls per
-  matrix in the backward), so megatrain's loop with one read per layer pass is the better fallback.
+  fallback loops over the groups after reading ``offs`` to the host (one sync per call: per weight one in the
+  forward and two in the backward), so megatrain's loop with one read per layer pass is the better fallback.
 - CPU: float32, where torch 2.13's kernel is measured faster than the loop (``CPU_GROUPED``).
 
 Both paths give transformers' results to float32 rounding (on the CPU the grouped path's forward and parameter
