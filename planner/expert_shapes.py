@@ -48,22 +48,26 @@ class ExpertShape:
             return intermediate_size
         return self.num_experts_per_tok * self.moe_intermediate_size + self.shared_expert_intermediate_size
 
-    def experts_numel(self, hidden_size: int) -> int:
+    def experts_numel(self, hidden_size: int, rows: tuple[int, ...] | None = None) -> int:
         """Elements of a layer's fused expert tensors in its flat buffer: X = a(E x 2I x h) + a(E x h x I), a(n) n
-        rounded up to the layout's 64 elements (gate_up_proj [E, 2I, h], then down_proj [E, h, I])."""
-        e, i = self.num_experts, self.moe_intermediate_size
-        return aligned(e * 2 * i * hidden_size) + aligned(e * hidden_size * i)
+        rounded up to the layout's 64 elements (gate_up_proj [E, 2I, h], then down_proj [E, h, I]); ``rows``:
+        each fused tensor's elements per expert, in layout order, where the family has others (gpt-oss's
+        biases: 2I and h)."""
+        return sum(aligned(self.num_experts * r) for r in rows or self._rows(hidden_size))
 
-    def group_numel(self, hidden_size: int, group: int) -> int:
+    def group_numel(self, hidden_size: int, group: int, rows: tuple[int, ...] | None = None) -> int:
         """Elements of the largest group of ``group`` experts in a slot: Xg = a(g x 2I x h) + a(g x h x I) for a
-        whole group, and for the last one (E - lo experts from lo, reaching to the end of each fused tensor's
-        padding) a(a(E x 2I x h) - lo x 2I x h) + a(a(E x h x I) - lo x h x I); the larger."""
-        e, per_up, per_down = self.num_experts, 2 * self.moe_intermediate_size * hidden_size, \
-            hidden_size * self.moe_intermediate_size
+        whole group (a sum over ``rows``, as ``experts_numel``), and for the last one (E - lo experts from lo,
+        reaching to the end of each fused tensor's padding) a(a(E x 2I x h) - lo x 2I x h) + a(a(E x h x I) -
+        lo x h x I); the larger."""
+        e, rows = self.num_experts, rows or self._rows(hidden_size)
         g = min(group, e)
         lo = (e - 1) // g * g  # the last group's first expert
-        last = aligned(aligned(e * per_up) - lo * per_up) + aligned(aligned(e * per_down) - lo * per_down)
-        return max(aligned(g * per_up) + aligned(g * per_down), last) if lo else last
+        last = sum(aligned(aligned(e * r) - lo * r) for r in rows)
+        return max(sum(aligned(g * r) for r in rows), last) if lo else last
+
+    def _rows(self, hidden_size: int) -> tuple[int, int]:
+        return 2 * self.moe_intermediate_size * hidden_size, hidden_size * self.moe_intermediate_size
 
     def group_sizes(self) -> tuple[int | None, ...]:
         """The expert-group sizes the search tries, fewest groups first: whole layers (None), then every divisor

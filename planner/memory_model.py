@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from . import buffer_kinds, kept_layers, spill_placement
 from .attention_memory import attention_working_set
+from .block_parameters import LAYER
 from .buffer_kinds import BufferKind, crosses_pcie, spill_chunk_numel
 from .hardware import GiB, HardwareProfile
 from .model_shapes import ModelShape
@@ -324,13 +325,15 @@ def slot_numel(model: ModelShape, plan: Plan) -> tuple[int, str]:
       Bu = max(E, Hd, D, Xg), D = layer - X
     with E the embedding's and Hd the head's elements, X the layer's fused experts and Xg the largest group
     (``ExpertShape.experts_numel``, ``group_numel``: a(g x 2I x h) + a(g x h x I), a(n) n rounded up to 64
-    elements), D the dense part (attention, norms, router, shared expert). The device budget bounds g."""
+    elements; gpt-oss adds its biases' rows, a(g x 2I) + a(g x h)), D the dense part (attention, norms, router,
+    shared expert). The device budget bounds g."""
     if not grouped(model, plan):
         return model.numel_largest_block, "Bmax"
-    h = model.hidden_size
-    dense = model.numel_layer - model.experts.experts_numel(h)
+    h, e = model.hidden_size, model.experts.num_experts
+    rows = tuple(p.numel // e for p in model.table(LAYER) if p.name.startswith("mlp.experts."))  # per expert
+    dense = model.numel_layer - model.experts.experts_numel(h, rows)
     assert plan.expert_group_size is not None
-    group = model.experts.group_numel(h, plan.expert_group_size)
+    group = model.experts.group_numel(h, plan.expert_group_size, rows)
     return max(model.numel_embedding, model.numel_head, dense, group), "Bu"
 
 

@@ -1,7 +1,6 @@
 """The mixture-of-experts families against transformers under the plans megatrain may run them with: for a drawn
-family (Mixtral, Qwen3-MoE, Qwen2-MoE with its shared expert, gpt-oss), micro-batch size, expert-group size (gpt-oss
-streams whole layers: ``Family.expert_groups``), attention sequence tile and MLP sequence tile, a tiny model of
-transformers' trains 3 fp32 AdamW steps with clipping as transformers' own model does under ``torch.optim.AdamW``
+family (Mixtral, Qwen3-MoE, Qwen2-MoE with its shared expert, gpt-oss), micro-batch size, expert-group size,
+attention sequence tile and MLP sequence tile, a tiny model of transformers' trains 3 fp32 AdamW steps with clipping as transformers' own model does under ``torch.optim.AdamW``
 (``hf_reference.assert_matches_transformers``: logits, each step's loss, the weights after). A handful of examples
 under the fast hypothesis profile, all of them under ``thorough``.
 """
@@ -31,5 +30,5 @@ def test_moe_families_train_like_transformers_under_any_plan(family: str, micro:
                                                              mlp_tile: int | None) -> None:
     config, hf = test_gpt_oss._hf_model() if family == "gpt_oss" else test_moe._hf_model(family)
     plan = Plan(micro_batch_size=micro, loss_chunk_tokens=16, attention_tile_tokens=attention_tile,
-                mlp_tile_tokens=mlp_tile, expert_group_size=None if family == "gpt_oss" else group)
+                mlp_tile_tokens=mlp_tile, expert_group_size=group)
     assert_matches_transformers(config.vocab_size, hf, ModelConfig.from_hf(config.to_dict()), steps=3, plan=plan)

@@ -7,13 +7,16 @@ and experts with biases kept as transformers keeps them, input-major: ``gate_up_
 and up interleaved: columns 0, 2, 4, ... gate, 1, 3, 5, ... up), ``gate_up_proj_bias`` [E, 2I], ``down_proj``
 [E, I, hidden], ``down_proj_bias`` [E, hidden]. An expert computes the clamped SwiGLU: gate clamped above at
 ``SWIGLU_LIMIT``, up to +-``SWIGLU_LIMIT``, (up + 1) x gate x sigmoid(``SWIGLU_ALPHA`` x gate), then down with
-its bias; its output scaled by the token's weight is added into the token's row expert by expert
-(``index_add_``), as ``GptOssExperts`` does. Norms multiply in fp32 and then cast (``GptOssRMSNorm``).
+its bias; its output scaled by the token's weight is added into the token's row (``index_add_``), as
+``GptOssExperts`` does, run over the routing sorted by expert as grouped matrix multiplies (each pair's biases
+gathered by its expert) or expert by expert ([Note: grouped experts] in ``layers/sorted_experts.py``). Norms
+multiply in fp32 and then cast (``GptOssRMSNorm``).
 
-An expert no token is routed to does not run (one host read of its routed tokens per expert, as transformers'
-loop): its gradient, biases included, is zero and AdamW still decays it.
+An expert no token is routed to gets no row: its gradient, biases included, is zero and AdamW still decays it.
 """
 from __future__ import annotations
+
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,7 @@ from megatrain.models.family import DecoderSpec
 from megatrain.models.layers import decoder
 from megatrain.models.layers import routing_observer
 from megatrain.models.layers.attention import Documents, sink_attention
+from megatrain.models.layers.sorted_experts import ExpertTensors, FusedExperts
 from megatrain.models.olmo2.blocks import RMSNorm
 
 __all__ = ["EmbeddingBlock", "DecoderLayer", "HeadBlock", "SWIGLU_ALPHA", "SWIGLU_LIMIT"]
@@ -61,8 +65,10 @@ class Router(nn.Module):
         return torch.softmax(top, dim=1, dtype=top.dtype), experts
 
 
-class Experts(nn.Module):
+class Experts(FusedExperts):
     """``mlp.experts``: the fused expert tensors and their biases (module docstring)."""
+
+    FUSED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
     def __init__(self, config: DecoderSpec) -> None:
         super().__init__()
@@ -72,17 +78,10 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, i, h))
         self.down_proj_bias = nn.Parameter(torch.empty(e, h))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden]; weights, experts [T, k] -> [T, hidden]."""
-        out = torch.zeros_like(x)
-        for e in range(self.gate_up_proj.shape[0]):
-            token, slot = torch.where(experts == e)  # the one host read of the routing, per expert
-            if token.numel() == 0:
-                continue
-            gate_up = x[token] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
-            y = clamped_swiglu(gate_up) @ self.down_proj[e] + self.down_proj_bias[e]
-            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
-        return out
+    def tensors(self, fused: Mapping[str, torch.Tensor]) -> ExpertTensors:
+        """The input-major tensors as they are, the clamped SwiGLU, the biases."""
+        return ExpertTensors(fused["gate_up_proj"], fused["down_proj"], clamped_swiglu, fused["gate_up_proj_bias"],
+                             fused["down_proj_bias"])
 
 
 def clamped_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -95,6 +94,8 @@ def clamped_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 class SparseMLP(nn.Module):
     """Router, then experts. x [B, S, hidden] -> [B, S, hidden]."""
+
+    ROUTER = "router"  # the router's attribute (expert_group.dense routes with it); its weights in x's dtype
 
     def __init__(self, config: DecoderSpec) -> None:
         super().__init__()

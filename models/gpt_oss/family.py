@@ -92,5 +92,5 @@ FAMILY = Family(
     defaults={"max_position_embeddings": 131072, "head_dim": 64, "rms_norm_eps": 1e-5, "rope": {
         "rope_theta": 150000.0, "rope_parameters": YARN}},
     presets=(_gpt_oss("gpt-oss-20b", 24, 32), _gpt_oss("gpt-oss-120b", 36, 128)),
-    layer=layer, blocks="megatrain.models.gpt_oss.blocks", expert_groups=False,  # its own experts: whole layers
+    layer=layer, blocks="megatrain.models.gpt_oss.blocks",
 )

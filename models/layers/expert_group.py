@@ -4,37 +4,37 @@ the norms, the router, Qwen2-MoE's shared expert) and groups of its experts. The
 
 ``dense`` runs the attention half and routes: the tokens the experts read (the post-attention norm of h), the
 routing, and the shared expert's term. ``route`` sorts a micro-batch's (token, choice) pairs by expert once
-(stable: each expert's tokens in ascending order, the order ``torch.where`` gives the whole layer's loop) and
-reads the per-expert counts to the host once: one host sync per layer pass and micro-batch, where the whole
-layer's loop (``Experts.forward``) has one per expert. ``add_group`` runs experts [first, first + g) as
-``Experts.forward`` runs each one and adds their weighted outputs into ``out`` with ``index_add_`` in ascending
-expert order; over every group in turn that is the whole layer's loop, operation for operation, so the forward
-is bitwise the whole layer's. ``finish`` adds the shared term and the residual as ``SparseMLP`` and
-``DecoderLayer`` do.
+(``sorted_experts.sort_pairs``) and reads the per-expert starts to the host once: one host sync per layer pass
+and micro-batch, which slices each group's rows (grouped path) or each expert's (loop). ``add_group`` runs
+experts [first, first + g) through ``sorted_experts.add_experts`` as ``Experts.forward`` runs all of them, on the
+path the same rule picks ([Note: grouped experts]), their weighted outputs added into ``out`` with
+``index_add_`` in ascending expert order; over every group in turn that is the whole layer's computation in its
+order (on the CPU bitwise; on CUDA's grouped path the kernel's tiles may differ with the group's shape).
+``finish`` adds the shared term and the residual as ``SparseMLP`` and ``DecoderLayer`` do.
 
-Only the pre-norm decoder layer with ``SparseMLP`` and its ``Experts`` splits so (``splits``); another family's
-layer (its own experts or norms) streams whole.
+The pre-norm decoder layer whose sparse MLP names its router (``ROUTER``: Qwen-MoE and Mixtral's ``gate``,
+gpt-oss's ``router``) and whose experts are ``FusedExperts`` splits so (``splits``); a group's parameters are its
+rows of every fused expert tensor (``expert_names``: gpt-oss's biases with their experts). Another layer streams
+whole.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
 from megatrain.models.layers.attention import Documents
 from megatrain.models.layers.decoder import DecoderLayer
-from megatrain.models.layers.moe import Experts, SparseMLP
+from megatrain.models.layers.sorted_experts import FusedExperts, SortedPairs, add_experts, sort_pairs
 
-GATE_UP, DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+EXPERTS = "mlp.experts."  # the prefix of a layer's fused expert tensors
 
 
 class Routing(NamedTuple):
     weights: torch.Tensor  # [T, k]: each token's expert weights (in the compute dtype where the family casts them)
-    order: torch.Tensor  # [T x k] int64: token x k + choice, sorted by expert (stable)
-    starts: list[int]  # host: expert e's pairs are order[starts[e]:starts[e + 1]]
+    pairs: SortedPairs  # the (token, choice) pairs sorted by expert, their starts read to the host
 
 
 class Routed(NamedTuple):
@@ -47,8 +47,14 @@ class Routed(NamedTuple):
 
 def splits(layer: nn.Module) -> bool:
     """Whether ``layer`` (a decoder-layer template) computes in a dense part and expert groups as this module does."""
+    mlp = getattr(layer, "mlp", None)
     return (isinstance(layer, DecoderLayer) and type(layer).mlp_branch is DecoderLayer.mlp_branch
-            and isinstance(layer.mlp, SparseMLP) and type(layer.mlp.experts) is Experts)
+            and isinstance(getattr(mlp, "experts", None), FusedExperts) and hasattr(mlp, "ROUTER"))
+
+
+def expert_names(layer: nn.Module) -> tuple[str, ...]:
+    """The local names of a splitting layer's fused expert tensors (one row per expert each), in layout order."""
+    return tuple(EXPERTS + name for name in layer.mlp.experts.FUSED)
 
 
 def _sub(params: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -62,43 +68,29 @@ def dense(layer: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, co
     t = functional_call(layer.post_attention_layernorm, _sub(params, "post_attention_layernorm."), (h,))
     tokens = t.reshape(-1, t.shape[-1])
     mlp = layer.mlp
-    weights, experts = functional_call(mlp.gate, _sub(params, "mlp.gate."), (tokens,))
-    if mlp.weights_in_compute_dtype:
+    weights, experts = functional_call(getattr(mlp, mlp.ROUTER), _sub(params, f"mlp.{mlp.ROUTER}."), (tokens,))
+    if getattr(mlp, "weights_in_compute_dtype", False):
         weights = weights.to(x.dtype)
     shared = None
     if hasattr(mlp, "shared_expert"):
         gate = functional_call(mlp.shared_expert_gate, _sub(params, "mlp.shared_expert_gate."), (tokens,))
         shared = torch.sigmoid(gate) * functional_call(mlp.shared_expert, _sub(params, "mlp.shared_expert."),
                                                        (tokens,))
-    return Routed(h, tokens, route(weights, experts, mlp.experts.gate_up_proj.shape[0]), shared)
+    return Routed(h, tokens, route(weights, experts, getattr(mlp, mlp.ROUTER).weight.shape[0]), shared)
 
 
 def route(weights: torch.Tensor, experts: torch.Tensor, num_experts: int) -> Routing:
     """The (token, choice) pairs of experts [T, k] sorted by expert, and each expert's range (one host read)."""
-    flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    starts = [0] + torch.cumsum(counts, 0).tolist()  # the host sync of this layer pass and micro-batch
-    return Routing(weights, order, starts)
+    return Routing(weights, sort_pairs(experts, num_experts, read_starts=True))
 
 
-def add_group(layer: nn.Module, out: torch.Tensor, tokens: torch.Tensor, routing: Routing, gate_up: torch.Tensor,
-              down: torch.Tensor, first: int) -> bool:
-    """Experts [first, first + g) (gate_up [g, 2I, hidden], down [g, hidden, I]) over their tokens
-    (tokens [T, hidden]), their weighted outputs added into out [T, hidden] expert by expert, as
-    ``Experts.forward`` does. Returns whether any of them had a token."""
-    act, k, ran = layer.mlp.experts.act_fn, routing.weights.shape[1], False
-    for j in range(gate_up.shape[0]):
-        lo, hi = routing.starts[first + j], routing.starts[first + j + 1]
-        if lo == hi:
-            continue
-        pairs = routing.order[lo:hi]
-        token, slot = pairs // k, pairs % k
-        gate, up = F.linear(tokens[token], gate_up[j]).chunk(2, dim=-1)
-        y = F.linear(act(gate) * up, down[j]) * routing.weights[token, slot, None]
-        out.index_add_(0, token, y.to(out.dtype))
-        ran = True
-    return ran
+def add_group(layer: nn.Module, out: torch.Tensor, tokens: torch.Tensor, routing: Routing,
+              params: dict[str, torch.Tensor], first: int) -> bool:
+    """Experts [first, first + g) (``params``: their rows [g, ...] of each fused tensor, by local name) over their
+    tokens (tokens [T, hidden]), their weighted outputs added into out [T, hidden], as the experts' forward adds
+    them. Returns whether any of them had a token."""
+    tensors = layer.mlp.experts.tensors(_sub(params, EXPERTS))
+    return add_experts(out, tokens, routing.weights, routing.pairs, tensors, first)
 
 
 def finish(routed: Routed, experts_out: torch.Tensor) -> torch.Tensor:

@@ -4,15 +4,18 @@ Router: logits = x @ gate.weight^T [T, E]; probabilities = softmax in float32; t
 and their probabilities, renormalised to sum to 1 when ``norm_topk_prob`` (Mixtral always); the runtime's
 observer (``routing_observer``), when one is installed, sees the logits and the chosen experts. Experts: each a
 gated MLP down(act(gate(x)) * up(x)) over the tokens routed to it, its output scaled by the token's weight and
-added into the token's row, expert by expert in ascending order (``index_add_``), as transformers' per-expert
-loop does. Qwen2-MoE adds a shared expert every token runs through, scaled by sigmoid(shared_expert_gate(x)).
+added into the token's row (``index_add_``), run over the routing sorted by expert as grouped matrix multiplies or
+expert by expert ([Note: grouped experts] in ``sorted_experts.py``: which path runs where). Qwen2-MoE adds a
+shared expert every token runs through, scaled by sigmoid(shared_expert_gate(x)).
 
-An expert no token is routed to does not run: its gradient is zero, and AdamW (megatrain's, as
-``torch.optim.AdamW`` on transformers' fused expert tensors) still moves its moments and decays it. The
-routing is decided on the host (one device-to-host read of the routed token positions per expert), as
-transformers' loop does; the output does not depend on the order of the tokens or on sequence tiles.
+An expert no token is routed to gets no row: its gradient is zero, and AdamW (megatrain's, as
+``torch.optim.AdamW`` on transformers' fused expert tensors) still moves its moments and decays it. The grouped
+path reads nothing to the host; the loop reads the per-expert counts once per layer pass (transformers' loop once
+per expert); the output does not depend on the order of the tokens or on sequence tiles.
 """
 from __future__ import annotations
+
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +24,7 @@ from torch import nn
 from megatrain.models.family import DecoderSpec
 from megatrain.models.layers import routing_observer
 from megatrain.models.layers.decoder import ACTIVATIONS, MLP
+from megatrain.models.layers.sorted_experts import ExpertTensors, FusedExperts
 
 
 class Router(nn.Module):
@@ -46,8 +50,10 @@ class Router(nn.Module):
         return weights, experts
 
 
-class Experts(nn.Module):
+class Experts(FusedExperts):
     """``mlp.experts``: gate_up_proj [E, 2I, hidden] (gate rows, then up rows), down_proj [E, hidden, I]."""
+
+    FUSED = ("gate_up_proj", "down_proj")
 
     def __init__(self, config: DecoderSpec) -> None:
         super().__init__()
@@ -56,22 +62,21 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         self.act_fn = ACTIVATIONS[config.hidden_act]
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden]; weights, experts [T, k] -> [T, hidden]."""
-        out = torch.zeros_like(x)
-        for e in range(self.gate_up_proj.shape[0]):
-            token, slot = torch.where(experts == e)  # the one host read of the routing, per expert
-            if token.numel() == 0:
-                continue
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(self.act_fn(gate) * up, self.down_proj[e]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+    def tensors(self, fused: Mapping[str, torch.Tensor]) -> ExpertTensors:
+        """Input-major views of the output-major fused tensors, the chunked GLU."""
+        return ExpertTensors(fused["gate_up_proj"].transpose(1, 2), fused["down_proj"].transpose(1, 2), self.glu)
+
+    def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[n, 2I] (gate, then up) -> act(gate) x up [n, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
 
 
 class SparseMLP(nn.Module):
     """Router and experts (registered in the family's order: ``router_first``), and the shared expert with its
     gate when ``shared_expert_intermediate_size`` > 0. x [B, S, hidden] -> [B, S, hidden]."""
+
+    ROUTER = "gate"  # the router's attribute (expert_group.dense routes with it)
 
     def __init__(self, config: DecoderSpec, router_first: bool = True, weights_in_compute_dtype: bool = True) -> None:
         super().__init__()

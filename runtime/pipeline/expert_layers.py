@@ -13,7 +13,7 @@ import torch
 from torch.profiler import record_function
 
 from megatrain.models.layers import expert_group
-from megatrain.models.layers.expert_group import DOWN, GATE_UP, Routed, Routing
+from megatrain.models.layers.expert_group import Routed, Routing
 
 from megatrain.runtime.model.templates import BlockKind, Templates
 from megatrain.runtime.pipeline.activation_checkpoints import DeviceCheckpoints, HostCheckpoints
@@ -89,8 +89,7 @@ class ExpertLayers:
             return
         routed, sums = self._forward[layer]
         for r, out in zip(routed, sums):
-            expert_group.add_group(self.layer, out, r.tokens, r.routing, params[GATE_UP], params[DOWN],
-                                   part.experts.start)
+            expert_group.add_group(self.layer, out, r.tokens, r.routing, params, part.experts.start)
         if part.last:
             del self._forward[layer]
             for m, (r, out) in enumerate(zip(routed, sums)):
@@ -144,17 +143,16 @@ class ExpertLayers:
         routing = state.routing[m]
         tokens = state.tokens[m].detach().requires_grad_()
         weights = routing.weights.detach().requires_grad_()
-        gate_up, down = params[GATE_UP].detach().requires_grad_(), params[DOWN].detach().requires_grad_()
+        leaves = {k: v.detach().requires_grad_() for k, v in params.items()}  # the group's rows of each fused tensor
         with torch.enable_grad():
             out = torch.zeros_like(tokens)
-            ran = expert_group.add_group(self.layer, out, tokens, Routing(weights, routing.order, routing.starts),
-                                         gate_up, down, first)
+            ran = expert_group.add_group(self.layer, out, tokens, Routing(weights, routing.pairs), leaves, first)
         if not ran:  # no token reached these experts: their gradient stays zero
             return
-        d = torch.autograd.grad(out, (tokens, weights, gate_up, down), dy.reshape(out.shape))
+        d = torch.autograd.grad(out, (tokens, weights, *leaves.values()), dy.reshape(out.shape))
         state.d_tokens[m].add_(d[0])
         state.d_weights[m].add_(d[1])
-        torch._foreach_add_([grads[GATE_UP], grads[DOWN]], [d[2], d[3]])
+        torch._foreach_add_([grads[n] for n in leaves], list(d[2:]))
 
     def _dense_backward(self, load: Load, state: _Backward, m: int, params: dict[str, torch.Tensor],
                         grads: dict[str, torch.Tensor], dy: torch.Tensor, positions: Positions) -> torch.Tensor:

@@ -6,8 +6,8 @@ A sparse layer is mostly experts (Qwen3-235B-A22B: 2.4B parameters a layer, 97% 
 norms, the router, a shared expert) and its E experts in groups of g (the last one smaller). The block stays
 the unit of host state, AdamW, checkpoints and spill placement; a part is ranges of the block's flat buffer
 (the dense part: what precedes the fused expert tensors and what follows them; group j: its experts' rows of
-``gate_up_proj`` and of ``down_proj``, two ranges, the last group's reaching to the next parameter so the
-parts tile the block) laid out contiguously in a slot. A slot, and a device gradient buffer, holds the largest
+each fused tensor, ``gate_up_proj`` and ``down_proj`` (gpt-oss: and their biases), one range each, the last
+group's reaching to the next parameter so the parts tile the block) laid out contiguously in a slot. A slot, and a device gradient buffer, holds the largest
 part (or embedding, head, other layer), never a whole sparse layer.
 
 Loads of a grouped layer (step_schedule.py): forward, the dense part, then each group; backward, the dense
@@ -29,13 +29,13 @@ whole layer, so the other gradients differ by float32 rounding noise.
 Cost of streaming in parts: the dense part is loaded three times a step instead of twice and its forward
 recomputed twice in backward (for Qwen3-235B-A22B 3% of a layer's bytes and about a third of its FLOPs per
 token); the routed state of every micro-batch is held while the groups pass (``memory_model``'s term).
-Host syncs: one read of the per-expert counts per layer pass and micro-batch (``expert_group.route``); the
-whole layer's loop reads the routing once per expert. Not streamed in parts: data-parallel ranks, blocks whose
-gradients spill, and in fp32 blocks whose master spills (their loads read whole chunks of the master file);
-those are refused in one line. Sequence tiles: the dense part runs its attention half in
-``Plan.attention_tile_tokens`` tiles; the experts run over a micro-batch's routed tokens at once, never in
-``Plan.mlp_tile_tokens`` tiles (the planner counts a grouped layer's MLP untiled and never pairs groups with
-MLP tiles: ``memory_model.layer_working_set``).
+Host syncs: one read of the per-expert counts per layer pass and micro-batch (``expert_group.route``); a
+whole layer reads none on the grouped path and one on the loop ([Note: grouped experts]). Not streamed in
+parts: data-parallel ranks, blocks whose gradients spill, and in fp32 blocks whose master spills (their loads
+read whole chunks of the master file); those are refused in one line. Sequence tiles: the dense part runs its
+attention half in ``Plan.attention_tile_tokens`` tiles; the experts run over a micro-batch's routed tokens at
+once, never in ``Plan.mlp_tile_tokens`` tiles (the planner counts a grouped layer's MLP untiled and never pairs
+groups with MLP tiles: ``memory_model.layer_working_set``).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from megatrain.planner.block_parameters import aligned
 from megatrain.planner.buffer_kinds import BufferKind
 from megatrain.planner.plan import Plan
 
-from megatrain.models.layers.expert_group import DOWN, GATE_UP, splits
+from megatrain.models.layers.expert_group import expert_names, splits
 from megatrain.runtime.errors import ConfigError
 from megatrain.runtime.model.templates import Block, BlockKind, BlockLayout, ParamEntry, Templates
 from megatrain.runtime.state.host_store import HostStore
@@ -73,37 +73,41 @@ def layer_parts(templates: Templates, group_size: int | None) -> dict[int, tuple
     ``group_size`` experts; empty when the plan streams whole layers (None, 0) or the model has no experts."""
     if not group_size or not templates.config.num_experts:
         return {}
-    if not splits(templates.modules[BlockKind.LAYER]):
+    layer = templates.modules[BlockKind.LAYER]
+    if not splits(layer):
         raise ConfigError(f"expert_group_size={group_size}: model_type={templates.config.model_type!r} has no "
                           "expert layer megatrain streams in groups; plan with expert_group_size null")
-    return {b.index: _parts(b, templates.config.num_experts, group_size) for b in templates.layers}
+    names = expert_names(layer)
+    return {b.index: _parts(b, templates.config.num_experts, group_size, names) for b in templates.layers}
 
 
-def _parts(block: Block, num_experts: int, g: int) -> tuple[Part, ...]:
+def _parts(block: Block, num_experts: int, g: int, fused: tuple[str, ...]) -> tuple[Part, ...]:
     entries = block.layout.entries
     names = [e.local_name for e in entries]
-    iu, idn = names.index(GATE_UP), names.index(DOWN)
-    assert idn == iu + 1, "the fused expert tensors are adjacent in the layout"
-    gu, dn = entries[iu], entries[idn]
-    dn_end = entries[idn + 1].offset if idn + 1 < len(entries) else block.layout.numel
-    cut = dn_end - gu.offset  # the experts' elements (with their padding)
-    dense_entries = [e if i < iu else dataclasses.replace(e, offset=e.offset - cut)
-                     for i, e in enumerate(entries) if i not in (iu, idn)]
+    first = names.index(fused[0])
+    at = list(range(first, first + len(fused)))
+    assert [names[i] for i in at] == list(fused), "the fused expert tensors are adjacent in the layout"
+    ends = [entries[i + 1].offset if i + 1 < len(entries) else block.layout.numel for i in at]  # with padding
+    lo_x, cut = entries[first].offset, ends[-1] - entries[first].offset  # the experts' elements
+    dense_entries = [e if i < first else dataclasses.replace(e, offset=e.offset - cut)
+                     for i, e in enumerate(entries) if i not in at]
     dense = Part(0, BlockLayout(tuple(dense_entries), block.layout.numel - cut),
-                 ((0, gu.offset, 0), (dn_end, block.layout.numel - dn_end, gu.offset)),
-                 tuple(i for i in range(len(entries)) if i not in (iu, idn)), range(0))
+                 ((0, lo_x, 0), (ends[-1], block.layout.numel - ends[-1], lo_x)),
+                 tuple(i for i in range(len(entries)) if i not in at), range(0))
     parts = [dense]
-    gu_per, dn_per = gu.numel // num_experts, dn.numel // num_experts
     for j, lo in enumerate(range(0, num_experts, g)):
         n = min(g, num_experts - lo)
         last = lo + n == num_experts
-        gu_lo, dn_lo = gu.offset + lo * gu_per, dn.offset + lo * dn_per
-        gu_n = dn.offset - gu_lo if last else n * gu_per  # the last group takes the padding after its tensor
-        dn_n = dn_end - dn_lo if last else n * dn_per
-        at = aligned(gu_n)
-        layout = BlockLayout((dataclasses.replace(gu, shape=(n, *gu.shape[1:]), offset=0),
-                              dataclasses.replace(dn, shape=(n, *dn.shape[1:]), offset=at)), at + aligned(dn_n))
-        parts.append(Part(1 + j, layout, ((gu_lo, gu_n, 0), (dn_lo, dn_n, at)), (iu, idn), range(lo, lo + n), last))
+        layout, ranges, slot = [], [], 0
+        for i, end in zip(at, ends):
+            e = entries[i]
+            per = e.numel // num_experts
+            start = e.offset + lo * per
+            count = end - start if last else n * per  # the last group takes the padding after its tensor
+            layout.append(dataclasses.replace(e, shape=(n, *e.shape[1:]), offset=slot))
+            ranges.append((start, count, slot))
+            slot += aligned(count)
+        parts.append(Part(1 + j, BlockLayout(tuple(layout), slot), tuple(ranges), tuple(at), range(lo, lo + n), last))
     covered = sorted((lo, n) for p in parts for lo, n, _ in p.ranges)
     assert all(a + n == b for (a, n), (b, _) in zip(covered, covered[1:])) and covered[-1][0] + covered[-1][1] == \
         block.layout.numel, "the parts tile the block"
