@@ -186,7 +186,7 @@ def main() -> None:
 
     load_before = os.getloadavg()
     results: dict = {"date": datetime.date.today().isoformat(), "machine": machine(), "trl": trl.__version__,
-                     "command": "python benchmarks/trl_parity.py " + " ".join(sys.argv[1:]), "args": vars(a),
+                     "command": " ".join(["python benchmarks/trl_parity.py", *sys.argv[1:]]), "args": vars(a),
                      "load_average_before": load_before, "layouts": {}}
     with tempfile.TemporaryDirectory() as work:
         model, data = build(work, a.records, a.vocab)
