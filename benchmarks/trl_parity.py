@@ -1,7 +1,7 @@
 """megatrain-train against TRL's SFTTrainer on the same chat fine-tune: per-step loss, step time, padding.
 
     pip install trl            # not a megatrain dependency
-    python benchmarks/trl_parity.py [--steps 60] [--records 480] [--seq-len 256] [--batch 8] [--lr 1e-5]
+    python benchmarks/trl_parity.py [--steps 60] [--records 480] [--seq-len 256] [--batch 8] [--lr 1e-4]
 
 The same tiny Qwen2-shaped model saved by transformers (random init, seed 0), the same byte-level BPE tokenizer
 with a ChatML template whose assistant turns are {% generation %} blocks (tests/chat_model.py), the same
@@ -9,14 +9,18 @@ chat records (pydoc topics as answers), assistant-only loss, fp32 on the CPU, Ad
 eps 1e-8, no weight decay, gradient clipping at 1.0), a constant learning rate, no shuffling (megatrain
 --no-shuffle; TRL with a sequential sampler), so the two read the same conversations in the same order.
 
-Two layouts:
+Two layouts, each compared step by step (the goal: per-step losses within 1e-5):
 
-- ``rows``: one conversation per row (megatrain --packing none; TRL packing=False): the batches are the
-  same tokens, so the losses must agree step by step (the goal: within 1e-5).
-- ``packed``: whole-conversation packing on both sides (megatrain --packing whole; TRL packing=True,
-  packing_strategy="bfd", padding-free): both best-fit-decreasing, but over other windows (megatrain 256
-  rows' worth of documents, each with its separator; TRL 1000 records) and in another row order, so the
-  rows differ and the losses are compared as curves (mean difference), not step by step.
+- ``rows``: one conversation per row (megatrain --packing none; TRL packing=False, its own tokenization and
+  assistant masks): the batches are the same tokens.
+- ``packed``: whole-conversation packing (megatrain --packing whole, best-fit-decreasing). TRL's own ``bfd``
+  packing fills other rows (other windows, another row order), so TRL is given megatrain's rows instead
+  (trl_rows.py): built by the calls megatrain-train makes, each a TRL example with its documents' lengths
+  (``seq_lengths``), trained padding-free (TRL flattens a batch into one sequence and restarts the position
+  ids at each document, and transformers keeps attention within each document, checked before the runs:
+  per-token losses of the packed documents against each run alone, and, as the control that the check can
+  fail, with the position ids left out). The results say whether megatrain trained exactly those rows
+  (labelled tokens per step, padding fraction).
 
 Writes benchmarks/results/<date>_cpu_trl_parity[_<layouts>].{json,md} (the layouts named when not both).
 """
@@ -36,6 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the chat tokenizer and template of the tests
 
+import trl_rows  # noqa: E402
 from throughput import machine  # noqa: E402
 
 
@@ -74,13 +79,17 @@ def build(work: str, records: int, vocab: int) -> tuple[str, str]:
     return model, data
 
 
-def run_megatrain(model: str, data: str, out: str, a: argparse.Namespace, packing: str) -> dict:
-    argv = [sys.executable, "-m", "megatrain.tools.train", "--model", model, "--data", data, "--out", out,
+def megatrain_options(model: str, data: str, out: str, a: argparse.Namespace, packing: str) -> list[str]:
+    """megatrain-train's options for a run: the same for the run and for the rows handed to TRL."""
+    return ["--model", model, "--data", data, "--out", out,
             "--packing", packing, "--no-shuffle", "--seq-len", str(a.seq_len), "--batch", str(a.batch),
             "--steps", str(a.steps), "--lr", str(a.lr), "--min-lr", str(a.lr), "--warmup-steps", "0",
             "--weight-decay", "0", "--beta1", "0.9", "--beta2", "0.95", "--max-grad-norm", "1.0",
             "--compute-dtype", "fp32", "--device", "cpu", "--progress", "none", "--no-plot", "--seed", "0"]
-    proc = subprocess.run(argv, capture_output=True, text=True)
+
+
+def run_megatrain(options: list[str], out: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "megatrain.tools.train", *options], capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"megatrain-train failed: {proc.stderr.strip().splitlines()[-1]}")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
@@ -90,7 +99,9 @@ def run_megatrain(model: str, data: str, out: str, a: argparse.Namespace, packin
             "padding_fraction": summary["packing"]["padding_fraction"]}
 
 
-def run_trl(model: str, data: str, out: str, a: argparse.Namespace, packed: bool) -> dict:
+def run_trl(model: str, data: str, out: str, a: argparse.Namespace, rows=None) -> dict:
+    """TRL's SFTTrainer on the chat records, one conversation per row (``rows`` None), or on ``rows``, a dataset
+    of megatrain's packed rows (trl_rows.trl_dataset), padding-free, so that both train on the same rows."""
     import torch
     from datasets import load_dataset
     from torch.utils.data import SequentialSampler
@@ -125,15 +136,21 @@ def run_trl(model: str, data: str, out: str, a: argparse.Namespace, packed: bool
             times.append(time.perf_counter() - self.t0)
 
     torch.manual_seed(0)
-    config = SFTConfig(output_dir=out, max_length=a.seq_len, per_device_train_batch_size=a.batch, max_steps=a.steps,
+    if rows is None:  # TRL tokenizes the records, assistant tokens labelled, one per row, padded per batch
+        layout = {"max_length": a.seq_len, "assistant_only_loss": True, "packing": False}
+        dataset = load_dataset("json", data_files=data, split="train")
+    else:  # the rows as they are (labels given): flattened per batch, documents told apart by their position ids
+        layout = {"max_length": None, "padding_free": True, "packing": False,
+                  "dataset_kwargs": {"skip_prepare_dataset": True}}
+        dataset = rows
+    config = SFTConfig(output_dir=out, per_device_train_batch_size=a.batch, max_steps=a.steps,
                        learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                        adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1,
                        save_strategy="no", report_to=[], use_cpu=True, seed=0, bf16=False, fp16=False,
-                       assistant_only_loss=True, packing=packed, dataloader_num_workers=0,
-                       **({"packing_strategy": "bfd", "padding_free": True} if packed else {}))
+                       dataloader_num_workers=0, **layout)
     trainer = Recording(model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32,
                                                                    attn_implementation="sdpa"),
-                        args=config, train_dataset=load_dataset("json", data_files=data, split="train"),
+                        args=config, train_dataset=dataset,
                         processing_class=AutoTokenizer.from_pretrained(model), callbacks=[Timer()])
     trainer.train()
     total = sum(positions)
@@ -146,6 +163,7 @@ def compare(m: dict, t: dict) -> dict:
     return {"steps": min(len(m["loss"]), len(t["loss"])), "max_abs_loss_diff": max(diffs),
             "mean_abs_loss_diff": statistics.fmean(diffs),
             "mean_loss": {"megatrain": statistics.fmean(m["loss"]), "trl": statistics.fmean(t["loss"])},
+            "first_last_loss": {"megatrain": [m["loss"][0], m["loss"][-1]], "trl": [t["loss"][0], t["loss"][-1]]},
             "same_trained_tokens": m["trained_tokens"] == t["trained_tokens"],
             "median_step_s": {"megatrain": statistics.median(m["step_time_s"][1:]),
                               "trl": statistics.median(t["step_time_s"][1:])},
@@ -160,7 +178,7 @@ def main() -> None:
     p.add_argument("--records", type=int, default=480)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--vocab", type=int, default=1000)
     p.add_argument("--layouts", default="rows,packed")
     a = p.parse_args()
@@ -168,16 +186,32 @@ def main() -> None:
 
     load_before = os.getloadavg()
     results: dict = {"date": datetime.date.today().isoformat(), "machine": machine(), "trl": trl.__version__,
-                     "command": "python benchmarks/trl_parity.py " + " ".join(sys.argv[1:]), "args": vars(a),
+                     "command": " ".join(["python benchmarks/trl_parity.py", *sys.argv[1:]]), "args": vars(a),
                      "load_average_before": load_before, "layouts": {}}
     with tempfile.TemporaryDirectory() as work:
         model, data = build(work, a.records, a.vocab)
         for layout in a.layouts.split(","):
-            m = run_megatrain(model, data, os.path.join(work, f"mt-{layout}"), a,
-                              "none" if layout == "rows" else "whole")
-            t = run_trl(model, data, os.path.join(work, f"trl-{layout}"), a, packed=layout == "packed")
-            results["layouts"][layout] = {"summary": compare(m, t), "megatrain": m, "trl": t}
-            print(layout, json.dumps(results["layouts"][layout]["summary"]), flush=True)
+            out = os.path.join(work, f"mt-{layout}")
+            options = megatrain_options(model, data, out, a, "none" if layout == "rows" else "whole")
+            entry: dict = {}
+            rows = None
+            if layout == "packed":  # TRL trains on megatrain's rows: see trl_rows.py
+                steps_rows, padding = trl_rows.megatrain_rows(options, a.steps)
+                rows = trl_rows.trl_dataset(steps_rows)
+                entry["rows_given_to_trl"] = {
+                    "padding_fraction": padding,
+                    "trained_tokens": [sum(int((r["labels"][1:] != -100).sum()) for r in g) for g in steps_rows]}
+                entry["document_attention_check"] = trl_rows.check_document_attention(model, rows, a.batch)
+                print("document attention", json.dumps(entry["document_attention_check"]), flush=True)
+            m = run_megatrain(options, out)
+            t = run_trl(model, data, os.path.join(work, f"trl-{layout}"), a, rows)
+            entry = {"summary": compare(m, t), **entry, "megatrain": m, "trl": t}
+            if rows is not None:  # megatrain trained on the rows handed to TRL
+                entry["summary"]["megatrain_trained_the_rows_given_to_trl"] = (
+                    m["trained_tokens"] == entry["rows_given_to_trl"]["trained_tokens"]
+                    and abs(m["padding_fraction"] - entry["rows_given_to_trl"]["padding_fraction"]) < 1e-12)
+            results["layouts"][layout] = entry
+            print(layout, json.dumps(entry["summary"]), flush=True)
     results["load_average_after"] = os.getloadavg()
     suffix = "" if a.layouts == "rows,packed" else "_" + a.layouts.replace(",", "_")
     stem = os.path.join(HERE, "results", f"{results['date']}_cpu_trl_parity{suffix}")
@@ -198,23 +232,39 @@ def markdown(r: dict) -> str:
              f"{r['machine']['cores']} cores, torch {r['machine']['torch']}; load average "
              f"{r['load_average_before'][0]:.1f} before, {r['load_average_after'][0]:.1f} after (1 min): "
              f"a shared machine, so step times are noisy.", "",
-             "| layout | steps | max abs loss diff | mean abs loss diff | mean loss megatrain / TRL | same labelled "
-             "tokens per step | median step s megatrain / TRL | padding fraction megatrain / TRL | positions per "
-             "step megatrain / TRL |", "|---|---|---|---|---|---|---|---|---|"]
+             "| layout | steps | max abs loss diff | mean abs loss diff | loss at the first / last step (megatrain) "
+             "| mean loss megatrain / TRL | same labelled tokens per step | median step s megatrain / TRL "
+             "| padding fraction megatrain / TRL | positions per step megatrain / TRL |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for layout, v in r["layouts"].items():
         s = v["summary"]
         lines.append(f"| {layout} | {s['steps']} | {s['max_abs_loss_diff']:.2e} | {s['mean_abs_loss_diff']:.2e} | "
+                     f"{s['first_last_loss']['megatrain'][0]:.4f} / {s['first_last_loss']['megatrain'][1]:.4f} | "
                      f"{s['mean_loss']['megatrain']:.6f} / {s['mean_loss']['trl']:.6f} | {s['same_trained_tokens']} | "
                      f"{s['median_step_s']['megatrain']:.3f} / {s['median_step_s']['trl']:.3f} | "
                      f"{s['padding_fraction']['megatrain']:.3f} / {s['padding_fraction']['trl']:.3f} | "
                      f"{s['positions_per_step']['megatrain']:.0f} / {s['positions_per_step']['trl']:.0f} |")
-    lines += ["", "`rows`: one conversation per row on both sides (megatrain `--packing none`, TRL `packing=False`): "
-              "the same tokens in every batch, so the losses are compared step by step (goal: within 1e-5). "
-              "megatrain pads every row to --seq-len; TRL pads each batch to its longest conversation.",
-              "`packed`: whole-conversation packing on both sides (megatrain `--packing whole`, TRL "
-              "`packing_strategy=\"bfd\"`, padding-free): both best-fit-decreasing, over other windows and in "
-              "another row order, so the batches differ and only the curves compare. TRL's padding-free batches "
-              "are one flat row with no padding; megatrain's rows are --seq-len long, the room left padded.", ""]
+    lines += ["", "`rows`: one conversation per row on both sides (megatrain `--packing none`, TRL `packing=False` "
+              "with its own tokenization and assistant masks): the same tokens in every batch. megatrain pads "
+              "every row to --seq-len; TRL pads each batch to its longest conversation."]
+    packed = r["layouts"].get("packed")
+    if packed:
+        c, s = packed["document_attention_check"], packed["summary"]
+        lines.append(
+            "`packed`: whole-conversation packing, the same rows on both sides. The rows are megatrain's "
+            "(`--packing whole`, best-fit-decreasing), built by the calls megatrain-train makes "
+            "(benchmarks/trl_rows.py); each is handed to TRL as one example (its tokens and labels without the "
+            "row's padding, and `seq_lengths`, its documents' lengths), trained padding-free: TRL's collator "
+            "flattens a batch's 8 rows into one sequence with position ids restarting at each document, and "
+            "transformers (sdpa) keeps attention within each document from those position ids. Checked on the "
+            f"first batch ({c['documents']} documents, {c['tokens']} tokens): per-token losses packed vs each "
+            f"document alone differ by at most {c['max_abs_token_loss_diff_packed_vs_alone']:.1e} "
+            f"({c['max_abs_token_loss_diff_without_position_ids']:.2f} with the position ids left out, the "
+            "control). megatrain trained exactly the rows given to TRL (the same labelled tokens in every step "
+            f"and padding fraction): {s['megatrain_trained_the_rows_given_to_trl']}. TRL's own `bfd` packing "
+            "would fill other rows (other windows, another row order), so it is not used. TRL's padding "
+            "fraction is 0 since it drops the rows' padding; megatrain's rows are --seq-len long.")
+    lines.append("")
     return "\n".join(lines)
 
 
