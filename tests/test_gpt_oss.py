@@ -211,7 +211,6 @@ def test_config_without_rope_reads_as_transformers_defaults_it() -> None:
     ({"swiglu_limit": 10.0}, "swiglu_limit=10.0"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
     ({"layer_types": ["full_attention"]}, "layer_types"),
-    ({"output_router_logits": True}, "output_router_logits=true"),
 ])
 def test_unsupported_configs_are_refused_in_one_line(change: dict, words: str) -> None:
     data = {**_hf_model()[0].to_dict(), **change}

@@ -1,9 +1,10 @@
 """The routers' load-balancing loss and per-expert token counts against transformers 5.
 
-A tiny Mixtral, Qwen3-MoE and Qwen2-MoE saved by transformers with ``output_router_logits: true`` trains 3 fp32
+A tiny Mixtral, Qwen3-MoE, Qwen2-MoE and gpt-oss (its router's logits with their bias) saved by transformers with ``output_router_logits: true`` trains 3 fp32
 AdamW steps with clipping: each step's loss (cross-entropy + coef x aux) and aux loss equal transformers'
 ``outputs.loss`` and ``outputs.aux_loss`` of one forward over the whole batch, and the final weights equal
-transformers' model under ``torch.optim.AdamW``, whatever micro-batches and sequence tiles the plan runs (the
+transformers' model under ``torch.optim.AdamW``, whatever micro-batches, sequence tiles and expert groups the plan
+runs (the
 statistics cover the whole batch: [Note: router balance]). The per-expert counts equal those computed from
 transformers' router logits. A large coefficient makes the loss's gradient show in the weights (without it
 they differ: checked).
@@ -22,16 +23,22 @@ from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan  # noqa
 from megatrain.runtime.errors import ConfigError  # noqa: E402
 from numerics import assert_update_close  # noqa: E402
 from test_families import MOE, TINY  # noqa: E402
+from test_gpt_oss import _hf_model as _gpt_oss  # noqa: E402
+
+SPARSE = (*MOE, "gpt_oss")  # every family with a router
 
 OPTIMIZER = OptimizerConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0)
 
 
 def _saved(tmp_path, model_type: str, **extra):
     """transformers' model (fp32, random norms) and the directory it saved itself to."""
-    torch.manual_seed(7)
-    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **MOE[model_type], **extra})
-    model = getattr(transformers, type(config).__name__.replace("Config", "ForCausalLM"))(config).float()
-    randomize_norms_and_biases(model)
+    if model_type == "gpt_oss":
+        model = _gpt_oss(**extra)[1]  # random sinks too, GptOssExperts' own loop
+    else:
+        torch.manual_seed(7)
+        config = transformers.AutoConfig.for_model(model_type, **{**TINY, **MOE[model_type], **extra})
+        model = getattr(transformers, type(config).__name__.replace("Config", "ForCausalLM"))(config).float()
+        randomize_norms_and_biases(model)
     model.save_pretrained(tmp_path / "hf")
     return model
 
@@ -67,8 +74,8 @@ def _train_both(hf, tmp_path, plan: Plan, steps: int = 3):
             routing = engine.routing
             assert abs(loss.item() - out.loss.item()) <= 1e-5, (step, loss.item(), out.loss.item())
             assert abs(routing.aux_loss.item() - out.aux_loss.item()) <= 1e-6, step
-            expected = _counts(out.router_logits, config.num_local_experts if config.model_type == "mixtral"
-                               else config.num_experts, config.num_experts_per_tok)
+            experts = getattr(config, "num_local_experts", None) or config.num_experts  # Mixtral, gpt-oss: local
+            expected = _counts(out.router_logits, experts, config.num_experts_per_tok)
             assert torch.equal(routing.tokens, expected), step
         theirs = {n: p.detach() for n, p in hf.named_parameters()}
         ours = engine.state_dict()
@@ -77,13 +84,22 @@ def _train_both(hf, tmp_path, plan: Plan, steps: int = 3):
         engine.close()
 
 
-@pytest.mark.parametrize("micro, tile", [(1, None), (3, 8)], ids=["micro1", "micro3-tiles8"])
-@pytest.mark.parametrize("model_type", tuple(MOE))
-def test_aux_loss_trains_like_transformers(tmp_path, model_type: str, micro: int, tile: int | None) -> None:
+# Per family: one row per micro-batch; 3 rows with attention and MLP tiles of 8 tokens; gpt-oss and Qwen3-MoE
+# also in expert groups of one (test_expert_groups.py compares the others' groups with the whole layer).
+PLANS = ([(t, 1, None, None) for t in SPARSE] + [(t, 3, 8, None) for t in SPARSE]
+         + [(t, 3, 8, 1) for t in ("qwen3_moe", "gpt_oss")])
+
+
+@pytest.mark.parametrize("model_type, micro, tile, group", PLANS,
+                         ids=[f"{t}-micro{m}" + (f"-tiles{s}" if s else "") + (f"-groups{g}" if g else "")
+                              for t, m, s, g in PLANS])
+def test_aux_loss_trains_like_transformers(tmp_path, model_type: str, micro: int, tile: int | None,
+                                           group: int | None) -> None:
     hf = _saved(tmp_path, model_type, output_router_logits=True, router_aux_loss_coef=0.3)
     assert ModelConfig.from_hf(tmp_path / "hf").router_aux_loss_coef == 0.3
-    ours, theirs, initial = _train_both(hf, tmp_path, Plan(micro_batch_size=micro, loss_chunk_tokens=16,
-                                                           mlp_tile_tokens=tile))
+    plan = Plan(micro_batch_size=micro, loss_chunk_tokens=16, attention_tile_tokens=tile, mlp_tile_tokens=tile,
+                expert_group_size=group)
+    ours, theirs, initial = _train_both(hf, tmp_path, plan)
     assert_update_close(ours, theirs, initial)
 
 

@@ -2,7 +2,8 @@
 
 Attention: Llama's with biases on q, k, v and o, and a learned sink logit per query head joining each query's
 softmax (``self_attn.sinks`` [Hq]; ``attention.sink_attention``). The MLP: a router with a bias
-(``mlp.router``: logits = x W^T + b, the top-k logits of each token, softmax over those k in the compute dtype),
+(``mlp.router``: logits = x W^T + b, the top-k logits of each token, softmax over those k in the compute dtype;
+the logits, bias included, are what the load-balancing loss takes, as transformers records them),
 and experts with biases kept as transformers keeps them, input-major: ``gate_up_proj`` [E, hidden, 2I] (gate
 and up interleaved: columns 0, 2, 4, ... gate, 1, 3, 5, ... up), ``gate_up_proj_bias`` [E, 2I], ``down_proj``
 [E, I, hidden], ``down_proj_bias`` [E, hidden]. An expert computes the clamped SwiGLU: gate clamped above at
@@ -58,8 +59,11 @@ class Router(nn.Module):
         self.top_k: int = config.num_experts_per_tok
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        top, experts = torch.topk(F.linear(x, self.weight, self.bias), self.top_k, dim=-1)
-        observer = routing_observer.current()  # the runtime's per-expert token counts, if any
+        logits = F.linear(x, self.weight, self.bias)  # [T, E], the bias included, as GptOssTopKRouter returns them
+        observer = routing_observer.current()  # the runtime's statistics and load-balancing loss, if any
+        if observer is not None:
+            logits = observer.logits(logits)
+        top, experts = torch.topk(logits, self.top_k, dim=-1)
         if observer is not None:
             observer.routed(experts)
         return torch.softmax(top, dim=1, dtype=top.dtype), experts

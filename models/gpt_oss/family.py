@@ -3,7 +3,7 @@
 Rules (transformers' ``GptOssConfig``): biases on q, k, v and o (``attention_bias``, absent: true), a learned
 attention sink per query head; the MLP is sparse on every layer: ``num_local_experts`` (absent: 128) experts of
 width ``intermediate_size``, ``num_experts_per_tok`` (absent: 4) per token, a router with a bias, softmax over
-the chosen k; the experts' clamped SwiGLU with the published ``swiglu_alpha`` 1.702 and ``swiglu_limit`` 7.0
+the chosen k (``output_router_logits`` true: its load-balancing loss, as the other sparse families'); the experts' clamped SwiGLU with the published ``swiglu_alpha`` 1.702 and ``swiglu_limit`` 7.0
 (other values refused). ``layer_types`` (absent: sliding and full attention alternating, sliding first), the
 sliding layers seeing the last ``sliding_window`` (absent: 128) positions. No ``rope_parameters`` (nor
 ``rope_scaling``): transformers' default, YaRN of factor 32 over 4096 positions, ``rope_theta`` (absent) 150000.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..config_fields import (FULL_ATTENTION, SLIDING_ATTENTION, attention_biases, boolean, fixed_flag, integer,
+from ..config_fields import (FULL_ATTENTION, SLIDING_ATTENTION, attention_biases, fixed_flag, integer,
                              layer_types, layer_windows, number, optional_integer)
 from ..errors import HFConfigError
 from ..family import Family, Preset
@@ -39,9 +39,6 @@ def read(data: Mapping[str, Any], num_hidden_layers: int) -> dict[str, Any]:
                                      or quantization.get("quant_method") != "mxfp4"):
         raise HFConfigError(f"quantization_config={quantization!r} is not supported; megatrain loads gpt-oss's "
                             "MXFP4 experts or plain float weights")
-    if boolean("output_router_logits", data.get("output_router_logits", False)):
-        raise HFConfigError("output_router_logits=true (the router's load-balancing loss) is not supported for "
-                            "gpt_oss; set it to false in the config")
     window = optional_integer("sliding_window", data.get("sliding_window", 128))
     types = data.get("layer_types") or [ALTERNATING[i % 2] for i in range(num_hidden_layers)]
     return {**attention_biases(MODEL_TYPE, {**data, "attention_bias": data.get("attention_bias", True)}, mlp=False),
