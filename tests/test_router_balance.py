@@ -1,13 +1,12 @@
 """The routers' load-balancing loss and per-expert token counts against transformers 5.
 
-A tiny Mixtral, Qwen3-MoE, Qwen2-MoE and gpt-oss (its router's logits with their bias) saved by transformers with ``output_router_logits: true`` trains 3 fp32
-AdamW steps with clipping: each step's loss (cross-entropy + coef x aux) and aux loss equal transformers'
-``outputs.loss`` and ``outputs.aux_loss`` of one forward over the whole batch, and the final weights equal
-transformers' model under ``torch.optim.AdamW``, whatever micro-batches, sequence tiles and expert groups the plan
-runs (the
-statistics cover the whole batch: [Note: router balance]). The per-expert counts equal those computed from
-transformers' router logits. A large coefficient makes the loss's gradient show in the weights (without it
-they differ: checked).
+A tiny Mixtral, Qwen3-MoE, Qwen2-MoE and gpt-oss (whose router's logits carry its bias) saved by transformers
+with ``output_router_logits: true`` trains 3 fp32 AdamW steps with clipping: each step's loss (cross-entropy +
+coef x aux) and aux loss equal transformers' ``outputs.loss`` and ``outputs.aux_loss`` of one forward over the
+whole batch, and the final weights equal transformers' model under ``torch.optim.AdamW``, whatever
+micro-batches, sequence tiles and expert groups the plan runs (the statistics cover the whole batch:
+[Note: router balance]). The per-expert counts equal those computed from transformers' router logits. A large
+coefficient makes the loss's gradient show in the weights (without it they differ: checked).
 """
 from __future__ import annotations
 

@@ -3,10 +3,12 @@
 Rules (transformers' ``GptOssConfig``): biases on q, k, v and o (``attention_bias``, absent: true), a learned
 attention sink per query head; the MLP is sparse on every layer: ``num_local_experts`` (absent: 128) experts of
 width ``intermediate_size``, ``num_experts_per_tok`` (absent: 4) per token, a router with a bias, softmax over
-the chosen k (``output_router_logits`` true: its load-balancing loss, as the other sparse families'); the experts' clamped SwiGLU with the published ``swiglu_alpha`` 1.702 and ``swiglu_limit`` 7.0
-(other values refused). ``layer_types`` (absent: sliding and full attention alternating, sliding first), the
-sliding layers seeing the last ``sliding_window`` (absent: 128) positions. No ``rope_parameters`` (nor
-``rope_scaling``): transformers' default, YaRN of factor 32 over 4096 positions, ``rope_theta`` (absent) 150000.
+the chosen k (``output_router_logits`` true: its load-balancing loss weighted by ``router_aux_loss_coef``,
+absent: 0.001, as for the other sparse families); the experts' clamped SwiGLU with the published
+``swiglu_alpha`` 1.702 and ``swiglu_limit`` 7.0 (other values refused). ``layer_types`` (absent: sliding and
+full attention alternating, sliding first), the sliding layers seeing the last ``sliding_window`` (absent: 128)
+positions. No ``rope_parameters`` (nor ``rope_scaling``): transformers' default, YaRN of factor 32 over 4096
+positions, ``rope_theta`` (absent) 150000.
 ``quantization_config`` may only be MXFP4 (``runtime/io/mxfp4.py`` dequantizes its expert tensors on load).
 On disk: the parameters' own names (``mlp.router``, the fused ``mlp.experts.gate_up_proj`` and its bias, ...), as
 transformers writes them.

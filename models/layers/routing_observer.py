@@ -17,7 +17,8 @@ import torch
 
 class RouterObserver(Protocol):
     def logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """A router's logits [T, E] before its softmax; returns what the router routes with (the same values)."""
+        """A router's logits [T, E] (gpt-oss's with its bias) before it routes; returns what the router routes
+        with (the same values)."""
 
     def routed(self, experts: torch.Tensor) -> None:
         """The experts [T, k] (int64) the router chose for its tokens."""

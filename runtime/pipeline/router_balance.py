@@ -1,8 +1,10 @@
 """The routers of a step: per-expert token counts, and the load-balancing loss built block by block.
 
 [Note: router balance]
-transformers (``load_balancing_loss_func``, the same for Mixtral, Qwen2-MoE and Qwen3-MoE) takes every layer's
-router logits z [T, E] of one forward call, p = softmax(z) in z's dtype, each token's top-k experts of p, and
+transformers (``load_balancing_loss_func``, the same for Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss) takes every
+layer's router logits z [T, E] of one forward call (gpt-oss's with its router's bias: what its router returns
+first, which routes by the top-k of z itself, the same experts as the top-k of softmax(z)), p = softmax(z) in z's
+dtype, each token's top-k experts of p, and
 
     f_e = (top-k assignments to e, over layers and tokens) / R      (no gradient; sums to k)
     P_e = (sum of p[:, e] over layers and tokens) / R               R = layers x tokens (no attention mask)
