@@ -17,7 +17,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not on PATH")
 def test_two_nodes_on_localhost_train_checkpoint_and_export(tmp_path):
     one, out, export = str(tmp_path / "one"), str(tmp_path / "shared-out"), str(tmp_path / "export")

@@ -75,7 +75,6 @@ def _rank_pid(parent: int, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not on PATH")
 def test_a_killed_rank_restarts_and_the_run_finishes_as_if_uninterrupted(tmp_path):
     whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
