@@ -124,6 +124,7 @@ class Run:
         self.changes: list[str] = []  # options a resume changes, "name old -> new"
         self.warnings: list[str] = []
         self.plan_description = ""
+        self.collective_timeout_s: float | None = None  # under torchrun: --collective-timeout, else the plan's
         self.model_description = ""
         # Where the run starts: 0 for a new run, the checkpoint's position for a resumed one.
         self.start_step = 0
@@ -140,7 +141,10 @@ class Run:
         self.ranks.same({"plan": {**setup.plan.to_dict(), "spill_dir": None}, "data order": setup.data.state(),
                          "start step": self.start_step,
                          # a node's own --spill-dir may differ (node-local disks); its plan may not
-                         "options": {**train_config.absolute_paths(self.config), "spill_dir": None}})
+                         # --out: compared as the directory each rank sees, once rank 0 made it (see_the_same)
+                         "options": {**train_config.absolute_paths(self.config), "spill_dir": None, "out": None}})
+        if self.collective_timeout_s:  # the setup's collectives waited --collective-timeout or the default
+            self.ranks.set_timeout(self.collective_timeout_s)
         return self._run(setup)
 
     # ------------------------------------------------------------------ setup
@@ -177,6 +181,7 @@ class Run:
         chosen = run_plan.choose(c, self.values, self.out, self.resumed.plan if self.resumed else None, model,
                                  dtype_name(dtype), self.ranks.topology, replan=moved is not None)
         plan, self.plan_description = chosen.plan, chosen.description
+        self.collective_timeout_s = self.config.collective_timeout or chosen.collective_timeout_s
         self.notes += chosen.notes
         return Setup(own_run, overwrite, device, dtype, model, source, corpus, itertools.chain([first], batches),
                      plan, data, evals)
@@ -203,6 +208,7 @@ class Run:
             restart.record(out, self.config)  # what --resume-or-start compares a restart's options with
         try:
             self.ranks.agree(take_directories, CHECK_ERRORS, only_first=True)
+            self.ranks.see_the_same(lock.path, f"run directory {out}")  # one --out that every node sees
 
             def local_spill_dir() -> None:  # a node-local --spill-dir: the other nodes' ranks make their own
                 nonlocal spill_created

@@ -41,6 +41,7 @@ buffers (its temporaries are its own, on the device).
 """
 from __future__ import annotations
 
+import datetime
 from typing import Callable
 
 import torch
@@ -150,6 +151,14 @@ class Collectives:
 
     def barrier(self) -> None:
         dist.barrier()
+
+
+def set_timeout(seconds: float) -> None:
+    """Every later collective of this process's group waits at most ``seconds`` for the other ranks (gloo raises;
+    NCCL's watchdog aborts), instead of the timeout the group was made with."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout  # torch's own setter (no public one yet)
+
+    _set_pg_timeout(datetime.timedelta(seconds=seconds))
 
 
 # torch renamed these two (same arguments); the older names warn where the new ones exist.
