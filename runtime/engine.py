@@ -27,7 +27,6 @@ from megatrain.planner.plan import Plan
 from megatrain.runtime import state_io
 from megatrain.runtime.config import ModelConfig, OptimizerConfig
 from megatrain.runtime.device.event_log import EventLog
-from megatrain.runtime.device.host_allocator import fix_mmap_threshold
 from megatrain.runtime.distributed.collectives import Collectives
 from megatrain.runtime.engine_arguments import check_arguments
 from megatrain.runtime.errors import ClosedError
@@ -63,7 +62,6 @@ class Engine:
         self.config, self.optimizer, plan = model_config, args.optimizer, args.plan
         self.compute_dtype, self.topology, self.device, self.seed = compute_dtype, args.topology, args.device, seed
         self.event_log = EventLog()
-        fix_mmap_threshold()  # freed block-sized temporaries go back to the system: [Note: host allocator threshold]
         self.templates = Templates(model_config, self.optimizer.decays)
         self.collectives = (None if self.topology is None else Collectives(
             self.topology, self.templates.blocks, self.device, plan.device_grad_buffers))

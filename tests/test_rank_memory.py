@@ -73,7 +73,7 @@ def test_the_planners_rank_is_the_runtimes_rank_buffer_by_buffer(world: int, tmp
             if plan.checkpoints == "host":
                 assert planned["activation checkpoints"] == got["host checkpoints"]
             host = sum(c.nbytes for c in est.components if c.where == "host" and c.name not in (
-                "process", "activation checkpoints"))
+                "process", "allocator retention", "activation checkpoints"))
             assert host == got["store"], (name, plan_name)  # every host buffer of the store is a term, nothing else
 
 
@@ -120,29 +120,36 @@ def test_a_cpu_ranks_collectives_allocate_no_block_sized_buffer(world: int, tmp_
         assert got["gather"] < got["block"] // 8 and got["reduce"] < got["block"] // 8, got
 
 
-def _freed_temporary_resident(rank: int, world: int) -> dict[str, int]:
-    """Bytes still resident after a block-sized temporary is freed, before and after an engine is built."""
-    from megatrain.runtime import Engine, ModelConfig
-
-    def status(key: str = "VmRSS") -> int:
+def _resident_after_frees(rank: int, world: int) -> dict[str, int]:
+    """Bytes still resident after temporaries are freed, in a fresh process (glibc's thresholds at their start)."""
+    def rss() -> int:
         with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
 
-    def resident_after_free(numel: int) -> int:
-        before = status()
-        t = torch.ones(numel)  # touched: every page resident
+    def kept(numel: int) -> int:
+        before = rss()
+        t = torch.ones(numel)  # every page touched
         del t
-        return status() - before
+        return rss() - before
 
-    resident_after_free(4 * 2**20)  # 16 MiB freed: glibc's dynamic mmap threshold rises to it
-    default = resident_after_free(2 * 2**20)  # 8 MiB: now carved from the heap, and kept there
-    Engine(ModelConfig.from_hf(HF["tied"]), compute_dtype=torch.float32, device="cpu").close()
-    return {"default": default, "engine": resident_after_free(2 * 2**20)}
+    kept(1024)  # torch's first use of the allocator
+    first = kept(4 * 2**20)  # 16 MiB: mmapped, and unmapped when freed; the mmap threshold rises to it
+    then = kept(2 * 2**20)  # 8 MiB: now carved from the heap, whose top is kept below 2 x 16 MiB
+    huge = kept(12 * 2**20)  # 48 MiB: above glibc's 32 MiB ceiling, always mmapped
+    return {"first": first, "then": then, "huge": huge}
 
 
-def test_a_freed_block_sized_temporary_leaves_an_engines_process(tmp_path):
-    # [Note: host allocator threshold] (runtime/device/host_allocator.py): from the first engine on, temporaries
-    # of 4 MiB and more are unmapped when freed instead of staying in the heap (a fresh process: it is process-wide)
-    got = run_ranks(_freed_temporary_resident, 1, tmp_path)[0]
-    assert got["default"] >= 6 * 2**20, got  # what the fix removes (8 MiB kept by default)
-    assert got["engine"] < 2**20, got
+def test_the_allocator_retention_term_is_glibcs_heap_top_by_hand(tmp_path):
+    """[Note: allocator retention] in planner/memory_model.py: 4 x min(max(V, I) x h x c, 32 MiB) on a CPU device,
+    the same at every W; and the glibc behaviour it stands on, in a fresh process."""
+    hw = detect()
+    model = model_shapes.from_config(HF["untied"])
+    for world in (1, 3):
+        est = data_parallel.memory(model, Workload(seq_len=SEQ, batch=BATCH, compute_dtype="fp32"), PLANS["default"],
+                                   hw, data_parallel.topology(hw, world, 1))
+        assert {c.name: c.nbytes for c in est.components}["allocator retention"] == 4 * 517 * 40 * 4
+    got = run_ranks(_resident_after_frees, 1, tmp_path)[0]
+    mib = 2**20
+    assert got["first"] < mib and got["huge"] < mib, got  # unmapped
+    assert 6 * mib <= got["then"] <= 2 * 16 * mib, got  # kept at the heap's top, below the trim threshold (2 x 16)
+

@@ -76,6 +76,32 @@ def test_a_hung_collective_is_ended_by_the_collective_timeout(tmp_path):
     assert "megatrain-train stops every rank" in err1, err1
 
 
+def _timeout_after(rank: int, world: int, argv: list[str]) -> tuple[int, float, str]:
+    import torch
+    import torch.distributed as dist
+
+    seen: list[float] = []
+    set_timeout = ranks.Ranks.set_timeout
+
+    def setting(self: ranks.Ranks, seconds: float) -> None:  # the group's own timeout, read once training set it
+        set_timeout(self, seconds)
+        seen.append(dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    ranks.Ranks.set_timeout = setting  # type: ignore[method-assign]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = train.main(argv)
+    return status, seen[0], err.getvalue()
+
+
+def test_without_collective_timeout_the_plans_bound_applies(tmp_path):
+    """The group was made with 60 s (rank_processes); training sets the plan's bound on every rank: the floor, for the
+    demo's steps of milliseconds (planner/data_parallel.py, [Note: collective timeout])."""
+    out = str(tmp_path / "run")
+    for status, timeout, err in run_ranks(_timeout_after, 2, tmp_path, ["--out", out, *FAST, "--steps", "1"]):
+        assert status == 0, err
+        assert timeout == data_parallel.COLLECTIVE_TIMEOUT_FLOOR_S != DEFAULT_TIMEOUT_S, err
+
+
 def test_the_collective_timeout_is_read_before_the_ranks_join(tmp_path):
     assert ranks.collective_timeout(["--collective-timeout", "7.5"]) == 7.5
     assert ranks.collective_timeout([]) == DEFAULT_TIMEOUT_S

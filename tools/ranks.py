@@ -48,10 +48,10 @@ class Ranks:
         _timeout_s[0] = timeout_s
         return cls(join(timeout_s))
 
-    def set_timeout(self, seconds: float) -> None:
+    def set_timeout(self, seconds: float | None) -> None:
         """Every later collective waits at most ``seconds`` for the other ranks (--collective-timeout, else the
-        planner's bound for the run's plan: planner/data_parallel.py, [Note: collective timeout])."""
-        if self.topology is not None:
+        planner's bound for the run's plan: planner/data_parallel.py, [Note: collective timeout]); None: as now."""
+        if self.topology is not None and seconds:
             collectives.set_timeout(seconds)
             _timeout_s[0] = seconds
 

@@ -27,7 +27,7 @@ class RunPlan:
     plan: Plan
     description: str
     notes: list[str] = field(default_factory=list)
-    collective_timeout_s: float | None = None  # under torchrun: the plan's bound on a collective's wait
+    collective_timeout_s: float | None = None  # under torchrun: --collective-timeout, else the plan's bound
 
 
 def choose(c: TrainConfig, values: dict[str, object], out: str, resumed: Plan | None, model: ModelConfig,
@@ -77,10 +77,12 @@ def _search(c: TrainConfig, model: ModelConfig, compute_dtype: str, spill_root: 
 
 def _collective_timeout(c: TrainConfig, model: ModelConfig, plan: Plan, compute_dtype: str,
                         topology: Topology | None) -> float | None:
-    """Under torchrun, the planner's bound on a collective's wait for this plan (planner/data_parallel.py,
-    [Note: collective timeout]); None for one process."""
+    """Under torchrun, --collective-timeout, else the planner's bound on a collective's wait for this plan
+    (planner/data_parallel.py, [Note: collective timeout]); None for one process."""
     if topology is None or topology.world_size == 1:
         return None
+    if c.collective_timeout:
+        return c.collective_timeout
     hw = this_machine()
     work = Workload(c.seq_len, c.batch, compute_dtype=compute_dtype, clipping=c.max_grad_norm > 0,
                     optimizer_state=c.optimizer_state)

@@ -105,6 +105,7 @@ class Setup:
     plan: Plan
     data: data_order.TrainingData                          # the data position, the epoch
     evals: evaluation.EvalSet | None
+    collective_timeout_s: float | None   # under torchrun: --collective-timeout, else the plan's bound
 
 
 class Run:
@@ -124,7 +125,6 @@ class Run:
         self.changes: list[str] = []  # options a resume changes, "name old -> new"
         self.warnings: list[str] = []
         self.plan_description = ""
-        self.collective_timeout_s: float | None = None  # under torchrun: --collective-timeout, else the plan's
         self.model_description = ""
         # Where the run starts: 0 for a new run, the checkpoint's position for a resumed one.
         self.start_step = 0
@@ -140,11 +140,8 @@ class Run:
         setup = self.ranks.agree(self._setup, CHECK_ERRORS)
         self.ranks.same({"plan": {**setup.plan.to_dict(), "spill_dir": None}, "data order": setup.data.state(),
                          "start step": self.start_step,
-                         # a node's own --spill-dir may differ (node-local disks); its plan may not
-                         # --out: compared as the directory each rank sees, once rank 0 made it (see_the_same)
-                         "options": {**train_config.absolute_paths(self.config), "spill_dir": None, "out": None}})
-        if self.collective_timeout_s:  # the setup's collectives waited --collective-timeout or the default
-            self.ranks.set_timeout(self.collective_timeout_s)
+                         "options": _compared_options(self.config)})
+        self.ranks.set_timeout(setup.collective_timeout_s)  # the setup's waited --collective-timeout or 300 s
         return self._run(setup)
 
     # ------------------------------------------------------------------ setup
@@ -181,10 +178,9 @@ class Run:
         chosen = run_plan.choose(c, self.values, self.out, self.resumed.plan if self.resumed else None, model,
                                  dtype_name(dtype), self.ranks.topology, replan=moved is not None)
         plan, self.plan_description = chosen.plan, chosen.description
-        self.collective_timeout_s = self.config.collective_timeout or chosen.collective_timeout_s
         self.notes += chosen.notes
         return Setup(own_run, overwrite, device, dtype, model, source, corpus, itertools.chain([first], batches),
-                     plan, data, evals)
+                     plan, data, evals, chosen.collective_timeout_s)
 
     def _run(self, setup: Setup) -> int:
         """Take the run directory (and the spill directory), build the engine, train, write the summary."""
@@ -386,6 +382,11 @@ def _compute_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def _compared_options(c: TrainConfig) -> dict:
+    """The options every rank shares: not --spill-dir (node-local disks), nor --out (Ranks.see_the_same checks it)."""
+    return {**train_config.absolute_paths(c), "spill_dir": None, "out": None}
 
 
 def _optimizer(c: TrainConfig) -> OptimizerConfig:
