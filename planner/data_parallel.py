@@ -32,7 +32,8 @@ Collective timeout ([Note: collective timeout]): how long a rank's collective wa
 every rank stops, when --collective-timeout is not given:
 
   timeout = max(FLOOR, STEPS x step_W + save_W)
-  save_W  = (master + m + v bytes of one rank) / disk write rate   (a checkpoint written between two collectives)
+  save_W  = (master + m + v bytes of one rank) / disk write rate   (a checkpoint written between two collectives;
+            ``hw`` with disk figures: sizing.with_disk gives an unmeasured disk the rate the search assumes)
 
 with FLOOR = 120 s (a rank's first step, a slow file system, a loaded machine) and STEPS = 20 (the rate
 figures are rough: a step several times slower than predicted is no hang).
@@ -262,7 +263,8 @@ def scaling(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, 
 
 def collective_timeout_s(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, topo: Topology) -> float:
     """Seconds a collective waits for the other ranks before the run stops ([Note: collective timeout] above):
-    max(FLOOR, STEPS x the rank's predicted step + one rank's checkpoint write)."""
+    max(FLOOR, STEPS x the rank's predicted step + one rank's checkpoint write). ``hw`` has disk figures (a spill
+    plan's step needs them; sizing.with_disk)."""
     step = scaling(model, work, plan, hw, topo).step_seconds
     state = sum(c.nbytes for c in memory(model, work, plan, hw, topo).components
                 if c.name.split(" (")[0] in ("fp32 master", "Adam m", "Adam v"))  # in RAM and in spill files

@@ -83,7 +83,7 @@ def _collective_timeout(c: TrainConfig, model: ModelConfig, plan: Plan, compute_
         return None
     if c.collective_timeout:
         return c.collective_timeout
-    hw = this_machine()
+    hw = sizing.with_disk(this_machine())[0]  # an unmeasured disk at the rate the search assumes
     work = Workload(c.seq_len, c.batch, compute_dtype=compute_dtype, clipping=c.max_grad_norm > 0,
                     optimizer_state=c.optimizer_state)
     shape = model_shapes.from_config(model.to_dict(), name=planner_name(c.model))
