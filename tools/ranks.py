@@ -10,8 +10,11 @@ With one process everything here is a pass-through. With W ranks (torchrun sets 
   progress and TensorBoard events (``writes``); every rank builds its engine (its shards of the state),
   reads the same global batches and passes its rows (``rows``) to the step; checkpoints are written by
   all ranks together (runtime/io/sharded_checkpoint.py);
+- once rank 0 has taken --out, every rank reads the lock file it wrote there (``see_the_same``): a rank that
+  sees another directory (a per-node --out) stops every rank, one line;
 - a rank that fails during training prints its own line and exits; the others' next collective then
-  fails (the peer's connection closed, or the group's timeout) and they stop with a line that says so.
+  fails (the peer's connection closed, or the group's timeout: --collective-timeout, else 300 s while the
+  inputs are checked and the plan's bound from then on, ``set_timeout``) and they stop with a line that says so.
 """
 from __future__ import annotations
 
