@@ -1,9 +1,14 @@
 """One data-parallel rank's memory: the planner's per-rank figure against the rank's real buffers, buffer by buffer
 ([Note: per-rank buffers] in planner/data_parallel.py), and the collectives of a CPU rank allocating nothing the
-size of a block ([Note: collectives in place on gloo] in runtime/distributed/collectives.py).
+size of a block ([Note: collectives in place on gloo] in runtime/distributed/collectives.py); the CPU device's
+allocator-retention term by hand, and the glibc behaviour it stands on ([Note: allocator retention] in
+planner/memory_model.py).
 
 Peak RSS against the planner's figure is a benchmark row (benchmarks/scaling.py): the machine is shared."""
 from __future__ import annotations
+
+import os
+import platform
 
 import pytest
 import torch
@@ -139,6 +144,9 @@ def _resident_after_frees(rank: int, world: int) -> dict[str, int]:
     return {"first": first, "then": then, "huge": huge}
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or any(k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"
+                                                             for k in os.environ),
+                    reason="glibc's malloc with its default thresholds")
 def test_the_allocator_retention_term_is_glibcs_heap_top_by_hand(tmp_path):
     """[Note: allocator retention] in planner/memory_model.py: 4 x min(max(V, I) x h x c, 32 MiB) on a CPU device,
     the same at every W; and the glibc behaviour it stands on, in a fresh process."""
