@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import sys
 from typing import Any, Callable, Mapping, Sequence, TypeVar
@@ -125,6 +126,13 @@ class Ranks:
                 raise RankError(f"rank {rank}'s {differs[0]} {verb} from rank 0's; every rank must run the same "
                                 f"command on the same files (check that each node sees the same --data, --plan and "
                                 f"--out)")
+
+    def take_run_directory(self, take: Callable[[], None], lock_path: str,
+                           errors: tuple[type[BaseException], ...]) -> None:
+        """Rank 0 runs ``take`` (it takes --out and writes its lock file, ``lock_path``), as ``agree`` with
+        ``only_first``; then every rank reads that file (``see_the_same``): one --out that every node sees."""
+        self.agree(take, errors, only_first=True)
+        self.see_the_same(lock_path, f"run directory {os.path.dirname(lock_path)}")
 
     def see_the_same(self, path: str, what: str) -> None:
         """Every rank reads the same bytes at ``path`` (a file rank 0 just wrote: the run's lock in --out), else

@@ -139,8 +139,7 @@ class Run:
         # Every rank checks every input; an error on any rank stops all of them with its line.
         setup = self.ranks.agree(self._setup, CHECK_ERRORS)
         self.ranks.same({"plan": {**setup.plan.to_dict(), "spill_dir": None}, "data order": setup.data.state(),
-                         "start step": self.start_step,
-                         "options": _compared_options(self.config)})
+                         "start step": self.start_step, "options": train_config.compared_options(self.config)})
         self.ranks.set_timeout(setup.collective_timeout_s)  # the setup's waited --collective-timeout or 300 s
         return self._run(setup)
 
@@ -203,8 +202,7 @@ class Run:
                           file=sys.stderr)
             restart.record(out, self.config)  # what --resume-or-start compares a restart's options with
         try:
-            self.ranks.agree(take_directories, CHECK_ERRORS, only_first=True)
-            self.ranks.see_the_same(lock.path, f"run directory {out}")  # one --out that every node sees
+            self.ranks.take_run_directory(take_directories, lock.path, CHECK_ERRORS)  # one --out every node sees
 
             def local_spill_dir() -> None:  # a node-local --spill-dir: the other nodes' ranks make their own
                 nonlocal spill_created
@@ -382,11 +380,6 @@ def _compute_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
-
-
-def _compared_options(c: TrainConfig) -> dict:
-    """The options every rank shares: not --spill-dir (node-local disks), nor --out (Ranks.see_the_same checks it)."""
-    return {**train_config.absolute_paths(c), "spill_dir": None, "out": None}
 
 
 def _optimizer(c: TrainConfig) -> OptimizerConfig:
