@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import buffer_kinds, kept_layers, spill_placement
+from .allocator_retention import allocator_retention
 from .attention_memory import attention_working_set
 from .buffer_kinds import BufferKind, crosses_pcie, spill_chunk_numel
 from .hardware import GiB, HardwareProfile
@@ -43,8 +44,6 @@ HOST_PROCESS_BYTES = 2 * GiB
 # model whose buffers are 6-11 MiB; 0.22 GiB of it before the engine, the rest the engine's libraries and the step's
 # kernels; torch 2.13 CPU build); the step's transients are the device terms (the device is the host).
 HOST_PROCESS_BYTES_CPU = 312 * 2**20
-# glibc's malloc: mmap threshold rises to the largest freed mmapped chunk up to this ([Note: allocator retention]).
-GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
 
 WHERE = ("device", "host", "nvme")
 
@@ -207,28 +206,6 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
     if not spilled.kinds:
         comps.append(Component("spill files", "nvme", 0, "0: nothing spills in this plan"))
     return MemoryEstimate(tuple(comps))
-
-
-def allocator_retention(model: ModelShape, c: int) -> tuple[int, str]:
-    """[Note: allocator retention]
-    On a CPU device the step's temporaries are host memory from glibc's malloc, whose mmap threshold is dynamic:
-    once a temporary it had mmapped is freed, temporaries up to that size come from the heap, which keeps up to
-    twice that free at its top (the trim threshold follows at 2x) and, as the step's mix of sizes recurs, holes
-    between live tensors. The largest temporary a step frees, T, is a whole matrix's gradient from autograd: the
-    embedding's dense gradient or the head's weight gradient, V x h x c, or a layer's largest, I x h x c (the rise
-    stops at GLIBC_MMAP_THRESHOLD_MAX: larger chunks are always mmapped and unmapped):
-
-      2 x 2 x min(max(V, I) x h x c, 32 MiB)   (the trim threshold at the heap's top, and as much again in holes)
-
-    The same at any W (a rank's temporaries are one micro-batch's). The second 2 is fitted: on a 33M-parameter
-    model (V 8192, h 512, fp32: T = 16 MiB, the term 64 MiB) the peak RSS of CPU ranks was 66-118 MiB above the
-    listed buffers at W = 1, 2, 3 over four runs (35-91 MiB of it gone with the threshold fixed at 4 MiB, which
-    costs the step 9-11% CPU time in page faults: not done). On a GPU the temporaries are the device's (allocator
-    slack)."""
-    h, V, I = model.hidden_size, model.vocab_size, model.intermediate_size
-    kept = min(max(V, I) * h * c, GLIBC_MMAP_THRESHOLD_MAX)
-    return 4 * kept, (f"2 x 2 x min(max(V, I) x h x c, 32 MiB) = 4 x min({max(V, I)} x {h} x {c}, "
-                      f"{GLIBC_MMAP_THRESHOLD_MAX}) (glibc's heap: its top below the trim threshold, as much in holes)")
 
 
 # The checkpoint writer's unit: one zarr shard of up to 2**26 elements (runtime/io/checkpoint_format.py's spec).

@@ -2,7 +2,7 @@
 ([Note: per-rank buffers] in planner/data_parallel.py), and the collectives of a CPU rank allocating nothing the
 size of a block ([Note: collectives in place on gloo] in runtime/distributed/collectives.py); the CPU device's
 allocator-retention term by hand, and the glibc behaviour it stands on ([Note: allocator retention] in
-planner/memory_model.py).
+planner/allocator_retention.py).
 
 Peak RSS against the planner's figure is a benchmark row (benchmarks/scaling.py): the machine is shared."""
 from __future__ import annotations
@@ -148,7 +148,7 @@ def _resident_after_frees(rank: int, world: int) -> dict[str, int]:
                                                              for k in os.environ),
                     reason="glibc's malloc with its default thresholds")
 def test_the_allocator_retention_term_is_glibcs_heap_top_by_hand(tmp_path):
-    """[Note: allocator retention] in planner/memory_model.py: 4 x min(max(V, I) x h x c, 32 MiB) on a CPU device,
+    """[Note: allocator retention] in planner/allocator_retention.py: 4 x min(max(V, I) x h x c, 32 MiB) on a CPU device,
     the same at every W; and the glibc behaviour it stands on, in a fresh process."""
     hw = detect()
     model = model_shapes.from_config(HF["untied"])
