@@ -153,12 +153,17 @@ class Collectives:
         dist.barrier()
 
 
-def set_timeout(seconds: float) -> None:
+def set_timeout(seconds: float) -> bool:
     """Every later collective of this process's group waits at most ``seconds`` for the other ranks (gloo raises;
-    NCCL's watchdog aborts), instead of the timeout the group was made with."""
-    from torch.distributed.distributed_c10d import _set_pg_timeout  # torch's own setter (no public one yet)
+    NCCL's watchdog aborts), instead of the timeout the group was made with. False where this torch has no setter
+    (the group keeps its timeout)."""
+    from torch.distributed import distributed_c10d
 
-    _set_pg_timeout(datetime.timedelta(seconds=seconds))
+    setter = getattr(distributed_c10d, "_set_pg_timeout", None)  # torch's own (private: no public one yet)
+    if setter is None:
+        return False
+    setter(datetime.timedelta(seconds=seconds))
+    return True
 
 
 # torch renamed these two (same arguments); the older names warn where the new ones exist.
