@@ -28,6 +28,16 @@ efficiency = t_1 / (W x t_W) with t_1 one process's step on the whole global bat
 First-order: the collectives are assumed to overlap compute fully within a phase (the runtime runs
 them on their own stream, prefetched like the loads); unverified on GPUs.
 
+Collective timeout ([Note: collective timeout]): how long a rank's collective waits for the others before
+every rank stops, when --collective-timeout is not given:
+
+  timeout = max(FLOOR, STEPS x step_W + save_W)
+  save_W  = (master + m + v bytes of one rank) / disk write rate   (a checkpoint written between two collectives;
+            ``hw`` with disk figures: sizing.with_disk gives an unmeasured disk the rate the search assumes)
+
+with FLOOR = 120 s (a rank's first step, a slow file system, a loaded machine) and STEPS = 20 (the rate
+figures are rough: a step several times slower than predicted is no hang).
+
 Pure stdlib.
 """
 from __future__ import annotations
@@ -50,6 +60,8 @@ LOOPBACK_GBPS = 1.0    # CPU ranks: gloo over loopback TCP
 NETWORK_GBPS = 50.0    # per node: one 400 Gb/s NIC
 # Fixed cost of one collective (launch, synchronisation): NCCL / gloo.
 COLLECTIVE_LATENCY_S = {"gpu": 30e-6, "cpu": 300e-6}
+COLLECTIVE_TIMEOUT_FLOOR_S = 120.0
+COLLECTIVE_TIMEOUT_STEPS = 20
 STATE_COMPONENTS = ("fp32 master", "Adam m", "Adam v", "compute-dtype shadow", "fp32 grads (full arena)")
 
 
@@ -247,3 +259,14 @@ def scaling(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, 
     step = fwd + bwd + rank.optimizer_exposed_seconds * share / W
     return Scaling(step, single.step_seconds, comm_fwd + comm_bwd, work.tokens, W, topo.bus_gbps,
                    fwd_comm if fwd >= bwd else bwd_comm)
+
+
+def collective_timeout_s(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, topo: Topology) -> float:
+    """Seconds a collective waits for the other ranks before the run stops ([Note: collective timeout] above):
+    max(FLOOR, STEPS x the rank's predicted step + one rank's checkpoint write). ``hw`` has disk figures (a spill
+    plan's step needs them; sizing.with_disk)."""
+    step = scaling(model, work, plan, hw, topo).step_seconds
+    state = sum(c.nbytes for c in memory(model, work, plan, hw, topo).components
+                if c.name.split(" (")[0] in ("fp32 master", "Adam m", "Adam v"))  # in RAM and in spill files
+    save = state / (hw.disk_write_gbps * 1e9) if hw.disk_write_gbps > 0 else 0.0
+    return max(COLLECTIVE_TIMEOUT_FLOOR_S, COLLECTIVE_TIMEOUT_STEPS * step + save)

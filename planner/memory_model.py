@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import buffer_kinds, kept_layers, spill_placement
+from .allocator_retention import allocator_retention
 from .attention_memory import attention_working_set
 from .block_parameters import LAYER
 from .buffer_kinds import BufferKind, crosses_pcie, spill_chunk_numel
@@ -190,6 +191,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
             host("process", HOST_PROCESS_BYTES, "constant: Python, torch, CUDA libraries, data loader", pinned=False)
         else:
             host("process", HOST_PROCESS_BYTES_CPU, "constant: Python, torch's CPU libraries (no GPU)", pinned=False)
+            host("allocator retention", *allocator_retention(model, c), pinned=False)
     else:
         host("process", cal.process_bytes, "fitted: resident bytes before the engine (megatrain-plan calibrate)",
              pinned=False)
@@ -367,7 +369,7 @@ def activation_bytes(model: ModelShape, work: Workload, plan: Plan) -> int:
 
 
 # Components that are not buffers of the runtime: constants or fitted from runs.
-FIXED_TERMS = ("process", "temporaries", "CUDA context", "allocator slack")
+FIXED_TERMS = ("process", "temporaries", "allocator retention", "CUDA context", "allocator slack")
 
 def spilled_kinds(plan: Plan, model: ModelShape | None = None) -> tuple[BufferKind, ...]:
     """The fp32 kinds of which a plan keeps at least one block in spill files: the rule the runtime's host store

@@ -55,6 +55,24 @@ def test_collectives_time_by_hand() -> None:
     assert s.efficiency < 0.05
 
 
+def test_the_collective_timeout_is_the_plans_bound_by_hand() -> None:
+    """max(120 s, 20 x the rank's predicted step + its master, m and v written at the disk's rate)."""
+    m = PRESETS["shape:Llama-3.1-8B"]
+    work = Workload(seq_len=4096, batch=128, compute_dtype="bf16")  # 16 sequences per rank: a step of seconds
+    topo = data_parallel.topology(H100, 8, 1)
+    step = data_parallel.scaling(m, work, PLAN, H100, topo).step_seconds
+    state = sum(c.nbytes for c in data_parallel.memory(m, work, PLAN, H100, topo).components
+                if c.name in ("fp32 master", "Adam m", "Adam v"))
+    assert state == 3 * 4 * sum(data_parallel.shard_numel(n, 8) for n in data_parallel.block_numels(m))
+    got = data_parallel.collective_timeout_s(m, work, PLAN, H100, topo)
+    assert got == pytest.approx(max(120.0, 20 * step + state / (H100.disk_write_gbps * 1e9)))
+    assert got > 120.0  # the plan's bound, above the floor
+    tiny = from_config(dict(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=32,
+                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
+    assert data_parallel.collective_timeout_s(tiny, Workload(seq_len=8, batch=2, compute_dtype="fp32"), PLAN, H100,
+                                              data_parallel.topology(H100, 2, 1)) == 120.0  # the floor
+
+
 def test_one_rank_is_the_single_process_and_more_ranks_scale_below_one() -> None:
     m = PRESETS["shape:Llama-3.1-8B"]
     work = Workload(seq_len=4096, batch=16, compute_dtype="bf16")

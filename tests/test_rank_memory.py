@@ -1,9 +1,14 @@
 """One data-parallel rank's memory: the planner's per-rank figure against the rank's real buffers, buffer by buffer
 ([Note: per-rank buffers] in planner/data_parallel.py), and the collectives of a CPU rank allocating nothing the
-size of a block ([Note: collectives in place on gloo] in runtime/distributed/collectives.py).
+size of a block ([Note: collectives in place on gloo] in runtime/distributed/collectives.py); the CPU device's
+allocator-retention term by hand, and the glibc behaviour it stands on ([Note: allocator retention] in
+planner/allocator_retention.py).
 
 Peak RSS against the planner's figure is a benchmark row (benchmarks/scaling.py): the machine is shared."""
 from __future__ import annotations
+
+import os
+import platform
 
 import pytest
 import torch
@@ -73,7 +78,7 @@ def test_the_planners_rank_is_the_runtimes_rank_buffer_by_buffer(world: int, tmp
             if plan.checkpoints == "host":
                 assert planned["activation checkpoints"] == got["host checkpoints"]
             host = sum(c.nbytes for c in est.components if c.where == "host" and c.name not in (
-                "process", "activation checkpoints"))
+                "process", "allocator retention", "activation checkpoints"))
             assert host == got["store"], (name, plan_name)  # every host buffer of the store is a term, nothing else
 
 
@@ -118,3 +123,41 @@ def test_a_cpu_ranks_collectives_allocate_no_block_sized_buffer(world: int, tmp_
     for got in run_ranks(_collectives_memory, world, tmp_path):
         # gloo's own gather and reduce-scatter each allocated a whole padded block (64 MiB on 64 MiB, measured)
         assert got["gather"] < got["block"] // 8 and got["reduce"] < got["block"] // 8, got
+
+
+def _resident_after_frees(rank: int, world: int) -> dict[str, int]:
+    """Bytes still resident after temporaries are freed, in a fresh process (glibc's thresholds at their start)."""
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+    def kept(numel: int) -> int:
+        before = rss()
+        t = torch.ones(numel)  # every page touched
+        del t
+        return rss() - before
+
+    kept(1024)  # torch's first use of the allocator
+    first = kept(4 * 2**20)  # 16 MiB: mmapped, and unmapped when freed; the mmap threshold rises to it
+    then = kept(2 * 2**20)  # 8 MiB: now carved from the heap, whose top is kept below 2 x 16 MiB
+    huge = kept(12 * 2**20)  # 48 MiB: above glibc's 32 MiB ceiling, always mmapped
+    return {"first": first, "then": then, "huge": huge}
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or any(k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"
+                                                             for k in os.environ),
+                    reason="glibc's malloc with its default thresholds")
+def test_the_allocator_retention_term_is_glibcs_heap_top_by_hand(tmp_path):
+    """[Note: allocator retention] in planner/allocator_retention.py: 4 x min(max(V, I) x h x c, 32 MiB) on a CPU device,
+    the same at every W; and the glibc behaviour it stands on, in a fresh process."""
+    hw = detect()
+    model = model_shapes.from_config(HF["untied"])
+    for world in (1, 3):
+        est = data_parallel.memory(model, Workload(seq_len=SEQ, batch=BATCH, compute_dtype="fp32"), PLANS["default"],
+                                   hw, data_parallel.topology(hw, world, 1))
+        assert {c.name: c.nbytes for c in est.components}["allocator retention"] == 4 * 517 * 40 * 4
+    got = run_ranks(_resident_after_frees, 1, tmp_path)[0]
+    mib = 2**20
+    assert got["first"] < mib and got["huge"] < mib, got  # unmapped
+    assert 6 * mib <= got["then"] <= 2 * 16 * mib, got  # kept at the heap's top, below the trim threshold (2 x 16)
+

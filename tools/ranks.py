@@ -10,13 +10,18 @@ With one process everything here is a pass-through. With W ranks (torchrun sets 
   progress and TensorBoard events (``writes``); every rank builds its engine (its shards of the state),
   reads the same global batches and passes its rows (``rows``) to the step; checkpoints are written by
   all ranks together (runtime/io/sharded_checkpoint.py);
+- once rank 0 has taken --out, every rank reads the lock file it wrote there (``see_the_same``): a rank that
+  sees another directory (a per-node --out) stops every rank, one line;
 - a rank that fails during training prints its own line and exits; the others' next collective then
-  fails (the peer's connection closed, or the group's timeout) and they stop with a line that says so.
+  fails (the peer's connection closed, or the group's timeout: --collective-timeout, else 300 s while the
+  inputs are checked and the plan's bound from then on, ``set_timeout``) and they stop with a line that says so.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import sys
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
@@ -24,11 +29,13 @@ import torch
 import torch.distributed as dist
 
 from megatrain.errors import MegatrainError
+from megatrain.runtime.distributed import collectives
 from megatrain.runtime.distributed.process_group import DEFAULT_TIMEOUT_S, Topology, join, leave, rank_device
 
 from . import train_config, train_options
 
 T = TypeVar("T")
+_timeout_s = [DEFAULT_TIMEOUT_S]  # the wait every collective of this process is bounded by now (peer_stopped says it)
 
 
 class RankError(MegatrainError):
@@ -42,7 +49,14 @@ class Ranks:
     @classmethod
     def join(cls, timeout_s: float = DEFAULT_TIMEOUT_S) -> "Ranks":
         """This process's rank; every collective of the run waits at most ``timeout_s`` for the others."""
+        _timeout_s[0] = timeout_s
         return cls(join(timeout_s))
+
+    def set_timeout(self, seconds: float | None) -> None:
+        """Every later collective waits at most ``seconds`` for the other ranks (--collective-timeout, else the
+        planner's bound for the run's plan: planner/data_parallel.py, [Note: collective timeout]); None: as now."""
+        if self.topology is not None and seconds and collectives.set_timeout(seconds):
+            _timeout_s[0] = seconds
 
     @property
     def world_size(self) -> int:
@@ -107,9 +121,36 @@ class Ranks:
         for rank, theirs in enumerate(everyone):
             differs = [name for name in parts if theirs.get(name) != everyone[0].get(name)]
             if differs:
-                raise RankError(f"rank {rank}'s {differs[0]} differs from rank 0's; every rank must run the same "
+                verb = "differ" if differs[0] == "options" else "differs"
+                raise RankError(f"rank {rank}'s {differs[0]} {verb} from rank 0's; every rank must run the same "
                                 f"command on the same files (check that each node sees the same --data, --plan and "
                                 f"--out)")
+
+    def take_run_directory(self, take: Callable[[], None], lock_path: str,
+                           errors: tuple[type[BaseException], ...]) -> None:
+        """Rank 0 runs ``take`` (it takes --out and writes its lock file, ``lock_path``), as ``agree`` with
+        ``only_first``; then every rank reads that file (``see_the_same``): one --out that every node sees."""
+        self.agree(take, errors, only_first=True)
+        self.see_the_same(lock_path, f"run directory {os.path.dirname(lock_path)}")
+
+    def see_the_same(self, path: str, what: str) -> None:
+        """Every rank reads the same bytes at ``path`` (a file rank 0 just wrote: the run's lock in --out), else
+        every rank stops with one line: a rank on another node sees another directory (a per-node --out, or a
+        path that is local to each node), which checkpoints cannot be written to. One collective."""
+        if self.topology is None:
+            return
+        try:
+            with open(path, "rb") as f:
+                mine: bytes | None = f.read()
+        except OSError:
+            mine = None
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)
+        differs = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
+        if differs:
+            raise RankError(f"out: rank {differs[0]} does not see the {what} rank 0 made (a per-node --out, or a "
+                            f"path local to each node); per-node output directories are not supported: give every "
+                            f"node the same --out on storage they all see (a shared filesystem)")
 
     def leave(self) -> None:
         """Done with the other ranks (their engines closed, their steps over): what this rank does next (rank 0's
@@ -156,7 +197,13 @@ def peer_failure(e: RuntimeError) -> bool:
 
 
 def peer_stopped(e: BaseException) -> str:
-    """The line a rank prints when another rank stopped the run (that rank printed why)."""
+    """The line a rank prints when another rank stopped the run (that rank printed why), or when a collective
+    waited its whole timeout for a rank that stopped answering (hung, or too slow)."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", _one_line(e))  # gloo's [file.cc:line] prefix
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return (f"a collective waited {_timeout_s[0]:g} s for another rank, which stopped answering (hung, or "
+                f"slower than that; {text[:100]}); megatrain-train stops every rank (--collective-timeout S sets "
+                "the wait)")
     return (f"another rank of this run stopped, or stopped answering ({_one_line(e)[:160]}); its own line says why; "
             "megatrain-train stops every rank")
 

@@ -167,6 +167,7 @@ class RunLock:
                              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n"
         os.ftruncate(fd, 0)
         os.pwrite(fd, record.encode(), 0)
+        os.fsync(fd)  # on the file server before the other nodes read it (Ranks.see_the_same: one shared --out)
         self._fd = fd
 
     def release(self) -> None:

@@ -27,6 +27,7 @@ class RunPlan:
     plan: Plan
     description: str
     notes: list[str] = field(default_factory=list)
+    collective_timeout_s: float | None = None  # under torchrun: --collective-timeout, else the plan's bound
 
 
 def choose(c: TrainConfig, values: dict[str, object], out: str, resumed: Plan | None, model: ModelConfig,
@@ -37,6 +38,13 @@ def choose(c: TrainConfig, values: dict[str, object], out: str, resumed: Plan | 
     for a resumed run (it resumes at another world size, so its per-rank batch changed)."""
     spill_root = c.spill_dir or os.path.join(out, run_dir.SPILL_DIR)
     research = resumed is not None and (values.get("spill") == "auto" or replan)
+    chosen = _chosen(c, values, out, resumed, model, compute_dtype, topology, spill_root, research)
+    chosen.collective_timeout_s = _collective_timeout(c, model, chosen.plan, compute_dtype, topology)
+    return chosen
+
+
+def _chosen(c: TrainConfig, values: dict[str, object], out: str, resumed: Plan | None, model: ModelConfig,
+            compute_dtype: str, topology: Topology | None, spill_root: str, research: bool) -> RunPlan:
     if c.plan:
         plan, description = Plan.load(c.plan), c.plan
     elif resumed is not None and not research:
@@ -65,6 +73,23 @@ def _search(c: TrainConfig, model: ModelConfig, compute_dtype: str, spill_root: 
     description = (f"planner (hardware: {hw.source}): micro-batch {plan.micro_batch_size}, {plan.num_slots} slots, "
                    f"checkpoints on {plan.checkpoints}, {plan.optimizer_mode} optimizer")
     return RunPlan(plan, description, notes)
+
+
+def _collective_timeout(c: TrainConfig, model: ModelConfig, plan: Plan, compute_dtype: str,
+                        topology: Topology | None) -> float | None:
+    """Under torchrun, --collective-timeout, else the planner's bound on a collective's wait for this plan
+    (planner/data_parallel.py, [Note: collective timeout]); None for one process."""
+    if topology is None or topology.world_size == 1:
+        return None
+    if c.collective_timeout:
+        return c.collective_timeout
+    hw = sizing.with_disk(this_machine())[0]  # an unmeasured disk at the rate the search assumes
+    work = Workload(c.seq_len, c.batch, compute_dtype=compute_dtype, clipping=c.max_grad_norm > 0,
+                    optimizer_state=c.optimizer_state)
+    shape = model_shapes.from_config(model.to_dict(), name=planner_name(c.model))
+    ranks = _planner_ranks(hw, topology)
+    assert ranks is not None
+    return data_parallel.collective_timeout_s(shape, work, plan, hw, ranks)
 
 
 def planner_name(model: str) -> str | None:

@@ -106,6 +106,7 @@ class Setup:
     plan: Plan
     data: data_order.TrainingData                          # the data position, the epoch
     evals: evaluation.EvalSet | None
+    collective_timeout_s: float | None   # under torchrun: --collective-timeout, else the plan's bound
 
 
 class Run:
@@ -139,9 +140,8 @@ class Run:
         # Every rank checks every input; an error on any rank stops all of them with its line.
         setup = self.ranks.agree(self._setup, CHECK_ERRORS)
         self.ranks.same({"plan": {**setup.plan.to_dict(), "spill_dir": None}, "data order": setup.data.state(),
-                         "start step": self.start_step,
-                         # a node's own --spill-dir may differ (node-local disks); its plan may not
-                         "options": {**train_config.absolute_paths(self.config), "spill_dir": None}})
+                         "start step": self.start_step, "options": train_config.compared_options(self.config)})
+        self.ranks.set_timeout(setup.collective_timeout_s)  # the setup's waited --collective-timeout or 300 s
         return self._run(setup)
 
     # ------------------------------------------------------------------ setup
@@ -180,7 +180,7 @@ class Run:
         plan, self.plan_description = chosen.plan, chosen.description
         self.notes += chosen.notes
         return Setup(own_run, overwrite, device, dtype, model, source, corpus, itertools.chain([first], batches),
-                     plan, data, evals)
+                     plan, data, evals, chosen.collective_timeout_s)
 
     def _run(self, setup: Setup) -> int:
         """Take the run directory (and the spill directory), build the engine, train, write the summary."""
@@ -203,7 +203,7 @@ class Run:
                           file=sys.stderr)
             restart.record(out, self.config)  # what --resume-or-start compares a restart's options with
         try:
-            self.ranks.agree(take_directories, CHECK_ERRORS, only_first=True)
+            self.ranks.take_run_directory(take_directories, lock.path, CHECK_ERRORS)  # one --out every node sees
 
             def local_spill_dir() -> None:  # a node-local --spill-dir: the other nodes' ranks make their own
                 nonlocal spill_created

@@ -228,6 +228,12 @@ def absolute_paths(config: TrainConfig) -> dict[str, Any]:
     return d
 
 
+def compared_options(config: TrainConfig) -> dict[str, Any]:
+    """The options every rank of a run shares (tools/ranks.py compares them): not --spill-dir (a node's own, on its
+    local disk), nor --out (compared as the directory each rank sees: Ranks.take_run_directory)."""
+    return {**absolute_paths(config), "spill_dir": None, "out": None}
+
+
 def resume_changes(saved: Mapping[str, Any], given: Mapping[str, Any]) -> list[str]:
     """The options given now that differ from the resumed run's, as "name old -> new" (those it may change).
 

@@ -65,7 +65,8 @@ HELP: dict[str, str] = {
     "resume_or_start": "continue the run in --out from its latest complete checkpoint if it has one, else start "
                        "it (for torchrun --max-restarts and a scheduler's requeue); another run's --out is refused",
     "collective_timeout": "under torchrun: seconds a collective waits for the other ranks before every rank stops "
-                          "(default 300)",
+                          "(default: 300 while the ranks check their inputs, then the plan's bound, max(120, 20 "
+                          "predicted steps + a checkpoint write))",
     "plan": "a plan.json from megatrain-plan (default: the planner chooses)",
     "spill": "what may live in spill files on disk: auto (the planner decides; default), none, optimizer "
              "(AdamW m, v) or all (master, m, v, grads)",

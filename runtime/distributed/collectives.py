@@ -41,6 +41,7 @@ buffers (its temporaries are its own, on the device).
 """
 from __future__ import annotations
 
+import datetime
 from typing import Callable
 
 import torch
@@ -150,6 +151,19 @@ class Collectives:
 
     def barrier(self) -> None:
         dist.barrier()
+
+
+def set_timeout(seconds: float) -> bool:
+    """Every later collective of this process's group waits at most ``seconds`` for the other ranks (gloo raises;
+    NCCL's watchdog aborts), instead of the timeout the group was made with. False where this torch has no setter
+    (the group keeps its timeout)."""
+    from torch.distributed import distributed_c10d
+
+    setter = getattr(distributed_c10d, "_set_pg_timeout", None)  # torch's own (private: no public one yet)
+    if setter is None:
+        return False
+    setter(datetime.timedelta(seconds=seconds))
+    return True
 
 
 # torch renamed these two (same arguments); the older names warn where the new ones exist.
