@@ -1,18 +1,21 @@
 """The README's own-loop example against plain PyTorch: ``Engine(config)`` with no plan, step for step.
 
     python benchmarks/own_loop.py --model 25m --seq 128 --batch 4 --rounds 12     # on a CPU (fp32)
+    python benchmarks/own_loop.py --model 100m --rounds 10 --systems 0,1,3,5      # ~100M, fewer systems
 
-One process holds five trainers of the same model from the same initial weights: megatrain as the README's
+(``benchmarks/own_loop_cli.py`` times the same model through ``megatrain-train``, a process per run.)
+One process holds six trainers of the same model from the same initial weights: megatrain as the README's
 "Train from your own loop" builds it (no plan: the default plan, whose micro-batch the first step sets to the
 batch and which keeps the layers whose activations fit: [Note: kept layers]), megatrain with that micro-batch
 but every layer recomputed from its checkpoint (``Plan(micro_batch_size=batch)``: the default before layers were
 kept), megatrain with ``Plan()`` (one sequence per micro-batch, the default before it took the batch),
 megatrain with the plan ``megatrain-train`` would run (``plan_request.choose_plan`` on this machine's profile), and
 plain PyTorch (the equivalence tests' reference model, no activation checkpointing, fused ``torch.optim.AdamW``,
-global-norm clipping). Each round runs one step of each, in a rotating order, on the same batch, so the
+global-norm clipping: ``pytorch_trainer``), and the same with each decoder layer under ``torch.utils.checkpoint``
+(``use_reentrant=False``: its forward recomputed in backward, as megatrain's recomputed layers). Each round runs one step of each, in a rotating order, on the same batch, so the
 ratios of adjacent steps hold little of a shared machine's drift. Reports median step seconds, the median of
 the per-round ratios to PyTorch, and the last losses (equal to about 1e-6 in fp32).
-Writes ``benchmarks/results/<date>_<device>_own_loop_<model>.{json,md}``.
+Writes ``benchmarks/results/<date>_<device>_own_loop_<model>.{json,md}`` (and a .png with matplotlib).
 """
 from __future__ import annotations
 
@@ -36,21 +39,55 @@ MODELS = {
     # 25.8M parameters: 6 layers of h512 (GQA 8/4 heads), vocabulary 8192, untied.
     "25m": dict(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=6,
                 num_attention_heads=8, num_key_value_heads=4),
+    # 100.7M parameters: 12 layers of h768 (GQA 12/4 heads), vocabulary 16384, untied.
+    "100m": dict(vocab_size=16384, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                 num_attention_heads=12, num_key_value_heads=4),
 }
 SYSTEMS = ("megatrain, no plan", "megatrain, every layer recomputed", "megatrain, Plan()", "megatrain, planner's plan",
-           "pytorch")
+           "pytorch", "pytorch, per-layer checkpointing")
+
+
+def pytorch_trainer(config, optimizer, state: dict, device: torch.device, checkpoint: bool = False):
+    """Plain PyTorch training of the model from ``state``: ``step(ids, lr=None) -> loss`` (float).
+
+    The equivalence tests' reference model (one autograd graph, full logits), fused ``torch.optim.AdamW`` with
+    ``optimizer``'s hyper-parameters and decay groups, global-norm clipping; ``checkpoint``: each decoder layer
+    under ``torch.utils.checkpoint`` (``use_reentrant=False``), its forward recomputed in backward.
+    """
+    from reference_model import ReferenceLM, make_optimizer
+
+    from megatrain.runtime.pipeline.head_loss import IGNORE_INDEX, shift_labels
+
+    model = ReferenceLM(config)
+    model.load_state_dict(state)
+    model.to(device)
+    opt = make_optimizer(model, optimizer)
+
+    def step(ids: torch.Tensor, lr: float | None = None) -> float:
+        if lr is not None:
+            for group in opt.param_groups:
+                group["lr"] = lr
+        ids = ids.to(device)
+        logits = model(ids, checkpoint=checkpoint)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), shift_labels(ids).flatten(),
+                                                 ignore_index=IGNORE_INDEX)
+        loss.backward()
+        if optimizer.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), optimizer.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
 
 
 def trainers(cfg: dict, device: torch.device, seq: int, batch: int):
     """One step function per system, each from the same initial weights: ``step(ids) -> loss``."""
-    from reference_model import ReferenceLM
-
     from megatrain.planner import model_shapes
     from megatrain.planner.plan_request import PlanRequest, choose_plan
     from megatrain.planner.profiler import this_machine
     from megatrain.planner.workload import Workload
     from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
-    from megatrain.runtime.pipeline.head_loss import shift_labels
 
     config = ModelConfig(**cfg)
     optimizer = OptimizerConfig(lr=1e-4, max_grad_norm=1.0)
@@ -61,26 +98,14 @@ def trainers(cfg: dict, device: torch.device, seq: int, batch: int):
     work = Workload(seq, batch, compute_dtype="fp32", clipping=True)
     chosen = choose_plan(model_shapes.from_config(dict(cfg, model_type="llama")), PlanRequest(work), this_machine())
     planned = Engine(config, optimizer=optimizer, plan=chosen.plan, compute_dtype=torch.float32, device=device)
-    model = ReferenceLM(config)
-    model.load_state_dict(own.state_dict())
-    model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-
-    def pytorch(ids: torch.Tensor) -> float:
-        ids = ids.to(device)
-        labels = shift_labels(ids)
-        logits = model(ids)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+    state = own.state_dict()
+    pytorch = pytorch_trainer(config, optimizer, state, device)
+    checkpointed = pytorch_trainer(config, optimizer, state, device, checkpoint=True)
 
     engines = [own, old, planned, recompute]
     steps = {SYSTEMS[0]: lambda ids: own.step(ids, ids).item(), SYSTEMS[1]: lambda ids: recompute.step(ids, ids).item(),
              SYSTEMS[2]: lambda ids: old.step(ids, ids).item(), SYSTEMS[3]: lambda ids: planned.step(ids, ids).item(),
-             SYSTEMS[4]: pytorch}
+             SYSTEMS[4]: pytorch, SYSTEMS[5]: checkpointed}
     return steps, engines, own.num_parameters
 
 
@@ -119,10 +144,7 @@ def main() -> int:
     plan, planned = engines[0].plan, engines[2].plan
     for engine in engines:
         engine.close()
-    base = seconds["pytorch"]
-    rows = [{"system": s, "median_step_s": statistics.median(seconds[s]), "min_step_s": min(seconds[s]),
-             "median_ratio_to_pytorch": statistics.median(a / b for a, b in zip(seconds[s], base)),
-             "final_loss": losses[s][-1]} for s in chosen]
+    rows = result_rows(seconds, {s: losses[s][-1] for s in chosen})
     info = machine()
     device_name = "cpu" if device.type == "cpu" else (info.get("gpu") or "gpu").replace(" ", "-")
     report = {"date": datetime.date.today().isoformat(), "machine": info, "args": vars(args), "params": params,
@@ -133,31 +155,63 @@ def main() -> int:
               "command": f"python benchmarks/own_loop.py --model {args.model} --seq {args.seq} --batch {args.batch} "
                          f"--rounds {args.rounds} --systems {args.systems}" + (" --cpu" if args.cpu else "")
                          + (f" --label {args.label}" if args.label else "")}
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{report['date']}_{device_name}_own_loop_{args.model}"
-                                  + (f"_{args.label}" if args.label else ""))
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=2)
-    lines = [f"# The README's own loop vs PyTorch, {args.model} ({params / 1e6:.1f}M), {args.batch} x {args.seq} "
-             f"tokens/step, fp32, {device_name} ({report['date']})", "",
-             f"`{report['command']}`", "",
-             f"{args.rounds - args.warmup} rounds after {args.warmup} warm-up, one step of each system per round "
-             f"(rotating order, one process); {info['cores']} cores ({info['cpu']}), torch {info['torch']}, load "
-             f"average {load_before[0]:.1f} before and {os.getloadavg()[0]:.1f} after (1 min). "
-             f"The default plan took micro-batch {plan.micro_batch_size} from the first step and keeps "
+    notes = [f"{args.rounds - args.warmup} rounds after {args.warmup} warm-up, one step of each system per round "
+             f"(rotating order, one process; each step timed from its call to its loss's ``.item()``); load "
+             f"average {load_before[0]:.1f} before and {report['load_average_1_5_15_min']['after'][0]:.1f} after "
+             f"(1 min). The default plan took micro-batch {plan.micro_batch_size} from the first step and keeps "
              f"{len(plan.kept_layers)} of {cfg['num_hidden_layers']} layers; the planner's plan has "
              f"micro-batch {planned.micro_batch_size}, {planned.num_slots} slots, checkpoints on "
-             f"{planned.checkpoints}, {len(planned.kept_layers)} layers kept.", "",
-             "| system | median step s | min step s | median of per-round ratios to PyTorch | last loss |",
-             "|---|---|---|---|---|"]
+             f"{planned.checkpoints}, {len(planned.kept_layers)} layers kept."]
+    write_results(args, "own_loop", device_name, "The README's own loop vs PyTorch", report, notes)
+    return 0
+
+
+def result_rows(seconds: dict[str, list[float]], last_loss: dict[str, float]) -> list[dict]:
+    """Per system: the median and least of its ``seconds`` (one per round) and the median of its per-round ratios
+    to ``seconds["pytorch"]``."""
+    return [{"system": s, "median_step_s": statistics.median(t), "min_step_s": min(t),
+             "median_ratio_to_pytorch": statistics.median(a / b for a, b in zip(t, seconds["pytorch"])),
+             "final_loss": last_loss[s]} for s, t in seconds.items()]
+
+
+def write_results(args, name: str, device_name: str, heading: str, report: dict, notes: list[str]) -> None:
+    """``<out>/<date>_<device>_<name>_<model>[_<label>]``: .json (``report``), .md (``heading``, the command,
+    ``notes``, a table of ``report["results"]``) and .png (the median ratios to PyTorch; with matplotlib)."""
+    stem = os.path.join(args.out, f"{report['date']}_{device_name}_{name}_{args.model}"
+                                  + (f"_{args.label}" if args.label else ""))
+    os.makedirs(args.out, exist_ok=True)
+    rows = report["results"]
+    title = f"{args.model} ({report['params'] / 1e6:.1f}M), {args.batch} x {args.seq} tokens/step, fp32, {device_name}"
+    info = report["machine"]
+    lines = [f"# {heading}, {title} ({report['date']})", "", f"`{report['command']}`", "",
+             f"{info['cores']} cores ({info['cpu']}), torch {info['torch']}.", *notes, ""]
+    with open(stem + ".json", "w") as f:
+        json.dump(report, f, indent=2)
+    lines = lines + ["| system | median step s | min step s | median of per-round ratios to PyTorch | last loss |",
+                     "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['system']} | {r['median_step_s']:.3f} | {r['min_step_s']:.3f} | "
                      f"{r['median_ratio_to_pytorch']:.2f}x | {r['final_loss']:.6f} |")
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    print(f"wrote {stem}.json and .md", file=sys.stderr)
-    return 0
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"wrote {stem}.json and .md (no plot: matplotlib is not installed)", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 0.5 + 0.45 * len(rows)))
+    ax.barh([r["system"] for r in rows], [r["median_ratio_to_pytorch"] for r in rows])
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("median per-round step time / PyTorch's")
+    ax.set_title(f"{heading}, {title}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=120)
+    plt.close(fig)
+    print(f"wrote {stem}.json, .md and .png", file=sys.stderr)
 
 
 if __name__ == "__main__":
