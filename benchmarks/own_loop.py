@@ -1,19 +1,20 @@
 """The README's own-loop example against plain PyTorch: ``Engine(config)`` with no plan, step for step.
 
     python benchmarks/own_loop.py --model 25m --seq 128 --batch 4 --rounds 12     # on a CPU (fp32)
-    python benchmarks/own_loop.py --model 100m --rounds 10 --systems 0,1,3,5      # ~100M, fewer systems
+    python benchmarks/own_loop.py --model 100m --rounds 10 --systems 0,1,3,5   # ~100M, fewer systems
 
 (``benchmarks/own_loop_cli.py`` times the same model through ``megatrain-train``, a process per run.)
-One process holds six trainers of the same model from the same initial weights: megatrain as the README's
+One process holds up to six trainers of the same model from the same initial weights: megatrain as the README's
 "Train from your own loop" builds it (no plan: the default plan, whose micro-batch the first step sets to the
 batch and which keeps the layers whose activations fit: [Note: kept layers]), megatrain with that micro-batch
 but every layer recomputed from its checkpoint (``Plan(micro_batch_size=batch)``: the default before layers were
 kept), megatrain with ``Plan()`` (one sequence per micro-batch, the default before it took the batch),
-megatrain with the plan ``megatrain-train`` would run (``plan_request.choose_plan`` on this machine's profile), and
+megatrain with the plan ``megatrain-train`` would run (``plan_request.choose_plan`` on this machine's profile),
 plain PyTorch (the equivalence tests' reference model, no activation checkpointing, fused ``torch.optim.AdamW``,
 global-norm clipping: ``pytorch_trainer``), and the same with each decoder layer under ``torch.utils.checkpoint``
-(``use_reentrant=False``: its forward recomputed in backward, as megatrain's recomputed layers). Each round runs one step of each, in a rotating order, on the same batch, so the
-ratios of adjacent steps hold little of a shared machine's drift. Reports median step seconds, the median of
+(``use_reentrant=False``: its forward recomputed in backward, as megatrain's recomputed layers); ``--systems``
+picks which (only those are built). Each round runs one step of each, in a rotating order, on the same batch, so
+the ratios of adjacent steps hold little of a shared machine's drift. Reports median step seconds, the median of
 the per-round ratios to PyTorch, and the last losses (equal to about 1e-6 in fp32).
 Writes ``benchmarks/results/<date>_<device>_own_loop_<model>.{json,md}`` (and a .png with matplotlib).
 """
@@ -81,8 +82,10 @@ def pytorch_trainer(config, optimizer, state: dict, device: torch.device, checkp
     return step
 
 
-def trainers(cfg: dict, device: torch.device, seq: int, batch: int):
-    """One step function per system, each from the same initial weights: ``step(ids) -> loss``."""
+def trainers(cfg: dict, device: torch.device, seq: int, batch: int, systems: tuple[str, ...]):
+    """A step function per system of ``systems``, each from the same initial weights: ``step(ids) -> loss``; the
+    default plan, the planner's plan and the parameter count. Only the systems asked for are built (at ~100M each
+    trainer holds ~1.6 GB of weights and AdamW state)."""
     from megatrain.planner import model_shapes
     from megatrain.planner.plan_request import PlanRequest, choose_plan
     from megatrain.planner.profiler import this_machine
@@ -91,22 +94,19 @@ def trainers(cfg: dict, device: torch.device, seq: int, batch: int):
 
     config = ModelConfig(**cfg)
     optimizer = OptimizerConfig(lr=1e-4, max_grad_norm=1.0)
-    own = Engine(config, optimizer=optimizer, compute_dtype=torch.float32, device=device)  # the README's example
-    old = Engine(config, optimizer=optimizer, plan=Plan(), compute_dtype=torch.float32, device=device)
-    recompute = Engine(config, optimizer=optimizer, plan=Plan(micro_batch_size=batch), compute_dtype=torch.float32,
-                       device=device)
     work = Workload(seq, batch, compute_dtype="fp32", clipping=True)
-    chosen = choose_plan(model_shapes.from_config(dict(cfg, model_type="llama")), PlanRequest(work), this_machine())
-    planned = Engine(config, optimizer=optimizer, plan=chosen.plan, compute_dtype=torch.float32, device=device)
-    state = own.state_dict()
-    pytorch = pytorch_trainer(config, optimizer, state, device)
-    checkpointed = pytorch_trainer(config, optimizer, state, device, checkpoint=True)
-
-    engines = [own, old, planned, recompute]
-    steps = {SYSTEMS[0]: lambda ids: own.step(ids, ids).item(), SYSTEMS[1]: lambda ids: recompute.step(ids, ids).item(),
-             SYSTEMS[2]: lambda ids: old.step(ids, ids).item(), SYSTEMS[3]: lambda ids: planned.step(ids, ids).item(),
-             SYSTEMS[4]: pytorch, SYSTEMS[5]: checkpointed}
-    return steps, engines, own.num_parameters
+    shape = model_shapes.from_config(dict(cfg, model_type="llama"))
+    planned = choose_plan(shape, PlanRequest(work), this_machine()).plan
+    own = Engine(config, optimizer=optimizer, compute_dtype=torch.float32, device=device)  # the README's example
+    state = own.state_dict()  # every other trainer starts from these weights (the Engines: the same seed)
+    plans = {SYSTEMS[1]: Plan(micro_batch_size=batch), SYSTEMS[2]: Plan(), SYSTEMS[3]: planned}
+    engines = {SYSTEMS[0]: own, **{s: Engine(config, optimizer=optimizer, plan=plan, compute_dtype=torch.float32,
+                                            device=device) for s, plan in plans.items() if s in systems}}
+    steps = {s: (lambda e: lambda ids: e.step(ids, ids).item())(e) for s, e in engines.items()}
+    for s, checkpoint in ((SYSTEMS[4], False), (SYSTEMS[5], True)):
+        if s in systems:
+            steps[s] = pytorch_trainer(config, optimizer, state, device, checkpoint=checkpoint)
+    return steps, list(engines.values()), planned, own.num_parameters
 
 
 def main() -> int:
@@ -126,9 +126,9 @@ def main() -> int:
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the reference model of the equivalence tests
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     cfg = MODELS[args.model]
-    steps, engines, params = trainers(cfg, device, args.seq, args.batch)
-    data = batches(cfg["vocab_size"], args.batch, args.seq, args.rounds)
     chosen = tuple(SYSTEMS[int(i)] for i in args.systems.split(",") if SYSTEMS[int(i)] != "pytorch") + ("pytorch",)
+    steps, engines, planned, params = trainers(cfg, device, args.seq, args.batch, chosen)
+    data = batches(cfg["vocab_size"], args.batch, args.seq, args.rounds)
     load_before = os.getloadavg()  # a shared machine: how busy it was, for reading the spread
     seconds: dict[str, list[float]] = {s: [] for s in chosen}
     losses: dict[str, list[float]] = {s: [] for s in chosen}
@@ -141,7 +141,7 @@ def main() -> int:
                 seconds[system].append(time.perf_counter() - t0)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{s} {losses[s][-1]:.6f}" for s in chosen),
               file=sys.stderr, flush=True)
-    plan, planned = engines[0].plan, engines[2].plan
+    plan = engines[0].plan  # the default plan, as the first step set it
     for engine in engines:
         engine.close()
     rows = result_rows(seconds, {s: losses[s][-1] for s in chosen})
