@@ -147,7 +147,8 @@ def main() -> int:
     rows = result_rows(seconds, {s: losses[s][-1] for s in chosen})
     info = machine()
     device_name = "cpu" if device.type == "cpu" else (info.get("gpu") or "gpu").replace(" ", "-")
-    report = {"date": datetime.date.today().isoformat(), "machine": info, "args": vars(args), "params": params,
+    report = {"date": datetime.date.today().isoformat(), "machine": info, "threads": torch.get_num_threads(),
+              "args": vars(args), "params": params,
               "model": cfg, "default_plan_micro_batch_size": plan.micro_batch_size,
               "default_plan": plan.to_dict(), "planner_plan": planned.to_dict(), "results": rows,
               "seconds": seconds, "losses": losses,
@@ -184,7 +185,8 @@ def write_results(args, name: str, device_name: str, heading: str, report: dict,
     title = f"{args.model} ({report['params'] / 1e6:.1f}M), {args.batch} x {args.seq} tokens/step, fp32, {device_name}"
     info = report["machine"]
     lines = [f"# {heading}, {title} ({report['date']})", "", f"`{report['command']}`", "",
-             f"{info['cores']} cores ({info['cpu']}), torch {info['torch']}.", *notes, ""]
+             f"{info['cores']} cores ({info['cpu']}), torch {info['torch']}, {report['threads']} threads per process "
+             f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}).", *notes, ""]
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=2)
     lines = lines + ["| system | median step s | min step s | median of per-round ratios to PyTorch | last loss |",

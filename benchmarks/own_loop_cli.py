@@ -142,7 +142,8 @@ def main() -> int:
                                                                        for x in runs[s]]
     info = machine()
     cli = " ".join(["megatrain-train"] + cli_command(args, "CONFIG.json", "TOKENS.npy", "OUT")[1:])
-    report = {"date": datetime.date.today().isoformat(), "machine": info, "args": vars(args),
+    report = {"date": datetime.date.today().isoformat(), "machine": info, "threads": torch.get_num_threads(),
+              "args": vars(args),
               "params": int(sum(v.numel() for v in _shapes(cfg))), "model": cfg, "results": rows,
               "runs": runs, "megatrain_train_command": cli,
               "command": f"python benchmarks/own_loop_cli.py --model {args.model} --seq {args.seq} "
