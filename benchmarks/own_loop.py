@@ -82,7 +82,16 @@ def pytorch_trainer(config, optimizer, state: dict, device: torch.device, checkp
     return step
 
 
-def trainers(cfg: dict, device: torch.device, seq: int, batch: int, systems: tuple[str, ...]):
+def _megatrain_step(engine, ids: torch.Tensor, wait: bool) -> float:
+    """One step; ``wait``: and its deferred AdamW update, which the AdamW worker thread otherwise runs on after
+    ``step`` returns, so that no system's step pays for work another left behind."""
+    loss = engine.step(ids, ids).item()
+    if wait:
+        engine.synchronize()
+    return loss
+
+
+def trainers(cfg: dict, device: torch.device, seq: int, batch: int, systems: tuple[str, ...], wait: bool = True):
     """A step function per system of ``systems``, each from the same initial weights: ``step(ids) -> loss``; the
     default plan, the planner's plan and the parameter count. Only the systems asked for are built (at ~100M each
     trainer holds ~1.6 GB of weights and AdamW state)."""
@@ -102,7 +111,7 @@ def trainers(cfg: dict, device: torch.device, seq: int, batch: int, systems: tup
     plans = {SYSTEMS[1]: Plan(micro_batch_size=batch), SYSTEMS[2]: Plan(), SYSTEMS[3]: planned}
     engines = {SYSTEMS[0]: own, **{s: Engine(config, optimizer=optimizer, plan=plan, compute_dtype=torch.float32,
                                             device=device) for s, plan in plans.items() if s in systems}}
-    steps = {s: (lambda e: lambda ids: e.step(ids, ids).item())(e) for s, e in engines.items()}
+    steps = {s: (lambda e: lambda ids: _megatrain_step(e, ids, wait))(e) for s, e in engines.items()}
     for s, checkpoint in ((SYSTEMS[4], False), (SYSTEMS[5], True)):
         if s in systems:
             steps[s] = pytorch_trainer(config, optimizer, state, device, checkpoint=checkpoint)
@@ -122,12 +131,15 @@ def main() -> int:
                    help="comma-separated numbers of the systems to run, of " +
                    "; ".join(f"{i}: {s}" for i, s in enumerate(SYSTEMS)) + " (PyTorch always runs)")
     p.add_argument("--label", default="", help="appended to the results' file names (keeps another run's files)")
+    p.add_argument("--no-wait", action="store_true",
+                   help="time megatrain's steps to the loss only: their deferred AdamW runs on into the next "
+                        "system's step (how results before 2026-11-26 were taken)")
     args = p.parse_args()
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the reference model of the equivalence tests
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     cfg = MODELS[args.model]
     chosen = tuple(SYSTEMS[int(i)] for i in args.systems.split(",") if SYSTEMS[int(i)] != "pytorch") + ("pytorch",)
-    steps, engines, planned, params = trainers(cfg, device, args.seq, args.batch, chosen)
+    steps, engines, planned, params = trainers(cfg, device, args.seq, args.batch, chosen, wait=not args.no_wait)
     data = batches(cfg["vocab_size"], args.batch, args.seq, args.rounds)
     load_before = os.getloadavg()  # a shared machine: how busy it was, for reading the spread
     seconds: dict[str, list[float]] = {s: [] for s in chosen}
@@ -155,9 +167,10 @@ def main() -> int:
               "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
               "command": f"python benchmarks/own_loop.py --model {args.model} --seq {args.seq} --batch {args.batch} "
                          f"--rounds {args.rounds} --systems {args.systems}" + (" --cpu" if args.cpu else "")
-                         + (f" --label {args.label}" if args.label else "")}
+                         + (" --no-wait" if args.no_wait else "") + (f" --label {args.label}" if args.label else "")}
+    waited = "" if args.no_wait else " and, for megatrain, to the end of its deferred AdamW update"
     notes = [f"{args.rounds - args.warmup} rounds after {args.warmup} warm-up, one step of each system per round "
-             f"(rotating order, one process; each step timed from its call to its loss's ``.item()``); load "
+             f"(rotating order, one process; each step timed from its call to its loss's ``.item()``{waited}); load "
              f"average {load_before[0]:.1f} before and {report['load_average_1_5_15_min']['after'][0]:.1f} after "
              f"(1 min). The default plan took micro-batch {plan.micro_batch_size} from the first step and keeps "
              f"{len(plan.kept_layers)} of {cfg['num_hidden_layers']} layers; the planner's plan has "
