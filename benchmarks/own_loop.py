@@ -14,7 +14,10 @@ plain PyTorch (the equivalence tests' reference model, no activation checkpointi
 global-norm clipping: ``pytorch_trainer``), and the same with each decoder layer under ``torch.utils.checkpoint``
 (``use_reentrant=False``: its forward recomputed in backward, as megatrain's recomputed layers); ``--systems``
 picks which (only those are built). Each round runs one step of each, in a rotating order, on the same batch, so
-the ratios of adjacent steps hold little of a shared machine's drift. Reports median step seconds, the median of
+the ratios of adjacent steps hold little of a shared machine's drift. A megatrain step is timed to its loss's
+``.item()`` and its deferred AdamW update (``engine.synchronize()``; ``--no-wait`` leaves the update to run into
+the next system's step). PyTorch's step is slower here than in a process of its own (7-15% on this CPU):
+``own_loop_cli.py``'s process-per-run ratios are the fair ones. Reports median step seconds, the median of
 the per-round ratios to PyTorch, and the last losses (equal to about 1e-6 in fp32).
 Writes ``benchmarks/results/<date>_<device>_own_loop_<model>.{json,md}`` (and a .png with matplotlib).
 """
