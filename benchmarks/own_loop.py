@@ -1,18 +1,25 @@
 """The README's own-loop example against plain PyTorch: ``Engine(config)`` with no plan, step for step.
 
     python benchmarks/own_loop.py --model 25m --seq 128 --batch 4 --rounds 12     # on a CPU (fp32)
+    python benchmarks/own_loop.py --model 100m --rounds 10 --systems 0,1,3,5   # ~100M, fewer systems
 
-One process holds five trainers of the same model from the same initial weights: megatrain as the README's
+(``benchmarks/own_loop_cli.py`` times the same model through ``megatrain-train``, a process per run.)
+One process holds up to six trainers of the same model from the same initial weights: megatrain as the README's
 "Train from your own loop" builds it (no plan: the default plan, whose micro-batch the first step sets to the
 batch and which keeps the layers whose activations fit: [Note: kept layers]), megatrain with that micro-batch
 but every layer recomputed from its checkpoint (``Plan(micro_batch_size=batch)``: the default before layers were
 kept), megatrain with ``Plan()`` (one sequence per micro-batch, the default before it took the batch),
-megatrain with the plan ``megatrain-train`` would run (``plan_request.choose_plan`` on this machine's profile), and
+megatrain with the plan ``megatrain-train`` would run (``plan_request.choose_plan`` on this machine's profile),
 plain PyTorch (the equivalence tests' reference model, no activation checkpointing, fused ``torch.optim.AdamW``,
-global-norm clipping). Each round runs one step of each, in a rotating order, on the same batch, so the
-ratios of adjacent steps hold little of a shared machine's drift. Reports median step seconds, the median of
+global-norm clipping: ``pytorch_trainer``), and the same with each decoder layer under ``torch.utils.checkpoint``
+(``use_reentrant=False``: its forward recomputed in backward, as megatrain's recomputed layers); ``--systems``
+picks which (only those are built). Each round runs one step of each, in a rotating order, on the same batch, so
+the ratios of adjacent steps hold little of a shared machine's drift. A megatrain step is timed to its loss's
+``.item()`` and its deferred AdamW update (``engine.synchronize()``; ``--no-wait`` leaves the update to run into
+the next system's step). PyTorch's step is slower here than in a process of its own (7-15% on this CPU):
+``own_loop_cli.py``'s process-per-run ratios are the fair ones. Reports median step seconds, the median of
 the per-round ratios to PyTorch, and the last losses (equal to about 1e-6 in fp32).
-Writes ``benchmarks/results/<date>_<device>_own_loop_<model>.{json,md}``.
+Writes ``benchmarks/results/<date>_<device>_own_loop_<model>.{json,md}`` (and a .png with matplotlib).
 """
 from __future__ import annotations
 
@@ -36,52 +43,82 @@ MODELS = {
     # 25.8M parameters: 6 layers of h512 (GQA 8/4 heads), vocabulary 8192, untied.
     "25m": dict(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=6,
                 num_attention_heads=8, num_key_value_heads=4),
+    # 100.7M parameters: 12 layers of h768 (GQA 12/4 heads), vocabulary 16384, untied.
+    "100m": dict(vocab_size=16384, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                 num_attention_heads=12, num_key_value_heads=4),
 }
 SYSTEMS = ("megatrain, no plan", "megatrain, every layer recomputed", "megatrain, Plan()", "megatrain, planner's plan",
-           "pytorch")
+           "pytorch", "pytorch, per-layer checkpointing")
 
 
-def trainers(cfg: dict, device: torch.device, seq: int, batch: int):
-    """One step function per system, each from the same initial weights: ``step(ids) -> loss``."""
-    from reference_model import ReferenceLM
+def pytorch_trainer(config, optimizer, state: dict, device: torch.device, checkpoint: bool = False):
+    """Plain PyTorch training of the model from ``state``: ``step(ids, lr=None) -> loss`` (float).
 
+    The equivalence tests' reference model (one autograd graph, full logits), fused ``torch.optim.AdamW`` with
+    ``optimizer``'s hyper-parameters and decay groups, global-norm clipping; ``checkpoint``: each decoder layer
+    under ``torch.utils.checkpoint`` (``use_reentrant=False``), its forward recomputed in backward.
+    """
+    from reference_model import ReferenceLM, make_optimizer
+
+    from megatrain.runtime.pipeline.head_loss import IGNORE_INDEX, shift_labels
+
+    model = ReferenceLM(config)
+    model.load_state_dict(state)
+    model.to(device)
+    opt = make_optimizer(model, optimizer)
+
+    def step(ids: torch.Tensor, lr: float | None = None) -> float:
+        if lr is not None:
+            for group in opt.param_groups:
+                group["lr"] = lr
+        ids = ids.to(device)
+        logits = model(ids, checkpoint=checkpoint)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), shift_labels(ids).flatten(),
+                                                 ignore_index=IGNORE_INDEX)
+        loss.backward()
+        if optimizer.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), optimizer.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def _megatrain_step(engine, ids: torch.Tensor, wait: bool) -> float:
+    """One step; ``wait``: and its deferred AdamW update, which the AdamW worker thread otherwise runs on after
+    ``step`` returns, so that no system's step pays for work another left behind."""
+    loss = engine.step(ids, ids).item()
+    if wait:
+        engine.synchronize()
+    return loss
+
+
+def trainers(cfg: dict, device: torch.device, seq: int, batch: int, systems: tuple[str, ...], wait: bool = True):
+    """A step function per system of ``systems``, each from the same initial weights: ``step(ids) -> loss``; the
+    default plan, the planner's plan and the parameter count. Only the systems asked for are built (at ~100M each
+    trainer holds ~1.6 GB of weights and AdamW state)."""
     from megatrain.planner import model_shapes
     from megatrain.planner.plan_request import PlanRequest, choose_plan
     from megatrain.planner.profiler import this_machine
     from megatrain.planner.workload import Workload
     from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
-    from megatrain.runtime.pipeline.head_loss import shift_labels
 
     config = ModelConfig(**cfg)
     optimizer = OptimizerConfig(lr=1e-4, max_grad_norm=1.0)
-    own = Engine(config, optimizer=optimizer, compute_dtype=torch.float32, device=device)  # the README's example
-    old = Engine(config, optimizer=optimizer, plan=Plan(), compute_dtype=torch.float32, device=device)
-    recompute = Engine(config, optimizer=optimizer, plan=Plan(micro_batch_size=batch), compute_dtype=torch.float32,
-                       device=device)
     work = Workload(seq, batch, compute_dtype="fp32", clipping=True)
-    chosen = choose_plan(model_shapes.from_config(dict(cfg, model_type="llama")), PlanRequest(work), this_machine())
-    planned = Engine(config, optimizer=optimizer, plan=chosen.plan, compute_dtype=torch.float32, device=device)
-    model = ReferenceLM(config)
-    model.load_state_dict(own.state_dict())
-    model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-
-    def pytorch(ids: torch.Tensor) -> float:
-        ids = ids.to(device)
-        labels = shift_labels(ids)
-        logits = model(ids)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    engines = [own, old, planned, recompute]
-    steps = {SYSTEMS[0]: lambda ids: own.step(ids, ids).item(), SYSTEMS[1]: lambda ids: recompute.step(ids, ids).item(),
-             SYSTEMS[2]: lambda ids: old.step(ids, ids).item(), SYSTEMS[3]: lambda ids: planned.step(ids, ids).item(),
-             SYSTEMS[4]: pytorch}
-    return steps, engines, own.num_parameters
+    shape = model_shapes.from_config(dict(cfg, model_type="llama"))
+    planned = choose_plan(shape, PlanRequest(work), this_machine()).plan
+    own = Engine(config, optimizer=optimizer, compute_dtype=torch.float32, device=device)  # the README's example
+    state = own.state_dict()  # every other trainer starts from these weights (the Engines: the same seed)
+    plans = {SYSTEMS[1]: Plan(micro_batch_size=batch), SYSTEMS[2]: Plan(), SYSTEMS[3]: planned}
+    engines = {SYSTEMS[0]: own, **{s: Engine(config, optimizer=optimizer, plan=plan, compute_dtype=torch.float32,
+                                            device=device) for s, plan in plans.items() if s in systems}}
+    steps = {s: (lambda e: lambda ids: _megatrain_step(e, ids, wait))(e) for s, e in engines.items()}
+    for s, checkpoint in ((SYSTEMS[4], False), (SYSTEMS[5], True)):
+        if s in systems:
+            steps[s] = pytorch_trainer(config, optimizer, state, device, checkpoint=checkpoint)
+    return steps, list(engines.values()), planned, own.num_parameters
 
 
 def main() -> int:
@@ -97,13 +134,16 @@ def main() -> int:
                    help="comma-separated numbers of the systems to run, of " +
                    "; ".join(f"{i}: {s}" for i, s in enumerate(SYSTEMS)) + " (PyTorch always runs)")
     p.add_argument("--label", default="", help="appended to the results' file names (keeps another run's files)")
+    p.add_argument("--no-wait", action="store_true",
+                   help="time megatrain's steps to the loss only: their deferred AdamW runs on into the next "
+                        "system's step (how results before 2026-11-26 were taken)")
     args = p.parse_args()
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the reference model of the equivalence tests
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     cfg = MODELS[args.model]
-    steps, engines, params = trainers(cfg, device, args.seq, args.batch)
-    data = batches(cfg["vocab_size"], args.batch, args.seq, args.rounds)
     chosen = tuple(SYSTEMS[int(i)] for i in args.systems.split(",") if SYSTEMS[int(i)] != "pytorch") + ("pytorch",)
+    steps, engines, planned, params = trainers(cfg, device, args.seq, args.batch, chosen, wait=not args.no_wait)
+    data = batches(cfg["vocab_size"], args.batch, args.seq, args.rounds)
     load_before = os.getloadavg()  # a shared machine: how busy it was, for reading the spread
     seconds: dict[str, list[float]] = {s: [] for s in chosen}
     losses: dict[str, list[float]] = {s: [] for s in chosen}
@@ -116,48 +156,80 @@ def main() -> int:
                 seconds[system].append(time.perf_counter() - t0)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{s} {losses[s][-1]:.6f}" for s in chosen),
               file=sys.stderr, flush=True)
-    plan, planned = engines[0].plan, engines[2].plan
+    plan = engines[0].plan  # the default plan, as the first step set it
     for engine in engines:
         engine.close()
-    base = seconds["pytorch"]
-    rows = [{"system": s, "median_step_s": statistics.median(seconds[s]), "min_step_s": min(seconds[s]),
-             "median_ratio_to_pytorch": statistics.median(a / b for a, b in zip(seconds[s], base)),
-             "final_loss": losses[s][-1]} for s in chosen]
+    rows = result_rows(seconds, {s: losses[s][-1] for s in chosen})
     info = machine()
     device_name = "cpu" if device.type == "cpu" else (info.get("gpu") or "gpu").replace(" ", "-")
-    report = {"date": datetime.date.today().isoformat(), "machine": info, "args": vars(args), "params": params,
+    report = {"date": datetime.date.today().isoformat(), "machine": info, "threads": torch.get_num_threads(),
+              "args": vars(args), "params": params,
               "model": cfg, "default_plan_micro_batch_size": plan.micro_batch_size,
               "default_plan": plan.to_dict(), "planner_plan": planned.to_dict(), "results": rows,
               "seconds": seconds, "losses": losses,
               "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
               "command": f"python benchmarks/own_loop.py --model {args.model} --seq {args.seq} --batch {args.batch} "
                          f"--rounds {args.rounds} --systems {args.systems}" + (" --cpu" if args.cpu else "")
-                         + (f" --label {args.label}" if args.label else "")}
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{report['date']}_{device_name}_own_loop_{args.model}"
-                                  + (f"_{args.label}" if args.label else ""))
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=2)
-    lines = [f"# The README's own loop vs PyTorch, {args.model} ({params / 1e6:.1f}M), {args.batch} x {args.seq} "
-             f"tokens/step, fp32, {device_name} ({report['date']})", "",
-             f"`{report['command']}`", "",
-             f"{args.rounds - args.warmup} rounds after {args.warmup} warm-up, one step of each system per round "
-             f"(rotating order, one process); {info['cores']} cores ({info['cpu']}), torch {info['torch']}, load "
-             f"average {load_before[0]:.1f} before and {os.getloadavg()[0]:.1f} after (1 min). "
-             f"The default plan took micro-batch {plan.micro_batch_size} from the first step and keeps "
+                         + (" --no-wait" if args.no_wait else "") + (f" --label {args.label}" if args.label else "")}
+    waited = "" if args.no_wait else " and, for megatrain, to the end of its deferred AdamW update"
+    notes = [f"{args.rounds - args.warmup} rounds after {args.warmup} warm-up, one step of each system per round "
+             f"(rotating order, one process; each step timed from its call to its loss's ``.item()``{waited}); load "
+             f"average {load_before[0]:.1f} before and {report['load_average_1_5_15_min']['after'][0]:.1f} after "
+             f"(1 min). The default plan took micro-batch {plan.micro_batch_size} from the first step and keeps "
              f"{len(plan.kept_layers)} of {cfg['num_hidden_layers']} layers; the planner's plan has "
              f"micro-batch {planned.micro_batch_size}, {planned.num_slots} slots, checkpoints on "
-             f"{planned.checkpoints}, {len(planned.kept_layers)} layers kept.", "",
-             "| system | median step s | min step s | median of per-round ratios to PyTorch | last loss |",
-             "|---|---|---|---|---|"]
+             f"{planned.checkpoints}, {len(planned.kept_layers)} layers kept."]
+    write_results(args, "own_loop", device_name, "The README's own loop vs PyTorch", report, notes)
+    return 0
+
+
+def result_rows(seconds: dict[str, list[float]], last_loss: dict[str, float]) -> list[dict]:
+    """Per system: the median and least of its ``seconds`` (one per round) and the median of its per-round ratios
+    to ``seconds["pytorch"]``."""
+    return [{"system": s, "median_step_s": statistics.median(t), "min_step_s": min(t),
+             "median_ratio_to_pytorch": statistics.median(a / b for a, b in zip(t, seconds["pytorch"])),
+             "final_loss": last_loss[s]} for s, t in seconds.items()]
+
+
+def write_results(args, name: str, device_name: str, heading: str, report: dict, notes: list[str]) -> None:
+    """``<out>/<date>_<device>_<name>_<model>[_<label>]``: .json (``report``), .md (``heading``, the command,
+    ``notes``, a table of ``report["results"]``) and .png (the median ratios to PyTorch; with matplotlib)."""
+    stem = os.path.join(args.out, f"{report['date']}_{device_name}_{name}_{args.model}"
+                                  + (f"_{args.label}" if args.label else ""))
+    os.makedirs(args.out, exist_ok=True)
+    rows = report["results"]
+    title = f"{args.model} ({report['params'] / 1e6:.1f}M), {args.batch} x {args.seq} tokens/step, fp32, {device_name}"
+    info = report["machine"]
+    lines = [f"# {heading}, {title} ({report['date']})", "", f"`{report['command']}`", "",
+             f"{info['cores']} cores ({info['cpu']}), torch {info['torch']}, {report['threads']} threads per process "
+             f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}).", *notes, ""]
+    with open(stem + ".json", "w") as f:
+        json.dump(report, f, indent=2)
+    lines = lines + ["| system | median step s | min step s | median of per-round ratios to PyTorch | last loss |",
+                     "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['system']} | {r['median_step_s']:.3f} | {r['min_step_s']:.3f} | "
                      f"{r['median_ratio_to_pytorch']:.2f}x | {r['final_loss']:.6f} |")
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    print(f"wrote {stem}.json and .md", file=sys.stderr)
-    return 0
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"wrote {stem}.json and .md (no plot: matplotlib is not installed)", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 0.5 + 0.45 * len(rows)))
+    ax.barh([r["system"] for r in rows], [r["median_ratio_to_pytorch"] for r in rows])
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("median per-round step time / PyTorch's")
+    ax.set_title(f"{heading}, {title}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=120)
+    plt.close(fig)
+    print(f"wrote {stem}.json, .md and .png", file=sys.stderr)
 
 
 if __name__ == "__main__":
