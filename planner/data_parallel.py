@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from . import cost_model, memory_model
 from .block_parameters import aligned
+from .spill_placement import block_numels
 from .hardware import HardwareProfile
 from .memory_model import Component, MemoryEstimate, Overrun
 from .model_shapes import ModelShape
@@ -109,10 +110,6 @@ def rank_workload(work: Workload, topo: Topology) -> Workload:
         raise WorkloadError(f"batch {work.batch} does not divide among {topo.world} ranks; pass a multiple of "
                             f"{topo.world}")
     return dataclasses.replace(work, batch=work.batch // topo.world)
-
-
-def block_numels(model: ModelShape) -> list[int]:
-    return [model.numel_embedding] + [model.numel_layer] * model.num_layers + [model.numel_head]
 
 
 def shard_numel(numel: int, world: int) -> int:

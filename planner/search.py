@@ -26,11 +26,13 @@ from megatrain.errors import MegatrainError
 from megatrain.models import registry
 
 from . import cost_model, data_parallel, kept_layers, memory_model, spill_placement
+from .buffer_kinds import spill_chunks
 from .cost_model import CostEstimate
 from .hardware import HardwareProfile
 from .memory_model import MemoryEstimate, Overrun
 from .model_shapes import ModelShape
 from .plan import Plan
+from .sequence_pieces import checkpoint_piece_tokens, sequence_tile_tokens
 from .workload import Workload
 
 Ranks = data_parallel.Topology | None
@@ -44,11 +46,6 @@ HOST_GRAD_SLABS = (2, 4)
 # Plans this close to the fastest count as equally fast (the cost model is not more precise than that).
 TIME_TOLERANCE = 0.01
 LOSS_CHUNKS = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
-# Tokens per sequence tile (MLP and attention half) once sequences are longer (search.sequence_tile_tokens).
-SEQUENCE_TILE_TOKENS = 4096
-# Bytes of one host checkpoint copy once a micro-batch's input is larger than two of them
-# (search.checkpoint_piece_tokens).
-CHECKPOINT_PIECE_BYTES = 128 * 2**20
 
 
 class InfeasibleError(MegatrainError):
@@ -117,6 +114,7 @@ def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = N
                               f"profile lacks: pass --nvme GBPS, or measure it with megatrain-plan profile "
                               f"--spill-dir {work.spill_dir}")
     spills = [s for s in work.spill_choices() if s == "none" or disk]
+    stagings = spill_staging_choices(model)
     out = []
     for mbs in micro_batch_sizes(work.batch):
         for depth in PREFETCH_DEPTHS:
@@ -126,7 +124,7 @@ def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = N
                 for mode in modes:
                     for slabs in (HOST_GRAD_SLABS if mode == "eager" else (2,)):
                         for spill in spills:
-                            for staging in ((1,) if spill == "none" else SPILL_STAGING):
+                            for staging in ((1,) if spill == "none" else stagings):
                                 out.append(Plan(num_slots=depth + 1, prefetch_depth=depth, micro_batch_size=mbs,
                                                 checkpoints=ckpt, optimizer_mode=mode, host_grad_slabs=slabs,
                                                 loss_chunk_tokens=mbs * work.seq_len, spill=spill,
@@ -139,33 +137,18 @@ def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = N
     return out
 
 
+def spill_staging_choices(model: ModelShape) -> tuple[int, ...]:
+    """SPILL_STAGING, each capped at the chunks of one update pass over every block (``buffer_kinds.spill_chunks``
+    at the plan's chunk size): a staging set holds one chunk, so sets beyond that many are never filled, yet the
+    memory model counts them (and the search, timing them alike, would take the deepest but one)."""
+    chunks = sum(len(spill_chunks(n, Plan.spill_chunk_bytes)) for n in spill_placement.block_numels(model))
+    return tuple(sorted({min(s, chunks) for s in SPILL_STAGING}))
+
+
 def spill_io_choices(hw: HardwareProfile | None) -> dict[str, object]:
     """The spill I/O settings the profile decides: O_DIRECT or buffered, whichever it measured faster
     (O_DIRECT where the filesystem takes it when not measured)."""
     return {"io_direct": hw is None or hw.disk_direct_faster is not False}
-
-
-def sequence_tile_tokens(seq_len: int) -> int | None:
-    """Sequence tiles for the MLP, and for the attention half's token-local work, once a sequence is longer
-    than SEQUENCE_TILE_TOKENS (None: untiled). A tile of 4096 tokens keeps each of its matmuls large enough to
-    run at the matmul rate, so tiling costs no time the cost model sees, while the MLP's intermediates and the
-    attention half's norm and projection intermediates stop growing with the sequence."""
-    return SEQUENCE_TILE_TOKENS if seq_len > SEQUENCE_TILE_TOKENS else None
-
-
-def checkpoint_piece_tokens(model: ModelShape, work: Workload, micro_batch_size: int) -> int | None:
-    """Tokens per host checkpoint copy (``Plan.checkpoint_piece_tokens``). A micro-batch's input is
-    t x h x c bytes (t = micro-batch x seq); up to 2 x CHECKPOINT_PIECE_BYTES (256 MiB) it goes in one copy
-    (None). Above, pieces of floor(CHECKPOINT_PIECE_BYTES / (h x c)) tokens, 128 MiB each: large enough to run
-    at the link's full rate (copies of a few MiB already do), small enough that a block's weights on the h2d
-    stream wait for at most one piece on a shared copy engine, and that each reload piece starts as soon as
-    its own drain is done. Memory is not changed by the pieces (memory_model: reload buffers hold whole
-    micro-batches)."""
-    hc = model.hidden_size * work.compute_bytes
-    t = min(micro_batch_size, work.batch) * work.seq_len
-    if t * hc <= 2 * CHECKPOINT_PIECE_BYTES:
-        return None
-    return max(1, CHECKPOINT_PIECE_BYTES // hc)
 
 
 def _chunks(tokens: int) -> list[int]:
