@@ -26,7 +26,7 @@ from megatrain.errors import MegatrainError
 from megatrain.models import registry
 
 from . import cost_model, data_parallel, kept_layers, memory_model, spill_placement
-from .buffer_kinds import spill_chunks
+from .buffer_kinds import spill_block_bytes, spill_chunks
 from .cost_model import CostEstimate
 from .hardware import HardwareProfile
 from .memory_model import MemoryEstimate, Overrun
@@ -114,7 +114,8 @@ def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = N
                               f"profile lacks: pass --nvme GBPS, or measure it with megatrain-plan profile "
                               f"--spill-dir {work.spill_dir}")
     spills = [s for s in work.spill_choices() if s == "none" or disk]
-    stagings = spill_staging_choices(model)
+    chunk = spill_chunk_bytes(model)
+    stagings = spill_staging_choices(model, chunk)
     out = []
     for mbs in micro_batch_sizes(work.batch):
         for depth in PREFETCH_DEPTHS:
@@ -133,15 +134,22 @@ def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = N
                                                 checkpoint_piece_tokens=checkpoint_piece_tokens(model, work, mbs)
                                                 if ckpt == "host" else None,
                                                 spill_dir=None if spill == "none" else work.spill_dir,
-                                                spill_staging=staging, **spill_io_choices(hw)))
+                                                spill_staging=staging, **spill_io_choices(hw),
+                                                **({} if spill == "none" else {"spill_chunk_bytes": chunk})))
     return out
 
 
-def spill_staging_choices(model: ModelShape) -> tuple[int, ...]:
-    """SPILL_STAGING, each capped at the chunks of one update pass over every block (``buffer_kinds.spill_chunks``
-    at the plan's chunk size): a staging set holds one chunk, so sets beyond that many are never filled, yet the
-    memory model counts them (and the search, timing them alike, would take the deepest but one)."""
-    chunks = sum(len(spill_chunks(n, Plan.spill_chunk_bytes)) for n in spill_placement.block_numels(model))
+def spill_chunk_bytes(model: ModelShape) -> int:
+    """The spill I/O unit of the search's plans: Plan's default, or one layer's bytes where a layer is smaller (4 KiB
+    rounded: chunk edges on 1024-element multiples). The embedding and an untied head are then cut into chunks of a
+    layer's size, so every staging set holds as much as the memory model's Ck charges it for."""
+    return min(Plan.spill_chunk_bytes, spill_block_bytes(model.numel_layer))
+
+
+def spill_staging_choices(model: ModelShape, chunk_bytes: int) -> tuple[int, ...]:
+    """SPILL_STAGING, each capped at the chunks of one update pass over every block (``buffer_kinds.spill_chunks``):
+    a staging set holds one chunk, so sets beyond that many are never filled, though the memory model counts them."""
+    chunks = sum(len(spill_chunks(n, chunk_bytes)) for n in spill_placement.block_numels(model))
     return tuple(sorted({min(s, chunks) for s in SPILL_STAGING}))
 
 

@@ -191,20 +191,26 @@ def test_longest_context_and_minimum_memory() -> None:
     assert least["host"].memory.host_bytes <= least["gpu"].memory.host_bytes
 
 
-def test_spill_staging_sets_never_exceed_the_chunks_of_one_update_pass() -> None:
-    """A staging set holds one chunk: a 34M model (8 layers and a tied embedding, each one 64 MiB chunk or less)
-    updates 10 chunks a pass, so the search offers at most 10 sets, and with RAM to spare takes those 10 (as fast
-    as any deeper read-ahead, and less memory), never 24 or 64 sets the step cannot fill."""
+def test_spill_chunks_are_a_layer_and_staging_sets_never_exceed_the_chunks_of_one_update_pass() -> None:
+    """A 34M model (8 layers of 3.1M elements, a tied 8.4M-element embedding): its spill chunks are a layer's
+    bytes, so the embedding is cut into 3 chunks and a staging set holds a layer's worth (Ck, the memory model's
+    charge per set and kind); an update pass is 8 + 3 + 1 (the head's norm) = 12 chunks, so the search offers
+    at most 12 staging sets and, with RAM to spare, takes 12 (as fast as any deeper read-ahead, less memory)."""
     m = model_shapes.from_config(dict(model_type="llama", vocab_size=16384, hidden_size=512, intermediate_size=1536,
                                       num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
                                       tie_word_embeddings=True))
-    chunks = m.num_layers + 2  # the embedding, the layers and the head's norm: each block one chunk
-    assert max(spill_placement.block_numels(m)) * 4 <= Plan.spill_chunk_bytes
-    assert search.spill_staging_choices(m) == (1, 3, 8, chunks)
+    chunk = search.spill_chunk_bytes(m)
+    assert chunk == -(-m.numel_layer * 4 // 4096) * 4096 < Plan.spill_chunk_bytes
+    assert -(-m.numel_embedding * 4 // chunk) == 3
+    assert search.spill_staging_choices(m, chunk) == (1, 3, 8, 12)
+    assert search.spill_staging_choices(m, Plan.spill_chunk_bytes) == (1, 3, 8, 10)  # one chunk a block
     hw = HardwareProfile(gpu_name="cpu", gpu_mem_bytes=0, h2d_gbps=5.0, d2h_gbps=5.0, duplex_gbps=5.0,
                          matmul_tflops={"float32": 0.2}, cpu_adam_params_per_s=1e9, host_ram_bytes=64 * GiB,
                          host_available_bytes=60 * GiB, cores=2, disk_read_gbps=1.0, disk_write_gbps=1.0)
     best = search.search(m, Workload(256, 4, "fp32", spill="all", spill_dir="/nvme"), hw).require()
-    assert best.plan.spill_staging == chunks
-    big = PRESETS["shape:Llama-3.2-3B"]  # 28 layers of 0.8 GB: many chunks, so the list is SPILL_STAGING's
-    assert search.spill_staging_choices(big) == search.SPILL_STAGING
+    assert (best.plan.spill_staging, best.plan.spill_chunk_bytes) == (12, chunk)
+    staging = next(c for c in best.memory.components if c.name == "spill staging")
+    assert staging.nbytes == 12 * 4 * chunk  # P x k x Ck x 4: a layer's bytes per set and kind
+    big = PRESETS["shape:Llama-3.2-3B"]  # 28 layers of 0.8 GB: 64 MiB chunks, many of them
+    assert search.spill_chunk_bytes(big) == Plan.spill_chunk_bytes
+    assert search.spill_staging_choices(big, Plan.spill_chunk_bytes) == search.SPILL_STAGING
