@@ -62,7 +62,7 @@ def _io() -> tuple[int, int]:
 
 
 def child(args) -> dict:
-    from megatrain.planner import memory_model, model_shapes, spill_placement
+    from megatrain.planner import cost_model, memory_model, model_shapes, spill_placement
     from megatrain.planner.profiler import this_machine
     from megatrain.planner.workload import Workload
     from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
@@ -95,6 +95,7 @@ def child(args) -> dict:
                 spill_staging=args.staging, spill_chunk_bytes=args.chunk_mib * 2**20)
     print(f"  placement: {spill_placement.label(plan)}", file=sys.stderr, flush=True)
     est = memory_model.estimate(shape, work, plan, this_machine())
+    predicted_step_s = cost_model.estimate(shape, work, plan, this_machine()).step_seconds
     rss0 = _rss()
     t0 = time.perf_counter()
     engine = Engine(ModelConfig(**cfg), OptimizerConfig(lr=1e-4, max_grad_norm=1.0), plan=plan,
@@ -127,7 +128,8 @@ def child(args) -> dict:
            "batch": args.batch, "staging": args.staging, "chunk_mib": args.chunk_mib, "init_s": init_s,
            "rss_before_engine_bytes": rss0, "rss_after_init_bytes": rss_init, "nvme_bytes": engine.store.nvme_bytes,
            "store_host_bytes": engine.store.nbytes, "steps": steps,
-           "predicted_host_bytes": est.host_bytes + est.device_bytes, "predicted_nvme_bytes": est.nvme_bytes}
+           "predicted_host_bytes": est.host_bytes + est.device_bytes, "predicted_nvme_bytes": est.nvme_bytes,
+           "predicted_step_s": predicted_step_s}
     engine.close()
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
@@ -154,6 +156,10 @@ def markdown(rows: list[dict], info: dict) -> str:
             f"{r['nvme_bytes'] / r['params']:.1f} | {s['wall_s']:.1f} s | {s['read_bytes'] / 1e9:.1f} / "
             f"{s['written_bytes'] / 1e9:.1f} GB | {disk:.1f} s | {comp:.1f} s | {s['wall_s'] / max(comp, disk):.2f}x | "
             f"{s.get('disk_busy_s', float('nan')):.1f} / {s.get('disk_exposed_s', float('nan')):.1f} s |")
+    for r in rows:
+        if r.get("status") == "ok" and "predicted_step_s" in r:
+            p, m = r["predicted_step_s"], r["steps"][-1]["wall_s"]
+            lines += ["", f"{r['model']}: the planner's step {p:.1f} s against {m:.1f} s measured ({p / m - 1:+.0%})"]
     lines += ["", f"disk bandwidth used for 'disk time': read {info['read_gbps']} GB/s, write {info['write_gbps']} GB/s "
               "(megatrain-plan profile's figures for this disk, or --read-gbps / --write-gbps).", ""]
     return "\n".join(lines)
