@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 CHILD = textwrap.dedent("""
     import atexit, os, sys, threading, time
     from megatrain.runtime.distributed import process_group
@@ -30,16 +32,10 @@ def _run(tmp_path, mode: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-def test_a_rank_that_made_its_group_exits_after_writers_handlers_and_output(tmp_path):
-    done = _run(tmp_path, "made")
-    assert done.returncode == 3, done.stderr
-    assert done.stdout == "summary line"
-    assert (tmp_path / "thread").read_text() == "written"
-    assert (tmp_path / "atexit").exists()
-
-
-def test_one_process_exits_as_python_does(tmp_path):
-    done = _run(tmp_path, "one")
+@pytest.mark.parametrize("mode", ["made", "one"])
+def test_the_exit_finishes_writers_runs_handlers_and_flushes_output(tmp_path, mode):
+    """``made``: a rank whose group ``join`` made (``os._exit``); ``one``: one process (``sys.exit``)."""
+    done = _run(tmp_path, mode)
     assert done.returncode == 3, done.stderr
     assert done.stdout == "summary line"
     assert (tmp_path / "thread").read_text() == "written"
