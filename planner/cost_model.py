@@ -222,7 +222,7 @@ class _AdamTime:
         cal = hw.fitted(work.compute_dtype)
         self.spilled = spill_placement.Spilled.of(model, plan)
         # Seconds per parameter: AdamW, then the shadow pass where there is one (measured, or the factor).
-        per_param = 1.0 / hw.cpu_adam_params_per_s
+        per_param = 1.0 / hw.adam_params_per_s
         if cal is not None:
             # measured in the step: the shadow pass, where there is one, is inside it
             per_param = 1.0 / cal.adam_params_per_s

@@ -135,6 +135,16 @@ class HardwareProfile:
         """No GPU: the 'device' is the CPU and shares host RAM."""
         return self.gpu_mem_bytes == 0
 
+    @property
+    def adam_params_per_s(self) -> float:
+        """CPU AdamW params/s as the runtime's worker runs it: every core on a GPU machine; one thread where the
+        device is the CPU, whose cores the compute thread holds (the runtime's [Note: helper threads]), from
+        ``adam_by_threads`` (all cores' rate over the core count where that was not measured)."""
+        if not self.device_is_host:
+            return self.cpu_adam_params_per_s
+        one = [rate for n, rate in self.adam_by_threads if n == 1]
+        return one[0] if one else self.cpu_adam_params_per_s / max(1, self.cores)
+
     def fitted(self, compute_dtype: str) -> Calibration | None:
         """The calibration for ``compute_dtype`` ("fp32", "bf16" or a torch name), if this profile has one."""
         return next((c for c in self.calibrations if _dtype_name(c.compute_dtype) == _dtype_name(compute_dtype)),

@@ -100,13 +100,20 @@ def test_host_checkpoints_cost_traffic_not_correctness() -> None:
     assert host.step_seconds >= dev.step_seconds * 0.999
 
 
-def test_cpu_device_serialises_adam() -> None:
+def test_cpu_device_serialises_adam_at_one_threads_rate() -> None:
+    """Where the device is the CPU, AdamW is exposed whole and runs on one thread (the runtime's worker leaves the
+    cores to compute): the measured one-thread rate, else the all-core rate over the cores."""
     cpu = hardware.HardwareProfile(gpu_name="cpu", gpu_mem_bytes=0, h2d_gbps=10, d2h_gbps=10, duplex_gbps=10,
                                    matmul_tflops={"float32": 0.1, "bfloat16": 0.1}, cpu_adam_params_per_s=1e9,
                                    host_ram_bytes=64 << 30, host_available_bytes=60 << 30, cores=2)
     m = PRESETS["shape:Qwen2.5-0.5B"]
     est = cost_model.estimate(m, Workload(256, 2), Plan(), cpu)
-    assert est.optimizer_exposed_seconds == pytest.approx(m.numel_total * cost_model.ADAM_SHADOW_FACTOR / 1e9)
+    assert est.optimizer_exposed_seconds == pytest.approx(m.numel_total * cost_model.ADAM_SHADOW_FACTOR / 0.5e9)
+    measured = cpu.replace(adam_by_threads=((1, 0.6e9), (2, 1e9)))
+    est = cost_model.estimate(m, Workload(256, 2), Plan(), measured)
+    assert est.optimizer_exposed_seconds == pytest.approx(m.numel_total * cost_model.ADAM_SHADOW_FACTOR / 0.6e9)
+    gpu = measured.replace(gpu_mem_bytes=80 << 30)  # a GPU machine's worker has every core
+    assert gpu.adam_params_per_s == 1e9
 
 
 def test_adamw_time_counts_the_shadow_pass_only_where_there_is_one() -> None:

@@ -52,6 +52,7 @@ import torch
 from torch.profiler import record_function
 
 from megatrain.runtime.errors import MegatrainError
+from megatrain.runtime.device import host_threads
 from megatrain.runtime.device.event_log import EventLog
 from megatrain.planner.buffer_kinds import BufferKind
 
@@ -90,8 +91,9 @@ class AdamWorker:
     """The worker thread: waits for a job's inputs, updates the block, refreshes its shadow and signals it.
     With spill files, ``ahead`` (read_ahead.py) stages each piece's spilled state and writes it back."""
 
-    def __init__(self, store: HostStore, order: Sequence[int], log: EventLog) -> None:
-        """``order``: the blocks in the order every step's jobs come (``StepSchedule.update_order``)."""
+    def __init__(self, store: HostStore, order: Sequence[int], log: EventLog, one_thread: bool = False) -> None:
+        """``order``: the blocks in the order every step's jobs come (``StepSchedule.update_order``);
+        ``one_thread``: its kernels run on one intra-op thread (the device is the CPU: [Note: helper threads])."""
         self.store = store
         self.log = log
         self._jobs: queue.Queue[AdamJob | None] = queue.Queue(maxsize=len(order) + 1)
@@ -105,8 +107,7 @@ class AdamWorker:
         self._skipped: list[int] = []  # steps with a skipped block update, not yet taken by take_skipped()
         files = store.spill_files
         self.ahead = ReadAhead(files, order, log) if files is not None else None
-        self._thread = threading.Thread(target=self._run, name="megatrain-adamw", daemon=True)
-        self._thread.start()
+        self._thread = host_threads.start(self._run, "megatrain-adamw", one_thread)
 
     def submit(self, job: AdamJob) -> None:
         self.raise_if_failed()

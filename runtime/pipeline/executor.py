@@ -99,7 +99,8 @@ class Executor:
             if plan.checkpoints == "host" else DeviceCheckpoints()
         )
         eager = plan.optimizer_mode == "eager"
-        self.adam = AdamWorker(store, self.schedule.update_order(eager), log)  # its jobs come in this order
+        # Its jobs come in this order; on a CPU device the compute thread owns the cores: [Note: helper threads].
+        self.adam = AdamWorker(store, self.schedule.update_order(eager), log, one_thread=device.type == "cpu")
         self.updates = BlockUpdates(templates, store, self.adam, self.grad_buffers, self.streams, self.timer, log,
                                     eager, max_grad_norm, device, collectives)
         if store.spill_files is not None:

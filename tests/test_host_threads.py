@@ -1,0 +1,78 @@
+"""Helper threads' intra-op threads ([Note: helper threads]): on a CPU device the AdamW worker runs its kernels on
+one thread, so it never builds an OpenMP team beside the compute thread's, and nobody else's count changes."""
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
+from megatrain.runtime.device import host_threads
+
+TINY = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture
+def two_threads():
+    """Two intra-op threads on the calling thread, its OpenMP team built (whatever OMP_NUM_THREADS says)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    torch.ones(1 << 22).add_(1)  # a parallel kernel: the team exists from here on
+    yield
+    torch.set_num_threads(before)
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _count_in_new_thread() -> int:
+    seen: list[int] = []
+    t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    return seen[0]
+
+
+def test_a_one_thread_helper_runs_on_one_thread_and_changes_no_other_threads_count(two_threads) -> None:
+    seen: list[int] = []
+    done = threading.Event()
+
+    def work() -> None:
+        torch.ones(1 << 22).mul_(2)  # a kernel large enough to run in parallel on two threads
+        seen.append(torch.get_num_threads())
+        done.set()
+
+    thread = host_threads.start(work, "helper", one_thread=True)
+    done.wait()
+    thread.join()
+    assert seen == [1]
+    assert torch.get_num_threads() == 2  # the caller's
+    assert _count_in_new_thread() == 2  # what a thread started later takes
+
+
+def test_a_helper_keeps_every_thread_where_asked(two_threads) -> None:
+    seen: list[int] = []
+    host_threads.start(lambda: seen.append(torch.get_num_threads()), "helper", one_thread=False).join()
+    assert seen == [2]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts OS threads through /proc")
+def test_a_cpu_engine_steps_without_an_openmp_team_beside_the_compute_threads(two_threads) -> None:
+    """Each thread the Engine starts is one OS thread: the AdamW worker's kernels (clip, fused AdamW) built no
+    OpenMP team of their own, so the compute thread's kernels keep a spinning team."""
+    os_before, py_before = _os_threads(), threading.active_count()
+    ids = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with Engine(TINY, optimizer=OptimizerConfig(lr=1e-3, max_grad_norm=1.0), plan=Plan(micro_batch_size=2),
+                compute_dtype=torch.float32, device="cpu") as engine:
+        for _ in range(2):
+            engine.step(ids, ids)
+        engine.synchronize()
+        assert engine.step_count == 2
+        started = threading.active_count() - py_before
+        assert started >= 1  # the AdamW worker
+        assert _os_threads() - os_before == started
+    assert torch.get_num_threads() == 2
