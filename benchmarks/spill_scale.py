@@ -71,10 +71,10 @@ def child(args) -> dict:
     shape = model_shapes.from_config({"model_type": "llama", **cfg})
     work = Workload(seq_len=args.seq, batch=args.batch, compute_dtype="fp32", clipping=True)
     spill, blocks = args.spill, None
-    if spill == "planner":  # the search's placement: RAM (up to --ram-gib) first, the disk with the rest
-        from megatrain.planner import search, sizing
+    from megatrain.planner import search, sizing
 
-        hw, _ = sizing.with_disk(this_machine())
+    hw, _ = sizing.with_disk(this_machine())
+    if spill == "planner":  # the search's plan: RAM (up to --ram-gib) first, the disk with the rest
         if args.ram_gib:
             hw = hw.replace(host_available_bytes=int(args.ram_gib * 2**30), cgroup_limit_bytes=0)
         free = shutil.disk_usage(args.dir).free
@@ -83,16 +83,17 @@ def child(args) -> dict:
         planned = search.search(shape, Workload(args.seq, args.batch, "fp32", clipping=True, spill_dir=args.dir,
                                                 spill_free_bytes=free), hw).require().plan
         spill, blocks = planned.spill, planned.spill_blocks
-    staging = args.staging
-    if staging <= 0 and spill != "none":  # the planner's read-ahead depth for this disk and the RAM left
-        from megatrain.planner import search, sizing
-
-        hw, _ = sizing.with_disk(this_machine())
-        staging = search.search(shape, Workload(args.seq, args.batch, "fp32", clipping=True, spill="all",
-                                                spill_dir=args.dir), hw).require().plan.spill_staging
-    args.staging = max(1, staging)
+    elif spill != "none":  # the planner's read-ahead depth and chunk for this disk and the RAM left
+        planned = search.search(shape, Workload(args.seq, args.batch, "fp32", clipping=True, spill="all",
+                                                spill_dir=args.dir), hw).require().plan
+    # The searched plan's staging and chunk, unless given: with ``--spill planner`` the plan is the search's
+    # whole (its memory fits --ram-gib only with its own staging and chunk).
+    args.staging = max(1, args.staging if args.staging > 0 or spill == "none" else planned.spill_staging)
+    chunk = (args.chunk_mib * 2**20 if args.chunk_mib else
+             planned.spill_chunk_bytes if spill != "none" else Plan().spill_chunk_bytes)
+    args.chunk_mib = chunk / 2**20
     plan = Plan(spill=spill, spill_blocks=blocks, spill_dir=args.dir if spill != "none" else None,
-                spill_staging=args.staging, spill_chunk_bytes=args.chunk_mib * 2**20)
+                spill_staging=args.staging, spill_chunk_bytes=chunk)
     print(f"  placement: {spill_placement.label(plan)}", file=sys.stderr, flush=True)
     est = memory_model.estimate(shape, work, plan, this_machine())
     predicted_step_s = cost_model.estimate(shape, work, plan, this_machine()).step_seconds
@@ -180,7 +181,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--staging", type=int, default=0,
                    help="spill staging sets (0: the planner's choice for this disk and the RAM left)")
-    p.add_argument("--chunk-mib", type=int, default=64)
+    p.add_argument("--chunk-mib", type=int, default=0,
+                   help="spill chunk MiB (default: the searched plan's: a layer's bytes, at most 64 MiB)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--read-gbps", type=float, default=None)
     p.add_argument("--write-gbps", type=float, default=None)
