@@ -197,7 +197,7 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
 
     Within one group of the fill (m and v, masters, grads: levels g x nb + 1 .. (g + 1) x nb) host RAM falls
     level by level, each level moving one more block of the group's kinds to disk; only the group's first level
-    adds the staging of its newly spilled kinds (P x Ck x 4 each; the grads also their S x Ck x 4 slabs) back.
+    adds the staging of its newly spilled kinds (P x Ck x s_k each; the grads also their S x Ck x 4 slabs) back.
     So the first group whose last level fits holds the least level that fits, and within it a binary search
     finds it: at most 3 + log2(nb) memory estimates."""
     if work.spill != "auto" or plan.spill != "all":

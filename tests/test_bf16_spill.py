@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
-from megatrain.planner import memory_model, model_shapes
+from megatrain.planner import memory_model, model_shapes, search
 from megatrain.planner.buffer_kinds import WIDEN_ELEMENTS, BufferKind
+from megatrain.planner.hardware import GiB, HardwareProfile
 from megatrain.planner.workload import Workload
 from megatrain.runtime import ConfigError, Engine, ModelConfig, OptimizerConfig, Plan
 
@@ -168,3 +169,30 @@ def test_bf16_spill_refuses_chunks_off_the_rounding_pieces(tmp_path) -> None:
                           spill_blocks={"master": [0, 1], "grads": [2]})
     with engine(masters) as e:
         assert e.store.exp_avg is not None and e.store.is_spilled(BufferKind.MASTER, 0)
+
+
+def test_the_search_plans_bf16_spill_on_4_mib_chunks_and_the_plan_runs(tmp_path) -> None:
+    """With bf16 state the search offers spill plans (auto fills RAM first) whose chunks are 4 MiB multiples (a
+    layer of 12.5 MiB: 16 MiB chunks; fp32 state: the layer's bytes), charges each staging set its fp32 and bf16
+    buffers, and such a plan runs with the disk bytes it was planned with."""
+    hw = HardwareProfile(gpu_name="cpu", gpu_mem_bytes=0, h2d_gbps=5.0, d2h_gbps=5.0, duplex_gbps=5.0,
+                         matmul_tflops={"float32": 0.2}, cpu_adam_params_per_s=1e9, host_ram_bytes=64 * GiB,
+                         host_available_bytes=60 * GiB, cores=2, disk_read_gbps=1.0, disk_write_gbps=1.0)
+    m = model_shapes.from_config(dict(model_type="llama", vocab_size=16384, hidden_size=512, intermediate_size=1536,
+                                      num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                                      tie_word_embeddings=True))
+    assert search.spill_chunk_bytes(m) == -(-m.numel_layer * 4 // 4096) * 4096 != search.spill_chunk_bytes(m, 2)
+    assert search.spill_chunk_bytes(m, 2) == 16 * 2**20
+    assert Workload(256, 4, "fp32", spill_dir="/nvme", optimizer_state="bf16").spill_choices() == ("none", "all")
+    best = search.search(m, Workload(256, 4, "fp32", spill="all", spill_dir="/nvme", optimizer_state="bf16"),
+                         hw).require()
+    assert best.plan.spill_chunk_bytes == 16 * 2**20
+    staging = next(c for c in best.memory.components if c.name == "spill staging")
+    assert staging.nbytes == best.plan.spill_staging * (2 * 4 + 2 * 2) * 2**22  # Ck = 4M elements: master, grads, m, v
+    tiny = model_shapes.from_config(CONFIG.to_dict())
+    work = Workload(16, 2, "fp32", spill="optimizer", spill_dir=str(tmp_path), optimizer_state="bf16")
+    choice = search.search(tiny, work, hw).require()
+    assert choice.plan.spill == "optimizer" and choice.plan.spill_chunk_bytes % (4 * 2**20) == 0
+    with engine(Plan.from_json(choice.plan.to_json())) as e:
+        train(e, 0, 1)
+        assert e.store.nvme_bytes == choice.memory.nvme_bytes > 0
