@@ -11,6 +11,10 @@ than half a bf16 ULP of v (beta2 close to 1: v hardly moves between steps), stoc
 average. The noise comes from a generator seeded by a hash of (AdamW step, block, first element, m or v): the
 same key gives the same noise, so a run resumed from a checkpoint writes the same bits as one never
 interrupted, whatever the thread that runs it. The fp32 master is updated exactly as with fp32 state.
+m and v may spill ([Note: spill]): their files and staging buffers hold bf16 too, and the AdamW worker widens and
+rounds the staged chunk as it would the RAM block. Where they spill, a chunk is a multiple of WIDEN_ELEMENTS
+(``buffer_kinds.spill_chunk_multiple``), so a spilled block is rounded in the same pieces with the same keys as
+in RAM: the same bits.
 """
 from __future__ import annotations
 
