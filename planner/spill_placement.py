@@ -15,8 +15,8 @@ each. Within a kind, blocks go to disk from the last one backward: in deferred m
 in forward order while the next step's forward waits for each, so the blocks it updates last (whose disk
 reads have the most time to run ahead) are the ones whose update is slowed by the disk. m and v come first
 (8 bytes/param, 4 in bf16 state, touched only by AdamW), then the master (in fp32 also read by every load),
-and gradients last (written in backward and read back: the most disk traffic per byte freed). The level that spills every
-block of m and v is the plan "optimizer", and the last level the plan "all".
+and gradients last (written in backward and read back: the most disk traffic per byte freed). The level that
+spills every block of m and v is the plan "optimizer", and the last level the plan "all".
 
 Pure stdlib.
 """
