@@ -15,6 +15,7 @@ from megatrain.planner.buffer_kinds import WIDEN_ELEMENTS, BufferKind
 from megatrain.planner.hardware import GiB, HardwareProfile
 from megatrain.planner.workload import Workload
 from megatrain.runtime import ConfigError, Engine, ModelConfig, OptimizerConfig, Plan
+from megatrain.tools import train as train_cli
 
 # The embedding (8200 x 128) and the untied head are each just over WIDEN_ELEMENTS: with 4 MiB chunks they are
 # read, updated, rounded and written in two chunks, the second one at an offset inside the block.
@@ -196,3 +197,14 @@ def test_the_search_plans_bf16_spill_on_4_mib_chunks_and_the_plan_runs(tmp_path)
     with engine(Plan.from_json(choice.plan.to_json())) as e:
         train(e, 0, 1)
         assert e.store.nvme_bytes == choice.memory.nvme_bytes > 0
+
+
+def test_megatrain_train_refuses_a_plan_whose_chunks_are_off_the_pieces_in_one_line(tmp_path, capsys) -> None:
+    plan = tmp_path / "plan.json"
+    Plan(spill="optimizer", spill_dir=str(tmp_path), spill_chunk_bytes=2**20).save(str(plan))
+    code = train_cli.main(["--out", str(tmp_path / "run"), "--steps", "1", "--plan", str(plan), "--spill-dir",
+                       str(tmp_path), "--optimizer-state", "bf16", "--seq-len", "32", "--batch", "2",
+                       "--progress", "none", "--no-plot"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "spill_chunk_bytes=1048576 must be a multiple of 4194304 (4 MiB)" in err

@@ -149,7 +149,7 @@ class HostStore:
         if state_dtype != torch.float32 and set(MOMENT_KINDS) & set(self.placement) and chunk_bytes % multiple:
             raise ConfigError(f"spill_chunk_bytes={chunk_bytes} must be a multiple of {multiple} ({multiple >> 20} "
                               "MiB) where bf16 AdamW m or v spill (their chunks start on the stochastic rounding's "
-                              "pieces); plan again with megatrain-plan, or set a multiple of it")
+                              "pieces); plan again with megatrain-plan --optimizer-state bf16, or set a multiple of it")
         self.state_dtype = state_dtype
         self.spilled: tuple[BufferKind, ...] = spilled_kinds(self.placement)  # kinds with a block on disk
         # Per kind, each RAM block's element offset in its arena (the arena holds the kind's RAM blocks in order).
