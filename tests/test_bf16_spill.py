@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from megatrain.planner import memory_model, model_shapes, search
+from megatrain.planner import memory_model, model_shapes, search, spill_placement, spill_timing, step_traffic
 from megatrain.planner.buffer_kinds import WIDEN_ELEMENTS, BufferKind
 from megatrain.planner.hardware import GiB, HardwareProfile
 from megatrain.planner.workload import Workload
@@ -132,18 +132,22 @@ def test_spilled_bf16_state_resumes_bitwise(tmp_path) -> None:
             assert_same(expected, bits(resumed))
 
 
-def test_memory_model_counts_2_bytes_of_m_and_v_on_disk() -> None:
-    """With m and v spilled, bf16 state's files are 2 + 2 bytes per parameter, fp32's 4 + 4 (by hand)."""
+def test_planner_counts_2_bytes_of_m_and_v_on_disk() -> None:
+    """With m and v spilled, bf16 state's files are 2 + 2 bytes per parameter, fp32's 4 + 4, and so are a step's
+    disk reads and writes, AdamW's disk time and what a staging set reads ahead (by hand)."""
     shape = model_shapes.from_config(SHAPE)
     assert all(n % 2048 == 0 for n in (shape.numel_embedding, shape.numel_layer, shape.numel_head))
-    nvme = {}
-    for state in ("fp32", "bf16"):
+    N, plan = shape.numel_total, Plan(spill="optimizer", spill_dir="/spill")
+    for state, s in (("fp32", 4), ("bf16", 2)):
         work = Workload(seq_len=512, batch=2, compute_dtype="bf16", spill="optimizer", spill_dir="/spill",
                         optimizer_state=state)
-        est = memory_model.estimate(shape, work, Plan(spill="optimizer", spill_dir="/spill"))
-        nvme[state] = est.nvme_bytes
-    N = shape.numel_total
-    assert (nvme["fp32"], nvme["bf16"]) == (8 * N, 4 * N)
+        assert memory_model.estimate(shape, work, plan).nvme_bytes == 2 * s * N
+        assert step_traffic.disk_traffic(shape, work, plan) == (2 * s * N, 2 * s * N)
+        spilled = spill_placement.Spilled.of(shape, plan, work.state_bytes)
+        assert spilled.block_disk_bytes(1) == 2 * s * shape.numel_layer
+        chunk = search.spill_chunk_bytes(shape, work.state_bytes)
+        first = spill_timing.read_ahead(spilled, chunk, 1, float("inf"))
+        assert first[0] == 2 * s * min(chunk // 4, shape.numel_embedding) and sum(first[1:]) == 0
 
 
 def test_megatrain_plan_size_needs_4_bytes_per_parameter_less_disk_with_bf16_state(tmp_path) -> None:
