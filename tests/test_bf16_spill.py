@@ -30,17 +30,19 @@ SHAPE = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, 
          "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000, "tie_word_embeddings": False}
 
 
-def spilled(spill: str, spill_dir: str) -> Plan:
-    return RAM.replace(spill=spill, spill_dir=spill_dir, spill_chunk_bytes=CHUNK, spill_staging=2)
+def spilled(spill: str, spill_dir: str, **more) -> Plan:
+    return RAM.replace(spill=spill, spill_dir=spill_dir, spill_chunk_bytes=CHUNK, spill_staging=2, **more)
 
 
-def optimizer(state_dtype: str = "bf16") -> OptimizerConfig:
-    return OptimizerConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=0.5, no_decay=("norm",),
+def optimizer(state_dtype: str = "bf16", clip: float | None = 0.5) -> OptimizerConfig:
+    return OptimizerConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=clip, no_decay=("norm",),
                            state_dtype=state_dtype)
 
 
 def engine(plan: Plan, state_dtype: str = "bf16") -> Engine:
-    return Engine(CONFIG, optimizer(state_dtype), plan=plan, compute_dtype=torch.float32, device="cpu", seed=5)
+    """Clipping (deferred updates), or none in eager mode."""
+    clip = 0.5 if plan.optimizer_mode == "deferred" else None
+    return Engine(CONFIG, optimizer(state_dtype, clip), plan=plan, compute_dtype=torch.float32, device="cpu", seed=5)
 
 
 def train(e: Engine, start: int, stop: int) -> None:
@@ -63,14 +65,21 @@ def assert_same(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor])
         assert torch.equal(expected[name], got[name]), name
 
 
-@pytest.mark.parametrize("spill", ["optimizer", "all"])
-def test_spilled_bf16_state_equals_bf16_state_in_ram(spill: str, tmp_path) -> None:
-    with engine(RAM) as e:
+# Per block: m of the embedding and a layer, v of the head on disk, the rest in RAM (a block's m and v apart).
+MIXED = {"master": [1], "exp_avg": [0, 2], "exp_avg_sq": [3], "grads": [0]}
+
+
+@pytest.mark.parametrize("spill, more", [("optimizer", {}), ("all", {}), ("blocks", {"spill_blocks": MIXED}),
+                                         ("optimizer", {"optimizer_mode": "eager"})],
+                         ids=["optimizer", "all", "blocks", "optimizer-eager"])
+def test_spilled_bf16_state_equals_bf16_state_in_ram(spill: str, more: dict, tmp_path) -> None:
+    plan = spilled(spill, str(tmp_path), **more)
+    with engine(RAM.replace(optimizer_mode=plan.optimizer_mode)) as e:
         train(e, 0, 3)
         expected = bits(e)
-    with engine(spilled(spill, str(tmp_path))) as e:
+    with engine(plan) as e:
         store = e.store
-        assert store.exp_avg is None and store.exp_avg_sq is None  # m and v live on disk only
+        assert store.is_spilled(BufferKind.EXP_AVG, 0) and store.is_spilled(BufferKind.EXP_AVG_SQ, 3)
         assert len(store.spill_files.chunks(0)) == 2 and store.spill_files.chunks(0)[1][0] == WIDEN_ELEMENTS
         assert store.read_block(BufferKind.EXP_AVG, 0).dtype == torch.bfloat16
         assert all(t.dtype == torch.bfloat16 for s in store.staging._sets for k, t in s.items()
