@@ -1,4 +1,5 @@
-"""The host buffer kinds of a model's fp32 state, which of them a plan spills, and the spill files' alignment.
+"""The host buffer kinds of a model's state, which of them a plan spills, their bytes per element, and the spill
+files' alignment.
 
 One definition for both sides: the planner's memory model sizes what the runtime's host store
 allocates, so both ask ``placement`` which blocks of which kinds live in spill files instead of RAM.
@@ -14,7 +15,8 @@ from .plan import Plan
 
 
 class BufferKind(enum.StrEnum):
-    """One fp32 buffer per parameter, kept per block in the host store (or its spill file)."""
+    """One buffer per parameter, kept per block in the host store (or its spill file): fp32, but m and v in the
+    AdamW state dtype (``element_bytes``)."""
 
     MASTER = "master"  # the fp32 master weights
     EXP_AVG = "exp_avg"  # AdamW's first moment (m)
@@ -25,11 +27,31 @@ class BufferKind(enum.StrEnum):
 # The kinds a checkpoint saves and an optimizer update rewrites: the training state proper.
 STATE_KINDS = (BufferKind.MASTER, BufferKind.EXP_AVG, BufferKind.EXP_AVG_SQ)
 
+# The kinds kept in the AdamW state dtype (fp32, or bf16: [Note: bf16 optimizer state]); the others are fp32.
+MOMENT_KINDS = (BufferKind.EXP_AVG, BufferKind.EXP_AVG_SQ)
+
 # Per kind, the blocks (runtime block indices) whose state lives in a spill file; a kind absent: all in RAM.
 Placement = Mapping[BufferKind, frozenset[int]]
 
 # Bytes: a spill file holds each block at an offset and length that are multiples of this (O_DIRECT).
 SPILL_ALIGN = 4096
+
+# Elements that bf16 AdamW state is widened to fp32 and rounded back in, each piece's noise keyed by its first
+# element (runtime/pipeline/stochastic_rounding.py, [Note: bf16 optimizer state]). A chunk of a block whose bf16
+# m or v spills starts on a multiple of it, so the chunks walk the same pieces as the block in RAM: the same bits.
+WIDEN_ELEMENTS = 2**20
+
+
+def element_bytes(kind: BufferKind, state_bytes: int = 4) -> int:
+    """Bytes of one element of ``kind``: ``state_bytes`` (4 for fp32 AdamW state, 2 for bf16) for m and v, in RAM
+    and in their spill files alike; 4 for the fp32 master and gradients."""
+    return state_bytes if kind in MOMENT_KINDS else 4
+
+
+def spill_chunk_multiple(state_bytes: int) -> int:
+    """What ``Plan.spill_chunk_bytes`` must be a multiple of where m or v spill in ``state_bytes``: SPILL_ALIGN
+    for fp32 state; 4 x WIDEN_ELEMENTS (4 MiB) for bf16, so chunk edges fall on the rounding's pieces."""
+    return SPILL_ALIGN if state_bytes == 4 else 4 * WIDEN_ELEMENTS
 
 
 def placement(plan: Plan, num_blocks: int) -> dict[BufferKind, frozenset[int]]:
@@ -57,14 +79,16 @@ def spilled_kinds(spilled: Placement) -> tuple[BufferKind, ...]:
     return tuple(k for k in BufferKind if spilled.get(k))
 
 
-def spill_block_bytes(numel: int) -> int:
-    """Bytes one fp32 block of ``numel`` elements takes in a spill file: rounded up to SPILL_ALIGN."""
-    return -(-numel * 4 // SPILL_ALIGN) * SPILL_ALIGN
+def spill_block_bytes(numel: int, element: int = 4) -> int:
+    """Bytes a block of ``numel`` elements of ``element`` bytes (``element_bytes``) takes in a spill file (or one
+    staging buffer of ``numel`` elements): rounded up to SPILL_ALIGN."""
+    return -(-numel * element // SPILL_ALIGN) * SPILL_ALIGN
 
 
 def spill_chunks(numel: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """The (first element, elements) pieces a spilled block of ``numel`` fp32 elements is read, updated and
-    written in: ``chunk_bytes / 4`` elements each (a multiple of SPILL_ALIGN bytes), the last one shorter.
+    """The (first element, elements) pieces a spilled block of ``numel`` elements is read, updated and written in,
+    the same for all its kinds: ``chunk_bytes / 4`` elements each (``chunk_bytes`` of fp32, a multiple of
+    SPILL_ALIGN; half that of bf16 m and v), the last one shorter.
     Piece boundaries fall on multiples of 1024 elements, so torch's fused AdamW kernel (vectorised over
     16-element cache lines, scalar only on each tensor's tail) gives the same bits in pieces as whole."""
     assert chunk_bytes % SPILL_ALIGN == 0 and chunk_bytes > 0
@@ -74,5 +98,5 @@ def spill_chunks(numel: int, chunk_bytes: int) -> list[tuple[int, int]]:
 
 def spill_chunk_numel(largest_block: int, chunk_bytes: int) -> int:
     """Elements of the largest piece of any block (what one staging buffer or slab holds), rounded up to
-    SPILL_ALIGN: min(chunk, largest block rounded up to 4 KiB) / 4."""
+    SPILL_ALIGN in fp32: min(chunk, largest block x 4 rounded up to 4 KiB) / 4."""
     return min(chunk_bytes, spill_block_bytes(largest_block)) // 4

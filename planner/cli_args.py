@@ -112,8 +112,8 @@ def workload_args(p: argparse.ArgumentParser, need_batch: bool, sizing_only: boo
                    help="what may live in spill files on disk: auto (the plan decides), none, optimizer (AdamW m, v), "
                         "all (fp32 master, m, v, grads)")
     p.add_argument("--optimizer-state", choices=("fp32", "bf16"), default="fp32",
-                   help="AdamW m and v in host RAM: fp32 (12 bytes/param of state with the master; default) or bf16 "
-                        "(8 bytes/param, stochastic rounding; never spilled)")
+                   help="AdamW m and v, in host RAM or spill files: fp32 (12 bytes/param of state with the master; "
+                        "default) or bf16 (8 bytes/param, stochastic rounding)")
     p.add_argument("--save-every", type=positive_int, metavar="N",
                    help="the run saves a checkpoint every N steps (megatrain-train's option): RAM for the save's "
                         "snapshot of the master and AdamW state is counted")

@@ -220,7 +220,7 @@ class _AdamTime:
 
     def __init__(self, model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile) -> None:
         cal = hw.fitted(work.compute_dtype)
-        self.spilled = spill_placement.Spilled.of(model, plan)
+        self.spilled = spill_placement.Spilled.of(model, plan, work.state_bytes)
         # Seconds per parameter: AdamW, then the shadow pass where there is one (measured, or the factor).
         per_param = 1.0 / hw.adam_params_per_s
         if cal is not None:
@@ -238,14 +238,13 @@ class _AdamTime:
     def block(self, b: int) -> float:
         """Block b's update: t = numel x (1 / AdamW params/s + 1 / shadow params/s); with k_b of its kinds
         spilled the disk runs beside it (reads ahead, writes behind; a spilled kind is read once and written
-        once: master, m and v by AdamW, grads in backward): t = max(that, numel x 4 x k_b x (1 / read GB/s +
-        1 / write GB/s) / 1e9)."""
+        once: master, m and v by AdamW, grads in backward): t = max(that, numel x sum of s_k over its spilled
+        kinds x (1 / read GB/s + 1 / write GB/s) / 1e9) (s_k 4, or 2 for bf16 m and v)."""
         numel = self.spilled.numels[b]
         compute = numel * self.per_param
-        k = self.spilled.block_kinds(b)
-        if not k:
+        if not self.spilled.block_kinds(b):
             return compute
-        return max(compute, numel * 4 * k * (1 / self.read_gbps + 1 / self.write_gbps) / 1e9)
+        return max(compute, self.spilled.block_disk_bytes(b) * (1 / self.read_gbps + 1 / self.write_gbps) / 1e9)
 
     def total(self) -> float:
         """Every block's update, one after another: the sum of ``block``."""

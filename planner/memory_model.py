@@ -12,10 +12,11 @@ totals are plain sums. Symbols used in the formulas:
   T   global batch tokens per step (batch x seq); t micro-batch tokens (micro_batch_size x seq)
   c   compute dtype bytes (2 for bf16/fp16, 4 for fp32)
   K   plan.num_slots; G plan.device_grad_buffers; S plan.host_grad_slabs
-  P   plan.spill_staging; Ck elements of one spill chunk: min(plan.spill_chunk_bytes, Bmax rounded up to
+  P   plan.spill_staging; Ck elements of one spill chunk: min(plan.spill_chunk_bytes, Bmax x 4 rounded up to
       4 KiB) / 4 (buffer_kinds.spill_chunk_numel); k the number of kinds with a block on disk
+  s_k bytes per element of kind k: 4, or s (the AdamW state's: 4, or 2 in bf16) for m and v, in RAM and on disk
   Ns_k elements of kind k whose blocks the plan spills (spill_placement.Spilled: every block for a
-      shorthand's kinds); F_k its spill file: sum over those blocks of (block x 4 rounded up to 4 KiB)
+      shorthand's kinds); F_k its spill file: sum over those blocks of (block x s_k rounded up to 4 KiB)
 
 Pure stdlib.
 """
@@ -27,7 +28,7 @@ from . import buffer_kinds, kept_layers, spill_placement
 from .allocator_retention import allocator_retention
 from .attention_memory import attention_working_set
 from .block_parameters import LAYER
-from .buffer_kinds import BufferKind, crosses_pcie, spill_chunk_numel
+from .buffer_kinds import BufferKind, crosses_pcie, spill_block_bytes, spill_chunk_numel
 from .hardware import GiB, HardwareProfile
 from .model_shapes import ModelShape
 from .plan import Plan
@@ -178,7 +179,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
         dev("CUDA context", CUDA_CONTEXT_BYTES, "constant, fitted from runs")
 
     # ---- host (and spill files) --------------------------------------------------------------
-    spilled = spill_placement.Spilled.of(model, plan)
+    spilled = spill_placement.Spilled.of(model, plan, work.state_bytes)
     for kind, label, s in ((BufferKind.MASTER, "fp32 master", 4), (BufferKind.EXP_AVG, "Adam m", work.state_bytes),
                            (BufferKind.EXP_AVG_SQ, "Adam v", work.state_bytes)):
         state_terms(kind, label, N, spilled, host, comps, size=s, pinned=crosses_pcie(kind, c == 4))
@@ -235,7 +236,7 @@ def checkpoint_snapshot(model: ModelShape, work: Workload, spilled: "spill_place
 def state_terms(kind: BufferKind, label: str, N: int, spilled: "spill_placement.Spilled", host,
                 comps: list[Component], file_label: str | None = None, size: int = 4, pinned: bool = True) -> None:
     """One kind's RAM arena and spill file: s x (N - Ns_k) bytes of RAM for the blocks in RAM (none when every
-    block spills; s: 4, or 2 for bf16 AdamW state, which never spills) and F_k bytes on disk for the others.
+    block spills; s: 4, or 2 for bf16 AdamW state) and F_k bytes on disk for the others (the same s per element).
     ``pinned``: whether the arena crosses PCIe (``buffer_kinds.crosses_pcie``), pinned with a GPU."""
     Ns, F = spilled.numel(kind), spilled.file_bytes(kind)
     if Ns < N:
@@ -243,7 +244,7 @@ def state_terms(kind: BufferKind, label: str, N: int, spilled: "spill_placement.
              f"{size} x N = {size} x {N}" if not Ns else f"{size} x (N - Ns) = {size} x ({N} - {Ns})", pinned)
     if Ns:
         comps.append(Component(file_label or f"{label} (spill file)", "nvme", F,
-                               f"sum over its spilled blocks of 4 KiB-rounded block x 4 = {F}"))
+                               f"sum over its spilled blocks of 4 KiB-rounded block x {size} = {F}"))
 
 
 def host_spill_terms(model: ModelShape, plan: Plan, c: int, spilled: "spill_placement.Spilled",
@@ -263,10 +264,13 @@ def host_spill_terms(model: ModelShape, plan: Plan, c: int, spilled: "spill_plac
     else:
         host("fp32 grad slabs", plan.host_grad_slabs * Bmax * 4, f"S x Bmax x 4 = {plan.host_grad_slabs} x {Bmax} x 4")
     if spilled.kinds:
+        # one buffer per spilled kind in a set: Ck x s_k rounded up to 4 KiB (fp32: Ck x 4 is a multiple of it)
         k = len(spilled.kinds)
         P = plan.spill_staging
-        host("spill staging", P * k * Ck * 4, f"P x k x Ck x 4 = {P} x {k} x {Ck} x 4",
-             pinned=False)
+        per_set = sum(spill_block_bytes(Ck, spilled.element_bytes(kind)) for kind in spilled.kinds)
+        formula = (f"P x k x Ck x 4 = {P} x {k} x {Ck} x 4" if per_set == k * Ck * 4 else
+                   f"P x sum over the k = {k} kinds of (Ck x s_k rounded up to 4 KiB) = {P} x {per_set}")
+        host("spill staging", P * per_set, formula, pinned=False)
 
 
 def transient_bytes(model: ModelShape, work: Workload, plan: Plan) -> int:

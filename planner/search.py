@@ -26,7 +26,7 @@ from megatrain.errors import MegatrainError
 from megatrain.models import registry
 
 from . import cost_model, data_parallel, kept_layers, memory_model, spill_placement
-from .buffer_kinds import spill_block_bytes, spill_chunks
+from .buffer_kinds import spill_chunk_multiple, spill_chunks
 from .cost_model import CostEstimate
 from .hardware import HardwareProfile
 from .memory_model import MemoryEstimate, Overrun
@@ -114,7 +114,7 @@ def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = N
                               f"profile lacks: pass --nvme GBPS, or measure it with megatrain-plan profile "
                               f"--spill-dir {work.spill_dir}")
     spills = [s for s in work.spill_choices() if s == "none" or disk]
-    chunk = spill_chunk_bytes(model)
+    chunk = spill_chunk_bytes(model, work.state_bytes)
     stagings = spill_staging_choices(model, chunk)
     out = []
     for mbs in micro_batch_sizes(work.batch):
@@ -139,11 +139,13 @@ def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = N
     return out
 
 
-def spill_chunk_bytes(model: ModelShape) -> int:
+def spill_chunk_bytes(model: ModelShape, state_bytes: int = 4) -> int:
     """The spill I/O unit of the search's plans: Plan's default, or one layer's bytes where a layer is smaller (4 KiB
-    rounded: chunk edges on 1024-element multiples). The embedding and an untied head are then cut into chunks of a
+    rounded: chunk edges on 1024-element multiples; with bf16 AdamW state 4 MiB rounded, on the stochastic rounding's
+    pieces: ``buffer_kinds.spill_chunk_multiple``). The embedding and an untied head are then cut into chunks of a
     layer's size, so every staging set holds as much as the memory model's Ck charges it for."""
-    return min(Plan.spill_chunk_bytes, spill_block_bytes(model.numel_layer))
+    multiple = spill_chunk_multiple(state_bytes)
+    return min(Plan.spill_chunk_bytes, -(-model.numel_layer * 4 // multiple) * multiple)
 
 
 def spill_staging_choices(model: ModelShape, chunk_bytes: int) -> tuple[int, ...]:
@@ -195,7 +197,7 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
 
     Within one group of the fill (m and v, masters, grads: levels g x nb + 1 .. (g + 1) x nb) host RAM falls
     level by level, each level moving one more block of the group's kinds to disk; only the group's first level
-    adds the staging of its newly spilled kinds (P x Ck x 4 each; the grads also their S x Ck x 4 slabs) back.
+    adds the staging of its newly spilled kinds (P x Ck x s_k each; the grads also their S x Ck x 4 slabs) back.
     So the first group whose last level fits holds the least level that fits, and within it a binary search
     finds it: at most 3 + log2(nb) memory estimates."""
     if work.spill != "auto" or plan.spill != "all":

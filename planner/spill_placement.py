@@ -1,11 +1,11 @@
-"""Which blocks of which fp32 kinds a plan keeps on disk: their sizes, for the memory and cost models, and the
-order in which the search moves state from RAM to disk.
+"""Which blocks of which kinds a plan keeps on disk: their sizes, for the memory and cost models, and the order in
+which the search moves state from RAM to disk.
 
 A plan's placement (``buffer_kinds.placement``) says, per kind (master, m, v, grads), which blocks live in
 spill files; the blocks are the runtime's (0 the embedding, 1..L the layers, L + 1 the head). For a model
 shape this module gives, per kind, the elements on disk (``Ns_k``) and the spill file's bytes (``F_k``: each
-spilled block rounded up to 4 KiB), and which kinds of each block spill (what a block's AdamW reads and
-writes).
+spilled block x the kind's element bytes s_k, rounded up to 4 KiB; s_k is 4, or 2 for m and v in bf16 AdamW
+state), and which kinds of each block spill (what a block's AdamW reads and writes).
 
 [Note: fill order]
 The search fills RAM first and puts the rest on disk, in steps of one block: level 0 spills nothing; levels
@@ -14,9 +14,9 @@ the last nb levels (deferred mode only: eager mode keeps no gradient arena) the 
 each. Within a kind, blocks go to disk from the last one backward: in deferred mode AdamW updates the blocks
 in forward order while the next step's forward waits for each, so the blocks it updates last (whose disk
 reads have the most time to run ahead) are the ones whose update is slowed by the disk. m and v come first
-(8 bytes/param, touched only by AdamW), then the master (in fp32 also read by every load), and gradients
-last (written in backward and read back: the most disk traffic per byte freed). The level that spills every
-block of m and v is the plan "optimizer", and the last level the plan "all".
+(8 bytes/param, 4 in bf16 state, touched only by AdamW), then the master (in fp32 also read by every load),
+and gradients last (written in backward and read back: the most disk traffic per byte freed). The level that
+spills every block of m and v is the plan "optimizer", and the last level the plan "all".
 
 Pure stdlib.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .buffer_kinds import BufferKind, placement, spill_block_bytes
+from .buffer_kinds import BufferKind, element_bytes, placement, spill_block_bytes
 from .model_shapes import ModelShape
 from .plan import Plan, SpillBlocks
 
@@ -43,11 +43,12 @@ class Spilled:
 
     blocks: dict[BufferKind, frozenset[int]]
     numels: tuple[int, ...]  # every block's elements
+    state_bytes: int = 4  # bytes per element of AdamW m and v (Workload.state_bytes): 4, or 2 in bf16
 
     @classmethod
-    def of(cls, model: ModelShape, plan: Plan) -> "Spilled":
+    def of(cls, model: ModelShape, plan: Plan, state_bytes: int = 4) -> "Spilled":
         numels = block_numels(model)
-        return cls(placement(plan, len(numels)), tuple(numels))
+        return cls(placement(plan, len(numels)), tuple(numels), state_bytes)
 
     @property
     def kinds(self) -> tuple[BufferKind, ...]:
@@ -58,13 +59,22 @@ class Spilled:
         """Ns_k: elements of ``kind`` on disk."""
         return sum(self.numels[b] for b in self.blocks.get(kind, ()))
 
+    def element_bytes(self, kind: BufferKind) -> int:
+        """s_k: bytes of one element of ``kind``, in RAM and in its spill file (``buffer_kinds.element_bytes``)."""
+        return element_bytes(kind, self.state_bytes)
+
     def file_bytes(self, kind: BufferKind) -> int:
-        """F_k: bytes of ``kind``'s spill file: sum over its spilled blocks of the block x 4 rounded up to 4 KiB."""
-        return sum(spill_block_bytes(self.numels[b]) for b in self.blocks.get(kind, ()))
+        """F_k: bytes of ``kind``'s spill file: sum over its spilled blocks of the block x s_k rounded up to 4 KiB."""
+        return sum(spill_block_bytes(self.numels[b], self.element_bytes(kind)) for b in self.blocks.get(kind, ()))
 
     def block_kinds(self, b: int) -> int:
         """How many of block b's kinds live on disk."""
         return sum(1 for blocks in self.blocks.values() if b in blocks)
+
+    def block_disk_bytes(self, b: int, kinds: tuple[BufferKind, ...] = tuple(BufferKind)) -> int:
+        """Bytes of block b on disk among ``kinds`` (default: all): numel x the sum of s_k over those of its kinds
+        that spill (unrounded: what one pass over the block reads or writes)."""
+        return self.numels[b] * sum(self.element_bytes(k) for k in kinds if b in self.blocks.get(k, ()))
 
 
 def fill_levels(model: ModelShape, deferred: bool) -> int:

@@ -58,14 +58,14 @@ def applies(hw: HardwareProfile, plan: Plan, spilled: "spill_placement.Spilled")
 def read_ahead(spilled: "spill_placement.Spilled", chunk_bytes: int, sets: int, budget: float) -> list[float]:
     """Bytes of each block read ahead: the blocks in update order (forward order), each chunk
     (``buffer_kinds.spill_chunks``, as the runtime cuts them) of a block whose master, m or v spills one
-    staging set, at most ``sets`` chunks and ``budget`` bytes in all."""
+    staging set (piece x the sum of s_k over those kinds), at most ``sets`` chunks and ``budget`` bytes in all."""
     out = [0.0] * len(spilled.numels)
     for b, numel in enumerate(spilled.numels):
-        k = sum(1 for kind in UPDATED if b in spilled.blocks.get(kind, ()))
-        for _, piece in (spill_chunks(numel, chunk_bytes) if k else ()):
+        per_element = sum(spilled.element_bytes(kind) for kind in UPDATED if b in spilled.blocks.get(kind, ()))
+        for _, piece in (spill_chunks(numel, chunk_bytes) if per_element else ()):
             if sets <= 0 or budget <= 0:
                 return out
-            nbytes = min(budget, piece * 4.0 * k)
+            nbytes = min(budget, piece * float(per_element))
             out[b] += nbytes
             budget -= nbytes
             sets -= 1
@@ -100,9 +100,8 @@ def cpu_step(spilled: "spill_placement.Spilled", plan: Plan, hw: HardwareProfile
     exposed_b = max(0.0, busy_b + sum(ahead) / R - B)
     a = e = 0.0
     for b in fwd_blocks:
-        kinds = [k for k in BufferKind if b in spilled.blocks.get(k, ())]
-        reads = spilled.numels[b] * 4.0 * len(kinds) - ahead[b]
-        writes = spilled.numels[b] * 4.0 * sum(1 for k in kinds if k in UPDATED)
+        reads = spilled.block_disk_bytes(b) - ahead[b]
+        writes = float(spilled.block_disk_bytes(b, UPDATED))
         a += reads / R + writes / W + fwd_load[b] / R
         e = max(e, a) + f[b]
     return SpillStep(e, e + B + exposed_b + adam_cpu_s, e - sum(f), exposed_b, sum(ahead))

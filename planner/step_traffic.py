@@ -34,10 +34,11 @@ def traffic(model: ModelShape, work: Workload, plan: Plan) -> tuple[float, float
 
 def disk_traffic(model: ModelShape, work: Workload, plan: Plan) -> tuple[float, float]:
     """Bytes one step reads from and writes to the spill files: every spilled (block, kind) read once and
-    written once (F_k: kind k's file, its spilled blocks rounded up to 4 KiB; sum of F_k each way), plus, in
+    written once (F_k: kind k's file, its spilled blocks x s_k rounded up to 4 KiB, s_k 2 for bf16 m and v;
+    sum of F_k each way), plus, in
     fp32, the loads' reads of the blocks whose master spills (each block's h2d weight bytes x 4: the
     embedding twice when tied, each layer twice (forward and backward), the head once)."""
-    spilled = spill_placement.Spilled.of(model, plan)
+    spilled = spill_placement.Spilled.of(model, plan, work.state_bytes)
     read = write = float(sum(spilled.file_bytes(k) for k in spilled.kinds))
     if work.compute_bytes == 4:
         loads = [2 if model.tie_word_embeddings else 1] + [2] * model.num_layers + [1]

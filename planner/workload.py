@@ -39,7 +39,7 @@ class Workload:
     spill_dir: str | None = None
     # Free bytes on the disk under spill_dir (None: not known, not checked).
     spill_free_bytes: int | None = None
-    # AdamW m and v in host RAM: "fp32" (4 bytes each per parameter) or "bf16" (2 each; never spilled).
+    # AdamW m and v, in host RAM and in spill files: "fp32" (4 bytes each per parameter) or "bf16" (2 each).
     optimizer_state: str = "fp32"
     # The run saves checkpoints while it trains, without blocking the step: the save's snapshot of the master and
     # AdamW state is held beside the arenas (memory_model.checkpoint_snapshot).
@@ -57,9 +57,6 @@ class Workload:
                                 "on a fast local disk")
         if self.optimizer_state not in OPTIMIZER_STATE_BYTES:
             raise WorkloadError(f"optimizer_state={self.optimizer_state!r} must be fp32 or bf16")
-        if self.optimizer_state != "fp32" and self.spill in ("optimizer", "all"):
-            raise WorkloadError(f"optimizer_state={self.optimizer_state} keeps AdamW m and v in RAM, spill="
-                                f"{self.spill!r} would put them on disk: use --spill none (or auto), or fp32 state")
         if self.spill_free_bytes is not None and (not isinstance(self.spill_free_bytes, int)
                                                   or self.spill_free_bytes < 0):
             raise WorkloadError(f"spill_free_bytes={self.spill_free_bytes!r} must be an integer >= 0 (bytes)")
@@ -79,14 +76,14 @@ class Workload:
 
     @property
     def state_bytes(self) -> int:
-        """Bytes per element of each of AdamW's m and v."""
+        """Bytes per element of each of AdamW's m and v, in RAM and on disk."""
         return OPTIMIZER_STATE_BYTES[self.optimizer_state]
 
     def spill_choices(self) -> tuple[str, ...]:
         """The spill values of the search's candidates: with "auto", "none" and, where there is a directory, "all",
         which the search then fills back down to the least spill that fits (search.py, [Note: fill order])."""
         if self.spill == "auto":
-            return ("none", "all") if self.spill_dir and self.optimizer_state == "fp32" else ("none",)
+            return ("none", "all") if self.spill_dir else ("none",)
         return (self.spill,)
 
     def fingerprint(self, model: ModelShape) -> WorkloadFingerprint:

@@ -103,14 +103,14 @@ def test_bf16_state_resumes_bitwise(tmp_path) -> None:
         assert torch.equal(expected[name].view(torch.uint8), got[name].view(torch.uint8)), name
 
 
-def test_bf16_state_refuses_spilled_optimizer_state_and_bad_names(tmp_path) -> None:
-    with pytest.raises(ConfigError, match="keeps AdamW m and v in RAM"):
-        engine("bf16", PLAN.replace(spill="optimizer", spill_dir=str(tmp_path)))
+def test_bf16_state_refuses_bad_names_and_may_spill(tmp_path) -> None:
     with pytest.raises(ConfigError, match="state_dtype='fp16'"):
         optimizer("fp16")
-    with pytest.raises(WorkloadError, match="keeps AdamW m and v in RAM"):
-        Workload(16, 4, "fp32", optimizer_state="bf16", spill="all", spill_dir=str(tmp_path))
-    assert Workload(16, 4, "fp32", optimizer_state="bf16", spill_dir=str(tmp_path)).spill_choices() == ("none",)
+    with pytest.raises(WorkloadError, match="must be fp32 or bf16"):
+        Workload(16, 4, "fp32", optimizer_state="fp16")
+    # m and v may go to spill files in bf16 too (tests/test_bf16_spill.py): the search may spill
+    assert Workload(16, 4, "fp32", optimizer_state="bf16", spill_dir=str(tmp_path)).spill_choices() == ("none", "all")
+    assert Workload(16, 4, "fp32", optimizer_state="bf16", spill="all", spill_dir=str(tmp_path)).spill == "all"
 
 
 def test_planner_counts_8_bytes_of_state_per_parameter_by_hand() -> None:

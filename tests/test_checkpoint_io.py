@@ -46,6 +46,9 @@ class FakeStore:
         self.total_numel = sum(NUMELS)
         self.reads = 0
 
+    def dtype(self, kind: str) -> torch.dtype:
+        return self.data.dtype
+
     def read_block(self, kind: str, b: int) -> torch.Tensor:
         self.reads += 1
         return self.data[self.offsets[b]:self.offsets[b] + self.numels[b]].clone()

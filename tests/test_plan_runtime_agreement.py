@@ -89,7 +89,7 @@ def test_memory_model_matches_allocations(name: str, plan: Plan, dtype: torch.dt
         assert est.get("compute-dtype shadow", 0) == (0 if store.shadow in (store.master, None) else store.shadow.nbytes)
         nvme = sum(c.nbytes for c in memory_model.estimate(shape, work, plan).components if c.where == "nvme")
         assert nvme == store.nvme_bytes
-        staging = 0 if store.staging is None else sum(t.numel() * 4 for s in store.staging._sets for t in s.values())
+        staging = 0 if store.staging is None else sum(_nbytes(t) for s in store.staging._sets for t in s.values())
         assert est.get("spill staging", 0) == staging
         assert est.get("fp32 grads (full arena)", 0) == (store.grads.nbytes if store.grads is not None else 0)
         assert est.get("fp32 grad slabs", 0) == (store.slabs.arena.nbytes if store.slabs is not None else 0)
@@ -142,12 +142,19 @@ def test_kept_activations_match_what_the_graphs_hold(name: str, plan: Plan, dtyp
             assert est["checkpoint drains in flight"] == ex.checkpoints.held_peak_bytes
 
 
-# bf16 AdamW state keeps m and v in RAM: the plans that spill neither (the master and grads may spill).
+# bf16 AdamW state: m and v in RAM, or in spill files at 2 bytes per element (chunks of 4 MiB multiples); the master
+# and grads alone take any chunk.
 BF16_STATE_PLANS = [PLANS[0], PLANS[3], Plan(spill="blocks", spill_dir=SPILL_DIR, spill_staging=2, spill_chunk_bytes=4096,
-                                             spill_blocks={"master": [1, 3], "grads": [2]})]
+                                             spill_blocks={"master": [1, 3], "grads": [2]}),
+                    Plan(spill="optimizer", spill_dir=SPILL_DIR, spill_staging=3, spill_chunk_bytes=4 * 2**20),
+                    Plan(spill="all", spill_dir=SPILL_DIR, spill_staging=2, host_grad_slabs=2,
+                         spill_chunk_bytes=4 * 2**20),
+                    Plan(spill="blocks", spill_dir=SPILL_DIR, spill_staging=2, spill_chunk_bytes=4 * 2**20,
+                         spill_blocks={"master": [1], "exp_avg": [0, 1], "exp_avg_sq": [3], "grads": [2]})]
 
 
-@pytest.mark.parametrize("plan", BF16_STATE_PLANS, ids=["default", "eager", "spill-master-grads"])
+@pytest.mark.parametrize("plan", BF16_STATE_PLANS, ids=["default", "eager", "spill-master-grads", "spill-opt",
+                                                        "spill-all", "spill-blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_bf16_state_memory_matches_allocations(plan: Plan, dtype: torch.dtype, tmp_path) -> None:
     """m and v at 2 bytes per element, buffer by buffer as above."""

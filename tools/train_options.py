@@ -54,8 +54,8 @@ HELP: dict[str, str] = {
     "beta1": "AdamW beta1 (0.9)",
     "beta2": "AdamW beta2 (0.95)",
     "max_grad_norm": "global gradient-norm clipping, 0 = off (1.0)",
-    "optimizer_state": "AdamW m and v in host RAM: fp32 (default) or bf16 (stochastic rounding, 8 instead of 12 "
-                       "bytes/param of state; kept in RAM, never spilled)",
+    "optimizer_state": "AdamW m and v, in host RAM or spill files: fp32 (default) or bf16 (stochastic rounding, 8 "
+                       "instead of 12 bytes/param of state)",
     "steps": "optimizer steps (150)",
     "tokens": "train this many tokens instead of --steps",
     "save_every": "checkpoint every N steps (0: at the end and on Ctrl-C only)",

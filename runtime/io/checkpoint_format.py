@@ -99,10 +99,12 @@ def live_arrays(store: "HostStore") -> dict[str, "torch.Tensor | SpilledArena"]:
 
 
 class SpilledArena:
-    """A spilled kind as a checkpoint array: the arena's bytes in block order, one block in RAM at a time."""
+    """A spilled kind as a checkpoint array: the arena's bytes in block order, one block in RAM at a time, in the
+    kind's dtype (bf16 m and v stay bf16: the same array as from RAM)."""
 
     def __init__(self, store: Any, kind: BufferKind) -> None:
         self.store, self.kind = store, kind
+        self.dtype: torch.dtype = store.dtype(kind)
 
     def numel(self) -> int:
         return self.store.total_numel
@@ -122,7 +124,7 @@ def _shards(t: "torch.Tensor | SpilledArena", step: int) -> Iterator[tuple[int, 
         for lo in range(0, n, step):
             yield lo, t[lo:lo + step]
         return
-    buf = torch.empty(min(step, n), dtype=torch.float32)
+    buf = torch.empty(min(step, n), dtype=t.dtype)
     start, filled = 0, 0
     for _, block in t.pieces():
         i = 0
@@ -166,7 +168,7 @@ def write_named_array(directory: str, name: str, t: "torch.Tensor | SpilledArena
     """Write t as the array ``directory/name``; its manifest entry (path, shape, CRC32s)."""
     import tensorstore as ts
 
-    dtype = torch.float32 if isinstance(t, SpilledArena) else t.dtype
+    dtype = t.dtype
     arr = ts.open(spec(os.path.join(directory, name), t.numel(), dtype)).result()
     return {"path": name, "dtype": DTYPE_NAMES[dtype], "shape": [t.numel()], "crc32_chunk_bytes": CRC_CHUNK_BYTES,
             "crc32": write_array(arr, t)}
@@ -356,7 +358,7 @@ def read_array(path: str, meta: dict[str, Any], store: "HostStore", name: str,
         else:  # another layout: tensorstore reads it (the same pieces, one more copy)
             src = ts.open(spec(full), open=True, read=True).result()
             shape, read = tuple(src.shape), functools.partial(read_into, src)
-        dtype = torch.float32 if isinstance(dst, SpilledArena) else dst.dtype
+        dtype = dst.dtype
         if meta.get("dtype", "float32") != DTYPE_NAMES[dtype]:
             raise InputError(f"{full} holds {meta.get('dtype')} AdamW state, this engine keeps {DTYPE_NAMES[dtype]}: "
                              "load it with the optimizer settings it was saved with (Engine.load_checkpoint)")
@@ -366,7 +368,7 @@ def read_array(path: str, meta: dict[str, Any], store: "HostStore", name: str,
         if isinstance(dst, SpilledArena):
             for b in range(len(store.numels)):  # one block at a time through RAM into its spill file
                 lo, n = store.offsets[b], store.numels[b]
-                block = torch.empty(n, dtype=torch.float32)
+                block = torch.empty(n, dtype=dtype)
                 read(lo, block, crc)  # CRC of the bytes read, checked below once every block is in
                 store.write_block(BufferKind(name), b, block)
         else:

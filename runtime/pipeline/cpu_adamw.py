@@ -61,7 +61,7 @@ from megatrain.runtime.spill.read_ahead import ReadAhead
 from megatrain.runtime.spill.spill_files import Staged
 from megatrain.runtime.device.streams import Event
 from megatrain.runtime.model.templates import BlockLayout
-from megatrain.runtime.pipeline.stochastic_rounding import noise_seed, round_stochastic, widened_pieces
+from megatrain.runtime.pipeline.stochastic_rounding import WIDEN_ELEMENTS, noise_seed, round_stochastic, widened_pieces
 
 
 @dataclass(frozen=True)
@@ -272,9 +272,10 @@ class AdamWorker:
 
     def _apply(self, job: AdamJob, lo: int, n: int, grads: torch.Tensor,
                buf: Callable[[BufferKind], torch.Tensor]) -> None:
-        """The update of elements [lo, lo + n) of one block: clip, fused AdamW on its views (bf16 m and v:
-        widened to fp32 a piece at a time and rounded back, [Note: bf16 optimizer state]), the compute-dtype
-        shadow. The step count advances once per block, with its first piece."""
+        """The update of elements [lo, lo + n) of one block: clip, fused AdamW on its views (bf16 m and v, in RAM
+        or a staging set alike: widened to fp32 a piece at a time and rounded back, [Note: bf16 optimizer state];
+        a spilled chunk starts on a piece's edge, so the pieces and their noise are the whole block's), the
+        compute-dtype shadow. The step count advances once per block, with its first piece."""
         b, store = job.block, self.store
         if job.clip is not None:
             grads.mul_(job.clip[0])
@@ -287,6 +288,7 @@ class AdamWorker:
             _fused_adamw(job, lo, n, (master, grads, m, v), step)
         else:
             count = int(step)
+            assert lo % WIDEN_ELEMENTS == 0, "bf16 state spill chunks start on WIDEN_ELEMENTS multiples"
             for a, k in widened_pieces(n):
                 m32, v32 = m[a:a + k].float(), v[a:a + k].float()
                 _fused_adamw(job, lo + a, k, (master[a:a + k], grads[a:a + k], m32, v32), step)

@@ -11,6 +11,10 @@ than half a bf16 ULP of v (beta2 close to 1: v hardly moves between steps), stoc
 average. The noise comes from a generator seeded by a hash of (AdamW step, block, first element, m or v): the
 same key gives the same noise, so a run resumed from a checkpoint writes the same bits as one never
 interrupted, whatever the thread that runs it. The fp32 master is updated exactly as with fp32 state.
+m and v may spill ([Note: spill]): their files and staging buffers hold bf16 too, and the AdamW worker widens and
+rounds the staged chunk as it would the RAM block. Where they spill, a chunk is a multiple of WIDEN_ELEMENTS
+(``buffer_kinds.spill_chunk_multiple``), so a spilled block is rounded in the same pieces with the same keys as
+in RAM: the same bits.
 """
 from __future__ import annotations
 
@@ -19,8 +23,10 @@ import hashlib
 import torch
 
 # Elements widened to fp32 at a time: 2 x 4 MiB of scratch for m and v (a multiple of 1024, so the fused
-# kernel's vector body and scalar tail fall the same way in every run).
-WIDEN_ELEMENTS = 2**20
+# kernel's vector body and scalar tail fall the same way in every run). Spill chunks of bf16 m and v start on
+# its multiples (buffer_kinds.spill_chunk_multiple), so a spilled block walks the same pieces as one in RAM.
+from megatrain.planner.buffer_kinds import WIDEN_ELEMENTS
+
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

@@ -25,9 +25,10 @@ and is read afresh.
 
 Bound: the plan's ``spill_staging`` staging sets, the chunks read ahead and those in
 flight together: at most ``spill_staging`` x spilled kinds x one chunk
-(``spill_chunk_numel`` x 4 bytes) of staged state, all in the spill files' staging
-pool; this module allocates no buffer of its own, only the list of the next step's
-chunks (a few integers per chunk).
+(``spill_chunk_numel`` x the kind's element bytes: 4, or 2 for bf16 m and v) of
+staged state, all in the spill files' staging pool; this module allocates no
+buffer of its own, only the list of the next step's chunks (a few integers per
+chunk).
 """
 from __future__ import annotations
 

@@ -1,20 +1,26 @@
-"""Spill files: the fp32 kinds a plan keeps on disk instead of RAM, the order of their writes, and the
-staging sets through which CPU AdamW reads a block's spilled state and writes it back behind.
+"""Spill files: the kinds a plan keeps on disk instead of RAM, the order of their writes, and the staging sets
+through which CPU AdamW reads a block's spilled state and writes it back behind.
 
 [Note: spill]
-With a spill plan, some blocks of some fp32 kinds live in preallocated spill
+With a spill plan, some blocks of some kinds live in preallocated spill
 files instead of host RAM (``optimizer``: m and v of every block; ``all``:
 master, m, v and the deferred-mode gradients; ``blocks``: per kind, the blocks
 the plan names; ``buffer_kinds.placement`` is the rule), one file per kind that
 has a spilled block, holding only those blocks, each at a fixed offset rounded
-up to ``SPILL_ALIGN`` (4 KiB, for O_DIRECT).
+up to ``SPILL_ALIGN`` (4 KiB, for O_DIRECT). Each file holds its kind in the
+kind's dtype, as RAM would: fp32, but m and v in bf16 (2 bytes per element)
+with ``OptimizerConfig(state_dtype="bf16")`` ([Note: bf16 optimizer state]);
+offsets, spans and staging buffers are in that kind's bytes, while a block's
+chunks are the same element ranges for all its kinds.
 The files live in a directory named after this process (``spill_dirs``) and go
 with it. They are touched only through staging sets (``StagingPool``): AdamW
 reads a block's spilled state into one, updates it there, and writes it back
 behind; ``read_block`` / ``write_block`` serve the cold paths (init, state
 dicts, checkpoints). The unit of the staging sets' I/O is a chunk of at most
-``spill_chunk_bytes`` (``buffer_kinds.spill_chunks``), so every staging buffer
-is bounded by one chunk, not by the largest block. A block's reads wait for its
+``spill_chunk_bytes`` of fp32 (``buffer_kinds.spill_chunks``), so every staging buffer
+is bounded by one chunk, not by the largest block; with bf16 m or v on disk the
+chunk is a multiple of 4 MiB (``buffer_kinds.spill_chunk_multiple``), so AdamW
+rounds a spilled block in the same pieces as one in RAM. A block's reads wait for its
 pending writes (every unfinished write of each (kind, block) is remembered). A
 bf16 compute-dtype shadow (what travels H2D) stays in RAM; in fp32 a block
 whose master is spilled has none, and its loads read the master file
@@ -38,11 +44,11 @@ import queue
 import shutil
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
-from megatrain.planner.buffer_kinds import (SPILL_ALIGN, STATE_KINDS, BufferKind, Placement, spill_block_bytes,
+from megatrain.planner.buffer_kinds import (MOMENT_KINDS, STATE_KINDS, BufferKind, Placement, spill_block_bytes,
                                             spill_chunk_numel, spill_chunks)
 
 from megatrain.runtime.spill import spill_dirs
@@ -83,14 +89,16 @@ class BusyClock:
 
 
 class StagingPool:
-    """Bounded sets of aligned fp32 host buffers between spill files and CPU AdamW.
+    """Bounded sets of aligned host buffers, one per spilled kind in its dtype, between spill files and CPU AdamW.
 
-    Bound: ``count`` sets x spilled kinds x one chunk (``spill_chunk_numel``: min(plan chunk, largest block
-    rounded up to 4 KiB)) x 4 bytes; never the largest block when that is larger than a chunk.
+    Bound: ``count`` sets x the sum over spilled kinds of one chunk (``spill_chunk_numel`` elements: min(plan
+    chunk, largest block rounded up to 4 KiB) / 4) x the kind's element bytes, rounded up to 4 KiB; never the
+    largest block when that is larger than a chunk.
     """
 
-    def __init__(self, count: int, kinds: Sequence[BufferKind], chunk_bytes: int) -> None:
-        self._sets = [{k: aligned_empty(chunk_bytes).view(torch.float32) for k in kinds} for _ in range(count)]
+    def __init__(self, count: int, dtypes: Mapping[BufferKind, torch.dtype], chunk_numel: int) -> None:
+        self._sets = [{k: aligned_empty(spill_block_bytes(chunk_numel, dt.itemsize)).view(dt)
+                       for k, dt in dtypes.items()} for _ in range(count)]
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(count):
             self._free.put(i)
@@ -101,7 +109,7 @@ class StagingPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * 4 for s in self._sets for t in s.values())
+        return sum(t.numel() * t.element_size() for s in self._sets for t in s.values())
 
     def acquire(self) -> int:
         return self._free.get()
@@ -118,28 +126,30 @@ class Staged(NamedTuple):
 
     index: int  # the staging set
     lo: int  # the chunk's first element in its block
-    buffers: dict[BufferKind, torch.Tensor]  # its buffers, one per kind of the block read from its file
+    buffers: dict[BufferKind, torch.Tensor]  # its buffers, one per kind of the block read from its file (its dtype)
     reads: list[cf.Future]  # the reads issued ahead into them
 
 
 class SpillFiles:
     """One preallocated file per kind with a spilled block, each of its spilled blocks at a fixed aligned offset;
-    the staging pool."""
+    the staging pool. ``state_dtype``: m and v's, in their files and staging buffers (the other kinds fp32)."""
 
     def __init__(self, numels: Sequence[int], placement: Placement, spill_dir: str, io: FileIO,
-                 staging: int, chunk_bytes: int) -> None:
+                 staging: int, chunk_bytes: int, state_dtype: torch.dtype = torch.float32) -> None:
         self.kinds = tuple(k for k in BufferKind if placement.get(k))
         self.numels = list(numels)
         self.chunk_bytes = chunk_bytes
         self.io: FileIO | None = io
-        self.block_bytes = [spill_block_bytes(n) for n in numels]
+        # Per kind, its dtype and bytes per element (``buffer_kinds.element_bytes``): m and v in the state dtype.
+        self.dtypes = {k: state_dtype if k in MOMENT_KINDS else torch.float32 for k in self.kinds}
+        self.element = {k: dt.itemsize for k, dt in self.dtypes.items()}
         # Per kind, each spilled block's byte offset in the kind's file, and the file's size.
         self.file_offsets: dict[BufferKind, dict[int, int]] = {}
         self.file_bytes: dict[BufferKind, int] = {}
         for kind in self.kinds:
             offsets, at = {}, 0
             for b in sorted(placement[kind]):
-                offsets[b], at = at, at + self.block_bytes[b]
+                offsets[b], at = at, at + self.block_bytes(kind, b)
             self.file_offsets[kind], self.file_bytes[kind] = offsets, at
         self.files: dict[BufferKind, int] = {}
         # Writes that must wait for a D2H drain first run from here, so no caller blocks on the GPU.
@@ -166,12 +176,16 @@ class SpillFiles:
             self.close()
             raise
         self.chunk_numel = spill_chunk_numel(max(self.numels), chunk_bytes)
-        self.staging = StagingPool(staging, self.kinds, self.chunk_numel * 4)
+        self.staging = StagingPool(staging, self.dtypes, self.chunk_numel)
 
     @property
     def nbytes(self) -> int:
         """Bytes on disk: every spilled kind's file (its spilled blocks, each rounded up to SPILL_ALIGN)."""
         return sum(self.file_bytes.values())
+
+    def block_bytes(self, kind: BufferKind, b: int) -> int:
+        """Bytes block b's ``kind`` takes in its file: numel x the kind's element bytes, rounded up to SPILL_ALIGN."""
+        return spill_block_bytes(self.numels[b], self.element[kind])
 
     def spilled(self, b: int) -> tuple[BufferKind, ...]:
         """The kinds of block b that live in spill files."""
@@ -182,32 +196,37 @@ class SpillFiles:
         """Block b's (first element, elements) pieces: the unit of the AdamW pipeline's I/O."""
         return spill_chunks(self.numels[b], self.chunk_bytes)
 
-    def _span(self, b: int, lo: int, n: int) -> int:
-        """Bytes a transfer of block b's elements [lo, lo + n) moves: rounded up to SPILL_ALIGN, within the
-        block's (aligned) extent in the file."""
-        return min(-(-n * 4 // SPILL_ALIGN) * SPILL_ALIGN, self.block_bytes[b] - lo * 4)
+    def _span(self, kind: BufferKind, b: int, lo: int, n: int) -> int:
+        """Bytes a transfer of block b's ``kind`` elements [lo, lo + n) moves: rounded up to SPILL_ALIGN, within
+        the block's (aligned) extent in the file."""
+        e = self.element[kind]
+        return min(spill_block_bytes(n, e), self.block_bytes(kind, b) - lo * e)
+
+    def _offset(self, kind: BufferKind, b: int, lo: int) -> int:
+        """The file offset of block b's ``kind`` element ``lo``."""
+        return self.file_offsets[kind][b] + lo * self.element[kind]
 
     def read_async(self, kind: BufferKind, b: int, out: torch.Tensor, lo: int = 0, n: int | None = None,
                    exact: bool = False) -> cf.Future:
-        """Block b's ``kind`` elements [lo, lo + n) (default: the whole block) into ``out`` (fp32), after the
-        block's pending writes. ``out`` holds the 4 KiB-rounded span, or, ``exact``, just n elements."""
+        """Block b's ``kind`` elements [lo, lo + n) (default: the whole block) into ``out`` (the kind's dtype),
+        after the block's pending writes. ``out`` holds the 4 KiB-rounded span, or, ``exact``, just n elements."""
         n = self.numels[b] - lo if n is None else n
         self.wait_write(kind, b)
-        assert self.io is not None
-        nbytes = n * 4 if exact else self._span(b, lo, n)
-        return self._timed(self.read_clock, self.io.read(self.files[kind], self.file_offsets[kind][b] + lo * 4,
+        assert self.io is not None and out.dtype == self.dtypes[kind]
+        nbytes = n * self.element[kind] if exact else self._span(kind, b, lo, n)
+        return self._timed(self.read_clock, self.io.read(self.files[kind], self._offset(kind, b, lo),
                                                          out.view(torch.uint8)[:nbytes]))
 
     def _timed(self, clock: BusyClock, future: cf.Future) -> cf.Future:
         return self.io_clock.track(clock.track(future))
 
     def write_async(self, kind: BufferKind, b: int, src: torch.Tensor, lo: int = 0, n: int | None = None) -> cf.Future:
-        """Write ``src`` (fp32, >= the 4 KiB-rounded span) as block b's ``kind`` elements [lo, lo + n) (default:
-        the whole block); later reads of the block wait for this."""
+        """Write ``src`` (the kind's dtype, >= the 4 KiB-rounded span) as block b's ``kind`` elements [lo, lo + n)
+        (default: the whole block); later reads of the block wait for this."""
         n = self.numels[b] - lo if n is None else n
-        assert self.io is not None
-        future = self._timed(self.write_clock, self.io.write(self.files[kind], self.file_offsets[kind][b] + lo * 4,
-                                                             src.view(torch.uint8)[:self._span(b, lo, n)]))
+        assert self.io is not None and src.dtype == self.dtypes[kind]
+        future = self._timed(self.write_clock, self.io.write(self.files[kind], self._offset(kind, b, lo),
+                                                             src.view(torch.uint8)[:self._span(kind, b, lo, n)]))
         self._register(kind, b, future)
         return future
 
@@ -228,9 +247,9 @@ class SpillFiles:
         self._register(kind, b, placeholder)
         if self._after_pool is None:
             self._after_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-drain-write")
-        io, handle, offset = self.io, self.files[kind], self.file_offsets[kind][b] + lo * 4
-        view = src.view(torch.uint8)[:self._span(b, lo, n)]
-        assert io is not None
+        io, handle, offset = self.io, self.files[kind], self._offset(kind, b, lo)
+        view = src.view(torch.uint8)[:self._span(kind, b, lo, n)]
+        assert io is not None and src.dtype == self.dtypes[kind]
 
         def run() -> None:
             try:
@@ -258,16 +277,17 @@ class SpillFiles:
 
     # ---- cold paths: one block at a time, synchronously ------------------------------------
     def read_block(self, kind: BufferKind, b: int) -> torch.Tensor:
-        """A copy of block b's ``kind`` ([numel] fp32), read from its file in chunks, all in flight at once."""
-        buf = aligned_empty(self.block_bytes[b]).view(torch.float32)
+        """A copy of block b's ``kind`` ([numel], the kind's dtype), read from its file in chunks, all in flight
+        at once."""
+        buf = aligned_empty(self.block_bytes(kind, b)).view(self.dtypes[kind])
         for f in [self.read_async(kind, b, buf[lo:], lo, n) for lo, n in self.chunks(b)]:
             f.result()
         return buf[:self.numels[b]]
 
     def write_block(self, kind: BufferKind, b: int, src: torch.Tensor) -> None:
-        """Store ``src`` ([numel] fp32) as block b's ``kind``: chunk writes all in flight at once (large
-        requests on every I/O thread: init writes the masters at the disk's speed), waited for."""
-        buf = aligned_empty(self.block_bytes[b]).view(torch.float32)
+        """Store ``src`` ([numel], converted to the kind's dtype) as block b's ``kind``: chunk writes all in flight
+        at once (large requests on every I/O thread: init writes the masters at the disk's speed), waited for."""
+        buf = aligned_empty(self.block_bytes(kind, b)).view(self.dtypes[kind])
         buf[self.numels[b]:].zero_()
         buf[:self.numels[b]].copy_(src)
         self.version += 1

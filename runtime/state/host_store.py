@@ -11,7 +11,7 @@ where it is the shadow (fp32 compute); m and v stay pageable: only AdamW on the 
 reads them (``buffer_kinds.crosses_pcie``, the rule the memory model charges the
 pinned budget by). Without CUDA nothing is pinned and the same code runs.
 
-Host RAM: 4 (master) + 8 (m, v) + 2 (bf16 shadow; 0 in fp32, where the shadow
+Host RAM: 4 (master) + 8 (m, v; 4 in bf16) + 2 (bf16 shadow; 0 in fp32, where the shadow
 is the master itself) bytes per parameter, plus 4 for the full gradient arena in
 deferred mode, or ``slabs x largest block x 4`` bytes in eager mode. A spilled
 block of a kind takes no RAM of that kind; spilling adds the staging sets and,
@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NamedTuple, Sequ
 
 import torch
 
-from megatrain.planner.buffer_kinds import BufferKind, Placement, crosses_pcie, spill_chunk_numel, spilled_kinds
+from megatrain.planner.buffer_kinds import (MOMENT_KINDS, BufferKind, Placement, crosses_pcie, spill_chunk_multiple,
+                                            spill_chunk_numel, spilled_kinds)
 
 from megatrain.runtime.errors import ConfigError
 from megatrain.runtime.spill.spill_files import SpillFiles, StagingPool
@@ -130,7 +131,7 @@ class HostStore:
         chunk_bytes: int = 64 * 2**20,
         state_dtype: torch.dtype = torch.float32,
     ) -> None:
-        """``state_dtype``: AdamW m and v's (bf16: [Note: bf16 optimizer state], RAM only)."""
+        """``state_dtype``: AdamW m and v's, in RAM and in their spill files (bf16: [Note: bf16 optimizer state])."""
         self.offsets: list[int] = []
         total = 0
         for block in blocks:
@@ -144,9 +145,12 @@ class HostStore:
         # slabs, never through a grads arena or file.
         self.placement: dict[BufferKind, frozenset[int]] = {
             k: frozenset(v) for k, v in (placement or {}).items() if v and (k is not BufferKind.GRADS or full_grads)}
-        if state_dtype != torch.float32 and {BufferKind.EXP_AVG, BufferKind.EXP_AVG_SQ} & set(self.placement):
-            raise ConfigError("state_dtype='bf16' keeps AdamW m and v in RAM: use a plan that spills neither "
-                              "(e.g. --spill none), or state_dtype='fp32'")
+        multiple = spill_chunk_multiple(state_dtype.itemsize)
+        if state_dtype != torch.float32 and set(MOMENT_KINDS) & set(self.placement) and chunk_bytes % multiple:
+            raise ConfigError(f"spill_chunk_bytes={chunk_bytes} must be a multiple of {multiple} ({multiple >> 20} "
+                              "MiB) where bf16 AdamW m or v spill (their chunks start on the stochastic rounding's "
+                              "pieces); plan again with megatrain-plan --optimizer-state bf16, or set a multiple of it")
+        self.state_dtype = state_dtype
         self.spilled: tuple[BufferKind, ...] = spilled_kinds(self.placement)  # kinds with a block on disk
         # Per kind, each RAM block's element offset in its arena (the arena holds the kind's RAM blocks in order).
         self._ram_offsets: dict[BufferKind, dict[int, int]] = {}
@@ -173,7 +177,8 @@ class HostStore:
         if self.spilled:
             assert io is not None and spill_dir is not None
             try:
-                self.spill_files = SpillFiles(self.numels, self.placement, spill_dir, io, staging, chunk_bytes)
+                self.spill_files = SpillFiles(self.numels, self.placement, spill_dir, io, staging, chunk_bytes,
+                                              state_dtype)
             except BaseException:
                 self.close()
                 raise
@@ -188,6 +193,10 @@ class HostStore:
         self._ram_offsets[kind] = offsets
         crosses = crosses_pcie(kind, self.compute_dtype == torch.float32)
         return HostArena(at, dtype, pin, name, crosses) if offsets else None
+
+    def dtype(self, kind: BufferKind) -> torch.dtype:
+        """``kind``'s dtype, in RAM and on disk alike: the state dtype for m and v, else fp32."""
+        return self.state_dtype if kind in MOMENT_KINDS else torch.float32
 
     def is_spilled(self, kind: BufferKind, b: int) -> bool:
         """Whether block b's ``kind`` lives in its spill file."""
@@ -229,15 +238,16 @@ class HostStore:
         return arena.tensor[lo:lo + self.numels[b]]
 
     def read_block(self, kind: BufferKind, b: int) -> torch.Tensor:
-        """Block b's ``kind`` ([numel], fp32; m and v in the state dtype): a view of RAM (writes to it are the
-        store's), or, spilled, a copy read from its file."""
+        """Block b's ``kind`` ([numel], ``dtype(kind)``: fp32, m and v in the state dtype): a view of RAM (writes
+        to it are the store's), or, spilled, a copy read from its file."""
         if self.is_spilled(kind, b):
             assert self.spill_files is not None
             return self.spill_files.read_block(kind, b)
         return self._view(kind, b)
 
     def write_block(self, kind: BufferKind, b: int, src: torch.Tensor) -> None:
-        """Store ``src`` ([numel] fp32) as block b's ``kind`` (RAM copy, or a synchronous file write)."""
+        """Store ``src`` ([numel], converted to ``dtype(kind)``) as block b's ``kind`` (RAM copy, or a synchronous
+        file write)."""
         if self.is_spilled(kind, b):
             assert self.spill_files is not None
             self.spill_files.write_block(kind, b, src)
