@@ -22,10 +22,12 @@ import hashlib
 
 import torch
 
-# Elements widened to fp32 at a time: 2 x 4 MiB of scratch for m and v (a multiple of 1024, so the fused
-# kernel's vector body and scalar tail fall the same way in every run). Spill chunks of bf16 m and v start on
-# its multiples (buffer_kinds.spill_chunk_multiple), so a spilled block walks the same pieces as one in RAM.
+# WIDEN_ELEMENTS: elements widened to fp32 at a time, 2 x 4 MiB of scratch for m and v (a multiple of 1024, so
+# the fused kernel's vector body and scalar tail fall the same way in every run). Spill chunks of bf16 m and v
+# start on its multiples (buffer_kinds.spill_chunk_multiple), so a spilled block walks the same pieces as in RAM.
 from megatrain.planner.buffer_kinds import WIDEN_ELEMENTS
+
+__all__ = ["WIDEN_ELEMENTS", "STATE_DTYPES", "noise_seed", "round_stochastic", "widened_pieces"]
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
