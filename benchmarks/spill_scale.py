@@ -69,7 +69,8 @@ def child(args) -> dict:
 
     cfg = model_config(args.model)
     shape = model_shapes.from_config({"model_type": "llama", **cfg})
-    work = Workload(seq_len=args.seq, batch=args.batch, compute_dtype="fp32", clipping=True)
+    state = args.optimizer_state
+    work = Workload(seq_len=args.seq, batch=args.batch, compute_dtype="fp32", clipping=True, optimizer_state=state)
     spill, blocks = args.spill, None
     from megatrain.planner import search, sizing
 
@@ -81,11 +82,11 @@ def child(args) -> dict:
         if args.disk_gb:
             free = min(free, int(args.disk_gb * 1e9))
         planned = search.search(shape, Workload(args.seq, args.batch, "fp32", clipping=True, spill_dir=args.dir,
-                                                spill_free_bytes=free), hw).require().plan
+                                                spill_free_bytes=free, optimizer_state=state), hw).require().plan
         spill, blocks = planned.spill, planned.spill_blocks
     elif spill != "none":  # the planner's read-ahead depth and chunk for this disk and the RAM left
         planned = search.search(shape, Workload(args.seq, args.batch, "fp32", clipping=True, spill="all",
-                                                spill_dir=args.dir), hw).require().plan
+                                                spill_dir=args.dir, optimizer_state=state), hw).require().plan
     # The searched plan's staging and chunk, unless given: with ``--spill planner`` the plan is the search's
     # whole (its memory fits --ram-gib only with its own staging and chunk).
     args.staging = max(1, args.staging if args.staging > 0 or spill == "none" else planned.spill_staging)
@@ -99,7 +100,7 @@ def child(args) -> dict:
     predicted_step_s = cost_model.estimate(shape, work, plan, this_machine()).step_seconds
     rss0 = _rss()
     t0 = time.perf_counter()
-    engine = Engine(ModelConfig(**cfg), OptimizerConfig(lr=1e-4, max_grad_norm=1.0), plan=plan,
+    engine = Engine(ModelConfig(**cfg), OptimizerConfig(lr=1e-4, max_grad_norm=1.0, state_dtype=state), plan=plan,
                     compute_dtype=torch.float32, device="cpu", seed=0)
     init_s = time.perf_counter() - t0
     rss_init = _rss()
@@ -124,7 +125,7 @@ def child(args) -> dict:
         print(f"  step {i + 1}/{args.steps}: {wall:.1f} s, loss {loss:.4f}, read {steps[-1]['read_bytes'] / 1e9:.1f} GB, "
               f"written {steps[-1]['written_bytes'] / 1e9:.1f} GB", file=sys.stderr, flush=True)
     engine.synchronize()
-    out = {"model": args.model, "params": engine.num_parameters, "spill": args.spill,
+    out = {"model": args.model, "params": engine.num_parameters, "spill": args.spill, "optimizer_state": state,
            "placement": spill_placement.label(plan), "plan": plan.to_dict(), "seq": args.seq,
            "batch": args.batch, "staging": args.staging, "chunk_mib": args.chunk_mib, "init_s": init_s,
            "rss_before_engine_bytes": rss0, "rss_after_init_bytes": rss_init, "nvme_bytes": engine.store.nvme_bytes,
@@ -184,6 +185,8 @@ def main() -> int:
     p.add_argument("--chunk-mib", type=int, default=0,
                    help="spill chunk MiB (default: the searched plan's: a layer's bytes, at most 64 MiB)")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--optimizer-state", choices=["fp32", "bf16"], default="fp32",
+                   help="AdamW m and v's dtype, in RAM and in spill files")
     p.add_argument("--read-gbps", type=float, default=None)
     p.add_argument("--write-gbps", type=float, default=None)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -208,7 +211,8 @@ def main() -> int:
         print(f"{model}, spill={args.spill}:", file=sys.stderr, flush=True)
         cmd = [sys.executable, __file__, "--child", "--model", model, "--spill", args.spill, "--seq", str(args.seq),
                "--batch", str(args.batch), "--staging", str(args.staging), "--chunk-mib", str(args.chunk_mib),
-               "--steps", str(args.steps)] + (["--dir", args.dir] if args.dir else []) + (
+               "--steps", str(args.steps), "--optimizer-state", args.optimizer_state] + (
+                   ["--dir", args.dir] if args.dir else []) + (
                    ["--ram-gib", str(args.ram_gib)] if args.ram_gib else []) + (
                    ["--disk-gb", str(args.disk_gb)] if args.disk_gb else [])
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
@@ -217,7 +221,8 @@ def main() -> int:
         else:
             rows.append({"model": model, "spill": args.spill, "status": f"failed (exit {proc.returncode})"})
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{info['date']}_cpu_spill_scale_{args.spill}_{args.model.replace(',', '_')}")
+    stem = os.path.join(args.out, f"{info['date']}_cpu_spill_scale_{args.spill}_{args.model.replace(',', '_')}"
+                                  + ("_bf16_state" if args.optimizer_state == "bf16" else ""))
     with open(stem + ".json", "w") as f:
         json.dump({**info, "rows": rows}, f, indent=2)
     with open(stem + ".md", "w") as f:
