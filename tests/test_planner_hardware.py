@@ -34,15 +34,27 @@ def test_json_round_trip(tmp_path) -> None:
 
 def test_overrides_replace_single_figures() -> None:
     hw = hardware.preset("RTX-4090").with_overrides(ram_bytes=512 * GiB, gpu_mem_bytes=48 * GiB, nvme_gbps=3.5)
-    assert hw.host_ram_bytes == hw.host_budget_bytes == 512 * GiB
+    assert hw.host_ram_bytes == hw.host_available_bytes == 512 * GiB
+    assert hw.host_budget_bytes == int(512 * GiB * (1 - hardware.HOST_HEADROOM))
     assert hw.gpu_mem_bytes == 48 * GiB and hw.disk_read_gbps == hw.disk_write_gbps == 3.5
     assert "overridden" in hw.source
     assert hw.h2d_gbps == hardware.preset("RTX-4090").h2d_gbps
 
 
-def test_cgroup_limit_caps_the_host_budget() -> None:
+def test_cgroup_limit_caps_the_host_budget_and_a_plan_leaves_headroom_below_it() -> None:
     hw = hardware.preset("H100-SXM").replace(cgroup_limit_bytes=64 * GiB)
-    assert hw.host_budget_bytes == 64 * GiB
+    assert hw.host_budget_bytes == int(64 * GiB * 0.95)
+
+
+def test_a_plan_within_the_headroom_of_the_available_ram_does_not_fit() -> None:
+    """Peak RSS ran 3-6.5% above the memory model on large spilled runs: a plan filling 97% of what is available
+    is refused, one at 94% fits."""
+    from megatrain.planner.memory_model import Component, MemoryEstimate
+
+    hw = hardware.preset("H100-SXM").replace(host_available_bytes=100 * GiB, cgroup_limit_bytes=0)
+    for share, fits in ((0.97, False), (0.94, True)):
+        est = MemoryEstimate((Component("fp32 master", "host", int(share * 100 * GiB), "x"),))
+        assert (est.overruns(hw) == []) == fits
 
 
 def test_errors_name_field_and_fix(tmp_path) -> None:
