@@ -25,10 +25,6 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def _os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
 def _count_in_new_thread() -> int:
     seen: list[int] = []
     t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
@@ -62,9 +58,9 @@ def test_a_helper_keeps_every_thread_where_asked(two_threads) -> None:
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts OS threads through /proc")
 def test_a_cpu_engine_steps_without_an_openmp_team_beside_the_compute_threads(two_threads) -> None:
-    """Each thread the Engine starts is one OS thread: the AdamW worker's kernels (clip, fused AdamW) built no
-    OpenMP team of their own, so the compute thread's kernels keep a spinning team."""
-    os_before, py_before = _os_threads(), threading.active_count()
+    """Every OS thread that appears while an Engine steps is a Python thread (the AdamW worker): its kernels (clip,
+    fused AdamW) built no OpenMP team of their own, so the compute thread's kernels keep a spinning team."""
+    before = set(os.listdir("/proc/self/task"))
     ids = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with Engine(TINY, optimizer=OptimizerConfig(lr=1e-3, max_grad_norm=1.0), plan=Plan(micro_batch_size=2),
                 compute_dtype=torch.float32, device="cpu") as engine:
@@ -72,7 +68,7 @@ def test_a_cpu_engine_steps_without_an_openmp_team_beside_the_compute_threads(tw
             engine.step(ids, ids)
         engine.synchronize()
         assert engine.step_count == 2
-        started = threading.active_count() - py_before
-        assert started >= 1  # the AdamW worker
-        assert _os_threads() - os_before == started
+        new = set(os.listdir("/proc/self/task")) - before
+        python = {str(t.native_id) for t in threading.enumerate()}
+        assert new and new <= python, (new, python)  # the worker, and no OpenMP thread
     assert torch.get_num_threads() == 2
