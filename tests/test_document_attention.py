@@ -228,7 +228,7 @@ def tiny_engine():
 @given(case=packed_rows(), seed=st.integers(0, 2**16))
 def test_a_packed_row_is_its_documents_alone_for_random_lengths(tiny_engine, case, seed) -> None:
     """The engine's logits of packed rows against its own logits of each document as a row of its own, and the
-    packed step's loss against the documents' losses combined by their token counts (1e-6)."""
+    packed step's loss against the documents' losses combined by their token counts (1e-6 relative)."""
     rows = case[0]
     ids, labels, positions, docs = _packed(rows, 64, seed=seed)
     packed = tiny_engine.logits(ids, position_ids=positions)
@@ -242,4 +242,5 @@ def test_a_packed_row_is_its_documents_alone_for_random_lengths(tiny_engine, cas
                 count += len(d) - 1
     if count:  # lr=0: the step leaves the weights as they are
         loss = tiny_engine.step(ids, labels, position_ids=positions, lr=0.0).item()
-        assert abs(loss - total / count) <= 1e-6, (loss, total / count)
+        # fp32 against a float64 reference: 1e-6 relative (a few fp32 ULPs of the loss; 2.2 ULPs seen at 4.95)
+        assert abs(loss - total / count) <= 1e-6 * max(1.0, total / count), (loss, total / count)
