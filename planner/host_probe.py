@@ -12,6 +12,10 @@ import time
 
 from .hardware import MiB
 
+# Bytes of one request of the disk probe: the default spill chunk (Plan.spill_chunk_bytes), what the spill backend
+# reads and writes at a time (8 MiB requests read this project's disk at 1.2 GB/s with O_DIRECT, 64 MiB at 1.7).
+DISK_REQUEST_BYTES = 64 * MiB
+
 
 def host_memory() -> tuple[int, int, int]:
     """(total, available, cgroup limit or 0) bytes. psutil ignores cgroups, so read them too."""
@@ -50,26 +54,26 @@ def memlock_bytes() -> int:
     return -1 if soft == resource.RLIM_INFINITY else int(soft)
 
 
-def disk_bandwidth(directory: str, nbytes: int = 256 * MiB, threads: int = 4) -> tuple[float, float, bool | None]:
-    """(read, write) GB/s of the disk under ``directory`` and whether O_DIRECT was the faster way: one file of
-    ``nbytes`` written and read back in 8 MiB requests by ``threads`` threads at once, buffered (write +
-    fsync; read after dropping the file from the page cache) and with O_DIRECT where the filesystem takes it.
-    The figures are the faster mode's, per direction, as the spill backend runs it."""
-    buffered = _disk_pass(directory, nbytes, threads, direct=False)
-    direct = _disk_pass(directory, nbytes, threads, direct=True) if getattr(os, "O_DIRECT", 0) else None
+def disk_bandwidth(directory: str, nbytes: int = 1024 * MiB, threads: int = 4,
+                   request: int = DISK_REQUEST_BYTES) -> tuple[float, float, bool | None, bool | None]:
+    """(read GB/s, write GB/s, whether O_DIRECT writes were faster, whether O_DIRECT reads were) of the disk under
+    ``directory``: one file of ``nbytes`` written and read back in ``request``-byte requests by ``threads``
+    threads at once, as the spill backend moves its chunks, buffered (write + fsync; read after dropping the file
+    from the page cache) and with O_DIRECT where the filesystem takes it. Each direction's figure is its faster
+    mode's, which the plan then uses for that direction (``Plan.io_direct``, ``Plan.io_direct_reads``)."""
+    buffered = _disk_pass(directory, nbytes, threads, request, direct=False)
+    direct = _disk_pass(directory, nbytes, threads, request, direct=True) if getattr(os, "O_DIRECT", 0) else None
     if direct is None:
-        return buffered[0], buffered[1], None
-    faster = direct[0] + direct[1] > buffered[0] + buffered[1]
-    best = direct if faster else buffered
-    return best[0], best[1], faster
+        return buffered[0], buffered[1], None, None
+    return (max(direct[0], buffered[0]), max(direct[1], buffered[1]), direct[1] > buffered[1],
+            direct[0] > buffered[0])
 
 
-def _disk_pass(directory: str, nbytes: int, threads: int, direct: bool) -> tuple[float, float] | None:
+def _disk_pass(directory: str, nbytes: int, threads: int, block: int, direct: bool) -> tuple[float, float] | None:
     """(read, write) GB/s of one pass (see disk_bandwidth); None when O_DIRECT is refused."""
     import concurrent.futures as cf
     import mmap
 
-    block = 8 * MiB
     count = max(threads, nbytes // block)
     buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
     buf.write(os.urandom(block))

@@ -155,6 +155,10 @@ class Plan:
     # POSIX backend: O_DIRECT where the filesystem takes it (True), or buffered I/O only; the planner
     # picks the faster as the profile measured it.
     io_direct: bool = True
+    # The same for reads alone (None: as io_direct). A disk can read faster buffered (the kernel's read-ahead)
+    # and write faster with O_DIRECT: this project's CPU machine read 3.6 GB/s buffered and 1.7 with O_DIRECT,
+    # and wrote 2.5 with O_DIRECT and 0.5 buffered. The planner picks each direction's faster.
+    io_direct_reads: bool | None = None
     # The workload the planner chose this plan for (None: a hand-made plan, not checked).
     workload: WorkloadFingerprint | None = None
 
@@ -196,6 +200,8 @@ class Plan:
         at_least("io_threads", self.io_threads, 1, "the POSIX backend needs a thread")
         if not isinstance(self.io_direct, bool):
             raise PlanError(f"io_direct={self.io_direct!r} must be true or false")
+        if self.io_direct_reads is not None and not isinstance(self.io_direct_reads, bool):
+            raise PlanError(f"io_direct_reads={self.io_direct_reads!r} must be true, false or null (as io_direct)")
         at_least("spill_chunk_bytes", self.spill_chunk_bytes, SPILL_CHUNK_ALIGN, "it is the unit of spill I/O")
         if self.spill_chunk_bytes % SPILL_CHUNK_ALIGN:
             raise PlanError(f"spill_chunk_bytes={self.spill_chunk_bytes} must be a multiple of {SPILL_CHUNK_ALIGN} "
@@ -265,6 +271,11 @@ class Plan:
 
     def replace(self, **changes: Any) -> "Plan":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def direct_reads(self) -> bool:
+        """Whether spill reads use O_DIRECT (where the filesystem takes it): ``io_direct_reads``, else ``io_direct``."""
+        return self.io_direct if self.io_direct_reads is None else self.io_direct_reads
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "kept_layers": list(self.kept_layers)}  # as JSON has it

@@ -156,9 +156,11 @@ def spill_staging_choices(model: ModelShape, chunk_bytes: int) -> tuple[int, ...
 
 
 def spill_io_choices(hw: HardwareProfile | None) -> dict[str, object]:
-    """The spill I/O settings the profile decides: O_DIRECT or buffered, whichever it measured faster
-    (O_DIRECT where the filesystem takes it when not measured)."""
-    return {"io_direct": hw is None or hw.disk_direct_faster is not False}
+    """The spill I/O settings the profile decides: O_DIRECT or buffered, whichever it measured faster, per direction
+    where it measured them apart (O_DIRECT where the filesystem takes it when not measured)."""
+    direct = hw is None or hw.disk_direct_faster is not False
+    reads = None if hw is None else hw.disk_read_direct_faster
+    return {"io_direct": direct, "io_direct_reads": None if reads is None or reads == direct else reads}
 
 
 def _chunks(tokens: int) -> list[int]:

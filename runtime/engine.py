@@ -70,7 +70,7 @@ class Engine:
         self.store = HostStore(store_blocks, compute_dtype, full_grads=plan.optimizer_mode == "deferred",
                                grad_slabs=plan.host_grad_slabs, pin=self.device.type == "cuda", placement=spilled,
                                spill_dir=plan.spill_dir, staging=plan.spill_staging, chunk_bytes=plan.spill_chunk_bytes,
-                               io=make_io(plan.io_backend, plan.io_threads, plan.io_direct) if spilled else None,
+                               io=make_io(plan.io_backend, plan.io_threads, plan.io_direct, plan.direct_reads) if spilled else None,
                                state_dtype=STATE_DTYPES[self.optimizer.state_dtype])
         # Whole-state reads and writes (state dicts, Hugging Face files, checkpoints) first settle: see synchronize.
         self.state, self.state_io = state_io.open_state(self.templates, self.store, self.synchronize, self.collectives)

@@ -269,7 +269,7 @@ def test_io_error_leaves_the_last_checkpoint_intact(tmp_path, monkeypatch):
 
 def test_io_direct_follows_the_plan_and_the_profile_measures_both_modes(tmp_path):
     """Plan.io_direct=False keeps the POSIX backend buffered; the profile's disk pass returns both directions'
-    figures and which mode was faster, and the search's plans follow it."""
+    figures and, per direction, which mode was faster, and the search's plans follow it per direction."""
     from megatrain.planner import search
     from megatrain.planner.hardware import preset
     from megatrain.planner.profiler import disk_bandwidth
@@ -280,11 +280,37 @@ def test_io_direct_follows_the_plan_and_the_profile_measures_both_modes(tmp_path
         with Engine(config, plan=plan, compute_dtype=torch.float32, device="cpu") as engine:
             io = engine.store.spill_files.io
             assert not direct and not io.direct or direct  # buffered when the plan says so
-    read, write, faster = disk_bandwidth(str(tmp_path), 16 * 2**20, threads=2)
-    assert read > 0 and write > 0 and faster in (True, False, None)
+    read, write, faster, reads_faster = disk_bandwidth(str(tmp_path), 16 * 2**20, threads=2, request=2**20)
+    assert read > 0 and write > 0 and faster in (True, False, None) and reads_faster in (True, False, None)
     assert os.listdir(tmp_path) == []
     hw = preset("H100-SXM")
-    assert search.spill_io_choices(hw.replace(disk_direct_faster=False)) == {"io_direct": False}
-    assert search.spill_io_choices(hw.replace(disk_direct_faster=True)) == {"io_direct": True}
+    assert search.spill_io_choices(hw.replace(disk_direct_faster=False)) == {"io_direct": False, "io_direct_reads": None}
+    assert search.spill_io_choices(hw.replace(disk_direct_faster=True)) == {"io_direct": True, "io_direct_reads": None}
+    apart = hw.replace(disk_direct_faster=True, disk_read_direct_faster=False)  # O_DIRECT writes, buffered reads
+    assert search.spill_io_choices(apart) == {"io_direct": True, "io_direct_reads": False}
+    assert Plan(io_direct=True, io_direct_reads=False).direct_reads is False
+    assert Plan(io_direct=False).direct_reads is False and Plan().direct_reads is True
     with pytest.raises(PlanError, match="io_direct"):
         Plan(io_direct="yes")
+    with pytest.raises(PlanError, match="io_direct_reads"):
+        Plan(io_direct_reads="no")
+
+
+@pytest.mark.parametrize("direct,reads", [(True, False), (False, True)])
+def test_direct_writes_and_buffered_reads_train_as_in_ram(tmp_path, direct, reads):
+    """Each direction in its own mode (O_DIRECT writes with buffered reads, and the other way round): the spilled
+    run's weights and AdamW state after 3 steps equal the same run's with everything in RAM, bit for bit."""
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    states = []
+    for plan in (Plan(), Plan(spill="all", spill_dir=str(tmp_path), io_backend="posix", io_direct=direct,
+                              io_direct_reads=reads, spill_chunk_bytes=4096)):
+        with Engine(config, plan=plan, compute_dtype=torch.float32, device="cpu", seed=3) as engine:
+            for _ in range(3):
+                engine.step(ids, ids)
+            engine.synchronize()
+            states.append((engine.state_dict(), engine.optimizer_state_dict()))
+    (w0, o0), (w1, o1) = states
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert all(torch.equal(o0[k][s], o1[k][s]) for k in o0 for s in o0[k])

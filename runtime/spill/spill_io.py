@@ -94,10 +94,15 @@ def create_preallocated(path: str, nbytes: int) -> int:
 class PosixIO:
     name = "posix"
 
-    def __init__(self, threads: int, direct: bool = True) -> None:
+    def __init__(self, threads: int, direct: bool = True, direct_reads: bool | None = None) -> None:
+        """``direct``: O_DIRECT writes (and reads) where the filesystem takes it; ``direct_reads``: reads apart
+        (None: as ``direct``). A read after an O_DIRECT write of the same range is coherent: the write drops the
+        range from the page cache."""
         # Bound: ``threads`` transfers run at once; the rest wait in the pool's queue.
         self._pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="megatrain-io")
-        self._want_direct = direct
+        self._direct_writes = direct
+        self._direct_reads = direct if direct_reads is None else direct_reads
+        self._want_direct = self._direct_writes or self._direct_reads
         self._fds: list[tuple[int, int | None, str]] = []  # (buffered fd, direct fd or None, path)
 
     def open(self, path: str, nbytes: int) -> int:
@@ -126,10 +131,11 @@ class PosixIO:
     def direct(self) -> bool:
         return any(d is not None for _, d, _ in self._fds)
 
-    def _fd_for(self, handle: int, offset: int, t: torch.Tensor) -> int:
+    def _fd_for(self, handle: int, offset: int, t: torch.Tensor, write: bool) -> int:
         fd, direct, _ = self._fds[handle]
         nbytes = t.numel() * t.element_size()
-        if direct is not None and offset % SPILL_ALIGN == 0 and nbytes % SPILL_ALIGN == 0 \
+        wanted = self._direct_writes if write else self._direct_reads
+        if wanted and direct is not None and offset % SPILL_ALIGN == 0 and nbytes % SPILL_ALIGN == 0 \
                 and t.data_ptr() % SPILL_ALIGN == 0:
             return direct
         return fd
@@ -141,7 +147,7 @@ class PosixIO:
         return self._pool.submit(self._transfer, os.pwritev, handle, offset, src)
 
     def _transfer(self, op, handle: int, offset: int, t: torch.Tensor) -> None:
-        fd = self._fd_for(handle, offset, t)
+        fd = self._fd_for(handle, offset, t, write=op is os.pwritev)
         view = _bytes(t)
         done = 0
         while done < len(view):
@@ -222,9 +228,9 @@ def cuda_driver_present() -> bool:
         return False
 
 
-def make_io(backend: str, threads: int, direct: bool = True) -> FileIO:
+def make_io(backend: str, threads: int, direct: bool = True, direct_reads: bool | None = None) -> FileIO:
     """``auto``: kvikio when it imports and the CUDA driver loads, else POSIX (O_DIRECT where the
-    filesystem takes it when ``direct``, else buffered)."""
+    filesystem takes it when ``direct``, else buffered; reads apart when ``direct_reads`` is not None)."""
     if backend in ("auto", "kvikio"):
         usable = cuda_driver_present()
         if usable:
@@ -235,4 +241,4 @@ def make_io(backend: str, threads: int, direct: bool = True) -> FileIO:
         if backend == "kvikio":
             raise SpillError("io_backend='kvikio' needs the CUDA driver (libcuda.so.1) and "
                              "`pip install megatrain[gds]`; use io_backend='posix'")
-    return PosixIO(threads, direct)
+    return PosixIO(threads, direct, direct_reads)
