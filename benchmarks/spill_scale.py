@@ -93,8 +93,9 @@ def child(args) -> dict:
     chunk = (args.chunk_mib * 2**20 if args.chunk_mib else
              planned.spill_chunk_bytes if spill != "none" else Plan().spill_chunk_bytes)
     args.chunk_mib = chunk / 2**20
+    io = {} if spill == "none" else {"io_direct": planned.io_direct, "io_direct_reads": planned.io_direct_reads}
     plan = Plan(spill=spill, spill_blocks=blocks, spill_dir=args.dir if spill != "none" else None,
-                spill_staging=args.staging, spill_chunk_bytes=chunk)
+                spill_staging=args.staging, spill_chunk_bytes=chunk, **io)  # the searched plan's I/O modes
     print(f"  placement: {spill_placement.label(plan)}", file=sys.stderr, flush=True)
     est = memory_model.estimate(shape, work, plan, this_machine())
     predicted_step_s = cost_model.estimate(shape, work, plan, this_machine()).step_seconds

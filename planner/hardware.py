@@ -59,9 +59,6 @@ class HardwareProfile:
     # Whether O_DIRECT transfers beat buffered ones on that disk (measured both ways by profile, several
     # threads); the plan's io_direct follows it. None: not measured (O_DIRECT where the filesystem takes it).
     disk_direct_faster: bool | None = None
-    # The same for reads alone, where they were measured apart (None: as disk_direct_faster; disk_direct_faster is
-    # then the writes'). disk_read_gbps and disk_write_gbps are each direction's faster mode.
-    disk_read_direct_faster: bool | None = None
     # "PCIe Gen5 x16", "NVLink-C2C", "none": a label; the measured bandwidth is what counts.
     interconnect: str = "unknown"
     # Where the figures come from (a measurement with its date, or a datasheet).

@@ -55,18 +55,19 @@ def memlock_bytes() -> int:
 
 
 def disk_bandwidth(directory: str, nbytes: int = 1024 * MiB, threads: int = 4,
-                   request: int = DISK_REQUEST_BYTES) -> tuple[float, float, bool | None, bool | None]:
-    """(read GB/s, write GB/s, whether O_DIRECT writes were faster, whether O_DIRECT reads were) of the disk under
-    ``directory``: one file of ``nbytes`` written and read back in ``request``-byte requests by ``threads``
-    threads at once, as the spill backend moves its chunks, buffered (write + fsync; read after dropping the file
-    from the page cache) and with O_DIRECT where the filesystem takes it. Each direction's figure is its faster
-    mode's, which the plan then uses for that direction (``Plan.io_direct``, ``Plan.io_direct_reads``)."""
+                   request: int = DISK_REQUEST_BYTES) -> tuple[float, float, bool | None]:
+    """(read, write) GB/s of the disk under ``directory`` and whether O_DIRECT was the faster way: one file of
+    ``nbytes`` written and read back in ``request``-byte requests by ``threads`` threads at once, as the spill
+    backend moves its chunks, buffered (write + fsync; read after dropping the file from the page cache) and with
+    O_DIRECT where the filesystem takes it. The figures are the faster mode's (by the sum of both directions), as
+    the plan then runs both directions (``Plan.io_direct``)."""
     buffered = _disk_pass(directory, nbytes, threads, request, direct=False)
     direct = _disk_pass(directory, nbytes, threads, request, direct=True) if getattr(os, "O_DIRECT", 0) else None
     if direct is None:
-        return buffered[0], buffered[1], None, None
-    return (max(direct[0], buffered[0]), max(direct[1], buffered[1]), direct[1] > buffered[1],
-            direct[0] > buffered[0])
+        return buffered[0], buffered[1], None
+    faster = direct[0] + direct[1] > buffered[0] + buffered[1]
+    best = direct if faster else buffered
+    return best[0], best[1], faster
 
 
 def _disk_pass(directory: str, nbytes: int, threads: int, block: int, direct: bool) -> tuple[float, float] | None:

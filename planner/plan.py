@@ -155,9 +155,9 @@ class Plan:
     # POSIX backend: O_DIRECT where the filesystem takes it (True), or buffered I/O only; the planner
     # picks the faster as the profile measured it.
     io_direct: bool = True
-    # The same for reads alone (None: as io_direct). A disk can read faster buffered (the kernel's read-ahead)
-    # and write faster with O_DIRECT: this project's CPU machine read 3.6 GB/s buffered and 1.7 with O_DIRECT,
-    # and wrote 2.5 with O_DIRECT and 0.5 buffered. The planner picks each direction's faster.
+    # The same for reads alone (None: as io_direct; the planner leaves it so). A disk can read faster buffered
+    # (the kernel's read-ahead) and write faster with O_DIRECT: this project's CPU machine read 3.2 GB/s buffered
+    # and 1.7 with O_DIRECT, and wrote 2.5 with O_DIRECT and 0.5 buffered; the page cache's copies cost CPU.
     io_direct_reads: bool | None = None
     # The workload the planner chose this plan for (None: a hand-made plan, not checked).
     workload: WorkloadFingerprint | None = None

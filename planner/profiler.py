@@ -287,10 +287,10 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
     log("CPU fp32 -> bf16 shadow rounding")
     shadow = cpu_shadow_rate(1 << 22 if not on_gpu else 1 << 26)
     read_gbps = write_gbps = 0.0
-    direct_faster = read_direct_faster = None
+    direct_faster = None
     if spill_dir:
         log(f"disk read/write in {spill_dir}: 1 GiB in 64 MiB requests, 4 threads, buffered and O_DIRECT")
-        read_gbps, write_gbps, direct_faster, read_direct_faster = disk_bandwidth(spill_dir, 1 * GiB)
+        read_gbps, write_gbps, direct_faster = disk_bandwidth(spill_dir, 1 * GiB)
     else:
         notes.append("disk not measured (pass --spill-dir)")
     if on_gpu:
@@ -321,8 +321,7 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
         gpu_name=name, gpu_mem_bytes=mem, h2d_gbps=h2d, d2h_gbps=d2h, duplex_gbps=duplex, matmul_tflops=tflops,
         cpu_adam_params_per_s=max(r for _, r in adam), host_ram_bytes=total, host_available_bytes=avail,
         cgroup_limit_bytes=cg, memlock_bytes=memlock_bytes(), disk_read_gbps=read_gbps,
-        disk_write_gbps=write_gbps, disk_direct_faster=direct_faster,
-        disk_read_direct_faster=read_direct_faster, interconnect=link, cores=cores,
+        disk_write_gbps=write_gbps, disk_direct_faster=direct_faster, interconnect=link, cores=cores,
         source=f"measured by megatrain-plan profile on {_now()}" + (f"; {'; '.join(notes)}" if notes else ""),
         transfer_by_size=tuple(table), adam_by_threads=tuple(adam), cpu_shadow_params_per_s=shadow,
         attention_tflops=attention)
