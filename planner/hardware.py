@@ -70,6 +70,10 @@ class HardwareProfile:
     # CPU rounding of fp32 masters into the bf16 shadow (params/s, all cores), the pass after AdamW
     # when compute is not fp32; 0: not measured (the cost model then assumes ADAM_SHADOW_FACTOR).
     cpu_shadow_params_per_s: float = 0.0
+    # CPU widening of bf16 AdamW m and v to fp32 and their stochastic rounding back (params/s, on the AdamW
+    # worker's threads): the pass bf16 optimizer state adds to each update; 0: not measured (the cost model then
+    # assumes BF16_STATE_FACTOR x the AdamW time).
+    cpu_bf16_state_params_per_s: float = 0.0
     # Causal attention (scaled_dot_product_attention with is_causal, forward + backward) TFLOP/s per compute
     # dtype by sequence length, FLOPs counted as the planner counts them (model_shapes.attention_flops_per_token):
     # {"float32": ((seq, TFLOP/s), ...)}. Empty for a dtype: not measured (attention runs at the layers' rate).
@@ -118,9 +122,11 @@ class HardwareProfile:
         if self.host_ram_bytes <= 0 or self.cores <= 0:
             raise HardwareError(f"host_ram_bytes={self.host_ram_bytes}, cores={self.cores} must be > 0; "
                                 f"pass --ram or fix the profile")
-        if not isinstance(self.cpu_shadow_params_per_s, (int, float)) or self.cpu_shadow_params_per_s < 0:
-            raise HardwareError(f"cpu_shadow_params_per_s={self.cpu_shadow_params_per_s!r} must be a number >= 0 "
-                                "(0: not measured); run megatrain-plan profile or fix it")
+        for f in ("cpu_shadow_params_per_s", "cpu_bf16_state_params_per_s"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or v < 0:
+                raise HardwareError(f"{f}={v!r} must be a number >= 0 (0: not measured); run megatrain-plan "
+                                    "profile or fix it")
         for f in ("h2d_gbps", "d2h_gbps", "duplex_gbps", "cpu_adam_params_per_s"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or v <= 0:

@@ -58,6 +58,32 @@ def cpu_shadow_rate(numel: int) -> float:
     return numel / _best_of(once, 3)
 
 
+def cpu_bf16_state_rate(numel: int, threads: int) -> float:
+    """Params/s of the pass bf16 AdamW state adds to an update, on ``threads`` threads: m and v widened to fp32,
+    then each rounded back to bf16 at random, with the torch calls of the runtime's stochastic_rounding.py
+    (a generator's 16-bit noise added to the fp32 bits, the low half masked off)."""
+    import torch
+    before = torch.get_num_threads()
+    m, v = torch.randn(numel).bfloat16(), torch.randn(numel).bfloat16()
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        for state in (m, v):
+            wide = state.float()
+            noise = torch.randint(0, 1 << 16, wide.shape, generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+            bits = wide.view(torch.int32)
+            bits.add_(noise).bitwise_and_(-(1 << 16))
+            state.copy_(bits.view(torch.bfloat16)[1::2])
+        return time.perf_counter() - t0
+
+    try:
+        torch.set_num_threads(threads)
+        once(), once()  # the first calls fault their buffers' pages in
+        return numel / _best_of(once, 3)
+    finally:
+        torch.set_num_threads(before)
+
+
 def cpu_adam_rate(numel: int, threads: list[int]) -> list[tuple[int, float]]:
     """(threads, params/s) of torch's fused CPU AdamW over one flat fp32 buffer: the runtime's optimizer."""
     import torch
@@ -286,6 +312,9 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
     adam = cpu_adam_rate(1 << 22 if not on_gpu else 1 << 26, threads)
     log("CPU fp32 -> bf16 shadow rounding")
     shadow = cpu_shadow_rate(1 << 22 if not on_gpu else 1 << 26)
+    log("CPU bf16 AdamW state: widening and stochastic rounding")
+    # on the AdamW worker's threads: one where the device is the CPU ([Note: helper threads]), every core on a GPU
+    bf16_state = cpu_bf16_state_rate(1 << 22, 1 if not on_gpu else cores)
     read_gbps = write_gbps = 0.0
     direct_faster = None
     if spill_dir:
@@ -324,6 +353,7 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
         disk_write_gbps=write_gbps, disk_direct_faster=direct_faster, interconnect=link, cores=cores,
         source=f"measured by megatrain-plan profile on {_now()}" + (f"; {'; '.join(notes)}" if notes else ""),
         transfer_by_size=tuple(table), adam_by_threads=tuple(adam), cpu_shadow_params_per_s=shadow,
+        cpu_bf16_state_params_per_s=bf16_state,
         attention_tflops=attention)
 
 

@@ -51,6 +51,8 @@ def hardware_line(hw: HardwareProfile) -> str:
             f"H2D {hw.h2d_gbps:.1f} / D2H {hw.d2h_gbps:.1f} / both {hw.duplex_gbps:.1f} GB/s; "
             f"AdamW {hw.cpu_adam_params_per_s / 1e9:.2f} Gparam/s"
             + (f" + bf16 shadow {hw.cpu_shadow_params_per_s / 1e9:.2f} Gparam/s" if hw.cpu_shadow_params_per_s else "")
+            + (f" (bf16 state + {hw.cpu_bf16_state_params_per_s / 1e9:.2f} Gparam/s)" if hw.cpu_bf16_state_params_per_s
+               else "")
             + f"; {hw.cores} cores; {hw.interconnect}")
 
 

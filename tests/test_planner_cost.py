@@ -133,9 +133,36 @@ def test_adamw_time_counts_the_shadow_pass_only_where_there_is_one() -> None:
     assert adam(bf16, cpu_shadow_params_per_s=2e9) == pytest.approx(n / 1e9 + n / 2e9)
 
 
-def test_a_negative_shadow_rate_is_refused() -> None:
-    with pytest.raises(hardware.HardwareError, match="cpu_shadow_params_per_s"):
-        _hw(cpu_shadow_params_per_s=-1.0)
+def test_bf16_state_adds_its_widening_and_rounding_pass_to_adamw() -> None:
+    """bf16 m and v: AdamW plus the pass that widens them and rounds them back, at the profile's measured rate, or
+    BF16_STATE_FACTOR x the AdamW time where it has none; fp32 state has no such pass."""
+    n = M8.numel_total
+    plan = Plan(micro_batch_size=2)
+
+    def adam(state: str, **kw: object) -> float:
+        est = cost_model.estimate(M8, Workload(1024, 4, compute_dtype="fp32", optimizer_state=state), plan,
+                                  _hw(cpu_adam_params_per_s=1e9, **kw))
+        return est.forward.adam_s + est.backward.adam_s
+
+    assert adam("fp32", cpu_bf16_state_params_per_s=0.2e9) == pytest.approx(n / 1e9)
+    assert adam("bf16") == pytest.approx(n / 1e9 * (1 + cost_model.BF16_STATE_FACTOR))
+    assert adam("bf16", cpu_bf16_state_params_per_s=0.2e9) == pytest.approx(n / 1e9 + n / 0.2e9)
+
+
+def test_the_bf16_state_probe_times_the_pass_and_leaves_the_thread_count() -> None:
+    import torch
+
+    from megatrain.planner.profiler import cpu_bf16_state_rate
+
+    before = torch.get_num_threads()
+    assert cpu_bf16_state_rate(1 << 14, threads=1) > 0
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("field", ["cpu_shadow_params_per_s", "cpu_bf16_state_params_per_s"])
+def test_a_negative_cpu_pass_rate_is_refused(field) -> None:
+    with pytest.raises(hardware.HardwareError, match=field):
+        _hw(**{field: -1.0})
 
 
 def test_disk_terms_of_a_spilled_step_by_hand() -> None:
