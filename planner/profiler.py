@@ -78,7 +78,8 @@ def cpu_bf16_state_rate(numel: int, threads: int) -> float:
 
     try:
         torch.set_num_threads(threads)
-        once(), once()  # the first calls fault their buffers' pages in
+        for _ in range(2):  # the first calls fault their buffers' pages in
+            once()
         return numel / _best_of(once, 3)
     finally:
         torch.set_num_threads(before)

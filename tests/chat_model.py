@@ -66,6 +66,19 @@ def write_tokenizer(directory: str, template: str | None = CHAT_TEMPLATE, vocab_
     return directory
 
 
+def train_two_steps(model: str, root: str, out: str) -> None:
+    """``megatrain-train`` on ``model`` (with its tokenizer.json) over RECORDS x 4 written to ROOT/chat.jsonl: two
+    fp32 steps of 2 x 32 tokens into ``out``; asserts it exits 0."""
+    from megatrain.tools import train
+
+    data = os.path.join(root, "chat.jsonl")
+    with open(data, "w") as f:
+        f.write("\n".join(json.dumps(r) for r in RECORDS * 4) + "\n")
+    assert train.main(["--model", model, "--tokenizer", os.path.join(model, "tokenizer.json"), "--data", data,
+                       "--out", out, "--seq-len", "32", "--batch", "2", "--steps", "2", "--progress", "none",
+                       "--no-plot", "--warmup-steps", "1", "--compute-dtype", "fp32"]) == 0
+
+
 def write_model(directory: str, vocab_size: int) -> str:
     """A tiny random Llama saved by transformers (safetensors) in ``directory``, and its generation config."""
     import torch

@@ -2,7 +2,6 @@
 an existing directory is never written into."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 from megatrain.runtime import Engine
 from megatrain.tools import export, train
 
-from chat_model import RECORDS, write_model, write_tokenizer
+from chat_model import train_two_steps, write_model, write_tokenizer
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -21,12 +20,8 @@ pytest.importorskip("tokenizers")
 def trained_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     model = write_model(write_tokenizer(str(root / "model")), vocab_size=300)
-    data = root / "chat.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in RECORDS * 4) + "\n")
     out = root / "run"
-    assert train.main(["--model", model, "--tokenizer", os.path.join(model, "tokenizer.json"), "--data", str(data),
-                       "--out", str(out), "--seq-len", "32", "--batch", "2", "--steps", "2", "--progress", "none",
-                       "--no-plot", "--warmup-steps", "1", "--compute-dtype", "fp32"]) == 0
+    train_two_steps(model, str(root), str(out))
     return root, model, out
 
 

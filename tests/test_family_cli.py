@@ -4,15 +4,12 @@ as the same architecture (with the same layer types) and with every weight train
 with its load-balancing loss: test_moe_training_cli.py)."""
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
-from megatrain.tools import export, train
+from megatrain.tools import export
 
-from chat_model import RECORDS, write_tokenizer
+from chat_model import train_two_steps, write_tokenizer
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -38,12 +35,8 @@ def test_train_cli_trains_and_exports_the_family(tmp_path, model_type: str) -> N
     config = transformers.AutoConfig.for_model(model_type, **{**SHAPE, **EXTRA[model_type]})
     saved = transformers.AutoModelForCausalLM.from_config(config)
     saved.save_pretrained(model)
-    data = tmp_path / "chat.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in RECORDS * 4) + "\n")
     run = tmp_path / "run"
-    assert train.main(["--model", model, "--tokenizer", os.path.join(model, "tokenizer.json"), "--data", str(data),
-                       "--out", str(run), "--seq-len", "32", "--batch", "2", "--steps", "2", "--progress", "none",
-                       "--no-plot", "--warmup-steps", "1", "--compute-dtype", "fp32"]) == 0
+    train_two_steps(model, str(tmp_path), str(run))
     assert export.main([str(run), str(tmp_path / "exported"), "--dtype", "fp32"]) == 0
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
     assert type(loaded) is type(saved)
