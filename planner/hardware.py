@@ -56,8 +56,9 @@ class HardwareProfile:
     memlock_bytes: int = -1
     disk_read_gbps: float = 0.0
     disk_write_gbps: float = 0.0
-    # Whether O_DIRECT transfers beat buffered ones on that disk (measured both ways by profile, several
-    # threads); the plan's io_direct follows it. None: not measured (O_DIRECT where the filesystem takes it).
+    # Whether plans move spill data with O_DIRECT on that disk (the plan's io_direct follows it): True where the
+    # profile's disk pass ran with O_DIRECT, False where the filesystem refused it (the figures are buffered ones)
+    # or a user set it. None: not measured (O_DIRECT where the filesystem takes it).
     disk_direct_faster: bool | None = None
     # "PCIe Gen5 x16", "NVLink-C2C", "none": a label; the measured bandwidth is what counts.
     interconnect: str = "unknown"

@@ -319,7 +319,8 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
     read_gbps = write_gbps = 0.0
     direct_faster = None
     if spill_dir:
-        log(f"disk read/write in {spill_dir}: 1 GiB in 64 MiB requests, 4 threads, buffered and O_DIRECT")
+        log(f"disk read/write in {spill_dir}: 1 GiB in 64 MiB requests, 4 threads, O_DIRECT where the filesystem "
+            "takes it; the write timed as a rewrite")
         read_gbps, write_gbps, direct_faster = disk_bandwidth(spill_dir, 1 * GiB)
     else:
         notes.append("disk not measured (pass --spill-dir)")

@@ -156,11 +156,11 @@ def spill_staging_choices(model: ModelShape, chunk_bytes: int) -> tuple[int, ...
 
 
 def spill_io_choices(hw: HardwareProfile | None) -> dict[str, object]:
-    """The spill I/O settings the profile decides: O_DIRECT or buffered, whichever it measured faster (O_DIRECT
-    where the filesystem takes it when not measured), for both directions: reads buffered beside O_DIRECT writes
-    (``Plan.io_direct_reads``) are a user's choice, since the page cache's copies take CPU from compute (a spilled
-    3.2B step on 2 cores: 53.5 s with buffered reads against 48.3 with O_DIRECT ones, though the probe reads
-    buffered at 3.2 GB/s and O_DIRECT at 1.7)."""
+    """The spill I/O settings the profile decides: O_DIRECT unless the profile says buffered
+    (``disk_direct_faster``: the filesystem refused O_DIRECT, or a user's choice), for both directions: reads
+    buffered beside O_DIRECT writes (``Plan.io_direct_reads``) are a user's choice too, since the page cache's
+    copies take CPU from compute (a spilled 3.2B step on 2 cores: 53.5 s with buffered reads against 48.3 with
+    O_DIRECT ones, though the probe read buffered 1.8x faster)."""
     return {"io_direct": hw is None or hw.disk_direct_faster is not False}
 
 
