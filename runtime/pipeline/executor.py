@@ -109,7 +109,7 @@ class Executor:
                 "disk_read_busy_s": files.read_clock.seconds, "disk_write_busy_s": files.write_clock.seconds,
                 "disk_busy_s": files.io_clock.seconds, "adam_disk_wait_s": adam.disk_wait_seconds}
         self.step_no = 0  # optimizer steps completed or in flight
-        self.loader = WeightLoader(self.slots, store, self.streams, plan.prefetch_depth, self._wait_updated,
+        self.loader = WeightLoader(self.slots, store, self.streams, plan.prefetch_depth, self.adam.wait_updated,
                                    log, self.timer,
                                    fill=None if collectives is None else collectives.fill_slot)
         self.rotary, self.routing = RotaryPositions(self.config, device), RouterBalance(self.config, device, self.dist)
@@ -262,11 +262,6 @@ class Executor:
         self.tied_grad.zero_()
         return self.schedule.embed.block.layout.views(self.tied_grad)["embed_tokens.weight"]
 
-    def _wait_updated(self, block: int, step: int) -> None:
-        """The loader's wait for AdamW's update of ``block`` for ``step``: exposed optimizer time, if any."""
-        with self.timer.adam_wait(self.streams.compute):
-            self.adam.wait_updated(block, step)
-
     def _positions(self, batch: Batch) -> LayerPositions:
         return self.rotary.positions(batch.input_ids.shape[1], batch.micro, batch.position_ids, batch.documents)
 
@@ -313,6 +308,7 @@ class Executor:
         return logits.view(*input_ids.shape, -1)
 
     def close(self) -> None:
+        self.loader.close()  # its jobs wait for AdamW's updates: stopped before the worker
         self.adam.close()
         if isinstance(self.checkpoints, HostCheckpoints):
             self.checkpoints.close()

@@ -20,15 +20,10 @@ compute-dtype bytes on the device; with a layer streamed in parts ([Note: expert
 groups]), a load is a part of its block (its ranges copied into the slot one
 after another) and a slot the size of the largest part or other block.
 
-In fp32 a block whose master is spilled has no copy of its weights in host RAM
-(``HostStore.load_source`` is None): the load reads the block from the master
-spill file. On a CPU the read goes straight into the slot (chunk by chunk, all in
-flight at once, O_DIRECT where the filesystem takes it: CPU slots are 4 KiB-aligned),
-issued with the load and waited for when compute acquires it (read-ahead by ``prefetch_depth``); on
-CUDA it goes through two pinned bounce buffers of one spill chunk each, the
-H2D copy of one overlapping the read of the next. Data parallel, the rank's
-shard is read the same way into its part of the slot (waited for before the
-all-gather): no host buffer the size of a shard.
+In fp32 a block whose master is spilled has no copy of its weights in host RAM: its
+load is a job for the loader thread ([Note: spilled loads], spilled_loads.py), which
+waits for the block's update and reads it from the master spill file into the slot;
+compute waits for the job when it acquires the slot.
 """
 from __future__ import annotations
 
@@ -44,6 +39,7 @@ from megatrain.planner.buffer_kinds import BufferKind
 from megatrain.runtime.device.event_log import EventLog
 from megatrain.runtime.state.host_store import HostStore
 from megatrain.runtime.spill.spill_io import aligned_empty
+from megatrain.runtime.pipeline.spilled_loads import SpilledLoad, SpilledLoads, WaitUpdated
 from megatrain.runtime.pipeline.step_schedule import Load
 from megatrain.runtime.pipeline.step_timer import StepTimer
 from megatrain.runtime.device.streams import Event, Streams
@@ -77,8 +73,6 @@ class WeightSlots:
 # Data parallel: fills a slot on the h2d stream (collectives.py): ``place(own)`` writes this rank's shard into its
 # part of the slot (from the RAM shadow, or read chunk by chunk from the master spill file), then the all-gather.
 Fill = Callable[[int, torch.Tensor, Callable[[torch.Tensor], None]], None]  # (block, slot buffer, place)
-# Blocks the calling thread until AdamW has written block b's shadow for the given step.
-WaitUpdated = Callable[[int, int], None]  # (block, step)
 
 
 class WeightLoader:
@@ -110,9 +104,10 @@ class WeightLoader:
         self._issued = 0  # loads issued so far
         self._released: list[bool] = []
         self._horizon = -1  # highest load index the compute has asked for
-        self._reads: dict[int, list] = {}  # per slot: spill reads still landing in it (CPU, spilled fp32 master)
-        self._bounce: list[torch.Tensor] = []  # CUDA, spilled fp32 master: pinned read buffers, one chunk each
-        self._bounce_free: list = []  # per bounce buffer: the event of the H2D copy that last read it
+        self._spilled: dict[int, SpilledLoad] = {}  # per slot: the loader thread's job filling it
+        files = store.spill_files
+        self.spilled_loads = None if files is None else SpilledLoads(
+            files, streams, wait_updated, timer, bounce=slots.buffers[0].device.type != "cpu")
 
     def start(self, step: int, sequence: Sequence[Load]) -> None:
         """Begin a sequence of loads for ``step``; nothing may be resident from the previous one."""
@@ -143,10 +138,12 @@ class WeightLoader:
         assert j < self._issued, f"load {j} could not be issued: its slot is still in use"
         slot = self._slot(j)
         self.slots.transition(slot, SlotState.LOADING, SlotState.IN_USE)
-        reads = self._reads.pop(slot, ())
-        if reads:
+        job = self._spilled.pop(slot, None)
+        if job is not None:  # [Note: spilled loads]
+            with self.timer.adam_wait(self.streams.compute):
+                job.updated.result()
             with self.timer.disk_wait(self.streams.compute):
-                for read in reads:
+                for read in job.landed.result():
                     read.result()
         with self.timer.stall("h2d", self.streams.compute):
             self.streams.compute.wait_event(self.slots.loaded[slot])
@@ -182,62 +179,50 @@ class WeightLoader:
     def _issue(self, j: int) -> None:
         load = self.sequence[j]
         block, slot = load.block.index, self._slot(j)
-        self.wait_updated(block, self.step - 1)  # the previous step's update: the shadow this load copies
+        source = self.store.load_source(block)
+        spilled = source is None and self.fill is None  # a job for the loader thread: [Note: spilled loads]
+        if not spilled:
+            with self.timer.adam_wait(self.streams.compute):  # the previous step's update: what this load copies
+                self.wait_updated(block, self.step - 1)
+            if source is None:  # data parallel, a spilled master: read on this thread once AdamW's write lands
+                assert self.store.spill_files is not None
+                with self.timer.disk_wait(self.streams.compute):
+                    self.store.spill_files.wait_write(BufferKind.MASTER, block)
         self.slots.transition(slot, SlotState.FREE, SlotState.LOADING)
         self.slots.block[slot] = block
         numel = self.store.numels[block]
         with self.streams.h2d.use(), record_function(f"h2d[{block}]"):
             self.streams.h2d.wait_event(self.slots.released[slot])
-            source = self.store.load_source(block)
-            if source is None:  # read from the master file once AdamW's writes of it land: a wait on the disk
-                assert self.store.spill_files is not None
-                with self.timer.disk_wait(self.streams.compute):
-                    self.store.spill_files.wait_write(BufferKind.MASTER, block)
-            with self.timer.copy("h2d", self.streams.h2d):
-                if load.part is not None:  # a part of the block ([Note: expert groups]): its ranges, in RAM
-                    assert source is not None and self.fill is None, "refused by expert_parts.check_streamable"
-                    for lo, n, at in load.part.ranges:
-                        self.slots.buffers[slot][at:at + n].copy_(source[lo:lo + n], non_blocking=True)
-                elif self.fill is not None:  # data parallel: this rank's shard into its place, then the all-gather
-                    self.fill(block, self.slots.buffers[slot], lambda own: self._place(block, slot, source, own))
-                else:
-                    self._place(block, slot, source, self.slots.buffers[slot][:numel], wait=False)
-            self.slots.loaded[slot].record(self.streams.h2d)
+            if spilled:
+                assert self.spilled_loads is not None and load.part is None
+                self._spilled[slot] = self.spilled_loads.submit(block, self.step, self.slots.buffers[slot][:numel],
+                                                                self.slots.loaded[slot])
+            else:
+                with self.timer.copy("h2d", self.streams.h2d):
+                    if load.part is not None:  # a part of the block ([Note: expert groups]): its ranges, in RAM
+                        assert source is not None and self.fill is None, "refused by expert_parts.check_streamable"
+                        for lo, n, at in load.part.ranges:
+                            self.slots.buffers[slot][at:at + n].copy_(source[lo:lo + n], non_blocking=True)
+                    elif self.fill is not None:  # data parallel: this rank's shard into its place, then the all-gather
+                        self.fill(block, self.slots.buffers[slot], lambda own: self._place(block, source, own))
+                    else:
+                        self.slots.buffers[slot][:numel].copy_(source, non_blocking=True)
+                self.slots.loaded[slot].record(self.streams.h2d)
         self.log.record("h2d", self.step, block, slot=slot, load=j, phase=load.phase, part=_part(load))
 
-    def _place(self, block: int, slot: int, source: torch.Tensor | None, out: torch.Tensor, wait: bool = True) -> None:
-        """Block ``block``'s weights (this rank's shard, data parallel) into ``out``, on the h2d stream: copied from
-        ``source`` in RAM, or read from the master spill file. ``wait``: a CPU read has landed on return (an
-        all-gather follows at once); otherwise compute waits for it when it acquires the slot."""
+    def _place(self, block: int, source: torch.Tensor | None, out: torch.Tensor) -> None:
+        """Data parallel: this rank's shard of block ``block`` into ``out`` on the h2d stream, copied from
+        ``source`` in RAM, or read from the master spill file (landed on return: the all-gather follows)."""
         if source is not None:
             out.copy_(source, non_blocking=True)
-        else:
-            self._read_master(block, slot, out, wait)
-
-    def _read_master(self, block: int, slot: int, out: torch.Tensor, wait: bool) -> None:
-        """Block ``block``'s fp32 master from its spill file into ``out`` (a slot, or this rank's part of one): see
-        [Note: slot lifecycle]. Host memory: none on a CPU, two pinned chunks on CUDA, whatever the block's size."""
-        files = self.store.spill_files
-        assert files is not None
-        if out.device.type == "cpu":  # every chunk in flight at once, straight into the slot
-            reads = [files.read_async(BufferKind.MASTER, block, out[lo:lo + n], lo, n, exact=True)
-                     for lo, n in files.chunks(block)]
-            if wait:
-                for read in reads:
-                    read.result()
-            else:
-                self._reads[slot] = reads
             return
-        if not self._bounce:
-            self._bounce = [torch.empty(files.chunk_numel, dtype=torch.float32, pin_memory=True) for _ in range(2)]  # page-aligned
-            self._bounce_free = [None, None]
-        for i, (lo, n) in enumerate(files.chunks(block)):
-            k = i % 2
-            if self._bounce_free[k] is not None:
-                self._bounce_free[k].synchronize()  # the H2D copy that last read this bounce buffer
-            files.read_async(BufferKind.MASTER, block, self._bounce[k], lo, n).result()
-            out[lo:lo + n].copy_(self._bounce[k][:n], non_blocking=True)
-            self._bounce_free[k] = self.streams.recorded(self.streams.h2d)
+        assert self.spilled_loads is not None
+        self.spilled_loads.read_now(block, out)
+
+    def close(self) -> None:
+        """Stop the loader thread (after the jobs it holds)."""
+        if self.spilled_loads is not None:
+            self.spilled_loads.close()
 
 
 def _part(load: Load) -> int:

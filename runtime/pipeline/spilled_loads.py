@@ -1,0 +1,137 @@
+"""The loader thread: spilled fp32 masters read into weight slots off the thread that launches compute.
+
+[Note: spilled loads]
+In fp32 a block whose master is spilled has no copy of its weights in host RAM
+(``HostStore.load_source`` is None): its load reads the master spill file. A load
+issued ahead (``prefetch_depth``) hands that to the loader thread as a job and
+returns at once; compute waits for the job only when it acquires the slot. A job,
+in load order, one at a time:
+
+1. waits for AdamW's update of the block for the step before (``updated``:
+   compute's wait on it is exposed optimizer time),
+2. waits for that update's write of the master to land, then reads:
+   - on a CPU straight into the slot (4 KiB-aligned, O_DIRECT where the
+     filesystem takes it), every chunk in flight at once on the I/O threads;
+     compute waits for the reads (``landed``'s result: exposed disk time);
+   - on CUDA through two pinned bounce buffers of one spill chunk each, the H2D
+     copy of one on the h2d stream overlapping the read of the next; the job
+     records the slot's ``loaded`` event after its last copy, before ``landed``
+     is set, so the compute stream never waits on an event not yet recorded.
+
+Before this thread, those waits and the CUDA path's chunk-by-chunk reads ran
+inside the prefetch: compute of load j waited for the update and the read of
+load j + ``prefetch_depth``.
+
+Data parallel, the rank's shard is read on the calling thread instead
+(``read_now``): the slot's all-gather follows at once.
+
+Bounds: one job per slot at most (a slot takes a new load only once its last was
+acquired, and acquiring waits for the job), so the queue holds at most K jobs.
+Memory: none on a CPU; two pinned spill chunks on CUDA, whatever the block's size.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import queue
+from typing import Callable, NamedTuple
+
+import torch
+
+from megatrain.planner.buffer_kinds import BufferKind
+
+from megatrain.runtime.device import host_threads
+from megatrain.runtime.device.streams import Event, Streams
+from megatrain.runtime.pipeline.step_timer import StepTimer
+from megatrain.runtime.spill.spill_files import SpillFiles
+from megatrain.runtime.spill.spill_io import aligned_empty
+
+# Blocks the calling thread until AdamW has updated block b for the given step (and every step before).
+WaitUpdated = Callable[[int, int], None]  # (block, step)
+
+
+class SpilledLoad(NamedTuple):
+    """A job's two milestones, each a future compute waits on when it acquires the slot."""
+
+    updated: cf.Future  # AdamW's update of the block is done
+    landed: cf.Future  # the block is in the slot; result: CPU reads still landing there (futures)
+
+
+class SpilledLoads:
+    """The loader thread and its bounce buffers ([Note: spilled loads])."""
+
+    def __init__(self, files: SpillFiles, streams: Streams, wait_updated: WaitUpdated, timer: StepTimer,
+                 bounce: bool) -> None:
+        """``bounce``: through pinned bounce buffers (CUDA slots), else straight into the slot (CPU slots)."""
+        self.files, self.streams, self.wait_updated, self.timer = files, streams, wait_updated, timer
+        self.bounce = bounce
+        self._jobs: queue.Queue = queue.Queue()  # bounded by the slots: see the note
+        self._thread = None
+        self._buffers: list[torch.Tensor] = []  # bounce buffers, one spill chunk each
+        self._copied: list[Event | None] = []  # per bounce buffer: the event of the H2D copy that last read it
+
+    def submit(self, block: int, step: int, out: torch.Tensor, loaded: Event) -> SpilledLoad:
+        """Read block ``block``'s master, as updated for ``step - 1``, into ``out`` (its slot's first elements);
+        the h2d stream already waits for the slot's release. Returns at once."""
+        if self._thread is None:  # on a CPU device it runs no kernel of its own ([Note: helper threads])
+            self._thread = host_threads.start(self._run, "megatrain-loader", one_thread=not self.streams.cuda)
+        load = SpilledLoad(cf.Future(), cf.Future())
+        self._jobs.put((block, step, out, loaded, load))
+        return load
+
+    def read_now(self, block: int, out: torch.Tensor) -> None:
+        """Data parallel: this rank's shard of the master into ``out`` on the calling thread, landed on return
+        (the caller waited for the update and its write of the master)."""
+        for read in self._read(block, out, None, timed=False):  # (the caller times its copies)
+            read.result()
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            block, step, out, loaded, load = job
+            try:
+                self.wait_updated(block, step - 1)
+                load.updated.set_result(None)
+                self.files.wait_write(BufferKind.MASTER, block)  # the update's write of it
+                with self.streams.h2d.use():
+                    load.landed.set_result(self._read(block, out, loaded, timed=self.streams.cuda))
+            except BaseException as e:  # compute raises it when it acquires the slot
+                for future in load:
+                    if not future.done():
+                        future.set_exception(e)
+
+    def _read(self, block: int, out: torch.Tensor, loaded: Event | None, timed: bool) -> list[cf.Future]:
+        """Block ``block``'s master into ``out``: the reads still landing (straight into ``out``), or none (through
+        the bounce buffers, copies queued on the h2d stream, then ``loaded`` recorded there). ``timed``: the
+        copies count as the h2d link's busy time (CUDA; the timer's entries of a step are all added before its
+        loads are acquired, so before it ends)."""
+        files = self.files
+        if not self.bounce:
+            return [files.read_async(BufferKind.MASTER, block, out[lo:lo + n], lo, n, exact=True)
+                    for lo, n in files.chunks(block)]
+        if not self._buffers:
+            self._buffers = [_bounce_buffer(files.chunk_numel, self.streams.cuda) for _ in range(2)]
+            self._copied = [None, None]
+        with self.timer.copy("h2d", self.streams.h2d) if timed else contextlib.nullcontext():
+            for i, (lo, n) in enumerate(files.chunks(block)):
+                k = i % 2
+                if self._copied[k] is not None:
+                    self._copied[k].synchronize()  # the H2D copy that last read this bounce buffer
+                files.read_async(BufferKind.MASTER, block, self._buffers[k], lo, n).result()
+                out[lo:lo + n].copy_(self._buffers[k][:n], non_blocking=True)
+                self._copied[k] = self.streams.recorded(self.streams.h2d)
+        if loaded is not None:
+            loaded.record(self.streams.h2d)
+        return []
+
+
+def _bounce_buffer(numel: int, pinned: bool) -> torch.Tensor:
+    """One spill chunk of fp32, page-aligned (O_DIRECT): pinned for CUDA copies, else plain aligned memory."""
+    if pinned:
+        return torch.empty(numel, dtype=torch.float32, pin_memory=True)
+    return aligned_empty(numel * 4).view(torch.float32)
+

@@ -1,0 +1,100 @@
+"""Spilled fp32 masters load on the loader thread ([Note: spilled loads]): off the compute thread, after their
+update, equal to training with everything in RAM."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
+from megatrain.runtime.pipeline import spilled_loads
+from megatrain.runtime.spill.spill_files import SpillFiles
+
+CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2)
+
+
+def _train(plan: Plan, steps: int = 3) -> tuple[dict[str, torch.Tensor], list[float]]:
+    ids = torch.randint(0, CONFIG.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
+    with Engine(CONFIG, OptimizerConfig(lr=1e-2, max_grad_norm=1.0), plan=plan, compute_dtype=torch.float32,
+                device="cpu", seed=0) as engine:
+        losses = [float(engine.step(ids, ids)) for _ in range(steps)]
+        return {k: v.clone() for k, v in engine.state_dict().items()}, losses
+
+
+@pytest.mark.parametrize("bounce", [False, True], ids=["into-slot", "bounce-buffers"])
+def test_spilled_masters_load_as_in_ram(tmp_path, monkeypatch, bounce):
+    """Both ways of reading a spilled master (straight into a CPU slot; through two bounce buffers and copies,
+    CUDA's way, forced here) train bitwise as with the masters in RAM; the bounce path holds two chunks."""
+    reference, ref_losses = _train(Plan())
+    made: list[spilled_loads.SpilledLoads] = []
+    init = spilled_loads.SpilledLoads.__init__
+
+    def forced(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "bounce": bounce})
+        made.append(self)
+
+    monkeypatch.setattr(spilled_loads.SpilledLoads, "__init__", forced)
+    # 4 KiB chunks: a layer's master is several chunks, so both bounce buffers take turns
+    state, losses = _train(Plan(spill="all", spill_dir=str(tmp_path), spill_chunk_bytes=4096))
+    assert losses == ref_losses
+    for name, value in reference.items():
+        assert torch.equal(state[name], value), name
+    (loads,) = made
+    assert len(loads._buffers) == (2 if bounce else 0)
+    assert all(b.numel() == 1024 for b in loads._buffers)
+
+
+def test_compute_never_reads_a_spilled_master_itself(tmp_path, monkeypatch):
+    """Every read of a spilled master for a load is issued by the loader thread; the compute thread issues
+    none while it steps (the AdamW worker reads masters for its updates)."""
+    readers: list[str] = []
+    read_async = SpillFiles.read_async
+
+    def watched(self, kind, *args, **kwargs):
+        if kind is BufferKind.MASTER:
+            readers.append(threading.current_thread().name)
+        return read_async(self, kind, *args, **kwargs)
+
+    monkeypatch.setattr(SpillFiles, "read_async", watched)
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with Engine(CONFIG, plan=Plan(spill="all", spill_dir=str(tmp_path)), compute_dtype=torch.float32,
+                device="cpu") as engine:
+        readers.clear()  # (initialisation wrote and read the masters on this thread)
+        for _ in range(2):
+            engine.step(ids, ids)
+        engine.synchronize()
+    assert "megatrain-loader" in readers
+    assert threading.main_thread().name not in readers
+
+
+def test_compute_of_a_block_does_not_wait_for_the_next_blocks_update(tmp_path, monkeypatch):
+    """Deferred mode, spilled masters, prefetch depth 1: a step's forward computes block b as soon as b is
+    updated and read, while AdamW still updates block b + 1 (each fused AdamW call, one per parameter, slowed by
+    50 ms here). When the
+    prefetch itself waited for the update of the load it issued, compute of b came after b + 1's update."""
+    fused = torch._fused_adamw_
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", slow)
+    plan = Plan(num_slots=2, prefetch_depth=1, spill="all", spill_dir=str(tmp_path))
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with Engine(CONFIG, OptimizerConfig(max_grad_norm=1.0), plan=plan, compute_dtype=torch.float32,
+                device="cpu") as engine:
+        engine.event_log.enabled = True
+        engine.step(ids, ids)
+        engine.step(ids, ids)
+        engine.synchronize()
+        log = list(engine.event_log.entries)
+    forward = [e for e in log if e.op == "compute" and e.step == 2 and e.phase == "fwd"]
+    for now, after in zip(forward, forward[1:]):
+        computed = log.index(now)
+        next_updated = next(i for i, e in enumerate(log)
+                            if e.op == "adam_end" and e.step == 1 and e.block == after.block)
+        assert computed < next_updated, (now, after)
