@@ -98,3 +98,45 @@ def test_compute_of_a_block_does_not_wait_for_the_next_blocks_update(tmp_path, m
         next_updated = next(i for i, e in enumerate(log)
                             if e.op == "adam_end" and e.step == 1 and e.block == after.block)
         assert computed < next_updated, (now, after)
+
+
+def test_a_load_takes_the_chunks_its_update_writes_instead_of_reading_them_back(tmp_path, monkeypatch):
+    """The loader taps a block's master before waiting for its update: the chunks the update writes behind
+    after that are copied into the slot as they are written and not read back. With updates slowed down (so
+    every tap comes before its update of a layer), the second step's forward reads no layer's master from disk,
+    where the first step (no update before it) read every one; training stays bitwise as in RAM."""
+    fused = torch._fused_adamw_
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)
+        return fused(*args, **kwargs)
+
+    reference, ref_losses = _train(Plan(num_slots=2, prefetch_depth=1))
+    monkeypatch.setattr(torch, "_fused_adamw_", slow)
+    loader_reads: list[int] = []  # the block of each master chunk the loader thread reads
+    read_async = SpillFiles.read_async
+
+    def watched(self, kind, b, *args, **kwargs):
+        if kind is BufferKind.MASTER and threading.current_thread().name == "megatrain-loader":
+            loader_reads.append(b)
+        return read_async(self, kind, b, *args, **kwargs)
+
+    monkeypatch.setattr(SpillFiles, "read_async", watched)
+    ids = torch.randint(0, CONFIG.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
+    plan = Plan(num_slots=2, prefetch_depth=1, spill="all", spill_dir=str(tmp_path), spill_chunk_bytes=16384)
+    with Engine(CONFIG, OptimizerConfig(lr=1e-2, max_grad_norm=1.0), plan=plan, compute_dtype=torch.float32,
+                device="cpu", seed=0) as engine:
+        layers = {load.block.index for load in engine.executor.schedule.layers}
+        reads_per_step, losses = [], []
+        for _ in range(3):
+            loader_reads.clear()
+            losses.append(float(engine.step(ids, ids)))  # (no synchronize: the update runs into the next step)
+            reads_per_step.append(list(loader_reads))
+        state = {k: v.clone() for k, v in engine.state_dict().items()}
+    assert losses == ref_losses
+    for name, value in reference.items():
+        assert torch.equal(state[name], value), name
+    # step 1: every layer read twice (forward, and backward's recompute); later steps: backward's reads only
+    assert all(reads_per_step[0].count(b) >= 2 for b in layers)
+    first, later = ({b: step.count(b) for b in layers} for step in reads_per_step[:2])
+    assert all(later[b] == first[b] // 2 for b in layers), (first, later)

@@ -7,9 +7,13 @@ issued ahead (``prefetch_depth``) hands that to the loader thread as a job and
 returns at once; compute waits for the job only when it acquires the slot. A job,
 in load order, one at a time:
 
-1. waits for AdamW's update of the block for the step before (``updated``:
-   compute's wait on it is exposed optimizer time),
-2. waits for that update's write of the master to land, then reads:
+1. taps the block's master (CPU slots: ``SpillFiles.tap_master``): each chunk of
+   it that AdamW's update writes behind from now on is copied into the slot as
+   well, so that chunk need not be read back from the disk it was just written to;
+2. waits for AdamW's update of the block for the step before (``updated``:
+   compute's wait on it is exposed optimizer time), then ends the tap;
+3. reads what the tap did not copy (all of it, where the update was done or under
+   way before the tap), each read after the update's write of it lands:
    - on a CPU straight into the slot (4 KiB-aligned, O_DIRECT where the
      filesystem takes it), every chunk in flight at once on the I/O threads;
      compute waits for the reads (``landed``'s result: exposed disk time);
@@ -17,6 +21,11 @@ in load order, one at a time:
      copy of one on the h2d stream overlapping the read of the next; the job
      records the slot's ``loaded`` event after its last copy, before ``landed``
      is set, so the compute stream never waits on an event not yet recorded.
+
+Jobs run one at a time, so a block has one tap at most. A tapped chunk holds the
+bytes its write puts on disk (the copy is taken from the staging set before the
+write is issued), and the update that wrote it is the one the load waits for: the
+next update of the block comes after compute has used the load.
 
 Before this thread, those waits and the CUDA path's chunk-by-chunk reads ran
 inside the prefetch: compute of load j waited for the update and the read of
@@ -94,25 +103,33 @@ class SpilledLoads:
         while (job := self._jobs.get()) is not None:
             block, step, out, loaded, load = job
             try:
-                self.wait_updated(block, step - 1)
+                copied: set[int] = set()
+                if not self.bounce:
+                    self.files.tap_master(block, out)
+                try:
+                    self.wait_updated(block, step - 1)
+                finally:
+                    if not self.bounce:
+                        copied = self.files.untap(block)
                 load.updated.set_result(None)
-                self.files.wait_write(BufferKind.MASTER, block)  # the update's write of it
                 with self.streams.h2d.use():
-                    load.landed.set_result(self._read(block, out, loaded, timed=self.streams.cuda))
+                    load.landed.set_result(self._read(block, out, loaded, timed=self.streams.cuda, skip=copied))
             except BaseException as e:  # compute raises it when it acquires the slot
                 for future in load:
                     if not future.done():
                         future.set_exception(e)
 
-    def _read(self, block: int, out: torch.Tensor, loaded: Event | None, timed: bool) -> list[cf.Future]:
-        """Block ``block``'s master into ``out``: the reads still landing (straight into ``out``), or none (through
-        the bounce buffers, copies queued on the h2d stream, then ``loaded`` recorded there). ``timed``: the
-        copies count as the h2d link's busy time (CUDA; the timer's entries of a step are all added before its
-        loads are acquired, so before it ends)."""
+    def _read(self, block: int, out: torch.Tensor, loaded: Event | None, timed: bool,
+              skip: set[int] = frozenset()) -> list[cf.Future]:
+        """Block ``block``'s master into ``out``, but the chunks starting at ``skip`` (a tap copied them): the
+        reads still landing (straight into ``out``), or none (through the bounce buffers, copies queued on the
+        h2d stream, then ``loaded`` recorded there). Each read waits for the block's pending writes first.
+        ``timed``: the copies count as the h2d link's busy time (CUDA; the timer's entries of a step are all
+        added before its loads are acquired, so before it ends)."""
         files = self.files
         if not self.bounce:
             return [files.read_async(BufferKind.MASTER, block, out[lo:lo + n], lo, n, exact=True)
-                    for lo, n in files.chunks(block)]
+                    for lo, n in files.chunks(block) if lo not in skip]
         if not self._buffers:
             self._buffers = [_bounce_buffer(files.chunk_numel, self.streams.cuda) for _ in range(2)]
             self._copied = [None, None]

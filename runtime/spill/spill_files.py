@@ -161,6 +161,10 @@ class SpillFiles:
         # Bumped when a cold-path write (``write_block``: init, state dicts, checkpoints) begins and when it ends:
         # a read issued ahead under another value may hold bytes it replaced.
         self.version = 0
+        # Per block, a load's master tap: the slot range its update's master chunks are copied into as they are
+        # written behind, and the chunks copied so far ([Note: spilled loads] in spilled_loads.py).
+        self._taps: dict[int, tuple[torch.Tensor, set[int]]] = {}
+        self._taps_lock = threading.Lock()
         self.root: str | None = None
         try:
             self.root = spill_dirs.create(spill_dir)  # named after this process; dead owners' ones reclaimed
@@ -318,9 +322,29 @@ class SpillFiles:
         cf.wait(staged.reads)
         self.staging.release(staged.index)
 
+    def tap_master(self, b: int, out: torch.Tensor) -> None:
+        """Until ``untap(b)``: each chunk of block b's master written behind (an update's, ``write_behind``) is
+        copied into ``out`` (fp32, the block's elements) too, so a load of the block need not read it back."""
+        with self._taps_lock:
+            assert b not in self._taps, f"block {b}'s master is tapped already"
+            self._taps[b] = (out, set())
+
+    def untap(self, b: int) -> set[int]:
+        """End block b's tap; the first elements of the chunks it copied."""
+        with self._taps_lock:
+            return self._taps.pop(b)[1]
+
     def write_behind(self, b: int, n: int, staged: Staged) -> None:
-        """Write the chunk's updated state (the state kinds among the staged ones) back; the staging set
-        returns to the pool once every write has landed."""
+        """Write the chunk's updated state (the state kinds among the staged ones) back, its master first copied
+        into a tap on the block if there is one; the staging set returns to the pool once every write has
+        landed."""
+        master = staged.buffers.get(BufferKind.MASTER)
+        if master is not None:
+            with self._taps_lock:  # before the writes: the set may be reused once they land
+                tap = self._taps.get(b)
+                if tap is not None:
+                    tap[0][staged.lo:staged.lo + n].copy_(master[:n])
+                    tap[1].add(staged.lo)
         kinds = [k for k in STATE_KINDS if k in staged.buffers]
         if not kinds:
             self.staging.release(staged.index)
