@@ -149,7 +149,8 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
     T, seq = batch.tokens, batch.seq
     attn = T * model.attention_model_flops_per_token(seq)
     h2d_bytes, d2h_bytes = step_traffic.traffic(model, work, plan)
-    disk_read, disk_write = step_traffic.disk_traffic(model, work, plan)
+    # a CPU device's deferred loads take a spilled master from its update's writes: [Note: spilled loads]
+    disk_read, disk_write = step_traffic.disk_traffic(model, work, plan, tapped=spill_timing.tapped(hw, plan))
     disk_s = (disk_read / (hw.disk_read_gbps * 1e9) + disk_write / (hw.disk_write_gbps * 1e9)) if disk_read else 0.0
     step = max(step, disk_s)  # the disk is a resource of the step like the others: never faster than it
     # recompute = (L - k) x T x layer_flops_recompute(seq); hardware FLOPs count every layer's recompute, less the

@@ -12,16 +12,18 @@ must finish first is longer than the CPU work it overlaps:
                ahead <= max(0, B - loads_b / R - grads / W) x R        (B: the backward's CPU seconds)
              exposed_b = max(0, loads_b / R + grads / W + ahead / R - B)
   forward    AdamW updates block i (forward order) before the forward loads it: its spilled kinds read (less
-             what was read ahead), its master, m and v written behind, then its load's read of the master;
-             the disk does that block after block while the CPU computes the blocks already updated:
+             what was read ahead), its master, m and v written behind; the load takes a spilled master from
+             the update's writes (the runtime's tap, [Note: spilled loads]: a host copy, as a load from RAM),
+             and only a tied head's re-load of the embedding reads the disk (load_i); the disk does that block
+             after block while the CPU computes the blocks already updated:
                a_i = a_{i-1} + (reads_i - ahead_i) / R + writes_i / W + load_i / R
                e_i = max(e_{i-1}, a_i) + f_i        (f_i: block i's forward CPU seconds, e_{-1} = a_{-1} = 0)
              exposed_f = e_last - sum f_i
 
   step = sum over visits of (load + compute + drain) + AdamW arithmetic + exposed_f + exposed_b
 
-R, W: the profile's disk read and write GB/s. Loads of blocks whose master spills read the disk straight into
-the slot (no host copy: their load is 0 on the CPU side). The cost model adds the floor every spill plan has
+R, W: the profile's disk read and write GB/s. Backward's loads of blocks whose master spills read the disk
+straight into the slot (no host copy: their load is 0 on the CPU side). The cost model adds the floor every spill plan has
 (``step >= disk bytes / GB/s``).
 """
 from __future__ import annotations
@@ -55,6 +57,12 @@ def applies(hw: HardwareProfile, plan: Plan, spilled: "spill_placement.Spilled")
     return hw.device_is_host and plan.optimizer_mode == "deferred" and bool(spilled.kinds)
 
 
+def tapped(hw: HardwareProfile, plan: Plan) -> bool:
+    """A forward load of a block whose master spills takes it from its update's writes, not from the disk: the
+    runtime taps the update where the device is the CPU and updates are deferred ([Note: spilled loads])."""
+    return hw.device_is_host and plan.optimizer_mode == "deferred"
+
+
 def read_ahead(spilled: "spill_placement.Spilled", chunk_bytes: int, sets: int, budget: float) -> list[float]:
     """Bytes of each block read ahead: the blocks in update order (forward order), each chunk
     (``buffer_kinds.spill_chunks``, as the runtime cuts them) of a block whose master, m or v spills one
@@ -86,11 +94,14 @@ def cpu_step(spilled: "spill_placement.Spilled", plan: Plan, hw: HardwareProfile
 
     fwd_blocks = list(range(n))
     bwd_blocks: list[int | None] = [*range(n - 2, 0, -1), None]      # the layers in reverse; the embedding's
-    f = [cpu(st, b) for st, b in zip(steps[:n_fwd], fwd_blocks)]   # backward loads nothing
+    # the forward's loads of a spilled master copy what the update wrote (the tap: host copy GB/s, the H2D
+    # figure where the device is the CPU); the embedding's backward loads nothing
+    f = [(spilled.numels[b] * 4.0 / (hw.h2d_gbps * 1e9) if b in on_disk else st.load_s) + st.compute_s + st.d2h_s
+         for st, b in zip(steps[:n_fwd], fwd_blocks)]
     B = sum(cpu(st, b) for st, b in zip(steps[n_fwd:], bwd_blocks))
-    # loads reading the master from disk: forward, each block once (the tied head the embedding again too);
-    # backward, each layer once
-    fwd_load = [spilled.numels[b] * 4.0 if b in on_disk else 0.0 for b in fwd_blocks]
+    # loads reading the master from disk: forward, only a tied head's re-load of the embedding; backward, each
+    # layer once
+    fwd_load = [0.0] * n
     if tied and 0 in on_disk:
         fwd_load[n - 1] += spilled.numels[0] * 4.0
     bwd_load = sum(spilled.numels[b] * 4.0 for b in bwd_blocks if b in on_disk)

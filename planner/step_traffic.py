@@ -32,15 +32,19 @@ def traffic(model: ModelShape, work: Workload, plan: Plan) -> tuple[float, float
     return float(h2d), float(d2h)
 
 
-def disk_traffic(model: ModelShape, work: Workload, plan: Plan) -> tuple[float, float]:
+def disk_traffic(model: ModelShape, work: Workload, plan: Plan, tapped: bool = False) -> tuple[float, float]:
     """Bytes one step reads from and writes to the spill files: every spilled (block, kind) read once and
     written once (F_k: kind k's file, its spilled blocks x s_k rounded up to 4 KiB, s_k 2 for bf16 m and v;
     sum of F_k each way), plus, in
     fp32, the loads' reads of the blocks whose master spills (each block's h2d weight bytes x 4: the
-    embedding twice when tied, each layer twice (forward and backward), the head once)."""
+    embedding twice when tied, each layer twice (forward and backward), the head once). ``tapped``: each
+    block's first forward load takes its master from the update that writes it (a CPU device, deferred
+    updates: [Note: spilled loads]), so only the backward's loads and a tied head's re-load read it."""
     spilled = spill_placement.Spilled.of(model, plan, work.state_bytes)
     read = write = float(sum(spilled.file_bytes(k) for k in spilled.kinds))
     if work.compute_bytes == 4:
         loads = [2 if model.tie_word_embeddings else 1] + [2] * model.num_layers + [1]
+        if tapped:
+            loads = [n - 1 for n in loads]
         read += sum(loads[b] * spilled.numels[b] * 4 for b in spilled.blocks.get(BufferKind.MASTER, ()))
     return read, write
