@@ -70,11 +70,12 @@ class SpilledLoads:
     """The loader thread and its bounce buffers ([Note: spilled loads])."""
 
     def __init__(self, files: SpillFiles, streams: Streams, wait_updated: WaitUpdated, timer: StepTimer,
-                 bounce: bool) -> None:
-        """``bounce``: through pinned bounce buffers (CUDA slots), else straight into the slot (CPU slots)."""
+                 bounce: bool, slots: int) -> None:
+        """``bounce``: through pinned bounce buffers (CUDA slots), else straight into the slot (CPU slots);
+        ``slots``: how many there are (the queue's bound: see the note)."""
         self.files, self.streams, self.wait_updated, self.timer = files, streams, wait_updated, timer
         self.bounce = bounce
-        self._jobs: queue.Queue = queue.Queue()  # bounded by the slots: see the note
+        self._jobs: queue.Queue = queue.Queue(maxsize=slots + 1)  # (+1: the stop)
         self._thread = None
         self._buffers: list[torch.Tensor] = []  # bounce buffers, one spill chunk each
         self._copied: list[Event | None] = []  # per bounce buffer: the event of the H2D copy that last read it

@@ -107,7 +107,7 @@ class WeightLoader:
         self._spilled: dict[int, SpilledLoad] = {}  # per slot: the loader thread's job filling it
         files = store.spill_files
         self.spilled_loads = None if files is None else SpilledLoads(
-            files, streams, wait_updated, timer, bounce=slots.buffers[0].device.type != "cpu")
+            files, streams, wait_updated, timer, bounce=slots.buffers[0].device.type != "cpu", slots=len(slots))
 
     def start(self, step: int, sequence: Sequence[Load]) -> None:
         """Begin a sequence of loads for ``step``; nothing may be resident from the previous one."""

@@ -23,8 +23,9 @@ chunk is a multiple of 4 MiB (``buffer_kinds.spill_chunk_multiple``), so AdamW
 rounds a spilled block in the same pieces as one in RAM. A block's reads wait for its
 pending writes (every unfinished write of each (kind, block) is remembered). A
 bf16 compute-dtype shadow (what travels H2D) stays in RAM; in fp32 a block
-whose master is spilled has none, and its loads read the master file
-(weight_slots.py).
+whose master is spilled has none, and its loads read the master file, but for the
+chunks an update writes behind while a load taps the block (``tap_master``: copied into
+the load's slot on the way; [Note: spilled loads] in spilled_loads.py).
 
 [Note: spill pipeline]
 CPU AdamW reads a chunk's spilled kinds into a staging set (``stage``; the block's
