@@ -135,3 +135,13 @@ def test_spill_space_error_reports_the_total(tmp_path, monkeypatch) -> None:
     msg = _one_line(err)
     assert f"need {need / 2**20:.1f} MiB in all" in msg and f"{Usage.free / 2**20:.1f} MiB free" in msg, msg
     assert os.listdir(tmp_path) == []
+
+
+def test_a_line_break_in_what_the_user_passed_stays_escaped(tmp_path) -> None:
+    """A path (or any value) with a line break, echoed into a message, leaves the message one line: the break
+    is escaped, so what was passed is still readable."""
+    for load in (Engine.load_checkpoint, Engine.from_pretrained):
+        with pytest.raises(MegatrainError) as err:
+            load(str(tmp_path / "a\nb\rc"), device="cpu")
+        assert "a\\nb\\rc" in _one_line(err)
+    assert str(PlanError("x\ny")) == "x\\ny" and PlanError("x\ny").args == ("x\\ny",)
