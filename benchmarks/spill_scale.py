@@ -163,6 +163,13 @@ def markdown(rows: list[dict], info: dict) -> str:
         if r.get("status") == "ok" and "predicted_step_s" in r:
             p, m = r["predicted_step_s"], r["steps"][-1]["wall_s"]
             lines += ["", f"{r['model']}: the planner's step {p:.1f} s against {m:.1f} s measured ({p / m - 1:+.0%})"]
+        s = r["steps"][-1] if r.get("status") == "ok" else {}
+        if "disk_busy_forward_s" in s:  # the halves of the step (the forward with the previous step's update)
+            fwd, busy = s["forward_s"], s["disk_busy_forward_s"]
+            back, back_busy = s["step_s"] - fwd, s["disk_busy_s"] - busy
+            lines += ["", f"{r['model']}: disk busy {busy:.1f} s of the forward half's {fwd:.1f} s "
+                          f"({busy / fwd:.0%}), {back_busy:.1f} s of the backward half's {back:.1f} s "
+                          f"({back_busy / back:.0%})"]
     lines += ["", f"disk bandwidth used for 'disk time': read {info['read_gbps']} GB/s, write {info['write_gbps']} GB/s "
               "(megatrain-plan profile's figures for this disk, or --read-gbps / --write-gbps).", ""]
     return "\n".join(lines)

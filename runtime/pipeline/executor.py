@@ -151,6 +151,7 @@ class Executor:
         # ---- forward: embedding, then each layer (saving its inputs)
         x = self._forward(s, batch.input_ids, batch.micro, positions, training=True)
         self.checkpoints.flush()
+        self.timer.forward_end()
 
         # ---- head: loss and its gradient at once, chunk by chunk (with a tied lm_head, the embedding's table)
         head = s.head.block

@@ -27,7 +27,9 @@ The disk (spill files) is a resource too: ``disk_read_busy_s`` /
 ``disk_write_busy_s`` are the seconds of the timed step during which a read /
 a write was in flight (in steady state, one step's traffic, including the
 writes behind and the deferred updates of the step before), the roofline takes
-``disk_busy_s`` (either in flight), and ``disk_exposed_s`` is what the step
+``disk_busy_s`` (either in flight; ``disk_busy_forward_s`` of it before the
+step's forward ended, at ``forward_s`` host seconds into the step: the halves a
+spilled step's disk work falls in), and ``disk_exposed_s`` is what the step
 waited on the disk: loads reading the spilled fp32 master, plus the part of the
 exposed optimizer time during which the worker itself waited on spill I/O
 (moved out of ``adam_exposed_s``, so the exposed terms still add up); the two
@@ -76,6 +78,7 @@ class StepTimer:
         self._active = False  # this step is timed (only a training step is: not evaluation's loads)
         self.counters: Callable[[], dict[str, float]] | None = None  # see COUNTERS
         self._counted = dict.fromkeys(COUNTERS, 0.0)
+        self._forward: tuple[float, float] | None = None  # (host seconds, disk busy seconds) at the forward's end
 
     def arm(self) -> None:
         """Time the next training step (see [Note: opt-in timing])."""
@@ -91,10 +94,18 @@ class StepTimer:
         self._busy_host = dict.fromkeys(LINKS, 0.0)
         self._wall0 = time.perf_counter()
         self._counted = dict(self.counters()) if self.counters is not None else dict.fromkeys(COUNTERS, 0.0)
+        self._forward = None
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record(compute.raw)
             self._span = (start, start)
+
+    def forward_end(self) -> None:
+        """The step's forward is issued (on a CPU, done): its host seconds and the disk's busy seconds so far."""
+        if not self._active:
+            return
+        busy = self.counters()["disk_busy_s"] - self._counted["disk_busy_s"] if self.counters is not None else 0.0
+        self._forward = (time.perf_counter() - self._wall0, busy)
 
     def end(self, compute: Stream) -> None:
         if not self._active:
@@ -203,6 +214,8 @@ class StepTimer:
                 "h2d_busy_s": busy["h2d"], "d2h_busy_s": busy["d2h"],
                 "disk_read_busy_s": self._counted["disk_read_busy_s"],
                 "disk_write_busy_s": self._counted["disk_write_busy_s"], "disk_busy_s": self._counted["disk_busy_s"]}
+        if self._forward is not None:
+            done["forward_s"], done["disk_busy_forward_s"] = self._forward
         self._pending = False
         self._done = self._with_roofline(done, adam_busy)
         return self._done
