@@ -130,13 +130,9 @@ class Engine:
 
     @property
     def last_step_breakdown(self) -> dict[str, float] | None:
-        """Seconds of the last timed step (``time_next_step()`` first, else None): ``step_s``, ``compute_s``; exposed
-        ``h2d_exposed_s``, ``d2h_exposed_s``, ``ckpt_traffic_s``, ``adam_exposed_s``; busy ``h2d_busy_s``,
-        ``d2h_busy_s``, ``adam_busy_s`` (once its updates finished); ``roofline_s`` = max(compute, H2D, D2H, AdamW
-        busy), ``roofline_ratio`` = step / roofline; ``forward_s``, the host seconds at which the forward ended (on
-        CUDA: was issued), and with spill files the disk's busy and exposed seconds (``disk_busy_s``,
-        ``disk_busy_forward_s`` of it before the forward ended, ...: step_timer.py). On CUDA, reading it waits
-        for that step once."""
+        """Seconds of the last timed step (``time_next_step()`` first, else None): ``step_s``, ``compute_s``, what
+        was exposed and what each resource was busy, ``forward_s``, the roofline (step_timer.py; the README's
+        ``engine.last_step_breakdown`` paragraph). On CUDA, reading it waits for that step once."""
         self._check_open()
         return self.executor.timer.breakdown(self.executor.adam.busy_seconds)
 
