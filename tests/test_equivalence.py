@@ -206,9 +206,25 @@ _FLOOR_IN_FIRST_STEP = (
     3, 6, [1e-4, 1e-4], 105)
 
 
+# Found by CI: tied embeddings over 2 micro-batches, one-token attention tiles, eager updates: 0.18% of m's
+# elements, all with small gradients (sqrt(v) at 1-10% of their tensor's median), off by 1-6.5e-3 of their own
+# scale (numerics.assert_moments_close now floors that scale at a tenth of the tensor's mean).
+_SMALL_GRADIENTS_TILED = (
+    ModelConfig(vocab_size=104, hidden_size=24, intermediate_size=98, num_hidden_layers=4, num_attention_heads=3,
+                num_key_value_heads=3, head_dim=8, rope_theta=500000.0, tie_word_embeddings=True,
+                initializer_range=0.05,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 16}),
+    Plan(micro_batch_size=2, optimizer_mode="eager", host_grad_slabs=1, loss_chunk_tokens=76,
+         attention_tile_tokens=1),
+    OptimizerConfig(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, max_grad_norm=None, no_decay=()),
+    2, 38, [3e-4, 1e-4], 176)
+
+
 @settings(deadline=None)
 @given(cases())
 @example(_FLOOR_IN_FIRST_STEP)
+@example(_SMALL_GRADIENTS_TILED)
 def test_matches_pytorch_training_cpu(case):
     run_case(*case)
 
