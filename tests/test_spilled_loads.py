@@ -140,3 +140,21 @@ def test_a_load_takes_the_chunks_its_update_writes_instead_of_reading_them_back(
     assert all(reads_per_step[0].count(b) >= 2 for b in layers)
     first, later = ({b: step.count(b) for b in layers} for step in reads_per_step[:2])
     assert all(later[b] == first[b] // 2 for b in layers), (first, later)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_spilled_masters_load_on_cuda_as_in_ram(tmp_path):
+    """On CUDA the loader thread reads a spilled master through the pinned bounce buffers and copies it up on the
+    h2d stream, recording the slot's event after the last copy: training equals the masters in RAM, bitwise."""
+    ids = torch.randint(0, CONFIG.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
+    results = []
+    for plan in (Plan(num_slots=2, prefetch_depth=1),
+                 Plan(num_slots=2, prefetch_depth=1, spill="all", spill_dir=str(tmp_path), spill_chunk_bytes=4096)):
+        with Engine(CONFIG, OptimizerConfig(lr=1e-2, max_grad_norm=1.0), plan=plan, compute_dtype=torch.float32,
+                    device="cuda", seed=0) as engine:
+            losses = [float(engine.step(ids, ids)) for _ in range(3)]
+            results.append((losses, {k: v.clone() for k, v in engine.state_dict().items()}))
+    assert results[0][0] == results[1][0]
+    for name, value in results[0][1].items():
+        assert torch.equal(results[1][1][name], value), name
