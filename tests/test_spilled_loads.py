@@ -74,12 +74,12 @@ def test_compute_never_reads_a_spilled_master_itself(tmp_path, monkeypatch):
 def test_compute_of_a_block_does_not_wait_for_the_next_blocks_update(tmp_path, monkeypatch):
     """Deferred mode, spilled masters, prefetch depth 1: a step's forward computes block b as soon as b is
     updated and read, while AdamW still updates block b + 1 (each fused AdamW call, one per parameter, slowed by
-    50 ms here). When the
+    0.1 s here, a margin the loader thread meets even on a loaded machine). When the
     prefetch itself waited for the update of the load it issued, compute of b came after b + 1's update."""
     fused = torch._fused_adamw_
 
     def slow(*args, **kwargs):
-        time.sleep(0.05)
+        time.sleep(0.1)
         return fused(*args, **kwargs)
 
     monkeypatch.setattr(torch, "_fused_adamw_", slow)
@@ -108,7 +108,7 @@ def test_a_load_takes_the_chunks_its_update_writes_instead_of_reading_them_back(
     fused = torch._fused_adamw_
 
     def slow(*args, **kwargs):
-        time.sleep(0.05)
+        time.sleep(0.1)
         return fused(*args, **kwargs)
 
     reference, ref_losses = _train(Plan(num_slots=2, prefetch_depth=1))
