@@ -302,7 +302,7 @@ def test_disk_probe_times_a_rewrite_with_o_direct_where_the_filesystem_takes_it(
     assert os.listdir(tmp_path) == []
 
 
-def test_io_direct_follows_the_plan_and_the_profile_measures_both_modes(tmp_path):
+def test_io_direct_follows_the_plan_and_the_profile_says_which_mode_it_measured(tmp_path):
     """Plan.io_direct=False keeps the POSIX backend buffered; the profile's disk pass returns both directions'
     figures and whether they are O_DIRECT's, and the search's plans follow it (reads apart only when a plan says
     so)."""
