@@ -226,15 +226,18 @@ class _AdamTime:
         cal = hw.fitted(work.compute_dtype)
         self.spilled = spill_placement.Spilled.of(model, plan, work.state_bytes)
         # Seconds per parameter: AdamW, then the shadow pass where there is one (measured, or the factor).
-        per_param = 1.0 / hw.adam_params_per_s
-        if cal is not None:
-            # measured in the step: the shadow pass, where there is one, is inside it
+        # AdamW params/s where it runs: every core on the compute thread, else as the worker runs it (one thread
+        # where the device is the CPU: HardwareProfile.adam_params_per_s)
+        rate = hw.cpu_adam_params_per_s if plan.adam_thread == "compute" else hw.adam_params_per_s
+        per_param = 1.0 / rate
+        if cal is not None and plan.adam_thread == "worker":
+            # measured in the step (on the worker): the shadow pass, where there is one, is inside it
             per_param = 1.0 / cal.adam_params_per_s
         elif work.compute_bytes != 4:  # fp32 has no shadow pass, spilled master or not
             per_param = (per_param + 1.0 / hw.cpu_shadow_params_per_s if hw.cpu_shadow_params_per_s > 0
                          else per_param * ADAM_SHADOW_FACTOR)
         if work.optimizer_state == "bf16":  # + m and v widened and rounded back (measured, or the factor)
-            adam = 1.0 / (cal.adam_params_per_s if cal is not None else hw.adam_params_per_s)
+            adam = 1.0 / (cal.adam_params_per_s if cal is not None and plan.adam_thread == "worker" else rate)
             per_param += (1.0 / hw.cpu_bf16_state_params_per_s if hw.cpu_bf16_state_params_per_s > 0
                           else adam * BF16_STATE_FACTOR)
         self.per_param = per_param
@@ -287,8 +290,9 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBat
     E, Lw, H = model.numel_embedding, model.numel_layer, model.numel_head
     scale = rates.duplex_scale if host_ckpt else 1.0
     h2d, d2h = rates.h2d_gbps * scale, rates.d2h_gbps * scale
+    w = 0 if plan.compute_in_place else 1  # weights and grads copied (1), or used in place in host RAM (0)
     # Embedding: load E x c; compute is a gather (launches only).
-    steps = [BlockVisit(_copy_s(E * c, h2d), M * rates.launch_fwd_s, 0.0)]
+    steps = [BlockVisit(_copy_s(w * E * c, h2d), M * rates.launch_fwd_s, 0.0)]
     kept = set(plan.kept_layers)
     for layer in range(model.num_layers):
         # compute_fwd(M) = T x flops_fwd(seq) / rate (attention at its own rate) + M x launch
@@ -300,7 +304,7 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBat
         # A kept layer drains no checkpoint ([Note: kept layers]).
         drain = _copy_s(ckpt_bytes, d2h) if host_ckpt and layer not in kept else 0.0
         wait = len(steps) - 1 if drain and len(steps) >= 2 else None
-        steps.append(BlockVisit(_copy_s(Lw * c, h2d), comp, drain, d2h_at_start=True, wait_d2h_of=wait))
+        steps.append(BlockVisit(_copy_s(w * Lw * c, h2d), comp, drain, d2h_at_start=True, wait_d2h_of=wait))
     # Head: load (norm [+ lm_head]) x c, plus the embedding again when tied; compute its forward and
     # backward: T x (2 + 4) x V x h / rate + M x chunks x launch; untied head drains its fp32 grads.
     head_load = (H + (E if model.tie_word_embeddings else 0)) * c
@@ -310,8 +314,8 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBat
         # Fitted head class, timed alone with its chunk loop: T x (2 + 4) x V x h / r_head(h)
         head_comp = head_flops / rates.head_flops_per_s
     head_untied = not model.tie_word_embeddings
-    head_d2h = _copy_s(H * 4, d2h) if head_untied else 0.0
-    steps.append(BlockVisit(_copy_s(head_load, h2d), head_comp, head_d2h,
+    head_d2h = _copy_s(w * H * 4, d2h) if head_untied else 0.0
+    steps.append(BlockVisit(_copy_s(w * head_load, h2d), head_comp, head_d2h,
                        adam_s=adam.block(model.num_layers + 1) if slabs.eager and head_untied else 0.0,
                        wait_adam_of=slabs.take(len(steps)) if head_untied else None))
     return steps
@@ -325,6 +329,7 @@ def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBa
     ckpt_bytes = T * model.hidden_size * c if plan.checkpoints == "host" else 0
     Lw = model.numel_layer
     h2d, d2h = rates.h2d_gbps * rates.duplex_scale, rates.d2h_gbps * rates.duplex_scale
+    w = 0 if plan.compute_in_place else 1  # as in _forward_steps
     steps: list[BlockVisit] = []
     grad_users: list[int] = []
     for layer in reversed(range(model.num_layers)):
@@ -333,20 +338,20 @@ def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBa
         # A kept layer ([Note: kept layers]): no checkpoint, no recompute, and its forward's launches not
         # repeated: T x flops_bwd(seq) / rate + M x (launch_bwd - launch_fwd).
         kept = layer in plan.kept_layers
-        load = _copy_s(Lw * c + (0 if kept else ckpt_bytes), h2d)
+        load = _copy_s(w * Lw * c + (0 if kept else ckpt_bytes), h2d)
         flops = T * ((0.0 if kept else model.layer_flops_recompute(batch.seq)) + model.layer_flops_bwd(batch.seq))
         attention = T * ((0.0 if kept else model.attention_flops_fwd(batch.seq)) + model.attention_flops_bwd(batch.seq))
         comp = rates.layer_seconds(flops, attention) + M * (rates.launch_bwd_s - (rates.launch_fwd_s if kept else 0.0))
         wait = grad_users[-G] if len(grad_users) >= G else None   # a grad buffer frees when its drain ends
         index = first + len(steps)
         grad_users.append(index)
-        steps.append(BlockVisit(load, comp, _copy_s(Lw * 4, d2h), wait_d2h_of=wait, backward=True,
+        steps.append(BlockVisit(load, comp, _copy_s(w * Lw * 4, d2h), wait_d2h_of=wait, backward=True,
                            adam_s=adam.block(1 + layer) if slabs.eager else 0.0, wait_adam_of=slabs.take(index)))
     # Embedding backward: no weights; scatter-add dy (launches only); drain E x 4.
     wait = grad_users[-G] if len(grad_users) >= G else None
     # Tied: the head's update (its norm) is queued here too, with the shared weight's.
     adam_e = adam.block(0) + (adam.block(model.num_layers + 1) if model.tie_word_embeddings else 0.0)
-    steps.append(BlockVisit(0.0, M * rates.launch_bwd_s, _copy_s(model.numel_embedding * 4, d2h), wait_d2h_of=wait,
+    steps.append(BlockVisit(0.0, M * rates.launch_bwd_s, _copy_s(w * model.numel_embedding * 4, d2h), wait_d2h_of=wait,
                        backward=True, adam_s=adam_e if slabs.eager else 0.0,
                        wait_adam_of=slabs.take(first + len(steps))))
     return steps

@@ -146,13 +146,19 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
 
     # ---- device -----------------------------------------------------------------------------
     Bu, unit = slot_numel(model, plan)
-    dev("weight slots", K * Bu * c, f"K x {unit} x c = {K} x {Bu} x {c}")
-    dev("grad accumulators", G * Bu * 4, f"G x {unit} x 4 = {G} x {Bu} x 4")
+    if plan.compute_in_place:  # a CPU device computing on the host's weights and gradients: nothing copied
+        dev("weight slots", 0, "0: compute in place")
+        dev("grad accumulators", 0, "0: compute in place")
+    else:
+        dev("weight slots", K * Bu * c, f"K x {unit} x c = {K} x {Bu} x {c}")
+        dev("grad accumulators", G * Bu * 4, f"G x {unit} x 4 = {G} x {Bu} x 4")
     if grouped(model, plan):
         dev("expert-group routed state", *routed_state(model, work))
     if model.tie_word_embeddings:
-        # The head's gradient of the shared weight waits here until the embedding's backward.
-        dev("tied embedding grad", E * 4, f"E x 4 = {E} x 4")
+        # The head's gradient of the shared weight waits here until the embedding's backward (in place: in the
+        # embedding's host gradients).
+        dev("tied embedding grad", 0 if plan.compute_in_place else E * 4,
+            "0: compute in place" if plan.compute_in_place else f"E x 4 = {E} x 4")
     R = kept_layers.recomputed_layers(model, plan)  # L - k: the layers with a boundary checkpoint
     if plan.checkpoints == "device":
         dev("activation checkpoints", R * T * h * c, f"(L - k) x T x h x c = {R} x {T} x {h} x {c}")

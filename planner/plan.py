@@ -15,13 +15,15 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .plan_checks import PlanError, at_least, one_of
+from .plan_checks import PlanError, at_least, check_host_device, kept_layer_numbers, one_of
 from .workload_fingerprint import WorkloadFingerprint, fingerprint_from_dict
 
 PLAN_VERSION = 1
 
 CHECKPOINT_PLACEMENTS = ("device", "host")
 OPTIMIZER_MODES = ("eager", "deferred")
+# Where CPU AdamW runs: a worker thread of its own, or the thread that runs the step ([Note: adam threads]).
+ADAM_THREADS = ("worker", "compute")
 # "blocks": per kind, the blocks ``Plan.spill_blocks`` names; the others are shorthands for every block of their
 # kinds ("optimizer": m and v; "all": master, m, v and grads).
 SPILL_CHOICES = ("none", "optimizer", "all", "blocks")
@@ -88,6 +90,8 @@ class Plan:
       attention_tile_tokens  the attention half's token-local intermediates (norm output, fp32 norm copies,
                           pre-RoPE q and k, o_proj's input) for micro-batch x min(tile, S) tokens instead of S
                           (None: untiled); q, k, v, attention's output and their gradients stay whole
+      compute_in_place    a CPU device computing on the host's weights and gradients: no weight slots, gradient
+                          accumulators or tied-embedding gradient buffer (0 bytes each)
       kept_layers         the decoder layers (0..L-1) whose forward graph stays for backward instead of being
                           recomputed from a boundary checkpoint: each T x (kept bytes per token - h x c) more
                           (memory_model "kept activations"), one layer forward less in backward
@@ -120,6 +124,12 @@ class Plan:
     # "eager": AdamW per block as soon as its grads reach the host (no clipping possible);
     # "deferred": after backward, in forward order, overlapping the next step's forward.
     optimizer_mode: str = "deferred"
+    # "worker": AdamW on a thread of its own, beside compute; "compute": each update as it is queued, on the thread
+    # of the step, with all its intra-op threads (a CPU device, whose cores compute holds; nothing spilled).
+    adam_thread: str = "worker"
+    # A CPU device computing on each block's weights and gradients where they are in host RAM: no slot or gradient
+    # buffer copied or held (deferred mode, masters and gradients in RAM, whole layers, one process).
+    compute_in_place: bool = False
     # Device fp32 gradient accumulators in flight (one accumulating, one draining to host).
     device_grad_buffers: int = 2
     # Eager mode: host fp32 gradient slabs between D2H and AdamW.
@@ -181,6 +191,7 @@ class Plan:
             at_least("checkpoint_piece_tokens", self.checkpoint_piece_tokens, 1,
                       "it is the number of tokens per checkpoint copy, or null for whole micro-batches")
         one_of("optimizer_mode", self.optimizer_mode, OPTIMIZER_MODES)
+        one_of("adam_thread", self.adam_thread, ADAM_THREADS)
         at_least("device_grad_buffers", self.device_grad_buffers, 2,
                   "one buffer accumulates while the previous one drains to the host")
         at_least("host_grad_slabs", self.host_grad_slabs, 1, "eager mode needs somewhere to land gradients")
@@ -192,7 +203,7 @@ class Plan:
                       "it is the number of tokens per tile of the attention's projections, or null")
         if self.expert_group_size is not None:
             at_least("expert_group_size", self.expert_group_size, 0, "experts per group, or 0 / null for whole layers")
-        self._check_kept_layers()
+        object.__setattr__(self, "kept_layers", kept_layer_numbers(self.kept_layers))
         one_of("spill", self.spill, SPILL_CHOICES)
         self._check_spill_blocks()
         one_of("io_backend", self.io_backend, IO_BACKENDS)
@@ -206,6 +217,7 @@ class Plan:
         if self.spill_chunk_bytes % SPILL_CHUNK_ALIGN:
             raise PlanError(f"spill_chunk_bytes={self.spill_chunk_bytes} must be a multiple of {SPILL_CHUNK_ALIGN} "
                             "(the spill files' alignment); round it to one")
+        check_host_device(self)
         if self.spill != "none" and not self.spill_dir:
             raise PlanError(f"spill={self.spill!r} needs spill_dir: name a directory on a fast local disk (--spill-dir)")
         if self.spill_dir is not None and not isinstance(self.spill_dir, str):
@@ -214,15 +226,6 @@ class Plan:
             object.__setattr__(self, "workload", fingerprint_from_dict(self.workload))
         if self.workload is not None and not isinstance(self.workload, WorkloadFingerprint):
             raise PlanError(f"workload={self.workload!r} must be a WorkloadFingerprint or None")
-
-    def _check_kept_layers(self) -> None:
-        value = self.kept_layers
-        if not isinstance(value, (list, tuple)) or not all(
-                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in value):
-            raise PlanError(f"kept_layers={value!r} must be a list of decoder layer numbers >= 0 (0 the first layer)")
-        if len(set(value)) != len(value):
-            raise PlanError(f"kept_layers={list(value)!r} names a layer twice; list each layer once")
-        object.__setattr__(self, "kept_layers", tuple(sorted(value)))
 
     def check_kept_layers(self, num_layers: int) -> None:
         """Refuse a kept layer the model does not have (one line)."""
@@ -316,12 +319,24 @@ class Plan:
             f.write(self.to_json() + "\n")
 
 
-def default_plan(clipping: bool) -> Plan:
+def default_plan(clipping: bool, device_is_host: bool = False) -> Plan:
     """The plan the runtime uses when none is given, until a measured one exists.
 
     Two slots, prefetch one block ahead, checkpoints on the device; the optimizer
-    overlaps backward unless clipping needs every block's gradient norm first. Its
+    overlaps backward unless clipping needs every block's gradient norm first, and
+    runs on the compute thread where the device is the CPU (``adam_thread``). Its
     micro-batch is open: the Engine sets it to the first training step's batch (this
     rank's share), so a batch is never split unless a plan says so.
     """
-    return Plan(optimizer_mode="deferred" if clipping else "eager")
+    mode = "deferred" if clipping else "eager"
+    return Plan(optimizer_mode=mode, **host_device_choices(device_is_host, mode, "none"))
+
+
+def host_device_choices(device_is_host: bool, optimizer_mode: str, spill: str) -> dict[str, Any]:
+    """What a plan does where the device is the CPU (``device_is_host``, one process), as ``Plan`` fields:
+    ``adam_thread`` "compute" when nothing spills (the cores are compute's, so a worker thread would only take
+    them in turn, on one intra-op thread), else "worker" (beside a GPU's compute, or waiting on spill I/O); and
+    ``compute_in_place`` in deferred mode with every master and gradient in RAM (copying a block from host RAM
+    to host RAM buys nothing)."""
+    return {"adam_thread": "compute" if device_is_host and spill == "none" else "worker",
+            "compute_in_place": device_is_host and optimizer_mode == "deferred" and spill in ("none", "optimizer")}

@@ -22,3 +22,32 @@ def at_least(field: str, value: Any, low: int, why: str) -> None:
 def one_of(field: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise PlanError(f"{field}={value!r} must be one of {', '.join(repr(c) for c in choices)}")
+
+
+def kept_layer_numbers(value: Any) -> tuple[int, ...]:
+    """``Plan.kept_layers`` checked: distinct decoder layer numbers >= 0, sorted."""
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in value):
+        raise PlanError(f"kept_layers={value!r} must be a list of decoder layer numbers >= 0 (0 the first layer)")
+    if len(set(value)) != len(value):
+        raise PlanError(f"kept_layers={list(value)!r} names a layer twice; list each layer once")
+    return tuple(sorted(value))
+
+
+def check_host_device(plan: Any) -> None:
+    """A ``Plan``'s ``compute_in_place`` and ``adam_thread`` against what they need: every block's weights and
+    gradients whole in RAM (deferred mode, no expert groups, no master or gradient spilled), and nothing spilled
+    for AdamW on the compute thread (it would wait for the disk)."""
+    if not isinstance(plan.compute_in_place, bool):
+        raise PlanError(f"compute_in_place={plan.compute_in_place!r} must be true or false")
+    blocks = plan.spill_blocks
+    spilled = plan.spill == "all" or (plan.spill == "blocks" and blocks is not None and bool(blocks.master or blocks.grads))
+    why = ("eager updates take gradients from slabs" if plan.optimizer_mode != "deferred" else
+           "a layer streamed in expert groups is copied part by part" if plan.expert_group_size else
+           "the master or the gradients spill" if spilled else None)
+    if plan.compute_in_place and why:
+        raise PlanError(f"compute_in_place needs every block's weights and gradients whole in RAM, but {why}; "
+                        "set compute_in_place to false")
+    if plan.adam_thread == "compute" and plan.spill != "none":
+        raise PlanError(f"adam_thread='compute' cannot wait for spill I/O (spill={plan.spill!r}): "
+                        "use adam_thread='worker' with a spill plan")

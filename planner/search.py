@@ -31,7 +31,7 @@ from .cost_model import CostEstimate
 from .hardware import HardwareProfile
 from .memory_model import MemoryEstimate, Overrun
 from .model_shapes import ModelShape
-from .plan import Plan
+from .plan import Plan, host_device_choices
 from .sequence_pieces import checkpoint_piece_tokens, sequence_tile_tokens
 from .workload import Workload
 
@@ -101,12 +101,15 @@ def micro_batch_sizes(batch: int) -> list[int]:
     return sorted(sizes)
 
 
-def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = None) -> list[Plan]:
+def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = None,
+               one_process: bool = True) -> list[Plan]:
     """Every plan the search considers, before the loss chunk is chosen (chunk = micro-batch tokens).
 
     Spill plans only where the workload names a spill directory (the search never picks one) and ``hw``
-    has the disk's figures to time them with; a forced spill without those figures is refused.
+    has the disk's figures to time them with; a forced spill without those figures is refused. A CPU device
+    (``hw``) in ``one_process`` gets ``host_device_choices``; data-parallel ranks copy and gather as on a GPU.
     """
+    host = hw is not None and hw.device_is_host and one_process
     modes = ("deferred",) if work.clipping else ("eager", "deferred")
     disk = hw is not None and hw.disk_read_gbps > 0 and hw.disk_write_gbps > 0
     if work.spill in ("optimizer", "all") and not disk:
@@ -135,6 +138,7 @@ def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = N
                                                 if ckpt == "host" else None,
                                                 spill_dir=None if spill == "none" else work.spill_dir,
                                                 spill_staging=staging, **spill_io_choices(hw),
+                                                **host_device_choices(host, mode, spill),
                                                 **({} if spill == "none" else {"spill_chunk_bytes": chunk})))
     return out
 
@@ -267,7 +271,7 @@ def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile,
     ``ranks``, one rank's plans, timed at its share of the batch."""
     fit, misfit = [], []
     rank = _rank(work, ranks)
-    for plan in candidates(model, rank, hw):
+    for plan in candidates(model, rank, hw, ranks is None):
         choice = _fit_chunk(model, work, plan, hw, ranks)
         if not choice.feasible:
             misfit.append(choice)
@@ -302,7 +306,7 @@ def search(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks 
 def fits(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks = None) -> bool:
     """Whether any plan fits every budget (memory only; nothing is timed). Memory grows with the loss
     chunk, so each candidate is tried with its smallest chunk only."""
-    for plan in candidates(model, _rank(work, ranks), hw):
+    for plan in candidates(model, _rank(work, ranks), hw, ranks is None):
         p = fill(model, work, plan, hw, ranks).replace(
             loss_chunk_tokens=_chunks(plan.micro_batch_size * work.seq_len)[-1])
         if not overruns(_memory(model, work, p, hw, ranks), work, hw, ranks):
@@ -358,7 +362,7 @@ def minimum_memory(model: ModelShape, work: Workload, hw: HardwareProfile,
     with the smallest loss chunk: what ``megatrain-plan size`` reports as the minimum to buy. With
     ``ranks``, one rank's memory (a node holds G of it)."""
     best: dict[str, PlanChoice] = {}
-    for plan in candidates(model, _rank(work, ranks), hw):
+    for plan in candidates(model, _rank(work, ranks), hw, ranks is None):
         p = plan.replace(loss_chunk_tokens=min(LOSS_CHUNKS[-1], plan.loss_chunk_tokens))
         mem = _memory(model, work, p, hw, ranks)
         keys = [("gpu", mem.device_bytes), ("host", mem.host_bytes)]

@@ -85,12 +85,15 @@ def fill_levels(model: ModelShape, deferred: bool) -> int:
 
 def at_level(plan: Plan, model: ModelShape, level: int) -> Plan:
     """``plan`` with the placement of fill level ``level`` (see [Note: fill order]): "none" at 0, "optimizer"
-    where every block's m and v spill and nothing else, "all" at the last level, else "blocks"."""
+    where every block's m and v spill and nothing else, "all" at the last level, else "blocks". Above level 0
+    AdamW runs on its worker thread (``Plan.adam_thread``: only a worker waits for spill I/O), and above level nb
+    (m and v) a master or gradient spills, so compute has no host copy to work in place on."""
     deferred = plan.optimizer_mode == "deferred"
     nb = model.num_layers + 2
     assert 0 <= level <= fill_levels(model, deferred)
     if level == 0:
         return plan.replace(spill="none", spill_blocks=None)
+    plan = plan.replace(adam_thread="worker", compute_in_place=plan.compute_in_place and level <= nb)
     if level == nb:
         return plan.replace(spill="optimizer", spill_blocks=None)
     if level == fill_levels(model, deferred):

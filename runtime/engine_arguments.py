@@ -40,9 +40,9 @@ def check_arguments(model_config: object, optimizer: object, plan: object, compu
     if not isinstance(optimizer, OptimizerConfig):
         raise ConfigError(f"optimizer is a {type(optimizer).__name__}; pass OptimizerConfig(...)")
     plan_given = plan is not None
-    plan = plan if plan is not None else default_plan(optimizer.clipping)
-    if not isinstance(plan, Plan):
+    if plan is not None and not isinstance(plan, Plan):
         raise PlanError(f"plan is a {type(plan).__name__}; pass a Plan (e.g. Plan.load('plan.json')) or None")
+    plan = plan if plan is not None else default_plan(optimizer.clipping)
     if plan.optimizer_mode == "eager" and optimizer.clipping:
         raise PlanError(
             f"optimizer_mode='eager' cannot clip gradients (max_grad_norm={optimizer.max_grad_norm}): "
@@ -60,6 +60,14 @@ def check_arguments(model_config: object, optimizer: object, plan: object, compu
     if topology is not None and optimizer.state_dtype != "fp32":
         raise ConfigError("state_dtype='bf16' is not supported with data parallelism yet; use state_dtype='fp32'")
     picked = pick_device(rank_device(topology, device))
+    if not plan_given:  # the default plan's AdamW thread and copies follow the device
+        plan = default_plan(optimizer.clipping, device_is_host=picked.type == "cpu" and topology is None)
+    elif plan.adam_thread == "compute" and picked.type != "cpu":
+        raise PlanError("adam_thread='compute' is for a CPU device: on a GPU it would wait for every gradient copy; "
+                        "use adam_thread='worker' (megatrain-plan plan picks it on a GPU machine)")
+    elif plan.compute_in_place and (picked.type != "cpu" or topology is not None):
+        raise PlanError("compute_in_place is for one process on a CPU device, whose weights are in host RAM "
+                        "already; set compute_in_place to false")
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**40:
         raise ConfigError(f"seed={seed!r} must be an integer in [0, 2**40)")
     return Arguments(optimizer, plan, plan_given, topology, picked)

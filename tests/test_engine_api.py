@@ -175,15 +175,18 @@ def test_breakdown_has_the_disk_when_state_spills(tmp_path, monkeypatch):
 
 def test_without_a_plan_the_first_step_sets_the_micro_batch(tmp_path):
     """No plan: the default plan's micro-batch is the first step's batch (one micro-batch, never split), the same
-    bits as that plan given explicitly; a checkpoint before any step leaves it open for the resumed engine."""
+    bits as that plan given explicitly (AdamW on its worker thread, weights copied); a checkpoint before any step leaves it open for the resumed engine."""
     opt = OptimizerConfig(lr=1e-3, max_grad_norm=1.0)
     batches = list(_data(steps=3, batch=4))
     with Engine(CONFIG, opt, compute_dtype=torch.float32, device="cpu") as own:
         own.save_checkpoint(tmp_path / "early", blocking=True)
         assert own.plan.micro_batch_size == 1  # open until a step
         losses = [own.step(ids, labels).item() for ids, labels in batches]
-        # ... and keeps every layer's activations, which fit ([Note: kept layers]; the planner's choice)
-        assert own.plan == Plan(optimizer_mode="deferred", micro_batch_size=4, kept_layers=(0, 1))
+        # ... and keeps every layer's activations, which fit ([Note: kept layers]; the planner's choice); on a CPU
+        # device AdamW runs on the compute thread and compute in place, with the same bits as the copies and the
+        # worker thread (below)
+        assert own.plan == Plan(optimizer_mode="deferred", micro_batch_size=4, kept_layers=(0, 1),
+                                adam_thread="compute", compute_in_place=True)
         weights = own.state_dict()
     with Engine(CONFIG, opt, plan=Plan(micro_batch_size=4, kept_layers=(0, 1)), compute_dtype=torch.float32,
                 device="cpu") as given:

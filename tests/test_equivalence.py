@@ -108,6 +108,10 @@ def cases(draw):
     steps = draw(st.integers(1, 4))
     lrs = [draw(st.sampled_from([1e-4, 3e-4, 1e-3, 0.0])) for _ in range(steps)]  # fine-tuning to pretraining rates
     seed = draw(st.integers(0, 2**16))
+    # A CPU device's choices: AdamW on the compute thread, and compute on the host's weights and gradients in place
+    # ([Note: compute in place]; deferred mode only). Drawn last, so the draws above stay what they were.
+    plan = plan.replace(adam_thread=draw(st.sampled_from(["worker", "compute"])),
+                        compute_in_place=plan.optimizer_mode == "deferred" and draw(st.booleans()))
     return config, plan, optimizer, batch, seq, lrs, seed
 
 

@@ -1,6 +1,8 @@
 """Cost model: limiting cases against hand formulas, and the direction of each knob."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatrain.planner import cost_model, hardware
@@ -114,6 +116,28 @@ def test_cpu_device_serialises_adam_at_one_threads_rate() -> None:
     assert est.optimizer_exposed_seconds == pytest.approx(m.numel_total * cost_model.ADAM_SHADOW_FACTOR / 0.6e9)
     gpu = measured.replace(gpu_mem_bytes=80 << 30)  # a GPU machine's worker has every core
     assert gpu.adam_params_per_s == 1e9
+    # On the compute thread (Plan.adam_thread) AdamW has every core: the all-core rate, measured one-thread or not.
+    est = cost_model.estimate(m, Workload(256, 2), Plan(adam_thread="compute"), measured)
+    assert est.optimizer_exposed_seconds == pytest.approx(m.numel_total * cost_model.ADAM_SHADOW_FACTOR / 1e9)
+
+
+def test_computing_in_place_saves_exactly_the_copies() -> None:
+    """A CPU device computing in place (``Plan.compute_in_place``) copies no weights or gradients: its step is the
+    same plan's with copies less every copy, by hand (device checkpoints, untied head, fp32):
+    H2D = (E + L x layer + head) x 4 forward + L x layer x 4 backward, in 2L + 2 copies;
+    D2H = (L x layer + E + head) x 4, in L + 2 copies; each copy bytes / (GB/s x 1e9) + COPY_LATENCY_S."""
+    cpu = hardware.HardwareProfile(gpu_name="cpu", gpu_mem_bytes=0, h2d_gbps=10, d2h_gbps=4, duplex_gbps=10,
+                                   matmul_tflops={"float32": 0.1, "bfloat16": 0.1}, cpu_adam_params_per_s=1e9,
+                                   host_ram_bytes=64 << 30, host_available_bytes=60 << 30, cores=2)
+    m = dataclasses.replace(PRESETS["shape:Qwen2.5-0.5B"], tie_word_embeddings=False)
+    work, plan = Workload(256, 2, compute_dtype="fp32"), Plan(adam_thread="compute", micro_batch_size=2)
+    copies, in_place = (cost_model.estimate(m, work, p, cpu) for p in (plan, plan.replace(compute_in_place=True)))
+    L, E, Lw, H = m.num_layers, m.numel_embedding, m.numel_layer, m.numel_head
+    h2d = ((E + L * Lw + H) + L * Lw) * 4 / 10e9 + (2 * L + 2) * cost_model.COPY_LATENCY_S
+    d2h = (L * Lw + E + H) * 4 / 4e9 + (L + 2) * cost_model.COPY_LATENCY_S
+    assert copies.step_seconds - in_place.step_seconds == pytest.approx(h2d + d2h)
+    assert (in_place.h2d_bytes, in_place.d2h_bytes) == (0.0, 0.0) and copies.h2d_bytes > 0
+    assert in_place.optimizer_exposed_seconds == copies.optimizer_exposed_seconds == pytest.approx(m.numel_total / 1e9)
 
 
 def test_adamw_time_counts_the_shadow_pass_only_where_there_is_one() -> None:

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatrain.planner import hardware, memory_model, model_shapes, search, spill_placement
+from megatrain.planner import data_parallel, hardware, memory_model, model_shapes, search, spill_placement
 from megatrain.planner.hardware import GiB, HardwareProfile
 from megatrain.planner.model_shapes import PRESETS, ModelShape
 from megatrain.planner.plan import Plan
@@ -214,3 +214,28 @@ def test_spill_chunks_are_a_layer_and_staging_sets_never_exceed_the_chunks_of_on
     big = PRESETS["shape:Llama-3.2-3B"]  # 28 layers of 0.8 GB: 64 MiB chunks, many of them
     assert search.spill_chunk_bytes(big) == Plan.spill_chunk_bytes
     assert search.spill_staging_choices(big, Plan.spill_chunk_bytes) == search.SPILL_STAGING
+
+
+def test_a_cpu_device_computes_in_place_with_adamw_on_the_compute_thread_where_it_can() -> None:
+    """One process on a CPU device, nothing spilled: compute in place and AdamW on the compute thread; a GPU, or
+    data-parallel ranks: copies and the worker; spilling everything: the worker (it waits for the disk), copies
+    (no master in RAM); the fill's levels keep in place while only m and v spill, and drop it beyond them."""
+    m = model_shapes.from_config(dict(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=512,
+                                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2))
+    cpu = HardwareProfile(gpu_name="cpu", gpu_mem_bytes=0, h2d_gbps=5.0, d2h_gbps=5.0, duplex_gbps=5.0,
+                          matmul_tflops={"float32": 0.2}, cpu_adam_params_per_s=1e9, host_ram_bytes=64 * GiB,
+                          host_available_bytes=60 * GiB, cores=2, disk_read_gbps=1.0, disk_write_gbps=1.0)
+    work = Workload(256, 4, "fp32")
+    choices = lambda p: (p.adam_thread, p.compute_in_place)  # noqa: E731
+    assert choices(search.search(m, work, cpu).require().plan) == ("compute", True)
+    gpu = hardware.preset("H100-SXM")
+    assert choices(search.search(m, work, gpu).require().plan) == ("worker", False)
+    ranks = data_parallel.topology(cpu, 2, 1)
+    assert choices(search.search(m, work, cpu, ranks=ranks).require().plan) == ("worker", False)
+    spilled = search.search(m, Workload(256, 4, "fp32", spill="all", spill_dir="/nvme"), cpu).require().plan
+    assert choices(spilled) == ("worker", False)
+    nb = m.num_layers + 2
+    in_place = Plan(compute_in_place=True, adam_thread="compute", spill_dir="/nvme")
+    assert spill_placement.at_level(in_place, m, nb).compute_in_place  # every m and v spilled, masters in RAM
+    assert not spill_placement.at_level(in_place, m, nb + 1).compute_in_place  # a master spilled
+    assert spill_placement.at_level(in_place, m, 1).adam_thread == "worker"

@@ -55,7 +55,6 @@ class CalibrateError(ValueError):
 
 
 # ---- the measured run (in its own process) ------------------------------------------------------
-
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     """Run ``spec["steps"]`` steps (after one warm-up) of the model with the plan; per-step measurements."""
     import torch
@@ -268,8 +267,9 @@ def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: s
         if result.best is None:
             raise CalibrateError(f"calibration model {name} does not fit this machine ({result.reason()}); "
                                  "free memory and run again")
-        plan = result.best.plan.replace(micro_batch_size=mbs, kept_layers=())  # recomputed, as the fit's FLOPs count
-        plans.append(plan)
+        # every layer recomputed (the fit's FLOPs), weights copied and AdamW on its worker: the rates it fits
+        plans.append(plan := result.best.plan.replace(micro_batch_size=mbs, kept_layers=(), compute_in_place=False,
+                                                      adam_thread="worker"))
         # the overhead run's steps take milliseconds: three times the samples cost next to nothing
         n = 3 * steps if name == OVERHEAD_RUN[0] else steps
         measurements.append((config, seq, batch, dtype, plan.to_json(indent=None), n, steps))

@@ -112,7 +112,12 @@ class BlockUpdates:
     def _submit(self, step: int, block: Block, host: torch.Tensor | None, done: Event,
                 clip: tuple[torch.Tensor, Event] | None, hyper: AdamHyper, release: Callable[[], None] | None) -> None:
         self.log.record("adam_submit", step, block.index)
-        self.adam.submit(AdamJob(step, block.index, host, done, clip, hyper, self.adam_layouts[block.index], release))
+        job = AdamJob(step, block.index, host, done, clip, hyper, self.adam_layouts[block.index], release)
+        if not self.adam.inline:
+            self.adam.submit(job)
+            return
+        with self.timer.adam_wait(self.streams.compute):  # the update runs here, on the compute thread: exposed
+            self.adam.submit(job)
 
     def _drain_scalar(self, value: torch.Tensor, host: torch.Tensor) -> Event:
         ready = self.streams.recorded(self.streams.compute)

@@ -17,6 +17,10 @@ backward, in forward order, so block 0 is updated first and the next step's
 forward, which loads block 0 first, waits the least. In both, the next load of
 block b waits for ``wait_updated(b)``. The job queue holds at most one job per
 block (its bound); the worker releases an eager-mode gradient slab when done.
+With ``Plan.adam_thread == "compute"`` there is no worker: ``submit`` runs the
+job at once on the calling thread (the compute thread, every intra-op thread of
+it), so eager updates run inside backward and deferred ones at the end of the
+step, where ``torch.optim.AdamW`` would run them ([Note: helper threads]).
 
 With spilled kinds the worker keeps up to ``spill_staging`` chunks in flight and asks the read-ahead
 (read_ahead.py, [Note: spill read-ahead]) for each chunk's staged state and to write it back behind; which
@@ -91,10 +95,14 @@ class AdamWorker:
     """The worker thread: waits for a job's inputs, updates the block, refreshes its shadow and signals it.
     With spill files, ``ahead`` (read_ahead.py) stages each piece's spilled state and writes it back."""
 
-    def __init__(self, store: HostStore, order: Sequence[int], log: EventLog, one_thread: bool = False) -> None:
+    def __init__(self, store: HostStore, order: Sequence[int], log: EventLog, one_thread: bool = False,
+                 inline: bool = False) -> None:
         """``order``: the blocks in the order every step's jobs come (``StepSchedule.update_order``);
-        ``one_thread``: its kernels run on one intra-op thread (the device is the CPU: [Note: helper threads])."""
+        ``one_thread``: its kernels run on one intra-op thread (the device is the CPU: [Note: helper threads]);
+        ``inline``: no thread, each job runs in ``submit`` (nothing spilled)."""
+        assert not (inline and store.spill_files is not None), "refused by Plan: adam_thread='compute' with spill"
         self.store = store
+        self.inline = inline
         self.log = log
         self._jobs: queue.Queue[AdamJob | None] = queue.Queue(maxsize=len(order) + 1)
         self._updated = [0] * len(order)  # last step whose update of block b is complete
@@ -107,11 +115,16 @@ class AdamWorker:
         self._skipped: list[int] = []  # steps with a skipped block update, not yet taken by take_skipped()
         files = store.spill_files
         self.ahead = ReadAhead(files, order, log) if files is not None else None
-        self._thread = host_threads.start(self._run, "megatrain-adamw", one_thread)
+        self._thread = None if inline else host_threads.start(self._run, "megatrain-adamw", one_thread)
 
     def submit(self, job: AdamJob) -> None:
         self.raise_if_failed()
-        self._jobs.put(job)
+        if not self.inline:
+            self._jobs.put(job)
+            return
+        (lo, n), = self._take(job)
+        self._update(job, lo, n, True, None)
+        self._done(job)
 
     def wait_updated(self, block: int, step: int) -> None:
         """Block until block's update for ``step`` (and all before it) is done."""
@@ -130,7 +143,7 @@ class AdamWorker:
             self._updated = [step] * len(self._updated)
 
     def close(self) -> None:
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
 
@@ -200,13 +213,17 @@ class AdamWorker:
                 job, lo, n, last, staged = inflight.popleft()
                 self._update(job, lo, n, last, staged)
                 if last:
-                    with self._cond:
-                        self._updated[job.block] = job.step
-                        self._cond.notify_all()
+                    self._done(job)
         except BaseException as e:  # surfaced to the training thread at its next wait
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
+
+    def _done(self, job: AdamJob) -> None:
+        """Job's block is updated for its step: its loads may go."""
+        with self._cond:
+            self._updated[job.block] = job.step
+            self._cond.notify_all()
 
     def _take(self, job: AdamJob) -> list[tuple[int, int]]:
         """Take ``job`` (the read-ahead notes it); the (first element, elements) pieces its update walks: the spill

@@ -85,14 +85,17 @@ class Executor:
         self.log = log
         self.streams = Streams(device) if collectives is None else collectives.streams
         self.timer = StepTimer(self.streams.cuda)
-        self.slots = WeightSlots(plan.num_slots, slot_numel, compute_dtype, device, self.streams)
-        self.grad_buffers = GradBuffers(plan.device_grad_buffers, slot_numel, device, self.streams, self.timer)
+        in_place = plan.compute_in_place  # [Note: compute in place]: slots and gradient buffers hold nothing
+        host_grads = (lambda b: store.grad_sink(b).host) if in_place else None  # noqa: E731
+        self.slots = WeightSlots(plan.num_slots, 0 if in_place else slot_numel, compute_dtype, device, self.streams)
+        self.grad_buffers = GradBuffers(plan.device_grad_buffers, 0 if in_place else slot_numel, device, self.streams,
+                                        self.timer, host_grads)
         self.schedule = training_schedule(templates, self.parts)  # the step's loads: [Note: load sequence]
         self.evaluation = evaluation_schedule(templates, self.parts)
         # Tied embeddings: the head's lm_head gradient lands here in forward and the embedding's
         # own in backward; one extra fp32 buffer of the embedding's size, resident for the whole step.
-        self.tied_grad = (torch.zeros(self._grad_numel(templates.embed), dtype=torch.float32, device=device)
-                          if self.schedule.tied else None)
+        self.tied_grad = (None if not self.schedule.tied else host_grads(templates.embed.index) if host_grads else
+                          torch.zeros(self._grad_numel(templates.embed), dtype=torch.float32, device=device))
         self.checkpoints: DeviceCheckpoints | HostCheckpoints = (
             HostCheckpoints(plan.checkpoint_piece_tokens, compute_dtype, device, self.streams, device.type == "cuda",
                             self.timer, log)
@@ -100,7 +103,8 @@ class Executor:
         )
         eager = plan.optimizer_mode == "eager"
         # Its jobs come in this order; on a CPU device the compute thread owns the cores: [Note: helper threads].
-        self.adam = AdamWorker(store, self.schedule.update_order(eager), log, one_thread=device.type == "cpu")
+        self.adam = AdamWorker(store, self.schedule.update_order(eager), log, one_thread=device.type == "cpu",
+                               inline=plan.adam_thread == "compute")
         self.updates = BlockUpdates(templates, store, self.adam, self.grad_buffers, self.streams, self.timer, log,
                                     eager, max_grad_norm, device, collectives)
         if store.spill_files is not None:
@@ -110,8 +114,8 @@ class Executor:
                 "disk_busy_s": files.io_clock.seconds, "adam_disk_wait_s": adam.disk_wait_seconds}
         self.step_no = 0  # optimizer steps completed or in flight
         self.loader = WeightLoader(self.slots, store, self.streams, plan.prefetch_depth, self.adam.wait_updated,
-                                   log, self.timer,
-                                   fill=None if collectives is None else collectives.fill_slot)
+                                   log, self.timer, fill=None if collectives is None else collectives.fill_slot,
+                                   in_place=in_place)
         self.rotary, self.routing = RotaryPositions(self.config, device), RouterBalance(self.config, device, self.dist)
         # Predicted tokens of the last step's (or evaluation's) rows whose argmax is their label: [] int64.
         self.correct = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -156,7 +160,7 @@ class Executor:
         # ---- head: loss and its gradient at once, chunk by chunk (with a tied lm_head, the embedding's table)
         head = s.head.block
         with self.loader.resident_together(s.head_loads) as held:
-            g_index, g_buf = self.grad_buffers.acquire(self._grad_numel(head))
+            g_index, g_buf = self.grad_buffers.acquire(self._grad_numel(head), head.index)
             g_views = head.layout.views(g_buf)
             lm_weight, lm_grad = s.lm_weight(held), self._lm_grad(g_views)
             norm, norm_params = _head_norm(self.templates, held[0])
@@ -181,7 +185,7 @@ class Executor:
                     pending += self.expert_layers.backward(step, load, params, batch.micro,
                                                            positions[layer.layer_type], dy, hyper)
                     continue
-                g_index, g_buf = self.grad_buffers.acquire(self._grad_numel(layer))
+                g_index, g_buf = self.grad_buffers.acquire(self._grad_numel(layer), layer.index)
                 g_list = layer.layout.view_list(g_buf)
                 with record_function(f"bwd[{layer.index}]"), self.routing.backward():
                     for m, rows in enumerate(batch.micro):
@@ -199,7 +203,7 @@ class Executor:
         if self.tied_grad is not None:
             e_buf = self.tied_grad
         else:
-            e_index, e_buf = self.grad_buffers.acquire(self._grad_numel(embed))
+            e_index, e_buf = self.grad_buffers.acquire(self._grad_numel(embed), embed.index)
         table = embed.layout.views(e_buf)["embed_tokens.weight"]
         with record_function(f"bwd[{embed.index}]"):
             for m, rows in enumerate(batch.micro):

@@ -24,6 +24,15 @@ In fp32 a block whose master is spilled has no copy of its weights in host RAM: 
 load is a job for the loader thread ([Note: spilled loads], spilled_loads.py), which
 waits for the block's update and reads it from the master spill file into the slot;
 compute waits for the job when it acquires the slot.
+
+[Note: compute in place]
+Where the device is the CPU, a copy into a slot moves host RAM to host RAM. With
+``Plan.compute_in_place`` a load copies nothing: the slot stands for the block's
+weights where they are (the fp32 master, or the compute-dtype shadow), and the
+block's gradients add up in its host gradients (grad_buffers.py). The slots and
+the gradient buffers then hold nothing. The lifecycle and its order stay as they
+are: a load still waits for the block's update, which writes those weights, and
+the next update comes after the block's last use in the step (deferred mode).
 """
 from __future__ import annotations
 
@@ -92,13 +101,18 @@ class WeightLoader:
         log: EventLog,
         timer: StepTimer,
         fill: Fill | None = None,
+        in_place: bool = False,
     ) -> None:
+        """``in_place``: compute reads each block's weights in host RAM ([Note: compute in place])."""
         assert 1 <= depth <= len(slots) - 1
+        assert not (in_place and fill is not None), "data parallel gathers into slots"
         self.slots, self.store, self.streams, self.depth = slots, store, streams, depth
         self.wait_updated = wait_updated
         self.log = log
         self.timer = timer
         self.fill = fill
+        self.in_place = in_place
+        self._views: list[torch.Tensor | None] = [None] * len(slots)  # in place: the weights each slot stands for
         self.step = 0
         self.sequence: tuple[Load, ...] = ()
         self._issued = 0  # loads issued so far
@@ -149,7 +163,8 @@ class WeightLoader:
             self.streams.compute.wait_event(self.slots.loaded[slot])
         load = self.sequence[j]
         self.log.record("compute", self.step, load.block.index, slot=slot, load=j, phase=load.phase, part=_part(load))
-        return self.slots.buffers[slot]
+        view = self._views[slot]
+        return self.slots.buffers[slot] if view is None else view
 
     def _release(self, j: int) -> None:
         """Compute has issued its last use of load j: the slot may be refilled once the GPU gets there."""
@@ -197,6 +212,9 @@ class WeightLoader:
                 assert self.spilled_loads is not None and load.part is None
                 self._spilled[slot] = self.spilled_loads.submit(block, self.step, self.slots.buffers[slot][:numel],
                                                                 self.slots.loaded[slot])
+            elif self.in_place:  # [Note: compute in place]: the block's weights where they are
+                assert source is not None and load.part is None, "refused by Plan: compute_in_place"
+                self._views[slot] = source
             else:
                 with self.timer.copy("h2d", self.streams.h2d):
                     if load.part is not None:  # a part of the block ([Note: expert groups]): its ranges, in RAM
