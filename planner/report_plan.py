@@ -42,7 +42,8 @@ def page(model: ModelShape, work: Workload, chosen: ChosenPlan, ranks: Ranks,
         f"plan: {p.micro_batch_size} sequences x {share.micro_batches(p.micro_batch_size)} micro-batches, "
         f"{p.num_slots} slots (prefetch {p.prefetch_depth}), checkpoints on {p.checkpoints}"
         f"{f' (copied in pieces of {p.checkpoint_piece_tokens} tokens)' if p.checkpoint_piece_tokens else ''}, "
-        f"optimizer {p.optimizer_mode}, loss chunk {p.loss_chunk_tokens} tokens"
+        f"optimizer {p.optimizer_mode}{' on the compute thread' if p.adam_thread == 'compute' else ''}, "
+        f"{'computing in place, ' if p.compute_in_place else ''}loss chunk {p.loss_chunk_tokens} tokens"
         + (f", MLP tiles of {p.mlp_tile_tokens} tokens" if p.mlp_tile_tokens else "")
         + (f", attention projection tiles of {p.attention_tile_tokens} tokens" if p.attention_tile_tokens else "")
         + (("" if not model.experts.num_experts else f", experts in groups of {p.expert_group_size}"

@@ -28,7 +28,7 @@ from megatrain.runtime import state_io
 from megatrain.runtime.config import ModelConfig, OptimizerConfig
 from megatrain.runtime.device.event_log import EventLog
 from megatrain.runtime.distributed.collectives import Collectives
-from megatrain.runtime.engine_arguments import check_arguments
+from megatrain.runtime.engine_arguments import check_arguments, resumed_plan
 from megatrain.runtime.errors import ClosedError
 from megatrain.runtime.io.training_checkpoint import CheckpointHandle, engine_settings
 from megatrain.runtime.model.templates import Templates
@@ -244,7 +244,8 @@ class Engine:
         """Resume: the checkpoint ``directory/latest`` names (or a ``step-<N>`` directory itself), verified against
         its manifest's checksums. ``plan`` replaces the saved plan (e.g. on another machine)."""
         checkpoint = state_io.find_checkpoint(directory)
-        args = checkpoint.arguments if plan is None else {**checkpoint.arguments, "plan": plan}
+        recorded = resumed_plan(checkpoint.arguments["plan"], device)  # without its CPU choices off a CPU
+        args = {**checkpoint.arguments, "plan": recorded if plan is None else plan}
         engine = cls(**args, device=device, _skip_init=True)
         try:
             restored = engine.state_io.restore(checkpoint.path, checkpoint.manifest)

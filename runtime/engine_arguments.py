@@ -7,11 +7,12 @@ environment describes), else the GPU when there is one.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
 
-from megatrain.planner.plan import Plan, PlanError, default_plan
+from megatrain.planner.plan import Plan, PlanError, default_plan, host_device_choices
 from megatrain.planner.workload_fingerprint import shape_digest
 
 from megatrain.runtime.config import ModelConfig, OptimizerConfig
@@ -71,6 +72,18 @@ def check_arguments(model_config: object, optimizer: object, plan: object, compu
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**40:
         raise ConfigError(f"seed={seed!r} must be an integer in [0, 2**40)")
     return Arguments(optimizer, plan, plan_given, topology, picked)
+
+
+def resumed_plan(plan: Plan | None, device: str | torch.device | None) -> Plan | None:
+    """A checkpoint's recorded plan for where it resumes: its CPU device's choices (compute in place, AdamW on
+    the compute thread: the same bits either way) turned off on a GPU or with several ranks, which refuse them."""
+    if plan is None or not (plan.compute_in_place or plan.adam_thread == "compute"):
+        return plan
+    dist = torch.distributed
+    ranks = int(os.environ.get("WORLD_SIZE", "1")) > 1 or (dist.is_available() and dist.is_initialized()
+                                                           and dist.get_world_size() > 1)
+    host = pick_device(device).type == "cpu" and not ranks
+    return plan if host else plan.replace(**host_device_choices(False, plan.optimizer_mode, plan.spill))
 
 
 def pick_device(device: str | torch.device | None) -> torch.device:

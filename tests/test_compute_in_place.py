@@ -59,9 +59,11 @@ def test_on_the_compute_thread_every_update_is_done_when_step_returns() -> None:
     """No AdamW thread; when ``step`` returns (no ``synchronize``) every block's update of that step is logged,
     each after the step's backward, in forward order, the time it took shown as exposed AdamW."""
     plan = BASE.replace(compute_in_place=True, adam_thread="compute")
+    workers = lambda: {t for t in threading.enumerate() if t.name == "megatrain-adamw"}  # noqa: E731
+    before = workers()  # other tests' engines may not be collected yet
     with Engine(CONFIG, OptimizerConfig(max_grad_norm=1.0), plan=plan, compute_dtype=torch.float32,
                 device="cpu") as engine:
-        assert not any(t.name == "megatrain-adamw" for t in threading.enumerate())
+        assert workers() <= before
         engine.event_log.enabled = True
         ids = torch.randint(0, CONFIG.vocab_size, (4, 12))
         engine.step(ids, ids)
@@ -92,3 +94,25 @@ def test_plans_that_cannot_compute_in_place_are_refused_in_one_line(fields: dict
     # what may: m and v spilled with the masters and gradients in RAM, and a plan file without either field
     assert Plan(compute_in_place=True, spill="optimizer", spill_dir="/tmp/x").compute_in_place
     assert Plan.from_dict({"version": 1, "micro_batch_size": 2}).adam_thread == "worker"
+
+
+def test_a_checkpoint_of_a_cpu_plan_resumes_without_its_cpu_choices_where_they_do_not_apply(tmp_path,
+                                                                                              monkeypatch) -> None:
+    """A checkpoint records its plan; resumed on a CPU it keeps compute in place and AdamW on the compute thread,
+    and where they do not apply (a GPU, or here several ranks in the environment) they are turned off, where a
+    plan given with them would be refused."""
+    from megatrain.runtime.engine_arguments import resumed_plan
+
+    plan = BASE.replace(compute_in_place=True, adam_thread="compute")
+    with Engine(CONFIG, OptimizerConfig(max_grad_norm=1.0), plan=plan, compute_dtype=torch.float32,
+                device="cpu") as engine:
+        ids = torch.randint(0, CONFIG.vocab_size, (4, 12))
+        engine.step(ids, ids)
+        engine.save_checkpoint(tmp_path, blocking=True)
+    with Engine.load_checkpoint(tmp_path, device="cpu") as resumed:
+        assert resumed.plan == plan
+    assert resumed_plan(plan, "cpu") == plan
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    moved = resumed_plan(plan, "cpu")
+    assert (moved.compute_in_place, moved.adam_thread) == (False, "worker")
+    assert moved.replace(compute_in_place=True, adam_thread="compute") == plan  # nothing else changed

@@ -10,7 +10,9 @@ is the CPU that made the step's element-wise kernels 3-10x slower on a 2-core ma
 
 The rule: where the device is the CPU, the compute thread owns every core, so a helper runs its kernels on one
 thread (no team). On a GPU machine the compute thread only launches kernels and the AdamW worker keeps every
-core. The planner's AdamW rate follows the same rule (``HardwareProfile.adam_params_per_s``).
+core. The planner's AdamW rate follows the same rule (``HardwareProfile.adam_params_per_s``). Where the device is
+the CPU and nothing spills there is nothing for a worker to overlap, so plans put AdamW on the compute thread
+itself (``Plan.adam_thread == "compute"``: no worker, every core, the profile's all-core rate).
 
 ``torch.set_num_threads`` sets the calling thread's OpenMP count and also the count that every thread takes on
 its first parallel kernel. ``start`` therefore has the helper initialise its own count before setting it to one
