@@ -225,11 +225,11 @@ class _AdamTime:
     def __init__(self, model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile) -> None:
         cal = hw.fitted(work.compute_dtype)
         self.spilled = spill_placement.Spilled.of(model, plan, work.state_bytes)
-        # Seconds per parameter: AdamW, then the shadow pass where there is one (measured, or the factor).
-        # AdamW params/s where it runs: every core on the compute thread, else as the worker runs it (one thread
-        # where the device is the CPU: HardwareProfile.adam_params_per_s)
+        # Seconds per parameter: AdamW, then the shadow pass where there is one (measured, or the factor). Rates
+        # where it runs: every core on the compute thread, else as the worker runs (HardwareProfile.adam_params_per_s:
+        # one thread on a CPU device, as the bf16-state pass is measured; ``cores`` scales it to the compute thread).
         rate = hw.cpu_adam_params_per_s if plan.adam_thread == "compute" else hw.adam_params_per_s
-        per_param = 1.0 / rate
+        per_param, cores = 1.0 / rate, rate / hw.adam_params_per_s
         if cal is not None and plan.adam_thread == "worker":
             # measured in the step (on the worker): the shadow pass, where there is one, is inside it
             per_param = 1.0 / cal.adam_params_per_s
@@ -238,7 +238,7 @@ class _AdamTime:
                          else per_param * ADAM_SHADOW_FACTOR)
         if work.optimizer_state == "bf16":  # + m and v widened and rounded back (measured, or the factor)
             adam = 1.0 / (cal.adam_params_per_s if cal is not None and plan.adam_thread == "worker" else rate)
-            per_param += (1.0 / hw.cpu_bf16_state_params_per_s if hw.cpu_bf16_state_params_per_s > 0
+            per_param += (1.0 / (hw.cpu_bf16_state_params_per_s * cores) if hw.cpu_bf16_state_params_per_s > 0
                           else adam * BF16_STATE_FACTOR)
         self.per_param = per_param
         if self.spilled.kinds and (hw.disk_read_gbps <= 0 or hw.disk_write_gbps <= 0):

@@ -22,7 +22,7 @@ PLAN_VERSION = 1
 
 CHECKPOINT_PLACEMENTS = ("device", "host")
 OPTIMIZER_MODES = ("eager", "deferred")
-# Where CPU AdamW runs: a worker thread of its own, or the thread that runs the step ([Note: adam threads]).
+# Where CPU AdamW runs: a worker thread of its own, or the thread that runs the step ([Note: helper threads]).
 ADAM_THREADS = ("worker", "compute")
 # "blocks": per kind, the blocks ``Plan.spill_blocks`` names; the others are shorthands for every block of their
 # kinds ("optimizer": m and v; "all": master, m, v and grads).

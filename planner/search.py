@@ -209,10 +209,11 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
     finds it: at most 3 + log2(nb) memory estimates."""
     if work.spill != "auto" or plan.spill != "all":
         return plan
+    host = hw.device_is_host and ranks is None  # a CPU device in one process: plan.host_device_choices
     chunk = _chunks(plan.micro_batch_size * work.seq_len)[-1] if chunk is None else chunk
 
     def ok(level: int) -> bool:
-        p = spill_placement.at_level(plan, model, level).replace(loss_chunk_tokens=chunk)
+        p = spill_placement.at_level(plan, model, level, host).replace(loss_chunk_tokens=chunk)
         return all(o.budget == "NVMe" for o in overruns(_memory(model, work, p, hw, ranks), work, hw, ranks))
 
     nb = model.num_layers + 2
@@ -224,7 +225,7 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
     while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
-    return spill_placement.at_level(plan, model, hi)
+    return spill_placement.at_level(plan, model, hi, host)
 
 
 def expert_groups(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None) -> Plan:

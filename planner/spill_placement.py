@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from .buffer_kinds import BufferKind, element_bytes, placement, spill_block_bytes
 from .model_shapes import ModelShape
-from .plan import Plan, SpillBlocks
+from .plan import Plan, SpillBlocks, host_device_choices
 
 # The groups of kinds the fill moves to disk, in order (see [Note: fill order]).
 FILL_GROUPS = ((BufferKind.EXP_AVG, BufferKind.EXP_AVG_SQ), (BufferKind.MASTER,), (BufferKind.GRADS,))
@@ -83,27 +83,29 @@ def fill_levels(model: ModelShape, deferred: bool) -> int:
     return nb * (len(FILL_GROUPS) if deferred else len(FILL_GROUPS) - 1)
 
 
-def at_level(plan: Plan, model: ModelShape, level: int) -> Plan:
+def at_level(plan: Plan, model: ModelShape, level: int, host: bool = False) -> Plan:
     """``plan`` with the placement of fill level ``level`` (see [Note: fill order]): "none" at 0, "optimizer"
     where every block's m and v spill and nothing else, "all" at the last level, else "blocks". Above level 0
-    AdamW runs on its worker thread (``Plan.adam_thread``: only a worker waits for spill I/O), and above level nb
-    (m and v) a master or gradient spills, so compute has no host copy to work in place on."""
+    AdamW runs on its worker thread (``Plan.adam_thread``: only a worker waits for spill I/O), and compute runs in
+    place on a CPU device in one process (``host``) up to level nb, where only m and v spill
+    (``plan.host_device_choices``); above it a master or gradient spills, so there is no host copy to use."""
     deferred = plan.optimizer_mode == "deferred"
     nb = model.num_layers + 2
     assert 0 <= level <= fill_levels(model, deferred)
     if level == 0:
         return plan.replace(spill="none", spill_blocks=None)
-    plan = plan.replace(adam_thread="worker", compute_in_place=plan.compute_in_place and level <= nb)
+    # what the level's masters and gradients allow
+    choices = host_device_choices(host, plan.optimizer_mode, "optimizer" if level <= nb else "all")
     if level == nb:
-        return plan.replace(spill="optimizer", spill_blocks=None)
+        return plan.replace(spill="optimizer", spill_blocks=None, **choices)
     if level == fill_levels(model, deferred):
-        return plan.replace(spill="all", spill_blocks=None)
+        return plan.replace(spill="all", spill_blocks=None, **choices)
     named: dict[str, tuple[int, ...]] = {}
     for g, kinds in enumerate(FILL_GROUPS):
         count = max(0, min(nb, level - g * nb))
         for kind in kinds:
             named[kind.value] = tuple(range(nb - count, nb))  # the last ``count`` blocks
-    return plan.replace(spill="blocks", spill_blocks=SpillBlocks(**named))
+    return plan.replace(spill="blocks", spill_blocks=SpillBlocks(**named), **choices)
 
 
 _LABELS = {"none": "nothing", "optimizer": "AdamW m, v", "all": "fp32 master, m, v, grads"}

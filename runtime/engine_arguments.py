@@ -76,7 +76,8 @@ def check_arguments(model_config: object, optimizer: object, plan: object, compu
 
 def resumed_plan(plan: Plan | None, device: str | torch.device | None) -> Plan | None:
     """A checkpoint's recorded plan for where it resumes: its CPU device's choices (compute in place, AdamW on
-    the compute thread: the same bits either way) turned off on a GPU or with several ranks, which refuse them."""
+    the compute thread: the same bits either way) turned off on a GPU, which refuses both, or with several ranks,
+    which refuse computing in place and whose plans keep AdamW on its worker."""
     if plan is None or not (plan.compute_in_place or plan.adam_thread == "compute"):
         return plan
     dist = torch.distributed

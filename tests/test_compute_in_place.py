@@ -57,7 +57,8 @@ def test_in_place_holds_no_buffer_and_copies_nothing() -> None:
 
 def test_on_the_compute_thread_every_update_is_done_when_step_returns() -> None:
     """No AdamW thread; when ``step`` returns (no ``synchronize``) every block's update of that step is logged,
-    each after the step's backward, in forward order, the time it took shown as exposed AdamW."""
+    each after the step's backward, in forward order, the time it took shown as exposed AdamW and added to compute
+    in the roofline."""
     plan = BASE.replace(compute_in_place=True, adam_thread="compute")
     workers = lambda: {t for t in threading.enumerate() if t.name == "megatrain-adamw"}  # noqa: E731
     before = workers()  # other tests' engines may not be collected yet
@@ -76,6 +77,7 @@ def test_on_the_compute_thread_every_update_is_done_when_step_returns() -> None:
         assert min(i for i, (kind, _) in enumerate(log) if kind == "adam_begin") > last_compute
         b = engine.last_step_breakdown
         assert b["adam_exposed_s"] >= b["adam_busy_s"] > 0
+        assert b["roofline_s"] == pytest.approx(b["compute_s"] + b["adam_busy_s"])  # in series: no overlap
 
 
 @pytest.mark.parametrize("fields,says", [
@@ -116,3 +118,33 @@ def test_a_checkpoint_of_a_cpu_plan_resumes_without_its_cpu_choices_where_they_d
     moved = resumed_plan(plan, "cpu")
     assert (moved.compute_in_place, moved.adam_thread) == (False, "worker")
     assert moved.replace(compute_in_place=True, adam_thread="compute") == plan  # nothing else changed
+
+
+def test_a_failed_update_on_the_compute_thread_is_raised_by_every_later_wait(monkeypatch) -> None:
+    """An update that fails on the compute thread raises from ``step``, and every later call that would wait for
+    that block's update raises too (as with the worker thread), instead of waiting for ever."""
+    from megatrain.runtime.pipeline import cpu_adamw
+
+    plan = BASE.replace(compute_in_place=True, adam_thread="compute")
+    engine = Engine(CONFIG, OptimizerConfig(max_grad_norm=1.0), plan=plan, compute_dtype=torch.float32, device="cpu")
+    ids = torch.randint(0, CONFIG.vocab_size, (4, 12))
+    engine.step(ids, ids)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError("injected")
+    monkeypatch.setattr(cpu_adamw, "_fused_adamw", broken)
+    with pytest.raises(OSError, match="injected"):
+        engine.step(ids, ids)
+    outcome: list[BaseException] = []
+
+    def later() -> None:
+        try:
+            engine.synchronize()
+        except BaseException as e:  # noqa: BLE001 - what the call raised is the test's subject
+            outcome.append(e)
+    waiter = threading.Thread(target=later, daemon=True)
+    waiter.start()
+    waiter.join(timeout=30)
+    assert not waiter.is_alive(), "synchronize() waits for ever after a failed update"
+    assert len(outcome) == 1 and "injected" in str(outcome[0])
+    engine.close()

@@ -119,6 +119,12 @@ def test_cpu_device_serialises_adam_at_one_threads_rate() -> None:
     # On the compute thread (Plan.adam_thread) AdamW has every core: the all-core rate, measured one-thread or not.
     est = cost_model.estimate(m, Workload(256, 2), Plan(adam_thread="compute"), measured)
     assert est.optimizer_exposed_seconds == pytest.approx(m.numel_total * cost_model.ADAM_SHADOW_FACTOR / 1e9)
+    # bf16 AdamW state: its pass, measured on one thread (0.2e9/s), on every core there: x 1e9 / 0.6e9.
+    bf16 = measured.replace(cpu_bf16_state_params_per_s=0.2e9)
+    work = Workload(256, 2, compute_dtype="fp32", optimizer_state="bf16")
+    for thread, per_param in (("worker", 1 / 0.6e9 + 1 / 0.2e9), ("compute", 1 / 1e9 + 1 / (0.2e9 * 1e9 / 0.6e9))):
+        est = cost_model.estimate(m, work, Plan(adam_thread=thread), bf16)
+        assert est.optimizer_exposed_seconds == pytest.approx(m.numel_total * per_param), thread
 
 
 def test_computing_in_place_saves_exactly_the_copies() -> None:

@@ -106,10 +106,12 @@ def test_search_fills_ram_first_and_spills_the_least_that_fits() -> None:
     best = search.search(m, work, HW).require()
     level = _level(m, best.plan)
     assert 0 < level < spill_placement.fill_levels(m, True), best.plan.spill  # some of it on disk, not all
-    assert best.plan == spill_placement.at_level(best.plan, m, level).replace(workload=best.plan.workload)
+    # the search's plan is the fill's level, with a CPU device's choices (in place while no master or grad spills)
+    assert best.plan == spill_placement.at_level(best.plan, m, level, HW.device_is_host).replace(
+        workload=best.plan.workload)
     assert not search.overruns(best.memory, work, HW)
     # One block's kind less on disk and it no longer fits in RAM.
-    fewer = spill_placement.at_level(best.plan, m, level - 1)
+    fewer = spill_placement.at_level(best.plan, m, level - 1, HW.device_is_host)
     over = search.overruns(memory_model.estimate(m, work, fewer, HW), work, HW)
     assert [o.budget for o in over] == ["host RAM"]
 
@@ -152,7 +154,8 @@ def test_fill_finds_the_least_level_that_fits(ram_gib) -> None:
     hw = HW.replace(host_available_bytes=ram_gib * GiB, cgroup_limit_bytes=0)
     work = Workload(128, 1, "fp32", spill_dir="/d")
     base = Plan(spill="all", spill_dir="/d", loss_chunk_tokens=64)
-    fits = [not search.overruns(memory_model.estimate(m, work, spill_placement.at_level(base, m, level), hw), work, hw)
+    fits = [not search.overruns(memory_model.estimate(m, work, spill_placement.at_level(base, m, level, hw.device_is_host),
+                                                      hw), work, hw)
             for level in range(spill_placement.fill_levels(m, True) + 1)]
     filled = search.fill(m, work, base, hw, chunk=64)
     if not any(fits[1:]):

@@ -13,8 +13,10 @@ from megatrain.tools.trace_anatomy import anatomy, profile_kwargs, union_seconds
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
 
-def ev(name: str, start: float, end: float, device=CPU) -> SimpleNamespace:
-    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device)
+def ev(name: str, start: float, end: float, device=CPU, thread: int = 0) -> SimpleNamespace:
+    """A trace record; thread 0 the compute thread, 1 the AdamW worker."""
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device,
+                           thread=thread)
 
 
 def test_union_counts_overlaps_once():
@@ -31,7 +33,8 @@ def test_cuda_trace_counts_kernels_and_copies_on_the_device():
         ev("Memset (Device)", 50, 60, CUDA),
         ev("Memcpy HtoD (Pinned -> Device)", 0, 30, CUDA), ev("Memcpy HtoD (Pinned -> Device)", 20, 35, CUDA),
         ev("Memcpy DtoH (Device -> Pinned)", 60, 65, CUDA),
-        ev("adam[1]", 0, 80), ev("shadow[1]", 60, 80), ev("adam_wait[1]", 80, 200),  # the wait is not AdamW work
+        ev("adam[1]", 0, 80, thread=1), ev("shadow[1]", 60, 80, thread=1),
+        ev("adam_wait[1]", 80, 200, thread=1),  # the wait is not AdamW work
     ]
     a = anatomy(events, steps=2, step_seconds=100e-6)
     assert a["source"] == "cuda" and a["adam_traced"]
@@ -50,6 +53,16 @@ def test_cpu_trace_takes_copies_out_of_compute():
     assert a["compute_s"] == pytest.approx((100 + 30 + 100 - 10) * 1e-6)
     assert a["h2d_s"] == pytest.approx(30e-6) and a["d2h_s"] == pytest.approx(10e-6) and a["adam_s"] == 0
     assert a["bound_by"] == "compute"
+
+
+def test_adamw_on_the_compute_thread_adds_to_compute_in_the_roofline():
+    """AdamW traced on the compute thread (Plan.adam_thread "compute") runs in series with compute: the roofline
+    is their sum (70 + 40 us), not the larger of the two; on the worker thread it is the larger (70 us)."""
+    for thread, roofline, bound in ((0, 110e-6, "compute+adam"), (1, 70e-6, "compute")):
+        events = [ev("fwd[1]", 0, 30), ev("bwd[1]", 30, 70), ev("adam[1]", 70, 110, thread=thread)]
+        a = anatomy(events, steps=1, step_seconds=120e-6)
+        assert a["compute_s"] == pytest.approx(70e-6) and a["adam_s"] == pytest.approx(40e-6)
+        assert a["roofline_s"] == pytest.approx(roofline) and a["bound_by"] == bound
 
 
 def test_a_real_cpu_trace_has_every_resource():
@@ -90,6 +103,8 @@ def test_step_anatomy_benchmark_reports_each_configuration(tmp_path, capsys):
     assert runs[1]["plan"]["checkpoints"] == "host" and runs[1]["events"]["ckpt_traffic_s"] > 0
     for r in runs:
         e = r["events"]
-        assert e["roofline_s"] == max(e["compute_s"], e["h2d_busy_s"], e["d2h_busy_s"], e["adam_busy_s"])  # 1 step
+        # 1 step; the planner's CPU plans run AdamW on the compute thread, in series with compute
+        assert r["plan"]["adam_thread"] == "compute"
+        assert e["roofline_s"] == max(e["compute_s"] + e["adam_busy_s"], e["h2d_busy_s"], e["d2h_busy_s"])
         assert r["trace"]["adam_traced"] and r["trace"]["roofline_ratio"] > 0
     assert "| tiny | 32 | host-ckpt |" in result.with_suffix(".md").read_text()

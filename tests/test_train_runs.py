@@ -350,6 +350,18 @@ def test_spill_all_spills_master_m_v_and_grads(tmp_path, spilled_kinds, capsys):
     assert "spilling master, m, v and grads to" in capsys.readouterr().err
 
 
+def test_a_run_planned_for_a_cpu_resumes_with_a_spill(tmp_path, spilled_kinds):
+    """A CPU run's plan runs AdamW on the compute thread and computes in place; resumed with --spill optimizer,
+    its AdamW moves to the worker thread (which waits for the disk) and m and v spill, instead of the plan being
+    refused."""
+    run, disk = tmp_path / "run", tmp_path / "nvme"
+    assert train_run(run, "--steps", "2") == 0
+    assert train.main(["--resume", str(run), "--steps", "3", "--spill", "optimizer", "--spill-dir", str(disk),
+                       "--progress", "none", "--no-plot"]) == 0
+    kinds, spill_dir, _ = spilled_kinds[-1]
+    assert set(kinds) == {"exp_avg", "exp_avg_sq"} and spill_dir == str(disk)
+
+
 def test_spill_dir_alone_does_not_force_a_spill_and_no_spill_lands_in_the_cwd(tmp_path, spilled_kinds, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MEGATRAIN_HARDWARE", str(tmp_path / "no-profile.json"))  # detect(): no disk figures

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from megatrain.planner import data_parallel, disk_space, model_shapes, sizing, spill_placement
 from megatrain.planner.hardware import HardwareProfile
-from megatrain.planner.plan import Plan
+from megatrain.planner.plan import Plan, PlanError, host_device_choices
 from megatrain.planner.plan_request import PlanRequest, choose_plan
 from megatrain.planner.profiler import this_machine
 from megatrain.planner.workload import Workload
@@ -52,9 +52,18 @@ def _chosen(c: TrainConfig, values: dict[str, object], out: str, resumed: Plan |
     else:
         return _placed(_search(c, model, compute_dtype, spill_root, topology))
     spill = plan.spill if c.spill == "auto" else c.spill
-    plan = plan.replace(spill=spill, spill_blocks=plan.spill_blocks if spill == "blocks" else None,
-                        spill_dir=None if spill == "none" else spill_root)
-    return _placed(RunPlan(plan, description))
+    placed = dict(spill=spill, spill_blocks=plan.spill_blocks if spill == "blocks" else None,
+                  spill_dir=None if spill == "none" else spill_root)
+    # A CPU device's choices (compute in place, AdamW on the compute thread: the same bits either way) follow this
+    # run's device and spill: a resumed plan's always, a given plan's where --spill leaves them invalid.
+    host = topology is None and (c.device == "cpu" or (c.device == "auto" and this_machine().device_is_host))
+    choices = host_device_choices(host, plan.optimizer_mode, spill)
+    if c.plan:
+        try:
+            return _placed(RunPlan(plan.replace(**placed), description))
+        except PlanError:
+            pass  # its CPU choices and this spill exclude each other: this run's choices instead
+    return _placed(RunPlan(plan.replace(**placed, **choices), description))
 
 
 def _search(c: TrainConfig, model: ModelConfig, compute_dtype: str, spill_root: str,

@@ -13,6 +13,8 @@ for drains and disk reads left outside). From a trace of whole steps this sums, 
 
 Overlapping records of one kind count once (interval union). ``roofline_s`` is the largest of
 the four: the step a perfect overlap would take; ``roofline_ratio`` = measured step / roofline.
+AdamW traced on the compute thread itself (``Plan.adam_thread == "compute"``) cannot overlap
+compute: its seconds add to compute's there (``bound_by`` "compute+adam").
 The worker thread is traced only where torch.profiler can trace threads it did not start in
 (``profile_all_threads``); ``adam_traced`` says whether it was.
 """
@@ -58,6 +60,7 @@ def anatomy(events: Iterable[Any], steps: int, step_seconds: float) -> dict[str,
     """Per-step seconds of each resource in ``events`` (a profiler's ``events()``) covering ``steps``
     whole steps whose measured mean is ``step_seconds``."""
     host: dict[str, list[tuple[float, float]]] = {k: [] for k in ("compute", "h2d", "d2h", "adam", "shadow")}
+    threads: dict[str, set[int]] = {"compute": set(), "adam": set()}  # which threads ran compute and AdamW
     device: dict[str, list[tuple[float, float]]] = {k: [] for k in ("compute", "h2d", "d2h")}
     for ev in events:
         span = (ev.time_range.start, ev.time_range.end)
@@ -71,8 +74,11 @@ def anatomy(events: Iterable[Any], steps: int, step_seconds: float) -> dict[str,
                 device["compute"].append(span)
         elif name.startswith(COMPUTE_LABELS):
             host["compute"].append(span)
+            threads["compute"].add(ev.thread)
         elif name.startswith(("h2d[", "d2h[", "adam[", "shadow[")):
             host[name[:name.index("[")]].append(span)
+            if name.startswith("adam["):
+                threads["adam"].add(ev.thread)
     cuda = bool(device["compute"])
     if cuda:
         compute = union_seconds(device["compute"])
@@ -83,9 +89,12 @@ def anatomy(events: Iterable[Any], steps: int, step_seconds: float) -> dict[str,
         h2d, d2h = union_seconds(host["h2d"]), union_seconds(host["d2h"])
     adam = union_seconds(host["adam"])
     per_step = {"compute_s": compute / steps, "h2d_s": h2d / steps, "d2h_s": d2h / steps, "adam_s": adam / steps}
-    roofline = max(per_step.values())
+    resources = {k[:-2]: v for k, v in per_step.items()}
+    if threads["adam"] & threads["compute"]:  # AdamW on the compute thread: in series with compute
+        resources["compute+adam"] = resources.pop("compute") + resources.pop("adam")
+    roofline = max(resources.values())
     return {**per_step, "step_s": step_seconds, "roofline_s": roofline,
             "roofline_ratio": step_seconds / roofline if roofline > 0 else None,
-            "bound_by": max(per_step, key=per_step.get)[:-2], "source": "cuda" if cuda else "cpu",
+            "bound_by": max(resources, key=resources.get), "source": "cuda" if cuda else "cpu",
             "shadow_s": union_seconds(host["shadow"]) / steps,
             "adam_traced": bool(host["adam"])}

@@ -122,8 +122,14 @@ class AdamWorker:
         if not self.inline:
             self._jobs.put(job)
             return
-        (lo, n), = self._take(job)
-        self._update(job, lo, n, True, None)
+        try:
+            (lo, n), = self._take(job)
+            self._update(job, lo, n, True, None)
+        except BaseException as e:  # every later wait raises it, as the worker's would (none waits for ever)
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+            raise
         self._done(job)
 
     def wait_updated(self, block: int, step: int) -> None:
@@ -176,7 +182,7 @@ class AdamWorker:
         if self._error is not None:
             if isinstance(self._error, MegatrainError):  # e.g. a spill I/O error: its own one-line message
                 raise type(self._error)(f"{self._error}; training stopped") from self._error
-            raise RuntimeError(f"the CPU AdamW worker failed: {self._error!r}") from self._error
+            raise RuntimeError(f"the CPU AdamW update failed: {self._error!r}") from self._error
 
     def _run(self) -> None:
         ahead = self.ahead

@@ -84,7 +84,7 @@ class Executor:
         self.compute_dtype, self.device = compute_dtype, device
         self.log = log
         self.streams = Streams(device) if collectives is None else collectives.streams
-        self.timer = StepTimer(self.streams.cuda)
+        self.timer = StepTimer(self.streams.cuda, adam_inline=plan.adam_thread == "compute")
         in_place = plan.compute_in_place  # [Note: compute in place]: slots and gradient buffers hold nothing
         host_grads = (lambda b: store.grad_sink(b).host) if in_place else None  # noqa: E731
         self.slots = WeightSlots(plan.num_slots, 0 if in_place else slot_numel, compute_dtype, device, self.streams)

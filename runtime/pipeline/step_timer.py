@@ -14,7 +14,7 @@ runs work queued before it, the wait costs nothing).
 [Note: roofline]
 Besides what is exposed, the timer keeps how long each resource was busy, for
 the roofline ``max(compute, H2D, D2H, CPU AdamW)`` that a perfectly overlapped
-step would take: the H2D and D2H streams' copy time (a pair of timing events
+step would take (with AdamW on the compute thread, ``max(compute + CPU AdamW, H2D, D2H)``): the H2D and D2H streams' copy time (a pair of timing events
 around each copy on its stream, after the wait that orders it, so only the
 copy counts; host time on a CPU) and the AdamW worker's update time (without
 its waits for drains and disk reads, measured by the worker: the latest step
@@ -63,8 +63,9 @@ _UNTIMED: ContextManager[None] = contextlib.nullcontext()  # what every bracket 
 
 
 class StepTimer:
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
+    def __init__(self, cuda: bool, adam_inline: bool = False) -> None:
+        """``adam_inline``: AdamW runs on the compute thread (``Plan.adam_thread``), in series with compute."""
+        self.cuda, self.adam_inline = cuda, adam_inline
         self._host = dict.fromkeys(KINDS, 0.0)  # CPU: host seconds, per kind
         self._stalls: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._busy: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # copies on the side streams
@@ -220,14 +221,17 @@ class StepTimer:
         self._done = self._with_roofline(done, adam_busy)
         return self._done
 
-    @staticmethod
-    def _with_roofline(done: dict[str, float], adam_busy: float | None) -> dict[str, float]:
-        """Add ``adam_busy_s`` (when known), ``roofline_s`` = max of the resources, and step / roofline."""
+    def _with_roofline(self, done: dict[str, float], adam_busy: float | None) -> dict[str, float]:
+        """Add ``adam_busy_s`` (when known), ``roofline_s`` = max of the resources, and step / roofline. AdamW on
+        the compute thread (``adam_inline``) cannot overlap compute: its busy time adds to compute's instead."""
         out = {k: v for k, v in done.items() if k not in ("adam_busy_s", "roofline_s", "roofline_ratio")}
         resources = [out["compute_s"], out["h2d_busy_s"], out["d2h_busy_s"], out["disk_busy_s"]]
         if adam_busy is not None:
             out["adam_busy_s"] = adam_busy
-            resources.append(adam_busy)
+            if self.adam_inline:
+                resources[0] += adam_busy
+            else:
+                resources.append(adam_busy)
         out["roofline_s"] = max(resources)
         out["roofline_ratio"] = out["step_s"] / out["roofline_s"] if out["roofline_s"] > 0 else float("nan")
         return out
