@@ -93,7 +93,8 @@ class Executor:
         self.schedule = training_schedule(templates, self.parts)  # the step's loads: [Note: load sequence]
         self.evaluation = evaluation_schedule(templates, self.parts)
         # Tied embeddings: the head's lm_head gradient lands here in forward and the embedding's
-        # own in backward; one extra fp32 buffer of the embedding's size, resident for the whole step.
+        # own in backward; one extra fp32 buffer of the embedding's size, resident for the whole step (in place:
+        # the embedding's host gradients).
         self.tied_grad = (None if not self.schedule.tied else host_grads(templates.embed.index) if host_grads else
                           torch.zeros(self._grad_numel(templates.embed), dtype=torch.float32, device=device))
         self.checkpoints: DeviceCheckpoints | HostCheckpoints = (
