@@ -72,7 +72,8 @@ def reference_step(model: ReferenceLM, optim: torch.optim.AdamW, input_ids: torc
     for s in range(0, input_ids.shape[0], micro_batch_size):
         rows = slice(s, s + micro_batch_size)
         logits = model(input_ids[rows])
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shifted[rows].reshape(-1),
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32, or float64 for a float64 model
+        loss = F.cross_entropy(wide.reshape(-1, logits.shape[-1]), shifted[rows].reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction="sum") / n_tokens
         loss.backward()
         total = total + loss.detach()

@@ -48,7 +48,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
-from numerics import assert_moments_close, assert_update_close
+from numerics import EXACT_SLACK, assert_moments_close, assert_update_close, nearer_exact
 from reference_model import ReferenceLM, make_optimizer, reference_step
 
 
@@ -151,12 +151,16 @@ def run_case(config, plan, optimizer, batch, seq, lrs, seed, device="cpu"):
         b2 = optimizer.betas[1]
         floor: dict[str, torch.Tensor] = {}  # per element: at the gradient noise floor in some step
         last_floor: dict[str, torch.Tensor] = {}
+        losses: list[tuple[float, float]] = []  # (megatrain's, the reference's) per step, where they may differ
+        # Each float32 rule below that fails is judged again against the same training in float64 (on the CPU):
+        # megatrain's result may be no more than EXACT_SLACK times farther from it than the reference's own.
+        exact = _ExactTraining(config, initial, optimizer, batch, seq, lrs, seed, plan.micro_batch_size, device)
         for step, ((ids, labels), lr) in enumerate(zip(_batches(config, batch, seq, len(lrs), seed), lrs)):
             loss = engine.step(ids, labels, lr=lr)
             expected = reference_step(reference, optim, ids.to(device), labels.to(device),
                                       plan.micro_batch_size, optimizer.max_grad_norm, lr, master)
             if sources:
-                assert abs(loss.item() - expected.item()) <= 1e-6 * abs(expected.item()) + 1e-7, (loss, expected)
+                losses.append((loss.item(), expected.item()))
             else:
                 assert torch.equal(loss.cpu(), expected.cpu()), (loss.item(), expected.item())
             # An element at the noise floor in ANY step may flip that step's update (its sign, at most ~lr),
@@ -180,8 +184,14 @@ def run_case(config, plan, optimizer, batch, seq, lrs, seed, device="cpu"):
         moments = {key: ({n: state[n][key] for n in theirs}, {n: ref_state[n][key].cpu() for n in theirs})
                    for key in ("exp_avg", "exp_avg_sq")}
         if sources:
-            assert_moments_close(moments["exp_avg"][0], moments["exp_avg_sq"][0], moments["exp_avg"][1],
-                                 moments["exp_avg_sq"][1], optimizer.eps, last_floor)
+            exact.judge(lambda: _assert_losses_close(losses), lambda run: [
+                f"step {i + 1}" for i, ((ours_l, ref_l), exact_l) in enumerate(zip(losses, run.losses))
+                if abs(ours_l - exact_l) > EXACT_SLACK * abs(ref_l - exact_l)])
+            exact.judge(lambda: assert_moments_close(moments["exp_avg"][0], moments["exp_avg_sq"][0],
+                                                     moments["exp_avg"][1], moments["exp_avg_sq"][1], optimizer.eps,
+                                                     last_floor),
+                        lambda run: [f"{key} of {n}" for key, (a, b) in moments.items()
+                                     for n in nearer_exact(a, b, run.moments[key])])
         else:
             for key, (a, b) in moments.items():
                 bad = [n for n in theirs if not torch.equal(a[n], b[n])]
@@ -189,13 +199,60 @@ def run_case(config, plan, optimizer, batch, seq, lrs, seed, device="cpu"):
         assert all(float(state[n]["step"]) == float(ref_state[n]["step"]) for n in theirs)
         if sources:
             # A noise-floor element can at worst flip its update's sign each step (|update| <= ~lr).
-            assert_update_close(ours, theirs, {n: t.cpu() for n, t in initial.items()}, noise_floor=floor,
-                                floor_bound=3.0 * sum(lrs) + 1e-7)
+            exact.judge(lambda: assert_update_close(ours, theirs, {n: t.cpu() for n, t in initial.items()},
+                                                    noise_floor=floor, floor_bound=3.0 * sum(lrs) + 1e-7),
+                        lambda run: nearer_exact(ours, theirs, run.weights))
         else:
             bad = [n for n in theirs if not torch.equal(ours[n], theirs[n])]
             assert not bad, f"parameters differ for {bad[:3]} (no source of difference applies)"
     finally:
         engine.close()
+
+
+def _assert_losses_close(losses: list[tuple[float, float]]) -> None:
+    for ours, reference in losses:
+        assert abs(ours - reference) <= 1e-6 * abs(reference) + 1e-7, (ours, reference)
+
+
+class _ExactTraining:
+    """The reference training again in float64, from the same weights and batches, run once and only if a
+    float32 rule fails (on the CPU: ``judge``)."""
+
+    def __init__(self, config, initial, optimizer, batch, seq, lrs, seed, micro_batch_size, device) -> None:
+        self.args = (config, initial, optimizer, batch, seq, lrs, seed, micro_batch_size)
+        self.device = device
+        self.losses: list[float] = []
+        self.weights: dict[str, torch.Tensor] = {}
+        self.moments: dict[str, dict[str, torch.Tensor]] = {}
+
+    def judge(self, rule, far) -> None:
+        """``rule()`` (a float32 rule); where it fails, ``far(self)`` names what of megatrain's training is more
+        than EXACT_SLACK times farther from float64's than the reference's is: nothing, and the case passes."""
+        try:
+            rule()
+        except AssertionError as verdict:
+            if self.device != "cpu":
+                raise
+            self._run()
+            beyond = far(self)
+            if beyond:
+                raise AssertionError(f"{verdict}; and farther from the float64 training than PyTorch's float32 "
+                                     f"one (x{EXACT_SLACK}) in {beyond[:3]}") from None
+
+    def _run(self) -> None:
+        if self.losses:
+            return
+        config, initial, optimizer, batch, seq, lrs, seed, micro = self.args
+        model = ReferenceLM(config).double()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(initial[n].cpu().double())
+        optim = make_optimizer(model, optimizer)
+        self.losses = [reference_step(model, optim, ids, labels, micro, optimizer.max_grad_norm, lr).item()
+                       for (ids, labels), lr in zip(_batches(config, batch, seq, len(lrs), seed), lrs)]
+        self.weights = {n: p.detach() for n, p in model.named_parameters()}
+        self.moments = {key: {n: optim.state[p][key] for n, p in model.named_parameters()}
+                        for key in ("exp_avg", "exp_avg_sq")}
 
 
 # Found by a CI-sized run: an element of v_proj at the noise floor in step 1 only (gradient 6e-10 against a
@@ -225,10 +282,24 @@ _SMALL_GRADIENTS_TILED = (
     2, 38, [3e-4, 1e-4], 176)
 
 
+# Found by the slow profile: qk_norm with one-token attention tiles, eager updates: 0.57% of m's elements beyond the
+# float32 rule, yet every tensor of megatrain's m and v 3-14x nearer the float64 training than the reference's
+# (numerics.nearer_exact): the reference was the noisy one.
+_NOISIER_REFERENCE = (
+    ModelConfig(vocab_size=8, hidden_size=72, intermediate_size=116, num_hidden_layers=3, num_attention_heads=6,
+                num_key_value_heads=3, head_dim=12, rope_theta=10000.0, qk_norm=True, pad_token_id=3,
+                initializer_range=0.02),
+    Plan(micro_batch_size=6, optimizer_mode="eager", host_grad_slabs=1, loss_chunk_tokens=198,
+         attention_tile_tokens=1),
+    OptimizerConfig(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, max_grad_norm=None, no_decay=()),
+    6, 33, [1e-3, 1e-4], 0)
+
+
 @settings(deadline=None)
 @given(cases())
 @example(_FLOOR_IN_FIRST_STEP)
 @example(_SMALL_GRADIENTS_TILED)
+@example(_NOISIER_REFERENCE)
 def test_matches_pytorch_training_cpu(case):
     run_case(*case)
 
