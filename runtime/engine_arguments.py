@@ -7,7 +7,6 @@ environment describes), else the GPU when there is one.
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -80,10 +79,8 @@ def resumed_plan(plan: Plan | None, device: str | torch.device | None) -> Plan |
     which refuse computing in place and whose plans keep AdamW on its worker."""
     if plan is None or not (plan.compute_in_place or plan.adam_thread == "compute"):
         return plan
-    dist = torch.distributed
-    ranks = int(os.environ.get("WORLD_SIZE", "1")) > 1 or (dist.is_available() and dist.is_initialized()
-                                                           and dist.get_world_size() > 1)
-    host = pick_device(device).type == "cpu" and not ranks
+    topology = join_ranks()  # as check_arguments then finds it (the group is joined once)
+    host = topology is None and pick_device(device).type == "cpu"
     return plan if host else plan.replace(**host_device_choices(False, plan.optimizer_mode, plan.spill))
 
 

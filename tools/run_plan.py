@@ -31,20 +31,21 @@ class RunPlan:
 
 
 def choose(c: TrainConfig, values: dict[str, object], out: str, resumed: Plan | None, model: ModelConfig,
-           compute_dtype: str, topology: Topology | None, replan: bool = False) -> RunPlan:
+           compute_dtype: str, topology: Topology | None, replan: bool = False, on_cpu: bool = False) -> RunPlan:
     """--plan, else the resumed run's plan (``resumed``), else the planner's for ``model``. --spill forces what
     spills (auto: the planner decides, or the plan given / resumed keeps its choice). ``values``: the options
     given explicitly; ``topology``: the ranks under torchrun (None: one process); ``replan``: search again even
-    for a resumed run (it resumes at another world size, so its per-rank batch changed)."""
+    for a resumed run (it resumes at another world size, so its per-rank batch changed); ``on_cpu``: the run's
+    device is the CPU (a plan given or resumed takes this run's CPU choices where they apply: ``_chosen``)."""
     spill_root = c.spill_dir or os.path.join(out, run_dir.SPILL_DIR)
     research = resumed is not None and (values.get("spill") == "auto" or replan)
-    chosen = _chosen(c, values, out, resumed, model, compute_dtype, topology, spill_root, research)
+    chosen = _chosen(c, values, out, resumed, model, compute_dtype, topology, spill_root, research, on_cpu)
     chosen.collective_timeout_s = _collective_timeout(c, model, chosen.plan, compute_dtype, topology)
     return chosen
 
 
 def _chosen(c: TrainConfig, values: dict[str, object], out: str, resumed: Plan | None, model: ModelConfig,
-            compute_dtype: str, topology: Topology | None, spill_root: str, research: bool) -> RunPlan:
+            compute_dtype: str, topology: Topology | None, spill_root: str, research: bool, on_cpu: bool) -> RunPlan:
     if c.plan:
         plan, description = Plan.load(c.plan), c.plan
     elif resumed is not None and not research:
@@ -56,8 +57,7 @@ def _chosen(c: TrainConfig, values: dict[str, object], out: str, resumed: Plan |
                   spill_dir=None if spill == "none" else spill_root)
     # A CPU device's choices (compute in place, AdamW on the compute thread: the same bits either way) follow this
     # run's device and spill: a resumed plan's always, a given plan's where --spill leaves them invalid.
-    host = topology is None and (c.device == "cpu" or (c.device == "auto" and this_machine().device_is_host))
-    choices = host_device_choices(host, plan.optimizer_mode, spill)
+    choices = host_device_choices(on_cpu and topology is None, plan.optimizer_mode, spill)
     if c.plan:
         try:
             return _placed(RunPlan(plan.replace(**placed), description))

@@ -176,7 +176,7 @@ class Run:
         if moved:  # a resume at another world size plans again for the new per-rank batch
             self.changes.append(moved)
         chosen = run_plan.choose(c, self.values, self.out, self.resumed.plan if self.resumed else None, model,
-                                 dtype_name(dtype), self.ranks.topology, replan=moved is not None)
+                                 dtype_name(dtype), self.ranks.topology, moved is not None, device.type == "cpu")
         plan, self.plan_description = chosen.plan, chosen.description
         self.notes += chosen.notes
         return Setup(own_run, overwrite, device, dtype, model, source, corpus, itertools.chain([first], batches),
