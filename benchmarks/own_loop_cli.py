@@ -5,7 +5,8 @@
 The command-line path of ``benchmarks/own_loop.py`` (which times ``Engine`` in one process): each round runs, in a
 rotating order, ``megatrain-train`` as a user would (the model's config.json with ``--init random --seed 0``, the
 planner's plan, ``--compute-dtype fp32 --progress none --no-plot``) and this file as a child running
-``own_loop.pytorch_trainer`` plain and with every decoder layer checkpointed, on the same token rows (a 2-D .npy,
+``own_loop.pytorch_trainer`` plain, with every decoder layer checkpointed, and plain in a process that keeps its
+freed heap as ``megatrain-train``'s does ([Note: freed heap] in runtime/device/host_heap.py), on the same token rows (a 2-D .npy,
 ``--packing none --no-shuffle``: one row per sequence, in file order), from the same initial weights
 (``Engine(config, seed=0)``'s, as the command line builds them) with the command line's AdamW (betas 0.9/0.95,
 weight decay 0.1 except norms and biases, clipping 1.0) at a constant learning rate (``--warmup-steps 0
@@ -39,7 +40,8 @@ sys.path.insert(0, HERE)
 from own_loop import MODELS, pytorch_trainer, result_rows, write_results  # noqa: E402
 from throughput import machine  # noqa: E402
 
-SYSTEMS = ("megatrain-train", "pytorch", "pytorch, per-layer checkpointing")
+SYSTEMS = ("megatrain-train", "pytorch", "pytorch, per-layer checkpointing", "pytorch, freed heap kept")
+CHILD = {"pytorch": "plain", "pytorch, per-layer checkpointing": "checkpoint", "pytorch, freed heap kept": "heap"}
 LR = 1e-4
 
 
@@ -52,9 +54,13 @@ def cli_command(args, config_json: str, data: str, out: str) -> list[str]:
 
 
 def child(args) -> int:
-    """One PyTorch run (``--child plain|checkpoint``): per-step seconds and losses as JSON to ``--child-out``."""
+    """One PyTorch run (``--child plain|checkpoint|heap``): per-step seconds and losses as JSON to ``--child-out``.
+    ``heap``: plain, in a process that keeps its freed heap as ``megatrain-train``'s does (``keep_freed_heap``)."""
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the reference model of the equivalence tests
-    from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
+    from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, keep_freed_heap
+
+    if args.child == "heap" and not keep_freed_heap():
+        raise SystemExit("this C library has no mallopt: drop the freed-heap row")
 
     config = ModelConfig(**MODELS[args.model])
     optimizer = OptimizerConfig(lr=LR, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0,
@@ -83,7 +89,7 @@ def run(system: str, args, config_json: str, data: str, work: str) -> dict:
     else:
         cmd = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--seq", str(args.seq),
                "--batch", str(args.batch), "--steps", str(args.steps), "--data", data,
-               "--child", "plain" if system == "pytorch" else "checkpoint", "--child-out", out + ".json"]
+               "--child", CHILD[system], "--child-out", out + ".json"]
     before = os.getloadavg()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     after = os.getloadavg()
@@ -108,7 +114,7 @@ def main() -> int:
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--label", default="", help="appended to the results' file names (keeps another run's files)")
     p.add_argument("--data", help=argparse.SUPPRESS)
-    p.add_argument("--child", choices=("plain", "checkpoint"), help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=("plain", "checkpoint", "heap"), help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:

@@ -3,9 +3,8 @@
     megatrain-plan calibrate                 # fp32, a few small models, a couple of minutes on a CPU
     python -m megatrain.tools.calibrate      # the same
 
-Each model runs in a fresh process (so its peak RSS is its own): a warm-up step,
-then ``--steps`` timed steps through the runtime with the plan the planner
-chooses; the engine's step breakdown gives compute, copy and AdamW busy times.
+Each model runs in a fresh process (so its peak RSS is its own): a warm-up step, then ``--steps`` timed
+steps through the runtime with the plan the planner chooses; the step breakdown gives compute, copy and AdamW.
 The models run in ``--rounds`` rounds (all once, then all again), so a burst of
 other work slows one round of a model rather than all its samples; each figure
 keeps the best sample of all rounds (or ``--percentile``) and records the spread;
@@ -56,11 +55,12 @@ class CalibrateError(ValueError):
 
 # ---- the measured run (in its own process) ------------------------------------------------------
 def child(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run ``spec["steps"]`` steps (after one warm-up) of the model with the plan; per-step measurements."""
+    """Run ``spec["steps"]`` steps (after one warm-up) of the model with the plan, in a process that keeps its
+    freed heap as ``megatrain-train``'s does ([Note: freed heap]); per-step measurements."""
     import torch
 
-    from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
-
+    from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan, keep_freed_heap
+    keep_freed_heap()
     hf, seq, batch = spec["config"], spec["seq"], spec["batch"]
     dtype = torch.float32 if spec["dtype"] == "fp32" else torch.bfloat16
     baseline = current_rss()  # imports done, no engine yet (their own transient peak is not a baseline)

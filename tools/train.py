@@ -31,7 +31,7 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from megatrain.planner.hardware import HardwareError
     from megatrain.planner.plan import Plan, PlanError
     from megatrain.planner.workload import WorkloadError
-    from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig
+    from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig, keep_freed_heap
     from megatrain.runtime.distributed.process_group import exit_process
 
     from . import data_order, evaluation, export, metric_sinks, metrics, model_source, packing, ranks, \
@@ -378,9 +378,8 @@ def _device(name: str) -> torch.device:
 
 def _compute_dtype(name: str, device: torch.device) -> torch.dtype:
     """auto: bf16 on a GPU; fp32 on a CPU, whose bf16 matmuls are slow."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name] if name != "auto" else \
+        torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def _optimizer(c: TrainConfig) -> OptimizerConfig:
@@ -391,8 +390,9 @@ def _optimizer(c: TrainConfig) -> OptimizerConfig:
 
 
 def command() -> None:
-    """The ``megatrain-train`` program: ``main`` and the exit with its status (a rank's exit skips the interpreter's
-    finalization: [Note: a rank's exit] in runtime/distributed/process_group.py)."""
+    """The ``megatrain-train`` program: its own process keeps the heap its steps free ([Note: freed heap] in
+    runtime/device/host_heap.py), runs ``main`` and exits with its status ([Note: a rank's exit])."""
+    keep_freed_heap()
     exit_process(main())
 
 
