@@ -73,7 +73,7 @@ def assert_moments_close(exp_avg: Mapping[str, torch.Tensor], exp_avg_sq: Mappin
         assert worst <= 0.05, f"{what}: worst element off by {worst:.3%} of its scale"
 
 
-# How much farther from the float64 training than PyTorch's own float32 training megatrain's may be, per tensor.
+# How much farther from the float64 step than PyTorch's own float32 step megatrain's may be, per tensor.
 EXACT_SLACK = 2.0
 # ... plus this much of the tensor's norm: float32's own rounding of it (2^-24 ~ 6e-8 per element), whatever either
 # training summed.
@@ -82,8 +82,8 @@ EXACT_ROUNDING = 1e-6
 
 def nearer_exact(ours: Mapping[str, torch.Tensor], fp32: Mapping[str, torch.Tensor],
                  exact: Mapping[str, torch.Tensor], slack: float = EXACT_SLACK) -> list[str]:
-    """The tensors where ``ours`` is more than ``slack`` times farther from ``exact`` (the same training in
-    float64) than ``fp32`` (PyTorch's in float32) is, by the norm of the difference: where megatrain's float32
+    """The tensors where ``ours`` is more than ``slack`` times farther from ``exact`` (the same step in
+    float64, from the same start) than ``fp32`` (PyTorch's in float32) is, by the norm of the difference: where megatrain's float32
     noise is not of the size of PyTorch's own. Empty: every tensor is within it.
 
     The rules above compare two float32 trainings, so they also fail where the reference is the noisy one: a drawn
