@@ -8,7 +8,10 @@ one subprocess (its RSS its own): builds the Engine with ``spill="all"`` (or the
 records resident bytes after init and the peak, bytes on disk, the disk bytes read and written per step
 (``/proc/self/io`` rchar / wchar), and times ``--steps`` steps with ``last_step_breakdown``. Beside it: the
 planner's memory prediction for the same plan, and the step against max(compute, disk bytes / measured
-disk bandwidth) (the saved profile, ``$MEGATRAIN_HARDWARE`` or ``megatrain-plan profile --spill-dir DIR``'s). Writes ``benchmarks/results/<date>_cpu_spill_scale_<spill>_<models>.{json,md}``.
+disk bandwidth) (the saved profile, ``$MEGATRAIN_HARDWARE`` or ``megatrain-plan profile --spill-dir DIR``'s).
+AdamW clips at 1.0 unless ``--no-clip``; ``--eager`` (with it) updates each block in backward whatever mode the
+planner would choose. Writes ``benchmarks/results/<date>_cpu_spill_scale_<spill>_<models>[_no_clip][_eager]``
+``.{json,md}``.
 """
 from __future__ import annotations
 
@@ -70,7 +73,8 @@ def child(args) -> dict:
     cfg = model_config(args.model)
     shape = model_shapes.from_config({"model_type": "llama", **cfg})
     state = args.optimizer_state
-    work = Workload(seq_len=args.seq, batch=args.batch, compute_dtype="fp32", clipping=True, optimizer_state=state)
+    clipping = not args.no_clip
+    work = Workload(seq_len=args.seq, batch=args.batch, compute_dtype="fp32", clipping=clipping, optimizer_state=state)
     spill, blocks = args.spill, None
     from megatrain.planner import search, sizing
 
@@ -81,11 +85,11 @@ def child(args) -> dict:
         free = shutil.disk_usage(args.dir).free
         if args.disk_gb:
             free = min(free, int(args.disk_gb * 1e9))
-        planned = search.search(shape, Workload(args.seq, args.batch, "fp32", clipping=True, spill_dir=args.dir,
+        planned = search.search(shape, Workload(args.seq, args.batch, "fp32", clipping=clipping, spill_dir=args.dir,
                                                 spill_free_bytes=free, optimizer_state=state), hw).require().plan
         spill, blocks = planned.spill, planned.spill_blocks
     elif spill != "none":  # the planner's read-ahead depth and chunk for this disk and the RAM left
-        planned = search.search(shape, Workload(args.seq, args.batch, "fp32", clipping=True, spill="all",
+        planned = search.search(shape, Workload(args.seq, args.batch, "fp32", clipping=clipping, spill="all",
                                                 spill_dir=args.dir, optimizer_state=state), hw).require().plan
     # The searched plan's staging and chunk, unless given: with ``--spill planner`` the plan is the search's
     # whole (its memory fits --ram-gib only with its own staging and chunk).
@@ -94,14 +98,17 @@ def child(args) -> dict:
              planned.spill_chunk_bytes if spill != "none" else Plan().spill_chunk_bytes)
     args.chunk_mib = chunk / 2**20
     io = {} if spill == "none" else {"io_direct": planned.io_direct, "io_direct_reads": planned.io_direct_reads}
+    mode = "eager" if args.eager else planned.optimizer_mode if spill != "none" else "deferred"
     plan = Plan(spill=spill, spill_blocks=blocks, spill_dir=args.dir if spill != "none" else None,
-                spill_staging=args.staging, spill_chunk_bytes=chunk, **io)  # the searched plan's I/O modes
+                spill_staging=args.staging, spill_chunk_bytes=chunk, optimizer_mode=mode,
+                **io)  # the searched plan's I/O modes and optimizer mode
     print(f"  placement: {spill_placement.label(plan)}", file=sys.stderr, flush=True)
     est = memory_model.estimate(shape, work, plan, this_machine())
     predicted_step_s = cost_model.estimate(shape, work, plan, this_machine()).step_seconds
     rss0 = _rss()
     t0 = time.perf_counter()
-    engine = Engine(ModelConfig(**cfg), OptimizerConfig(lr=1e-4, max_grad_norm=1.0, state_dtype=state), plan=plan,
+    engine = Engine(ModelConfig(**cfg), OptimizerConfig(lr=1e-4, max_grad_norm=1.0 if clipping else None,
+                                                        state_dtype=state), plan=plan,
                     compute_dtype=torch.float32, device="cpu", seed=0)
     init_s = time.perf_counter() - t0
     rss_init = _rss()
@@ -127,6 +134,7 @@ def child(args) -> dict:
               f"written {steps[-1]['written_bytes'] / 1e9:.1f} GB", file=sys.stderr, flush=True)
     engine.synchronize()
     out = {"model": args.model, "params": engine.num_parameters, "spill": args.spill, "optimizer_state": state,
+           "clipping": clipping,
            "placement": spill_placement.label(plan), "plan": plan.to_dict(), "seq": args.seq,
            "batch": args.batch, "staging": args.staging, "chunk_mib": args.chunk_mib, "init_s": init_s,
            "rss_before_engine_bytes": rss0, "rss_after_init_bytes": rss_init, "nvme_bytes": engine.store.nvme_bytes,
@@ -197,12 +205,17 @@ def main() -> int:
                    help="AdamW m and v's dtype, in RAM and in spill files")
     p.add_argument("--read-gbps", type=float, default=None)
     p.add_argument("--write-gbps", type=float, default=None)
+    p.add_argument("--no-clip", action="store_true", help="no gradient clipping (the planner's plan for that)")
+    p.add_argument("--eager", action="store_true",
+                   help="with --no-clip: eager updates (each in backward), whatever the planner's mode")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args)))
         return 0
+    if args.eager and not args.no_clip:
+        p.error("--eager needs --no-clip: with clipping an update waits for the whole backward's norm")
     if args.spill != "none" and not args.dir:
         p.error("--dir names the spill directory (a local disk with room for the spill files)")
     from megatrain.planner.profiler import this_machine
@@ -220,6 +233,7 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--child", "--model", model, "--spill", args.spill, "--seq", str(args.seq),
                "--batch", str(args.batch), "--staging", str(args.staging), "--chunk-mib", str(args.chunk_mib),
                "--steps", str(args.steps), "--optimizer-state", args.optimizer_state] + (
+                   ["--no-clip"] if args.no_clip else []) + (["--eager"] if args.eager else []) + (
                    ["--dir", args.dir] if args.dir else []) + (
                    ["--ram-gib", str(args.ram_gib)] if args.ram_gib else []) + (
                    ["--disk-gb", str(args.disk_gb)] if args.disk_gb else [])
@@ -230,7 +244,8 @@ def main() -> int:
             rows.append({"model": model, "spill": args.spill, "status": f"failed (exit {proc.returncode})"})
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"{info['date']}_cpu_spill_scale_{args.spill}_{args.model.replace(',', '_')}"
-                                  + ("_bf16_state" if args.optimizer_state == "bf16" else ""))
+                                  + ("_bf16_state" if args.optimizer_state == "bf16" else "")
+                                  + ("_no_clip" if args.no_clip else "") + ("_eager" if args.eager else ""))
     with open(stem + ".json", "w") as f:
         json.dump({**info, "rows": rows}, f, indent=2)
     with open(stem + ".md", "w") as f:
