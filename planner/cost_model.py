@@ -125,7 +125,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
     """The step's time, phase by phase: rates, the block visits of forward and backward, AdamW, the replay."""
     batch = StepBatch.of(work, plan)
     adam = _AdamTime(model, work, plan, hw)
-    on_cpu = spill_timing.applies(hw, plan, adam.spilled)  # a spilled deferred step without a GPU: spill_timing
+    on_cpu = spill_timing.applies(hw, plan, adam.spilled)  # a spilled step without a GPU: spill_timing
     rates = _Rates.of(model, work, batch, hw)
     rates = rates if on_cpu else _with_disk_loads(rates, model, work, plan, hw)
     slabs = _HostSlabs(plan)
@@ -138,7 +138,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
     if on_cpu:
         cpu = spill_timing.cpu_step(adam.spilled, plan, hw, steps, n_fwd, total_adam, model.tie_word_embeddings,
                                     work.compute_bytes)
-        fwd_end, step, exposed = cpu.forward_s, cpu.step_s, total_adam + cpu.forward_exposed_s
+        fwd_end, step, exposed = cpu.forward_s, cpu.step_s, total_adam + cpu.update_exposed_s
     else:
         fwd_end, step, exposed = step_replay.step_time(steps, n_fwd, plan, hw, total_adam)
     eager = plan.optimizer_mode == "eager"

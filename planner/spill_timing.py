@@ -1,9 +1,9 @@
-"""A spilled step without a GPU, deferred mode: the disk as a resource beside the CPU in each half of the step,
-as the runtime schedules it ([Note: spill read-ahead] in runtime/spill/read_ahead.py). Pure stdlib.
+"""A spilled step without a GPU: the disk as a resource beside the CPU in each half of the step, as the runtime
+schedules it ([Note: spill read-ahead] in runtime/spill/read_ahead.py). Pure stdlib.
 
 The CPU runs the step's compute, its copies and AdamW's arithmetic one after another (they share the cores:
 ``cpu`` below, the replay's sum). The disk runs beside them, and the step waits on it only where the work it
-must finish first is longer than the CPU work it overlaps:
+must finish first is longer than the CPU work it overlaps. Deferred mode (``cpu_step``):
 
   backward   the loads of the layers whose master spills (layer x 4 bytes each, read), the drains of the
              spilled gradients (written), and the read-ahead: the next update's first chunks' master, m and v
@@ -21,6 +21,17 @@ must finish first is longer than the CPU work it overlaps:
              exposed_f = e_last - sum f_i
 
   step = sum over visits of (load + compute + drain) + AdamW arithmetic + exposed_f + exposed_b
+
+Eager mode (``eager_step``: each block's update as soon as its gradients are whole, so both halves carry I/O;
+no gradient spills): the disk serves its work in the order it is issued, one queue (d: when it is free; c: the
+CPU's clock). Forward: each block's spilled master read ahead of its compute, d += load_i / R,
+c = max(c, d) + f_i, the head's update after its backward: its update u_head = reads / R + writes / W of its
+spilled master, m and v. Backward, each visit j (the layers in reverse, then the embedding, which loads nothing):
+its load, issued while the previous block computed, d += load_j / R; its compute starts at s_j = max(c, d);
+the previous block's update, issued when that block's compute ended, d = max(d, c) + u_prev; then
+c = s_j + cpu_j + a_j (a_j: block j's AdamW arithmetic, on the same cores; the head's with the first layer's).
+The last update follows the last
+compute: step = max(c, max(d, c) + u_embedding).
 
 R, W: the profile's disk read and write GB/s. Backward's loads of blocks whose master spills read the disk
 straight into the slot (no host copy: their load is 0 on the CPU side). The cost model adds the floor every spill plan has
@@ -50,11 +61,18 @@ class SpillStep:
     forward_exposed_s: float  # the CPU waited on the disk in the forward half (AdamW's I/O and the loads)
     backward_exposed_s: float
     read_ahead_bytes: float   # the next update's master, m and v read during backward
+    eager: bool = False
+
+    @property
+    def update_exposed_s(self) -> float:
+        """What the updates' disk work added to the step: in the forward half (deferred), or after the
+        backward's compute (eager)."""
+        return self.backward_exposed_s if self.eager else self.forward_exposed_s
 
 
 def applies(hw: HardwareProfile, plan: Plan, spilled: "spill_placement.Spilled") -> bool:
-    """This model times the step: no GPU, deferred updates, something on disk."""
-    return hw.device_is_host and plan.optimizer_mode == "deferred" and bool(spilled.kinds)
+    """This model times the step: no GPU, something on disk (deferred: ``cpu_step``; eager: ``eager_step``)."""
+    return hw.device_is_host and bool(spilled.kinds)
 
 
 def tapped(hw: HardwareProfile, plan: Plan) -> bool:
@@ -84,7 +102,9 @@ def cpu_step(spilled: "spill_placement.Spilled", plan: Plan, hw: HardwareProfile
              n_fwd: int, adam_cpu_s: float, tied: bool, compute_bytes: int) -> SpillStep:
     """The step (see the module docstring). ``steps``: the forward's visits (the embedding, the layers, the head:
     block i at visit i), then the backward's (the layers in reverse, the embedding); ``adam_cpu_s``: AdamW's
-    arithmetic for every block."""
+    arithmetic for every block. Eager plans: ``eager_step``."""
+    if plan.optimizer_mode == "eager":
+        return eager_step(spilled, hw, steps, n_fwd, adam_cpu_s, tied, compute_bytes)
     R, W = hw.disk_read_gbps * 1e9, hw.disk_write_gbps * 1e9
     n = len(spilled.numels)
     on_disk = spilled.blocks.get(BufferKind.MASTER, frozenset()) if compute_bytes == 4 else frozenset()
@@ -116,3 +136,39 @@ def cpu_step(spilled: "spill_placement.Spilled", plan: Plan, hw: HardwareProfile
         a += reads / R + writes / W + fwd_load[b] / R
         e = max(e, a) + f[b]
     return SpillStep(e, e + B + exposed_b + adam_cpu_s, e - sum(f), exposed_b, sum(ahead))
+
+
+def eager_step(spilled: "spill_placement.Spilled", hw: HardwareProfile, steps: Sequence[BlockVisit], n_fwd: int,
+               adam_cpu_s: float, tied: bool, compute_bytes: int) -> SpillStep:
+    """Eager mode's step (the module docstring): ``steps`` and ``adam_cpu_s`` as for ``cpu_step``; the AdamW
+    arithmetic is shared out over the blocks by their elements."""
+    R, W = hw.disk_read_gbps * 1e9, hw.disk_write_gbps * 1e9
+    numels = spilled.numels
+    n = len(numels)
+    on_disk = spilled.blocks.get(BufferKind.MASTER, frozenset()) if compute_bytes == 4 else frozenset()
+    per_element = adam_cpu_s / max(1, sum(numels))
+
+    def cpu(st: BlockVisit, block: int) -> float:  # a spilled master is read by the loader: no host copy
+        return (0.0 if block in on_disk else st.load_s) + st.compute_s + st.d2h_s
+
+    def update(b: int) -> float:  # its spilled master, m and v read, then written back
+        return spilled.block_disk_bytes(b) / R + spilled.block_disk_bytes(b, UPDATED) / W
+
+    loads = [numels[b] * 4.0 / R if b in on_disk else 0.0 for b in range(n)]
+    if tied and 0 in on_disk:  # a tied head loads the embedding's table again
+        loads[n - 1] += numels[0] * 4.0 / R
+    c = d = 0.0
+    for b, st in zip(range(n), steps[:n_fwd]):
+        d += loads[b]
+        c = max(c, d) + cpu(st, b)
+    forward_s, f_cpu = c, sum(cpu(st, b) for b, st in zip(range(n), steps[:n_fwd]))
+    pending, head_adam = update(n - 1), numels[n - 1] * per_element  # the head's update: beside the first layer's
+    b_cpu = 0.0
+    for b, st in zip([*range(n - 2, 0, -1), 0], steps[n_fwd:]):
+        d += loads[b] if b else 0.0  # the embedding's backward loads nothing
+        start = max(c, d)
+        d = max(d, c) + pending
+        work = cpu(st, b) + numels[b] * per_element + head_adam
+        c, pending, b_cpu, head_adam = start + work, update(b), b_cpu + work, 0.0
+    step = max(c, max(d, c) + pending)
+    return SpillStep(forward_s, step, forward_s - f_cpu, max(0.0, step - forward_s - b_cpu), 0.0, eager=True)

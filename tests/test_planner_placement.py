@@ -69,7 +69,11 @@ def test_partial_placements_cost_between_none_and_all() -> None:
         steps = [cost_model.estimate(m, work, spill_placement.at_level(base.replace(spill_dir="/d"), m, level), HW)
                  for level in (0, 9, 18, 27, spill_placement.fill_levels(m, mode == "deferred"))]
         times = [s.step_seconds for s in steps]
-        assert times == sorted(times) and times[0] < times[-1], (mode, times)
+        # between none and all, not always rising: on a CPU a load of a spilled master reads the disk straight into
+        # its slot, sparing the compute thread the copy from RAM, so where the CPU is the bottleneck a few more
+        # masters on disk can be a shade faster (eager: 64.2 s with m and v spilled, 63.2 s with 9 masters too)
+        assert all(times[0] * (1 - 1e-12) <= t <= times[-1] * (1 + 1e-12) for t in times), (mode, times)
+        assert times[0] < times[-1], (mode, times)
         disk = [s.disk_read_bytes for s in steps]
         assert disk == sorted(disk) and disk[0] == 0
 

@@ -2,6 +2,8 @@
 read-ahead the staging sets and the backward's idle disk allow, checked by hand; the cost model uses it."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatrain.planner import cost_model, model_shapes, spill_placement, spill_timing
@@ -104,6 +106,40 @@ def test_the_cost_model_times_a_spilled_cpu_step_with_it() -> None:
     few, many = (cost_model.estimate(shape, work, _plan(p).replace(micro_batch_size=2), hw) for p in (1, 64))
     assert many.step_seconds < few.step_seconds          # staging sets the backward fills pay
     spilled = spill_placement.Spilled.of(shape, _plan(1))
-    assert spill_timing.applies(hw, _plan(1), spilled)
-    assert not spill_timing.applies(hw, _plan(1).replace(optimizer_mode="eager"), spilled)
-    assert few.step_seconds >= few.disk_seconds          # never faster than the disk's bytes
+    assert spill_timing.applies(hw, _plan(1), spilled) and few.step_seconds >= few.disk_seconds  # never faster
+    eager = cost_model.estimate(shape, dataclasses.replace(work, clipping=False), _plan(1).replace(optimizer_mode="eager"),
+                                hw)
+    assert spill_timing.applies(hw, _plan(1).replace(optimizer_mode="eager"), spilled)
+    assert eager.step_seconds >= eager.disk_seconds > 0
+    assert not spill_timing.applies(hw.replace(gpu_name="H100", gpu_mem_bytes=80 << 30), _plan(1), spilled)
+
+
+def test_the_eager_step_by_hand() -> None:
+    """Embedding, one layer of one chunk, a tiny head; master, m and v spilled (eager spills no gradient); 1 GB/s
+    each way. Each update follows its block's backward on the disk's one queue, behind the loads issued before."""
+    every = frozenset(range(3))
+    spilled = Spilled({k: every for k in (BufferKind.MASTER, BufferKind.EXP_AVG, BufferKind.EXP_AVG_SQ)},
+                      (CHUNK, CHUNK, HEAD))
+    f, bwd, adam = [0.001, 0.01, 0.002], [0.02, 0.001], 0.003
+    plan = _plan(2).replace(optimizer_mode="eager")
+    got = spill_timing.cpu_step(spilled, plan, _hw(), _visits(f, bwd), 3, adam, False, 4)
+    h = HEAD * 4 / 1e9
+    per = adam / (2 * CHUNK + HEAD)                           # AdamW arithmetic per element
+    # forward: each spilled master read ahead (d), each compute after its read (c); the loads' host copies unpaid
+    d, c = U, U + f[0]
+    d, c = 2 * U, max(c, 2 * U) + f[1]
+    d, c = 2 * U + h, max(c, 2 * U + h) + f[2]
+    assert got.forward_s == pytest.approx(c) and got.forward_exposed_s == pytest.approx(c - sum(f))
+    # backward, the layer: its load; the head's update (3 h read, 3 h written) once the head's backward is done
+    d += U
+    start = max(c, d)
+    d = max(d, c) + 6 * h
+    c = start + bwd[0] + (CHUNK + HEAD) * per
+    # the embedding (no load): the layer's update (3 U each way) behind it, then its own after its backward
+    start = max(c, d)
+    d = max(d, c) + 6 * U
+    c = start + bwd[1] + CHUNK * per
+    step = max(c, max(d, c) + 6 * U)
+    assert got.step_s == pytest.approx(step) and got.eager
+    assert got.update_exposed_s == got.backward_exposed_s == pytest.approx(step - got.forward_s - sum(bwd) - adam)
+    assert got.read_ahead_bytes == 0.0
