@@ -6,8 +6,8 @@ The command-line path of ``benchmarks/own_loop.py`` (which times ``Engine`` in o
 rotating order, ``megatrain-train`` as a user would (the model's config.json with ``--init random --seed 0``, the
 planner's plan, ``--compute-dtype fp32 --progress none --no-plot``) and this file as a child running
 ``own_loop.pytorch_trainer`` plain, with every decoder layer checkpointed, and plain in a process that keeps its
-freed heap as ``megatrain-train``'s does ([Note: freed heap] in runtime/device/host_heap.py), on the same token rows (a 2-D .npy,
-``--packing none --no-shuffle``: one row per sequence, in file order), from the same initial weights
+freed heap as ``megatrain-train``'s does ([Note: freed heap] in runtime/device/host_heap.py), on the same token
+rows (a 2-D .npy, ``--packing none --no-shuffle``: one row per sequence, in file order), from the same initial weights
 (``Engine(config, seed=0)``'s, as the command line builds them) with the command line's AdamW (betas 0.9/0.95,
 weight decay 0.1 except norms and biases, clipping 1.0) at a constant learning rate (``--warmup-steps 0
 --min-lr`` = ``--lr``). Step times: ``megatrain-train``'s ``step_time_s`` in its metrics.jsonl (the time from one

@@ -30,8 +30,7 @@ spilled master, m and v. Backward, each visit j (the layers in reverse, then the
 its load, issued while the previous block computed, d += load_j / R; its compute starts at s_j = max(c, d);
 the previous block's update, issued when that block's compute ended, d = max(d, c) + u_prev; then
 c = s_j + cpu_j + a_j (a_j: block j's AdamW arithmetic, on the same cores; the head's with the first layer's).
-The last update follows the last
-compute: step = max(c, max(d, c) + u_embedding).
+The last update follows the last compute: step = max(c, max(d, c) + u_embedding).
 
 R, W: the profile's disk read and write GB/s. Backward's loads of blocks whose master spills read the disk
 straight into the slot (no host copy: their load is 0 on the CPU side). The cost model adds the floor every spill plan has

@@ -107,8 +107,8 @@ def test_the_cost_model_times_a_spilled_cpu_step_with_it() -> None:
     assert many.step_seconds < few.step_seconds          # staging sets the backward fills pay
     spilled = spill_placement.Spilled.of(shape, _plan(1))
     assert spill_timing.applies(hw, _plan(1), spilled) and few.step_seconds >= few.disk_seconds  # never faster
-    eager = cost_model.estimate(shape, dataclasses.replace(work, clipping=False), _plan(1).replace(optimizer_mode="eager"),
-                                hw)
+    unclipped = dataclasses.replace(work, clipping=False)
+    eager = cost_model.estimate(shape, unclipped, _plan(1).replace(optimizer_mode="eager"), hw)
     assert spill_timing.applies(hw, _plan(1).replace(optimizer_mode="eager"), spilled)
     assert eager.step_seconds >= eager.disk_seconds > 0
     assert not spill_timing.applies(hw.replace(gpu_name="H100", gpu_mem_bytes=80 << 30), _plan(1), spilled)
