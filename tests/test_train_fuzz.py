@@ -142,9 +142,11 @@ def test_ctrl_c_while_starting_is_one_line_130(tmp_path, delay):
     """Whether it lands while modules load or while the data is read (a FIFO nobody writes: start-up never ends)."""
     fifo = tmp_path / "stalled.txt"
     os.mkfifo(fifo)
+    # Ctrl-C's default action in the child, as at a terminal, even where the suite runs as a background job without
+    # job control (whose children inherit SIGINT ignored)
     proc = subprocess.Popen([sys.executable, "-m", "megatrain.tools.train", "--data", str(fifo), "--out",
                              str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=tmp_path)
+                            cwd=tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
