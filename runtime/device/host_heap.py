@@ -5,7 +5,7 @@ torch's CPU tensors come from the C library's malloc. glibc gives freed memory b
 than its trim threshold lies free at the top of the heap, and that threshold adapts only up to 64 MiB. A training
 step on a CPU device frees more than that at its end (its activations), and the next step takes every page again
 through a page fault that zeroes it: a 25.8M model's step (4 x 128 tokens, fp32, every layer kept) took 15,000-
-17,000 page faults and 24-28 ms of kernel time a step, plain PyTorch's 8,000.
+17,000 page faults and 24-30 ms of kernel time a step, plain PyTorch's 8,000.
 
 ``keep_freed_heap`` sets the thresholds once for the process: the heap gives memory back only when more than
 ``TRIM_THRESHOLD`` lies free at its top, and allocations above ``MMAP_THRESHOLD`` (glibc's own adaptive ceiling)
