@@ -156,11 +156,11 @@ def eager_step(spilled: "spill_placement.Spilled", hw: HardwareProfile, steps: S
     loads = [numels[b] * 4.0 / R if b in on_disk else 0.0 for b in range(n)]
     if tied and 0 in on_disk:  # a tied head loads the embedding's table again
         loads[n - 1] += numels[0] * 4.0 / R
-    c = d = 0.0
+    c = d = f_cpu = 0.0
     for b, st in zip(range(n), steps[:n_fwd]):
         d += loads[b]
-        c = max(c, d) + cpu(st, b)
-    forward_s, f_cpu = c, sum(cpu(st, b) for b, st in zip(range(n), steps[:n_fwd]))
+        c, f_cpu = max(c, d) + cpu(st, b), f_cpu + cpu(st, b)
+    forward_s = c
     pending, head_adam = update(n - 1), numels[n - 1] * per_element  # the head's update: beside the first layer's
     b_cpu = 0.0
     for b, st in zip([*range(n - 2, 0, -1), 0], steps[n_fwd:]):
