@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements, in parts of under ten minutes each, for a GPU machine reached in short sessions.
 #
-#   bash benchmarks/gpu_session.sh checks   # CUDA tests, 1B throughput, 1B step anatomy   (~8 min)
+#   bash benchmarks/gpu_session.sh checks   # CUDA tests, 1B losses and speed against PyTorch, 8B flagship (~7 min)
+#   bash benchmarks/gpu_session.sh anatomy  # 1B step anatomy: the planner's plan, host checkpoints, eager
 #   bash benchmarks/gpu_session.sh peers    # peers sweep, 480 s budget (DeepSpeed wheels in .whl/)
 #   bash benchmarks/gpu_session.sh large    # 3B step anatomy at 2048/8192, profile, calibrate, planner validation
 #
@@ -12,7 +13,7 @@
 # files of benchmarks/results/. Unpack it into benchmarks/results/ of the checkout the next part
 # starts from: `peers --resume` goes on from the sweep results it finds there.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh checks|peers|large}
+part=${1:?usage: gpu_session.sh checks|anatomy|peers|large}
 out=${OUT:-$PWD/gpu_out}
 mkdir -p "$out"
 log="$out/$part.log"
@@ -43,8 +44,14 @@ fi
 
 case $part in
   checks)
-    run 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests
-    run 150 python3 benchmarks/throughput.py --model 1b --seq 2048 --batch 32 --micro-batch 8 --steps 4
+    run 80 python3 -m pytest -q -m gpu -p no:cacheprovider tests
+    # 20 bf16 steps against in-VRAM PyTorch from the same weights: the losses step by step, and the speed
+    run 120 python3 benchmarks/throughput.py --model 1b --seq 2048 --batch 8 --micro-batch 4 --steps 20
+    # the flagship: Llama-3.1-8B's shape at 4096 tokens, the planner's plan, fp32 masters and AdamW state in RAM
+    run 240 python3 benchmarks/step_anatomy.py --model 8b --seq 4096 --batch 16 --no-clip --planner-only \
+      --warmup 1 --steps 2 --traced 1
+    ;;
+  anatomy)
     run 150 python3 benchmarks/step_anatomy.py --model 1b --seq 2048 --batch 16 --micro-batch 4 \
       --variant planner,host-ckpt,eager --steps 3 --traced 2
     ;;
@@ -59,7 +66,7 @@ case $part in
     run 240 megatrain-plan calibrate --out "$MEGATRAIN_HARDWARE"  # fp32, as the table
     run 200 python3 benchmarks/plan_validation.py --quick
     ;;
-  *) echo "unknown part $part: checks, peers or large" >&2; exit 2 ;;
+  *) echo "unknown part $part: checks, anatomy, peers or large" >&2; exit 2 ;;
 esac
 
 # The results written during this part (and any PNG), in one file.

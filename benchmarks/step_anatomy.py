@@ -63,16 +63,18 @@ def measure(spec: RunSpec, variant: str, args: argparse.Namespace, hw: Any, echo
     import torch
 
     from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
-    from megatrain.tools.trace_anatomy import anatomy, profile_kwargs
 
-    plan, said = plan_for(spec)
+    plan, said = plan_for(spec, clipping=not args.no_clip)
+    if args.planner_only and said["planner"] != "best of the search":
+        return {"model": spec.model, "seq": spec.seq, "batch": spec.batch, "variant": variant,
+                "status": f"not run: {said['planner']}"}
     changes = dict(VARIANTS[variant])
     if changes.get("kept_layers") == "all":
         changes["kept_layers"] = tuple(range(spec.config["num_hidden_layers"]))
     if changes.get("optimizer_mode") == "eager":
         changes["host_grad_slabs"] = max(plan.host_grad_slabs, 2)
     plan = plan.replace(**changes) if changes else plan
-    clip = None if plan.optimizer_mode == "eager" else spec.max_grad_norm  # eager cannot clip
+    clip = None if plan.optimizer_mode == "eager" or args.no_clip else spec.max_grad_norm  # eager cannot clip
     cuda = spec.device == "cuda"
     row: dict[str, Any] = {"model": spec.model, "seq": spec.seq, "batch": spec.batch, "variant": variant,
                            "layers": spec.config["num_hidden_layers"],
@@ -86,37 +88,55 @@ def measure(spec: RunSpec, variant: str, args: argparse.Namespace, hw: Any, echo
     except Exception as e:  # e.g. out of memory: recorded, the next configuration runs
         return {**row, "status": f"failed at start: {str(e).splitlines()[0]}"}
     with engine:
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        breakdowns, steps = [], []
-        for i in range(args.warmup + args.steps):
-            if i >= args.warmup:
-                engine.time_next_step()
-            t0 = time.perf_counter()
-            loss = engine.step(ids[i % 2], ids[i % 2]).item()
-            steps.append(time.perf_counter() - t0)
-            if i >= args.warmup:
-                breakdowns.append(engine.last_step_breakdown)
-            echo(f"  {spec.model} seq {spec.seq} {variant}: step {i + 1}/{args.warmup + args.steps} "
-                 f"{steps[-1]:.3f} s, loss {loss:.4f}")
+        try:
+            return _timed(engine, spec, variant, row, ids, args, echo)
+        except torch.OutOfMemoryError as e:  # recorded with what ran before it
+            return {**row, "status": f"out of memory in a step: {str(e).splitlines()[0]}"}
+
+
+def _timed(engine: Any, spec: RunSpec, variant: str, row: dict[str, Any], ids: list, args: argparse.Namespace,
+           echo) -> dict[str, Any]:
+    import resource
+
+    import torch
+
+    from megatrain.tools.trace_anatomy import anatomy, profile_kwargs
+
+    cuda = spec.device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    breakdowns, steps = [], []
+    for i in range(args.warmup + args.steps):
+        if i >= args.warmup:
+            engine.time_next_step()
+        t0 = time.perf_counter()
+        loss = engine.step(ids[i % 2], ids[i % 2]).item()
+        steps.append(time.perf_counter() - t0)
+        if i >= args.warmup:
+            breakdowns.append(engine.last_step_breakdown)
+        echo(f"  {spec.model} seq {spec.seq} {variant}: step {i + 1}/{args.warmup + args.steps} "
+             f"{steps[-1]:.3f} s, loss {loss:.4f}")
+    engine.synchronize()
+    with torch.profiler.profile(**profile_kwargs(cuda)) as prof:
+        t0 = time.perf_counter()
+        for i in range(args.traced):
+            engine.step(ids[i % 2], ids[i % 2])
         engine.synchronize()
-        with torch.profiler.profile(**profile_kwargs(cuda)) as prof:
-            t0 = time.perf_counter()
-            for i in range(args.traced):
-                engine.step(ids[i % 2], ids[i % 2])
-            engine.synchronize()
-            traced_step = (time.perf_counter() - t0) / args.traced
-        row["trace"] = anatomy(prof.events(), args.traced, traced_step)
-        if args.trace_dir:
-            os.makedirs(args.trace_dir, exist_ok=True)
-            path = os.path.join(args.trace_dir, f"{spec.model}_seq{spec.seq}_{variant}.json")
-            prof.export_chrome_trace(path)
-            row["trace_file"] = path
-        keys = [k for k in breakdowns[-1] if all(k in b for b in breakdowns)]
-        row["events"] = {k: statistics.median(b[k] for b in breakdowns) for k in keys}
-        row.update(status="ok", median_step_seconds=statistics.median(steps[args.warmup:]),
-                   tokens_per_second=spec.tokens / statistics.median(steps[args.warmup:]),
-                   peak_gpu_bytes=torch.cuda.max_memory_allocated() if cuda else None, final_loss=loss)
+        traced_step = (time.perf_counter() - t0) / args.traced
+    row["trace"] = anatomy(prof.events(), args.traced, traced_step)
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+        path = os.path.join(args.trace_dir, f"{spec.model}_seq{spec.seq}_{variant}.json")
+        prof.export_chrome_trace(path)
+        row["trace_file"] = path
+    keys = [k for k in breakdowns[-1] if all(k in b for b in breakdowns)]
+    row["events"] = {k: statistics.median(b[k] for b in breakdowns) for k in keys}
+    step = statistics.median(steps[args.warmup:])
+    tflops = 6 * engine.num_parameters * spec.tokens / step / 1e12  # 6N per token: no recompute, no attention
+    row.update(status="ok", median_step_seconds=step, step_seconds=steps, tokens_per_second=spec.tokens / step,
+               params=engine.num_parameters, model_tflops=tflops, mfu=tflops / args.matmul_peak_tflops,
+               peak_gpu_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+               peak_host_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, final_loss=loss)
     return row
 
 
@@ -126,22 +146,24 @@ def markdown(rep: dict[str, Any]) -> str:
              "holds launch gaps); trace: torch.profiler (kernels and copies on the device, AdamW on its "
              "thread). Roofline = max(compute, H2D, D2H, AdamW), with AdamW on the compute thread max(compute + AdamW, "
              "H2D, D2H); ratio = step / roofline (target <= 1.10).", "",
-             "| model | seq | variant | plan | step s | tokens/s | events: compute / H2D / D2H / AdamW busy | "
+             "| model | seq | variant | plan | step s | tokens/s | model TFLOP/s (MFU) | peak GPU / host GiB | events: compute / H2D / D2H / AdamW busy | "
              "exposed H2D / D2H / ckpt / AdamW | events ratio | trace: compute / H2D / D2H / AdamW / of it bf16 shadow "
              "| bound by "
              "| trace ratio | planner: step / compute / H2D / D2H / AdamW | kept layers | recomputed GFLOP / of "
-             "hardware GFLOP |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "hardware GFLOP |", "|" + "---|" * 17]
     for r in rep["runs"]:
         if r.get("status") != "ok":
             lines.append(f"| {r['model']} | {r['seq']} | {r['variant']} | - | {r.get('status')} |"
-                         + "  |" * 10)
+                         + "  |" * 12)
             continue
         p, e, t, q = r["plan"], r["events"], r["trace"], r["predicted"]
         f = lambda *vals: " / ".join("-" if v is None else f"{v:.3f}" for v in vals)  # noqa: E731
         lines.append(
             f"| {r['model']} | {r['seq']} | {r['variant']} | mb {p['micro_batch_size']}, {p['num_slots']} slots, "
             f"ckpt {p['checkpoints']}, {p['optimizer_mode']} | {r['median_step_seconds']:.3f} "
-            f"| {r['tokens_per_second']:,.0f} | {f(e['compute_s'], e['h2d_busy_s'], e['d2h_busy_s'], e.get('adam_busy_s'))} "
+            f"| {r['tokens_per_second']:,.0f} | {r['model_tflops']:.1f} ({r['mfu']:.1%}) "
+            f"| {(r['peak_gpu_bytes'] or 0) / 2**30:.1f} / {r['peak_host_rss_bytes'] / 2**30:.1f} "
+            f"| {f(e['compute_s'], e['h2d_busy_s'], e['d2h_busy_s'], e.get('adam_busy_s'))} "
             f"| {f(e['h2d_exposed_s'], e['d2h_exposed_s'], e['ckpt_traffic_s'], e['adam_exposed_s'])} "
             f"| {e['roofline_ratio']:.2f} | {f(t['compute_s'], t['h2d_s'], t['d2h_s'], t['adam_s'], t['shadow_s'])} "
             f"| {t['bound_by']} | {t['roofline_ratio']:.2f} "
@@ -166,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps (event breakdown)")
     p.add_argument("--traced", type=int, default=2, help="steps under torch.profiler")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--no-clip", action="store_true", help="no gradient clipping (the planner may then choose eager)")
+    p.add_argument("--planner-only", action="store_true", help="skip a configuration the planner finds no plan for")
     p.add_argument("--trace-dir", default=None, help="write each configuration's Chrome trace here")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     args = p.parse_args(argv)
@@ -190,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatrain.planner.profiler import detect
 
     hw = detect()
+    args.matmul_peak_tflops = machine["matmul_peak"]["tflops"]
     runs = [measure(spec, v, args, hw, echo) for spec in specs for v in variants]
     date = datetime.date.today().isoformat()
     rep = {"benchmark": "step_anatomy", "date": date, "device": report.device_label(machine), "machine": machine,

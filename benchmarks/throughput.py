@@ -69,16 +69,16 @@ def run_megatrain(args, cfg, device) -> dict:
                 checkpoints=args.checkpoints, loss_chunk_tokens=args.loss_chunk)
     engine = Engine(ModelConfig(**cfg), OptimizerConfig(lr=1e-4, max_grad_norm=1.0), plan=plan,
                     compute_dtype=dtype, device=device, seed=0)
-    times, loss = [], None
+    times, losses = [], []
     for i, ids in enumerate(batches(cfg["vocab_size"], args.batch, args.seq, args.steps)):
         t0 = time.perf_counter()
-        loss = engine.step(ids, ids).item()  # .item(): the step's end, as a user's loop would see it
+        losses.append(engine.step(ids, ids).item())  # .item(): the step's end, as a user's loop would see it
         times.append(time.perf_counter() - t0)
-        print(f"  megatrain step {i + 1}/{args.steps}: {times[-1]:.3f} s, loss {loss:.4f}", file=sys.stderr, flush=True)
+        print(f"  megatrain step {i + 1}/{args.steps}: {times[-1]:.3f} s, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     engine.synchronize()
     n = engine.num_parameters
     engine.close()
-    return {"times": times, "loss": loss, "params": n, "compute_dtype": str(dtype)}
+    return {"times": times, "loss": losses[-1], "losses": losses, "params": n, "compute_dtype": str(dtype)}
 
 
 def run_pytorch(args, cfg, device) -> dict:
@@ -95,7 +95,7 @@ def run_pytorch(args, cfg, device) -> dict:
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    times, loss = [], None
+    times, losses = [], []
     for i, ids in enumerate(batches(cfg["vocab_size"], args.batch, args.seq, args.steps)):
         t0 = time.perf_counter()
         ids = ids.to(device)
@@ -112,10 +112,10 @@ def run_pytorch(args, cfg, device) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss = total.item()
+        losses.append(total.item())
         times.append(time.perf_counter() - t0)
-        print(f"  pytorch step {i + 1}/{args.steps}: {times[-1]:.3f} s, loss {loss:.4f}", file=sys.stderr, flush=True)
-    return {"times": times, "loss": loss, "params": sum(p.numel() for p in model.parameters())}
+        print(f"  pytorch step {i + 1}/{args.steps}: {times[-1]:.3f} s, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+    return {"times": times, "loss": losses[-1], "losses": losses, "params": sum(p.numel() for p in model.parameters())}
 
 
 def child(args) -> None:
@@ -141,7 +141,7 @@ def summarize(name: str, r: dict, tokens: int, warmup: int, attention_per_token:
     return {"system": name, "status": "ok", "step_seconds": step, "tokens_per_second": tokens / step,
             "model_tflops": 6 * r["params"] * tokens / step / 1e12,
             "model_tflops_with_attention": (6 * r["params"] + attention_per_token) * tokens / step / 1e12,
-            "final_loss": r["loss"],
+            "final_loss": r["loss"], "losses": r["losses"],
             "peak_device_gib": None if r["peak_device_bytes"] is None else r["peak_device_bytes"] / 2**30,
             "peak_host_rss_gib": r["peak_host_rss_bytes"] / 2**30, "params": r["params"], "step_times": r["times"]}
 
@@ -203,6 +203,10 @@ def main() -> int:
         lines.append(f"| {r['system']} | {r['step_seconds']:.3f} | {r['tokens_per_second']:,.0f} | "
                      f"{r['model_tflops']:.3f} | {r['model_tflops_with_attention']:.3f} | {dev} | "
                      f"{r['peak_host_rss_gib']:.2f} | {r['final_loss']:.4f} |")
+    if all(r.get("status") == "ok" for r in rows):
+        gaps = [abs(a - b) for a, b in zip(base["losses"], ours["losses"])]
+        lines += ["", f"Losses, step by step, megatrain against PyTorch: largest difference {max(gaps):.2e} "
+                  f"(step {gaps.index(max(gaps)) + 1} of {len(gaps)})."]
     if ratio is not None:
         lines += ["", f"megatrain / PyTorch tokens/s: **{ratio:.2f}x** (6N per token; recompute not counted)"]
     with open(stem + ".md", "w") as f:

@@ -43,7 +43,7 @@ def import_megatrain() -> str:
     return f"from the checkout at {ROOT} (not installed)"
 
 
-def plan_for(spec: RunSpec) -> tuple[Any, dict[str, Any]]:
+def plan_for(spec: RunSpec, clipping: bool = True) -> tuple[Any, dict[str, Any]]:
     """The planner's plan for this run, and what the planner said (its prediction, or why it has none)."""
     from megatrain.planner import model_shapes, search
     from megatrain.planner.profiler import detect
@@ -51,7 +51,7 @@ def plan_for(spec: RunSpec) -> tuple[Any, dict[str, Any]]:
     from megatrain.runtime import Plan
 
     work = Workload(spec.seq, spec.batch, compute_dtype="bf16" if spec.device == "cuda" else "fp32",
-                    clipping=True, spill="none")
+                    clipping=clipping, spill="none")
     result = search.search(model_shapes.from_config(spec.config), work, detect())
     if result.best is None:
         plan = Plan(micro_batch_size=spec.micro_batch)

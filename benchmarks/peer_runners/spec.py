@@ -25,6 +25,10 @@ MODELS: dict[str, dict[str, Any]] = {
     "3b": dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
                num_attention_heads=24, num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0,
                rms_norm_eps=1e-5),
+    # Llama-3.1-8B's shape (8.03B parameters, untied embeddings).
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, rope_theta=500000.0,
+               rms_norm_eps=1e-5),
 }
 
 
