@@ -177,7 +177,8 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
     tiled = plan.attention_tile_tokens is not None and plan.attention_tile_tokens < work.seq_len
     dev("attention working set", *attention_working_set(model, work, plan, grads_counted=tiled))
     chunk = min(plan.loss_chunk_tokens, t)
-    dev("logits chunk", chunk * V * (c + 4 + 4), f"chunk x V x (c + 4 + 4) = {chunk} x {V} x {c + 8}")
+    dev("logits chunk", chunk * model.logits_bytes_per_token(work.compute_dtype),
+        f"chunk x V x (c + 12) = {chunk} x {V} x {c + 12}")
     if on_gpu:
         tensors = sum(x.nbytes for x in comps if x.where == "device")
         dev("allocator slack", tensors * ALLOCATOR_SLACK_FRACTION,
@@ -281,11 +282,10 @@ def host_spill_terms(model: ModelShape, plan: Plan, c: int, spilled: "spill_plac
 
 def transient_bytes(model: ModelShape, work: Workload, plan: Plan) -> int:
     """The step's transient device working set, what fitted temporaries scale with:
-    layer working set + logits chunk (``layer_working_set`` + chunk x V x (c + 8))."""
-    c = work.compute_bytes
+    layer working set + logits chunk (``layer_working_set`` + chunk x V x (c + 12))."""
     t = min(plan.micro_batch_size, work.batch) * work.seq_len
     chunk = min(plan.loss_chunk_tokens, t)
-    return layer_working_set(model, work, plan)[0] + chunk * model.vocab_size * (c + 4 + 4)
+    return layer_working_set(model, work, plan)[0] + chunk * model.logits_bytes_per_token(work.compute_dtype)
 
 
 def layer_working_set(model: ModelShape, work: Workload, plan: Plan) -> tuple[int, str]:

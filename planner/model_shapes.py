@@ -299,8 +299,11 @@ class ModelShape:
         return c * (2 * self.hidden_size + qw + kvw) + 4 * self.hidden_size
 
     def logits_bytes_per_token(self, dtype: str) -> int:
-        """Chunked cross-entropy: logits (compute dtype) + fp32 logits + fp32 grad of logits, per token."""
-        return self.vocab_size * (dtype_bytes(dtype) + 4 + 4)
+        """Chunked cross-entropy at its peak, per token: V x (c + 12). The logits (compute dtype), the fp32
+        log-probabilities cross-entropy keeps for backward, and in backward the fp32 gradients of both at once
+        (4 + 4 + 4); a 16-bit dtype's fp32 copy of the logits is gone by then. Measured with glibc's in-use bytes
+        around the head on a CPU: 14.0-14.4 bytes per logit in bf16, 16.1-16.5 in fp32."""
+        return self.vocab_size * (dtype_bytes(dtype) + 12)
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -83,7 +83,7 @@ class Plan:
                           no memory of its own
       host_grad_slabs     eager mode only: S x (largest block, fp32) host RAM
                           (deferred mode keeps a full fp32 gradient arena instead)
-      loss_chunk_tokens   logits chunk: chunk x vocab x (compute + 4 + 4) bytes
+      loss_chunk_tokens   logits chunk: chunk x vocab x (compute + 12) bytes
       mlp_tile_tokens     the MLP's intermediates: micro-batch x min(tile, S) x intermediate x 3 x compute
                           bytes (None: untiled, S tokens); layers streamed in expert groups run their experts
                           untiled whatever it says

@@ -90,8 +90,9 @@ def test_search_keeps_what_the_gpu_memory_allows() -> None:
     roomy = search.search(model, work, base.replace(gpu_mem_bytes=80 * hardware.GiB)).require()
     assert roomy.plan.kept_layers == tuple(range(12))
     assert roomy.cost is not None and roomy.cost.recompute_flops == 0
-    # A GPU that holds the plan with no layer kept plus about five kept layers' activations.
-    plan = roomy.plan.replace(kept_layers=())
+    # A GPU that holds the smallest plan (one sequence per micro-batch, one sequence's logits) with no layer kept
+    # plus about five kept layers' activations: no micro-batch keeps every layer there.
+    plan = roomy.plan.replace(kept_layers=(), micro_batch_size=1, loss_chunk_tokens=work.seq_len)
     none = memory_model.estimate(model, work, plan, base).device_bytes
     a = kept_layers.kept_activation_bytes(model, work, plan.replace(kept_layers=(0,)))[0]
     tight = base.replace(gpu_mem_bytes=int(none + 5.5 * a * 1.06))

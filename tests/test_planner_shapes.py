@@ -72,7 +72,7 @@ def test_flops_by_hand_llama_8b() -> None:
 def test_activation_bytes_qwen_7b() -> None:
     m = ms.PRESETS["shape:Qwen2.5-7B"]
     assert m.checkpoint_bytes_per_token("bf16") == 3584 * 2
-    assert m.logits_bytes_per_token("bf16") == 152064 * (2 + 4 + 4)
+    assert m.logits_bytes_per_token("bf16") == 152064 * (2 + 12)
     h, i, q, kv = 3584, 18944, 3584, 512
     saved = 2 * (5 * h + 3 * q + 3 * kv + 4 * i) + 4 * 2 * h + 4 * 28
     transient = 2 * (3 * i + 2 * h)

@@ -4,7 +4,8 @@ The full [tokens, vocab] logits never exist: ``chunk`` tokens at a time, the
 logits are computed, the loss summed, and their gradient taken immediately
 (w.r.t. the normed hidden states and lm_head's weight); then the norm's
 backward gives the gradient w.r.t. the head's input. Peak extra memory:
-chunk x vocab x (compute bytes + 4 + 4).
+chunk x vocab x (compute bytes + 12): the logits, the fp32 log-probabilities cross-entropy keeps, and in
+backward the fp32 gradients of both.
 
 Labels follow Hugging Face: same shape as input_ids, shifted inside (position
 t predicts labels[t + 1]), -100 ignored. Each micro-batch's loss is its summed
