@@ -117,14 +117,16 @@ def _timed(engine: Any, spec: RunSpec, variant: str, row: dict[str, Any], ids: l
         echo(f"  {spec.model} seq {spec.seq} {variant}: step {i + 1}/{args.warmup + args.steps} "
              f"{steps[-1]:.3f} s, loss {loss:.4f}")
     engine.synchronize()
-    with torch.profiler.profile(**profile_kwargs(cuda)) as prof:
-        t0 = time.perf_counter()
-        for i in range(args.traced):
-            engine.step(ids[i % 2], ids[i % 2])
-        engine.synchronize()
-        traced_step = (time.perf_counter() - t0) / args.traced
-    row["trace"] = anatomy(prof.events(), args.traced, traced_step)
-    if args.trace_dir:
+    row["trace"] = None
+    if args.traced:  # at long sequences the profiler's parse takes longer than the steps: --traced 0
+        with torch.profiler.profile(**profile_kwargs(cuda)) as prof:
+            t0 = time.perf_counter()
+            for i in range(args.traced):
+                engine.step(ids[i % 2], ids[i % 2])
+            engine.synchronize()
+            traced_step = (time.perf_counter() - t0) / args.traced
+        row["trace"] = anatomy(prof.events(), args.traced, traced_step)
+    if args.traced and args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
         path = os.path.join(args.trace_dir, f"{spec.model}_seq{spec.seq}_{variant}.json")
         prof.export_chrome_trace(path)
@@ -136,6 +138,7 @@ def _timed(engine: Any, spec: RunSpec, variant: str, row: dict[str, Any], ids: l
     row.update(status="ok", median_step_seconds=step, step_seconds=steps, tokens_per_second=spec.tokens / step,
                params=engine.num_parameters, model_tflops=tflops, mfu=tflops / args.matmul_peak_tflops,
                peak_gpu_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+               peak_gpu_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None,
                peak_host_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, final_loss=loss)
     return row
 
@@ -146,7 +149,8 @@ def markdown(rep: dict[str, Any]) -> str:
              "holds launch gaps); trace: torch.profiler (kernels and copies on the device, AdamW on its "
              "thread). Roofline = max(compute, H2D, D2H, AdamW), with AdamW on the compute thread max(compute + AdamW, "
              "H2D, D2H); ratio = step / roofline (target <= 1.10).", "",
-             "| model | seq | variant | plan | step s | tokens/s | model TFLOP/s (MFU) | peak GPU / host GiB | events: compute / H2D / D2H / AdamW busy | "
+             "| model | seq | variant | plan | step s | tokens/s | model TFLOP/s (MFU) | peak GPU / host GiB "
+             "| events: compute / H2D / D2H / AdamW busy | "
              "exposed H2D / D2H / ckpt / AdamW | events ratio | trace: compute / H2D / D2H / AdamW / of it bf16 shadow "
              "| bound by "
              "| trace ratio | planner: step / compute / H2D / D2H / AdamW | kept layers | recomputed GFLOP / of "
@@ -156,7 +160,9 @@ def markdown(rep: dict[str, Any]) -> str:
             lines.append(f"| {r['model']} | {r['seq']} | {r['variant']} | - | {r.get('status')} |"
                          + "  |" * 12)
             continue
-        p, e, t, q = r["plan"], r["events"], r["trace"], r["predicted"]
+        p, e, q = r["plan"], r["events"], r["predicted"]
+        t = r["trace"] or dict.fromkeys(("compute_s", "h2d_s", "d2h_s", "adam_s", "shadow_s", "roofline_ratio"))
+        t["bound_by"] = t.get("bound_by") or "not traced"
         f = lambda *vals: " / ".join("-" if v is None else f"{v:.3f}" for v in vals)  # noqa: E731
         lines.append(
             f"| {r['model']} | {r['seq']} | {r['variant']} | mb {p['micro_batch_size']}, {p['num_slots']} slots, "
@@ -166,7 +172,7 @@ def markdown(rep: dict[str, Any]) -> str:
             f"| {f(e['compute_s'], e['h2d_busy_s'], e['d2h_busy_s'], e.get('adam_busy_s'))} "
             f"| {f(e['h2d_exposed_s'], e['d2h_exposed_s'], e['ckpt_traffic_s'], e['adam_exposed_s'])} "
             f"| {e['roofline_ratio']:.2f} | {f(t['compute_s'], t['h2d_s'], t['d2h_s'], t['adam_s'], t['shadow_s'])} "
-            f"| {t['bound_by']} | {t['roofline_ratio']:.2f} "
+            f"| {t['bound_by']} | {f(t['roofline_ratio'])} "
             f"| {f(q['step_s'], q['compute_s'], q['h2d_s'], q['d2h_s'], q['adam_s'])} "
             f"| {len(p.get('kept_layers', ()))} of {r['layers']} "
             f"| {q['recompute_flops'] / 1e9:,.1f} / {q['hardware_flops'] / 1e9:,.1f} |")
@@ -186,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", default="planner", help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="timed steps (event breakdown)")
-    p.add_argument("--traced", type=int, default=2, help="steps under torch.profiler")
+    p.add_argument("--traced", type=int, default=2, help="steps under torch.profiler (0: none)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--no-clip", action="store_true", help="no gradient clipping (the planner may then choose eager)")
     p.add_argument("--planner-only", action="store_true", help="skip a configuration the planner finds no plan for")
@@ -200,11 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         for v in variants:
             if v not in VARIANTS:
                 raise ValueError(f"--variant {v!r} is unknown; use one of {', '.join(VARIANTS)}")
-        if min(args.steps, args.traced) < 1 or args.warmup < 0:
-            raise ValueError("--steps and --traced must be >= 1, --warmup >= 0")
+        if args.steps < 1 or min(args.traced, args.warmup) < 0:
+            raise ValueError("--steps must be >= 1, --traced and --warmup >= 0")
         machine = probe.describe(args.device)
         specs = [RunSpec("megatrain", model_label(m, args.layers), model_config(m, args.layers, s), s, args.batch,
-                         args.micro_batch, args.warmup + args.steps, device=machine["device"])
+                         args.micro_batch, args.warmup + args.steps, warmup=args.warmup, device=machine["device"])
                  for m in models for s in seqs]
     except ValueError as e:
         print(f"step_anatomy: {e}", file=sys.stderr)

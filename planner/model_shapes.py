@@ -9,9 +9,7 @@ The parameters of each block come from the model's family (``block_parameters`` 
 table the runtime lays its blocks out from; the presets are the families' too. Each block is one flat buffer in the
 runtime; each parameter's offset is aligned to ``ALIGN_ELEMENTS`` elements, so a block's buffer is slightly larger
 than its parameter count. ``block_numel`` is the aligned size (what slots and arenas hold); ``params`` counts the
-model's real parameters (what FLOPs and MFU count).
-
-Pure stdlib.
+model's real parameters (what FLOPs and MFU count). Pure stdlib.
 """
 from __future__ import annotations
 
@@ -299,10 +297,8 @@ class ModelShape:
         return c * (2 * self.hidden_size + qw + kvw) + 4 * self.hidden_size
 
     def logits_bytes_per_token(self, dtype: str) -> int:
-        """Chunked cross-entropy at its peak, per token: V x (c + 12). The logits (compute dtype), the fp32
-        log-probabilities cross-entropy keeps for backward, and in backward the fp32 gradients of both at once
-        (4 + 4 + 4); a 16-bit dtype's fp32 copy of the logits is gone by then. Measured with glibc's in-use bytes
-        around the head on a CPU: 14.0-14.4 bytes per logit in bf16, 16.1-16.5 in fp32."""
+        """Chunked cross-entropy's peak per token, V x (c + 12): the logits, their fp32 log-probabilities, and in
+        backward the fp32 gradients of both (measured on a CPU: 14.0-14.4 bytes per logit in bf16, 16.1-16.5 fp32)."""
         return self.vocab_size * (dtype_bytes(dtype) + 12)
 
     def summary(self) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable
 
 from . import profile_checks
-from .hardware import GiB, MiB, HardwareProfile, preset
+from .hardware import HOST_PRESETS, GiB, MiB, HardwareProfile, preset
 from .host_probe import disk_bandwidth, gpu_present, host_memory, memlock_bytes
 
 CACHE_PATH = os.path.join(os.path.expanduser("~"), ".cache", "megatrain", "hardware.json")
@@ -360,7 +360,8 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
 
 
 def detect() -> HardwareProfile:
-    """This machine without benchmarks: host limits read from the OS; a GPU's rates from its preset.
+    """This machine without benchmarks: host limits from the OS; a GPU's rates from its preset, its host's
+    (AdamW, disk) from the host preset nearest its core count (not the GPU's usual server host).
 
     Without a GPU, CPU rates are rough guesses (memcpy 5 GB/s, 0.05 TFLOP/s per core, AdamW
     0.3 Gparam/s per core); ``source`` says to run ``megatrain-plan profile`` for real figures.
@@ -376,7 +377,7 @@ def detect() -> HardwareProfile:
                 props = torch.cuda.get_device_properties(0)
                 match = _matching_preset(props.name)
                 if match is not None:
-                    base = preset(match)
+                    base = preset(match, min(HOST_PRESETS.values(), key=lambda h: abs(h.cores - cores)).name)
                     return base.replace(
                         gpu_name=props.name, gpu_mem_bytes=int(props.total_memory), interconnect=
                         interconnect_label(props.name), source=f"detected {props.name}; rates from preset "

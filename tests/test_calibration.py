@@ -233,7 +233,7 @@ def test_attention_runs_at_its_measured_rate_by_hand() -> None:
     assert measured.attention_rate_tflops("bf16", 512) is None
     est = cost_model.estimate(SMALL, work, plan, measured)
     T, L, t = work.tokens, SMALL.num_layers, 1024
-    rate = 0.1e12 * t / (t + cost_model.T_HALF_TOKENS) / cost_model.NONMATMUL_FACTOR
+    rate = 0.1e12 * t / (t + cost_model.T_HALF_TOKENS) / cost_model.NONMATMUL_FACTOR["cpu"]
     # attention of forward, recompute and backward: T x L x a_fwd x (2 + 2.5)
     attention = T * L * SMALL.attention_flops_fwd(512) * 4.5
     assert step_traffic.hardware_attention_flops(SMALL, work) == pytest.approx(attention)

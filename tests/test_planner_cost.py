@@ -25,7 +25,7 @@ def test_compute_bound_matches_hand_formula() -> None:
     plan = Plan(micro_batch_size=2)
     est = cost_model.estimate(M8, work, plan, hw)
     T, t, M = 8 * 4096, 2 * 4096, 4
-    rate = 790e12 * t / (t + T_HALF_TOKENS) / NONMATMUL_FACTOR
+    rate = 790e12 * t / (t + T_HALF_TOKENS) / NONMATMUL_FACTOR["gpu"]
     fwd = (M * LAUNCH_FWD_S                                                  # embedding: launches only
            + 32 * (T * M8.layer_flops_fwd(4096) / rate + M * LAUNCH_FWD_S)   # layers
            + T * 6 * 128256 * 4096 / rate + M * 2 * LAUNCH_BWD_S)            # head fwd + bwd, 8192 / 4096 chunks
@@ -83,7 +83,7 @@ def test_more_micro_batch_tokens_raise_throughput_until_compute_bound() -> None:
     small = cost_model.estimate(M8, Workload(1024, 1), Plan(), hw)
     big = cost_model.estimate(M8, Workload(1024, 64), Plan(micro_batch_size=16), hw)
     assert small.forward.bottleneck == "H2D"          # 1k tokens cannot hide a weight pass
-    assert big.tokens_per_second > 10 * small.tokens_per_second
+    assert big.tokens_per_second > 5 * small.tokens_per_second   # 64x the tokens per weight pass, until compute
     assert big.forward.bottleneck == "compute"
     # The ceiling: 6N counted / ~8N run (recompute), so MFU stays below 0.8.
     assert big.mfu < 0.8

@@ -122,7 +122,7 @@ def test_the_search_judges_a_node_of_ranks_against_its_host_ram() -> None:
     checkpoints to the GPU, and the node's RAM (8 x one rank's host bytes, by hand) fits."""
     m = PRESETS["shape:Llama-3.1-8B"]
     hw = H100.with_overrides(ram_bytes=160 * hardware.GiB)
-    work = Workload(seq_len=4096, batch=16, compute_dtype="bf16", spill="none")
+    work = Workload(seq_len=4096, batch=64, compute_dtype="bf16", spill="none")
     topo = data_parallel.topology(hw, 8, 1)
     alone = search.search(m, data_parallel.rank_workload(work, topo), hw).require()
     assert alone.plan.checkpoints == "host"

@@ -137,3 +137,23 @@ def test_measure_gpu_transfers() -> None:
         pytest.skip("needs CUDA")
     table = profiler.gpu_transfers((1 << 20, 1 << 26))
     assert all(h2d > 0 and d2h > 0 and both > 0 for _, h2d, d2h, both in table)
+
+
+@pytest.mark.parametrize("cores, host", [(16, "workstation-128g"), (32, "workstation-256g"), (112, "server-2t")])
+def test_detect_takes_the_host_rates_of_this_machines_size(monkeypatch, cores, host) -> None:
+    # An H200 on a 16-core host ran CPU AdamW at 2.2-2.6 Gparam/s, where its preset's usual host (server-2t,
+    # 112 cores) says 10: a detected GPU's host rates come from the host preset of the machine's core count.
+    import types
+
+    import torch
+
+    monkeypatch.setattr(profiler, "gpu_present", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(name="NVIDIA H200", total_memory=150 * GiB))
+    monkeypatch.setattr(profiler.os, "cpu_count", lambda: cores)
+    hw = profiler.detect()
+    assert hw.gpu_mem_bytes == 150 * GiB and hw.matmul_tflops == hardware.preset("H200").matmul_tflops
+    assert hw.cpu_adam_params_per_s == hardware.HOST_PRESETS[host].cpu_adam_params_per_s
+    assert hw.disk_read_gbps == hardware.HOST_PRESETS[host].disk_read_gbps and hw.cores == cores
+    assert f"+ {host}" in hw.source

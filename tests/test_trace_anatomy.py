@@ -108,3 +108,11 @@ def test_step_anatomy_benchmark_reports_each_configuration(tmp_path, capsys):
         assert e["roofline_s"] == max(e["compute_s"] + e["adam_busy_s"], e["h2d_busy_s"], e["d2h_busy_s"])
         assert r["trace"]["adam_traced"] and r["trace"]["roofline_ratio"] > 0
     assert "| tiny | 32 | host-ckpt |" in result.with_suffix(".md").read_text()
+    # --traced 0 (long sequences): no profiler; model TFLOP/s and MFU by hand from the row's own figures
+    assert bench.main(["--model", "tiny", "--seq", "32", "--batch", "4", "--micro-batch", "2", "--no-clip",
+                       "--planner-only", "--warmup", "0", "--steps", "1", "--traced", "0", "--device", "cpu",
+                       "--out", str(tmp_path / "untraced")]) == 0
+    (row,) = json.loads(next((tmp_path / "untraced").glob("*.json")).read_text())["runs"]
+    assert row["status"] == "ok" and row["trace"] is None and not row["clipping"]
+    assert row["model_tflops"] == pytest.approx(6 * row["params"] * 4 * 32 / row["median_step_seconds"] / 1e12)
+    assert row["mfu"] > 0 and "not traced" in next((tmp_path / "untraced").glob("*.md")).read_text()
