@@ -2,7 +2,8 @@
 # The GPU measurements, in parts of under ten minutes each, for a GPU machine reached in short sessions.
 #
 #   bash benchmarks/gpu_session.sh checks   # CUDA tests, 1B losses and speed against PyTorch, 8B flagship (~7 min)
-#   bash benchmarks/gpu_session.sh anatomy  # 1B step anatomy: the planner's plan, host checkpoints, eager
+#   bash benchmarks/gpu_session.sh anatomy  # 1B step anatomy (planner, host checkpoints, eager); compute-sanitizer
+#   bash benchmarks/gpu_session.sh long     # 8B at 32k, 128k and 512k tokens a sequence
 #   bash benchmarks/gpu_session.sh peers    # peers sweep, 480 s budget (DeepSpeed wheels in .whl/)
 #   bash benchmarks/gpu_session.sh large    # 3B step anatomy at 2048/8192, profile, calibrate, planner validation
 #
@@ -13,7 +14,7 @@
 # files of benchmarks/results/. Unpack it into benchmarks/results/ of the checkout the next part
 # starts from: `peers --resume` goes on from the sweep results it finds there.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh checks|anatomy|peers|large}
+part=${1:?usage: gpu_session.sh checks|anatomy|long|peers|large}
 out=${OUT:-$PWD/gpu_out}
 mkdir -p "$out"
 log="$out/$part.log"
@@ -54,6 +55,19 @@ case $part in
   anatomy)
     run 150 python3 benchmarks/step_anatomy.py --model 1b --seq 2048 --batch 16 --micro-batch 4 \
       --variant planner,host-ckpt,eager --steps 3 --traced 2
+    # races and missing synchronization between the streams, on two steps of a tiny model
+    for tool in racecheck synccheck; do
+      run 120 compute-sanitizer --tool $tool --target-processes all \
+        python3 benchmarks/throughput.py --model tiny --seq 128 --batch 4 --micro-batch 2 --steps 2
+    done
+    ;;
+  long)
+    # the 8B shape at 32k, 128k and (on an H200) 512k tokens a sequence; no profiler: its parse outlasts the steps
+    for case in "32768 2" "131072 1" "524288 1"; do
+      set -- $case
+      run 200 python3 benchmarks/step_anatomy.py --model 8b --seq "$1" --batch "$2" --micro-batch 1 --no-clip \
+        --planner-only --warmup 0 --steps 1 --traced 0
+    done
     ;;
   peers)
     run 500 python3 benchmarks/peers.py --sweep --resume --time-budget 480
@@ -66,7 +80,7 @@ case $part in
     run 240 megatrain-plan calibrate --out "$MEGATRAIN_HARDWARE"  # fp32, as the table
     run 200 python3 benchmarks/plan_validation.py --quick
     ;;
-  *) echo "unknown part $part: checks, anatomy, peers or large" >&2; exit 2 ;;
+  *) echo "unknown part $part: checks, anatomy, long, peers or large" >&2; exit 2 ;;
 esac
 
 # The results written during this part (and any PNG), in one file.
