@@ -1,9 +1,7 @@
 """Hardware profile: the measured (or preset) figures the planner plans against.
 
-A HardwareProfile is data: bandwidths, matmul rates, CPU AdamW rate, memory
-budgets. ``megatrain-plan profile`` measures one (planner/profiler.py); presets
-below carry datasheet-derived estimates with their sources, to be replaced by
-measurements. Pure stdlib.
+A HardwareProfile is data: bandwidths, matmul rates, CPU AdamW rate, memory budgets. ``megatrain-plan profile``
+measures one (planner/profiler.py); presets below carry datasheet-derived estimates with their sources. Pure stdlib.
 """
 from __future__ import annotations
 
@@ -50,8 +48,7 @@ class HardwareProfile:
     host_ram_bytes: int
     host_available_bytes: int
     cores: int
-    # cgroup memory limit (0 = none) and RLIMIT_MEMLOCK (-1 = unlimited); informational for pinning
-    # because CUDA pins through the driver.
+    # cgroup memory limit (0 = none) and RLIMIT_MEMLOCK (-1 = unlimited); informational: CUDA pins via the driver.
     cgroup_limit_bytes: int = 0
     memlock_bytes: int = -1
     disk_read_gbps: float = 0.0
@@ -60,6 +57,9 @@ class HardwareProfile:
     # profile's disk pass ran with O_DIRECT, False where the filesystem refused it (the figures are buffered ones)
     # or a user set it. None: not measured (O_DIRECT where the filesystem takes it).
     disk_direct_faster: bool | None = None
+    # CPU seconds the cores lose per GB the disk moves (O_DIRECT reads and writes beside a matmul, against it
+    # alone): the kernel's share of spill I/O, taken from compute where the device is the CPU. 0: not measured.
+    disk_cpu_s_per_gb: float = 0.0
     # "PCIe Gen5 x16", "NVLink-C2C", "none": a label; the measured bandwidth is what counts.
     interconnect: str = "unknown"
     # Where the figures come from (a measurement with its date, or a datasheet).
@@ -123,7 +123,7 @@ class HardwareProfile:
         if self.host_ram_bytes <= 0 or self.cores <= 0:
             raise HardwareError(f"host_ram_bytes={self.host_ram_bytes}, cores={self.cores} must be > 0; "
                                 f"pass --ram or fix the profile")
-        for f in ("cpu_shadow_params_per_s", "cpu_bf16_state_params_per_s"):
+        for f in ("cpu_shadow_params_per_s", "cpu_bf16_state_params_per_s", "disk_cpu_s_per_gb"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or v < 0:
                 raise HardwareError(f"{f}={v!r} must be a number >= 0 (0: not measured); run megatrain-plan "

@@ -32,6 +32,9 @@ the previous block's update, issued when that block's compute ended, d = max(d, 
 c = s_j + cpu_j + a_j (a_j: block j's AdamW arithmetic, on the same cores; the head's with the first layer's).
 The last update follows the last compute: step = max(c, max(d, c) + u_embedding).
 
+Both modes add k x the bytes each disk transfer moves to the CPU work it runs beside (k: the profile's
+``disk_cpu_s_per_gb``, planner/disk_contention.py: the kernel's share of spill I/O, on the compute's cores).
+
 R, W: the profile's disk read and write GB/s. Backward's loads of blocks whose master spills read the disk
 straight into the slot (no host copy: their load is 0 on the CPU side). The cost model adds the floor every spill plan has
 (``step >= disk bytes / GB/s``).
@@ -127,14 +130,17 @@ def cpu_step(spilled: "spill_placement.Spilled", plan: Plan, hw: HardwareProfile
     grads = sum(spilled.numels[b] * 4.0 for b in spilled.blocks.get(BufferKind.GRADS, ()))
     busy_b = bwd_load / R + grads / W
     ahead = read_ahead(spilled, plan.spill_chunk_bytes, plan.spill_staging, max(0.0, B - busy_b) * R)
+    k = hw.disk_cpu_s_per_gb / 1e9  # the CPU's share of each byte the disk moves, on the same cores
+    B += k * (bwd_load + grads + sum(ahead))
     exposed_b = max(0.0, busy_b + sum(ahead) / R - B)
-    a = e = 0.0
+    a = e = f_cpu = 0.0
     for b in fwd_blocks:
         reads = spilled.block_disk_bytes(b) - ahead[b]
         writes = float(spilled.block_disk_bytes(b, UPDATED))
         a += reads / R + writes / W + fwd_load[b] / R
-        e = max(e, a) + f[b]
-    return SpillStep(e, e + B + exposed_b + adam_cpu_s, e - sum(f), exposed_b, sum(ahead))
+        work = f[b] + k * (reads + writes + fwd_load[b])
+        e, f_cpu = max(e, a) + work, f_cpu + work
+    return SpillStep(e, e + B + exposed_b + adam_cpu_s, e - f_cpu, exposed_b, sum(ahead))
 
 
 def eager_step(spilled: "spill_placement.Spilled", hw: HardwareProfile, steps: Sequence[BlockVisit], n_fwd: int,
@@ -153,21 +159,27 @@ def eager_step(spilled: "spill_placement.Spilled", hw: HardwareProfile, steps: S
     def update(b: int) -> float:  # its spilled master, m and v read, then written back
         return spilled.block_disk_bytes(b) / R + spilled.block_disk_bytes(b, UPDATED) / W
 
-    loads = [numels[b] * 4.0 / R if b in on_disk else 0.0 for b in range(n)]
+    def update_bytes(b: int) -> float:
+        return float(spilled.block_disk_bytes(b) + spilled.block_disk_bytes(b, UPDATED))
+
+    k = hw.disk_cpu_s_per_gb / 1e9  # the CPU's share of each byte the disk moves, beside the compute it slows
+    load_bytes = [numels[b] * 4.0 if b in on_disk else 0.0 for b in range(n)]
     if tied and 0 in on_disk:  # a tied head loads the embedding's table again
-        loads[n - 1] += numels[0] * 4.0 / R
+        load_bytes[n - 1] += numels[0] * 4.0
+    loads = [x / R for x in load_bytes]
     c = d = f_cpu = 0.0
     for b, st in zip(range(n), steps[:n_fwd]):
         d += loads[b]
-        c, f_cpu = max(c, d) + cpu(st, b), f_cpu + cpu(st, b)
+        work = cpu(st, b) + k * load_bytes[b]
+        c, f_cpu = max(c, d) + work, f_cpu + work
     forward_s = c
     pending, head_adam = update(n - 1), numels[n - 1] * per_element  # the head's update: beside the first layer's
-    b_cpu = 0.0
+    pending_bytes, b_cpu = update_bytes(n - 1), 0.0
     for b, st in zip([*range(n - 2, 0, -1), 0], steps[n_fwd:]):
         d += loads[b] if b else 0.0  # the embedding's backward loads nothing
         start = max(c, d)
         d = max(d, c) + pending
-        work = cpu(st, b) + numels[b] * per_element + head_adam
-        c, pending, b_cpu, head_adam = start + work, update(b), b_cpu + work, 0.0
+        work = cpu(st, b) + numels[b] * per_element + head_adam + k * ((load_bytes[b] if b else 0.0) + pending_bytes)
+        c, pending, pending_bytes, b_cpu, head_adam = start + work, update(b), update_bytes(b), b_cpu + work, 0.0
     step = max(c, max(d, c) + pending)
     return SpillStep(forward_s, step, forward_s - f_cpu, max(0.0, step - forward_s - b_cpu), 0.0, eager=True)

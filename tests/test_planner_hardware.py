@@ -105,7 +105,7 @@ def test_measure_on_this_machine(tmp_path) -> None:
     pytest.importorskip("torch")
     hw = profiler.measure(str(tmp_path))
     assert hw.cpu_adam_params_per_s > 0 and hw.adam_by_threads and hw.cpu_shadow_params_per_s > 0
-    assert hw.disk_read_gbps > 0 and hw.disk_write_gbps > 0
+    assert hw.disk_read_gbps > 0 and hw.disk_write_gbps > 0 and hw.disk_cpu_s_per_gb >= 0
     assert all(v > 0 for v in hw.matmul_tflops.values())
     seqs = profiler.ATTENTION_SEQS_CPU if hw.device_is_host else profiler.ATTENTION_SEQS_GPU
     assert [n for n, _ in hw.attention_tflops["float32"]] == list(seqs)
@@ -157,3 +157,11 @@ def test_detect_takes_the_host_rates_of_this_machines_size(monkeypatch, cores, h
     assert hw.cpu_adam_params_per_s == hardware.HOST_PRESETS[host].cpu_adam_params_per_s
     assert hw.disk_read_gbps == hardware.HOST_PRESETS[host].disk_read_gbps and hw.cores == cores
     assert f"+ {host}" in hw.source
+
+
+def test_the_disks_cpu_time_is_a_number_at_least_zero() -> None:
+    hw = hardware.preset("H100-SXM")
+    assert hw.disk_cpu_s_per_gb == 0.0                     # presets: not measured, no term
+    assert HardwareProfile.from_json(hw.replace(disk_cpu_s_per_gb=0.09).to_json()).disk_cpu_s_per_gb == 0.09
+    with pytest.raises(HardwareError, match="disk_cpu_s_per_gb"):
+        hw.replace(disk_cpu_s_per_gb=-0.1)

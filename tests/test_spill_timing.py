@@ -143,3 +143,28 @@ def test_the_eager_step_by_hand() -> None:
     assert got.step_s == pytest.approx(step) and got.eager
     assert got.update_exposed_s == got.backward_exposed_s == pytest.approx(step - got.forward_s - sum(bwd) - adam)
     assert got.read_ahead_bytes == 0.0
+
+
+@pytest.mark.parametrize("mode", ["deferred", "eager"])
+def test_the_disks_cpu_time_adds_to_the_work_beside_it(mode: str) -> None:
+    """k CPU seconds per GB the disk moves (the profile's ``disk_cpu_s_per_gb``): with a disk so fast the CPU
+    never waits on it, the step grows by exactly k x the bytes moved beside CPU work: every byte of the deferred
+    step (its loads, drains, read-ahead and updates), and every byte of the eager step but the embedding's
+    update, which follows the last compute."""
+    numels = (CHUNK, CHUNK, CHUNK, HEAD)
+    every = frozenset(range(4))
+    spilled = _all(numels) if mode == "deferred" else Spilled(  # eager spills no gradient
+        {k: every for k in (BufferKind.MASTER, BufferKind.EXP_AVG, BufferKind.EXP_AVG_SQ)}, numels)
+    f, bwd = [0.001, 0.01, 0.01, 0.002], [0.02, 0.02, 0.001]
+    plan = _plan(2).replace(optimizer_mode=mode)
+    fast = dict(disk_read_gbps=1e6, disk_write_gbps=1e6)
+    base = spill_timing.cpu_step(spilled, plan, _hw(**fast), _visits(f, bwd), 4, 0.5, False, 4)
+    slow = spill_timing.cpu_step(spilled, plan, _hw(**fast, disk_cpu_s_per_gb=0.2), _visits(f, bwd), 4, 0.5,
+                                 False, 4)
+    state = CHUNK * 4 * 3 + HEAD * 4                            # one kind's bytes over the blocks
+    if mode == "deferred":  # backward: the layers' loads, the gradients written, the read-ahead; forward: the
+        moved = 2 * CHUNK * 4 + state + 4 * state + 3 * state  # rest of master, m, v, grads read; 3 kinds written
+    else:  # forward: every master loaded; backward: the layers' loads, and the updates (3 kinds read and written)
+        moved = state + 2 * CHUNK * 4 + 6 * (state - CHUNK * 4)  # of all blocks but the embedding, the last
+    assert slow.step_s - base.step_s == pytest.approx(0.2 * moved / 1e9)
+    assert slow.forward_exposed_s == pytest.approx(base.forward_exposed_s, abs=1e-9)
