@@ -7,9 +7,8 @@
 #   bash benchmarks/gpu_session.sh peers    # peers sweep, 480 s budget (DeepSpeed wheels in .whl/)
 #   bash benchmarks/gpu_session.sh large    # 3B step anatomy at 2048/8192, profile, calibrate, planner validation
 #
-# Before `peers`, fetch the DeepSpeed wheels into .whl/ where there is network access
-# (`pip download deepspeed --no-deps -d .whl`; kvikio for the GDS backend: `pip download kvikio-cu12 -d .whl`)
-# and copy .whl/ along with the checkout.
+# Before `peers`, fetch the DeepSpeed (and kvikio) wheels into .whl/ where there is network access
+# (`../shared/tools/device-wheels`) and copy .whl/ along with the checkout.
 # Everything is written under $OUT (default ./gpu_out): one log per part and results.tgz, the new
 # files of benchmarks/results/. Unpack it into benchmarks/results/ of the checkout the next part
 # starts from: `peers --resume` goes on from the sweep results it finds there.

@@ -47,14 +47,16 @@ VARIANTS = {  # plan changes tried beside the planner's own choice
 
 def predict(spec: RunSpec, plan: Any, clipping: bool, hw: Any) -> dict[str, Any]:
     """The planner's cost model for exactly this plan: step seconds and each resource's busy seconds."""
-    from megatrain.planner import cost_model, model_shapes
+    from megatrain.planner import cost_model, memory_model, model_shapes
     from megatrain.planner.workload import Workload
 
     work = Workload(spec.seq, spec.batch, compute_dtype="bf16" if spec.device == "cuda" else "fp32",
                     clipping=clipping, spill="none")
-    c = cost_model.estimate(model_shapes.from_config(spec.config), work, plan, hw)
+    shape = model_shapes.from_config(spec.config)
+    c = cost_model.estimate(shape, work, plan, hw)
     f, b = c.forward, c.backward
-    return {"step_s": c.step_seconds, "compute_s": f.compute_s + b.compute_s, "h2d_s": f.h2d_s + b.h2d_s,
+    pinned = memory_model.estimate(shape, work, plan, hw).pinned_host_bytes
+    return {"step_s": c.step_seconds, "pinned_host_bytes": pinned, "compute_s": f.compute_s + b.compute_s, "h2d_s": f.h2d_s + b.h2d_s,
             "d2h_s": f.d2h_s + b.d2h_s, "adam_s": f.adam_s + b.adam_s, "bottleneck": c.bottleneck,
             "recompute_flops": c.recompute_flops, "hardware_flops": c.hardware_flops}
 
@@ -139,8 +141,20 @@ def _timed(engine: Any, spec: RunSpec, variant: str, row: dict[str, Any], ids: l
                params=engine.num_parameters, model_tflops=tflops, mfu=tflops / args.matmul_peak_tflops,
                peak_gpu_bytes=torch.cuda.max_memory_allocated() if cuda else None,
                peak_gpu_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None,
-               peak_host_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, final_loss=loss)
+               peak_host_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               host_locked_bytes=_locked_bytes(), final_loss=loss)
     return row
+
+
+def _locked_bytes() -> int | None:
+    """The process's locked and pinned pages now (VmLck + VmPin of /proc/self/status: CUDA's pinned host memory,
+    against the planner's ``pinned_host_bytes``); None where the kernel does not report them."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            fields = dict(line.split(":", 1) for line in f if line.startswith(("VmLck", "VmPin")))
+    except OSError:
+        return None
+    return sum(int(v.split()[0]) * 1024 for v in fields.values()) if fields else None
 
 
 def markdown(rep: dict[str, Any]) -> str:
@@ -149,7 +163,7 @@ def markdown(rep: dict[str, Any]) -> str:
              "holds launch gaps); trace: torch.profiler (kernels and copies on the device, AdamW on its "
              "thread). Roofline = max(compute, H2D, D2H, AdamW), with AdamW on the compute thread max(compute + AdamW, "
              "H2D, D2H); ratio = step / roofline (target <= 1.10).", "",
-             "| model | seq | variant | plan | step s | tokens/s | model TFLOP/s (MFU) | peak GPU / host GiB "
+             "| model | seq | variant | plan | step s | tokens/s | model TFLOP/s (MFU) | peak GPU / host GiB, pinned "
              "| events: compute / H2D / D2H / AdamW busy | "
              "exposed H2D / D2H / ckpt / AdamW | events ratio | trace: compute / H2D / D2H / AdamW / of it bf16 shadow "
              "| bound by "
@@ -168,7 +182,8 @@ def markdown(rep: dict[str, Any]) -> str:
             f"| {r['model']} | {r['seq']} | {r['variant']} | mb {p['micro_batch_size']}, {p['num_slots']} slots, "
             f"ckpt {p['checkpoints']}, {p['optimizer_mode']} | {r['median_step_seconds']:.3f} "
             f"| {r['tokens_per_second']:,.0f} | {r['model_tflops']:.1f} ({r['mfu']:.1%}) "
-            f"| {(r['peak_gpu_bytes'] or 0) / 2**30:.1f} / {r['peak_host_rss_bytes'] / 2**30:.1f} "
+            f"| {(r['peak_gpu_bytes'] or 0) / 2**30:.1f} / {r['peak_host_rss_bytes'] / 2**30:.1f}, pinned "
+            f"{(r.get('host_locked_bytes') or 0) / 2**30:.1f} (planner {q['pinned_host_bytes'] / 2**30:.1f}) "
             f"| {f(e['compute_s'], e['h2d_busy_s'], e['d2h_busy_s'], e.get('adam_busy_s'))} "
             f"| {f(e['h2d_exposed_s'], e['d2h_exposed_s'], e['ckpt_traffic_s'], e['adam_exposed_s'])} "
             f"| {e['roofline_ratio']:.2f} | {f(t['compute_s'], t['h2d_s'], t['d2h_s'], t['adam_s'], t['shadow_s'])} "

@@ -116,3 +116,4 @@ def test_step_anatomy_benchmark_reports_each_configuration(tmp_path, capsys):
     assert row["status"] == "ok" and row["trace"] is None and not row["clipping"]
     assert row["model_tflops"] == pytest.approx(6 * row["params"] * 4 * 32 / row["median_step_seconds"] / 1e12)
     assert row["mfu"] > 0 and "not traced" in next((tmp_path / "untraced").glob("*.md")).read_text()
+    assert row["predicted"]["pinned_host_bytes"] == 0 and row["host_locked_bytes"] in (None, 0)  # a CPU pins nothing
