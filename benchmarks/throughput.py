@@ -65,8 +65,16 @@ def run_megatrain(args, cfg, device) -> dict:
     from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    plan = Plan(micro_batch_size=args.micro_batch, num_slots=args.slots, prefetch_depth=args.slots - 1,
-                checkpoints=args.checkpoints, loss_chunk_tokens=args.loss_chunk)
+    if args.plan == "planner":  # what a user's run gets: the planner's search for this batch on this machine
+        from peer_runners.run_megatrain import plan_for
+        from peer_runners.spec import RunSpec
+
+        spec = RunSpec("megatrain", args.model, dict(cfg, model_type="llama"), args.seq, args.batch,
+                       args.micro_batch, args.steps, warmup=args.warmup, device=device.type)
+        plan, _ = plan_for(spec)
+    else:  # --plan manual: every layer recomputed from its checkpoint
+        plan = Plan(micro_batch_size=args.micro_batch, num_slots=args.slots, prefetch_depth=args.slots - 1,
+                    checkpoints=args.checkpoints, loss_chunk_tokens=args.loss_chunk)
     engine = Engine(ModelConfig(**cfg), OptimizerConfig(lr=1e-4, max_grad_norm=1.0), plan=plan,
                     compute_dtype=dtype, device=device, seed=0)
     times, losses = [], []
@@ -78,7 +86,8 @@ def run_megatrain(args, cfg, device) -> dict:
     engine.synchronize()
     n = engine.num_parameters
     engine.close()
-    return {"times": times, "loss": losses[-1], "losses": losses, "params": n, "compute_dtype": str(dtype)}
+    return {"times": times, "loss": losses[-1], "losses": losses, "params": n, "compute_dtype": str(dtype),
+            "plan": plan.to_dict()}
 
 
 def run_pytorch(args, cfg, device) -> dict:
@@ -141,7 +150,7 @@ def summarize(name: str, r: dict, tokens: int, warmup: int, attention_per_token:
     return {"system": name, "status": "ok", "step_seconds": step, "tokens_per_second": tokens / step,
             "model_tflops": 6 * r["params"] * tokens / step / 1e12,
             "model_tflops_with_attention": (6 * r["params"] + attention_per_token) * tokens / step / 1e12,
-            "final_loss": r["loss"], "losses": r["losses"],
+            "final_loss": r["loss"], "losses": r["losses"], "plan": r.get("plan"),
             "peak_device_gib": None if r["peak_device_bytes"] is None else r["peak_device_bytes"] / 2**30,
             "peak_host_rss_gib": r["peak_host_rss_bytes"] / 2**30, "params": r["params"], "step_times": r["times"]}
 
@@ -152,6 +161,9 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--plan", choices=["planner", "manual"], default="planner",
+                   help="megatrain's plan: the planner's (default), or --micro-batch, --slots, --checkpoints and "
+                        "--loss-chunk with every layer recomputed")
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--checkpoints", choices=["device", "host"], default="device")
     p.add_argument("--loss-chunk", type=int, default=4096)
@@ -203,6 +215,11 @@ def main() -> int:
         lines.append(f"| {r['system']} | {r['step_seconds']:.3f} | {r['tokens_per_second']:,.0f} | "
                      f"{r['model_tflops']:.3f} | {r['model_tflops_with_attention']:.3f} | {dev} | "
                      f"{r['peak_host_rss_gib']:.2f} | {r['final_loss']:.4f} |")
+    if ours.get("plan"):
+        p = ours["plan"]
+        lines += ["", f"megatrain's plan ({args.plan}): {p['micro_batch_size']} sequences a micro-batch, "
+                  f"{p['num_slots']} slots, checkpoints on the {p['checkpoints']}, {len(p['kept_layers'])} of "
+                  f"{MODELS[args.model]['num_hidden_layers']} layers kept, AdamW {p['optimizer_mode']}."]
     if all(r.get("status") == "ok" for r in rows):
         gaps = [abs(a - b) for a, b in zip(base["losses"], ours["losses"])]
         lines += ["", f"Losses, step by step, megatrain against PyTorch: largest difference {max(gaps):.2e} "
