@@ -137,7 +137,14 @@ def main() -> int:
     p.add_argument("--no-wait", action="store_true",
                    help="time megatrain's steps to the loss only: their deferred AdamW runs on into the next "
                         "system's step (how results before 2026-11-26 were taken)")
+    p.add_argument("--keep-freed-heap", action="store_true",
+                   help="call megatrain.runtime.keep_freed_heap() first, as the README's own loop does (the process's "
+                        "setting: every system, PyTorch too, runs with it)")
     args = p.parse_args()
+    if args.keep_freed_heap:
+        from megatrain.runtime import keep_freed_heap
+
+        keep_freed_heap()
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the reference model of the equivalence tests
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     cfg = MODELS[args.model]
@@ -170,7 +177,8 @@ def main() -> int:
               "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
               "command": f"python benchmarks/own_loop.py --model {args.model} --seq {args.seq} --batch {args.batch} "
                          f"--rounds {args.rounds} --systems {args.systems}" + (" --cpu" if args.cpu else "")
-                         + (" --no-wait" if args.no_wait else "") + (f" --label {args.label}" if args.label else "")}
+                         + (" --no-wait" if args.no_wait else "") + (f" --label {args.label}" if args.label else "")
+                         + (" --keep-freed-heap" if args.keep_freed_heap else "")}
     waited = "" if args.no_wait else " and, for megatrain, to the end of its deferred AdamW update"
     notes = [f"{args.rounds - args.warmup} rounds after {args.warmup} warm-up, one step of each system per round "
              f"(rotating order, one process; each step timed from its call to its loss's ``.item()``{waited}); load "
