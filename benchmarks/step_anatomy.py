@@ -56,7 +56,8 @@ def predict(spec: RunSpec, plan: Any, clipping: bool, hw: Any) -> dict[str, Any]
     c = cost_model.estimate(shape, work, plan, hw)
     f, b = c.forward, c.backward
     pinned = memory_model.estimate(shape, work, plan, hw).pinned_host_bytes
-    return {"step_s": c.step_seconds, "pinned_host_bytes": pinned, "compute_s": f.compute_s + b.compute_s, "h2d_s": f.h2d_s + b.h2d_s,
+    return {"step_s": c.step_seconds, "pinned_host_bytes": pinned, "compute_s": f.compute_s + b.compute_s,
+            "h2d_s": f.h2d_s + b.h2d_s,
             "d2h_s": f.d2h_s + b.d2h_s, "adam_s": f.adam_s + b.adam_s, "bottleneck": c.bottleneck,
             "recompute_flops": c.recompute_flops, "hardware_flops": c.hardware_flops}
 

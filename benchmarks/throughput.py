@@ -82,7 +82,8 @@ def run_megatrain(args, cfg, device) -> dict:
         t0 = time.perf_counter()
         losses.append(engine.step(ids, ids).item())  # .item(): the step's end, as a user's loop would see it
         times.append(time.perf_counter() - t0)
-        print(f"  megatrain step {i + 1}/{args.steps}: {times[-1]:.3f} s, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+        print(f"  megatrain step {i + 1}/{args.steps}: {times[-1]:.3f} s, loss {losses[-1]:.4f}", file=sys.stderr,
+              flush=True)
     engine.synchronize()
     n = engine.num_parameters
     engine.close()

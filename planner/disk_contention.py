@@ -2,13 +2,15 @@
 
 A spilled step's reads and writes are not free for the CPU even with O_DIRECT: the kernel (and, on a virtual
 disk, the hypervisor's queue on the same cores) spends cycles on each request. On this project's 2-core
-machine a matmul ran 17% slower beside O_DIRECT reads at 1.0 GB/s and 36% slower beside writes at 2.5 GB/s,
-about 0.15 s of compute per GB; the spilled 34M model's compute took 1.42-1.47 s a step against 1.27-1.31
-unspilled. The cost model adds ``disk_cpu_s_per_gb`` x the bytes a phase moves to that phase's CPU work where
-the device is the CPU (``spill_timing``). Pure stdlib.
+machine a matmul ran 17% slower beside O_DIRECT reads at 1.0 GB/s and 36% slower beside writes at 2.5 GB/s
+(0.14-0.17 s of compute per GB), and this probe's mixed reads and writes measure 0.08-0.125 s per GB; the spilled
+34M model's compute took 1.42-1.47 s a step against 1.27-1.31 unspilled. The cost model adds
+``disk_cpu_s_per_gb`` x the bytes a transfer moves to the CPU work beside it where the device is the CPU
+(``spill_timing``). Pure stdlib.
 
-The probe: matmuls on every core (the profiler's torch call) alone, then beside ``threads`` threads (half reading, half writing a
-file under ``directory`` in ``request``-byte requests, O_DIRECT where ``direct``), then alone again:
+The probe: units of ``work`` on every core (the profiler passes a torch matmul) alone, then beside ``threads``
+threads (half reading, half writing a file under ``directory`` in ``request``-byte requests, O_DIRECT where
+``direct``), then alone again:
     lost_s = seconds x (1 - rate_beside / mean(rate_alone before, after))
     disk_cpu_s_per_gb = lost_s / (GB moved in those seconds)
 """
