@@ -7,8 +7,11 @@
 #   bash benchmarks/gpu_session.sh peers    # peers sweep, 480 s budget (DeepSpeed wheels in .whl/)
 #   bash benchmarks/gpu_session.sh large    # 3B step anatomy at 2048/8192, profile, calibrate, planner validation
 #
-# Before `peers`, fetch the DeepSpeed (and kvikio) wheels into .whl/ where there is network access
-# (`../shared/tools/device-wheels`) and copy .whl/ along with the checkout.
+# Before `peers`, where there is network access, put DeepSpeed's wheel and the packages it needs that a CUDA
+# image may lack into .whl/, for Python 3.12 on x86-64, and copy .whl/ along with the checkout:
+#   pip wheel --no-deps -w .whl deepspeed          # DeepSpeed ships an sdist: a pure-Python wheel, ops JIT-built
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl \
+#     hjson pydantic pydantic-core annotated-types typing-inspection
 # Everything is written under $OUT (default ./gpu_out): one log per part and results.tgz, the new
 # files of benchmarks/results/. Unpack it into benchmarks/results/ of the checkout the next part
 # starts from: `peers --resume` goes on from the sweep results it finds there.

@@ -17,7 +17,7 @@ weight decay 0.1 on every parameter):
              fused CPU AdamW on CUDA; plain fp32 sharding on a CPU (nothing to offload to)
   deepspeed  ZeRO-3, parameters and optimizer offloaded to pinned CPU memory,
              DeepSpeedCPUAdam, bf16 (CUDA only; `pip install deepspeed`, or
-             offline: `pip download deepspeed --no-deps -d .whl` and install from .whl/)
+             offline: `pip wheel --no-deps -w .whl deepspeed`, see gpu_session.sh, and install from .whl/)
 
 Per system: status (ok / out of memory with its peak / failed / not run), median step
 time after the warm-up, tokens/s, model TFLOP/s (6 x N x tokens / step time; recompute

@@ -66,12 +66,9 @@ def run_megatrain(args, cfg, device) -> dict:
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.plan == "planner":  # what a user's run gets: the planner's search for this batch on this machine
-        from peer_runners.run_megatrain import plan_for
-        from peer_runners.spec import RunSpec
+        from peer_runners.run_megatrain import planner_plan
 
-        spec = RunSpec("megatrain", args.model, dict(cfg, model_type="llama"), args.seq, args.batch,
-                       args.micro_batch, args.steps, warmup=args.warmup, device=device.type)
-        plan, _ = plan_for(spec)
+        plan, _ = planner_plan(dict(cfg, model_type="llama"), args.seq, args.batch, device.type, args.micro_batch)
     else:  # --plan manual: every layer recomputed from its checkpoint
         plan = Plan(micro_batch_size=args.micro_batch, num_slots=args.slots, prefetch_depth=args.slots - 1,
                     checkpoints=args.checkpoints, loss_chunk_tokens=args.loss_chunk)
@@ -124,7 +121,8 @@ def run_pytorch(args, cfg, device) -> dict:
         opt.zero_grad(set_to_none=True)
         losses.append(total.item())
         times.append(time.perf_counter() - t0)
-        print(f"  pytorch step {i + 1}/{args.steps}: {times[-1]:.3f} s, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+        print(f"  pytorch step {i + 1}/{args.steps}: {times[-1]:.3f} s, loss {losses[-1]:.4f}", file=sys.stderr,
+              flush=True)
     return {"times": times, "loss": losses[-1], "losses": losses, "params": sum(p.numel() for p in model.parameters())}
 
 

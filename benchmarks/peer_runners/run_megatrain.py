@@ -45,17 +45,24 @@ def import_megatrain() -> str:
 
 def plan_for(spec: RunSpec, clipping: bool = True) -> tuple[Any, dict[str, Any]]:
     """The planner's plan for this run, and what the planner said (its prediction, or why it has none)."""
+    return planner_plan(spec.config, spec.seq, spec.batch, spec.device, spec.micro_batch, clipping)
+
+
+def planner_plan(config: dict[str, Any], seq: int, batch: int, device: str, fallback_micro_batch: int,
+                 clipping: bool = True) -> tuple[Any, dict[str, Any]]:
+    """The planner's plan for ``batch`` sequences of ``seq`` tokens of ``config`` on this machine (bf16 on
+    CUDA, fp32 on a CPU), and what it said; ``Plan(micro_batch_size=fallback_micro_batch)`` where none fits."""
     from megatrain.planner import model_shapes, search
     from megatrain.planner.profiler import detect
     from megatrain.planner.workload import Workload
     from megatrain.runtime import Plan
 
-    work = Workload(spec.seq, spec.batch, compute_dtype="bf16" if spec.device == "cuda" else "fp32",
-                    clipping=clipping, spill="none")
-    result = search.search(model_shapes.from_config(spec.config), work, detect())
+    work = Workload(seq, batch, compute_dtype="bf16" if device == "cuda" else "fp32", clipping=clipping,
+                    spill="none")
+    result = search.search(model_shapes.from_config(config), work, detect())
     if result.best is None:
-        plan = Plan(micro_batch_size=spec.micro_batch)
-        return plan, {"planner": f"no plan fits ({result.reason()}); ran Plan(micro_batch_size={spec.micro_batch})"}
+        plan = Plan(micro_batch_size=fallback_micro_batch)
+        return plan, {"planner": f"no plan fits ({result.reason()}); ran Plan(micro_batch_size={fallback_micro_batch})"}
     best = result.best
     said: dict[str, Any] = {"planner": "best of the search",
                             "predicted_device_bytes": best.memory.device_bytes,
