@@ -30,7 +30,11 @@ spilled master, m and v. Backward, each visit j (the layers in reverse, then the
 its load, issued while the previous block computed, d += load_j / R; its compute starts at s_j = max(c, d);
 the previous block's update, issued when that block's compute ended, d = max(d, c) + u_prev; then
 c = s_j + cpu_j + a_j (a_j: block j's AdamW arithmetic, on the same cores; the head's with the first layer's).
-The last update follows the last compute: step = max(c, max(d, c) + u_embedding).
+The last update follows the last compute: step = max(c, max(d, c) + u_embedding). The read-ahead
+([Note: spill read-ahead]): wherever the disk would idle before the CPU's clock, less the load the loader issues
+next (the loads go first), it reads the next updates' master, m and v in update order (the head's, the layers'
+in reverse, the embedding's), at most what the staging sets hold (``staging_bytes``: sets x the largest chunk's
+set) beyond what their updates took; an update's u then counts only its reads not read ahead.
 
 Both modes add k x the bytes each disk transfer moves to the CPU work it runs beside (k: the profile's
 ``disk_cpu_s_per_gb``, planner/disk_contention.py: the kernel's share of spill I/O, on the compute's cores).
@@ -62,7 +66,7 @@ class SpillStep:
     step_s: float
     forward_exposed_s: float  # the CPU waited on the disk in the forward half (AdamW's I/O and the loads)
     backward_exposed_s: float
-    read_ahead_bytes: float   # the next update's master, m and v read during backward
+    read_ahead_bytes: float   # the updates' master, m and v read ahead (deferred: during backward)
     eager: bool = False
 
     @property
@@ -106,7 +110,8 @@ def cpu_step(spilled: "spill_placement.Spilled", plan: Plan, hw: HardwareProfile
     block i at visit i), then the backward's (the layers in reverse, the embedding); ``adam_cpu_s``: AdamW's
     arithmetic for every block. Eager plans: ``eager_step``."""
     if plan.optimizer_mode == "eager":
-        return eager_step(spilled, hw, steps, n_fwd, adam_cpu_s, tied, compute_bytes)
+        return eager_step(spilled, hw, steps, n_fwd, adam_cpu_s, tied, compute_bytes,
+                          staging_bytes(spilled, plan.spill_chunk_bytes, plan.spill_staging))
     R, W = hw.disk_read_gbps * 1e9, hw.disk_write_gbps * 1e9
     n = len(spilled.numels)
     on_disk = spilled.blocks.get(BufferKind.MASTER, frozenset()) if compute_bytes == 4 else frozenset()
@@ -144,42 +149,78 @@ def cpu_step(spilled: "spill_placement.Spilled", plan: Plan, hw: HardwareProfile
 
 
 def eager_step(spilled: "spill_placement.Spilled", hw: HardwareProfile, steps: Sequence[BlockVisit], n_fwd: int,
-               adam_cpu_s: float, tied: bool, compute_bytes: int) -> SpillStep:
+               adam_cpu_s: float, tied: bool, compute_bytes: int, staging_bytes: float = 0.0) -> SpillStep:
     """Eager mode's step (the module docstring): ``steps`` and ``adam_cpu_s`` as for ``cpu_step``; the AdamW
-    arithmetic is shared out over the blocks by their elements."""
+    arithmetic is shared out over the blocks by their elements; ``staging_bytes``: what the staging sets hold, the
+    bound of the read-ahead."""
     R, W = hw.disk_read_gbps * 1e9, hw.disk_write_gbps * 1e9
     numels = spilled.numels
     n = len(numels)
     on_disk = spilled.blocks.get(BufferKind.MASTER, frozenset()) if compute_bytes == 4 else frozenset()
     per_element = adam_cpu_s / max(1, sum(numels))
+    reads = [float(spilled.block_disk_bytes(b)) for b in range(n)]        # an update's: its spilled master, m, v
+    writes = [float(spilled.block_disk_bytes(b, UPDATED)) for b in range(n)]
+    total = sum(reads)
+    ahead = taken = read_ahead_bytes = 0.0  # bytes of the updates' reads, in update order: read ahead, taken
 
     def cpu(st: BlockVisit, block: int) -> float:  # a spilled master is read by the loader: no host copy
         return (0.0 if block in on_disk else st.load_s) + st.compute_s + st.d2h_s
 
-    def update(b: int) -> float:  # its spilled master, m and v read, then written back
-        return spilled.block_disk_bytes(b) / R + spilled.block_disk_bytes(b, UPDATED) / W
+    def fill(d: float, until: float) -> tuple[float, float]:
+        """The disk idle from d to ``until`` reads the next updates' master, m and v ahead, within the sets."""
+        nonlocal ahead, read_ahead_bytes
+        room = min((until - d) * R, staging_bytes - (ahead - taken), total - ahead)
+        if room <= 0:
+            return d, 0.0
+        ahead, read_ahead_bytes = ahead + room, read_ahead_bytes + room
+        return d + room / R, room
 
-    def update_bytes(b: int) -> float:
-        return float(spilled.block_disk_bytes(b) + spilled.block_disk_bytes(b, UPDATED))
+    def take(b: int) -> tuple[float, float]:
+        """Block b's update: the disk seconds and bytes of its reads not read ahead, then its writes."""
+        nonlocal ahead, taken
+        rest = max(0.0, taken + reads[b] - ahead)
+        taken += reads[b]
+        ahead = max(ahead, taken)
+        return rest / R + writes[b] / W, rest + writes[b]
 
     k = hw.disk_cpu_s_per_gb / 1e9  # the CPU's share of each byte the disk moves, beside the compute it slows
     load_bytes = [numels[b] * 4.0 if b in on_disk else 0.0 for b in range(n)]
     if tied and 0 in on_disk:  # a tied head loads the embedding's table again
         load_bytes[n - 1] += numels[0] * 4.0
     loads = [x / R for x in load_bytes]
+    bwd_blocks = [*range(n - 2, 0, -1), 0]
+    next_load = [*loads[1:], loads[bwd_blocks[0]]]  # forward: the load the loader issues during each compute
     c = d = f_cpu = 0.0
     for b, st in zip(range(n), steps[:n_fwd]):
         d += loads[b]
         work = cpu(st, b) + k * load_bytes[b]
         c, f_cpu = max(c, d) + work, f_cpu + work
+        d, extra = fill(d, c - next_load[b])  # the loads first: the read-ahead takes the idle time left
+        c, f_cpu = c + k * extra, f_cpu + k * extra
     forward_s = c
-    pending, head_adam = update(n - 1), numels[n - 1] * per_element  # the head's update: beside the first layer's
-    pending_bytes, b_cpu = update_bytes(n - 1), 0.0
-    for b, st in zip([*range(n - 2, 0, -1), 0], steps[n_fwd:]):
+    (pending, pending_bytes), head_adam = take(n - 1), numels[n - 1] * per_element  # beside the first layer
+    b_cpu = 0.0
+    for j, (b, st) in enumerate(zip(bwd_blocks, steps[n_fwd:])):
         d += loads[b] if b else 0.0  # the embedding's backward loads nothing
         start = max(c, d)
         d = max(d, c) + pending
         work = cpu(st, b) + numels[b] * per_element + head_adam + k * ((load_bytes[b] if b else 0.0) + pending_bytes)
-        c, pending, pending_bytes, b_cpu, head_adam = start + work, update(b), update_bytes(b), b_cpu + work, 0.0
+        c, b_cpu, head_adam = start + work, b_cpu + work, 0.0
+        nxt = bwd_blocks[j + 1] if j + 1 < len(bwd_blocks) else 0
+        d, extra = fill(d, c - (loads[nxt] if nxt else 0.0))
+        c, b_cpu = c + k * extra, b_cpu + k * extra
+        pending, pending_bytes = take(b)
     step = max(c, max(d, c) + pending)
-    return SpillStep(forward_s, step, forward_s - f_cpu, max(0.0, step - forward_s - b_cpu), 0.0, eager=True)
+    return SpillStep(forward_s, step, forward_s - f_cpu, max(0.0, step - forward_s - b_cpu), read_ahead_bytes,
+                     eager=True)
+
+
+def staging_bytes(spilled: "spill_placement.Spilled", chunk_bytes: int, sets: int) -> float:
+    """What ``sets`` staging sets hold of the updates' reads: sets x the largest chunk (``buffer_kinds.spill_chunks``)
+    x the bytes of its block's spilled master, m and v."""
+    largest = 0.0
+    for b, numel in enumerate(spilled.numels):
+        per_element = sum(spilled.element_bytes(kind) for kind in UPDATED if b in spilled.blocks.get(kind, ()))
+        if per_element:
+            largest = max(largest, spill_chunks(numel, chunk_bytes)[0][1] * float(per_element))
+    return sets * largest

@@ -1,7 +1,8 @@
 """runtime/spill/read_ahead.py on its own, driven the way the AdamW worker drives it: what it reads ahead and when
-(the next step's chunks in the known update order, once every job of a step is taken, within the staging bound,
-never a chunk of a block still held), and when it drops what it read ahead (a chunk asked for out of that order,
-a cold-path write to the files). Each log is checked against a hand-written expectation."""
+(the next step's chunks in the known update order, once every job of a step is taken, and on through that step
+while its jobs come one by one, within the staging bound, never a chunk of a block still held for the step
+before), and when it drops what it read ahead (a chunk asked for out of that order, a cold-path write to the
+files). Each log is checked against a hand-written expectation."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -93,8 +94,9 @@ def test_reads_the_next_steps_chunks_ahead_in_the_known_order_within_the_bound(f
     ahead.read_ahead()  # the bound: three sets, all read ahead
     assert _ops(log) == [("spill_write", 1, 0, 0, ""), ("spill_read", 2, 2, 2048, "ahead")]
 
-    # Step 2 in the known order: each chunk read ahead is taken (only its gradients are read now), none dropped;
-    # the step's other chunks are read as their jobs come, none ahead of them.
+    # Step 2 in the known order, its jobs one by one (as eager updates come): each chunk read ahead is taken (only
+    # its gradients are read now), none dropped, and while the worker waits for the next job the chunks of the jobs
+    # still to come are read ahead, within the bound.
     ahead.taken(2, 2)
     first = ahead.stage(2, 2, 0, 1024, grads=True)
     assert first is not None and set(first.buffers) == {A, V, G}
@@ -102,21 +104,21 @@ def test_reads_the_next_steps_chunks_ahead_in_the_known_order_within_the_bound(f
     for kind in (A, V, G):
         assert torch.equal(first.buffers[kind][:1024], _values(kind, 2, 0.0)[:1024])
     ahead.write_behind(2, 2, 1024, first)
-    ahead.read_ahead()
+    ahead.read_ahead()  # block 1's chunk: its job has not come
     _update(ahead, 2, 2, 1024, 1024)
     _update(ahead, 2, 2, 2048, 452)
     ahead.taken(2, 3)
     ahead.taken(2, 1)
-    ahead.read_ahead()
+    ahead.read_ahead()  # block 0's first two chunks: three sets held with block 1's
     _update(ahead, 2, 1, 0, 1024)
-    ahead.taken(2, 0)
+    ahead.taken(2, 0)  # the step's last job: the list is step 3's now, block 0's third chunk is read as it comes
     for lo, n in ahead.pieces(0):
         _update(ahead, 2, 0, lo, n)
-    assert _ops(log) == [("spill_write", 2, 2, 0, ""), ("spill_write", 2, 2, 1024, ""),
-                         ("spill_write", 2, 2, 2048, ""),
-                         ("spill_read", 2, 1, 0, ""), ("spill_write", 2, 1, 0, ""),
-                         ("spill_read", 2, 0, 0, ""), ("spill_write", 2, 0, 0, ""),
-                         ("spill_read", 2, 0, 1024, ""), ("spill_write", 2, 0, 1024, ""),
+    assert _ops(log) == [("spill_write", 2, 2, 0, ""), ("spill_read", 2, 1, 0, "ahead"),
+                         ("spill_write", 2, 2, 1024, ""), ("spill_write", 2, 2, 2048, ""),
+                         ("spill_read", 2, 0, 0, "ahead"), ("spill_read", 2, 0, 1024, "ahead"),
+                         ("spill_write", 2, 1, 0, ""),
+                         ("spill_write", 2, 0, 0, ""), ("spill_write", 2, 0, 1024, ""),
                          ("spill_read", 2, 0, 2048, ""), ("spill_write", 2, 0, 2048, "")]
     # Every job of step 2 taken: step 3's first chunks are next, block 2's again.
     ahead.read_ahead()
@@ -168,3 +170,23 @@ def test_a_cold_path_write_drops_what_was_read_ahead_and_the_chunk_is_read_again
     assert _ops(log) == [("spill_discard", 2, 2, 0, ""), ("spill_discard", 2, 2, 1024, ""),
                          ("spill_discard", 2, 2, 2048, ""), ("spill_read", 2, 2, 0, ""),
                          ("spill_write", 2, 2, 0, "")]
+
+
+def test_a_chunk_waits_while_its_block_is_held_for_the_step_before(files) -> None:
+    ahead, log = _reader(files)
+    ahead.taken(1, 2)
+    held = [ahead.stage(1, 2, lo, n, grads=True) for lo, n in ahead.pieces(2)]  # every set: block 2's chunks
+    for b in ORDER[1:]:
+        ahead.taken(1, b)  # every job of step 1 taken: step 2's list begins with block 2
+    cf.wait(held[0].reads)
+    ahead.write_behind(1, 2, 1024, held[0])
+    ahead.read_ahead()  # a set is free, but block 2 has chunks of step 1 not yet written behind
+    assert _ops(log) == [("spill_read", 1, 2, 0, ""), ("spill_read", 1, 2, 1024, ""), ("spill_read", 1, 2, 2048, ""),
+                         ("spill_write", 1, 2, 0, "")]
+    for staged, (lo, n) in zip(held[1:], ahead.pieces(2)[1:]):
+        cf.wait(staged.reads)
+        ahead.write_behind(1, 2, n, staged)
+    ahead.read_ahead()
+    assert _ops(log) == [("spill_write", 1, 2, 1024, ""), ("spill_write", 1, 2, 2048, ""),
+                         ("spill_read", 2, 2, 0, "ahead"), ("spill_read", 2, 2, 1024, "ahead"),
+                         ("spill_read", 2, 2, 2048, "ahead")]

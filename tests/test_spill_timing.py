@@ -116,33 +116,47 @@ def test_the_cost_model_times_a_spilled_cpu_step_with_it() -> None:
 
 def test_the_eager_step_by_hand() -> None:
     """Embedding, one layer of one chunk, a tiny head; master, m and v spilled (eager spills no gradient); 1 GB/s
-    each way. Each update follows its block's backward on the disk's one queue, behind the loads issued before."""
+    each way; two staging sets (6 U). Each update follows its block's backward on the disk's one queue, behind
+    the loads issued before; the disk's idle time, after the load the loader issues next, reads the next
+    updates' master, m and v ahead in update order (the head, the layer, the embedding) within the sets."""
     every = frozenset(range(3))
     spilled = Spilled({k: every for k in (BufferKind.MASTER, BufferKind.EXP_AVG, BufferKind.EXP_AVG_SQ)},
                       (CHUNK, CHUNK, HEAD))
     f, bwd, adam = [0.001, 0.01, 0.002], [0.02, 0.001], 0.003
     plan = _plan(2).replace(optimizer_mode="eager")
+    assert spill_timing.staging_bytes(spilled, plan.spill_chunk_bytes, 2) == 2 * 3 * CHUNK * 4
     got = spill_timing.cpu_step(spilled, plan, _hw(), _visits(f, bwd), 3, adam, False, 4)
     h = HEAD * 4 / 1e9
     per = adam / (2 * CHUNK + HEAD)                           # AdamW arithmetic per element
-    # forward: each spilled master read ahead (d), each compute after its read (c); the loads' host copies unpaid
+    # forward: each spilled master read ahead of its compute (d), each compute after its read (c); the loads'
+    # host copies unpaid. The embedding's compute is shorter than the layer's load: no idle disk. During the
+    # layer's, with the head's load left room for, the sets fill: the head's 3 h, the layer's 3 U, 3 U - 3 h of
+    # the embedding's.
     d, c = U, U + f[0]
     d, c = 2 * U, max(c, 2 * U) + f[1]
-    d, c = 2 * U + h, max(c, 2 * U + h) + f[2]
+    assert c - h - d > 6 * U
+    d += 6 * U
+    d, c = d + h, max(c, d + h) + f[2]                        # the head; the sets are full
     assert got.forward_s == pytest.approx(c) and got.forward_exposed_s == pytest.approx(c - sum(f))
-    # backward, the layer: its load; the head's update (3 h read, 3 h written) once the head's backward is done
+    # backward, the layer: its load; the head's update, read ahead, writes 3 h once the head's backward is done;
+    # the idle disk reads the embedding's last 3 h ahead
     d += U
     start = max(c, d)
-    d = max(d, c) + 6 * h
+    d = max(d, c) + 3 * h
     c = start + bwd[0] + (CHUNK + HEAD) * per
-    # the embedding (no load): the layer's update (3 U each way) behind it, then its own after its backward
+    # the embedding (no load): the layer's update writes 3 U behind it, then its own writes after its backward
     start = max(c, d)
-    d = max(d, c) + 6 * U
+    d = max(d, c) + 3 * U
     c = start + bwd[1] + CHUNK * per
-    step = max(c, max(d, c) + 6 * U)
+    step = max(c, max(d, c) + 3 * U)
     assert got.step_s == pytest.approx(step) and got.eager
     assert got.update_exposed_s == got.backward_exposed_s == pytest.approx(step - got.forward_s - sum(bwd) - adam)
-    assert got.read_ahead_bytes == 0.0
+    assert got.read_ahead_bytes == pytest.approx((6 * U + 3 * h) * 1e9)
+    # one set: 3 U in the forward (the head's and most of the layer's), then the 3 h the head's update frees; the
+    # embedding's reads wait for its update, after the last compute
+    one = spill_timing.cpu_step(spilled, _plan(1).replace(optimizer_mode="eager"), _hw(), _visits(f, bwd), 3, adam,
+                                False, 4)
+    assert one.read_ahead_bytes == pytest.approx((3 * U + 3 * h) * 1e9) and one.step_s > got.step_s
 
 
 @pytest.mark.parametrize("mode", ["deferred", "eager"])
@@ -150,7 +164,7 @@ def test_the_disks_cpu_time_adds_to_the_work_beside_it(mode: str) -> None:
     """k CPU seconds per GB the disk moves (the profile's ``disk_cpu_s_per_gb``): with a disk so fast the CPU
     never waits on it, the step grows by exactly k x the bytes moved beside CPU work: every byte of the deferred
     step (its loads, drains, read-ahead and updates), and every byte of the eager step but the embedding's
-    update, which follows the last compute."""
+    update's writes, which follow the last compute."""
     numels = (CHUNK, CHUNK, CHUNK, HEAD)
     every = frozenset(range(4))
     spilled = _all(numels) if mode == "deferred" else Spilled(  # eager spills no gradient
@@ -164,7 +178,8 @@ def test_the_disks_cpu_time_adds_to_the_work_beside_it(mode: str) -> None:
     state = CHUNK * 4 * 3 + HEAD * 4                            # one kind's bytes over the blocks
     if mode == "deferred":  # backward: the layers' loads, the gradients written, the read-ahead; forward: the
         moved = 2 * CHUNK * 4 + state + 4 * state + 3 * state  # rest of master, m, v, grads read; 3 kinds written
-    else:  # forward: every master loaded; backward: the layers' loads, and the updates (3 kinds read and written)
-        moved = state + 2 * CHUNK * 4 + 6 * (state - CHUNK * 4)  # of all blocks but the embedding, the last
+    else:  # forward: every master loaded; backward: the layers' loads, the updates' reads (3 kinds, read ahead
+        # or not) and their writes but the embedding's, the last
+        moved = state + 2 * CHUNK * 4 + 3 * state + 3 * (state - CHUNK * 4)
     assert slow.step_s - base.step_s == pytest.approx(0.2 * moved / 1e9)
     assert slow.forward_exposed_s == pytest.approx(base.forward_exposed_s, abs=1e-9)

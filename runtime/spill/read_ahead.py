@@ -15,13 +15,17 @@ step, in that order, are the ones to read ahead: when the worker's queue runs dr
 (``read_ahead``) their master, m and v (nothing writes those between two updates
 of a block; the gradients are read when the job comes, after their drain's
 writes) go into the sets the worker does not hold, so the disk works while the
-next step's jobs are still being computed (deferred mode: all of backward). A
-chunk is read ahead only once its own update of this step has issued its writes
-(the read waits for them). The job that comes takes its set and adds the gradient
-reads (``SpillFiles.stage_more``). A chunk asked for out of that order (the
-step's order changed), or after a cold-path write to the files (their
-``version`` moved since the read), drops everything read ahead (``discard``)
-and is read afresh.
+next step's jobs are still being computed (deferred mode: all of backward; eager
+mode: the forward, whose disk only loads). The list lasts through that step: as
+its jobs come one by one (eager mode: each block's after its backward) the
+worker's idle moments read the chunks of the jobs still to come, so a block's
+master, m and v are staged before its gradient is, and only the gradient reads
+and the writes wait for its backward. A chunk is read ahead only once its own
+update of the step before has issued its writes (the read waits for them). The
+job that comes takes its set and adds the gradient reads
+(``SpillFiles.stage_more``). A chunk asked for out of that order (the step's
+order changed), or after a cold-path write to the files (their ``version`` moved
+since the read), drops everything read ahead (``discard``) and is read afresh.
 
 Bound: the plan's ``spill_staging`` staging sets, the chunks read ahead and those in
 flight together: at most ``spill_staging`` x spilled kinds x one chunk
@@ -64,7 +68,7 @@ class ReadAhead:
         self._step, self._taken = 0, 0  # the step whose jobs are being taken, and how many of them so far
         self._next: collections.deque[Piece] = collections.deque()  # the next step's chunks still to read ahead
         self._ahead: collections.deque[tuple[Piece, int, Staged]] = collections.deque()  # read ahead, files' version
-        self._held: list[int] = []  # blocks of the chunks staged for their job and not yet written behind
+        self._held: list[tuple[int, int]] = []  # (step, block) of the chunks staged for their job, not yet written
 
     @property
     def depth(self) -> int:
@@ -80,10 +84,11 @@ class ReadAhead:
 
     def taken(self, step: int, block: int) -> None:
         """The worker took ``step``'s job of ``block``; once it took all of them, the next step's chunks of the
-        blocks that spill, in the known order, are the ones to read ahead."""
-        if step != self._step:  # a new step's jobs: what was not read ahead for it is read as they come
+        blocks that spill, in the known order, are the ones to read ahead, through that step's jobs too."""
+        if step != self._step:  # a new step's jobs: the list goes on if it is this step's, else it is stale
             self._step, self._taken = step, 0
-            self._next.clear()
+            if self._next and self._next[0].step != step:
+                self._next.clear()
         self._taken += 1
         if self._taken == len(self.order):
             files = self.files
@@ -92,10 +97,10 @@ class ReadAhead:
 
     def read_ahead(self) -> None:
         """Read the next step's first chunks' master, m and v ahead into the sets the worker does not hold (up to
-        ``depth`` held in all); a chunk whose block still has a chunk held for this step waits its turn."""
+        ``depth`` held in all); a chunk whose block still has a chunk held for the step before waits its turn."""
         while self._next and len(self._ahead) + len(self._held) < self.depth:
             piece = self._next[0]
-            if piece.block in self._held:
+            if any(b == piece.block and s != piece.step for s, b in self._held):
                 return
             self._next.popleft()
             kinds = [k for k in self.files.spilled(piece.block) if k is not BufferKind.GRADS]
@@ -121,13 +126,13 @@ class ReadAhead:
             staged = self.files.stage(block, lo, n, kinds)
             self.log.record("spill_read", step, block, lo=lo)
         self.wait_seconds += time.perf_counter() - t0
-        self._held.append(block)
+        self._held.append((step, block))
         return staged
 
     def write_behind(self, step: int, block: int, n: int, staged: Staged) -> None:
         """The chunk's update is done: write its state back behind; its set returns to the pool once written."""
         self.files.write_behind(block, n, staged)
-        self._held.remove(block)
+        self._held.remove((step, block))
         self.log.record("spill_write", step, block, lo=staged.lo)
 
     def drop(self) -> None:
@@ -141,7 +146,12 @@ class ReadAhead:
     def _from_ahead(self, piece: Piece) -> Staged | None:
         """The set read ahead for ``piece`` if it is the next one read ahead and the files' version is the same;
         otherwise every set read ahead is dropped (a chunk out of the known order) and None."""
-        if not self._ahead:
+        if not self._ahead:  # nothing read ahead: the chunk is read now; a chunk of the list's step is its next
+            if self._next and self._next[0].step == piece.step:
+                if self._next[0] == piece:
+                    self._next.popleft()
+                else:  # out of the known order
+                    self._next.clear()
             return None
         first, version, staged = self._ahead[0]
         if first == piece and version == self.files.version:
