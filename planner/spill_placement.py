@@ -71,10 +71,14 @@ class Spilled:
         """How many of block b's kinds live on disk."""
         return sum(1 for blocks in self.blocks.values() if b in blocks)
 
+    def disk_bytes_per_element(self, b: int, kinds: tuple[BufferKind, ...] = tuple(BufferKind)) -> int:
+        """The sum of s_k over those of block b's kinds among ``kinds`` (default: all) that spill."""
+        return sum(self.element_bytes(k) for k in kinds if b in self.blocks.get(k, ()))
+
     def block_disk_bytes(self, b: int, kinds: tuple[BufferKind, ...] = tuple(BufferKind)) -> int:
-        """Bytes of block b on disk among ``kinds`` (default: all): numel x the sum of s_k over those of its kinds
-        that spill (unrounded: what one pass over the block reads or writes)."""
-        return self.numels[b] * sum(self.element_bytes(k) for k in kinds if b in self.blocks.get(k, ()))
+        """Bytes of block b on disk among ``kinds`` (default: all): numel x ``disk_bytes_per_element`` (unrounded:
+        what one pass over the block reads or writes)."""
+        return self.numels[b] * self.disk_bytes_per_element(b, kinds)
 
 
 def fill_levels(model: ModelShape, deferred: bool) -> int:

@@ -93,7 +93,7 @@ def read_ahead(spilled: "spill_placement.Spilled", chunk_bytes: int, sets: int, 
     staging set (piece x the sum of s_k over those kinds), at most ``sets`` chunks and ``budget`` bytes in all."""
     out = [0.0] * len(spilled.numels)
     for b, numel in enumerate(spilled.numels):
-        per_element = sum(spilled.element_bytes(kind) for kind in UPDATED if b in spilled.blocks.get(kind, ()))
+        per_element = spilled.disk_bytes_per_element(b, UPDATED)
         for _, piece in (spill_chunks(numel, chunk_bytes) if per_element else ()):
             if sets <= 0 or budget <= 0:
                 return out
@@ -200,14 +200,15 @@ def eager_step(spilled: "spill_placement.Spilled", hw: HardwareProfile, steps: S
     forward_s = c
     (pending, pending_bytes), head_adam = take(n - 1), numels[n - 1] * per_element  # beside the first layer
     b_cpu = 0.0
-    for j, (b, st) in enumerate(zip(bwd_blocks, steps[n_fwd:])):
-        d += loads[b] if b else 0.0  # the embedding's backward loads nothing
+    bwd_load_bytes = [load_bytes[b] if b else 0.0 for b in bwd_blocks]  # the embedding's backward loads nothing
+    bwd_next_load = [x / R for x in bwd_load_bytes[1:]] + [0.0]
+    for b, st, own, nxt in zip(bwd_blocks, steps[n_fwd:], bwd_load_bytes, bwd_next_load):
+        d += own / R
         start = max(c, d)
         d = max(d, c) + pending
-        work = cpu(st, b) + numels[b] * per_element + head_adam + k * ((load_bytes[b] if b else 0.0) + pending_bytes)
+        work = cpu(st, b) + numels[b] * per_element + head_adam + k * (own + pending_bytes)
         c, b_cpu, head_adam = start + work, b_cpu + work, 0.0
-        nxt = bwd_blocks[j + 1] if j + 1 < len(bwd_blocks) else 0
-        d, extra = fill(d, c - (loads[nxt] if nxt else 0.0))
+        d, extra = fill(d, c - nxt)
         c, b_cpu = c + k * extra, b_cpu + k * extra
         pending, pending_bytes = take(b)
     step = max(c, max(d, c) + pending)
@@ -220,7 +221,7 @@ def staging_bytes(spilled: "spill_placement.Spilled", chunk_bytes: int, sets: in
     x the bytes of its block's spilled master, m and v."""
     largest = 0.0
     for b, numel in enumerate(spilled.numels):
-        per_element = sum(spilled.element_bytes(kind) for kind in UPDATED if b in spilled.blocks.get(kind, ()))
+        per_element = spilled.disk_bytes_per_element(b, UPDATED)
         if per_element:
             largest = max(largest, spill_chunks(numel, chunk_bytes)[0][1] * float(per_element))
     return sets * largest
