@@ -41,10 +41,11 @@ from megatrain.runtime.pipeline.block_updates import BlockUpdates, PendingUpdate
 from megatrain.runtime.pipeline.cpu_adamw import AdamHyper, AdamWorker
 from megatrain.runtime.pipeline.expert_layers import ExpertLayers
 from megatrain.runtime.pipeline.expert_parts import streamed_parts
-from megatrain.runtime.pipeline.grad_buffers import GradBuffers
+from megatrain.runtime.pipeline.grad_buffers import BlockGrads, GradBuffers
 from megatrain.runtime.pipeline.head_loss import chunked_logits, head_forward_backward, head_loss
 from megatrain.runtime.pipeline.kept_layers import KeptGraphs
-from megatrain.runtime.pipeline.layer_backward import grad_adder, recompute_backward
+from megatrain.runtime.pipeline.layer_backward import recompute_backward
+from megatrain.runtime.pipeline.sequence_tiles import AddGrads
 from megatrain.runtime.pipeline.rotary_positions import LayerPositions, Positions, RotaryPositions
 from megatrain.runtime.pipeline.router_balance import RouterBalance
 from megatrain.runtime.pipeline.step_schedule import StepSchedule, evaluation_schedule, training_schedule
@@ -186,16 +187,17 @@ class Executor:
                     pending += self.expert_layers.backward(step, load, params, batch.micro,
                                                            positions[layer.layer_type], dy, hyper)
                     continue
-                g_index, g_buf = self.grad_buffers.acquire(self._grad_numel(layer), layer.index)
-                g_list = layer.layout.view_list(g_buf)
+                g_index, g_buf = self.grad_buffers.acquire(self._grad_numel(layer), layer.index, zeroed=False)
+                grads = BlockGrads(layer.layout, g_buf)  # each gradient copied in where first, then added
                 with record_function(f"bwd[{layer.index}]"), self.routing.backward():
                     for m, rows in enumerate(batch.micro):
                         if self.kept.holds(load.layer):  # [Note: kept layers]: through its forward's graph
-                            dy[m] = self.kept.backward(load.layer, m, params, dy[m],
-                                                      grad_adder(layer.layout.entries, g_list))
+                            dy[m] = self.kept.backward(load.layer, m, params, dy[m], grads.add)
                             continue
                         x_in = self.checkpoints.get(load.layer, m, rows)
-                        dy[m] = self._layer_backward(layer, params, x_in, dy[m], positions[layer.layer_type][m], g_list)
+                        dy[m] = self._layer_backward(layer, params, x_in, dy[m], positions[layer.layer_type][m],
+                                                     grads.add)
+                    grads.close()
             pending += self.updates.finish(step, layer, g_index, g_buf, hyper)
 
         # ---- embedding backward: a scatter-add of dy into the rows used; no weights needed
@@ -204,11 +206,12 @@ class Executor:
         if self.tied_grad is not None:
             e_buf = self.tied_grad
         else:
-            e_index, e_buf = self.grad_buffers.acquire(self._grad_numel(embed), embed.index)
-        table = embed.layout.views(e_buf)["embed_tokens.weight"]
+            e_index, e_buf = self.grad_buffers.acquire(self._grad_numel(embed), embed.index, zeroed=False)
+        e_grads = BlockGrads(embed.layout, e_buf, holding=self.tied_grad is not None)
         with record_function(f"bwd[{embed.index}]"):
             for m, rows in enumerate(batch.micro):
-                table.add_(self.templates.embedding_backward(dy[m], batch.input_ids[rows]))
+                e_grads.add({"embed_tokens.weight": self.templates.embedding_backward(dy[m], batch.input_ids[rows])})
+            e_grads.close()
         del dy
         pending += self.updates.finish(step, embed, e_index, e_buf, hyper)
 
@@ -248,11 +251,11 @@ class Executor:
         return self.templates.run(layer, params, x, *positions, self.mlp_tile, "layer", self.attention_tile)
 
     def _layer_backward(self, layer: Block, params: dict[str, torch.Tensor], x_in: torch.Tensor, dy: torch.Tensor,
-                        positions: Positions, g_list: list[torch.Tensor]) -> torch.Tensor:
+                        positions: Positions, add_grads: AddGrads) -> torch.Tensor:
         """One micro-batch through ``layer`` again from its checkpoint x_in: layer_backward.py."""
         self.log.record("recompute", self.step_no, layer.index)
-        return recompute_backward(functools.partial(self.templates.run, layer), layer.layout.entries,
-                                  params, x_in, dy, positions, g_list, self.mlp_tile, self.attention_tile)
+        return recompute_backward(functools.partial(self.templates.run, layer), params, x_in, dy, positions,
+                                  add_grads, self.mlp_tile, self.attention_tile)
 
     def _grad_numel(self, block: Block) -> int:
         """Elements of block's device gradient buffer: its layout, padded to whole shards in data parallel."""

@@ -1,7 +1,8 @@
 """Device fp32 gradient accumulators and their drain to the host.
 
 A block's gradients accumulate over its micro-batches in one fp32 device
-buffer (zeroed on acquire), then drain to host memory on the d2h stream. The
+buffer (zeroed on acquire, or written first by ``BlockGrads``: a decoder
+layer's, an untied embedding's), then drain to host memory on the d2h stream. The
 buffer is reused only after the drain: the compute stream waits on the
 ``drained`` event before zeroing it again. Bound: ``count`` buffers of the
 largest block (count x largest block x 4 bytes on the device); a tied
@@ -16,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from megatrain.runtime.model.templates import BlockLayout
 from megatrain.runtime.pipeline.step_timer import StepTimer
 from megatrain.runtime.device.streams import Event, Streams
 
@@ -31,9 +33,9 @@ class GradBuffers:
         self.timer = timer
         self._next = 0
 
-    def acquire(self, numel: int, block: int | None = None) -> tuple[int, torch.Tensor]:
+    def acquire(self, numel: int, block: int | None = None, zeroed: bool = True) -> tuple[int, torch.Tensor]:
         """A zeroed fp32 buffer [numel] for block ``block`` on the compute stream, its previous drain complete
-        (in place: the block's host gradients)."""
+        (in place: the block's host gradients); ``zeroed=False``: as it is, for a ``BlockGrads`` to write."""
         index = self._next
         self._next = (self._next + 1) % len(self.buffers)
         with self.timer.stall("d2h", self.streams.compute):
@@ -43,7 +45,8 @@ class GradBuffers:
             buf = self.host_grads(block)
         else:
             buf = self.buffers[index][:numel]
-        buf.zero_()
+        if zeroed:
+            buf.zero_()
         return index, buf
 
     def drain(self, index: int | None, buf: torch.Tensor, host: torch.Tensor, after: Event | None = None) -> Event:
@@ -63,3 +66,47 @@ class GradBuffers:
         if index is not None:
             self.drained[index] = done
         return done
+
+
+class BlockGrads:
+    """A block's gradients (a decoder layer's, an embedding's) handed over into its buffer (acquired with ``zeroed=False``), one step.
+
+    A parameter's first gradient of the step is copied into its view; later ones (more micro-batches, more
+    sequence tiles) are added to it. ``close`` zeroes what no gradient reached: the parameters without one, the
+    alignment gaps between the views and the buffer's tail (data-parallel padding). The buffer then holds what
+    zeroing it first and adding every gradient would, number for number (a copied -0.0 stays -0.0 where
+    0.0 + -0.0 gives 0.0): zeroing and adding cost one more pass over the layer's gradients than copying, and the
+    extra read of the buffer.
+    """
+
+    def __init__(self, layout: BlockLayout, buf: torch.Tensor, holding: bool = False) -> None:
+        """``holding``: ``buf`` holds this step's gradients already (a tied embedding's, lm_head's): every
+        gradient is added to it."""
+        entries = layout.entries
+        self._views = layout.view_list(buf)
+        self._index = {e.local_name: i for i, e in enumerate(entries)}
+        self._written = [holding] * len(entries)
+        starts = [e.offset for e in entries] + [buf.numel()]
+        ends = [0] + [e.offset + e.numel for e in entries]
+        self._gaps = [buf[a:b] for a, b in zip(ends, starts) if b > a]
+
+    def add(self, by_name: dict[str, torch.Tensor]) -> None:
+        """Gradients by local name into their views: copied where first, else added."""
+        first: tuple[list, list] = ([], [])
+        more: tuple[list, list] = ([], [])
+        for name, g in by_name.items():
+            i = self._index[name]
+            pair = more if self._written[i] else first
+            pair[0].append(self._views[i])
+            pair[1].append(g)
+            self._written[i] = True
+        if first[0]:
+            torch._foreach_copy_(*first)
+        if more[0]:
+            torch._foreach_add_(*more)
+
+    def close(self) -> None:
+        """Zero the views no gradient reached and the gaps: the buffer is the sum, ready to drain."""
+        rest = [v for v, w in zip(self._views, self._written) if not w] + self._gaps
+        if rest:
+            torch._foreach_zero_(rest)
