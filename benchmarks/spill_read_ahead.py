@@ -5,8 +5,8 @@ the planner's figures for the same plans.
 
 One model (Llama-shaped, h512, 8 layers, vocab 16384: 35M parameters, fp32 on the CPU, everything spilled with
 1 MiB chunks, so the embedding is 32 chunks and a layer 12) runs with each staging depth (0: the planner's
-choice for this disk and the RAM left, ``search.SPILL_STAGING``), the depths interleaved round by round, each
-run in this process one after another; the last ``--steps`` steps after a warm-up are kept. Beside each: the
+choice for this disk and the RAM left, of ``spill_choices.SPILL_STAGING``), the depths interleaved round by round,
+each run in this process one after another; the last ``--steps`` steps after a warm-up are kept. Beside each: the
 cost model's step and the read-ahead it expects (``spill_timing``) with the saved profile
 ($MEGATRAIN_HARDWARE or ``megatrain-plan profile --spill-dir DIR``'s). The load average is recorded: on a shared
 machine the figures are noisy. Writes ``benchmarks/results/<date>_cpu_spill_read_ahead.{json,md}``.

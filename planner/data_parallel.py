@@ -52,6 +52,7 @@ from .hardware import HardwareProfile
 from .memory_model import Component, MemoryEstimate, Overrun
 from .model_shapes import ModelShape
 from .plan import Plan
+from .stream_units import grad_numel
 from .workload import Workload, WorkloadError
 
 # Bus bandwidths (GB/s per rank) assumed when none is given: stated in every report.
@@ -135,9 +136,10 @@ def rank_components(model: ModelShape, plan: Plan, hw: HardwareProfile, W: int,
     What a rank holds, each the runtime's buffer (tests/test_rank_memory.py checks them one by one):
     - host state (master, m, v, shadow, full grad arena, spill files): x N_W / N;
     - chunk-bounded host buffers (grad slabs, spill staging): x Bmax_W / Bmax;
-    - weight slots and grad accumulators: whole padded blocks, K x W x Bmax_W x c and G x W x Bmax_W x 4 (a slot
-      holds the gathered block; the accumulator the whole gradient the collectives reduce); a tied embedding's
-      gradient W x E_W x 4;
+    - weight slots and grad accumulators: whole padded blocks, K x W x Bmax_W x c and G x W x Bg_W x 4 (a slot
+      holds the gathered block; the accumulator the whole gradient the collectives reduce; Bg: Bmax, or with a
+      tied embedding the largest block but it, ``stream_units.grad_numel``); a tied embedding's gradient
+      W x E_W x 4;
     - gradient shards: (G + 1) x Bmax_W x 4 on a GPU (NCCL reduce-scatters into them); none on CPU ranks, where
       the gradient is all-reduced in place and the shard is a view of it;
     - collective staging: none on CPU ranks (gloo's gather and reduce-scatter would each allocate a whole padded
@@ -163,8 +165,10 @@ def rank_components(model: ModelShape, plan: Plan, hw: HardwareProfile, W: int,
             comp = dataclasses.replace(comp, nbytes=K * W * BW * c,
                                        formula=f"K x W x Bmax_W x c = {K} x {W} x {BW} x {c} (whole padded blocks)")
         elif comp.name == "grad accumulators":
-            comp = dataclasses.replace(comp, nbytes=G * W * BW * 4,
-                                       formula=f"G x W x Bmax_W x 4 = {G} x {W} x {BW} x 4 (whole padded blocks)")
+            Bg, unit = grad_numel(model, plan)
+            BgW = shard_numel(Bg, W)
+            comp = dataclasses.replace(comp, nbytes=G * W * BgW * 4, formula=f"G x W x {unit}_W x 4 = {G} x {W} x "
+                                       f"{BgW} x 4 (whole padded blocks)")
         elif comp.name == "tied embedding grad":
             comp = dataclasses.replace(comp, nbytes=W * E_W * 4, formula=f"W x E_W x 4 = {W} x {E_W} x 4")
         out.append(comp)

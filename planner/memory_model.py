@@ -7,6 +7,8 @@ totals are plain sums. Symbols used in the formulas:
   N   elements of all distinct blocks' flat buffers (params, each offset aligned to 64 elements)
   Bmax elements of the largest block; E the embedding block's elements
   Bu  elements of one slot: Bmax, or with expert groups the largest part streamed (``slot_numel``)
+  Bg  elements of one device gradient accumulator: Bu, but with a tied embedding the largest unit but the
+      embedding (whose gradient has its own buffer: ``grad_numel``)
   L   decoder layers; h hidden size; V vocab size; k the layers the plan keeps (``Plan.kept_layers``), whose
       activations stay for backward instead of a checkpoint (kept_layers.py: a bytes per token)
   T   global batch tokens per step (batch x seq); t micro-batch tokens (micro_batch_size x seq)
@@ -27,11 +29,11 @@ from dataclasses import dataclass
 from . import buffer_kinds, kept_layers, spill_placement
 from .allocator_retention import allocator_retention
 from .attention_memory import attention_working_set
-from .block_parameters import LAYER
 from .buffer_kinds import BufferKind, crosses_pcie, spill_block_bytes, spill_chunk_numel
 from .hardware import GiB, HardwareProfile
 from .model_shapes import ModelShape
 from .plan import Plan
+from .stream_units import grad_numel, grouped, slot_numel
 from .workload import Workload
 
 # The CUDA context, cuBLAS workspaces and kernels' own memory: a constant until fitted from runs.
@@ -151,7 +153,8 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
         dev("grad accumulators", 0, "0: compute in place")
     else:
         dev("weight slots", K * Bu * c, f"K x {unit} x c = {K} x {Bu} x {c}")
-        dev("grad accumulators", G * Bu * 4, f"G x {unit} x 4 = {G} x {Bu} x 4")
+        Bg, g_unit = grad_numel(model, plan)
+        dev("grad accumulators", G * Bg * 4, f"G x {g_unit} x 4 = {G} x {Bg} x 4")
     if grouped(model, plan):
         dev("expert-group routed state", *routed_state(model, work))
     if model.tie_word_embeddings:
@@ -324,29 +327,6 @@ def layer_working_set(model: ModelShape, work: Workload, plan: Plan) -> tuple[in
     return (t * (w - m) + u * m + t * h * c + grads,
             f"t x (w - m) + u x m + t x h x c + layer x c = {t} x ({w} - {m}) + {u} x {m} + {t} x {h} x {c} "
             f"+ {layer_n} x {c}")
-
-
-def grouped(model: ModelShape, plan: Plan) -> bool:
-    """Whether ``plan`` streams ``model``'s sparse layers in expert groups (the runtime's [Note: expert groups])."""
-    return bool(plan.expert_group_size) and model.experts.num_experts > 0
-
-
-def slot_numel(model: ModelShape, plan: Plan) -> tuple[int, str]:
-    """Elements of one weight slot and one device gradient accumulator, and the symbol: the largest unit a step
-    streams. Whole layers: Bmax. Expert groups of g = ``plan.expert_group_size`` (a sparse model):
-      Bu = max(E, Hd, D, Xg), D = layer - X
-    with E the embedding's and Hd the head's elements, X the layer's fused experts and Xg the largest group
-    (``ExpertShape.experts_numel``, ``group_numel``: a(g x 2I x h) + a(g x h x I), a(n) n rounded up to 64
-    elements; gpt-oss adds its biases' rows, a(g x 2I) + a(g x h)), D the dense part (attention, norms, router,
-    shared expert). The device budget bounds g."""
-    if not grouped(model, plan):
-        return model.numel_largest_block, "Bmax"
-    h, e = model.hidden_size, model.experts.num_experts
-    rows = tuple(p.numel // e for p in model.table(LAYER) if p.name.startswith("mlp.experts."))  # per expert
-    dense = model.numel_layer - model.experts.experts_numel(h, rows)
-    assert plan.expert_group_size is not None
-    group = model.experts.group_numel(h, plan.expert_group_size, rows)
-    return max(model.numel_embedding, model.numel_head, dense, group), "Bu"
 
 
 def routed_state(model: ModelShape, work: Workload) -> tuple[int, str]:

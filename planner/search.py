@@ -26,22 +26,18 @@ from megatrain.errors import MegatrainError
 from megatrain.models import registry
 
 from . import cost_model, data_parallel, kept_layers, memory_model, spill_placement
-from .buffer_kinds import spill_chunk_multiple, spill_chunks
 from .cost_model import CostEstimate
 from .hardware import HardwareProfile
 from .memory_model import MemoryEstimate, Overrun
 from .model_shapes import ModelShape
 from .plan import Plan, host_device_choices
 from .sequence_pieces import checkpoint_piece_tokens, sequence_tile_tokens
+from .spill_choices import spill_chunk_bytes, spill_io_choices, spill_staging_choices
 from .workload import Workload
 
 Ranks = data_parallel.Topology | None
 
 PREFETCH_DEPTHS = (1, 2, 3)
-# Staging sets between disk and AdamW: 1 (least RAM, no read-ahead), 3 (reads ahead, writes behind), and deeper
-# read-ahead into the backward's idle disk time (spill_timing): the cost model times what they buy, the memory
-# model what they cost, and near-ties go to the fewest.
-SPILL_STAGING = (1, 3, 8, 24, 64)
 HOST_GRAD_SLABS = (2, 4)
 # Plans this close to the fastest count as equally fast (the cost model is not more precise than that).
 TIME_TOLERANCE = 0.01
@@ -141,31 +137,6 @@ def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = N
                                                 **host_device_choices(host, mode, spill),
                                                 **({} if spill == "none" else {"spill_chunk_bytes": chunk})))
     return out
-
-
-def spill_chunk_bytes(model: ModelShape, state_bytes: int = 4) -> int:
-    """The spill I/O unit of the search's plans: Plan's default, or one layer's bytes where a layer is smaller (4 KiB
-    rounded: chunk edges on 1024-element multiples; with bf16 AdamW state 4 MiB rounded, on the stochastic rounding's
-    pieces: ``buffer_kinds.spill_chunk_multiple``). The embedding and an untied head are then cut into chunks of a
-    layer's size, so every staging set holds as much as the memory model's Ck charges it for."""
-    multiple = spill_chunk_multiple(state_bytes)
-    return min(Plan.spill_chunk_bytes, -(-model.numel_layer * 4 // multiple) * multiple)
-
-
-def spill_staging_choices(model: ModelShape, chunk_bytes: int) -> tuple[int, ...]:
-    """SPILL_STAGING, each capped at the chunks of one update pass over every block (``buffer_kinds.spill_chunks``):
-    a staging set holds one chunk, so sets beyond that many are never filled, though the memory model counts them."""
-    chunks = sum(len(spill_chunks(n, chunk_bytes)) for n in spill_placement.block_numels(model))
-    return tuple(sorted({min(s, chunks) for s in SPILL_STAGING}))
-
-
-def spill_io_choices(hw: HardwareProfile | None) -> dict[str, object]:
-    """The spill I/O settings the profile decides: O_DIRECT unless the profile says buffered
-    (``disk_direct_faster``: the filesystem refused O_DIRECT, or a user's choice), for both directions: reads
-    buffered beside O_DIRECT writes (``Plan.io_direct_reads``) are a user's choice too, since the page cache's
-    copies take CPU from compute (a spilled 3.2B step on 2 cores: 53.5 s with buffered reads against 48.3 with
-    O_DIRECT ones, though the probe read buffered 1.8x faster)."""
-    return {"io_direct": hw is None or hw.disk_direct_faster is not False}
 
 
 def _chunks(tokens: int) -> list[int]:
@@ -287,17 +258,25 @@ def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile,
     return fit, misfit
 
 
+def least_memory(close: list[PlanChoice], device_is_host: bool) -> PlanChoice:
+    """Of plans within TIME_TOLERANCE of the fastest, the one with the least GPU memory, then host RAM: the same
+    speed with more headroom for what the memory model does not see. Where the device is the CPU its buffers are
+    RAM too: the least of both together (a spilled 3.2B had taken 7.5 GiB more staging for 0.56 GiB fewer
+    "device" bytes)."""
+    if device_is_host:
+        return min(close, key=lambda c: c.memory.device_bytes + c.memory.host_bytes)
+    return min(close, key=lambda c: (c.memory.device_bytes, c.memory.host_bytes))
+
+
 def search(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks = None) -> SearchResult:
-    """The fastest plan that fits ``hw``; near-ties go to less GPU memory, then less host RAM. With
-    ``ranks``: one rank's plan for ``work`` (the global step), judged per node."""
+    """The fastest plan that fits ``hw``; near-ties go to less GPU memory, then less host RAM (a CPU device: less
+    RAM, the two together). With ``ranks``: one rank's plan for ``work`` (the global step), judged per node."""
     fit, misfit = feasible_choices(model, work, hw, ranks)
     considered = len(fit) + len(misfit)
     if fit:
-        # Among plans within TIME_TOLERANCE of the fastest, the one with the least GPU memory, then host
-        # RAM: the same speed with more headroom for what the memory model does not see.
         fastest = min(c.cost.step_seconds for c in fit if c.cost is not None)
         close = [c for c in fit if c.cost is not None and c.cost.step_seconds <= fastest * (1 + TIME_TOLERANCE)]
-        best = min(close, key=lambda c: (c.memory.device_bytes, c.memory.host_bytes))
+        best = least_memory(close, hw.device_is_host)
         # The plan records the workload it was made for; the runtime refuses another one.
         best = PlanChoice(best.plan.replace(workload=_rank(work, ranks).fingerprint(model)), best.memory, best.cost)
         return SearchResult(best, considered)

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from megatrain.planner import memory_model, model_shapes, search, spill_placement, spill_timing, step_traffic
+from megatrain.planner import (memory_model, model_shapes, search, spill_choices, spill_placement, spill_timing,
+                               step_traffic)
 from megatrain.planner.buffer_kinds import WIDEN_ELEMENTS, BufferKind
 from megatrain.planner.hardware import GiB, HardwareProfile
 from megatrain.planner.workload import Workload
@@ -154,7 +155,7 @@ def test_planner_counts_2_bytes_of_m_and_v_on_disk() -> None:
         assert step_traffic.disk_traffic(shape, work, plan) == (2 * s * N, 2 * s * N)
         spilled = spill_placement.Spilled.of(shape, plan, work.state_bytes)
         assert spilled.block_disk_bytes(1) == 2 * s * shape.numel_layer
-        chunk = search.spill_chunk_bytes(shape, work.state_bytes)
+        chunk = spill_choices.spill_chunk_bytes(shape, work.state_bytes)
         first = spill_timing.read_ahead(spilled, chunk, 1, float("inf"))
         assert first[0] == 2 * s * min(chunk // 4, shape.numel_embedding) and sum(first[1:]) == 0
 
@@ -195,8 +196,9 @@ def test_the_search_plans_bf16_spill_on_4_mib_chunks_and_the_plan_runs(tmp_path)
     m = model_shapes.from_config(dict(model_type="llama", vocab_size=16384, hidden_size=512, intermediate_size=1536,
                                       num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
                                       tie_word_embeddings=True))
-    assert search.spill_chunk_bytes(m) == -(-m.numel_layer * 4 // 4096) * 4096 != search.spill_chunk_bytes(m, 2)
-    assert search.spill_chunk_bytes(m, 2) == 16 * 2**20
+    chunk = spill_choices.spill_chunk_bytes
+    assert chunk(m) == -(-m.numel_layer * 4 // 4096) * 4096 != chunk(m, 2)
+    assert spill_choices.spill_chunk_bytes(m, 2) == 16 * 2**20
     assert Workload(256, 4, "fp32", spill_dir="/nvme", optimizer_state="bf16").spill_choices() == ("none", "all")
     best = search.search(m, Workload(256, 4, "fp32", spill="all", spill_dir="/nvme", optimizer_state="bf16"),
                          hw).require()

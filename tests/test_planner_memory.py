@@ -106,3 +106,20 @@ def test_pinned_in_fp32_is_the_master_that_travels_and_the_gradients() -> None:
         est = memory_model.estimate(m, work, plan, H100)
         assert est.pinned_host_bytes == 4 * N + grads
         assert not any(c.pinned for c in est.components if c.name in ("Adam m", "Adam v"))
+
+
+def test_tied_embeddings_gradient_accumulators_hold_a_layer_by_hand() -> None:
+    """A tied embedding's gradient adds up in its own buffer and the head holds only its norm, so the device
+    gradient accumulators are a layer's size (Bg), while the weight slots stay the table's (Bmax = E)."""
+    work = Workload(seq_len=4096, batch=8, compute_dtype="bf16")
+    plan = Plan(num_slots=2, device_grad_buffers=3, micro_batch_size=1, checkpoints="host")
+    # Llama-3.2-3B: E = 128256 x 3072; a layer: q, o 3072^2, k, v 3072 x 1024, gate, up, down 3 x 3072 x 8192,
+    # two norms; the head: the final norm. Gemma-3-27B: E = 262208 x 5376, a layer 412,898,560 (four norms more).
+    for name, e, layer in (("shape:Llama-3.2-3B", 128256 * 3072,
+                            2 * 3072 * 3072 + 2 * 3072 * 1024 + 3 * 3072 * 8192 + 2 * 3072),
+                           ("shape:Gemma-3-27B", 262208 * 5376, 412_898_560)):
+        got = _by_name(memory_model.estimate(PRESETS[name], work, plan, H100))
+        assert got[("device", "weight slots")] == 2 * e * 2, name
+        assert got[("device", "tied embedding grad")] == e * 4, name
+        assert got[("device", "grad accumulators")] == 3 * layer * 4, name
+    assert 3 * (128256 * 3072 - 100_669_440) * 4 == 3_519_995_904  # 3.5 GB less on the device at 3B

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatrain.planner import data_parallel, hardware, memory_model, model_shapes, search, spill_placement
+from megatrain.planner import data_parallel, hardware, memory_model, model_shapes, search, spill_choices, spill_placement
 from megatrain.planner.hardware import GiB, HardwareProfile
 from megatrain.planner.model_shapes import PRESETS, ModelShape
 from megatrain.planner.plan import Plan
@@ -199,11 +199,11 @@ def test_spill_chunks_are_a_layer_and_staging_sets_never_exceed_the_chunks_of_on
     m = model_shapes.from_config(dict(model_type="llama", vocab_size=16384, hidden_size=512, intermediate_size=1536,
                                       num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
                                       tie_word_embeddings=True))
-    chunk = search.spill_chunk_bytes(m)
+    chunk = spill_choices.spill_chunk_bytes(m)
     assert chunk == -(-m.numel_layer * 4 // 4096) * 4096 < Plan.spill_chunk_bytes
     assert -(-m.numel_embedding * 4 // chunk) == 3
-    assert search.spill_staging_choices(m, chunk) == (1, 3, 8, 12)
-    assert search.spill_staging_choices(m, Plan.spill_chunk_bytes) == (1, 3, 8, 10)  # one chunk a block
+    assert spill_choices.spill_staging_choices(m, chunk) == (1, 3, 8, 12)
+    assert spill_choices.spill_staging_choices(m, Plan.spill_chunk_bytes) == (1, 3, 8, 10)  # one chunk a block
     hw = HardwareProfile(gpu_name="cpu", gpu_mem_bytes=0, h2d_gbps=5.0, d2h_gbps=5.0, duplex_gbps=5.0,
                          matmul_tflops={"float32": 0.2}, cpu_adam_params_per_s=1e9, host_ram_bytes=64 * GiB,
                          host_available_bytes=60 * GiB, cores=2, disk_read_gbps=1.0, disk_write_gbps=1.0)
@@ -212,8 +212,8 @@ def test_spill_chunks_are_a_layer_and_staging_sets_never_exceed_the_chunks_of_on
     staging = next(c for c in best.memory.components if c.name == "spill staging")
     assert staging.nbytes == 12 * 4 * chunk  # P x k x Ck x 4: a layer's bytes per set and kind
     big = PRESETS["shape:Llama-3.2-3B"]  # 28 layers of 0.8 GB: 64 MiB chunks, many of them
-    assert search.spill_chunk_bytes(big) == Plan.spill_chunk_bytes
-    assert search.spill_staging_choices(big, Plan.spill_chunk_bytes) == search.SPILL_STAGING
+    assert spill_choices.spill_chunk_bytes(big) == Plan.spill_chunk_bytes
+    assert spill_choices.spill_staging_choices(big, Plan.spill_chunk_bytes) == spill_choices.SPILL_STAGING
 
 
 def test_a_cpu_device_computes_in_place_with_adamw_on_the_compute_thread_where_it_can() -> None:
@@ -250,3 +250,18 @@ def test_a_cpu_device_computes_in_place_with_adamw_on_the_compute_thread_where_i
         assert choices(p) == ("compute" if p.spill == "none" else "worker", not spilled), (share, p.spill, blocks)
         seen.add((p.spill != "none", spilled))
     assert {(True, False), (True, True)} <= seen, seen  # m and v only, and masters or gradients too
+
+
+def test_near_ties_go_to_less_gpu_memory_then_ram_and_on_a_cpu_device_to_less_ram_in_all() -> None:
+    """Of plans equally fast: with a GPU the least device memory wins, then the least host RAM; where the device is
+    the CPU its buffers are RAM as well, so the least of the two together wins (a spilled 3.2B had taken 7.5 GiB
+    more staging sets for 0.56 GiB fewer "device" bytes)."""
+    def choice(device_gib: float, host_gib: float) -> search.PlanChoice:
+        parts = (memory_model.Component("weight slots", "device", int(device_gib * GiB), "d"),
+                 memory_model.Component("spill staging", "host", int(host_gib * GiB), "h"))
+        return search.PlanChoice(Plan(), memory_model.MemoryEstimate(parts), None)
+
+    deeper, kept = choice(6.10, 15.30), choice(6.66, 7.78)
+    assert search.least_memory([deeper, kept], device_is_host=False) is deeper
+    assert search.least_memory([deeper, kept], device_is_host=True) is kept
+    assert search.least_memory([kept, deeper], device_is_host=True) is kept

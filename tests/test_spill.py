@@ -306,7 +306,7 @@ def test_io_direct_follows_the_plan_and_the_profile_says_which_mode_it_measured(
     """Plan.io_direct=False keeps the POSIX backend buffered; the profile's disk pass returns both directions'
     figures and whether they are O_DIRECT's, and the search's plans follow it (reads apart only when a plan says
     so)."""
-    from megatrain.planner import search
+    from megatrain.planner import spill_choices
     from megatrain.planner.hardware import preset
     from megatrain.planner.profiler import disk_bandwidth
 
@@ -320,8 +320,8 @@ def test_io_direct_follows_the_plan_and_the_profile_says_which_mode_it_measured(
     assert read > 0 and write > 0 and direct in (True, False)
     assert os.listdir(tmp_path) == []
     hw = preset("H100-SXM")
-    assert search.spill_io_choices(hw.replace(disk_direct_faster=False)) == {"io_direct": False}
-    assert search.spill_io_choices(hw.replace(disk_direct_faster=True)) == {"io_direct": True}
+    assert spill_choices.spill_io_choices(hw.replace(disk_direct_faster=False)) == {"io_direct": False}
+    assert spill_choices.spill_io_choices(hw.replace(disk_direct_faster=True)) == {"io_direct": True}
     assert Plan(io_direct=True, io_direct_reads=False).direct_reads is False
     assert Plan(io_direct=False).direct_reads is False and Plan().direct_reads is True
     with pytest.raises(PlanError, match="io_direct"):

@@ -114,7 +114,7 @@ def test_a_state_written_between_steps_drops_what_was_read_ahead(tmp_path) -> No
 
 
 def test_a_deep_read_ahead_fills_every_staging_set_before_the_backward_ends_and_trains_bitwise(tmp_path) -> None:
-    """The planner's deeper staging (search.SPILL_STAGING): every set is filled with the next step's first
+    """The planner's deeper staging (spill_choices.SPILL_STAGING): every set is filled with the next step's first
     pieces, in update order, after this step's updates and before the next step's backward hands over its first
     job; never more than the sets; and training stays bitwise what it is without spill."""
     staging = 6

@@ -41,7 +41,7 @@ from megatrain.runtime.pipeline.block_updates import BlockUpdates, PendingUpdate
 from megatrain.runtime.pipeline.cpu_adamw import AdamHyper, AdamWorker
 from megatrain.runtime.pipeline.expert_layers import ExpertLayers
 from megatrain.runtime.pipeline.expert_parts import streamed_parts
-from megatrain.runtime.pipeline.grad_buffers import BlockGrads, GradBuffers
+from megatrain.runtime.pipeline.grad_buffers import BlockGrads, GradBuffers, grad_unit
 from megatrain.runtime.pipeline.head_loss import chunked_logits, head_forward_backward, head_loss
 from megatrain.runtime.pipeline.kept_layers import KeptGraphs
 from megatrain.runtime.pipeline.layer_backward import recompute_backward
@@ -88,11 +88,11 @@ class Executor:
         self.timer = StepTimer(self.streams.cuda, adam_inline=plan.adam_thread == "compute")
         in_place = plan.compute_in_place  # [Note: compute in place]: slots and gradient buffers hold nothing
         host_grads = (lambda b: store.grad_sink(b).host) if in_place else None  # noqa: E731
-        self.slots = WeightSlots(plan.num_slots, 0 if in_place else slot_numel, compute_dtype, device, self.streams)
-        self.grad_buffers = GradBuffers(plan.device_grad_buffers, 0 if in_place else slot_numel, device, self.streams,
-                                        self.timer, host_grads)
         self.schedule = training_schedule(templates, self.parts)  # the step's loads: [Note: load sequence]
         self.evaluation = evaluation_schedule(templates, self.parts)
+        self.slots = WeightSlots(plan.num_slots, 0 if in_place else slot_numel, compute_dtype, device, self.streams)
+        self.grad_buffers = GradBuffers(plan.device_grad_buffers, 0 if in_place else grad_unit(  # (tied: tied_grad's)
+            templates, self.parts, self._grad_numel, self.schedule.tied), device, self.streams, self.timer, host_grads)
         # Tied embeddings: the head's lm_head gradient lands here in forward and the embedding's
         # own in backward; one extra fp32 buffer of the embedding's size, resident for the whole step (in place:
         # the embedding's host gradients).

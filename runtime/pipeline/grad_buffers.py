@@ -4,22 +4,34 @@ A block's gradients accumulate over its micro-batches in one fp32 device
 buffer (zeroed on acquire, or written first by ``BlockGrads``: a decoder
 layer's, an untied embedding's), then drain to host memory on the d2h stream. The
 buffer is reused only after the drain: the compute stream waits on the
-``drained`` event before zeroing it again. Bound: ``count`` buffers of the
-largest block (count x largest block x 4 bytes on the device); a tied
-embedding has one more, kept from the head (forward) to the embedding
-(end of backward). In place ([Note: compute in place], weight_slots.py) the
-buffers hold nothing: a block's gradients add up in its host gradients
-(``host_grads``), which its drain then leaves as they are.
+``drained`` event before writing it again. Bound: ``count`` buffers of the
+largest block's gradient (``grad_unit``: count x that x 4 bytes on the device);
+a tied embedding's gradient has a buffer of its own instead, kept from the head
+(forward) to the embedding (end of backward), so ``grad_unit`` leaves it out (for
+a tied Llama-3.2-3B shape a layer's 100.7M elements, not the table's 394.0M). In
+place ([Note: compute in place], weight_slots.py) the buffers hold nothing: a
+block's gradients add up in its host gradients (``host_grads``), which its drain
+then leaves as they are.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 import torch
 
-from megatrain.runtime.model.templates import BlockLayout
+from megatrain.runtime.model.templates import Block, BlockLayout, Templates
+from megatrain.runtime.pipeline.expert_parts import Part
 from megatrain.runtime.pipeline.step_timer import StepTimer
 from megatrain.runtime.device.streams import Event, Streams
+
+
+def grad_unit(templates: Templates, parts: Mapping[int, Sequence[Part]], numel: Callable[[Block], int],
+              tied: bool) -> int:
+    """Elements of one gradient buffer: the largest block's gradient (``numel``: padded to whole shards in data
+    parallel) or streamed part's, leaving out a ``tied`` embedding's, which adds up in a buffer of its own: the
+    planner's Bg (planner/stream_units.py, ``grad_numel``)."""
+    return max(max(p.numel for p in parts[b.index]) if b.index in parts else numel(b)
+               for b in templates.blocks if not (tied and b.index == templates.embed.index))
 
 
 class GradBuffers:
