@@ -40,7 +40,10 @@ Both modes add k x the bytes each disk transfer moves to the CPU work it runs be
 ``disk_cpu_s_per_gb``, planner/disk_contention.py: the kernel's share of spill I/O, on the compute's cores).
 
 R, W: the profile's disk read and write GB/s. Backward's loads of blocks whose master spills read the disk
-straight into the slot (no host copy: their load is 0 on the CPU side). The cost model adds the floor every spill plan has
+straight into the slot (no host copy: their load is 0 on the CPU side), but for the chunks of the block's update
+read ahead by then, which the load copies from the staging sets at the host copy rate instead (the runtime's
+[Note: lent masters]): eager, every load whose block the read-ahead has reached in update order (most of
+backward's); deferred, the layers among the next update's first blocks (backward's last loads). The cost model adds the floor every spill plan has
 (``step >= disk bytes / GB/s``).
 """
 from __future__ import annotations
@@ -135,6 +138,10 @@ def cpu_step(spilled: "spill_placement.Spilled", plan: Plan, hw: HardwareProfile
     grads = sum(spilled.numels[b] * 4.0 for b in spilled.blocks.get(BufferKind.GRADS, ()))
     busy_b = bwd_load / R + grads / W
     ahead = read_ahead(spilled, plan.spill_chunk_bytes, plan.spill_staging, max(0.0, B - busy_b) * R)
+    # a layer whose update's first chunks are read ahead (backward loads it last) copies their master from the
+    # sets instead of reading it ([Note: lent masters])
+    lent = sum(ahead[b] * 4.0 / spilled.disk_bytes_per_element(b, UPDATED) for b in bwd_blocks if b in on_disk)
+    bwd_load, busy_b, B = bwd_load - lent, busy_b - lent / R, B + lent / (hw.h2d_gbps * 1e9)
     k = hw.disk_cpu_s_per_gb / 1e9  # the CPU's share of each byte the disk moves, on the same cores
     B += k * (bwd_load + grads + sum(ahead))
     exposed_b = max(0.0, busy_b + sum(ahead) / R - B)
@@ -184,29 +191,44 @@ def eager_step(spilled: "spill_placement.Spilled", hw: HardwareProfile, steps: S
         return rest / R + writes[b] / W, rest + writes[b]
 
     k = hw.disk_cpu_s_per_gb / 1e9  # the CPU's share of each byte the disk moves, beside the compute it slows
+    H = hw.h2d_gbps * 1e9  # a host copy (where the device is the CPU, its "H2D" figure)
     load_bytes = [numels[b] * 4.0 if b in on_disk else 0.0 for b in range(n)]
     if tied and 0 in on_disk:  # a tied head loads the embedding's table again
         load_bytes[n - 1] += numels[0] * 4.0
     loads = [x / R for x in load_bytes]
     bwd_blocks = [*range(n - 2, 0, -1), 0]
+    first = [0.0] * n  # each block's first byte in the updates' reads, in update order
+    for prev, b in zip([n - 1, *bwd_blocks], bwd_blocks):
+        first[b] = first[prev] + reads[prev]
+
+    def load(blocks: Sequence[int]) -> tuple[float, float]:
+        """Masters loaded now: the bytes read from disk, and those copied from the staging sets instead (the
+        chunks of their update read ahead so far: the runtime's [Note: lent masters])."""
+        disk = lent = 0.0
+        for b in (b for b in blocks if b in on_disk):
+            f = min(1.0, max(0.0, (ahead - first[b]) / reads[b])) if reads[b] else 0.0
+            disk, lent = disk + (1 - f) * numels[b] * 4.0, lent + f * numels[b] * 4.0
+        return disk, lent
+
     next_load = [*loads[1:], loads[bwd_blocks[0]]]  # forward: the load the loader issues during each compute
     c = d = f_cpu = 0.0
     for b, st in zip(range(n), steps[:n_fwd]):
-        d += loads[b]
-        work = cpu(st, b) + k * load_bytes[b]
+        own, lent = load([b, 0] if tied and b == n - 1 else [b])
+        d += own / R
+        work = cpu(st, b) + k * own + lent / H
         c, f_cpu = max(c, d) + work, f_cpu + work
         d, extra = fill(d, c - next_load[b])  # the loads first: the read-ahead takes the idle time left
         c, f_cpu = c + k * extra, f_cpu + k * extra
     forward_s = c
     (pending, pending_bytes), head_adam = take(n - 1), numels[n - 1] * per_element  # beside the first layer
     b_cpu = 0.0
-    bwd_load_bytes = [load_bytes[b] if b else 0.0 for b in bwd_blocks]  # the embedding's backward loads nothing
-    bwd_next_load = [x / R for x in bwd_load_bytes[1:]] + [0.0]
-    for b, st, own, nxt in zip(bwd_blocks, steps[n_fwd:], bwd_load_bytes, bwd_next_load):
+    bwd_next_load = [load_bytes[b] / R for b in bwd_blocks[1:-1]] + [0.0, 0.0]  # the embedding loads nothing
+    for b, st, nxt in zip(bwd_blocks, steps[n_fwd:], bwd_next_load):
+        own, lent = load([b] if b else [])
         d += own / R
         start = max(c, d)
         d = max(d, c) + pending
-        work = cpu(st, b) + numels[b] * per_element + head_adam + k * (own + pending_bytes)
+        work = cpu(st, b) + numels[b] * per_element + head_adam + k * (own + pending_bytes) + lent / H
         c, b_cpu, head_adam = start + work, b_cpu + work, 0.0
         d, extra = fill(d, c - nxt)
         c, b_cpu = c + k * extra, b_cpu + k * extra

@@ -13,7 +13,9 @@ in load order, one at a time:
 2. waits for AdamW's update of the block for the step before (``updated``:
    compute's wait on it is exposed optimizer time), then ends the tap;
 3. reads what the tap did not copy (all of it, where the update was done or under
-   way before the tap), each read after the update's write of it lands:
+   way before the tap), each read after the update's write of it lands, but for
+   the chunks the AdamW worker read ahead for the block's next update, which it
+   copies from their staging set ([Note: lent masters] in runtime/spill/lent_masters.py):
    - on a CPU straight into the slot (4 KiB-aligned, O_DIRECT where the
      filesystem takes it), every chunk in flight at once on the I/O threads;
      compute waits for the reads (``landed``'s result: exposed disk time);
@@ -114,23 +116,29 @@ class SpilledLoads:
                         copied = self.files.untap(block)
                 load.updated.set_result(None)
                 with self.streams.h2d.use():
-                    load.landed.set_result(self._read(block, out, loaded, timed=self.streams.cuda, skip=copied))
+                    load.landed.set_result(self._read(block, out, loaded, timed=self.streams.cuda, skip=copied,
+                                                      step=step))
             except BaseException as e:  # compute raises it when it acquires the slot
                 for future in load:
                     if not future.done():
                         future.set_exception(e)
 
     def _read(self, block: int, out: torch.Tensor, loaded: Event | None, timed: bool,
-              skip: set[int] = frozenset()) -> list[cf.Future]:
+              skip: set[int] = frozenset(), step: int | None = None) -> list[cf.Future]:
         """Block ``block``'s master into ``out``, but the chunks starting at ``skip`` (a tap copied them): the
         reads still landing (straight into ``out``), or none (through the bounce buffers, copies queued on the
-        h2d stream, then ``loaded`` recorded there). Each read waits for the block's pending writes first.
+        h2d stream, then ``loaded`` recorded there). Each read waits for the block's pending writes first. A
+        load for ``step`` copies the chunks read ahead for that step's update instead ([Note: lent masters]).
         ``timed``: the copies count as the h2d link's busy time (CUDA; the timer's entries of a step are all
         added before its loads are acquired, so before it ends)."""
         files = self.files
+
+        def lent(lo: int, dst: torch.Tensor) -> bool:
+            return step is not None and files.lent.copy(step, block, lo, dst, files.version)
+
         if not self.bounce:
             return [files.read_async(BufferKind.MASTER, block, out[lo:lo + n], lo, n, exact=True)
-                    for lo, n in files.chunks(block) if lo not in skip]
+                    for lo, n in files.chunks(block) if lo not in skip and not lent(lo, out[lo:lo + n])]
         if not self._buffers:
             self._buffers = [_bounce_buffer(files.chunk_numel, self.streams.cuda) for _ in range(2)]
             self._copied = [None, None]
@@ -139,7 +147,8 @@ class SpilledLoads:
                 k = i % 2
                 if self._copied[k] is not None:
                     self._copied[k].synchronize()  # the H2D copy that last read this bounce buffer
-                files.read_async(BufferKind.MASTER, block, self._buffers[k], lo, n).result()
+                if not lent(lo, self._buffers[k][:n]):
+                    files.read_async(BufferKind.MASTER, block, self._buffers[k], lo, n).result()
                 out[lo:lo + n].copy_(self._buffers[k][:n], non_blocking=True)
                 self._copied[k] = self.streams.recorded(self.streams.h2d)
         if loaded is not None:

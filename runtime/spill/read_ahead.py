@@ -105,9 +105,13 @@ class ReadAhead:
             self._next.popleft()
             kinds = [k for k in self.files.spilled(piece.block) if k is not BufferKind.GRADS]
             t0 = time.perf_counter()
+            version = self.files.version
             staged = self.files.stage(piece.block, piece.lo, piece.n, kinds)
             self.wait_seconds += time.perf_counter() - t0
-            self._ahead.append((piece, self.files.version, staged))
+            self._ahead.append((piece, version, staged))
+            if BufferKind.MASTER in kinds:  # a load of the block for this step may copy it ([Note: lent masters])
+                self.files.lent.offer(*piece[:3], staged.buffers[BufferKind.MASTER],
+                                      staged.reads[kinds.index(BufferKind.MASTER)], version)
             self.log.record("spill_read", piece.step, piece.block, lo=piece.lo, phase="ahead")
 
     def stage(self, step: int, block: int, lo: int, n: int, grads: bool) -> Staged | None:
@@ -139,6 +143,7 @@ class ReadAhead:
         """Discard every set read ahead (their reads land first) and forget the chunks still to read ahead."""
         while self._ahead:
             piece, _, staged = self._ahead.popleft()
+            self.files.lent.withdraw(*piece[:3])
             self.files.discard(staged)
             self.log.record("spill_discard", piece.step, piece.block, lo=piece.lo)
         self._next.clear()
@@ -156,6 +161,7 @@ class ReadAhead:
         first, version, staged = self._ahead[0]
         if first == piece and version == self.files.version:
             self._ahead.popleft()
+            self.files.lent.withdraw(*piece[:3])  # its update changes the master in place
             return staged
         self.drop()
         return None

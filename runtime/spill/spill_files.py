@@ -53,6 +53,7 @@ from megatrain.planner.buffer_kinds import (MOMENT_KINDS, STATE_KINDS, BufferKin
                                             spill_chunk_numel, spill_chunks)
 
 from megatrain.runtime.spill import spill_dirs
+from megatrain.runtime.spill.lent_masters import LentMasters
 from megatrain.runtime.spill.spill_io import FileIO, SpillSpaceError, aligned_empty
 
 if TYPE_CHECKING:
@@ -166,6 +167,7 @@ class SpillFiles:
         # written behind, and the chunks copied so far ([Note: spilled loads] in spilled_loads.py).
         self._taps: dict[int, tuple[torch.Tensor, set[int]]] = {}
         self._taps_lock = threading.Lock()
+        self.lent = LentMasters()  # master chunks read ahead, lent to loads ([Note: lent masters])
         self.root: str | None = None
         try:
             self.root = spill_dirs.create(spill_dir)  # named after this process; dead owners' ones reclaimed
