@@ -43,8 +43,9 @@ R, W: the profile's disk read and write GB/s. Backward's loads of blocks whose m
 straight into the slot (no host copy: their load is 0 on the CPU side), but for the chunks of the block's update
 read ahead by then, which the load copies from the staging sets at the host copy rate instead (the runtime's
 [Note: lent masters]): eager, every load whose block the read-ahead has reached in update order (most of
-backward's); deferred, the layers among the next update's first blocks (backward's last loads). The cost model adds the floor every spill plan has
-(``step >= disk bytes / GB/s``).
+backward's; the forward's read-ahead still leaves room for the next load whole, a bound on what it gets);
+deferred, the layers among the next update's first blocks (backward's last loads). The cost model adds the floor
+every spill plan has (``step >= disk bytes / GB/s``).
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatrain.planner import data_parallel, hardware, memory_model, model_shapes, search, spill_choices, spill_placement
+from megatrain.planner import (data_parallel, hardware, memory_model, model_shapes, search, spill_choices,
+                               spill_placement)
 from megatrain.planner.hardware import GiB, HardwareProfile
 from megatrain.planner.model_shapes import PRESETS, ModelShape
 from megatrain.planner.plan import Plan

@@ -81,7 +81,8 @@ class GradBuffers:
 
 
 class BlockGrads:
-    """A block's gradients (a decoder layer's, an embedding's) handed over into its buffer (acquired with ``zeroed=False``), one step.
+    """A block's gradients (a decoder layer's, an embedding's) handed over into its buffer, one step: a buffer
+    acquired with ``zeroed=False``, or (``holding``) one that holds gradients of this step already.
 
     A parameter's first gradient of the step is copied into its view; later ones (more micro-batches, more
     sequence tiles) are added to it. ``close`` zeroes what no gradient reached: the parameters without one, the
