@@ -6,6 +6,10 @@
 #   bash benchmarks/gpu_session.sh long     # 8B at 32k, 128k and 512k tokens a sequence
 #   bash benchmarks/gpu_session.sh peers    # peers sweep, 480 s budget (DeepSpeed wheels in .whl/)
 #   bash benchmarks/gpu_session.sh large    # 3B step anatomy at 2048/8192, profile, calibrate, planner validation
+#   bash benchmarks/gpu_session.sh first    # one command for a short lease: checks, stream sanitizer, anatomy
+#
+# DEADLINE=S (seconds, default none) ends a part in time to return its files: each step's limit is cut to
+# what is left, and a step that would get under 20 s is skipped. results.tgz is rewritten after every step.
 #
 # Before `peers`, where there is network access, put DeepSpeed's wheel and the packages it needs that a CUDA
 # image may lack into .whl/, for Python 3.12 on x86-64, and copy .whl/ along with the checkout:
@@ -16,7 +20,7 @@
 # files of benchmarks/results/. Unpack it into benchmarks/results/ of the checkout the next part
 # starts from: `peers --resume` goes on from the sweep results it finds there.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh checks|anatomy|long|peers|large}
+part=${1:?usage: gpu_session.sh checks|anatomy|long|peers|large|first}
 out=${OUT:-$PWD/gpu_out}
 mkdir -p "$out"
 log="$out/$part.log"
@@ -25,13 +29,21 @@ stamp=$(mktemp)
 started=$SECONDS
 
 say() { echo "== $* ($((SECONDS - started)) s)" | tee -a "$log"; }
+# The results written so far in this part (and any PNG), in one file.
+pack() { find benchmarks/results -type f -newer "$stamp" -print0 | tar czf "$out/results.tgz" --null -T - 2>>"$log"; }
 # run SECONDS CMD...: one step under its own time limit, its output in the log; a failure does not stop the part
 run() {
   local limit=$1; shift
-  say "$*"
-  timeout --signal=INT --kill-after=20 "$limit" "$@" >>"$log" 2>&1
+  if [ -n "${DEADLINE:-}" ]; then
+    local left=$((DEADLINE - (SECONDS - started) - 25))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 20 ]; then say "skipped, too little time left: $*"; return; fi
+  fi
+  say "$* (limit $limit s)"
+  timeout --signal=INT --kill-after=15 "$limit" "$@" >>"$log" 2>&1
   local rc=$?
   say "exit $rc"
+  pack
 }
 
 say "machine"
@@ -82,9 +94,22 @@ case $part in
     run 240 megatrain-plan calibrate --out "$MEGATRAIN_HARDWARE"  # fp32, as the table
     run 200 python3 benchmarks/plan_validation.py --quick
     ;;
-  *) echo "unknown part $part: checks, anatomy, long, peers or large" >&2; exit 2 ;;
+  first)
+    # the quick checks first: a failure there fails fast and leaves the time to the steps after it
+    run 100 python3 -m pytest -q -rA --tb=short -m gpu -p no:cacheprovider tests
+    # PyTorch's stream sanitizer: a tensor used on one stream while another writes it, without an event between
+    run 120 env TORCH_CUDA_SANITIZER=1 python3 benchmarks/throughput.py --model tiny --seq 128 --batch 4 \
+      --micro-batch 2 --steps 2 --out /tmp/scratch
+    run 150 python3 benchmarks/throughput.py --model 1b --seq 2048 --batch 8 --micro-batch 4 --steps 20
+    run 240 python3 benchmarks/step_anatomy.py --model 8b --seq 4096 --batch 16 --no-clip --planner-only \
+      --warmup 1 --steps 2 --traced 1
+    run 150 python3 benchmarks/step_anatomy.py --model 1b --seq 2048 --batch 16 --micro-batch 4 \
+      --variant planner,host-ckpt,eager --steps 3 --traced 1
+    run 120 compute-sanitizer --tool racecheck --target-processes all \
+      python3 benchmarks/throughput.py --model tiny --seq 128 --batch 4 --micro-batch 2 --steps 2 --out /tmp/scratch
+    ;;
+  *) echo "unknown part $part: checks, anatomy, long, peers, large or first" >&2; exit 2 ;;
 esac
 
-# The results written during this part (and any PNG), in one file.
-find benchmarks/results -type f -newer "$stamp" -print0 | tar czf "$out/results.tgz" --null -T - 2>>"$log"
+pack
 say "done; results.tgz holds: $(tar tzf "$out/results.tgz" | tr '\n' ' ')"

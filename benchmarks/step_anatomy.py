@@ -76,6 +76,7 @@ def measure(spec: RunSpec, variant: str, args: argparse.Namespace, hw: Any, echo
         changes["kept_layers"] = tuple(range(spec.config["num_hidden_layers"]))
     if changes.get("optimizer_mode") == "eager":
         changes["host_grad_slabs"] = max(plan.host_grad_slabs, 2)
+        changes["compute_in_place"] = False  # eager updates take gradients from slabs
     plan = plan.replace(**changes) if changes else plan
     clip = None if plan.optimizer_mode == "eager" or args.no_clip else spec.max_grad_norm  # eager cannot clip
     cuda = spec.device == "cuda"
