@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu_session.sh long     # 8B at 32k, 128k and 512k tokens a sequence
 #   bash benchmarks/gpu_session.sh peers    # peers sweep, 480 s budget (DeepSpeed wheels in .whl/)
 #   bash benchmarks/gpu_session.sh large    # 3B step anatomy at 2048/8192, profile, calibrate, planner validation
-#   bash benchmarks/gpu_session.sh first    # one command for a short lease: checks, stream sanitizer, anatomy
+#   bash benchmarks/gpu_session.sh first    # one command for a short lease: checks, stream sanitizer, anatomy,
+#                                           # the GPU's profile
 #
 # DEADLINE=S (seconds, default none) ends a part in time to return its files: each step's limit is cut to
 # what is left, and a step that would get under 20 s is skipped. results.tgz is rewritten after every step.
@@ -71,7 +72,7 @@ case $part in
       --variant planner,host-ckpt,eager --steps 3 --traced 2
     # races and missing synchronization between the streams, on two steps of a tiny model
     for tool in racecheck synccheck; do
-      run 120 compute-sanitizer --tool $tool --target-processes all \
+      run 240 compute-sanitizer --tool $tool --target-processes all \
         python3 benchmarks/throughput.py --model tiny --seq 128 --batch 4 --micro-batch 2 --steps 2
     done
     ;;
@@ -105,8 +106,8 @@ case $part in
       --warmup 1 --steps 2 --traced 1
     run 150 python3 benchmarks/step_anatomy.py --model 1b --seq 2048 --batch 16 --micro-batch 4 \
       --variant planner,host-ckpt,eager --steps 3 --traced 1
-    run 120 compute-sanitizer --tool racecheck --target-processes all \
-      python3 benchmarks/throughput.py --model tiny --seq 128 --batch 4 --micro-batch 2 --steps 2 --out /tmp/scratch
+    # the GPU's own figures for the planner (racecheck is in `anatomy`: two tiny steps outlast 120 s under it)
+    run 120 megatrain-plan profile --out "$out/hardware.json"
     ;;
   *) echo "unknown part $part: checks, anatomy, long, peers, large or first" >&2; exit 2 ;;
 esac

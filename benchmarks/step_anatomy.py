@@ -144,19 +144,28 @@ def _timed(engine: Any, spec: RunSpec, variant: str, row: dict[str, Any], ids: l
                peak_gpu_bytes=torch.cuda.max_memory_allocated() if cuda else None,
                peak_gpu_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None,
                peak_host_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-               host_locked_bytes=_locked_bytes(), final_loss=loss)
+               pinned_host_bytes=_pinned_bytes(engine, cuda), final_loss=loss)
     return row
 
 
-def _locked_bytes() -> int | None:
-    """The process's locked and pinned pages now (VmLck + VmPin of /proc/self/status: CUDA's pinned host memory,
-    against the planner's ``pinned_host_bytes``); None where the kernel does not report them."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            fields = dict(line.split(":", 1) for line in f if line.startswith(("VmLck", "VmPin")))
-    except OSError:
-        return None
-    return sum(int(v.split()[0]) * 1024 for v in fields.values()) if fields else None
+def _pinned_bytes(engine: Any, cuda: bool) -> int:
+    """Pinned host memory, against the planner's ``pinned_host_bytes``: the arenas the engine registered with the
+    driver, plus the peak of torch's pinned allocator (host checkpoints, spill bounce buffers, inputs). /proc's
+    VmLck and VmPin do not count pages registered with cudaHostRegister: they read 0 on an H200 machine."""
+    import torch
+
+    allocator = int(torch.cuda.host_memory_stats().get("allocated_bytes.peak", 0)) if cuda else 0
+    return engine.store.pinned_bytes + allocator
+
+
+def _new_base(base: str) -> str:
+    """``base``, or ``base_2``, ``base_3``, ...: the first whose .json and .md do not exist, so no run overwrites
+    another's results."""
+    candidate, n = base, 1
+    while os.path.exists(candidate + ".json") or os.path.exists(candidate + ".md"):
+        n += 1
+        candidate = f"{base}_{n}"
+    return candidate
 
 
 def markdown(rep: dict[str, Any]) -> str:
@@ -185,7 +194,7 @@ def markdown(rep: dict[str, Any]) -> str:
             f"ckpt {p['checkpoints']}, {p['optimizer_mode']} | {r['median_step_seconds']:.3f} "
             f"| {r['tokens_per_second']:,.0f} | {r['model_tflops']:.1f} ({r['mfu']:.1%}) "
             f"| {(r['peak_gpu_bytes'] or 0) / 2**30:.1f} / {r['peak_host_rss_bytes'] / 2**30:.1f}, pinned "
-            f"{(r.get('host_locked_bytes') or 0) / 2**30:.1f} (planner {q['pinned_host_bytes'] / 2**30:.1f}) "
+            f"{(r.get('pinned_host_bytes') or 0) / 2**30:.1f} (planner {q['pinned_host_bytes'] / 2**30:.1f}) "
             f"| {f(e['compute_s'], e['h2d_busy_s'], e['d2h_busy_s'], e.get('adam_busy_s'))} "
             f"| {f(e['h2d_exposed_s'], e['d2h_exposed_s'], e['ckpt_traffic_s'], e['adam_exposed_s'])} "
             f"| {e['roofline_ratio']:.2f} | {f(t['compute_s'], t['h2d_s'], t['d2h_s'], t['adam_s'], t['shadow_s'])} "
@@ -244,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
            "command": "python benchmarks/step_anatomy.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "runs": runs}
     os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, f"{date}_{rep['device']}_step_anatomy")
+    base = _new_base(os.path.join(args.out, f"{date}_{rep['device']}_step_anatomy_{'-'.join(models)}"))
     with open(base + ".json", "w") as f:
         json.dump(rep, f, indent=1)
     md = markdown(rep)

@@ -107,6 +107,7 @@ def test_memory_model_matches_allocations(name: str, plan: Plan, dtype: torch.dt
         pinned = full.pinned_host_bytes - sum(c.nbytes for c in full.components
                                               if c.name == "activation checkpoints" and c.where == "host")
         assert pinned == store.pcie_bytes
+        assert store.pinned_bytes == 0  # nothing is registered with a driver on the CPU
         assert {a.name: a.crosses_pcie for a in store.arenas()} == {a.name: a.name in CROSSING[dtype]
                                                                     for a in store.arenas()}
         ids = torch.randint(0, hf["vocab_size"], (batch, seq))
@@ -275,3 +276,18 @@ def test_mlp_tiles_save_memory_in_the_planner_where_the_runtime_tiles() -> None:
     best = search.search(model_shapes.resolve("shape:Qwen3-235B-A22B"), long, hw).best
     assert best is not None and best.plan.expert_group_size and best.plan.attention_tile_tokens
     assert best.plan.mlp_tile_tokens is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["deferred", "eager"])
+def test_pinned_arenas_on_cuda_are_the_planners_pinned_terms(mode):
+    """With CUDA the store registers exactly the arenas that cross PCIe, and they are the planner's pinned bytes."""
+    hf = CONFIGS["llama-bias"]
+    plan = Plan(optimizer_mode=mode)
+    shape = model_shapes.from_config(hf)
+    work = Workload(8, 4, compute_dtype="bf16", clipping=mode == "deferred")
+    with Engine(ModelConfig.from_hf(hf), OptimizerConfig(max_grad_norm=1.0 if mode == "deferred" else None),
+                plan=plan, compute_dtype=torch.bfloat16, device="cuda") as engine:
+        assert engine.store.pinned_bytes == engine.store.pcie_bytes > 0
+        assert engine.store.pinned_bytes == memory_model.estimate(shape, work, plan).pinned_host_bytes

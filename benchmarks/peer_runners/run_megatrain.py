@@ -109,7 +109,7 @@ class MegatrainTrainer:
 
     def pinned_bytes(self) -> int | None:
         store = getattr(self.engine, "store", None)
-        return getattr(store, "nbytes", None) if self.cuda else 0
+        return getattr(store, "pinned_bytes", None)  # the arenas registered with the driver; 0 without CUDA
 
     def close(self) -> None:
         self.engine.close()

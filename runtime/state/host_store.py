@@ -53,7 +53,7 @@ class HostArena:
         self.name = name
         self.tensor = torch.zeros(numel, dtype=dtype)
         self.crosses_pcie = crosses_pcie  # copied to or from the GPU: what is pinned where there is one
-        self._registered = False
+        self.pinned = False  # registered with the driver (cudaHostRegister)
         if pin and crosses_pcie and numel > 0:
             err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
             if int(err) != 0:
@@ -61,16 +61,16 @@ class HostArena:
                     f"cannot pin the {name} arena ({self.nbytes / 2**30:.2f} GiB): cudaHostRegister returned "
                     f"{int(err)}; raise the locked-memory limit (ulimit -l) or plan for less host memory"
                 )
-            self._registered = True
+            self.pinned = True
 
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
     def close(self) -> None:
-        if self._registered:
+        if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self._registered = False
+            self.pinned = False
 
 
 class GradSlabs:
@@ -306,6 +306,11 @@ class HostStore:
     def pcie_bytes(self) -> int:
         """Bytes of the arenas copied to or from the GPU: those pinned with CUDA (the memory model's pinned terms)."""
         return sum(a.nbytes for a in self.arenas() if a.crosses_pcie)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the arenas registered with the driver now: ``pcie_bytes`` with CUDA, 0 without."""
+        return sum(a.nbytes for a in self.arenas() if a.pinned)
 
     def close(self) -> None:
         for arena in (self.master, self.exp_avg, self.exp_avg_sq, self.shadow, self.grads,
