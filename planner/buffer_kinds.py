@@ -67,11 +67,22 @@ def placement(plan: Plan, num_blocks: int) -> dict[BufferKind, frozenset[int]]:
     return out
 
 
-def crosses_pcie(kind: BufferKind, compute_fp32: bool) -> bool:
+def load_bytes(compute_bytes: int, weights_cast: str) -> int:
+    """Bytes per weight element a load copies to the device: the fp32 master's where compute is fp32 or the
+    plan rounds on the device (``Plan.weights_cast``; no shadow in RAM then), else the compute-dtype shadow's."""
+    return 4 if compute_bytes == 4 or weights_cast == "device" else compute_bytes
+
+
+def has_shadow(compute_bytes: int, weights_cast: str) -> bool:
+    """Whether host RAM holds a compute-dtype shadow of the master for the loads (bf16 / fp16, cast on the host)."""
+    return load_bytes(compute_bytes, weights_cast) != 4
+
+
+def crosses_pcie(kind: BufferKind, master_loaded: bool) -> bool:
     """Whether ``kind``'s RAM arena is copied to or from the GPU, and so is pinned with CUDA: the gradients (GPU to
-    host) always; the master only in fp32 compute, where it is the weights the loads copy (the shadow); never
-    m and v, which only AdamW on the CPU reads. (The compute-dtype shadow and the gradient slabs cross too.)"""
-    return kind is BufferKind.GRADS or (kind is BufferKind.MASTER and compute_fp32)
+    host) always; the master where the loads copy it (``master_loaded``: fp32 compute, or the cast on the
+    device); never m and v, which only AdamW on the CPU reads. (A shadow and the gradient slabs cross too.)"""
+    return kind is BufferKind.GRADS or (kind is BufferKind.MASTER and master_loaded)
 
 
 def spilled_kinds(spilled: Placement) -> tuple[BufferKind, ...]:

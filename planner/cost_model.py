@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from . import kept_layers, spill_placement, spill_timing, step_replay, step_traffic
-from .buffer_kinds import BufferKind
+from .buffer_kinds import BufferKind, has_shadow, load_bytes
 from .hardware import HardwareProfile
 from .model_shapes import ModelShape
 from .plan import Plan
@@ -233,7 +233,7 @@ class _AdamTime:
         if cal is not None and plan.adam_thread == "worker":
             # measured in the step (on the worker): the shadow pass, where there is one, is inside it
             per_param = 1.0 / cal.adam_params_per_s
-        elif work.compute_bytes != 4:  # fp32 has no shadow pass, spilled master or not
+        elif has_shadow(work.compute_bytes, plan.weights_cast):  # no pass in fp32 or with the cast on the device
             per_param = (per_param + 1.0 / hw.cpu_shadow_params_per_s if hw.cpu_shadow_params_per_s > 0
                          else per_param * ADAM_SHADOW_FACTOR)
         if work.optimizer_state == "bf16":  # + m and v widened and rounded back (measured, or the factor)
@@ -290,9 +290,9 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBat
     E, Lw, H = model.numel_embedding, model.numel_layer, model.numel_head
     scale = rates.duplex_scale if host_ckpt else 1.0
     h2d, d2h = rates.h2d_gbps * scale, rates.d2h_gbps * scale
-    w = 0 if plan.compute_in_place else 1  # weights and grads copied (1), or used in place in host RAM (0)
-    # Embedding: load E x c; compute is a gather (launches only).
-    steps = [BlockVisit(_copy_s(w * E * c, h2d), M * rates.launch_fwd_s, 0.0)]
+    # weights and grads copied (w 1; wc bytes a weight: c, or 4 cast on the device), or used in place (0)
+    w, wc = (0, 0) if plan.compute_in_place else (1, load_bytes(c, plan.weights_cast))
+    steps = [BlockVisit(_copy_s(wc * E, h2d), M * rates.launch_fwd_s, 0.0)]  # the embedding: a gather
     kept = set(plan.kept_layers)
     for layer in range(model.num_layers):
         # compute_fwd(M) = T x flops_fwd(seq) / rate (attention at its own rate) + M x launch
@@ -304,10 +304,10 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBat
         # A kept layer drains no checkpoint ([Note: kept layers]).
         drain = _copy_s(ckpt_bytes, d2h) if host_ckpt and layer not in kept else 0.0
         wait = len(steps) - 1 if drain and len(steps) >= 2 else None
-        steps.append(BlockVisit(_copy_s(w * Lw * c, h2d), comp, drain, d2h_at_start=True, wait_d2h_of=wait))
-    # Head: load (norm [+ lm_head]) x c, plus the embedding again when tied; compute its forward and
+        steps.append(BlockVisit(_copy_s(wc * Lw, h2d), comp, drain, d2h_at_start=True, wait_d2h_of=wait))
+    # Head: load (norm [+ lm_head]) x wc, plus the embedding again when tied; compute its forward and
     # backward: T x (2 + 4) x V x h / rate + M x chunks x launch; untied head drains its fp32 grads.
-    head_load = (H + (E if model.tie_word_embeddings else 0)) * c
+    head_load = (H + (E if model.tie_word_embeddings else 0)) * wc
     head_flops = T * (model.head_flops_fwd() + model.head_flops_bwd())
     head_comp = head_flops / rates.flops_per_s + M * batch.loss_chunks * rates.launch_bwd_s
     if rates.head_flops_per_s:
@@ -315,7 +315,7 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBat
         head_comp = head_flops / rates.head_flops_per_s
     head_untied = not model.tie_word_embeddings
     head_d2h = _copy_s(w * H * 4, d2h) if head_untied else 0.0
-    steps.append(BlockVisit(_copy_s(w * head_load, h2d), head_comp, head_d2h,
+    steps.append(BlockVisit(_copy_s(head_load, h2d), head_comp, head_d2h,
                        adam_s=adam.block(model.num_layers + 1) if slabs.eager and head_untied else 0.0,
                        wait_adam_of=slabs.take(len(steps)) if head_untied else None))
     return steps
@@ -329,16 +329,16 @@ def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBa
     ckpt_bytes = T * model.hidden_size * c if plan.checkpoints == "host" else 0
     Lw = model.numel_layer
     h2d, d2h = rates.h2d_gbps * rates.duplex_scale, rates.d2h_gbps * rates.duplex_scale
-    w = 0 if plan.compute_in_place else 1  # as in _forward_steps
+    w, wc = (0, 0) if plan.compute_in_place else (1, load_bytes(c, plan.weights_cast))  # as in _forward_steps
     steps: list[BlockVisit] = []
     grad_users: list[int] = []
     for layer in reversed(range(model.num_layers)):
-        # load = layer x c (+ its checkpoint T x h x c when on the host); compute = (recompute + bwd)
+        # load = layer x wc (+ its checkpoint T x h x c when on the host); compute = (recompute + bwd)
         # = T x (flops_fwd + flops_bwd)(seq) / rate + M x launch; drain = layer x 4 (fp32 grads).
         # A kept layer ([Note: kept layers]): no checkpoint, no recompute, and its forward's launches not
         # repeated: T x flops_bwd(seq) / rate + M x (launch_bwd - launch_fwd).
         kept = layer in plan.kept_layers
-        load = _copy_s(w * Lw * c + (0 if kept else ckpt_bytes), h2d)
+        load = _copy_s(wc * Lw + (0 if kept else ckpt_bytes), h2d)
         flops = T * ((0.0 if kept else model.layer_flops_recompute(batch.seq)) + model.layer_flops_bwd(batch.seq))
         attention = T * ((0.0 if kept else model.attention_flops_fwd(batch.seq)) + model.attention_flops_bwd(batch.seq))
         comp = rates.layer_seconds(flops, attention) + M * (rates.launch_bwd_s - (rates.launch_fwd_s if kept else 0.0))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from . import buffer_kinds, kept_layers, spill_placement
 from .allocator_retention import allocator_retention
 from .attention_memory import attention_working_set
-from .buffer_kinds import BufferKind, crosses_pcie, spill_block_bytes, spill_chunk_numel
+from .buffer_kinds import BufferKind, crosses_pcie, has_shadow, load_bytes, spill_block_bytes, spill_chunk_numel
 from .hardware import GiB, HardwareProfile
 from .model_shapes import ModelShape
 from .plan import Plan
@@ -153,6 +153,8 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
         dev("grad accumulators", 0, "0: compute in place")
     else:
         dev("weight slots", K * Bu * c, f"K x {unit} x c = {K} x {Bu} x {c}")
+        if on_gpu and c != 4 and plan.weights_cast == "device":  # the copy's fp32 landing, rounded into the slot
+            dev("weight cast staging", Bu * 4, f"{unit} x 4 = {Bu} x 4")
         Bg, g_unit = grad_numel(model, plan)
         dev("grad accumulators", G * Bg * 4, f"G x {g_unit} x 4 = {G} x {Bg} x 4")
     if grouped(model, plan):
@@ -192,7 +194,8 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
     spilled = spill_placement.Spilled.of(model, plan, work.state_bytes)
     for kind, label, s in ((BufferKind.MASTER, "fp32 master", 4), (BufferKind.EXP_AVG, "Adam m", work.state_bytes),
                            (BufferKind.EXP_AVG_SQ, "Adam v", work.state_bytes)):
-        state_terms(kind, label, N, spilled, host, comps, size=s, pinned=crosses_pcie(kind, c == 4))
+        state_terms(kind, label, N, spilled, host, comps, size=s,
+                    pinned=crosses_pcie(kind, load_bytes(c, plan.weights_cast) == 4))
     host_spill_terms(model, plan, c, spilled, host, comps)
     if plan.checkpoints == "host":
         host("activation checkpoints", R * T * h * c, f"(L - k) x T x h x c = {R} x {T} x {h} x {c}")
@@ -262,7 +265,9 @@ def host_spill_terms(model: ModelShape, plan: Plan, c: int, spilled: "spill_plac
     """The shadow, the gradients and the spill buffers in host RAM (and the grads spill file). Every spill
     buffer is bounded by one chunk (Ck), never by the largest block: spilling needs less RAM than not."""
     N, Bmax = model.numel_total, model.numel_largest_block
-    if c != 4:  # in fp32 the master is the weights that travel; with the master spilled, read from its file
+    # In fp32, or with the cast on the device, the master is the weights that travel (fp32: a spilled one is read
+    # from its file); else a compute-dtype shadow.
+    if has_shadow(c, plan.weights_cast):
         host("compute-dtype shadow", c * N, f"c x N = {c} x {N}")
     Ck = spill_chunk_numel(Bmax, plan.spill_chunk_bytes)
     if plan.optimizer_mode == "deferred" and BufferKind.GRADS in spilled.kinds:

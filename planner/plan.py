@@ -24,6 +24,7 @@ CHECKPOINT_PLACEMENTS = ("device", "host")
 OPTIMIZER_MODES = ("eager", "deferred")
 # Where CPU AdamW runs: a worker thread of its own, or the thread that runs the step ([Note: helper threads]).
 ADAM_THREADS = ("worker", "compute")
+WEIGHTS_CASTS = ("host", "device")
 # "blocks": per kind, the blocks ``Plan.spill_blocks`` names; the others are shorthands for every block of their
 # kinds ("optimizer": m and v; "all": master, m, v and grads).
 SPILL_CHOICES = ("none", "optimizer", "all", "blocks")
@@ -92,6 +93,11 @@ class Plan:
                           (None: untiled); q, k, v, attention's output and their gradients stay whole
       compute_in_place    a CPU device computing on the host's weights and gradients: no weight slots, gradient
                           accumulators or tied-embedding gradient buffer (0 bytes each)
+      weights_cast        where a bf16 / fp16 step's weights are rounded from the fp32 master: "host": AdamW
+                          refreshes a compute-dtype shadow in RAM (c x N, pinned) that the loads copy; "device":
+                          the loads copy the fp32 master (4 x N pinned, 4 bytes per weight over PCIe instead of
+                          c) and round it on the device, through one transient fp32 copy of a slot's block
+                          (largest block x 4); no shadow, and no rounding pass on the CPU. fp32 has neither.
       kept_layers         the decoder layers (0..L-1) whose forward graph stays for backward instead of being
                           recomputed from a boundary checkpoint: each T x (kept bytes per token - h x c) more
                           (memory_model "kept activations"), one layer forward less in backward
@@ -130,6 +136,9 @@ class Plan:
     # A CPU device computing on each block's weights and gradients where they are in host RAM: no slot or gradient
     # buffer copied or held (deferred mode, masters and gradients in RAM, whole layers, one process).
     compute_in_place: bool = False
+    # Where the compute-dtype weights are rounded from the fp32 master: "host" (AdamW writes a shadow in RAM that
+    # the loads copy) or "device" (the loads copy the master and round it on the device). No effect in fp32.
+    weights_cast: str = "host"
     # Device fp32 gradient accumulators in flight (one accumulating, one draining to host).
     device_grad_buffers: int = 2
     # Eager mode: host fp32 gradient slabs between D2H and AdamW.
@@ -192,6 +201,7 @@ class Plan:
                       "it is the number of tokens per checkpoint copy, or null for whole micro-batches")
         one_of("optimizer_mode", self.optimizer_mode, OPTIMIZER_MODES)
         one_of("adam_thread", self.adam_thread, ADAM_THREADS)
+        one_of("weights_cast", self.weights_cast, WEIGHTS_CASTS)
         at_least("device_grad_buffers", self.device_grad_buffers, 2,
                   "one buffer accumulates while the previous one drains to the host")
         at_least("host_grad_slabs", self.host_grad_slabs, 1, "eager mode needs somewhere to land gradients")

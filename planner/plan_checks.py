@@ -34,20 +34,30 @@ def kept_layer_numbers(value: Any) -> tuple[int, ...]:
     return tuple(sorted(value))
 
 
+def master_spills(plan: Any) -> bool:
+    """Whether a ``Plan`` puts any block's fp32 master in a spill file."""
+    blocks = plan.spill_blocks
+    return plan.spill == "all" or (plan.spill == "blocks" and blocks is not None and bool(blocks.master))
+
+
 def check_host_device(plan: Any) -> None:
-    """A ``Plan``'s ``compute_in_place`` and ``adam_thread`` against what they need: every block's weights and
-    gradients whole in RAM (deferred mode, no expert groups, no master or gradient spilled), and nothing spilled
-    for AdamW on the compute thread (it would wait for the disk)."""
+    """A ``Plan``'s ``compute_in_place``, ``weights_cast`` and ``adam_thread`` against what they need: every block's
+    weights and gradients whole in RAM (deferred mode, no expert groups, no master or gradient spilled), every
+    master in RAM for a cast on the device, and nothing spilled for AdamW on the compute thread (it would wait for
+    the disk)."""
     if not isinstance(plan.compute_in_place, bool):
         raise PlanError(f"compute_in_place={plan.compute_in_place!r} must be true or false")
     blocks = plan.spill_blocks
-    spilled = plan.spill == "all" or (plan.spill == "blocks" and blocks is not None and bool(blocks.master or blocks.grads))
+    spilled = master_spills(plan) or (plan.spill == "blocks" and blocks is not None and bool(blocks.grads))
     why = ("eager updates take gradients from slabs" if plan.optimizer_mode != "deferred" else
            "a layer streamed in expert groups is copied part by part" if plan.expert_group_size else
            "the master or the gradients spill" if spilled else None)
     if plan.compute_in_place and why:
         raise PlanError(f"compute_in_place needs every block's weights and gradients whole in RAM, but {why}; "
                         "set compute_in_place to false")
+    if plan.weights_cast == "device" and master_spills(plan):
+        raise PlanError("weights_cast='device' copies each block's fp32 master from RAM, but the master spills; "
+                        "set weights_cast to 'host' or keep the master in RAM")
     if plan.adam_thread == "compute" and plan.spill != "none":
         raise PlanError(f"adam_thread='compute' cannot wait for spill I/O (spill={plan.spill!r}): "
                         "use adam_thread='worker' with a spill plan")

@@ -49,6 +49,8 @@ def page(model: ModelShape, work: Workload, chosen: ChosenPlan, ranks: Ranks,
         + (("" if not model.experts.num_experts else f", experts in groups of {p.expert_group_size}"
             if p.expert_group_size else ", experts streamed with their whole layer"))
         + (f", {len(p.kept_layers)} of {model.num_layers} layers kept (no recompute)" if p.kept_layers else "")
+        + (", weights rounded from the fp32 master on the device" if p.weights_cast == "device"
+           and work.compute_bytes != 4 else "")
         + (f", saved to {saved_to}" if saved_to else ""), spill, "",
         memory_table(best.memory), "",
         time_table(c), "",

@@ -31,6 +31,7 @@ from .hardware import HardwareProfile
 from .memory_model import MemoryEstimate, Overrun
 from .model_shapes import ModelShape
 from .plan import Plan, host_device_choices
+from .plan_checks import master_spills
 from .sequence_pieces import checkpoint_piece_tokens, sequence_tile_tokens
 from .spill_choices import spill_chunk_bytes, spill_io_choices, spill_staging_choices
 from .workload import Workload
@@ -249,13 +250,22 @@ def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile,
             misfit.append(choice)
             continue
         fit.append(PlanChoice(choice.plan, choice.memory, cost_model.estimate(model, rank, choice.plan, hw)))
-        if not choice.plan.kept_layers:
-            continue
-        none = choice.plan.replace(kept_layers=())  # every layer recomputed: as fast where recompute is off the
-        mem = _memory(model, work, none, hw, ranks)  # critical path, and then less memory wins the tie
-        if not overruns(mem, work, hw, ranks):
-            fit.append(PlanChoice(none, mem, cost_model.estimate(model, rank, none, hw)))
+        for other in _variants(choice.plan, work, hw):
+            mem = _memory(model, work, other, hw, ranks)
+            if not overruns(mem, work, hw, ranks):
+                fit.append(PlanChoice(other, mem, cost_model.estimate(model, rank, other, hw)))
     return fit, misfit
+
+
+def _variants(plan: Plan, work: Workload, hw: HardwareProfile) -> list[Plan]:
+    """Variants of a plan that fits, each timed as a candidate of its own: every layer recomputed (as fast where
+    recompute is off the critical path, and then less memory wins the tie); on a GPU in bf16 / fp16, both with
+    the weights rounded on the device (``Plan.weights_cast``: no rounding pass on the CPU, the master's 4 bytes a
+    weight over PCIe instead of 2, no shadow in RAM) where every master is in RAM."""
+    out = [plan.replace(kept_layers=())] if plan.kept_layers else []
+    if not hw.device_is_host and work.compute_bytes != 4 and not master_spills(plan):
+        out += [p.replace(weights_cast="device") for p in (plan, *out)]
+    return out
 
 
 def least_memory(close: list[PlanChoice], device_is_host: bool) -> PlanChoice:

@@ -4,7 +4,7 @@ device, the bytes it reads and writes on the spill disk, and the attention FLOPs
 from __future__ import annotations
 
 from . import kept_layers, spill_placement
-from .buffer_kinds import BufferKind
+from .buffer_kinds import BufferKind, load_bytes
 from .model_shapes import ModelShape
 from .plan import Plan
 from .workload import Workload
@@ -19,16 +19,17 @@ def hardware_attention_flops(model: ModelShape, work: Workload) -> float:
 
 def traffic(model: ModelShape, work: Workload, plan: Plan) -> tuple[float, float]:
     """(H2D, D2H) bytes one step moves, the sums of the copies ``estimate`` schedules:
-    H2D = (E + L x layer + head [+ E tied]) x c forward + L x layer x c backward [+ (L - k) x T x h x c host ckpts]
+    H2D = (E + L x layer + head [+ E tied]) x wc forward + L x layer x wc backward [+ (L - k) x T x h x c host ckpts]
     D2H = (L x layer + E [+ head untied]) x 4 fp32 grads [+ (L - k) x T x h x c host ckpts]
-    (k kept layers: no checkpoint; ``Plan.compute_in_place``: no weights or grads copied, w = 0, else 1)"""
+    (k kept layers: no checkpoint; ``Plan.compute_in_place``: no weights or grads copied, w = 0, else 1; wc the
+    bytes a weight travels in, ``buffer_kinds.load_bytes``: c, or 4 where the device rounds the fp32 master)"""
     c, L = work.compute_bytes, model.num_layers
     E, Lw, H = model.numel_embedding, model.numel_layer, model.numel_head
     R = kept_layers.recomputed_layers(model, plan)
     ckpt = R * work.tokens * model.hidden_size * c if plan.checkpoints == "host" else 0
     tied = model.tie_word_embeddings
     w = 0 if plan.compute_in_place else 1
-    h2d = w * (E + 2 * L * Lw + H + (E if tied else 0)) * c + ckpt
+    h2d = w * (E + 2 * L * Lw + H + (E if tied else 0)) * load_bytes(c, plan.weights_cast) + ckpt
     d2h = w * (L * Lw + E + (0 if tied else H)) * 4 + ckpt
     return float(h2d), float(d2h)
 

@@ -67,11 +67,11 @@ class Engine:
             self.topology, self.templates.blocks, self.device, plan.device_grad_buffers))
         store_blocks = self.templates.blocks if self.collectives is None else self.collectives.shards.blocks
         spilled = placement(plan, len(store_blocks))  # per kind, the blocks in spill files
-        self.store = HostStore(store_blocks, compute_dtype, full_grads=plan.optimizer_mode == "deferred",
+        io = make_io(plan.io_backend, plan.io_threads, plan.io_direct, plan.direct_reads) if spilled else None
+        self.store = HostStore(store_blocks, compute_dtype, full_grads=plan.optimizer_mode == "deferred", io=io,
                                grad_slabs=plan.host_grad_slabs, pin=self.device.type == "cuda", placement=spilled,
                                spill_dir=plan.spill_dir, staging=plan.spill_staging, chunk_bytes=plan.spill_chunk_bytes,
-                               io=make_io(plan.io_backend, plan.io_threads, plan.io_direct, plan.direct_reads) if spilled else None,
-                               state_dtype=STATE_DTYPES[self.optimizer.state_dtype])
+                               state_dtype=STATE_DTYPES[self.optimizer.state_dtype], weights_cast=plan.weights_cast)
         # Whole-state reads and writes (state dicts, Hugging Face files, checkpoints) first settle: see synchronize.
         self.state, self.state_io = state_io.open_state(self.templates, self.store, self.synchronize, self.collectives)
         if not _skip_init:

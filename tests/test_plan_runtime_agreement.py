@@ -48,11 +48,15 @@ PLANS = [Plan(), Plan(num_slots=3, prefetch_depth=2, checkpoints="host", device_
          Plan(checkpoints="host", micro_batch_size=2, kept_layers=(0,)),
          Plan(checkpoints="host", kept_layers=(0, 1)),
          # A CPU device computing in place ([Note: compute in place]): no slot, accumulator or tied buffer of its own.
-         Plan(compute_in_place=True, adam_thread="compute", kept_layers=(0,))]
+         Plan(compute_in_place=True, adam_thread="compute", kept_layers=(0,)),
+         # The weights rounded on the device: no shadow, the master is what the loads copy (bf16; fp32 has neither).
+         Plan(weights_cast="device"), Plan(weights_cast="device", optimizer_mode="eager", spill="optimizer",
+                                           spill_dir=SPILL_DIR, spill_staging=2)]
 
 
 # The host arenas copied to or from the GPU (pinned there), by compute dtype: m and v never; the master only where
-# it is the weights the loads copy (fp32); the bf16 shadow, the gradients and their slabs always.
+# it is the weights the loads copy (fp32, or any dtype with the cast on the device, as fp32 here); the bf16 shadow,
+# the gradients and their slabs always.
 CROSSING = {torch.float32: {"fp32 master", "fp32 grads", "gradient slabs"},
             torch.bfloat16: {"shadow", "fp32 grads", "gradient slabs"}}
 
@@ -63,7 +67,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 @pytest.mark.parametrize("plan", PLANS, ids=["default", "host-ckpt", "host-ckpt-pieces", "eager", "spill-opt",
                                          "spill-all", "spill-eager", "spill-all-4k", "spill-opt-8k", "spill-blocks",
-                                         "host-ckpt-kept-0", "host-ckpt-kept-all", "in-place"])
+                                         "host-ckpt-kept-0", "host-ckpt-kept-all", "in-place", "cast-on-device",
+                                         "cast-on-device-eager-spill-opt"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_memory_model_matches_allocations(name: str, plan: Plan, dtype: torch.dtype, tmp_path,
@@ -108,8 +113,8 @@ def test_memory_model_matches_allocations(name: str, plan: Plan, dtype: torch.dt
                                               if c.name == "activation checkpoints" and c.where == "host")
         assert pinned == store.pcie_bytes
         assert store.pinned_bytes == 0  # nothing is registered with a driver on the CPU
-        assert {a.name: a.crosses_pcie for a in store.arenas()} == {a.name: a.name in CROSSING[dtype]
-                                                                    for a in store.arenas()}
+        crossing = CROSSING[torch.float32 if plan.weights_cast == "device" else dtype]
+        assert {a.name: a.crosses_pcie for a in store.arenas()} == {a.name: a.name in crossing for a in store.arenas()}
         ids = torch.randint(0, hf["vocab_size"], (batch, seq))
         engine.step(ids, ids)
         if plan.checkpoints == "host":

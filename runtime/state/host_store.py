@@ -7,12 +7,13 @@ it (its layout's flat buffer). With CUDA the arenas that cross PCIe are pinned b
 registering each whole allocation with the driver (``cudaHostRegister``): torch's
 own pinned allocator rounds every request up to a power of two. They are the shadow
 (host to GPU), the gradients and their slabs (GPU to host), and the master only
-where it is the shadow (fp32 compute); m and v stay pageable: only AdamW on the CPU
+where it is the shadow (fp32 compute, or ``Plan.weights_cast="device"``: the loads
+copy the master and round it on the GPU); m and v stay pageable: only AdamW on the CPU
 reads them (``buffer_kinds.crosses_pcie``, the rule the memory model charges the
 pinned budget by). Without CUDA nothing is pinned and the same code runs.
 
-Host RAM: 4 (master) + 8 (m, v; 4 in bf16) + 2 (bf16 shadow; 0 in fp32, where the shadow
-is the master itself) bytes per parameter, plus 4 for the full gradient arena in
+Host RAM: 4 (master) + 8 (m, v; 4 in bf16) + 2 (bf16 shadow; 0 in fp32 or with the cast on
+the device, where the shadow is the master itself) bytes per parameter, plus 4 for the full gradient arena in
 deferred mode, or ``slabs x largest block x 4`` bytes in eager mode. A spilled
 block of a kind takes no RAM of that kind; spilling adds the staging sets and,
 for spilled gradients, ``slabs x chunk x 4`` bytes (``Plan.spill_chunk_bytes``).
@@ -32,8 +33,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NamedTuple, Sequ
 
 import torch
 
-from megatrain.planner.buffer_kinds import (MOMENT_KINDS, BufferKind, Placement, crosses_pcie, spill_chunk_multiple,
-                                            spill_chunk_numel, spilled_kinds)
+from megatrain.planner.buffer_kinds import (MOMENT_KINDS, BufferKind, Placement, crosses_pcie, load_bytes,
+                                            spill_chunk_multiple, spill_chunk_numel, spilled_kinds)
 
 from megatrain.runtime.errors import ConfigError
 from megatrain.runtime.spill.spill_files import SpillFiles, StagingPool
@@ -130,8 +131,10 @@ class HostStore:
         staging: int = 1,
         chunk_bytes: int = 64 * 2**20,
         state_dtype: torch.dtype = torch.float32,
+        weights_cast: str = "host",
     ) -> None:
-        """``state_dtype``: AdamW m and v's, in RAM and in their spill files (bf16: [Note: bf16 optimizer state])."""
+        """``state_dtype``: AdamW m and v's, in RAM and in their spill files (bf16: [Note: bf16 optimizer state]).
+        ``weights_cast``: ``Plan.weights_cast``; "device": no shadow, the loads copy the master and round it."""
         self.offsets: list[int] = []
         total = 0
         for block in blocks:
@@ -141,6 +144,8 @@ class HostStore:
         self.total_numel = total
         self.max_block_numel = max(self.numels)
         self.compute_dtype = compute_dtype
+        # The loads copy the fp32 master itself (no shadow): fp32 compute, or the plan rounds on the device.
+        self.master_loaded = load_bytes(compute_dtype.itemsize, weights_cast) == 4
         # Per kind, the blocks in spill files (``buffer_kinds.placement``); eager mode: gradients pass through
         # slabs, never through a grads arena or file.
         self.placement: dict[BufferKind, frozenset[int]] = {
@@ -157,10 +162,12 @@ class HostStore:
         self.master = self._allocate(BufferKind.MASTER, "fp32 master", pin)
         self.exp_avg = self._allocate(BufferKind.EXP_AVG, "AdamW exp_avg", pin, state_dtype)
         self.exp_avg_sq = self._allocate(BufferKind.EXP_AVG_SQ, "AdamW exp_avg_sq", pin, state_dtype)
-        # In fp32 compute the shadow is the RAM master itself: nothing to round, nothing to store twice; a block
-        # whose master is spilled has none, and its loads read the master file (``load_source``).
+        # In fp32 compute, or with the cast on the device, the shadow is the RAM master itself: nothing to round on
+        # the host, nothing to store twice; an fp32 block whose master is spilled has none, and its loads read the
+        # master file (``load_source``). The cast on the device needs every master in RAM (``Plan`` refuses else).
         self.shadow: HostArena | None
-        if compute_dtype == torch.float32:
+        if self.master_loaded:
+            assert compute_dtype == torch.float32 or BufferKind.MASTER not in self.placement
             self.shadow = self.master
         else:
             self.shadow = HostArena(total, compute_dtype, pin, "shadow")
@@ -191,7 +198,7 @@ class HostStore:
             if b not in self.placement.get(kind, ()):
                 offsets[b], at = at, at + n
         self._ram_offsets[kind] = offsets
-        crosses = crosses_pcie(kind, self.compute_dtype == torch.float32)
+        crosses = crosses_pcie(kind, self.master_loaded)
         return HostArena(at, dtype, pin, name, crosses) if offsets else None
 
     def dtype(self, kind: BufferKind) -> torch.dtype:

@@ -1,0 +1,105 @@
+"""Where a bf16 step's weights are rounded from the fp32 master (``Plan.weights_cast``): a compute-dtype shadow
+in RAM that AdamW refreshes and the loads copy ("host"), or the master itself copied and rounded on the device
+("device"). The same numbers either way; the planner's memory, traffic and AdamW terms checked by hand."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatrain.planner import cost_model, memory_model, model_shapes, search, step_traffic
+from megatrain.planner.hardware import preset
+from megatrain.planner.plan import Plan
+from megatrain.planner.plan_checks import PlanError
+from megatrain.planner.workload import Workload
+from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
+
+HF = dict(model_type="llama", vocab_size=101, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+          num_attention_heads=6, num_key_value_heads=2)
+
+
+def _train(plan: Plan, clip: float | None, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor], Engine]:
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, HF["vocab_size"], (4, 16), generator=gen) for _ in range(steps)]
+    with Engine(ModelConfig.from_hf(HF), OptimizerConfig(lr=1e-3, max_grad_norm=clip), plan=plan,
+                compute_dtype=torch.bfloat16, device="cpu", seed=3) as engine:
+        losses = [engine.step(ids, ids).item() for ids in batches]
+        state = {k: v.clone() for k, v in engine.state_dict().items()}
+        moments = engine.optimizer_state_dict()
+        return losses, {**state, **{f"{k}.{m}": t.clone() for k, d in moments.items() for m, t in d.items()}}, engine
+
+
+@pytest.mark.parametrize("mode, clip", [("deferred", 1.0), ("eager", None)])
+def test_cast_on_the_device_trains_the_same_bits(mode: str, clip: float | None) -> None:
+    """The rounding moves from AdamW's shadow refresh to the load's copy; fp32 to bf16 rounds the same either way,
+    so every loss, weight and moment is the same bit for bit, and the store holds no shadow."""
+    host_losses, host_state, host = _train(Plan(optimizer_mode=mode, micro_batch_size=2), clip)
+    dev_losses, dev_state, dev = _train(Plan(optimizer_mode=mode, micro_batch_size=2, weights_cast="device"), clip)
+    assert host_losses == dev_losses
+    assert host_state.keys() == dev_state.keys()
+    assert all(torch.equal(host_state[k], dev_state[k]) for k in host_state)
+    assert host.store.shadow is not host.store.master and dev.store.shadow is dev.store.master
+    names = {a.name: a.crosses_pcie for a in dev.store.arenas()}
+    assert names["fp32 master"] and "shadow" not in names  # the master is what travels, and is pinned with CUDA
+    assert dev.store.nbytes == host.store.nbytes - host.store.shadow.nbytes
+
+
+def test_plan_refuses_a_cast_on_the_device_of_a_spilled_master() -> None:
+    with pytest.raises(PlanError, match="weights_cast='device'.*master spills"):
+        Plan(weights_cast="device", spill="all", spill_dir="/tmp")
+    with pytest.raises(PlanError, match="weights_cast='device'.*master spills"):
+        Plan(weights_cast="device", spill="blocks", spill_dir="/tmp", spill_blocks={"master": [1]})
+    with pytest.raises(PlanError, match="weights_cast="):
+        Plan(weights_cast="gpu")
+    Plan(weights_cast="device", spill="optimizer", spill_dir="/tmp")  # m and v on disk: the master stays in RAM
+    Plan(weights_cast="device", spill="blocks", spill_dir="/tmp", spill_blocks={"exp_avg": [0]})
+
+
+def test_memory_and_traffic_by_hand() -> None:
+    """Llama-3.2-1B's shape in bf16 on an H200: no shadow (2 x N less RAM), the master pinned instead of it, one
+    fp32 block on the device on its way to a slot, and 4 instead of 2 bytes a weight over PCIe."""
+    model = model_shapes.resolve("shape:Llama-3.2-1B")
+    work = Workload(2048, 8, compute_dtype="bf16")
+    hw = preset("H200", "workstation-128g")
+    host, dev = Plan(micro_batch_size=4), Plan(micro_batch_size=4, weights_cast="device")
+    N, Bmax = model.numel_total, model.numel_largest_block  # 1,235,814,400 and the tied table, 262,668,288
+    a, b = memory_model.estimate(model, work, host, hw), memory_model.estimate(model, work, dev, hw)
+    terms_a, terms_b = ({c.name: c for c in m.components} for m in (a, b))
+    assert terms_a["compute-dtype shadow"].nbytes == 2 * N and "compute-dtype shadow" not in terms_b
+    assert not terms_a["fp32 master"].pinned and terms_b["fp32 master"].pinned
+    assert terms_b["weight cast staging"].nbytes == Bmax * 4 and "weight cast staging" not in terms_a
+    assert a.pinned_host_bytes - 2 * N == b.pinned_host_bytes - 4 * N  # the gradients' arena in both
+    assert b.host_bytes == a.host_bytes - 2 * N
+    E, L, Lw, H = model.numel_embedding, model.num_layers, model.numel_layer, model.numel_head
+    weights = E + 2 * L * Lw + H + E  # tied: the table loads again with the head
+    assert step_traffic.traffic(model, work, host) == (weights * 2, (L * Lw + E) * 4)
+    assert step_traffic.traffic(model, work, dev) == (weights * 4, (L * Lw + E) * 4)
+
+
+def test_no_rounding_pass_on_the_cpu() -> None:
+    """The preset has no measured rounding rate, so the host cast's AdamW is ADAM_SHADOW_FACTOR x the bare
+    update; with the cast on the device it is the bare update."""
+    model = model_shapes.resolve("shape:Llama-3.2-1B")
+    work = Workload(2048, 8, compute_dtype="bf16", clipping=False)
+    hw = preset("H200", "workstation-128g")
+    assert hw.cpu_shadow_params_per_s == 0
+    plan = Plan(micro_batch_size=4, optimizer_mode="eager")
+
+    def adam(p: Plan) -> float:
+        c = cost_model.estimate(model, work, p, hw)
+        return c.forward.adam_s + c.backward.adam_s
+
+    assert adam(plan) == pytest.approx(adam(plan.replace(weights_cast="device")) * cost_model.ADAM_SHADOW_FACTOR)
+
+
+def test_search_rounds_on_the_device_where_adamw_bounds_the_step() -> None:
+    """1B, 8 x 2048 with clipping on an H200: the deferred update outlasts the compute, and the cast on the device
+    takes the rounding pass off it; on a CPU device there is no PCIe to trade and the plan keeps the host cast."""
+    model = model_shapes.resolve("shape:Llama-3.2-1B")
+    work = Workload(2048, 8, compute_dtype="bf16")
+    best = search.search(model, work, preset("H200", "workstation-128g")).best
+    assert best is not None and best.plan.weights_cast == "device"
+    host = cost_model.estimate(model, work, best.plan.replace(weights_cast="host"), preset("H200", "workstation-128g"))
+    assert best.cost.step_seconds < host.step_seconds
+    cpu = search.search(model_shapes.from_config(HF), Workload(16, 4, compute_dtype="bf16"),
+                        preset("H200", "workstation-128g").replace(gpu_name="cpu", gpu_mem_bytes=0)).best
+    assert cpu is not None and cpu.plan.weights_cast == "host"
