@@ -79,9 +79,8 @@ class Plan:
                           "host": the same in pinned host RAM, plus on the GPU two reload buffers of one
                           micro-batch's input (2 x micro-batch tokens x hidden x compute bytes) and the
                           drained inputs of one layer until their copies end (tokens x hidden x compute bytes)
-      checkpoint_piece_tokens  "host": the unit of checkpoint copies (drain and reload), at most this many
-                          tokens x hidden x compute bytes each (None: a micro-batch's input in one copy);
-                          no memory of its own
+      checkpoint_piece_tokens  "host": checkpoint copies (drain, reload) of at most this many tokens x hidden x
+                          compute bytes each (None: a micro-batch's input in one copy); no memory of its own
       host_grad_slabs     eager mode only: S x (largest block, fp32) host RAM
                           (deferred mode keeps a full fp32 gradient arena instead)
       loss_chunk_tokens   logits chunk: chunk x vocab x (compute + 12) bytes
@@ -93,11 +92,8 @@ class Plan:
                           (None: untiled); q, k, v, attention's output and their gradients stay whole
       compute_in_place    a CPU device computing on the host's weights and gradients: no weight slots, gradient
                           accumulators or tied-embedding gradient buffer (0 bytes each)
-      weights_cast        where a bf16 / fp16 step's weights are rounded from the fp32 master: "host": AdamW
-                          refreshes a compute-dtype shadow in RAM (c x N, pinned) that the loads copy; "device":
-                          the loads copy the fp32 master (4 x N pinned, 4 bytes per weight over PCIe instead of
-                          c) and round it on the device, through one transient fp32 copy of a slot's block
-                          (largest block x 4); no shadow, and no rounding pass on the CPU. fp32 has neither.
+      weights_cast        "device" (bf16 / fp16): the loads copy the fp32 master (4 x N pinned, no c x N shadow
+                          in RAM) and round it on the device through one fp32 block in flight (largest block x 4)
       kept_layers         the decoder layers (0..L-1) whose forward graph stays for backward instead of being
                           recomputed from a boundary checkpoint: each T x (kept bytes per token - h x c) more
                           (memory_model "kept activations"), one layer forward less in backward
@@ -107,12 +103,10 @@ class Plan:
                           named block and kind off RAM); the shorthands are every block of their kinds
       spill_staging       with spill: that many sets of host staging buffers (each: one chunk per
                           spilled kind, fp32), so reads run ahead of AdamW and writes behind it
-      expert_group_size   a sparse layer streams as its dense part and groups of this many experts: slots
-                          and gradient buffers hold the largest part, not the layer (None or 0: whole layers;
-                          memory_model.slot_numel)
-      spill_chunk_bytes   with spill: the I/O and AdamW unit; a block larger than this (the embedding,
-                          lm_head) is read, updated and written back in pieces of at most this many
-                          bytes, so every spill buffer in host RAM is bounded by it, not by the block
+      expert_group_size   a sparse layer streams as its dense part and groups of this many experts: slots and
+                          gradient buffers hold the largest part, not the layer (None / 0: whole layers)
+      spill_chunk_bytes   with spill: the I/O and AdamW unit; a larger block (the embedding, lm_head) is read,
+                          updated and written in pieces of this many bytes: every spill buffer is bounded by it
     """
 
     version: int = PLAN_VERSION
@@ -136,8 +130,7 @@ class Plan:
     # A CPU device computing on each block's weights and gradients where they are in host RAM: no slot or gradient
     # buffer copied or held (deferred mode, masters and gradients in RAM, whole layers, one process).
     compute_in_place: bool = False
-    # Where the compute-dtype weights are rounded from the fp32 master: "host" (AdamW writes a shadow in RAM that
-    # the loads copy) or "device" (the loads copy the master and round it on the device). No effect in fp32.
+    # bf16 / fp16: "host" (AdamW rounds the master into a shadow the loads copy) or "device" (the loads round it).
     weights_cast: str = "host"
     # Device fp32 gradient accumulators in flight (one accumulating, one draining to host).
     device_grad_buffers: int = 2
@@ -174,9 +167,8 @@ class Plan:
     # POSIX backend: O_DIRECT where the filesystem takes it (True), or buffered I/O only; the planner
     # picks the faster as the profile measured it.
     io_direct: bool = True
-    # The same for reads alone (None: as io_direct; the planner leaves it so). A disk can read faster buffered
-    # (the kernel's read-ahead) and write faster with O_DIRECT: this project's CPU machine read 3.2 GB/s buffered
-    # and 1.7 with O_DIRECT, and wrote 2.5 with O_DIRECT and 0.5 buffered; the page cache's copies cost CPU.
+    # The same for reads alone (None: as io_direct; the planner leaves it so): a disk can read faster buffered
+    # (the kernel's read-ahead, 3.2 against 1.7 GB/s here) and write faster with O_DIRECT (2.5 against 0.5).
     io_direct_reads: bool | None = None
     # The workload the planner chose this plan for (None: a hand-made plan, not checked).
     workload: WorkloadFingerprint | None = None
