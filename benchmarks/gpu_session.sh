@@ -101,13 +101,14 @@ case $part in
     # PyTorch's stream sanitizer: a tensor used on one stream while another writes it, without an event between
     run 120 env TORCH_CUDA_SANITIZER=1 python3 benchmarks/throughput.py --model tiny --seq 128 --batch 4 \
       --micro-batch 2 --steps 2 --out /tmp/scratch
-    run 150 python3 benchmarks/throughput.py --model 1b --seq 2048 --batch 8 --micro-batch 4 --steps 20
-    run 240 python3 benchmarks/step_anatomy.py --model 8b --seq 4096 --batch 16 --no-clip --planner-only \
-      --warmup 1 --steps 2 --traced 1
+    # the weights rounded on the host (a shadow AdamW writes) against on the device, and the planner's choice
     run 150 python3 benchmarks/step_anatomy.py --model 1b --seq 2048 --batch 16 --micro-batch 4 \
-      --variant planner,host-ckpt,eager --steps 3 --traced 1
+      --variant planner,host-cast,device-cast,eager --steps 3 --traced 1
+    run 150 python3 benchmarks/throughput.py --model 1b --seq 2048 --batch 8 --micro-batch 4 --steps 20
     # the GPU's own figures for the planner (racecheck is in `anatomy`: two tiny steps outlast 120 s under it)
     run 120 megatrain-plan profile --out "$out/hardware.json"
+    run 240 python3 benchmarks/step_anatomy.py --model 8b --seq 4096 --batch 16 --no-clip --planner-only \
+      --warmup 1 --steps 2 --traced 1
     ;;
   *) echo "unknown part $part: checks, anatomy, long, peers, large or first" >&2; exit 2 ;;
 esac

@@ -42,6 +42,8 @@ VARIANTS = {  # plan changes tried beside the planner's own choice
     "prefetch1": {"prefetch_depth": 1},
     "recompute-all": {"kept_layers": ()},  # every layer recomputed from its checkpoint
     "keep-all": {"kept_layers": "all"},  # every layer's activations kept for backward
+    "host-cast": {"weights_cast": "host"},  # bf16 weights rounded by AdamW into a shadow in RAM
+    "device-cast": {"weights_cast": "device"},  # the fp32 master copied and rounded on the device
 }
 
 
@@ -191,7 +193,8 @@ def markdown(rep: dict[str, Any]) -> str:
         f = lambda *vals: " / ".join("-" if v is None else f"{v:.3f}" for v in vals)  # noqa: E731
         lines.append(
             f"| {r['model']} | {r['seq']} | {r['variant']} | mb {p['micro_batch_size']}, {p['num_slots']} slots, "
-            f"ckpt {p['checkpoints']}, {p['optimizer_mode']} | {r['median_step_seconds']:.3f} "
+            f"ckpt {p['checkpoints']}, {p['optimizer_mode']}"
+            f"{', cast on device' if p.get('weights_cast') == 'device' else ''} | {r['median_step_seconds']:.3f} "
             f"| {r['tokens_per_second']:,.0f} | {r['model_tflops']:.1f} ({r['mfu']:.1%}) "
             f"| {(r['peak_gpu_bytes'] or 0) / 2**30:.1f} / {r['peak_host_rss_bytes'] / 2**30:.1f}, pinned "
             f"{(r.get('pinned_host_bytes') or 0) / 2**30:.1f} (planner {q['pinned_host_bytes'] / 2**30:.1f}) "

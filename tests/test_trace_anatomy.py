@@ -97,7 +97,7 @@ def test_step_anatomy_benchmark_reports_each_configuration(tmp_path, capsys):
     assert bench.main(["--model", "tiny", "--seq", "32", "--batch", "4", "--micro-batch", "2", "--variant",
                        "planner,host-ckpt", "--warmup", "1", "--steps", "1", "--traced", "1", "--device", "cpu",
                        "--out", str(tmp_path)]) == 0
-    (result,) = tmp_path.glob("*_cpu_step_anatomy.json")
+    (result,) = tmp_path.glob("*_cpu_step_anatomy_tiny.json")  # named by the models it ran
     runs = json.loads(result.read_text())["runs"]
     assert [(r["variant"], r["status"]) for r in runs] == [("planner", "ok"), ("host-ckpt", "ok")]
     assert runs[1]["plan"]["checkpoints"] == "host" and runs[1]["events"]["ckpt_traffic_s"] > 0
@@ -116,4 +116,11 @@ def test_step_anatomy_benchmark_reports_each_configuration(tmp_path, capsys):
     assert row["status"] == "ok" and row["trace"] is None and not row["clipping"]
     assert row["model_tflops"] == pytest.approx(6 * row["params"] * 4 * 32 / row["median_step_seconds"] / 1e12)
     assert row["mfu"] > 0 and "not traced" in next((tmp_path / "untraced").glob("*.md")).read_text()
-    assert row["predicted"]["pinned_host_bytes"] == 0 and row["host_locked_bytes"] in (None, 0)  # a CPU pins nothing
+    assert row["predicted"]["pinned_host_bytes"] == 0 and row["pinned_host_bytes"] == 0  # a CPU pins nothing
+    untraced = ["--model", "tiny", "--seq", "32", "--batch", "4", "--micro-batch", "2", "--warmup", "0", "--steps",
+                "1", "--traced", "0", "--device", "cpu", "--out", str(tmp_path / "untraced")]
+    first = (tmp_path / "untraced").glob("*.json").__next__().read_text()
+    assert bench.main(untraced) == 0  # the same day, models and folder: a new file beside the first, never over it
+    names = sorted(p.name for p in (tmp_path / "untraced").glob("*.json"))
+    assert [n.split("_", 1)[1] for n in names] == ["cpu_step_anatomy_tiny.json", "cpu_step_anatomy_tiny_2.json"]
+    assert (tmp_path / "untraced" / names[0]).read_text() == first
