@@ -353,15 +353,16 @@ def minimum_memory(model: ModelShape, work: Workload, hw: HardwareProfile,
     ``ranks``, one rank's memory (a node holds G of it)."""
     best: dict[str, PlanChoice] = {}
     for plan in candidates(model, _rank(work, ranks), hw, ranks is None):
-        p = plan.replace(loss_chunk_tokens=min(LOSS_CHUNKS[-1], plan.loss_chunk_tokens))
-        mem = _memory(model, work, p, hw, ranks)
-        keys = [("gpu", mem.device_bytes), ("host", mem.host_bytes)]
-        if p.spill == "none":
-            keys.append(("host_no_spill", mem.host_bytes))
-        for key, value in keys:
-            if key not in best or value < (best[key].memory.device_bytes if key == "gpu"
-                                           else best[key].memory.host_bytes):
-                best[key] = PlanChoice(p, mem, None)
+        smallest = plan.replace(loss_chunk_tokens=min(LOSS_CHUNKS[-1], plan.loss_chunk_tokens))
+        for p in (smallest, *_variants(smallest, work, hw)):  # the cast on the device: no shadow in RAM
+            mem = _memory(model, work, p, hw, ranks)
+            keys = [("gpu", mem.device_bytes), ("host", mem.host_bytes)]
+            if p.spill == "none":
+                keys.append(("host_no_spill", mem.host_bytes))
+            for key, value in keys:
+                if key not in best or value < (best[key].memory.device_bytes if key == "gpu"
+                                               else best[key].memory.host_bytes):
+                    best[key] = PlanChoice(p, mem, None)
     return best
 
 

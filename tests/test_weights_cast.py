@@ -103,3 +103,14 @@ def test_search_rounds_on_the_device_where_adamw_bounds_the_step() -> None:
     cpu = search.search(model_shapes.from_config(HF), Workload(16, 4, compute_dtype="bf16"),
                         preset("H200", "workstation-128g").replace(gpu_name="cpu", gpu_mem_bytes=0)).best
     assert cpu is not None and cpu.plan.weights_cast == "host"
+
+
+def test_minimum_host_ram_has_no_shadow_on_a_gpu() -> None:
+    """``megatrain-plan size``'s least RAM without NVMe (Llama-3.1-8B, clipping): fp32 master, m, v and the full
+    gradient arena, 16 x N, and no 2 x N shadow, since the device can round the weights."""
+    model = model_shapes.resolve("shape:Llama-3.1-8B")
+    least = search.minimum_memory(model, Workload(4096, 16, compute_dtype="bf16"), preset("H200"))["host_no_spill"]
+    terms = {c.name: c.nbytes for c in least.memory.components if c.where == "host"}
+    assert least.plan.weights_cast == "device" and "compute-dtype shadow" not in terms
+    state = ("fp32 master", "Adam m", "Adam v", "fp32 grads (full arena)")
+    assert sum(terms[name] for name in state) == 16 * model.numel_total
