@@ -17,23 +17,27 @@ HF = dict(model_type="llama", vocab_size=101, hidden_size=48, intermediate_size=
           num_attention_heads=6, num_key_value_heads=2)
 
 
-def _train(plan: Plan, clip: float | None, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor], Engine]:
+def _train(plan: Plan, clip: float | None, steps: int = 3,
+           device: str = "cpu") -> tuple[list[float], dict[str, torch.Tensor], Engine, int]:
+    """Losses, weights and AdamW moments after ``steps`` steps, the engine (closed) and its pinned bytes while open."""
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, HF["vocab_size"], (4, 16), generator=gen) for _ in range(steps)]
     with Engine(ModelConfig.from_hf(HF), OptimizerConfig(lr=1e-3, max_grad_norm=clip), plan=plan,
-                compute_dtype=torch.bfloat16, device="cpu", seed=3) as engine:
+                compute_dtype=torch.bfloat16, device=device, seed=3) as engine:
         losses = [engine.step(ids, ids).item() for ids in batches]
         state = {k: v.clone() for k, v in engine.state_dict().items()}
         moments = engine.optimizer_state_dict()
-        return losses, {**state, **{f"{k}.{m}": t.clone() for k, d in moments.items() for m, t in d.items()}}, engine
+        pinned = engine.store.pinned_bytes
+    state.update({f"{k}.{m}": t.clone() for k, d in moments.items() for m, t in d.items()})
+    return losses, state, engine, pinned
 
 
 @pytest.mark.parametrize("mode, clip", [("deferred", 1.0), ("eager", None)])
 def test_cast_on_the_device_trains_the_same_bits(mode: str, clip: float | None) -> None:
     """The rounding moves from AdamW's shadow refresh to the load's copy; fp32 to bf16 rounds the same either way,
     so every loss, weight and moment is the same bit for bit, and the store holds no shadow."""
-    host_losses, host_state, host = _train(Plan(optimizer_mode=mode, micro_batch_size=2), clip)
-    dev_losses, dev_state, dev = _train(Plan(optimizer_mode=mode, micro_batch_size=2, weights_cast="device"), clip)
+    host_losses, host_state, host, _ = _train(Plan(optimizer_mode=mode, micro_batch_size=2), clip)
+    dev_losses, dev_state, dev, _ = _train(Plan(optimizer_mode=mode, micro_batch_size=2, weights_cast="device"), clip)
     assert host_losses == dev_losses
     assert host_state.keys() == dev_state.keys()
     assert all(torch.equal(host_state[k], dev_state[k]) for k in host_state)
@@ -41,6 +45,21 @@ def test_cast_on_the_device_trains_the_same_bits(mode: str, clip: float | None) 
     names = {a.name: a.crosses_pcie for a in dev.store.arenas()}
     assert names["fp32 master"] and "shadow" not in names  # the master is what travels, and is pinned with CUDA
     assert dev.store.nbytes == host.store.nbytes - host.store.shadow.nbytes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode, clip", [("deferred", 1.0), ("eager", None)])
+def test_cast_on_a_gpu_trains_the_same_bits(mode: str, clip: float | None) -> None:
+    """On CUDA the load copies the pinned fp32 master and ``copy_`` rounds it on the GPU (round to nearest even, as
+    the CPU's rounding into the shadow): the same losses and state, and the master registered instead of a shadow."""
+    host_losses, host_state, host, host_pinned = _train(Plan(optimizer_mode=mode, micro_batch_size=2), clip,
+                                                        device="cuda")
+    dev_losses, dev_state, dev, dev_pinned = _train(Plan(optimizer_mode=mode, micro_batch_size=2,
+                                                         weights_cast="device"), clip, device="cuda")
+    assert host_losses == dev_losses
+    assert all(torch.equal(host_state[k].cpu(), dev_state[k].cpu()) for k in host_state)
+    assert dev_pinned == host_pinned - host.store.shadow.nbytes + dev.store.master.nbytes > 0
 
 
 def test_plan_refuses_a_cast_on_the_device_of_a_spilled_master() -> None:
