@@ -12,6 +12,7 @@ from megatrain.planner.plan import Plan
 from megatrain.planner.plan_checks import PlanError
 from megatrain.planner.workload import Workload
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
+from rank_processes import run_ranks
 
 HF = dict(model_type="llama", vocab_size=101, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
           num_attention_heads=6, num_key_value_heads=2)
@@ -60,6 +61,30 @@ def test_cast_on_a_gpu_trains_the_same_bits(mode: str, clip: float | None) -> No
     assert host_losses == dev_losses
     assert all(torch.equal(host_state[k].cpu(), dev_state[k].cpu()) for k in host_state)
     assert dev_pinned == host_pinned - host.store.shadow.nbytes + dev.store.master.nbytes > 0
+
+
+def _rank_casts(rank: int, world: int) -> dict[str, tuple]:
+    """This rank's losses and final weights with each cast: its shard of the master rounded into its shadow, or
+    copied and rounded on the way into its part of the slot before the all-gather."""
+    rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    out = {}
+    for cast in ("host", "device"):
+        gen = torch.Generator().manual_seed(1)
+        batches = [torch.randint(0, HF["vocab_size"], (4, 16), generator=gen) for _ in range(2)]
+        with Engine(ModelConfig.from_hf(HF), OptimizerConfig(lr=1e-3, max_grad_norm=1.0),
+                    plan=Plan(micro_batch_size=1, weights_cast=cast), compute_dtype=torch.bfloat16, device="cpu",
+                    seed=3) as engine:
+            assert engine.topology is not None and engine.topology.world_size == world  # sharded, not replicated
+            losses = [engine.step(ids[rows], ids[rows]).item() for ids in batches]
+            out[cast] = (losses, engine.state_dict())
+    return out
+
+
+def test_ranks_cast_on_the_device_as_on_the_host(tmp_path) -> None:
+    for rank in run_ranks(_rank_casts, 2, tmp_path):
+        (host_losses, host_state), (dev_losses, dev_state) = rank["host"], rank["device"]
+        assert host_losses == dev_losses
+        assert all(torch.equal(host_state[k], dev_state[k]) for k in host_state)
 
 
 def test_plan_refuses_a_cast_on_the_device_of_a_spilled_master() -> None:
