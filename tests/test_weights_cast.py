@@ -87,6 +87,30 @@ def test_ranks_cast_on_the_device_as_on_the_host(tmp_path) -> None:
         assert all(torch.equal(host_state[k], dev_state[k]) for k in host_state)
 
 
+def test_cast_on_the_device_resumes_bitwise(tmp_path) -> None:
+    """Three steps, a checkpoint, three more from it: the same weights as six straight (no shadow to restore)."""
+    plan = Plan(micro_batch_size=2, weights_cast="device")
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, HF["vocab_size"], (4, 16), generator=gen) for _ in range(6)]
+
+    def engine() -> Engine:
+        return Engine(ModelConfig.from_hf(HF), OptimizerConfig(lr=1e-3, max_grad_norm=1.0), plan=plan,
+                      compute_dtype=torch.bfloat16, device="cpu", seed=3)
+
+    with engine() as straight:
+        expected = [straight.step(ids, ids).item() for ids in batches], straight.state_dict()
+    with engine() as first:
+        for ids in batches[:3]:
+            first.step(ids, ids)
+        first.save_checkpoint(tmp_path, blocking=True)
+    with Engine.load_checkpoint(tmp_path) as resumed:
+        assert resumed.plan.weights_cast == "device" and resumed.store.shadow is resumed.store.master
+        losses = [resumed.step(ids, ids).item() for ids in batches[3:]]
+        weights = resumed.state_dict()
+    assert losses == expected[0][3:]
+    assert all(torch.equal(expected[1][k], weights[k]) for k in weights)
+
+
 def test_plan_refuses_a_cast_on_the_device_of_a_spilled_master() -> None:
     with pytest.raises(PlanError, match="weights_cast='device'.*master spills"):
         Plan(weights_cast="device", spill="all", spill_dir="/tmp")
