@@ -244,28 +244,28 @@ def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile,
     ``ranks``, one rank's plans, timed at its share of the batch."""
     fit, misfit = [], []
     rank = _rank(work, ranks)
-    for plan in candidates(model, rank, hw, ranks is None):
+    for plan in (p for candidate in candidates(model, rank, hw, ranks is None) for p in casts(candidate, work, hw)):
         choice = _fit_chunk(model, work, plan, hw, ranks)
         if not choice.feasible:
             misfit.append(choice)
             continue
         fit.append(PlanChoice(choice.plan, choice.memory, cost_model.estimate(model, rank, choice.plan, hw)))
-        for other in _variants(choice.plan, work, hw):
-            mem = _memory(model, work, other, hw, ranks)
-            if not overruns(mem, work, hw, ranks):
-                fit.append(PlanChoice(other, mem, cost_model.estimate(model, rank, other, hw)))
+        if not choice.plan.kept_layers:
+            continue
+        none = choice.plan.replace(kept_layers=())  # every layer recomputed: as fast where recompute is off the
+        mem = _memory(model, work, none, hw, ranks)  # critical path, and then less memory wins the tie
+        if not overruns(mem, work, hw, ranks):
+            fit.append(PlanChoice(none, mem, cost_model.estimate(model, rank, none, hw)))
     return fit, misfit
 
 
-def _variants(plan: Plan, work: Workload, hw: HardwareProfile) -> list[Plan]:
-    """Variants of a plan that fits, each timed as a candidate of its own: every layer recomputed (as fast where
-    recompute is off the critical path, and then less memory wins the tie); on a GPU in bf16 / fp16, both with
-    the weights rounded on the device (``Plan.weights_cast``: no rounding pass on the CPU, the master's 4 bytes a
-    weight over PCIe instead of 2, no shadow in RAM) where every master is in RAM."""
-    out = [plan.replace(kept_layers=())] if plan.kept_layers else []
-    if not hw.device_is_host and work.compute_bytes != 4 and not master_spills(plan):
-        out += [p.replace(weights_cast="device") for p in (plan, *out)]
-    return out
+def casts(plan: Plan, work: Workload, hw: HardwareProfile | None) -> tuple[Plan, ...]:
+    """A candidate, and on a GPU in bf16 / fp16 the same with the weights rounded on the device
+    (``Plan.weights_cast``: no rounding pass in the CPU AdamW and no shadow in RAM, 4 bytes a weight over PCIe
+    instead of 2), fitted and timed as a candidate of its own; not where masters may spill (spill "all")."""
+    if hw is None or hw.device_is_host or work.compute_bytes == 4 or plan.spill == "all" or master_spills(plan):
+        return (plan,)
+    return plan, plan.replace(weights_cast="device")
 
 
 def least_memory(close: list[PlanChoice], device_is_host: bool) -> PlanChoice:
@@ -296,7 +296,8 @@ def search(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks 
 def fits(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks = None) -> bool:
     """Whether any plan fits every budget (memory only; nothing is timed). Memory grows with the loss
     chunk, so each candidate is tried with its smallest chunk only."""
-    for plan in candidates(model, _rank(work, ranks), hw, ranks is None):
+    rank = _rank(work, ranks)
+    for plan in (p for candidate in candidates(model, rank, hw, ranks is None) for p in casts(candidate, rank, hw)):
         p = fill(model, work, plan, hw, ranks).replace(
             loss_chunk_tokens=_chunks(plan.micro_batch_size * work.seq_len)[-1])
         if not overruns(_memory(model, work, p, hw, ranks), work, hw, ranks):
@@ -352,17 +353,17 @@ def minimum_memory(model: ModelShape, work: Workload, hw: HardwareProfile,
     with the smallest loss chunk: what ``megatrain-plan size`` reports as the minimum to buy. With
     ``ranks``, one rank's memory (a node holds G of it)."""
     best: dict[str, PlanChoice] = {}
-    for plan in candidates(model, _rank(work, ranks), hw, ranks is None):
-        smallest = plan.replace(loss_chunk_tokens=min(LOSS_CHUNKS[-1], plan.loss_chunk_tokens))
-        for p in (smallest, *_variants(smallest, work, hw)):  # the cast on the device: no shadow in RAM
-            mem = _memory(model, work, p, hw, ranks)
-            keys = [("gpu", mem.device_bytes), ("host", mem.host_bytes)]
-            if p.spill == "none":
-                keys.append(("host_no_spill", mem.host_bytes))
-            for key, value in keys:
-                if key not in best or value < (best[key].memory.device_bytes if key == "gpu"
-                                               else best[key].memory.host_bytes):
-                    best[key] = PlanChoice(p, mem, None)
+    rank = _rank(work, ranks)
+    for plan in (p for candidate in candidates(model, rank, hw, ranks is None) for p in casts(candidate, rank, hw)):
+        p = plan.replace(loss_chunk_tokens=min(LOSS_CHUNKS[-1], plan.loss_chunk_tokens))
+        mem = _memory(model, work, p, hw, ranks)
+        keys = [("gpu", mem.device_bytes), ("host", mem.host_bytes)]
+        if p.spill == "none":
+            keys.append(("host_no_spill", mem.host_bytes))
+        for key, value in keys:
+            if key not in best or value < (best[key].memory.device_bytes if key == "gpu"
+                                           else best[key].memory.host_bytes):
+                best[key] = PlanChoice(p, mem, None)
     return best
 
 

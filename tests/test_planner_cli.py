@@ -44,6 +44,20 @@ def test_plan_table_shows_memory_time_and_bottleneck() -> None:
         assert word in r.stdout, word
 
 
+def test_plan_says_what_clipping_costs_where_adamw_bounds_the_step() -> None:
+    """1B, 16 x 2048 tokens on an H200 with a 16-core host: with clipping every update waits for backward's end and
+    the CPU AdamW bounds the step; the page gives the step without clipping (the same search, eager updates)."""
+    args = ("plan", "--model", "shape:Llama-3.2-1B", "--seq-len", "2048", "--batch", "16", "--hardware", "H200",
+            "--host", "workstation-128g")
+    data = json.loads(run(*args, "--json").stdout)
+    assert data["time"]["bottleneck"] == "CPU AdamW"
+    unclipped = json.loads(run(*args, "--no-clip", "--json").stdout)
+    assert data["without_clipping"]["step_seconds"] == pytest.approx(unclipped["step_seconds"])
+    assert unclipped["step_seconds"] < data["step_seconds"] and "without_clipping" not in unclipped
+    text = run(*args).stdout
+    assert "without clipping (--no-clip) the updates overlap backward: step" in text
+
+
 def test_plan_with_config_json(tmp_path) -> None:
     cfg = {"model_type": "qwen3", "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4,
            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 5000,

@@ -182,3 +182,15 @@ def test_minimum_host_ram_has_no_shadow_on_a_gpu() -> None:
     assert least.plan.weights_cast == "device" and "compute-dtype shadow" not in terms
     state = ("fp32 master", "Adam m", "Adam v", "fp32 grads (full arena)")
     assert sum(terms[name] for name in state) == 16 * model.numel_total
+
+
+def test_the_cast_on_the_device_fits_where_the_shadow_does_not() -> None:
+    """Llama-3.1-8B with clipping in 130 GiB of RAM, nothing on disk: master, m, v and gradients take 16 x N
+    (119.7 GiB) and a shadow 2 x N (15.0 GiB) more than 95% of it, so only the plan that rounds on the device fits,
+    and the search tries it as a candidate of its own."""
+    model = model_shapes.resolve("shape:Llama-3.1-8B")
+    work = Workload(4096, 16, compute_dtype="bf16")
+    hw = preset("H200", "workstation-128g").with_overrides(ram_bytes=130 * 2**30)
+    best = search.search(model, work, hw).best
+    assert best is not None and best.plan.weights_cast == "device" and best.plan.spill == "none"
+    assert memory_model.estimate(model, work, best.plan.replace(weights_cast="host"), hw).overruns(hw)

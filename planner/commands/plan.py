@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Any
 
 from .. import cli_args, data_parallel_report, disk_space, model_shapes, report, report_plan
-from ..plan_request import PlanRequest, choose_plan
+from ..model_shapes import ModelShape
+from ..plan_request import ChosenPlan, PlanRequest, choose_plan
+from ..search import TIME_TOLERANCE, InfeasibleError, Ranks
+from ..workload import Workload
 
 
 def add_parser(sub: Any) -> None:
@@ -28,7 +32,28 @@ def run(args: argparse.Namespace) -> None:
     if args.out:
         chosen.plan.save(args.out)
     data, text = report_plan.page(model, work, chosen, ranks, args.out)
+    unclipped = clipping_cost(model, work, chosen, ranks)
+    if unclipped is not None:
+        data["without_clipping"] = {"step_seconds": unclipped.step_seconds,
+                                    "tokens_per_second": unclipped.tokens_per_second}
+        text += (f"\nclipping keeps every update until backward ends, and the CPU AdamW bounds the step; without "
+                 f"clipping (--no-clip) the updates overlap backward: step {report.seconds(unclipped.step_seconds)}, "
+                 f"{report.rate(unclipped.tokens_per_second)}")
     report.emit(args.json, data, text)
+
+
+def clipping_cost(model: ModelShape, work: Workload, chosen: ChosenPlan, ranks: Ranks) -> Any:
+    """The cost estimate of the same workload without clipping, where the CPU AdamW bounds the clipped step and
+    the plan without it (eager updates during backward) is faster beyond the search's tolerance; else None."""
+    cost = chosen.choice.cost
+    if not work.clipping or cost is None or cost.bottleneck != "CPU AdamW":
+        return None
+    try:
+        other = choose_plan(model, PlanRequest(dataclasses.replace(work, clipping=False)), chosen.hardware, ranks)
+    except InfeasibleError:
+        return None
+    faster = other.choice.cost is not None and other.choice.cost.step_seconds < cost.step_seconds * (1 - TIME_TOLERANCE)
+    return other.choice.cost if faster else None
 
 
 def local_free_bytes(args: argparse.Namespace) -> int | None:
