@@ -223,7 +223,8 @@ def test_megatrain_plan_shows_the_group_size(capsys) -> None:
     assert cli.main(argv + ["--gpu-mem", "24G"]) == 0
     out = capsys.readouterr().out
     assert "experts in groups of 32" in out and "K x Bu x c" in out
-    assert cli.main(argv) == 0
+    # room for a whole layer, and for its fp32 copy on the way to the slot where the device rounds the weights
+    assert cli.main(argv + ["--gpu-mem", "160G"]) == 0
     assert "experts streamed with their whole layer" in capsys.readouterr().out
 
 
