@@ -269,13 +269,14 @@ def casts(plan: Plan, work: Workload, hw: HardwareProfile | None) -> tuple[Plan,
 
 
 def least_memory(close: list[PlanChoice], device_is_host: bool) -> PlanChoice:
-    """Of plans within TIME_TOLERANCE of the fastest, the one with the least GPU memory, then host RAM: the same
-    speed with more headroom for what the memory model does not see. Where the device is the CPU its buffers are
-    RAM too: the least of both together (a spilled 3.2B had taken 7.5 GiB more staging for 0.56 GiB fewer
-    "device" bytes)."""
+    """Of plans within TIME_TOLERANCE of the fastest, one with nothing on disk if there is one (the disk's figures
+    are the model's least certain, and a 7B model with 243 GiB of RAM had spilled 4 GiB at no predicted cost),
+    then the least GPU memory, then host RAM: the same speed with more headroom for what the memory model does
+    not see. Where the device is the CPU its buffers are RAM too: the least of both together (a spilled 3.2B had
+    taken 7.5 GiB more staging for 0.56 GiB fewer "device" bytes)."""
     if device_is_host:
-        return min(close, key=lambda c: c.memory.device_bytes + c.memory.host_bytes)
-    return min(close, key=lambda c: (c.memory.device_bytes, c.memory.host_bytes))
+        return min(close, key=lambda c: (c.memory.nvme_bytes > 0, c.memory.device_bytes + c.memory.host_bytes))
+    return min(close, key=lambda c: (c.memory.nvme_bytes > 0, c.memory.device_bytes, c.memory.host_bytes))
 
 
 def search(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks = None) -> SearchResult:
