@@ -11,14 +11,14 @@
 #                                           # the GPU's profile
 #
 # DEADLINE=S (seconds, default none) ends a part in time to return its files: each step's limit is cut to
-# what is left, and a step that would get under 20 s is skipped. results.tgz is rewritten after every step.
+# what is left, and a step that would get under 20 s is skipped. results-PART.tgz is rewritten after every step.
 #
 # Before `peers`, where there is network access, put DeepSpeed's wheel and the packages it needs that a CUDA
 # image may lack into .whl/, for Python 3.12 on x86-64, and copy .whl/ along with the checkout:
 #   pip wheel --no-deps -w .whl deepspeed          # DeepSpeed ships an sdist: a pure-Python wheel, ops JIT-built
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl \
 #     hjson pydantic pydantic-core annotated-types typing-inspection
-# Everything is written under $OUT (default ./gpu_out): one log per part and results.tgz, the new
+# Everything is written under $OUT (default ./gpu_out): one log per part and results-PART.tgz, the new
 # files of benchmarks/results/. Unpack it into benchmarks/results/ of the checkout the next part
 # starts from: `peers --resume` goes on from the sweep results it finds there.
 set -uo pipefail
@@ -32,7 +32,7 @@ started=$SECONDS
 
 say() { echo "== $* ($((SECONDS - started)) s)" | tee -a "$log"; }
 # The results written so far in this part (and any PNG), in one file.
-pack() { find benchmarks/results -type f -newer "$stamp" -print0 | tar czf "$out/results.tgz" --null -T - 2>>"$log"; }
+pack() { find benchmarks/results -type f -newer "$stamp" -print0 | tar czf "$out/results-$part.tgz" --null -T - 2>>"$log"; }
 # run SECONDS CMD...: one step under its own time limit, its output in the log; a failure does not stop the part
 run() {
   local limit=$1; shift
@@ -116,4 +116,4 @@ case $part in
 esac
 
 pack
-say "done; results.tgz holds: $(tar tzf "$out/results.tgz" | tr '\n' ' ')"
+say "done; results-$part.tgz holds: $(tar tzf "$out/results-$part.tgz" | tr '\n' ' ')"

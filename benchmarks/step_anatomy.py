@@ -109,8 +109,9 @@ def _timed(engine: Any, spec: RunSpec, variant: str, row: dict[str, Any], ids: l
     from megatrain.tools.trace_anatomy import anatomy, profile_kwargs
 
     cuda = spec.device == "cuda"
-    if cuda:
+    if cuda:  # this configuration's peaks alone, GPU and pinned host memory
         torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_host_memory_stats()
     breakdowns, steps = [], []
     for i in range(args.warmup + args.steps):
         if i >= args.warmup:

@@ -102,6 +102,7 @@ def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = N
                one_process: bool = True) -> list[Plan]:
     """Every plan the search considers, before the loss chunk is chosen (chunk = micro-batch tokens).
 
+    On a GPU in bf16 / fp16 each comes twice, with the weights rounded on the host and on the device (``casts``).
     Spill plans only where the workload names a spill directory (the search never picks one) and ``hw``
     has the disk's figures to time them with; a forced spill without those figures is refused. A CPU device
     (``hw``) in ``one_process`` gets ``host_device_choices``; data-parallel ranks copy and gather as on a GPU.
@@ -137,7 +138,7 @@ def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = N
                                                 spill_staging=staging, **spill_io_choices(hw),
                                                 **host_device_choices(host, mode, spill),
                                                 **({} if spill == "none" else {"spill_chunk_bytes": chunk})))
-    return out
+    return [p for plan in out for p in casts(plan, work, hw)]
 
 
 def _chunks(tokens: int) -> list[int]:
@@ -244,7 +245,7 @@ def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile,
     ``ranks``, one rank's plans, timed at its share of the batch."""
     fit, misfit = [], []
     rank = _rank(work, ranks)
-    for plan in (p for candidate in candidates(model, rank, hw, ranks is None) for p in casts(candidate, work, hw)):
+    for plan in candidates(model, rank, hw, ranks is None):
         choice = _fit_chunk(model, work, plan, hw, ranks)
         if not choice.feasible:
             misfit.append(choice)
@@ -262,7 +263,7 @@ def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile,
 def casts(plan: Plan, work: Workload, hw: HardwareProfile | None) -> tuple[Plan, ...]:
     """A candidate, and on a GPU in bf16 / fp16 the same with the weights rounded on the device
     (``Plan.weights_cast``: no rounding pass in the CPU AdamW and no shadow in RAM, 4 bytes a weight over PCIe
-    instead of 2), fitted and timed as a candidate of its own; not where masters may spill (spill "all")."""
+    instead of 2), a candidate of its own; not where masters may spill (spill "all")."""
     if hw is None or hw.device_is_host or work.compute_bytes == 4 or plan.spill == "all" or master_spills(plan):
         return (plan,)
     return plan, plan.replace(weights_cast="device")
@@ -297,8 +298,7 @@ def search(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks 
 def fits(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks = None) -> bool:
     """Whether any plan fits every budget (memory only; nothing is timed). Memory grows with the loss
     chunk, so each candidate is tried with its smallest chunk only."""
-    rank = _rank(work, ranks)
-    for plan in (p for candidate in candidates(model, rank, hw, ranks is None) for p in casts(candidate, rank, hw)):
+    for plan in candidates(model, _rank(work, ranks), hw, ranks is None):
         p = fill(model, work, plan, hw, ranks).replace(
             loss_chunk_tokens=_chunks(plan.micro_batch_size * work.seq_len)[-1])
         if not overruns(_memory(model, work, p, hw, ranks), work, hw, ranks):
@@ -354,8 +354,7 @@ def minimum_memory(model: ModelShape, work: Workload, hw: HardwareProfile,
     with the smallest loss chunk: what ``megatrain-plan size`` reports as the minimum to buy. With
     ``ranks``, one rank's memory (a node holds G of it)."""
     best: dict[str, PlanChoice] = {}
-    rank = _rank(work, ranks)
-    for plan in (p for candidate in candidates(model, rank, hw, ranks is None) for p in casts(candidate, rank, hw)):
+    for plan in candidates(model, _rank(work, ranks), hw, ranks is None):
         p = plan.replace(loss_chunk_tokens=min(LOSS_CHUNKS[-1], plan.loss_chunk_tokens))
         mem = _memory(model, work, p, hw, ranks)
         keys = [("gpu", mem.device_bytes), ("host", mem.host_bytes)]

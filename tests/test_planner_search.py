@@ -50,10 +50,8 @@ workloads = st.builds(Workload, seq_len=st.sampled_from([128, 1000, 2048, 4096, 
 
 
 def _grouped_candidates(model: ModelShape, work: Workload, hw: HardwareProfile) -> list[Plan]:
-    """Every candidate (with each weights cast the search tries) in the expert groups the search gives it (a sparse
-    model's layers may stream in parts)."""
-    return [search.expert_groups(model, work, plan, hw) for candidate in search.candidates(model, work, hw)
-            for plan in search.casts(candidate, work, hw)]
+    """Every candidate in the expert groups the search gives it (a sparse model's layers may stream in parts)."""
+    return [search.expert_groups(model, work, plan, hw) for plan in search.candidates(model, work, hw)]
 
 
 @settings(max_examples=examples(100))

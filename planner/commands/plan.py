@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from .. import cli_args, data_parallel_report, disk_space, model_shapes, report, report_plan
+from ..cost_model import CostEstimate
 from ..model_shapes import ModelShape
 from ..plan_request import ChosenPlan, PlanRequest, choose_plan
 from ..search import TIME_TOLERANCE, InfeasibleError, Ranks
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> None:
     report.emit(args.json, data, text)
 
 
-def clipping_cost(model: ModelShape, work: Workload, chosen: ChosenPlan, ranks: Ranks) -> Any:
+def clipping_cost(model: ModelShape, work: Workload, chosen: ChosenPlan, ranks: Ranks) -> CostEstimate | None:
     """The cost estimate of the same workload without clipping, where the CPU AdamW bounds the clipped step and
     the plan without it (eager updates during backward) is faster beyond the search's tolerance; else None."""
     cost = chosen.choice.cost
