@@ -6,6 +6,7 @@ files). Each log is checked against a hand-written expectation."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 
 import pytest
 import torch
@@ -190,3 +191,96 @@ def test_a_chunk_waits_while_its_block_is_held_for_the_step_before(files) -> Non
     assert _ops(log) == [("spill_write", 1, 2, 1024, ""), ("spill_write", 1, 2, 2048, ""),
                          ("spill_read", 2, 2, 0, "ahead"), ("spill_read", 2, 2, 1024, "ahead"),
                          ("spill_read", 2, 2, 2048, "ahead")]
+
+
+class _GatedIO(PosixIO):
+    """POSIX I/O whose writes land only while ``gate`` is set: a staging set stays in write-back at will."""
+
+    def __init__(self, threads: int) -> None:
+        super().__init__(threads)
+        self.gate = threading.Event()
+        self.gate.set()
+        self._held = cf.ThreadPoolExecutor(max_workers=1)
+
+    def write(self, handle: int, offset: int, src: torch.Tensor) -> cf.Future:
+        landed: cf.Future = cf.Future()
+
+        def run() -> None:
+            self.gate.wait()
+            try:
+                PosixIO.write(self, handle, offset, src).result()
+                landed.set_result(None)
+            except BaseException as e:
+                landed.set_exception(e)
+        self._held.submit(run)
+        return landed
+
+    def close(self) -> None:
+        self.gate.set()
+        self._held.shutdown(wait=True)
+        super().close()
+
+
+@pytest.fixture
+def gated(tmp_path, request):
+    io = _GatedIO(threads=request.param)
+    files = SpillFiles(NUMELS, PLACEMENT, str(tmp_path), io, staging=3, chunk_bytes=4096)
+    for kind, blocks in PLACEMENT.items():
+        for b in blocks:
+            files.write_block(kind, b, _values(kind, b, 0.0))
+    yield io, files
+    io.gate.set()
+    files.flush()
+    files.close()
+
+
+def _woken_reads(ahead: ReadAhead, log: EventLog, woken: threading.Event, count: int) -> list[tuple]:
+    """Read ahead at each wake (a transfer landed, or a set came back) until ``count`` chunks are read."""
+    ops: list[tuple] = []
+    while len(ops) < count:
+        assert woken.wait(timeout=30), f"no wake after {ops}"
+        woken.clear()
+        ahead.read_ahead(woken.set)
+        ops += _ops(log)
+    return ops
+
+
+@pytest.mark.parametrize("gated", [4], indirect=True)
+def test_with_a_wake_the_read_ahead_never_waits_for_a_set_being_written_back(gated) -> None:
+    io, files = gated
+    ahead, log = _reader(files)
+    _whole_step(ahead, 1)
+    ahead.read_ahead()  # no wake: waits for the sets step 1 wrote back, and reads step 2's first three chunks
+    io.gate.clear()
+    ahead.taken(2, 2)
+    first = ahead.stage(2, 2, 0, 1024, grads=True)
+    assert first is not None
+    cf.wait(first.reads)
+    ahead.write_behind(2, 2, 1024, first)  # its set stays in write-back while the gate is shut
+    _ops(log)
+    woken = threading.Event()
+    ahead.read_ahead(woken.set)  # room for one more chunk, but no set free: returns at once, nothing read
+    assert _ops(log) == [] and not woken.is_set()
+    io.gate.set()  # the writes land, the set is back: the worker is woken and reads the next chunk ahead
+    assert _woken_reads(ahead, log, woken, 1) == [("spill_read", 2, 1, 0, "ahead")]
+    ahead.drop()
+
+
+@pytest.mark.parametrize("gated", [2], indirect=True)
+def test_with_a_wake_the_read_ahead_reads_only_into_the_disks_idle_time(gated) -> None:
+    io, files = gated
+    ahead, log = _reader(files)
+    _whole_step(ahead, 1)
+    for index in [files.staging.acquire() for _ in range(3)]:  # every set back from step 1's writes
+        files.staging.release(index)
+    _ops(log)
+    io.gate.clear()
+    for lo in (0, 1024):  # two transfers in flight that are not reads ahead (a load's reads, say)
+        files.write_async(M, 0, _values(M, 0, 0.0)[lo:lo + 1024], lo, 1024)
+    woken = threading.Event()
+    ahead.read_ahead(woken.set)  # three sets free, but the disk is busy: nothing read
+    assert _ops(log) == [] and not woken.is_set()
+    io.gate.set()  # as transfers land, the chunks in order (two reads each: a chunk fills the disk again)
+    assert _woken_reads(ahead, log, woken, 3) == [("spill_read", 2, 2, 0, "ahead"), ("spill_read", 2, 2, 1024, "ahead"),
+                                                  ("spill_read", 2, 2, 2048, "ahead")]
+    ahead.drop()

@@ -62,10 +62,13 @@ from megatrain.planner.buffer_kinds import BufferKind
 
 from megatrain.runtime.state.host_store import HostStore
 from megatrain.runtime.spill.read_ahead import ReadAhead
-from megatrain.runtime.spill.spill_files import Staged
+from megatrain.runtime.spill.staging_pool import Staged
 from megatrain.runtime.device.streams import Event
 from megatrain.runtime.model.templates import BlockLayout
 from megatrain.runtime.pipeline.stochastic_rounding import WIDEN_ELEMENTS, noise_seed, round_stochastic, widened_pieces
+
+
+_WAKE = object()  # in the job queue: a staging set is back or a transfer landed ([Note: spill read-ahead])
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,9 @@ class AdamWorker:
         self.store = store
         self.inline = inline
         self.log = log
-        self._jobs: queue.Queue[AdamJob | None] = queue.Queue(maxsize=len(order) + 1)
+        # A job per block, the closing None, and one wake-up (``_nudge``): a job's put never waits for a wake-up.
+        self._jobs: queue.Queue[AdamJob | object | None] = queue.Queue(maxsize=len(order) + 2)
+        self._nudged = False  # a wake-up is queued, not yet taken
         self._updated = [0] * len(order)  # last step whose update of block b is complete
         self._cond = threading.Condition()
         # Per step: seconds the worker spent updating (not waiting for drains or reads), and jobs done.
@@ -131,6 +136,16 @@ class AdamWorker:
                 self._cond.notify_all()
             raise
         self._done(job)
+
+    def _nudge(self) -> None:
+        """A staging set is back, or a transfer landed, while the read-ahead waits for it: wake the worker (from
+        the I/O thread that did it) if it waits for a job, so it reads ahead."""
+        if not self._nudged:
+            self._nudged = True
+            try:
+                self._jobs.put_nowait(_WAKE)
+            except queue.Full:  # cannot happen within the bound; the worker takes jobs and reads ahead anyway
+                pass
 
     def wait_updated(self, block: int, step: int) -> None:
         """Block until block's update for ``step`` (and all before it) is done."""
@@ -200,11 +215,16 @@ class AdamWorker:
                         try:
                             job = self._jobs.get_nowait()
                         except queue.Empty:
+                            job = _WAKE
+                        if job is _WAKE:  # the queue is dry: the next chunks in order, into the sets free now
+                            self._nudged = False
                             if ahead is not None:
-                                ahead.read_ahead()  # the queue is dry: the next step's first chunks
+                                ahead.read_ahead(self._nudge)
                             if inflight:
                                 break
                             job = self._jobs.get()
+                            if job is _WAKE:
+                                continue
                         if job is None:
                             closing = True
                             continue

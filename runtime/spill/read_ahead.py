@@ -27,6 +27,14 @@ job that comes takes its set and adds the gradient reads
 order changed), or after a cold-path write to the files (their ``version`` moved
 since the read), drops everything read ahead (``discard``) and is read afresh.
 
+A read ahead never makes the worker or the disk wait (``read_ahead(wake)``): it
+takes only a set free now, never one still being written back (the worker may
+have updates to run: waiting there had held the last block's update for seconds
+behind writes), and reads only into the disk's idle time (``_disk_idle``: a
+chunk only when nothing is in flight), so the reads of a load and the writes of an
+update queue behind one chunk's reads ahead at most, never behind a step's worth of
+them. When either stops it, ``wake`` runs once the set is back or a transfer lands.
+
 Bound: the plan's ``spill_staging`` staging sets, the chunks read ahead and those in
 flight together: at most ``spill_staging`` x spilled kinds x one chunk
 (``spill_chunk_numel`` x the kind's element bytes: 4, or 2 for bf16 m and v) of
@@ -38,12 +46,13 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from megatrain.planner.buffer_kinds import BufferKind
 
 from megatrain.runtime.device.event_log import EventLog
-from megatrain.runtime.spill.spill_files import SpillFiles, Staged
+from megatrain.runtime.spill.spill_files import SpillFiles
+from megatrain.runtime.spill.staging_pool import Staged
 
 
 class Piece(NamedTuple):
@@ -95,24 +104,40 @@ class ReadAhead:
             self._next = collections.deque(
                 Piece(step + 1, b, lo, n) for b in self.order if files.spilled(b) for lo, n in files.chunks(b))
 
-    def read_ahead(self) -> None:
+    def read_ahead(self, wake: Callable[[], None] | None = None) -> None:
         """Read the next step's first chunks' master, m and v ahead into the sets the worker does not hold (up to
-        ``depth`` held in all); a chunk whose block still has a chunk held for the step before waits its turn."""
+        ``depth`` held in all); a chunk whose block still has a chunk held for the step before waits its turn.
+        A set still being written back is waited for; with ``wake``, never: the read-ahead stops there and
+        ``wake`` is called once a set is back (the worker has updates to run meanwhile). With ``wake`` it also
+        reads only into the disk's idle time (``_disk_idle``), and ``wake`` is called when a transfer
+        lands, so the reads of loads and the writes of updates never queue behind a step's worth of reads
+        ahead."""
         while self._next and len(self._ahead) + len(self._held) < self.depth:
             piece = self._next[0]
             if any(b == piece.block and s != piece.step for s, b in self._held):
                 return
-            self._next.popleft()
+            if wake is not None and not self._disk_idle(wake):
+                return
             kinds = [k for k in self.files.spilled(piece.block) if k is not BufferKind.GRADS]
             t0 = time.perf_counter()
             version = self.files.version
-            staged = self.files.stage(piece.block, piece.lo, piece.n, kinds)
+            staged = self.files.stage(piece.block, piece.lo, piece.n, kinds, wake)
             self.wait_seconds += time.perf_counter() - t0
+            if staged is None:
+                return
+            self._next.popleft()
             self._ahead.append((piece, version, staged))
             if BufferKind.MASTER in kinds:  # a load of the block for this step may copy it ([Note: lent masters])
                 self.files.lent.offer(*piece[:3], staged.buffers[BufferKind.MASTER],
                                       staged.reads[kinds.index(BufferKind.MASTER)], version)
             self.log.record("spill_read", piece.step, piece.block, lo=piece.lo, phase="ahead")
+
+    def _disk_idle(self, wake: Callable[[], None]) -> bool:
+        """Nothing in flight on the disk: what a load or an update asks for next waits behind one chunk's reads
+        ahead at most. ``wake`` is called once the next transfer lands (registered before the look, so one that
+        lands meanwhile is not missed; a wake-up after a look that found the disk idle costs one more look)."""
+        self.files.io_clock.when_done(wake)
+        return self.files.io_clock.inflight == 0
 
     def stage(self, step: int, block: int, lo: int, n: int, grads: bool) -> Staged | None:
         """Block ``block``'s spilled kinds, elements [lo, lo + n), on their way into a staging set for ``step``'s
@@ -128,6 +153,7 @@ class ReadAhead:
             staged = self.files.stage_more(block, n, ahead, [k for k in kinds if k not in ahead.buffers])
         else:
             staged = self.files.stage(block, lo, n, kinds)
+            assert staged is not None  # it waited for a set
             self.log.record("spill_read", step, block, lo=lo)
         self.wait_seconds += time.perf_counter() - t0
         self._held.append((step, block))

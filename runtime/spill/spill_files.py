@@ -41,11 +41,9 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
-import queue
 import shutil
 import threading
-import time
-from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -53,83 +51,13 @@ from megatrain.planner.buffer_kinds import (MOMENT_KINDS, STATE_KINDS, BufferKin
                                             spill_chunk_numel, spill_chunks)
 
 from megatrain.runtime.spill import spill_dirs
+from megatrain.runtime.spill.busy_clock import BusyClock
 from megatrain.runtime.spill.lent_masters import LentMasters
+from megatrain.runtime.spill.staging_pool import Staged, StagingPool
 from megatrain.runtime.spill.spill_io import FileIO, SpillSpaceError, aligned_empty
 
 if TYPE_CHECKING:
     from megatrain.runtime.device.streams import Event
-
-
-class BusyClock:
-    """Seconds during which at least one transfer of a kind was in flight (the union of their intervals),
-    cumulative: the disk's busy time, read as a difference over a step."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._inflight = 0
-        self._since = 0.0
-        self._total = 0.0
-
-    def track(self, future: cf.Future) -> cf.Future:
-        with self._lock:
-            if self._inflight == 0:
-                self._since = time.perf_counter()
-            self._inflight += 1
-        future.add_done_callback(self._done)
-        return future
-
-    def _done(self, _: cf.Future) -> None:
-        with self._lock:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._total += time.perf_counter() - self._since
-
-    @property
-    def seconds(self) -> float:
-        with self._lock:
-            return self._total + (time.perf_counter() - self._since if self._inflight else 0.0)
-
-
-class StagingPool:
-    """Bounded sets of aligned host buffers, one per spilled kind in its dtype, between spill files and CPU AdamW.
-
-    Bound: ``count`` sets x the sum over spilled kinds of one chunk (``spill_chunk_numel`` elements: min(plan
-    chunk, largest block rounded up to 4 KiB) / 4) x the kind's element bytes, rounded up to 4 KiB; never the
-    largest block when that is larger than a chunk.
-    """
-
-    def __init__(self, count: int, dtypes: Mapping[BufferKind, torch.dtype], chunk_numel: int) -> None:
-        self._sets = [{k: aligned_empty(spill_block_bytes(chunk_numel, dt.itemsize)).view(dt)
-                       for k, dt in dtypes.items()} for _ in range(count)]
-        self._free: queue.Queue[int] = queue.Queue()
-        for i in range(count):
-            self._free.put(i)
-
-    @property
-    def count(self) -> int:
-        return len(self._sets)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self._sets for t in s.values())
-
-    def acquire(self) -> int:
-        return self._free.get()
-
-    def buffers(self, index: int) -> dict[BufferKind, torch.Tensor]:
-        return self._sets[index]
-
-    def release(self, index: int) -> None:
-        self._free.put_nowait(index)
-
-
-class Staged(NamedTuple):
-    """One chunk of a block's spilled state on its way into a staging set (see [Note: spill pipeline])."""
-
-    index: int  # the staging set
-    lo: int  # the chunk's first element in its block
-    buffers: dict[BufferKind, torch.Tensor]  # its buffers, one per kind of the block read from its file (its dtype)
-    reads: list[cf.Future]  # the reads issued ahead into them
 
 
 class SpillFiles:
@@ -305,10 +233,14 @@ class SpillFiles:
             self.version += 1
 
     # ---- the AdamW pipeline (see [Note: spill pipeline]) -----------------------------------
-    def stage(self, b: int, lo: int, n: int, kinds: Sequence[BufferKind]) -> Staged:
-        """Take a staging set (waits while every set is still being written back) and read block b's
-        ``kinds`` (spilled ones of this block), elements [lo, lo + n), into it ahead."""
-        index = self.staging.acquire()
+    def stage(self, b: int, lo: int, n: int, kinds: Sequence[BufferKind],
+              wake: Callable[[], None] | None = None) -> Staged | None:
+        """Take a staging set (waits while every set is still being written back) and read block b's ``kinds``
+        (spilled ones of this block), elements [lo, lo + n), into it ahead. With ``wake``, None at once when no
+        set is free, and ``wake`` is called when one is back."""
+        index = self.staging.acquire(wake)
+        if index is None:
+            return None
         buffers = {k: self.staging.buffers(index)[k] for k in kinds}
         return Staged(index, lo, buffers, [self.read_async(k, b, buffers[k], lo, n) for k in kinds])
 

@@ -37,7 +37,8 @@ from megatrain.planner.buffer_kinds import (MOMENT_KINDS, BufferKind, Placement,
                                             spill_chunk_multiple, spill_chunk_numel, spilled_kinds)
 
 from megatrain.runtime.errors import ConfigError
-from megatrain.runtime.spill.spill_files import SpillFiles, StagingPool
+from megatrain.runtime.spill.spill_files import SpillFiles
+from megatrain.runtime.spill.staging_pool import StagingPool
 from megatrain.runtime.spill.spill_io import FileIO
 from megatrain.runtime.model.templates import Block
 
