@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -167,6 +168,40 @@ def test_posix_backend_round_trips_at_any_offset(tmp_path_factory, data):
         assert torch.equal(part, expected[offset:])
     finally:
         io.close()
+
+
+def test_a_loads_read_runs_before_the_transfers_queued_ahead_of_it(tmp_path, monkeypatch):
+    """PosixIO's one thread busy with a write: a read issued ``first`` (a load's, which compute waits for) runs
+    before the writes queued earlier, and those keep their order."""
+    io = PosixIO(threads=1)
+    started, gate, ran = threading.Event(), threading.Event(), []
+    real_write, real_read = os.pwritev, os.preadv
+
+    def write(fd, buffers, offset):
+        if not ran:
+            started.set()
+            gate.wait(timeout=30)
+        ran.append(("write", offset))
+        return real_write(fd, buffers, offset)
+
+    def read(fd, buffers, offset):
+        ran.append(("read", offset))
+        return real_read(fd, buffers, offset)
+    try:
+        handle = io.open(str(tmp_path / "f.bin"), 4 * DIRECT_ALIGN)
+        monkeypatch.setattr(os, "pwritev", write)
+        monkeypatch.setattr(os, "preadv", read)
+        src = aligned_empty(DIRECT_ALIGN)
+        writes = [io.write(handle, 0, src)]
+        assert started.wait(timeout=30)  # the thread is in the first write: the rest queue
+        writes += [io.write(handle, i * DIRECT_ALIGN, src) for i in (1, 2)]
+        load = io.read(handle, 3 * DIRECT_ALIGN, aligned_empty(DIRECT_ALIGN), first=True)
+        gate.set()
+        for f in [*writes, load]:
+            f.result()
+    finally:
+        io.close()
+    assert ran == [("write", 0), ("read", 3 * DIRECT_ALIGN), ("write", DIRECT_ALIGN), ("write", 2 * DIRECT_ALIGN)]
 
 
 def test_trains_a_model_whose_state_is_1_5x_the_ram_allowed(tmp_path):

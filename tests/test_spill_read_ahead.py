@@ -49,7 +49,7 @@ PLANS = [Plan(spill="all", spill_dir=SPILL_DIR, spill_staging=3, spill_chunk_byt
 @pytest.mark.parametrize("plan", PLANS, ids=["all-deferred", "optimizer-eager", "blocks-deferred", "head-only"])
 def test_reads_run_ahead_across_the_step_boundary_in_order_and_bounded(plan: Plan, tmp_path) -> None:
     steps = 3
-    log, pieces = _spill_log(plan.replace(spill_dir=str(tmp_path)), steps)
+    log, pieces = _spill_log(plan.replace(spill_dir=str(tmp_path)), steps, pause=0.3)
     at = {}
     for i, e in enumerate(log):
         if not e.op.startswith(("spill_", "adam_")):

@@ -19,6 +19,7 @@ in load order, one at a time:
    - on a CPU straight into the slot (4 KiB-aligned, O_DIRECT where the
      filesystem takes it), every chunk in flight at once on the I/O threads;
      compute waits for the reads (``landed``'s result: exposed disk time);
+     a load's reads go before the transfers queued for AdamW (``first``);
    - on CUDA through two pinned bounce buffers of one spill chunk each, the H2D
      copy of one on the h2d stream overlapping the read of the next; the job
      records the slot's ``loaded`` event after its last copy, before ``landed``
@@ -137,7 +138,7 @@ class SpilledLoads:
             return step is not None and files.lent.copy(step, block, lo, dst, files.version)
 
         if not self.bounce:
-            return [files.read_async(BufferKind.MASTER, block, out[lo:lo + n], lo, n, exact=True)
+            return [files.read_async(BufferKind.MASTER, block, out[lo:lo + n], lo, n, exact=True, first=True)
                     for lo, n in files.chunks(block) if lo not in skip and not lent(lo, out[lo:lo + n])]
         if not self._buffers:
             self._buffers = [_bounce_buffer(files.chunk_numel, self.streams.cuda) for _ in range(2)]
@@ -148,7 +149,7 @@ class SpilledLoads:
                 if self._copied[k] is not None:
                     self._copied[k].synchronize()  # the H2D copy that last read this bounce buffer
                 if not lent(lo, self._buffers[k][:n]):
-                    files.read_async(BufferKind.MASTER, block, self._buffers[k], lo, n).result()
+                    files.read_async(BufferKind.MASTER, block, self._buffers[k], lo, n, first=True).result()
                 out[lo:lo + n].copy_(self._buffers[k][:n], non_blocking=True)
                 self._copied[k] = self.streams.recorded(self.streams.h2d)
         if loaded is not None:

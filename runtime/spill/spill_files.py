@@ -142,15 +142,16 @@ class SpillFiles:
         return self.file_offsets[kind][b] + lo * self.element[kind]
 
     def read_async(self, kind: BufferKind, b: int, out: torch.Tensor, lo: int = 0, n: int | None = None,
-                   exact: bool = False) -> cf.Future:
+                   exact: bool = False, first: bool = False) -> cf.Future:
         """Block b's ``kind`` elements [lo, lo + n) (default: the whole block) into ``out`` (the kind's dtype),
-        after the block's pending writes. ``out`` holds the 4 KiB-rounded span, or, ``exact``, just n elements."""
+        after the block's pending writes. ``out`` holds the 4 KiB-rounded span, or, ``exact``, just n elements;
+        ``first``: a load's read, before the transfers queued (``FileIO.read``)."""
         n = self.numels[b] - lo if n is None else n
         self.wait_write(kind, b)
         assert self.io is not None and out.dtype == self.dtypes[kind]
         nbytes = n * self.element[kind] if exact else self._span(kind, b, lo, n)
         return self._timed(self.read_clock, self.io.read(self.files[kind], self._offset(kind, b, lo),
-                                                         out.view(torch.uint8)[:nbytes]))
+                                                         out.view(torch.uint8)[:nbytes], first))
 
     def _timed(self, clock: BusyClock, future: cf.Future) -> cf.Future:
         return self.io_clock.track(clock.track(future))

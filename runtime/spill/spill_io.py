@@ -1,7 +1,8 @@
 """Asynchronous file I/O for the NVMe tier: a small interface and two backends.
 
 ``PosixIO``: a bounded thread pool running ``os.preadv`` / ``os.pwritev`` (they
-release the GIL), looping over short transfers. Each file is opened twice: a
+release the GIL), looping over short transfers; a load's reads (``first``: compute
+waits for them) run before the transfers queued earlier, each kind in the order issued. Each file is opened twice: a
 buffered descriptor for anything, and, where the filesystem takes it, an
 ``O_DIRECT`` one used for transfers whose buffer address, offset and length are
 all multiples of ``SPILL_ALIGN`` (the staging buffers are allocated so). A
@@ -21,8 +22,11 @@ from __future__ import annotations
 import concurrent.futures as cf
 import ctypes
 import errno
+import itertools
 import os
-from typing import Protocol
+import queue
+import threading
+from typing import Callable, Protocol
 
 import torch
 
@@ -43,9 +47,46 @@ class FileIO(Protocol):
     name: str
 
     def open(self, path: str, nbytes: int) -> int: ...
-    def read(self, handle: int, offset: int, out: torch.Tensor) -> cf.Future: ...
+    def read(self, handle: int, offset: int, out: torch.Tensor, first: bool = False) -> cf.Future: ...
     def write(self, handle: int, offset: int, src: torch.Tensor) -> cf.Future: ...
     def close(self) -> None: ...
+
+
+class _TransferPool:
+    """``threads`` threads running queued transfers: those submitted ``first`` before the rest, each kind in the
+    order submitted. Bound: ``threads`` transfers at once; the queue holds what callers issued (each caller bounds
+    its own: a load's chunks, the staging sets' reads and writes)."""
+
+    def __init__(self, threads: int) -> None:
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._threads = [threading.Thread(target=self._run, name=f"megatrain-io-{i}", daemon=True)
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, first: bool, fn: Callable[..., None], *args: object) -> cf.Future:
+        future: cf.Future = cf.Future()
+        self._queue.put((0 if first else 1, next(self._order), fn, args, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            _, _, fn, args, future = self._queue.get()
+            if fn is None:
+                return
+            future.set_running_or_notify_cancel()
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:
+                future.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Run what is queued, then stop every thread."""
+        for _ in self._threads:
+            self._queue.put((2, next(self._order), None, (), None))
+        for t in self._threads:
+            t.join()
 
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
@@ -99,7 +140,7 @@ class PosixIO:
         (None: as ``direct``). A read after an O_DIRECT write of the same range is coherent: the write drops the
         range from the page cache."""
         # Bound: ``threads`` transfers run at once; the rest wait in the pool's queue.
-        self._pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="megatrain-io")
+        self._pool = _TransferPool(threads)
         self._direct_writes = direct
         self._direct_reads = direct if direct_reads is None else direct_reads
         self._want_direct = self._direct_writes or self._direct_reads
@@ -140,11 +181,11 @@ class PosixIO:
             return direct
         return fd
 
-    def read(self, handle: int, offset: int, out: torch.Tensor) -> cf.Future:
-        return self._pool.submit(self._transfer, os.preadv, handle, offset, out)
+    def read(self, handle: int, offset: int, out: torch.Tensor, first: bool = False) -> cf.Future:
+        return self._pool.submit(first, self._transfer, os.preadv, handle, offset, out)
 
     def write(self, handle: int, offset: int, src: torch.Tensor) -> cf.Future:
-        return self._pool.submit(self._transfer, os.pwritev, handle, offset, src)
+        return self._pool.submit(False, self._transfer, os.pwritev, handle, offset, src)
 
     def _transfer(self, op, handle: int, offset: int, t: torch.Tensor) -> None:
         fd = self._fd_for(handle, offset, t, write=op is os.pwritev)
@@ -164,7 +205,7 @@ class PosixIO:
             done += n
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown()
         for fd, direct, _ in self._fds:
             os.close(fd)
             if direct is not None:
@@ -207,8 +248,8 @@ class KvikioIO:
                 raise SpillError(f"spill {method} on {path} at byte {offset} moved {done} of {buf.nbytes} bytes")
         return self._waiters.submit(wait)
 
-    def read(self, handle: int, offset: int, out: torch.Tensor) -> cf.Future:
-        return self._submit("pread", handle, offset, out)
+    def read(self, handle: int, offset: int, out: torch.Tensor, first: bool = False) -> cf.Future:
+        return self._submit("pread", handle, offset, out)  # kvikio's own pool orders its transfers
 
     def write(self, handle: int, offset: int, src: torch.Tensor) -> cf.Future:
         return self._submit("pwrite", handle, offset, src)
