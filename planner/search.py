@@ -263,8 +263,8 @@ def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile,
 def casts(plan: Plan, work: Workload, hw: HardwareProfile | None) -> tuple[Plan, ...]:
     """A candidate, and on a GPU in bf16 / fp16 the same with the weights rounded on the device
     (``Plan.weights_cast``: no rounding pass in the CPU AdamW and no shadow in RAM, 4 bytes a weight over PCIe
-    instead of 2), a candidate of its own; not where masters may spill (spill "all")."""
-    if hw is None or hw.device_is_host or work.compute_bytes == 4 or plan.spill == "all" or master_spills(plan):
+    instead of 2), a candidate of its own; not where a master spills."""
+    if hw is None or hw.device_is_host or work.compute_bytes == 4 or master_spills(plan):
         return (plan,)
     return plan, plan.replace(weights_cast="device")
 

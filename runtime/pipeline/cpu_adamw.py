@@ -68,7 +68,7 @@ from megatrain.runtime.model.templates import BlockLayout
 from megatrain.runtime.pipeline.stochastic_rounding import WIDEN_ELEMENTS, noise_seed, round_stochastic, widened_pieces
 
 
-_WAKE = object()  # in the job queue: a staging set is back or a transfer landed ([Note: spill read-ahead])
+_WAKE = object()  # in the job queue: a transfer landed, the disk may be idle ([Note: spill read-ahead])
 
 
 @dataclass(frozen=True)
@@ -138,8 +138,8 @@ class AdamWorker:
         self._done(job)
 
     def _nudge(self) -> None:
-        """A staging set is back, or a transfer landed, while the read-ahead waits for it: wake the worker (from
-        the I/O thread that did it) if it waits for a job, so it reads ahead."""
+        """A transfer landed while the read-ahead waits for an idle disk: wake the worker (from the I/O thread
+        that ran it) if it waits for a job, so it reads ahead."""
         if not self._nudged:
             self._nudged = True
             try:

@@ -28,12 +28,12 @@ order changed), or after a cold-path write to the files (their ``version`` moved
 since the read), drops everything read ahead (``discard``) and is read afresh.
 
 A read ahead never makes the worker or the disk wait (``read_ahead(wake)``): it
-takes only a set free now, never one still being written back (the worker may
-have updates to run: waiting there had held the last block's update for seconds
-behind writes), and reads only into the disk's idle time (``_disk_idle``: a
-chunk only when nothing is in flight), so the reads of a load and the writes of an
-update queue behind one chunk's reads ahead at most, never behind a step's worth of
-them. When either stops it, ``wake`` runs once the set is back or a transfer lands.
+reads a chunk only when nothing is in flight on the disk (``_disk_idle``), so the
+reads of a load and the writes of an update queue behind one chunk's reads ahead
+at most, never behind a step's worth of them; and with nothing in flight no set is
+being written back, so it never waits for one while the worker has updates to run
+(waiting there had held the last block's update for seconds behind writes). When
+the disk is busy, ``wake`` runs once a transfer lands.
 
 Bound: the plan's ``spill_staging`` staging sets, the chunks read ahead and those in
 flight together: at most ``spill_staging`` x spilled kinds x one chunk
@@ -107,11 +107,9 @@ class ReadAhead:
     def read_ahead(self, wake: Callable[[], None] | None = None) -> None:
         """Read the next step's first chunks' master, m and v ahead into the sets the worker does not hold (up to
         ``depth`` held in all); a chunk whose block still has a chunk held for the step before waits its turn.
-        A set still being written back is waited for; with ``wake``, never: the read-ahead stops there and
-        ``wake`` is called once a set is back (the worker has updates to run meanwhile). With ``wake`` it also
-        reads only into the disk's idle time (``_disk_idle``), and ``wake`` is called when a transfer
-        lands, so the reads of loads and the writes of updates never queue behind a step's worth of reads
-        ahead."""
+        With ``wake`` it reads only into the disk's idle time (``_disk_idle``; ``wake`` is called when a
+        transfer lands), so the reads of loads and the writes of updates never queue behind a step's worth of
+        reads ahead; without, it reads as far as the sets allow, waiting for those being written back."""
         while self._next and len(self._ahead) + len(self._held) < self.depth:
             piece = self._next[0]
             if any(b == piece.block and s != piece.step for s, b in self._held):
@@ -121,10 +119,8 @@ class ReadAhead:
             kinds = [k for k in self.files.spilled(piece.block) if k is not BufferKind.GRADS]
             t0 = time.perf_counter()
             version = self.files.version
-            staged = self.files.stage(piece.block, piece.lo, piece.n, kinds, wake)
+            staged = self.files.stage(piece.block, piece.lo, piece.n, kinds)
             self.wait_seconds += time.perf_counter() - t0
-            if staged is None:
-                return
             self._next.popleft()
             self._ahead.append((piece, version, staged))
             if BufferKind.MASTER in kinds:  # a load of the block for this step may copy it ([Note: lent masters])
@@ -153,7 +149,6 @@ class ReadAhead:
             staged = self.files.stage_more(block, n, ahead, [k for k in kinds if k not in ahead.buffers])
         else:
             staged = self.files.stage(block, lo, n, kinds)
-            assert staged is not None  # it waited for a set
             self.log.record("spill_read", step, block, lo=lo)
         self.wait_seconds += time.perf_counter() - t0
         self._held.append((step, block))

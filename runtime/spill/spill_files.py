@@ -234,14 +234,10 @@ class SpillFiles:
             self.version += 1
 
     # ---- the AdamW pipeline (see [Note: spill pipeline]) -----------------------------------
-    def stage(self, b: int, lo: int, n: int, kinds: Sequence[BufferKind],
-              wake: Callable[[], None] | None = None) -> Staged | None:
-        """Take a staging set (waits while every set is still being written back) and read block b's ``kinds``
-        (spilled ones of this block), elements [lo, lo + n), into it ahead. With ``wake``, None at once when no
-        set is free, and ``wake`` is called when one is back."""
-        index = self.staging.acquire(wake)
-        if index is None:
-            return None
+    def stage(self, b: int, lo: int, n: int, kinds: Sequence[BufferKind]) -> Staged:
+        """Take a staging set (waits while every set is still being written back) and read block b's
+        ``kinds`` (spilled ones of this block), elements [lo, lo + n), into it ahead."""
+        index = self.staging.acquire()
         buffers = {k: self.staging.buffers(index)[k] for k in kinds}
         return Staged(index, lo, buffers, [self.read_async(k, b, buffers[k], lo, n) for k in kinds])
 

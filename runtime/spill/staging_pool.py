@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import queue
-import threading
-from typing import Callable, Mapping, NamedTuple
+from typing import Mapping, NamedTuple
 
 import torch
 
@@ -27,8 +26,6 @@ class StagingPool:
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(count):
             self._free.put(i)
-        self._lock = threading.Lock()  # a non-waiting acquire and a release: no wake-up lost between them
-        self._wake: Callable[[], None] | None = None
 
     @property
     def count(self) -> int:
@@ -38,27 +35,14 @@ class StagingPool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self._sets for t in s.values())
 
-    def acquire(self, wake: Callable[[], None] | None = None) -> int | None:
-        """A free set's index, waiting for one; with ``wake``, None at once when none is free, and ``wake`` is
-        called (once, from the thread that gives a set back) when one is."""
-        if wake is None:
-            return self._free.get()
-        with self._lock:
-            try:
-                return self._free.get_nowait()
-            except queue.Empty:
-                self._wake = wake
-                return None
+    def acquire(self) -> int:
+        return self._free.get()
 
     def buffers(self, index: int) -> dict[BufferKind, torch.Tensor]:
         return self._sets[index]
 
     def release(self, index: int) -> None:
-        with self._lock:
-            self._free.put_nowait(index)
-            wake, self._wake = self._wake, None
-        if wake is not None:
-            wake()
+        self._free.put_nowait(index)
 
 
 class Staged(NamedTuple):
