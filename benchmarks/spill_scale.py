@@ -105,6 +105,7 @@ def child(args) -> dict:
     print(f"  placement: {spill_placement.label(plan)}", file=sys.stderr, flush=True)
     est = memory_model.estimate(shape, work, plan, this_machine())
     predicted_step_s = cost_model.estimate(shape, work, plan, this_machine()).step_seconds
+    probes = [_probe(args.dir, shape, work, plan)] if args.probe_disk else []
     rss0 = _rss()
     t0 = time.perf_counter()
     engine = Engine(ModelConfig(**cfg), OptimizerConfig(lr=1e-4, max_grad_norm=1.0 if clipping else None,
@@ -143,7 +144,23 @@ def child(args) -> dict:
            "predicted_step_s": predicted_step_s}
     engine.close()
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if args.probe_disk:
+        out["disk_probes"] = probes + [_probe(args.dir, shape, work, plan)]
     return out
+
+
+def _probe(directory: str, shape, work, plan) -> dict:
+    """The disk as ``megatrain-plan profile`` measures it, now, and the planner's step for ``plan`` at those
+    figures (the rest of the saved profile unchanged)."""
+    from megatrain.planner import cost_model
+    from megatrain.planner.host_probe import disk_bandwidth
+    from megatrain.planner.profiler import this_machine
+
+    read, write, _ = disk_bandwidth(directory)
+    hw = this_machine().replace(disk_read_gbps=read, disk_write_gbps=write)
+    print(f"  disk now: read {read:.2f} / write {write:.2f} GB/s", file=sys.stderr, flush=True)
+    return {"read_gbps": read, "write_gbps": write,
+            "predicted_step_s": cost_model.estimate(shape, work, plan, hw).step_seconds}
 
 
 def markdown(rows: list[dict], info: dict) -> str:
@@ -157,7 +174,8 @@ def markdown(rows: list[dict], info: dict) -> str:
             lines.append(f"| {r['model']} | | {r['spill']} | {r.get('status')} |" + " |" * 11)
             continue
         s = r["steps"][-1]
-        disk = s["read_bytes"] / (info["read_gbps"] * 1e9) + s["written_bytes"] / (info["write_gbps"] * 1e9)
+        read_gbps, write_gbps = _disk_rates(r, info)
+        disk = s["read_bytes"] / (read_gbps * 1e9) + s["written_bytes"] / (write_gbps * 1e9)
         comp = s.get("compute_s", float("nan"))
         lines.append(
             f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r.get('placement', r['spill'])} | "
@@ -171,6 +189,11 @@ def markdown(rows: list[dict], info: dict) -> str:
         if r.get("status") == "ok" and "predicted_step_s" in r:
             p, m = r["predicted_step_s"], r["steps"][-1]["wall_s"]
             lines += ["", f"{r['model']}: the planner's step {p:.1f} s against {m:.1f} s measured ({p / m - 1:+.0%})"]
+        for when, probe in zip(("before", "after"), r.get("disk_probes", ())):
+            p, m = probe["predicted_step_s"], r["steps"][-1]["wall_s"]
+            lines += ["", f"{r['model']}: at the disk's figures measured just {when} the steps (read "
+                          f"{probe['read_gbps']:.2f} / write {probe['write_gbps']:.2f} GB/s) the planner's step is "
+                          f"{p:.1f} s ({p / m - 1:+.0%})"]
         s = r["steps"][-1] if r.get("status") == "ok" else {}
         if "disk_busy_forward_s" in s:  # the halves of the step (the forward with the previous step's update)
             fwd, busy = s["forward_s"], s["disk_busy_forward_s"]
@@ -178,9 +201,19 @@ def markdown(rows: list[dict], info: dict) -> str:
             lines += ["", f"{r['model']}: disk busy {busy:.1f} s of the forward half's {fwd:.1f} s "
                           f"({busy / fwd:.0%}), {back_busy:.1f} s of the backward half's {back:.1f} s "
                           f"({back_busy / back:.0%})"]
-    lines += ["", f"disk bandwidth used for 'disk time': read {info['read_gbps']} GB/s, write {info['write_gbps']} GB/s "
-              "(megatrain-plan profile's figures for this disk, or --read-gbps / --write-gbps).", ""]
+    lines += ["", f"disk bandwidth used for 'disk time': read {info['read_gbps']:.2f} GB/s, write "
+                  f"{info['write_gbps']:.2f} GB/s (megatrain-plan profile's figures for this disk, or --read-gbps / "
+                  "--write-gbps), or with --probe-disk the mean of the figures measured just before and after the "
+                  "steps.", ""]
     return "\n".join(lines)
+
+
+def _disk_rates(row: dict, info: dict) -> tuple[float, float]:
+    """(read, write) GB/s for a row's disk time: its probes' mean where it has them, else the run's figures."""
+    probes = row.get("disk_probes")
+    if not probes:
+        return info["read_gbps"], info["write_gbps"]
+    return (sum(p["read_gbps"] for p in probes) / len(probes), sum(p["write_gbps"] for p in probes) / len(probes))
 
 
 def main() -> int:
@@ -208,6 +241,9 @@ def main() -> int:
     p.add_argument("--no-clip", action="store_true", help="no gradient clipping (the planner's plan for that)")
     p.add_argument("--eager", action="store_true",
                    help="with --no-clip: eager updates (each in backward), whatever the planner's mode")
+    p.add_argument("--probe-disk", action="store_true",
+                   help="measure the disk (megatrain-plan profile's probe) just before and after the steps, and "
+                        "give the planner's step for the same plan at those figures")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -236,7 +272,8 @@ def main() -> int:
                    ["--no-clip"] if args.no_clip else []) + (["--eager"] if args.eager else []) + (
                    ["--dir", args.dir] if args.dir else []) + (
                    ["--ram-gib", str(args.ram_gib)] if args.ram_gib else []) + (
-                   ["--disk-gb", str(args.disk_gb)] if args.disk_gb else [])
+                   ["--disk-gb", str(args.disk_gb)] if args.disk_gb else []) + (
+                   ["--probe-disk"] if args.probe_disk else [])
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         if proc.returncode == 0:
             rows.append({"status": "ok", **json.loads(proc.stdout.strip().splitlines()[-1])})

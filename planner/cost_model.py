@@ -61,8 +61,7 @@ class PhaseTime:
     @property
     def bottleneck(self) -> str:
         busy = {"compute": self.compute_s, "H2D": self.h2d_s, "D2H": self.d2h_s, "CPU AdamW": self.adam_s}
-        name = max(busy, key=lambda k: busy[k])
-        # When no resource is busy for most of the phase, waits between them dominate.
+        name = max(busy, key=lambda k: busy[k])  # no resource busy most of the phase: waits between them dominate
         return name if busy[name] >= 0.7 * self.seconds else f"pipeline stalls ({name} busiest)"
 
 
@@ -150,8 +149,9 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
     T, seq = batch.tokens, batch.seq
     attn = T * model.attention_model_flops_per_token(seq)
     h2d_bytes, d2h_bytes = step_traffic.traffic(model, work, plan)
-    # a CPU device's deferred loads take a spilled master from its update's writes: [Note: spilled loads]
+    # less the masters loads take from their update's writes ([Note: spilled loads]) or copy from the staging sets
     disk_read, disk_write = step_traffic.disk_traffic(model, work, plan, tapped=spill_timing.tapped(hw, plan))
+    disk_read -= cpu.lent_bytes if on_cpu else 0.0  # ([Note: lent masters])
     disk_s = (disk_read / (hw.disk_read_gbps * 1e9) + disk_write / (hw.disk_write_gbps * 1e9)) if disk_read else 0.0
     step = max(step, disk_s)  # the disk is a resource of the step like the others: never faster than it
     # recompute = (L - k) x T x layer_flops_recompute(seq); hardware FLOPs count every layer's recompute, less the

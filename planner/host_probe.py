@@ -9,7 +9,9 @@ import resource
 import shutil
 import tempfile
 import time
+from typing import Callable
 
+from . import profile_checks
 from .hardware import MiB
 
 # Bytes of one request of the disk probe: the default spill chunk (Plan.spill_chunk_bytes), what the spill backend
@@ -54,8 +56,8 @@ def memlock_bytes() -> int:
     return -1 if soft == resource.RLIM_INFINITY else int(soft)
 
 
-def disk_bandwidth(directory: str, nbytes: int = 1024 * MiB, threads: int = 4,
-                   request: int = DISK_REQUEST_BYTES, repeats: int = 3) -> tuple[float, float, bool]:
+def disk_bandwidth(directory: str, nbytes: int = 1024 * MiB, threads: int = 4, request: int = DISK_REQUEST_BYTES,
+                   repeats: int = 3, log: Callable[[str], None] = lambda line: None) -> tuple[float, float, bool]:
     """(read, write) GB/s of the disk under ``directory`` and whether they are O_DIRECT's: one file of ``nbytes``
     written, written again and read back in ``request``-byte requests by ``threads`` threads at once, as the spill
     backend moves its chunks. O_DIRECT where the filesystem takes it, else buffered (write + fsync; read after
@@ -67,17 +69,27 @@ def disk_bandwidth(directory: str, nbytes: int = 1024 * MiB, threads: int = 4,
     is the second write's: a step rewrites spill files written before, and a first write into fresh extents ran at
     half that speed on this project's disk (2.7 against 5.3 GB/s, O_DIRECT, 64 MiB requests).
 
-    Each direction's best of ``repeats`` passes, as every profile figure: this project's disk, a virtual one,
-    read 1.3-2.6 GB/s in passes a minute apart."""
+    Each direction's best of a round of ``repeats`` passes, as every profile figure; a round whose passes (each
+    timed as its read plus its write) spread beyond profile_checks.SAMPLE_SPREAD_MAX is measured again
+    (``profile_checks.steadiest_round``, said through ``log``). This project's disk, a virtual one, read
+    1.1-1.5 GB/s in six passes within a minute, and 2.4 then 3.5 GB/s in rounds three minutes apart: no round
+    tells the speed an hour later, so a spilled plan's time is as true as the profile is recent."""
     direct = bool(getattr(os, "O_DIRECT", 0))
-    passes = []
-    for _ in range(repeats):
-        figures = _disk_pass(directory, nbytes, threads, request, direct=direct)
-        if figures is None:  # the filesystem refuses O_DIRECT
-            direct = False
-            figures = _disk_pass(directory, nbytes, threads, request, direct=False)
-        assert figures is not None
-        passes.append(figures)
+
+    def one_round() -> list[tuple[float, float]]:
+        nonlocal direct
+        passes = []
+        for _ in range(repeats):
+            figures = _disk_pass(directory, nbytes, threads, request, direct=direct)
+            if figures is None:  # the filesystem refuses O_DIRECT
+                direct = False
+                figures = _disk_pass(directory, nbytes, threads, request, direct=False)
+            assert figures is not None
+            passes.append(figures)
+        return passes
+
+    passes = profile_checks.steadiest_round(one_round, lambda r: [1 / read + 1 / write for read, write in r],
+                                            f"disk read/write in {directory}", log)
     return max(r for r, _ in passes), max(w for _, w in passes), direct
 
 

@@ -4,8 +4,9 @@ A profile taken on a busy machine can hold one figure far off (another process r
 samples). Two checks find it, both used by ``megatrain-plan profile`` while it measures and by
 ``megatrain-plan calibrate`` before it trusts a saved profile:
 
-  spread     a figure's repeated samples (times) spread by more than SAMPLE_SPREAD_MAX (max / min - 1):
-             its samples are measured again, up to REMEASURE_TRIES rounds, and the steadiest round is kept
+  spread     a figure's repeated samples (times; the disk's passes, each a read and a write of the same bytes)
+             spread by more than SAMPLE_SPREAD_MAX (max / min - 1): its samples are measured again, up to
+             REMEASURE_TRIES rounds, and the steadiest round is kept
   attention  causal attention (forward + backward, FLOPs as the planner counts them) runs on the same
              matmul units as the layers; at any sequence length its rate more than ATTENTION_BELOW_MATMUL_MAX
              times below the same dtype's matmul rate is a disturbed measurement, not the machine
@@ -15,7 +16,9 @@ Pure stdlib.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence, TypeVar
+
+T = TypeVar("T")
 
 # Samples of one figure whose times spread by more than this (max / min - 1) are measured again.
 SAMPLE_SPREAD_MAX = 0.5
@@ -50,25 +53,31 @@ def spread(samples: Sequence[float]) -> float:
     return (max(samples) - min(samples)) / min(samples)
 
 
-def steady_minimum(take: Callable[[], Sequence[float]], what: str, log: Callable[[str], None],
-                   bound: float = SAMPLE_SPREAD_MAX, tries: int = REMEASURE_TRIES) -> float:
-    """The minimum of a round of samples (``take``: one round of times) whose spread is within ``bound``; a
-    round spread wider is measured again (said through ``log``), up to ``tries`` rounds; then the minimum of
-    the steadiest round is kept, and ``log`` says so."""
+def steadiest_round(take: Callable[[], Sequence[T]], times: Callable[[Sequence[T]], Sequence[float]], what: str,
+                    log: Callable[[str], None], bound: float = SAMPLE_SPREAD_MAX,
+                    tries: int = REMEASURE_TRIES) -> Sequence[T]:
+    """A round of samples (``take``) whose ``times`` spread within ``bound``; a round spread wider is measured
+    again (said through ``log``), up to ``tries`` rounds; then the steadiest round is kept, and ``log`` says so."""
     rounds = []
     for attempt in range(1, tries + 1):
-        samples = list(take())
+        samples = take()
         rounds.append(samples)
-        s = spread(samples)
+        s = spread(times(samples))
         if s <= bound:
-            return min(samples)
+            return samples
         if attempt < tries:
             log(f"{what}: samples spread {s:.0%}, above the {bound:.0%} bound (a busy machine?): measuring again "
                 f"({attempt + 1}/{tries})")
-    best = min(rounds, key=spread)
-    log(f"{what}: samples still spread {spread(best):.0%} after {tries} rounds; keeping the steadiest round's "
+    best = min(rounds, key=lambda r: spread(times(r)))
+    log(f"{what}: samples still spread {spread(times(best)):.0%} after {tries} rounds; keeping the steadiest round's "
         "fastest (measure again on a quiet machine for a tighter figure)")
-    return min(best)
+    return best
+
+
+def steady_minimum(take: Callable[[], Sequence[float]], what: str, log: Callable[[str], None],
+                   bound: float = SAMPLE_SPREAD_MAX, tries: int = REMEASURE_TRIES) -> float:
+    """The minimum of a round of times (``take``) chosen by ``steadiest_round``."""
+    return min(steadiest_round(lambda: list(take()), lambda r: r, what, log, bound, tries))
 
 
 def attention_findings(matmul: Mapping[str, float],

@@ -320,7 +320,7 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
     if spill_dir:
         log(f"disk read/write in {spill_dir}: 1 GiB in 64 MiB requests, 4 threads, O_DIRECT where the filesystem "
             "takes it; the write timed as a rewrite; then the CPU time its I/O takes from a matmul beside it")
-        read_gbps, write_gbps, direct_faster = disk_bandwidth(spill_dir, 1 * GiB)
+        read_gbps, write_gbps, direct_faster = disk_bandwidth(spill_dir, 1 * GiB, log=log)
         contention = disk_contention.cpu_seconds_per_gb(spill_dir, direct_faster,
                                                          functools.partial(torch.mm, *torch.randn(2, 512, 512)))
     else:

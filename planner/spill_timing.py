@@ -72,6 +72,7 @@ class SpillStep:
     backward_exposed_s: float
     read_ahead_bytes: float   # the updates' master, m and v read ahead (deferred: during backward)
     eager: bool = False
+    lent_bytes: float = 0.0   # master bytes loads copied from the staging sets instead of reading them from disk
 
     @property
     def update_exposed_s(self) -> float:
@@ -153,7 +154,7 @@ def cpu_step(spilled: "spill_placement.Spilled", plan: Plan, hw: HardwareProfile
         a += reads / R + writes / W + fwd_load[b] / R
         work = f[b] + k * (reads + writes + fwd_load[b])
         e, f_cpu = max(e, a) + work, f_cpu + work
-    return SpillStep(e, e + B + exposed_b + adam_cpu_s, e - f_cpu, exposed_b, sum(ahead))
+    return SpillStep(e, e + B + exposed_b + adam_cpu_s, e - f_cpu, exposed_b, sum(ahead), lent_bytes=lent)
 
 
 def eager_step(spilled: "spill_placement.Spilled", hw: HardwareProfile, steps: Sequence[BlockVisit], n_fwd: int,
@@ -170,6 +171,7 @@ def eager_step(spilled: "spill_placement.Spilled", hw: HardwareProfile, steps: S
     writes = [float(spilled.block_disk_bytes(b, UPDATED)) for b in range(n)]
     total = sum(reads)
     ahead = taken = read_ahead_bytes = 0.0  # bytes of the updates' reads, in update order: read ahead, taken
+    lent_bytes = 0.0  # loads' master bytes copied from the staging sets
 
     def cpu(st: BlockVisit, block: int) -> float:  # a spilled master is read by the loader: no host copy
         return (0.0 if block in on_disk else st.load_s) + st.compute_s + st.d2h_s
@@ -215,6 +217,7 @@ def eager_step(spilled: "spill_placement.Spilled", hw: HardwareProfile, steps: S
     c = d = f_cpu = 0.0
     for b, st in zip(range(n), steps[:n_fwd]):
         own, lent = load([b, 0] if tied and b == n - 1 else [b])
+        lent_bytes += lent
         d += own / R
         work = cpu(st, b) + k * own + lent / H
         c, f_cpu = max(c, d) + work, f_cpu + work
@@ -226,6 +229,7 @@ def eager_step(spilled: "spill_placement.Spilled", hw: HardwareProfile, steps: S
     bwd_next_load = [load_bytes[b] / R for b in bwd_blocks[1:-1]] + [0.0, 0.0]  # the embedding loads nothing
     for b, st, nxt in zip(bwd_blocks, steps[n_fwd:], bwd_next_load):
         own, lent = load([b] if b else [])
+        lent_bytes += lent
         d += own / R
         start = max(c, d)
         d = max(d, c) + pending
@@ -236,7 +240,7 @@ def eager_step(spilled: "spill_placement.Spilled", hw: HardwareProfile, steps: S
         pending, pending_bytes = take(b)
     step = max(c, max(d, c) + pending)
     return SpillStep(forward_s, step, forward_s - f_cpu, max(0.0, step - forward_s - b_cpu), read_ahead_bytes,
-                     eager=True)
+                     eager=True, lent_bytes=lent_bytes)
 
 
 def staging_bytes(spilled: "spill_placement.Spilled", chunk_bytes: int, sets: int) -> float:

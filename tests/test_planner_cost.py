@@ -221,3 +221,28 @@ def test_disk_terms_of_a_spilled_step_by_hand() -> None:
     assert eager.step_seconds >= eager.disk_seconds == pytest.approx((3 * F + loads) / 2e9 + 3 * F / 1e9)
     none = cost_model.estimate(m, Workload(128, 1, compute_dtype="fp32"), Plan(), cpu)
     assert none.disk_read_bytes == none.disk_write_bytes == none.disk_seconds == 0
+
+
+def test_a_load_the_read_ahead_lends_its_master_reads_nothing_from_disk() -> None:
+    """[Note: lent masters]: a load copies the master chunks the read-ahead staged for its block's update instead
+    of reading them. With a disk so fast that the read-ahead always runs ahead and a set for every chunk, every
+    load is lent but the ones before any read-ahead, so the step reads the updates' kinds and the embedding's
+    master once: eager, 3 x F (master, m, v) and the embedding's first load (it precedes any read-ahead);
+    deferred, 4 x F (the gradients too) and a tied head's re-load of the embedding (the forward's other loads
+    take the update's writes, backward's are all lent). Fewer sets lend less; the disk floor counts what is read."""
+    fast = hardware.HardwareProfile(gpu_name="cpu", gpu_mem_bytes=0, h2d_gbps=10, d2h_gbps=10, duplex_gbps=10,
+                                    matmul_tflops={"float32": 1.0, "bfloat16": 1.0}, cpu_adam_params_per_s=1e9,
+                                    host_ram_bytes=64 << 30, host_available_bytes=60 << 30, cores=2,
+                                    disk_read_gbps=1e6, disk_write_gbps=1e6)
+    m = PRESETS["shape:Llama-3.2-1B"]
+    assert m.tie_word_embeddings
+    F, table = m.spill_file_bytes, m.numel_embedding * 4
+    every = Plan(spill="all", spill_dir="/tmp", spill_staging=10**6)
+    eager_work = Workload(128, 1, compute_dtype="fp32", clipping=False)
+    eager = cost_model.estimate(m, eager_work, every.replace(optimizer_mode="eager"), fast)
+    assert eager.disk_read_bytes == pytest.approx(3 * F + table) and eager.disk_write_bytes == 3 * F
+    assert eager.disk_seconds == pytest.approx((3 * F + table) / 1e15 + 3 * F / 1e15)
+    deferred = cost_model.estimate(m, Workload(128, 1, compute_dtype="fp32"), every, fast)
+    assert deferred.disk_read_bytes == pytest.approx(4 * F + table) and deferred.disk_write_bytes == 4 * F
+    one = cost_model.estimate(m, eager_work, every.replace(optimizer_mode="eager", spill_staging=1), fast)
+    assert one.disk_read_bytes > eager.disk_read_bytes + m.num_layers * m.numel_layer * 4 / 2

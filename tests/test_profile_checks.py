@@ -182,3 +182,18 @@ def test_calibrate_end_to_end_with_a_bad_saved_profile(monkeypatch, tmp_path) ->
     assert out == str(path) and dict(hw.attention_tflops) == GOOD and hw.fitted("fp32") is not None
     assert any("before the runs" in s for s in said)
     assert profile_checks.attention_findings(dict(hw.matmul_tflops), hw.attention_tflops) == []
+
+
+def test_the_disk_probe_measures_a_spread_round_again_and_keeps_a_steady_ones_best(monkeypatch, tmp_path) -> None:
+    """disk_bandwidth: a round of passes (each timed as its read plus its write) spread beyond SAMPLE_SPREAD_MAX is
+    measured again and said; the steady round's best read and best write are the figures."""
+    from megatrain.planner import host_probe
+
+    passes = iter([(1.0, 2.0), (4.0, 8.0), (1.0, 2.0),        # 1.5 s and 0.375 s per GB: 300% spread
+                   (2.0, 4.0), (2.2, 4.1), (2.1, 4.4)])       # within 10%
+    monkeypatch.setattr(host_probe, "_disk_pass", lambda *a, **k: next(passes))
+    said: list[str] = []
+    read, write, direct = host_probe.disk_bandwidth(str(tmp_path), repeats=3, log=said.append)
+    assert (read, write) == (2.2, 4.4)
+    assert len(said) == 1 and "disk read/write" in said[0] and "spread 300%" in said[0] and "(2/" in said[0]
+    assert next(passes, None) is None
