@@ -1,7 +1,7 @@
 """Measure this machine into a HardwareProfile (``megatrain-plan profile``), or detect it quickly.
 
 The only planner module that imports torch, and only inside the functions that need it; the host's own figures
-(memory, limits, the disk) are ``host_probe``'s, the disk's CPU time ``disk_contention``'s. ``measure`` runs the
+(memory, limits) are ``host_probe``'s, the disk's ``disk_profile``'s. ``measure`` runs the
 benchmarks (a few seconds on a CPU-only machine, where sizes are scaled down); ``detect`` runs none: it reads the
 host's memory limits and, when a GPU is present, takes its rates from the matching preset.
 
@@ -17,9 +17,10 @@ import os
 import time
 from typing import Any, Callable
 
-from . import disk_contention, profile_checks
-from .hardware import HOST_PRESETS, GiB, MiB, HardwareProfile, preset
-from .host_probe import disk_bandwidth, gpu_present, host_memory, memlock_bytes
+from . import profile_checks
+from .disk_profile import measure_disk
+from .hardware import HOST_PRESETS, MiB, HardwareProfile, preset
+from .host_probe import gpu_present, host_memory, memlock_bytes
 
 CACHE_PATH = os.path.join(os.path.expanduser("~"), ".cache", "megatrain", "hardware.json")
 TRANSFER_SIZES_GPU = tuple(1 << s for s in range(20, 31, 2))      # 1 MiB .. 1 GiB
@@ -315,15 +316,8 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
     log("CPU bf16 AdamW state: widening and stochastic rounding")
     # on the AdamW worker's threads: one where the device is the CPU ([Note: helper threads]), every core on a GPU
     bf16_state = cpu_bf16_state_rate(1 << 22, 1 if not on_gpu else cores)
-    read_gbps = write_gbps = contention = 0.0
-    direct_faster = None
-    if spill_dir:
-        log(f"disk read/write in {spill_dir}: 1 GiB in 64 MiB requests, 4 threads, O_DIRECT where the filesystem "
-            "takes it; the write timed as a rewrite; then the CPU time its I/O takes from a matmul beside it")
-        read_gbps, write_gbps, direct_faster = disk_bandwidth(spill_dir, 1 * GiB, log=log)
-        contention = disk_contention.cpu_seconds_per_gb(spill_dir, direct_faster,
-                                                         functools.partial(torch.mm, *torch.randn(2, 512, 512)))
-    else:
+    disk = measure_disk(spill_dir, cpu_matmul(), log) if spill_dir else {}
+    if not spill_dir:
         notes.append("disk not measured (pass --spill-dir)")
     if on_gpu:
         props = torch.cuda.get_device_properties(0)
@@ -352,12 +346,17 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
     return HardwareProfile(
         gpu_name=name, gpu_mem_bytes=mem, h2d_gbps=h2d, d2h_gbps=d2h, duplex_gbps=duplex, matmul_tflops=tflops,
         cpu_adam_params_per_s=max(r for _, r in adam), host_ram_bytes=total, host_available_bytes=avail,
-        cgroup_limit_bytes=cg, memlock_bytes=memlock_bytes(), disk_read_gbps=read_gbps, disk_write_gbps=write_gbps,
-        disk_direct_faster=direct_faster, disk_cpu_s_per_gb=contention, interconnect=link, cores=cores,
+        cgroup_limit_bytes=cg, memlock_bytes=memlock_bytes(), **disk, interconnect=link, cores=cores,
         source=f"measured by megatrain-plan profile on {_now()}" + (f"; {'; '.join(notes)}" if notes else ""),
         transfer_by_size=tuple(table), adam_by_threads=tuple(adam), cpu_shadow_params_per_s=shadow,
         cpu_bf16_state_params_per_s=bf16_state,
         attention_tflops=attention)
+
+
+def cpu_matmul() -> Callable[[], Any]:
+    """A small CPU matmul (two 512-square fp32 matrices): the compute the disk's I/O is timed beside."""
+    import torch
+    return functools.partial(torch.mm, *torch.randn(2, 512, 512))
 
 
 def detect() -> HardwareProfile:

@@ -152,6 +152,49 @@ def test_profile_writes_a_profile(tmp_path) -> None:
     assert r.returncode == 0, r.stderr
 
 
+def test_profile_disk_only_measures_the_disk_into_the_saved_profile_and_keeps_the_rest(tmp_path) -> None:
+    """--disk-only: the saved profile's disk figures measured again, its source saying where and when (once, however
+    often it runs), every other figure and the calibration as they were; without a saved profile or a disk to
+    measure, one line naming the fix, and the file untouched."""
+    from megatrain.planner import disk_profile
+    from megatrain.planner.calibration import Calibration
+    from megatrain.planner.hardware import HardwareProfile
+
+    cal = Calibration(compute_dtype="fp32", tflops_by_width=((256, 0.02),), block_overhead_s=0.001,
+                      adam_params_per_s=1e9, h2d_gbps=5.0, d2h_gbps=5.0, process_bytes=300_000_000,
+                      temporaries_bytes=0, temporaries_factor=1.0, source="a test")
+    saved = HardwareProfile(gpu_name="cpu", gpu_mem_bytes=0, h2d_gbps=5.0, d2h_gbps=5.0, duplex_gbps=5.0,
+                            matmul_tflops={"float32": 0.123}, cpu_adam_params_per_s=4.56e8, host_ram_bytes=8 << 30,
+                            host_available_bytes=6 << 30, cores=2, disk_read_gbps=0.001, disk_write_gbps=0.002,
+                            source="measured by a test; disk not measured (pass --spill-dir)", calibrations=(cal,))
+    out = tmp_path / "hw.json"
+    saved.save(str(out))
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    r = run("profile", "--disk-only", "--spill-dir", str(spill), "--out", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    now = HardwareProfile.load(str(out))
+    again = disk_profile.with_disk_measured(now, {"disk_read_gbps": 1.0}, "/elsewhere")
+    assert again.source.count("disk re-measured") == 1 and again.source.startswith("measured by a test; ")
+    assert again.source.split("; ")[-1].startswith("disk re-measured in /elsewhere on ")
+    assert again.disk_read_gbps == 1.0 and again.calibrations == (cal,)
+    assert now.disk_read_gbps > 0.001 and now.disk_write_gbps > 0.002 and now.disk_direct_faster is not None
+    assert now.replace(disk_read_gbps=0.001, disk_write_gbps=0.002, disk_direct_faster=None, disk_cpu_s_per_gb=0.0,
+                       source=saved.source) == saved  # the rest and the calibration as saved
+    assert now.source.startswith("measured by a test; disk re-measured in " + str(spill))
+    assert now.source.count("disk re-measured") == 1 and "disk not measured" not in now.source
+    assert sorted(os.listdir(tmp_path)) == ["hw.json", "spill"] and os.listdir(spill) == []
+    before = out.read_bytes()
+    for args, needle in ((("--out", str(tmp_path / "none.json"), "--spill-dir", str(spill)), "there is none at"),
+                         (("--out", str(out)), "--spill-dir DIR")):
+        r = run("profile", "--disk-only", *args)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
+    (tmp_path / "bad.json").write_text("{not json")
+    r = run("profile", "--disk-only", "--spill-dir", str(spill), "--out", str(tmp_path / "bad.json"))
+    assert r.returncode == 2 and "cannot read the profile" in r.stderr and "Traceback" not in r.stderr
+    assert out.read_bytes() == before and not (tmp_path / "none.json").exists()
+
+
 @pytest.mark.parametrize("args, needle", [
     (("plan", "--model", "GPT-5", "--seq-len", "1024", "--batch", "1", "--hardware", "H100-SXM"), "shape:Llama-3.1-8B"),
     (("plan", "--model", "shape:Qwen2.5-7B", "--seq-len", "1024", "--batch", "1", "--hardware", "B200"), "H100-SXM"),

@@ -343,7 +343,7 @@ def test_io_direct_follows_the_plan_and_the_profile_says_which_mode_it_measured(
     so)."""
     from megatrain.planner import spill_choices
     from megatrain.planner.hardware import preset
-    from megatrain.planner.profiler import disk_bandwidth
+    from megatrain.planner.host_probe import disk_bandwidth
 
     config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
     for direct in (True, False):

@@ -1,4 +1,5 @@
-"""``megatrain-plan profile``: measure this machine into hardware.json, which the other commands read."""
+"""``megatrain-plan profile``: measure this machine into hardware.json, which the other commands read; with
+``--disk-only``, measure the spill disk again into the saved profile, keeping the rest (and its calibration)."""
 from __future__ import annotations
 
 import argparse
@@ -7,14 +8,18 @@ import sys
 import tempfile
 from typing import Any
 
-from .. import cli_args, profiler, report
+from .. import cli_args, disk_profile, profiler, report
 from ..cli_args import CliError
+from ..hardware import HardwareError, HardwareProfile
 
 
 def add_parser(sub: Any) -> None:
     sp = sub.add_parser("profile", help="measure this machine into hardware.json")
     sp.add_argument("--out", help=f"where to write it (default {profiler.CACHE_PATH}, which other commands read)")
     sp.add_argument("--spill-dir", help="measure disk read/write GB/s in this folder")
+    sp.add_argument("--disk-only", action="store_true",
+                    help="with --spill-dir: measure only the disk, into the saved profile (--out or the default), "
+                         "keeping its other figures and calibration (a disk's speed can move between runs)")
     cli_args.json_arg(sp)
 
 
@@ -22,11 +27,16 @@ def run(args: argparse.Namespace) -> None:
     if args.spill_dir and not os.path.isdir(args.spill_dir):
         raise CliError(f"--spill-dir={args.spill_dir!r} is not a directory; pass an existing folder on the NVMe")
     out = args.out or profiler.CACHE_PATH
+    saved = _saved_profile(out, args.spill_dir) if args.disk_only else None
     check_writable(out)
     log = (lambda s: None) if args.json else (lambda s: print(f"measuring: {s}", file=sys.stderr))
-    hw = profiler.measure(args.spill_dir, log=log)
+    if saved is not None:
+        hw = disk_profile.with_disk_measured(saved, disk_profile.measure_disk(args.spill_dir, profiler.cpu_matmul(),
+                                                                              log), args.spill_dir)
+    else:
+        hw = profiler.measure(args.spill_dir, log=log)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    hw.save(out)
+    _save(hw, out)
     report.emit(args.json, {**hw.to_dict(), "saved_to": out}, report.profile_text(hw, out))
 
 
@@ -46,3 +56,33 @@ def check_writable(path: str) -> None:
                        f"can write") from None
     if os.path.exists(path) and not os.access(path, os.W_OK):
         raise CliError(f"--out={path!r} exists and is not writable; pass another --out")
+
+
+def _saved_profile(path: str, spill_dir: str | None) -> HardwareProfile:
+    """The profile ``--disk-only`` updates, read before anything is measured; one line naming the fix if there
+    is no disk to measure or no readable profile there."""
+    if not spill_dir:
+        raise CliError("--disk-only measures the spill disk again: pass --spill-dir DIR, the folder the spill "
+                       "files go in")
+    if not os.path.exists(path):
+        raise CliError(f"--disk-only updates a saved profile and there is none at {path}; run megatrain-plan "
+                       f"profile --spill-dir {spill_dir}" + (f" --out {path}" if path != profiler.CACHE_PATH else "")
+                       + " first")
+    try:
+        return HardwareProfile.load(path)
+    except (HardwareError, OSError) as e:
+        raise CliError(f"--disk-only cannot read the profile at {path} ({e}); measure it whole with megatrain-plan "
+                       f"profile --spill-dir {spill_dir}") from None
+
+
+def _save(hw: HardwareProfile, path: str) -> None:
+    """Written whole or not at all: beside ``path`` first, then renamed over it (a profile there, calibrated
+    perhaps, is never left half-written)."""
+    fd, scratch = tempfile.mkstemp(prefix=".megatrain-hardware-", dir=os.path.dirname(os.path.abspath(path)))
+    os.close(fd)
+    try:
+        hw.save(scratch)
+        os.replace(scratch, path)
+    finally:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
