@@ -26,8 +26,9 @@ def measure_disk(spill_dir: str, beside: Callable[[], object],
     """The spill disk under ``spill_dir`` as profile fields: read and write GB/s and whether they are O_DIRECT's
     (``host_probe.disk_bandwidth``), and the CPU seconds its I/O takes per GB from ``beside``, a small compute
     kernel (``disk_contention``)."""
-    log(f"disk read/write in {spill_dir}: 1 GiB in 64 MiB requests, 4 threads, O_DIRECT where the filesystem "
-        "takes it; the write timed as a rewrite; then the CPU time its I/O takes from a matmul beside it")
+    log(f"disk read/write in {spill_dir}: 1 GiB in 64 MiB requests (a buffer each), 4 threads, O_DIRECT where "
+        "the filesystem takes it; the write timed as a rewrite; then the CPU time its I/O takes from a matmul "
+        "beside it")
     read, write, direct = disk_bandwidth(spill_dir, 1 * GiB, log=log)
     contention = disk_contention.cpu_seconds_per_gb(spill_dir, direct, beside)
     return dict(disk_read_gbps=read, disk_write_gbps=write, disk_direct_faster=direct, disk_cpu_s_per_gb=contention)

@@ -69,9 +69,16 @@ def disk_bandwidth(directory: str, nbytes: int = 1024 * MiB, threads: int = 4, r
     is the second write's: a step rewrites spill files written before, and a first write into fresh extents ran at
     half that speed on this project's disk (2.7 against 5.3 GB/s, O_DIRECT, 64 MiB requests).
 
+    Each request moves its own buffer (``nbytes`` of them in all), as the spill backend moves each chunk through
+    its staging set or slot, and no two pages hold the same bytes, as no two pages of a model's state do. This
+    project's disk, a virtual one, moves pages alike at half the speed or less (``benchmarks/disk_probe.py``,
+    interleaved rounds, read / write GB/s): one buffer of the same bytes under every request, as this probe had,
+    1.27 / 2.54; a buffer each of the same bytes 1.57 / 2.89; a buffer each, every page its own, 3.26 / 4.45;
+    the spill backend moving random tensors 3.37 / 4.55.
+
     Each direction's best of a round of ``repeats`` passes, as every profile figure; a round whose passes (each
     timed as its read plus its write) spread beyond profile_checks.SAMPLE_SPREAD_MAX is measured again
-    (``profile_checks.steadiest_round``, said through ``log``). This project's disk, a virtual one, read
+    (``profile_checks.steadiest_round``, said through ``log``). With pages alike this project's disk read
     1.1-1.5 GB/s in six passes within a minute, and 2.4 then 3.5 GB/s in rounds three minutes apart: no round
     tells the speed an hour later, so a spilled plan's time is as true as the profile is recent."""
     direct = bool(getattr(os, "O_DIRECT", 0))
@@ -99,22 +106,26 @@ def _disk_pass(directory: str, nbytes: int, threads: int, block: int, direct: bo
     import mmap
 
     count = max(threads, nbytes // block)
-    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
-    buf.write(os.urandom(block))
+    data = os.urandom(block)
+    bufs = [mmap.mmap(-1, block) for _ in range(count)]  # page-aligned, as O_DIRECT needs; one per request
+    for k, buf in enumerate(bufs):
+        buf.write(data)
+        for page in range(0, block, 4096):  # no two pages alike, as no two pages of weights are
+            buf[page:page + 8] = (k * block + page).to_bytes(8, "little")
     fd, path = tempfile.mkstemp(prefix="megatrain-disk-", dir=directory)
     try:
         if direct:
             try:
                 os.close(fd)
                 fd = os.open(path, os.O_RDWR | os.O_DIRECT)
-                os.pwritev(fd, [memoryview(buf)[:4096]], 0)
+                os.pwritev(fd, [memoryview(bufs[0])[:4096]], 0)
             except OSError:
                 return None
 
         def run(op) -> float:
             t0 = time.perf_counter()
             with cf.ThreadPoolExecutor(threads) as pool:
-                list(pool.map(lambda i: op(fd, [buf], i * block), range(count)))
+                list(pool.map(lambda i: op(fd, [bufs[i]], i * block), range(count)))
             return time.perf_counter() - t0
 
         run(os.pwritev)  # allocates the file's extents, which the spill files' steady state never does again
@@ -129,7 +140,8 @@ def _disk_pass(directory: str, nbytes: int, threads: int, block: int, direct: bo
     finally:
         os.close(fd)
         os.unlink(path)
-        buf.close()
+        for buf in bufs:
+            buf.close()
     done = count * block
     return done / read_s / 1e9, done / write_s / 1e9
 
