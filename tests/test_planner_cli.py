@@ -169,6 +169,7 @@ def test_profile_disk_only_measures_the_disk_into_the_saved_profile_and_keeps_th
                             source="measured by a test; disk not measured (pass --spill-dir)", calibrations=(cal,))
     out = tmp_path / "hw.json"
     saved.save(str(out))
+    out.chmod(0o640)
     spill = tmp_path / "spill"
     spill.mkdir()
     r = run("profile", "--disk-only", "--spill-dir", str(spill), "--out", str(out), "--json")
@@ -184,6 +185,7 @@ def test_profile_disk_only_measures_the_disk_into_the_saved_profile_and_keeps_th
     assert now.source.startswith("measured by a test; disk re-measured in " + str(spill))
     assert now.source.count("disk re-measured") == 1 and "disk not measured" not in now.source
     assert sorted(os.listdir(tmp_path)) == ["hw.json", "spill"] and os.listdir(spill) == []
+    assert out.stat().st_mode & 0o777 == 0o640  # replaced whole, its mode kept
     before = out.read_bytes()
     for args, needle in ((("--out", str(tmp_path / "none.json"), "--spill-dir", str(spill)), "there is none at"),
                          (("--out", str(out)), "--spill-dir DIR")):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 import tempfile
 from typing import Any
@@ -76,12 +77,13 @@ def _saved_profile(path: str, spill_dir: str | None) -> HardwareProfile:
 
 
 def _save(hw: HardwareProfile, path: str) -> None:
-    """Written whole or not at all: beside ``path`` first, then renamed over it (a profile there, calibrated
-    perhaps, is never left half-written)."""
-    fd, scratch = tempfile.mkstemp(prefix=".megatrain-hardware-", dir=os.path.dirname(os.path.abspath(path)))
-    os.close(fd)
+    """Written whole or not at all: beside ``path`` first (with the mode of the file it replaces), then renamed
+    over it, so a profile there, calibrated perhaps, is never left half-written."""
+    scratch = f"{path}.{os.getpid()}.tmp"
     try:
         hw.save(scratch)
+        if os.path.exists(path):
+            os.chmod(scratch, stat.S_IMODE(os.stat(path).st_mode))
         os.replace(scratch, path)
     finally:
         if os.path.exists(scratch):
