@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable
 
 from . import profile_checks
-from .disk_profile import measure_disk
+from .disk_profile import NOT_MEASURED, measure_disk
 from .hardware import HOST_PRESETS, MiB, HardwareProfile, preset
 from .host_probe import gpu_present, host_memory, memlock_bytes
 
@@ -318,7 +318,7 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
     bf16_state = cpu_bf16_state_rate(1 << 22, 1 if not on_gpu else cores)
     disk = measure_disk(spill_dir, cpu_matmul(), log) if spill_dir else {}
     if not spill_dir:
-        notes.append("disk not measured (pass --spill-dir)")
+        notes.append(f"{NOT_MEASURED} (pass --spill-dir)")
     if on_gpu:
         props = torch.cuda.get_device_properties(0)
         name, mem = props.name, int(props.total_memory)
