@@ -36,6 +36,8 @@ sys.path.insert(0, HERE)
 
 from throughput import machine  # noqa: E402
 
+from megatrain.planner.host_probe import _disk_pass, io_buffers, stamp_pages  # noqa: E402
+
 REQUEST = 64 << 20
 COUNT = 16  # 1 GiB
 THREADS = 4
@@ -49,13 +51,6 @@ def _direct_file(directory: str) -> tuple[int, str]:
     return os.open(path, os.O_RDWR | getattr(os, "O_DIRECT", 0)), path
 
 
-def _stamp(buffers: list) -> None:
-    """Every page of ``buffers`` made unlike every other (its first 8 bytes: its place in all of them)."""
-    for k, buf in enumerate(buffers):
-        for page in range(0, REQUEST, 4096):
-            buf[page:page + 8] = (k * REQUEST + page).to_bytes(8, "little")
-
-
 def _passes(fd: int, buffers: list, restamp: bool = False) -> tuple[float, float]:
     """(read, write) GB/s: a rewrite of every request, then a read of every request, each from its buffer
     (``restamp``: its pages made distinct again after the read, not timed: the file holds the last write's)."""
@@ -67,7 +62,7 @@ def _passes(fd: int, buffers: list, restamp: bool = False) -> tuple[float, float
     write = run(os.pwritev)
     read = run(os.preadv)
     if restamp:
-        _stamp(buffers)
+        stamp_pages(buffers)
     return read, write
 
 
@@ -107,16 +102,13 @@ def main() -> int:
     args = p.parse_args()
     if not os.path.isdir(args.dir):
         p.error(f"--dir={args.dir!r} is not a directory")
-    from megatrain.planner.host_probe import _disk_pass
-
     data = os.urandom(REQUEST)
     shared = mmap.mmap(-1, REQUEST)
     shared.write(data)
     own = [mmap.mmap(-1, REQUEST) for _ in range(COUNT)]
-    distinct = [mmap.mmap(-1, REQUEST) for _ in range(COUNT)]
-    for b in own + distinct:
+    for b in own:
         b.write(data)
-    _stamp(distinct)
+    distinct = io_buffers(COUNT, REQUEST)
     fd, path = _direct_file(args.dir)
     runtime = _Runtime(args.dir)
     try:

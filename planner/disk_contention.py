@@ -9,21 +9,20 @@ machine a matmul ran 17% slower beside O_DIRECT reads at 1.0 GB/s and 36% slower
 (``spill_timing``). Pure stdlib.
 
 The probe: units of ``work`` on every core (the profiler passes a torch matmul) alone, then beside ``threads``
-threads (half reading, half writing a file under ``directory`` in ``request``-byte requests, O_DIRECT where
-``direct``), then alone again:
+threads (half reading, half writing a file under ``directory`` in ``request``-byte requests, each thread its own
+buffer with no two pages alike, O_DIRECT where ``direct``), then alone again:
     lost_s = seconds x (1 - rate_beside / mean(rate_alone before, after))
     disk_cpu_s_per_gb = lost_s / (GB moved in those seconds)
 """
 from __future__ import annotations
 
-import mmap
 import os
 import tempfile
 import threading
 import time
 from typing import Callable
 
-from .host_probe import DISK_REQUEST_BYTES
+from .host_probe import DISK_REQUEST_BYTES, io_buffers
 
 
 def cpu_seconds_per_gb(directory: str, direct: bool, work: Callable[[], object], seconds: float = 2.0,
@@ -40,12 +39,11 @@ def cpu_seconds_per_gb(directory: str, direct: bool, work: Callable[[], object],
         return n / (time.perf_counter() - t0)
 
     fd, path = tempfile.mkstemp(prefix="megatrain-contention-", dir=directory)
-    buf = mmap.mmap(-1, request)  # page-aligned, as O_DIRECT needs
-    buf.write(os.urandom(request))
+    bufs = io_buffers(threads, request)  # a buffer per stream, no two pages alike, as the spill backend's
     stop, moved, lock = threading.Event(), [0], threading.Lock()
     try:
         for i in range(file_bytes // request):
-            os.pwrite(fd, buf, i * request)
+            os.pwrite(fd, bufs[i % threads], i * request)
         os.fsync(fd)
         if direct:
             os.close(fd)
@@ -54,7 +52,7 @@ def cpu_seconds_per_gb(directory: str, direct: bool, work: Callable[[], object],
         def stream(op, first: int) -> None:
             i = first
             while not stop.is_set():
-                done = op(fd, [buf], (i % (file_bytes // request)) * request)
+                done = op(fd, [bufs[first]], (i % (file_bytes // request)) * request)
                 with lock:
                     moved[0] += done
                 i += 1
@@ -77,7 +75,8 @@ def cpu_seconds_per_gb(directory: str, direct: bool, work: Callable[[], object],
         stop.set()
         os.close(fd)
         os.unlink(path)
-        buf.close()
+        for buf in bufs:
+            buf.close()
     gb = moved_then / 1e9
     lost = elapsed * max(0.0, 1.0 - beside / ((before + after) / 2))
     return lost / gb if gb > 0 else 0.0

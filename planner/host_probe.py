@@ -100,18 +100,33 @@ def disk_bandwidth(directory: str, nbytes: int = 1024 * MiB, threads: int = 4, r
     return max(r for r, _ in passes), max(w for _, w in passes), direct
 
 
+def io_buffers(count: int, nbytes: int) -> list:
+    """``count`` page-aligned buffers (as O_DIRECT needs) of ``nbytes`` each, no two of their pages alike, as no
+    two pages of a model's state are (see disk_bandwidth: a virtual disk can move pages alike at half the speed):
+    random bytes, each page's first 8 of them its place among all the pages."""
+    import mmap
+
+    data = os.urandom(nbytes)
+    bufs = [mmap.mmap(-1, nbytes) for _ in range(count)]
+    for buf in bufs:
+        buf.write(data)
+    stamp_pages(bufs)
+    return bufs
+
+
+def stamp_pages(buffers: list) -> None:
+    """The first 8 bytes of each 4 KiB page of ``buffers`` (equal-sized) set to its place among all of them."""
+    for k, buf in enumerate(buffers):
+        for page in range(0, len(buf), 4096):
+            buf[page:page + 8] = (k * len(buf) + page).to_bytes(8, "little")
+
+
 def _disk_pass(directory: str, nbytes: int, threads: int, block: int, direct: bool) -> tuple[float, float] | None:
     """(read, write) GB/s of one pass (see disk_bandwidth); None when O_DIRECT is refused."""
     import concurrent.futures as cf
-    import mmap
 
     count = max(threads, nbytes // block)
-    data = os.urandom(block)
-    bufs = [mmap.mmap(-1, block) for _ in range(count)]  # page-aligned, as O_DIRECT needs; one per request
-    for k, buf in enumerate(bufs):
-        buf.write(data)
-        for page in range(0, block, 4096):  # no two pages alike, as no two pages of weights are
-            buf[page:page + 8] = (k * block + page).to_bytes(8, "little")
+    bufs = io_buffers(count, block)  # one per request
     fd, path = tempfile.mkstemp(prefix="megatrain-disk-", dir=directory)
     try:
         if direct:
