@@ -16,7 +16,7 @@ speed drifts over minutes moves them all alike:
                                  random values, as the staging sets and the loader move state
 
 Reports the median GB/s each way with every sample. Writes
-``benchmarks/results/<date>_<device>_disk_probe.{json,md}``.
+``benchmarks/results/<date>_<device>_disk_probe.{json,md}`` (``_2``, ... where a run that day took the name).
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ sys.path.insert(0, HERE)
 from throughput import machine  # noqa: E402
 
 from megatrain.planner.host_probe import _disk_pass, io_buffers, stamp_pages  # noqa: E402
+from result_files import new_base  # noqa: E402
 
 REQUEST = 64 << 20
 COUNT = 16  # 1 GiB
@@ -144,7 +145,7 @@ def main() -> int:
         lines.append(f"| {w} | {statistics.median(reads):.2f} | {statistics.median(writes):.2f} | "
                      f"{' '.join(f'{x:.2f}' for x in reads)} | {' '.join(f'{x:.2f}' for x in writes)} |")
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{date}_cpu_disk_probe")
+    stem = new_base(os.path.join(args.out, f"{date}_cpu_disk_probe"))
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=2)
     with open(stem + ".md", "w") as f:

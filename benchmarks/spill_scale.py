@@ -11,7 +11,7 @@ planner's memory prediction for the same plan, and the step against max(compute,
 disk bandwidth) (the saved profile, ``$MEGATRAIN_HARDWARE`` or ``megatrain-plan profile --spill-dir DIR``'s).
 AdamW clips at 1.0 unless ``--no-clip``; ``--eager`` (with it) updates each block in backward whatever mode the
 planner would choose. Writes ``benchmarks/results/<date>_cpu_spill_scale_<spill>_<models>[_no_clip][_eager]``
-``.{json,md}``.
+``.{json,md}`` (``_2``, ``_3``, ... after it where a run that day took the name).
 """
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from result_files import new_base  # noqa: E402
 
 LLAMA = dict(vocab_size=128256, num_attention_heads=32, rope_theta=500000.0)
 MODELS = {
@@ -280,9 +283,9 @@ def main() -> int:
         else:
             rows.append({"model": model, "spill": args.spill, "status": f"failed (exit {proc.returncode})"})
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{info['date']}_cpu_spill_scale_{args.spill}_{args.model.replace(',', '_')}"
-                                  + ("_bf16_state" if args.optimizer_state == "bf16" else "")
-                                  + ("_no_clip" if args.no_clip else "") + ("_eager" if args.eager else ""))
+    stem = new_base(os.path.join(args.out, f"{info['date']}_cpu_spill_scale_{args.spill}_{args.model.replace(',', '_')}"
+                                 + ("_bf16_state" if args.optimizer_state == "bf16" else "")
+                                 + ("_no_clip" if args.no_clip else "") + ("_eager" if args.eager else "")))
     with open(stem + ".json", "w") as f:
         json.dump({**info, "rows": rows}, f, indent=2)
     with open(stem + ".md", "w") as f:

@@ -32,6 +32,7 @@ sys.path.insert(0, HERE)
 from peer_runners import probe, report  # noqa: E402
 from peer_runners.run_megatrain import import_megatrain, plan_for  # noqa: E402
 from peer_runners.spec import MODELS, RunSpec, model_config, model_label  # noqa: E402
+from result_files import new_base  # noqa: E402
 
 VARIANTS = {  # plan changes tried beside the planner's own choice
     "planner": {},
@@ -161,16 +162,6 @@ def _pinned_bytes(engine: Any, cuda: bool) -> int:
     return engine.store.pinned_bytes + allocator
 
 
-def _new_base(base: str) -> str:
-    """``base``, or ``base_2``, ``base_3``, ...: the first whose .json and .md do not exist, so no run overwrites
-    another's results."""
-    candidate, n = base, 1
-    while os.path.exists(candidate + ".json") or os.path.exists(candidate + ".md"):
-        n += 1
-        candidate = f"{base}_{n}"
-    return candidate
-
-
 def markdown(rep: dict[str, Any]) -> str:
     lines = [f"# megatrain step anatomy, {rep['device']} ({rep['date']})", "",
              "Seconds per step. events: the engine's own event timing (median of the timed steps; its compute "
@@ -257,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
            "command": "python benchmarks/step_anatomy.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "runs": runs}
     os.makedirs(args.out, exist_ok=True)
-    base = _new_base(os.path.join(args.out, f"{date}_{rep['device']}_step_anatomy_{'-'.join(models)}"))
+    base = new_base(os.path.join(args.out, f"{date}_{rep['device']}_step_anatomy_{'-'.join(models)}"))
     with open(base + ".json", "w") as f:
         json.dump(rep, f, indent=1)
     md = markdown(rep)
