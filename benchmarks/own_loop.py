@@ -36,6 +36,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from result_files import new_base  # noqa: E402
 from throughput import MODELS as THROUGHPUT_MODELS, batches, machine  # noqa: E402
 
 MODELS = {
@@ -202,8 +203,8 @@ def result_rows(seconds: dict[str, list[float]], last_loss: dict[str, float]) ->
 def write_results(args, name: str, device_name: str, heading: str, report: dict, notes: list[str]) -> None:
     """``<out>/<date>_<device>_<name>_<model>[_<label>]``: .json (``report``), .md (``heading``, the command,
     ``notes``, a table of ``report["results"]``) and .png (the median ratios to PyTorch; with matplotlib)."""
-    stem = os.path.join(args.out, f"{report['date']}_{device_name}_{name}_{args.model}"
-                                  + (f"_{args.label}" if args.label else ""))
+    stem = new_base(os.path.join(args.out, f"{report['date']}_{device_name}_{name}_{args.model}"
+                                 + (f"_{args.label}" if args.label else "")))
     os.makedirs(args.out, exist_ok=True)
     rows = report["results"]
     title = f"{args.model} ({report['params'] / 1e6:.1f}M), {args.batch} x {args.seq} tokens/step, fp32, {device_name}"

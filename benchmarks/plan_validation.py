@@ -30,6 +30,9 @@ import platform
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from result_files import new_base  # noqa: E402
 
 
 def _llama(h: int, i: int, layers: int, heads: int, kv: int, vocab: int, **kw: object) -> dict[str, object]:
@@ -154,7 +157,7 @@ def main() -> int:
               "hardware": hw.to_dict(), "goal": {"step_error": STEP_GOAL, "host_error": HOST_GOAL},
               "kept": "fastest step" if args.percentile == 0 else f"p{args.percentile:g} step", "results": rows}
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{today}_{device}_plan_validation")
+    stem = new_base(os.path.join(args.out, f"{today}_{device}_plan_validation"))
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=2)
     pct = lambda x: "-" if x is None else f"{x:+.1%}"  # noqa: E731

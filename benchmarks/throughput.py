@@ -31,6 +31,9 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the reference model of the equivalence tests
+sys.path.insert(0, HERE)
+
+from result_files import new_base  # noqa: E402
 
 MODELS = {
     # Llama-3.2-1B's shape (1.24B parameters, tied embeddings).
@@ -199,7 +202,7 @@ def main() -> int:
     report = {"date": datetime.date.today().isoformat(), "machine": info, "args": vars(args), "results": rows,
               "megatrain_over_pytorch_tokens_per_second": ratio}
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{report['date']}_{device}_throughput_{args.model}")
+    stem = new_base(os.path.join(args.out, f"{report['date']}_{device}_throughput_{args.model}"))
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=2)
     lines = [f"# Throughput, {args.model}, {args.batch} x {args.seq} tokens/step, {device} ({report['date']})", "",
