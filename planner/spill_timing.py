@@ -236,7 +236,7 @@ def eager_step(spilled: "spill_placement.Spilled", hw: HardwareProfile, steps: S
             room = min(first[b] + reads[b] - ahead, staging_bytes - (ahead - taken), total - ahead)
             if room > 0:
                 d, ahead, read_ahead_bytes = d + room / R, ahead + room, read_ahead_bytes + room
-                c += k * room
+                c, b_cpu = c + k * room, b_cpu + k * room  # its CPU share is work, as ``fill``'s is
         own, lent = load([b] if b else [])
         lent_bytes += lent
         d += own / R
