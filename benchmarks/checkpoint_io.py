@@ -36,6 +36,7 @@ import torch
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
 
 from megatrain.runtime.io import training_checkpoint
+from result_files import new_base
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -169,7 +170,7 @@ def main() -> int:
             "cores": os.cpu_count(), "scratch": args.dir or tempfile.gettempdir()}
     report = {"date": datetime.date.today().isoformat(), "machine": info, "args": vars(args), "results": rows}
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{report['date']}_{device}_checkpoint_io")
+    stem = new_base(os.path.join(args.out, f"{report['date']}_{device}_checkpoint_io"))
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=2)
     with open(stem + ".md", "w") as f:

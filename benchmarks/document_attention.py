@@ -29,6 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from throughput import MODELS, machine  # noqa: E402
+from result_files import new_base  # noqa: E402
 
 
 def mixes(seq: int) -> dict[str, callable]:
@@ -150,7 +151,7 @@ def main() -> None:
               f"step x{row['step']['ratio']:.3f}", file=sys.stderr, flush=True)
         results.append(row)
     date = datetime.date.today().isoformat()
-    stem = os.path.join(args.out, f"{date}_{device.type}_document_attention")
+    stem = new_base(os.path.join(args.out, f"{date}_{device.type}_document_attention"))
     meta = {"date": date, "device": device.type, "dtype": str(dtype).removeprefix("torch."), "model": args.model,
             "seq": args.seq, "batch": args.batch, "repeats": args.repeats, "threads": torch.get_num_threads(),
             "machine": machine(), "results": results}

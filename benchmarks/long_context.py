@@ -25,6 +25,8 @@ import os
 import platform
 import sys
 
+from result_files import new_base
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -104,8 +106,8 @@ def main() -> int:
     report = {"date": today, "device": "cpu", "command": command, "machine": machine(), "model": hf,
               "params": shape.params, "checkpoints": args.checkpoints, "results": rows}
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{today}_cpu_long_context{'_host' if args.checkpoints == 'host' else ''}"
-                                  f"{'_untiled' if args.untiled else ''}")
+    stem = new_base(os.path.join(args.out, f"{today}_cpu_long_context{'_host' if args.checkpoints == 'host' else ''}"
+                                  f"{'_untiled' if args.untiled else ''}"))
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=2)
     return write(report, stem, command)

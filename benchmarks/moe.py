@@ -30,6 +30,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from result_files import new_base  # noqa: E402
+
 # Qwen3-MoE's shape, scaled to ~100M parameters (~24M active per token): 6 layers of h512 (GQA 8/4 heads, q/k
 # norms), 16 experts of width 576, 2 per token (renormalised), vocabulary 8192, untied.
 MODELS = {"qwen3-moe-100m": dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
@@ -155,7 +157,7 @@ def main() -> int:
 
 def write(report: dict, args: argparse.Namespace) -> None:
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{report['date']}_cpu_moe_{args.model}")
+    stem = new_base(os.path.join(args.out, f"{report['date']}_cpu_moe_{args.model}"))
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=2)
     info, load = report["machine"], report["load_average_1_5_15_min"]

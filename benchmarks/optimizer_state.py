@@ -16,6 +16,8 @@ import statistics
 import subprocess
 import tempfile
 
+from result_files import new_base
+
 
 def run(state: str, seed: int, steps: int, root: str, extra: list[str]) -> subprocess.Popen:
     out = os.path.join(root, f"{state}-{seed}")
@@ -71,7 +73,8 @@ def main() -> None:
         "last10_mean_loss": {k: window_mean(v[:n]) for k, v in curves.items()},
         "curves": curves,
     }
-    stem = os.path.join(args.out, f"{result['date']}_cpu_optimizer_state" + ("" if label == "demo" else f"_{label}"))
+    suffix = "" if label == "demo" else f"_{label}"
+    stem = new_base(os.path.join(args.out, f"{result['date']}_cpu_optimizer_state{suffix}"))
     with open(stem + ".json", "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
     lines = [f"# fp32 vs bf16 AdamW state: {label} loss curves, {n} steps ({result['date']}, shared CPU)", "",

@@ -28,6 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from throughput import MODELS as THROUGHPUT_MODELS, batches, machine  # noqa: E402
+from result_files import new_base  # noqa: E402
 
 # "33m": a model whose host state dominates a CPU rank's RSS (16 B/param, 0.5 GiB at one rank), for the memory rows.
 MODELS = {**THROUGHPUT_MODELS,
@@ -156,7 +157,7 @@ def main() -> int:
         row["speedup"] = row["tokens_per_second"] / base["tokens_per_second"]
         row["predicted"]["speedup"] = row["predicted"]["tokens_per_second"] / base["predicted"]["tokens_per_second"]
     device = "gpu" if torch.cuda.is_available() and not args.cpu else "cpu"
-    stem = os.path.join(args.out, f"{datetime.date.today().isoformat()}_{device}_scaling")
+    stem = new_base(os.path.join(args.out, f"{datetime.date.today().isoformat()}_{device}_scaling"))
     report = {"date": datetime.date.today().isoformat(), "machine": machine(), "device": device, "args": vars(args),
               "loadavg": _loadavg(), "results": rows}
     os.makedirs(args.out, exist_ok=True)

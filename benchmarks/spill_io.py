@@ -26,6 +26,7 @@ import torch
 
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
 from megatrain.runtime.spill.spill_io import PosixIO, aligned_empty
+from result_files import new_base
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -132,7 +133,7 @@ def main() -> int:
               "backend_read_gbps": gbps[3], "write_ratio": gbps[2] / gbps[0], "read_ratio": gbps[3] / gbps[1],
               "train_step_seconds": train}
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{report['date']}_cpu_spill_io")
+    stem = new_base(os.path.join(args.out, f"{report['date']}_cpu_spill_io"))
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=2)
     lines = [f"# Spill I/O, {nbytes / 2**30:.2f} GiB in {args.block_mib} MiB blocks, {args.threads} threads "

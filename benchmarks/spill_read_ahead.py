@@ -22,6 +22,8 @@ import sys
 
 import torch
 
+from result_files import new_base
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = dict(model_type="llama", vocab_size=16384, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
               num_attention_heads=8, num_key_value_heads=4)
@@ -85,7 +87,7 @@ def main() -> int:
     command = "python benchmarks/spill_read_ahead.py" + "".join(f" {a}" for a in sys.argv[1:])
     report = {"date": today, "command": command, "load_average": load, "hardware": hw.to_dict(), "rows": rows}
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{today}_cpu_spill_read_ahead")
+    stem = new_base(os.path.join(args.out, f"{today}_cpu_spill_read_ahead"))
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=2)
     lines = [f"# Spill read-ahead depth, 35M spilled model, CPU ({today})", "", f"`{command}`; load average "

@@ -30,6 +30,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 from throughput import MODELS, batches, machine  # noqa: E402
+from result_files import new_base  # noqa: E402
 
 
 def child(args) -> None:
@@ -154,7 +155,7 @@ def main() -> int:
     report = {"date": datetime.date.today().isoformat(), "machine": info, "device": device, "args": vars(args),
               "runtimes": runtimes, "results": rows, "ratios": ratios}
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{report['date']}_{label}_step_timing_{args.model}")
+    stem = new_base(os.path.join(args.out, f"{report['date']}_{label}_step_timing_{args.model}"))
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=2)
     lines = [f"# Step timing cost, {args.model}, {args.batch} x {args.seq} tokens/step, micro-batch "

@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the chat tokenizer and 
 
 import trl_rows  # noqa: E402
 from throughput import machine  # noqa: E402
+from result_files import new_base  # noqa: E402
 
 
 def build(work: str, records: int, vocab: int) -> tuple[str, str]:
@@ -214,7 +215,7 @@ def main() -> None:
             print(layout, json.dumps(entry["summary"]), flush=True)
     results["load_average_after"] = os.getloadavg()
     suffix = "" if a.layouts == "rows,packed" else "_" + a.layouts.replace(",", "_")
-    stem = os.path.join(HERE, "results", f"{results['date']}_cpu_trl_parity{suffix}")
+    stem = new_base(os.path.join(HERE, "results", f"{results['date']}_cpu_trl_parity{suffix}"))
     with open(stem + ".json", "w") as f:
         json.dump(results, f, indent=1)
     with open(stem + ".md", "w") as f:
