@@ -10,7 +10,10 @@ records resident bytes after init and the peak, bytes on disk, the disk bytes re
 planner's memory prediction for the same plan, and the step against max(compute, disk bytes / measured
 disk bandwidth) (the saved profile, ``$MEGATRAIN_HARDWARE`` or ``megatrain-plan profile --spill-dir DIR``'s).
 AdamW clips at 1.0 unless ``--no-clip``; ``--eager`` (with it) updates each block in backward whatever mode the
-planner would choose. Writes ``benchmarks/results/<date>_cpu_spill_scale_<spill>_<models>[_no_clip][_eager]``
+planner would choose. The plan is the search's whole (slots, micro-batch, kept layers, loss chunk: what
+``megatrain-train`` runs) with the spill placement, staging and chunk asked for; ``--recompute-all`` keeps no
+layer (every layer recomputed in backward, as these runs did before 2026-11-28).
+Writes ``benchmarks/results/<date>_cpu_spill_scale_<spill>_<models>[_no_clip][_eager][_recompute_all]``
 ``.{json,md}`` (``_2``, ``_3``, ... after it where a run that day took the name).
 """
 from __future__ import annotations
@@ -94,17 +97,20 @@ def child(args) -> dict:
     elif spill != "none":  # the planner's read-ahead depth and chunk for this disk and the RAM left
         planned = search.search(shape, Workload(args.seq, args.batch, "fp32", clipping=clipping, spill="all",
                                                 spill_dir=args.dir, optimizer_state=state), hw).require().plan
-    # The searched plan's staging and chunk, unless given: with ``--spill planner`` the plan is the search's
-    # whole (its memory fits --ram-gib only with its own staging and chunk).
+    # The searched plan whole (its slots, micro-batch, kept layers, loss chunk, I/O modes: what megatrain-train
+    # runs), with the staging and chunk given; with ``--spill planner`` its memory fits --ram-gib only with its
+    # own staging and chunk. ``--recompute-all``: no layer kept, every one recomputed in backward.
     args.staging = max(1, args.staging if args.staging > 0 or spill == "none" else planned.spill_staging)
     chunk = (args.chunk_mib * 2**20 if args.chunk_mib else
              planned.spill_chunk_bytes if spill != "none" else Plan().spill_chunk_bytes)
     args.chunk_mib = chunk / 2**20
-    io = {} if spill == "none" else {"io_direct": planned.io_direct, "io_direct_reads": planned.io_direct_reads}
-    mode = "eager" if args.eager else planned.optimizer_mode if spill != "none" else "deferred"
-    plan = Plan(spill=spill, spill_blocks=blocks, spill_dir=args.dir if spill != "none" else None,
-                spill_staging=args.staging, spill_chunk_bytes=chunk, optimizer_mode=mode,
-                **io)  # the searched plan's I/O modes and optimizer mode
+    if spill == "none":
+        plan = Plan(spill_chunk_bytes=chunk, optimizer_mode="eager" if args.eager else "deferred")
+    else:
+        plan = planned.replace(spill=spill, spill_blocks=blocks, spill_dir=args.dir, spill_staging=args.staging,
+                               spill_chunk_bytes=chunk, optimizer_mode="eager" if args.eager else planned.optimizer_mode)
+    if args.recompute_all:
+        plan = plan.replace(kept_layers=())
     print(f"  placement: {spill_placement.label(plan)}", file=sys.stderr, flush=True)
     est = memory_model.estimate(shape, work, plan, this_machine())
     predicted_step_s = cost_model.estimate(shape, work, plan, this_machine()).step_seconds
@@ -189,6 +195,11 @@ def markdown(rows: list[dict], info: dict) -> str:
             f"{s['written_bytes'] / 1e9:.1f} GB | {disk:.1f} s | {comp:.1f} s | {s['wall_s'] / max(comp, disk):.2f}x | "
             f"{s.get('disk_busy_s', float('nan')):.1f} / {s.get('disk_exposed_s', float('nan')):.1f} s |")
     for r in rows:
+        if r.get("status") == "ok":
+            plan, layers = r["plan"], model_config(r["model"])["num_hidden_layers"]
+            lines += ["", f"{r['model']}: {plan['optimizer_mode']} updates, {len(plan['kept_layers'])} of {layers} "
+                          f"layers kept (the rest recomputed in backward), {plan['spill_staging']} staging sets of "
+                          f"{plan['spill_chunk_bytes'] / 2**20:.0f} MiB, micro-batch {plan['micro_batch_size']}"]
         if r.get("status") == "ok" and "predicted_step_s" in r:
             p, m = r["predicted_step_s"], r["steps"][-1]["wall_s"]
             lines += ["", f"{r['model']}: the planner's step {p:.1f} s against {m:.1f} s measured ({p / m - 1:+.0%})"]
@@ -244,6 +255,8 @@ def main() -> int:
     p.add_argument("--no-clip", action="store_true", help="no gradient clipping (the planner's plan for that)")
     p.add_argument("--eager", action="store_true",
                    help="with --no-clip: eager updates (each in backward), whatever the planner's mode")
+    p.add_argument("--recompute-all", action="store_true",
+                   help="keep no layer's activations: every layer recomputed in backward (the runs before 2026-11-28)")
     p.add_argument("--probe-disk", action="store_true",
                    help="measure the disk (megatrain-plan profile's probe) just before and after the steps, and "
                         "give the planner's step for the same plan at those figures")
@@ -276,7 +289,7 @@ def main() -> int:
                    ["--dir", args.dir] if args.dir else []) + (
                    ["--ram-gib", str(args.ram_gib)] if args.ram_gib else []) + (
                    ["--disk-gb", str(args.disk_gb)] if args.disk_gb else []) + (
-                   ["--probe-disk"] if args.probe_disk else [])
+                   ["--probe-disk"] if args.probe_disk else []) + (["--recompute-all"] if args.recompute_all else [])
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         if proc.returncode == 0:
             rows.append({"status": "ok", **json.loads(proc.stdout.strip().splitlines()[-1])})
@@ -285,7 +298,8 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     stem = new_base(os.path.join(args.out, f"{info['date']}_cpu_spill_scale_{args.spill}_{args.model.replace(',', '_')}"
                                  + ("_bf16_state" if args.optimizer_state == "bf16" else "")
-                                 + ("_no_clip" if args.no_clip else "") + ("_eager" if args.eager else "")))
+                                 + ("_no_clip" if args.no_clip else "") + ("_eager" if args.eager else "")
+                                 + ("_recompute_all" if args.recompute_all else "")))
     with open(stem + ".json", "w") as f:
         json.dump({**info, "rows": rows}, f, indent=2)
     with open(stem + ".md", "w") as f:

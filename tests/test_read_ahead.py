@@ -284,3 +284,50 @@ def test_with_a_wake_the_read_ahead_reads_only_into_the_disks_idle_time(gated) -
     assert _woken_reads(ahead, log, woken, 3) == [("spill_read", 2, 2, 0, "ahead"), ("spill_read", 2, 2, 1024, "ahead"),
                                                   ("spill_read", 2, 2, 2048, "ahead")]
     ahead.drop()
+
+
+@pytest.mark.parametrize("gated", [2], indirect=True)
+def test_once_a_steps_jobs_come_its_chunks_are_read_into_free_sets_busy_disk_or_not(gated) -> None:
+    io, files = gated
+    ahead, log = _reader(files)
+    _whole_step(ahead, 1)  # every job of step 1 taken: step 2's chunks are the list
+    ahead.taken(2, 2)  # step 2's jobs come: block 2's first, its chunks read as it asks for them
+    for lo, n in ahead.pieces(2):
+        _update(ahead, 2, 2, lo, n)
+    ahead.taken(2, 3)  # nothing of block 3 on disk
+    for index in [files.staging.acquire() for _ in range(3)]:  # every set back from the writes
+        files.staging.release(index)
+    _ops(log)
+    io.gate.clear()
+    for lo in (0, 1024):  # two transfers in flight that are not reads ahead (of a block not read next)
+        files.write_async(G, 2, _values(G, 2, 0.0)[lo:lo + 1024], lo, 1024)
+    woken = threading.Event()
+    ahead.read_ahead(woken.set)  # the disk is busy, but these are the chunks of the jobs to come: read into the sets
+    assert _ops(log) == [("spill_read", 2, 1, 0, "ahead"), ("spill_read", 2, 0, 0, "ahead"),
+                         ("spill_read", 2, 0, 1024, "ahead")]
+    out = torch.empty(1024)  # block 0's coming load copies its master from the set read ahead
+    assert files.lent.copy(2, 0, 0, out, files.version)
+    assert torch.equal(out, _values(M, 0, 0.0)[:1024])
+    ahead.read_ahead(woken.set)  # every set held: nothing more, and no wait for one
+    assert _ops(log) == []
+    io.gate.set()
+    ahead.drop()
+
+
+@pytest.mark.parametrize("gated", [2], indirect=True)
+def test_the_next_steps_chunks_wait_for_the_idle_disk_even_with_sets_free(gated) -> None:
+    io, files = gated
+    ahead, log = _reader(files)
+    _whole_step(ahead, 1)
+    _whole_step(ahead, 2)  # step 2's last job taken: the list is step 3's
+    for index in [files.staging.acquire() for _ in range(3)]:
+        files.staging.release(index)
+    _ops(log)
+    io.gate.clear()
+    files.write_async(G, 2, _values(G, 2, 0.0)[:1024], 0, 1024)  # a transfer in flight
+    woken = threading.Event()
+    ahead.read_ahead(woken.set)
+    assert _ops(log) == []
+    io.gate.set()
+    assert _woken_reads(ahead, log, woken, 1)[0] == ("spill_read", 3, 2, 0, "ahead")
+    ahead.drop()

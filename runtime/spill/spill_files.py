@@ -234,10 +234,12 @@ class SpillFiles:
             self.version += 1
 
     # ---- the AdamW pipeline (see [Note: spill pipeline]) -----------------------------------
-    def stage(self, b: int, lo: int, n: int, kinds: Sequence[BufferKind]) -> Staged:
-        """Take a staging set (waits while every set is still being written back) and read block b's
-        ``kinds`` (spilled ones of this block), elements [lo, lo + n), into it ahead."""
-        index = self.staging.acquire()
+    def stage(self, b: int, lo: int, n: int, kinds: Sequence[BufferKind], wait: bool = True) -> Staged | None:
+        """Take a staging set (waits while every set is still being written back; None then without ``wait``)
+        and read block b's ``kinds`` (spilled ones of this block), elements [lo, lo + n), into it ahead."""
+        index = self.staging.acquire() if wait else self.staging.try_acquire()
+        if index is None:
+            return None
         buffers = {k: self.staging.buffers(index)[k] for k in kinds}
         return Staged(index, lo, buffers, [self.read_async(k, b, buffers[k], lo, n) for k in kinds])
 

@@ -38,6 +38,13 @@ class StagingPool:
     def acquire(self) -> int:
         return self._free.get()
 
+    def try_acquire(self) -> int | None:
+        """A set free now, or None (every set is in use or being written back)."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            return None
+
     def buffers(self, index: int) -> dict[BufferKind, torch.Tensor]:
         return self._sets[index]
 
