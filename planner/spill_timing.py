@@ -36,9 +36,10 @@ next (the loads go first), it reads the next updates' master, m and v in update 
 in reverse, the embedding's), at most what the staging sets hold (``staging_bytes``: sets x the largest chunk's
 set) beyond what their updates took; an update's u then counts only its reads not read ahead. Before each
 backward load of a layer the read-ahead has also reached that layer's update as far as the sets hold, idle disk
-or not (d += those reads / R): the runtime's read-ahead, a chunk whenever nothing is in flight, stays ahead of
-the loads (the 3.2B shape's eager step with 64 sets read 47.8-50.9 GB a step, its backward loads nearly all lent:
-51.9-52.2 GB planned, 58.5-59.6 before this term, and the step +5% to +14% against +15% to +24%).
+or not (d += those reads / R): the runtime's read-ahead, into the sets free in backward whether the disk is busy
+or not, stays ahead of the loads (the 3.2B shape's eager step with 64 sets read 47.8-50.9 GB a step, its backward
+loads nearly all lent: 51.9-52.2 GB planned, 58.5-59.6 before this term, and the step +5% to +14% against +15% to
++24%).
 
 Both modes add k x the bytes each disk transfer moves to the CPU work it runs beside (k: the profile's
 ``disk_cpu_s_per_gb``, planner/disk_contention.py: the kernel's share of spill I/O, on the compute's cores).
