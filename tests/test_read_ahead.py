@@ -234,6 +234,12 @@ def gated(tmp_path, request):
     files.close()
 
 
+def _all_sets_back(files: SpillFiles) -> None:
+    """Wait until every staging set is back in the pool (the writes behind landed)."""
+    for index in [files.staging.acquire() for _ in range(files.staging.count)]:
+        files.staging.release(index)
+
+
 def _woken_reads(ahead: ReadAhead, log: EventLog, woken: threading.Event, count: int) -> list[tuple]:
     """Read ahead at each wake (a transfer landed, or a set came back) until ``count`` chunks are read."""
     ops: list[tuple] = []
@@ -271,8 +277,7 @@ def test_with_a_wake_the_read_ahead_reads_only_into_the_disks_idle_time(gated) -
     io, files = gated
     ahead, log = _reader(files)
     _whole_step(ahead, 1)
-    for index in [files.staging.acquire() for _ in range(3)]:  # every set back from step 1's writes
-        files.staging.release(index)
+    _all_sets_back(files)
     _ops(log)
     io.gate.clear()
     for lo in (0, 1024):  # two transfers in flight that are not reads ahead (a load's reads, say)
@@ -295,8 +300,7 @@ def test_once_a_steps_jobs_come_its_chunks_are_read_into_free_sets_busy_disk_or_
     for lo, n in ahead.pieces(2):
         _update(ahead, 2, 2, lo, n)
     ahead.taken(2, 3)  # nothing of block 3 on disk
-    for index in [files.staging.acquire() for _ in range(3)]:  # every set back from the writes
-        files.staging.release(index)
+    _all_sets_back(files)
     _ops(log)
     io.gate.clear()
     for lo in (0, 1024):  # two transfers in flight that are not reads ahead (of a block not read next)
@@ -320,8 +324,7 @@ def test_the_next_steps_chunks_wait_for_the_idle_disk_even_with_sets_free(gated)
     ahead, log = _reader(files)
     _whole_step(ahead, 1)
     _whole_step(ahead, 2)  # step 2's last job taken: the list is step 3's
-    for index in [files.staging.acquire() for _ in range(3)]:
-        files.staging.release(index)
+    _all_sets_back(files)
     _ops(log)
     io.gate.clear()
     files.write_async(G, 2, _values(G, 2, 0.0)[:1024], 0, 1024)  # a transfer in flight
