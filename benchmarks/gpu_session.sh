@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu_session.sh peers    # peers sweep, 480 s budget (DeepSpeed wheels in .whl/); more arguments
 #                                           # go to peers.py (--sizes 3b --grow-layers 0)
 #   bash benchmarks/gpu_session.sh large    # 3B step anatomy at 2048/8192, profile, calibrate, planner validation
-#   bash benchmarks/gpu_session.sh first    # one command for a short lease: checks, stream sanitizer, anatomy,
-#                                           # the GPU's profile
+#   bash benchmarks/gpu_session.sh first    # one command for a short lease: checks, 1B, 8B flagship, anatomy,
+#                                           # stream sanitizer, the GPU's profile
 #
 # DEADLINE=S (seconds, default none) ends a part in time to return its files: each step's limit is cut to
 # what is left, and a step that would get under 20 s is skipped. results-PART.tgz is rewritten after every step.
@@ -100,17 +100,19 @@ case $part in
   first)
     # the quick checks first: a failure there fails fast and leaves the time to the steps after it
     run 100 python3 -m pytest -q -rA --tb=short -m gpu -p no:cacheprovider tests
-    # PyTorch's stream sanitizer: a tensor used on one stream while another writes it, without an event between
-    run 120 env TORCH_CUDA_SANITIZER=1 python3 benchmarks/throughput.py --model tiny --seq 128 --batch 4 \
-      --micro-batch 2 --steps 2 --out /tmp/scratch
+    # 20 bf16 steps against in-VRAM PyTorch from the same weights: the losses step by step, and the speed
+    run 150 python3 benchmarks/throughput.py --model 1b --seq 2048 --batch 8 --micro-batch 4 --steps 20
+    # the flagship before the rest: Llama-3.1-8B's shape at 4096 tokens, the planner's plan
+    run 240 python3 benchmarks/step_anatomy.py --model 8b --seq 4096 --batch 16 --no-clip --planner-only \
+      --warmup 1 --steps 2 --traced 1
     # the weights rounded on the host (a shadow AdamW writes) against on the device, and the planner's choice
     run 150 python3 benchmarks/step_anatomy.py --model 1b --seq 2048 --batch 16 --micro-batch 4 \
       --variant planner,host-cast,device-cast,eager --steps 3 --traced 1
-    run 150 python3 benchmarks/throughput.py --model 1b --seq 2048 --batch 8 --micro-batch 4 --steps 20
+    # PyTorch's stream sanitizer: a tensor used on one stream while another writes it, without an event between
+    run 120 env TORCH_CUDA_SANITIZER=1 python3 benchmarks/throughput.py --model tiny --seq 128 --batch 4 \
+      --micro-batch 2 --steps 2 --out /tmp/scratch
     # the GPU's own figures for the planner (racecheck is in `anatomy`: two tiny steps outlast 120 s under it)
     run 120 megatrain-plan profile --out "$out/hardware.json"
-    run 240 python3 benchmarks/step_anatomy.py --model 8b --seq 4096 --batch 16 --no-clip --planner-only \
-      --warmup 1 --steps 2 --traced 1
     ;;
   *) echo "unknown part $part: checks, anatomy, long, peers, large or first" >&2; exit 2 ;;
 esac
