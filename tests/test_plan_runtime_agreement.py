@@ -112,7 +112,7 @@ def test_memory_model_matches_allocations(name: str, plan: Plan, dtype: torch.dt
         pinned = full.pinned_host_bytes - sum(c.nbytes for c in full.components
                                               if c.name == "activation checkpoints" and c.where == "host")
         assert pinned == store.pcie_bytes
-        assert store.pinned_bytes == 0  # nothing is registered with a driver on the CPU
+        assert store.pinned_bytes == 0 == engine.pinned_host_bytes  # nothing is registered with a driver on the CPU
         crossing = CROSSING[torch.float32 if plan.weights_cast == "device" else dtype]
         assert {a.name: a.crosses_pcie for a in store.arenas()} == {a.name: a.name in crossing for a in store.arenas()}
         ids = torch.randint(0, hf["vocab_size"], (batch, seq))
@@ -286,13 +286,21 @@ def test_mlp_tiles_save_memory_in_the_planner_where_the_runtime_tiles() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["deferred", "eager"])
-def test_pinned_arenas_on_cuda_are_the_planners_pinned_terms(mode):
-    """With CUDA the store registers exactly the arenas that cross PCIe, and they are the planner's pinned bytes."""
+@pytest.mark.parametrize("checkpoints", ["device", "host"])
+def test_pinned_arenas_on_cuda_are_the_planners_pinned_terms(mode, checkpoints):
+    """With CUDA the store registers exactly the arenas that cross PCIe, and they are the planner's pinned bytes;
+    after a step, with the host checkpoints' arena (every layer recomputed) the engine's pinned bytes are."""
     hf = CONFIGS["llama-bias"]
-    plan = Plan(optimizer_mode=mode)
+    plan = Plan(optimizer_mode=mode, checkpoints=checkpoints, kept_layers=())
     shape = model_shapes.from_config(hf)
     work = Workload(8, 4, compute_dtype="bf16", clipping=mode == "deferred")
+    est = memory_model.estimate(shape, work, plan)
     with Engine(ModelConfig.from_hf(hf), OptimizerConfig(max_grad_norm=1.0 if mode == "deferred" else None),
                 plan=plan, compute_dtype=torch.bfloat16, device="cuda") as engine:
         assert engine.store.pinned_bytes == engine.store.pcie_bytes > 0
-        assert engine.store.pinned_bytes == memory_model.estimate(shape, work, plan).pinned_host_bytes
+        ckpt = sum(c.nbytes for c in est.components if c.name == "activation checkpoints" and c.where == "host")
+        assert engine.store.pinned_bytes == est.pinned_host_bytes - ckpt
+        ids = torch.randint(0, hf["vocab_size"], (4, 8))
+        engine.step(ids, ids)
+        assert (ckpt > 0) == (checkpoints == "host")
+        assert engine.pinned_host_bytes == est.pinned_host_bytes

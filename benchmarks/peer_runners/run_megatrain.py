@@ -108,8 +108,7 @@ class MegatrainTrainer:
         return getattr(self.engine, "last_step_breakdown", None)
 
     def pinned_bytes(self) -> int | None:
-        store = getattr(self.engine, "store", None)
-        return getattr(store, "pinned_bytes", None)  # the arenas registered with the driver; 0 without CUDA
+        return self.engine.pinned_host_bytes  # the arenas registered with the driver; 0 without CUDA
 
     def close(self) -> None:
         self.engine.close()

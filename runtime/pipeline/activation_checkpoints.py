@@ -198,6 +198,11 @@ class HostCheckpoints:
         """Bytes of the host arena the checkpoints live in (0 before the first step)."""
         return 0 if self._arena is None else self._arena.nbytes
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of that arena registered with the driver now (CUDA, after the first step; else 0)."""
+        return self.host_bytes if self._arena is not None and self._arena.pinned else 0
+
     def close(self) -> None:
         if self._arena is not None:
             self._arena.close()
