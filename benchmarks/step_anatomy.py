@@ -160,7 +160,7 @@ def _pinned_bytes(engine: Any, cuda: bool) -> int:
     import torch
 
     allocator = int(torch.cuda.host_memory_stats().get("allocated_bytes.peak", 0)) if cuda else 0
-    return engine.pinned_host_bytes + allocator
+    return engine.store.pinned_bytes + engine.executor.checkpoints.pinned_bytes + allocator
 
 
 def markdown(rep: dict[str, Any]) -> str:

@@ -147,13 +147,6 @@ class Engine:
         return self.executor.step_no
 
     @property
-    def pinned_host_bytes(self) -> int:
-        """Host bytes registered with the driver now (CUDA; 0 on a CPU): the store's arenas and the host activation
-        checkpoints (sized at the first step): the planner's ``pinned_host_bytes``."""
-        self._check_open()
-        return self.store.pinned_bytes + self.executor.pinned_bytes
-
-    @property
     def num_parameters(self) -> int:
         return sum(e.numel for b in self.templates.blocks for e in b.layout.entries)
 

@@ -112,7 +112,7 @@ def test_memory_model_matches_allocations(name: str, plan: Plan, dtype: torch.dt
         pinned = full.pinned_host_bytes - sum(c.nbytes for c in full.components
                                               if c.name == "activation checkpoints" and c.where == "host")
         assert pinned == store.pcie_bytes
-        assert store.pinned_bytes == 0 == engine.pinned_host_bytes  # nothing is registered with a driver on the CPU
+        assert store.pinned_bytes == 0 == ex.checkpoints.pinned_bytes  # nothing is registered with a driver on the CPU
         crossing = CROSSING[torch.float32 if plan.weights_cast == "device" else dtype]
         assert {a.name: a.crosses_pcie for a in store.arenas()} == {a.name: a.name in crossing for a in store.arenas()}
         ids = torch.randint(0, hf["vocab_size"], (batch, seq))
@@ -303,4 +303,4 @@ def test_pinned_arenas_on_cuda_are_the_planners_pinned_terms(mode, checkpoints):
         ids = torch.randint(0, hf["vocab_size"], (4, 8))
         engine.step(ids, ids)
         assert (ckpt > 0) == (checkpoints == "host")
-        assert engine.pinned_host_bytes == est.pinned_host_bytes
+        assert engine.store.pinned_bytes + engine.executor.checkpoints.pinned_bytes == est.pinned_host_bytes

@@ -108,7 +108,8 @@ class MegatrainTrainer:
         return getattr(self.engine, "last_step_breakdown", None)
 
     def pinned_bytes(self) -> int | None:
-        return self.engine.pinned_host_bytes  # the arenas registered with the driver; 0 without CUDA
+        # the arenas registered with the driver (the store's, the host checkpoints'); 0 without CUDA
+        return self.engine.store.pinned_bytes + self.engine.executor.checkpoints.pinned_bytes
 
     def close(self) -> None:
         self.engine.close()

@@ -51,6 +51,8 @@ def pieces(tokens: int, piece_tokens: int | None) -> list[tuple[int, int]]:
 
 
 class DeviceCheckpoints:
+    pinned_bytes = 0  # nothing in host memory
+
     def __init__(self) -> None:
         self._saved: dict[tuple[int, int], torch.Tensor] = {}
 

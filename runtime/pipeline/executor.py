@@ -316,12 +316,6 @@ class Executor:
             logits = chunked_logits(flat, s.lm_weight(held), self.plan.loss_chunk_tokens, self.cap).float()
         return logits.view(*input_ids.shape, -1)
 
-    @property
-    def pinned_bytes(self) -> int:
-        """Host bytes the executor itself registered with the driver: the host checkpoints' arena (the store's
-        arenas are the store's)."""
-        return self.checkpoints.pinned_bytes if isinstance(self.checkpoints, HostCheckpoints) else 0
-
     def close(self) -> None:
         self.loader.close()  # its jobs wait for AdamW's updates: stopped before the worker
         self.adam.close()
