@@ -94,8 +94,8 @@ def child(args) -> dict:
         planned = search.search(shape, Workload(args.seq, args.batch, "fp32", clipping=clipping, spill_dir=args.dir,
                                                 spill_free_bytes=free, optimizer_state=state), hw).require().plan
         spill, blocks = planned.spill, planned.spill_blocks
-    elif spill != "none":  # the planner's read-ahead depth and chunk for this disk and the RAM left
-        planned = search.search(shape, Workload(args.seq, args.batch, "fp32", clipping=clipping, spill="all",
+    elif spill != "none":  # the search's plan for this placement: read-ahead depth, chunk, kept layers
+        planned = search.search(shape, Workload(args.seq, args.batch, "fp32", clipping=clipping, spill=spill,
                                                 spill_dir=args.dir, optimizer_state=state), hw).require().plan
     # The searched plan whole (its slots, micro-batch, kept layers, loss chunk, I/O modes: what megatrain-train
     # runs), with the staging and chunk given; with ``--spill planner`` its memory fits --ram-gib only with its
