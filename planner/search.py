@@ -33,7 +33,7 @@ from .model_shapes import ModelShape
 from .plan import Plan, host_device_choices
 from .plan_checks import master_spills
 from .sequence_pieces import checkpoint_piece_tokens, sequence_tile_tokens
-from .spill_choices import spill_chunk_bytes, spill_io_choices, spill_staging_choices
+from .spill_choices import most_staging, spill_chunk_bytes, spill_io_choices, spill_staging_choices
 from .workload import Workload
 
 Ranks = data_parallel.Topology | None
@@ -282,13 +282,20 @@ def least_memory(close: list[PlanChoice], device_is_host: bool) -> PlanChoice:
 
 def search(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks = None) -> SearchResult:
     """The fastest plan that fits ``hw``; near-ties go to less GPU memory, then less host RAM (a CPU device: less
-    RAM, the two together). With ``ranks``: one rank's plan for ``work`` (the global step), judged per node."""
+    RAM, the two together), and a spilled plan takes the most staging sets that fit if they cost no time
+    (``spill_choices.most_staging``). With ``ranks``: one rank's plan for ``work`` (the global step), per node."""
     fit, misfit = feasible_choices(model, work, hw, ranks)
     considered = len(fit) + len(misfit)
     if fit:
         fastest = min(c.cost.step_seconds for c in fit if c.cost is not None)
         close = [c for c in fit if c.cost is not None and c.cost.step_seconds <= fastest * (1 + TIME_TOLERANCE)]
         best = least_memory(close, hw.device_is_host)
+        if best.plan.spill != "none":  # the most staging sets that fit, where they cost no time (spill_choices)
+            deeper = best.plan.replace(spill_staging=most_staging(model, best.plan, lambda n: not overruns(
+                _memory(model, work, best.plan.replace(spill_staging=n), hw, ranks), work, hw, ranks)))
+            cost = cost_model.estimate(model, _rank(work, ranks), deeper, hw)
+            if cost.step_seconds <= fastest * (1 + TIME_TOLERANCE):
+                best = PlanChoice(deeper, _memory(model, work, deeper, hw, ranks), cost)
         # The plan records the workload it was made for; the runtime refuses another one.
         best = PlanChoice(best.plan.replace(workload=_rank(work, ranks).fingerprint(model)), best.memory, best.cost)
         return SearchResult(best, considered)

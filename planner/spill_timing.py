@@ -34,10 +34,7 @@ The last update follows the last compute: step = max(c, max(d, c) + u_embedding)
 ([Note: spill read-ahead]): wherever the disk would idle before the CPU's clock, less the load the loader issues
 next (the loads go first), it reads the next updates' master, m and v in update order (the head's, the layers'
 in reverse, the embedding's), at most what the staging sets hold (``staging_bytes``: sets x the largest chunk's
-set) beyond what their updates took and the last S - 1 updates taken hold (S: the plan's host gradient slabs; the
-worker may lag compute by that many updates, each holding its sets until written back: traced, a disk-bound 3.2B
-eager backward kept about two layers' updates and their writes holding sets, and with 24 sets the step ran about
-10% slower than with 64); an update's u then counts only its reads not read ahead. Before each
+set) beyond what their updates took; an update's u then counts only its reads not read ahead. Before each
 backward load of a layer the read-ahead has also reached that layer's update as far as the sets hold, idle disk
 or not (d += those reads / R): the runtime's read-ahead, into the sets free in backward whether the disk is busy
 or not, stays ahead of the loads (the 3.2B shape's eager step with 64 sets read 47.8-50.9 GB a step, its backward
@@ -124,7 +121,7 @@ def cpu_step(spilled: "spill_placement.Spilled", plan: Plan, hw: HardwareProfile
     arithmetic for every block. Eager plans: ``eager_step``."""
     if plan.optimizer_mode == "eager":
         return eager_step(spilled, hw, steps, n_fwd, adam_cpu_s, tied, compute_bytes,
-                          staging_bytes(spilled, plan.spill_chunk_bytes, plan.spill_staging), plan.host_grad_slabs - 1)
+                          staging_bytes(spilled, plan.spill_chunk_bytes, plan.spill_staging))
     R, W = hw.disk_read_gbps * 1e9, hw.disk_write_gbps * 1e9
     n = len(spilled.numels)
     on_disk = spilled.blocks.get(BufferKind.MASTER, frozenset()) if compute_bytes == 4 else frozenset()
@@ -166,11 +163,10 @@ def cpu_step(spilled: "spill_placement.Spilled", plan: Plan, hw: HardwareProfile
 
 
 def eager_step(spilled: "spill_placement.Spilled", hw: HardwareProfile, steps: Sequence[BlockVisit], n_fwd: int,
-               adam_cpu_s: float, tied: bool, compute_bytes: int, staging_bytes: float = 0.0,
-               lag: int = 0) -> SpillStep:
+               adam_cpu_s: float, tied: bool, compute_bytes: int, staging_bytes: float = 0.0) -> SpillStep:
     """Eager mode's step (the module docstring): ``steps`` and ``adam_cpu_s`` as for ``cpu_step``; the AdamW
     arithmetic is shared out over the blocks by their elements; ``staging_bytes``: what the staging sets hold, the
-    bound of the read-ahead; ``lag``: how many updates taken still hold their sets (host gradient slabs - 1)."""
+    bound of the read-ahead."""
     R, W = hw.disk_read_gbps * 1e9, hw.disk_write_gbps * 1e9
     numels = spilled.numels
     n = len(numels)
@@ -180,7 +176,6 @@ def eager_step(spilled: "spill_placement.Spilled", hw: HardwareProfile, steps: S
     writes = [float(spilled.block_disk_bytes(b, UPDATED)) for b in range(n)]
     total = sum(reads)
     ahead = taken = read_ahead_bytes = 0.0  # bytes of the updates' reads, in update order: read ahead, taken
-    held: list[float] = []  # the reads of the last ``lag`` updates taken: their sets not yet written back
     lent_bytes = 0.0  # loads' master bytes copied from the staging sets
 
     def cpu(st: BlockVisit, block: int) -> float:  # a spilled master is read by the loader: no host copy
@@ -189,7 +184,7 @@ def eager_step(spilled: "spill_placement.Spilled", hw: HardwareProfile, steps: S
     def fill(d: float, until: float) -> tuple[float, float]:
         """The disk idle from d to ``until`` reads the next updates' master, m and v ahead, within the sets."""
         nonlocal ahead, read_ahead_bytes
-        room = min((until - d) * R, staging_bytes - (ahead - taken) - sum(held), total - ahead)
+        room = min((until - d) * R, staging_bytes - (ahead - taken), total - ahead)
         if room <= 0:
             return d, 0.0
         ahead, read_ahead_bytes = ahead + room, read_ahead_bytes + room
@@ -200,7 +195,6 @@ def eager_step(spilled: "spill_placement.Spilled", hw: HardwareProfile, steps: S
         nonlocal ahead, taken
         rest = max(0.0, taken + reads[b] - ahead)
         taken += reads[b]
-        held[:] = [*held, reads[b]][-lag:] if lag else []
         ahead = max(ahead, taken)
         return rest / R + writes[b] / W, rest + writes[b]
 
@@ -240,7 +234,7 @@ def eager_step(spilled: "spill_placement.Spilled", hw: HardwareProfile, steps: S
     bwd_next_load = [load_bytes[b] / R for b in bwd_blocks[1:-1]] + [0.0, 0.0]  # the embedding loads nothing
     for b, st, nxt in zip(bwd_blocks, steps[n_fwd:], bwd_next_load):
         if b and b in on_disk:  # the read-ahead reaches the block before its load, as far as the sets hold
-            room = min(first[b] + reads[b] - ahead, staging_bytes - (ahead - taken) - sum(held), total - ahead)
+            room = min(first[b] + reads[b] - ahead, staging_bytes - (ahead - taken), total - ahead)
             if room > 0:
                 d, ahead, read_ahead_bytes = d + room / R, ahead + room, read_ahead_bytes + room
                 c, b_cpu = c + k * room, b_cpu + k * room  # its CPU share is work, as ``fill``'s is

@@ -213,20 +213,16 @@ def test_disk_terms_of_a_spilled_step_by_hand() -> None:
     assert est.disk_read_bytes == 4 * F + loads and est.disk_write_bytes == 4 * F
     assert est.disk_seconds == pytest.approx((4 * F + loads) / 2e9 + 4 * F / 1e9)
     assert est.step_seconds >= est.disk_seconds
+    eager = cost_model.estimate(m, Workload(128, 1, compute_dtype="fp32", clipping=False),
+                                plan.replace(optimizer_mode="eager"), cpu)
     loads = (m.numel_embedding + 2 * m.num_layers * m.numel_layer + m.numel_head + m.numel_embedding) * 4
-    # (eager mode has no full gradient buffer to spill: master, m and v); a backward load of a layer copies the
+    # (eager mode has no full gradient buffer to spill: master, m and v); each backward load of a layer copies the
     # master of the first chunks of its update the read-ahead staged, what the plan's sets hold (3 sets of 64 MiB
-    # per kind: 3 x 64 MiB of a 232 MiB layer): [Note: lent masters]. With the plan's 2 gradient slabs the update
-    # taken last holds its sets (the worker may lag compute by one), and one layer's update fills the 3 sets: only
-    # the first backward layer's, read ahead in the forward behind the head's update (its norm: the head's master
-    # first), is lent; with one slab every layer's is
-    assert m.numel_layer * 4 > plan.spill_staging * plan.spill_chunk_bytes and plan.host_grad_slabs == 2
-    for slabs, lent in ((2, plan.spill_staging * plan.spill_chunk_bytes - m.numel_head * 4),
-                        (1, m.num_layers * plan.spill_staging * plan.spill_chunk_bytes)):
-        eager = cost_model.estimate(m, Workload(128, 1, compute_dtype="fp32", clipping=False),
-                                    plan.replace(optimizer_mode="eager", host_grad_slabs=slabs), cpu)
-        assert eager.disk_read_bytes == 3 * F + loads - lent and eager.disk_write_bytes == 3 * F
-        assert eager.step_seconds >= eager.disk_seconds == pytest.approx((3 * F + loads - lent) / 2e9 + 3 * F / 1e9)
+    # per kind: 3 x 64 MiB of a 232 MiB layer): [Note: lent masters]
+    lent = m.num_layers * plan.spill_staging * plan.spill_chunk_bytes
+    assert m.numel_layer * 4 > plan.spill_staging * plan.spill_chunk_bytes
+    assert eager.disk_read_bytes == 3 * F + loads - lent and eager.disk_write_bytes == 3 * F
+    assert eager.step_seconds >= eager.disk_seconds == pytest.approx((3 * F + loads - lent) / 2e9 + 3 * F / 1e9)
     none = cost_model.estimate(m, Workload(128, 1, compute_dtype="fp32"), Plan(), cpu)
     assert none.disk_read_bytes == none.disk_write_bytes == none.disk_seconds == 0
 
