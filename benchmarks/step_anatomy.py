@@ -155,8 +155,8 @@ def _timed(engine: Any, spec: RunSpec, variant: str, row: dict[str, Any], ids: l
 def _pinned_bytes(engine: Any, cuda: bool) -> int:
     """Pinned host memory, against the planner's ``pinned_host_bytes``: the arenas the engine registered with the
     driver (its store's and the host checkpoints'), plus the peak of torch's pinned allocator (spill bounce buffers,
-    inputs). /proc's
-    VmLck and VmPin do not count pages registered with cudaHostRegister: they read 0 on an H200 machine."""
+    inputs). /proc's VmLck and VmPin do not count pages registered with cudaHostRegister: they read 0 on an H200
+    machine."""
     import torch
 
     allocator = int(torch.cuda.host_memory_stats().get("allocated_bytes.peak", 0)) if cuda else 0
