@@ -4,8 +4,8 @@
 #   bash benchmarks/gpu_session.sh checks   # CUDA tests, 1B losses and speed against PyTorch, 8B flagship (~7 min)
 #   bash benchmarks/gpu_session.sh anatomy  # 1B step anatomy (planner, host checkpoints, eager); compute-sanitizer
 #   bash benchmarks/gpu_session.sh long     # 8B at 32k, 128k and 512k tokens a sequence
-#   bash benchmarks/gpu_session.sh peers    # peers sweep, 480 s budget (DeepSpeed wheels in .whl/); more arguments
-#                                           # go to peers.py (--sizes 3b --grow-layers 0)
+#   bash benchmarks/gpu_session.sh peers    # peers sweep, 480 s or what DEADLINE leaves (DeepSpeed wheels in .whl/);
+#                                           # more arguments go to peers.py (--sizes 3b --grow-layers 0)
 #   bash benchmarks/gpu_session.sh large    # 3B step anatomy at 2048/8192, profile, calibrate, planner validation
 #   bash benchmarks/gpu_session.sh first    # one command for a short lease: checks, 1B, 8B flagship, anatomy,
 #                                           # stream sanitizer, the GPU's profile
@@ -87,7 +87,10 @@ case $part in
     ;;
   peers)
     # further arguments go to peers.py: `peers --sizes 3b --grow-layers 0` runs the 3B cases alone
-    run 500 python3 benchmarks/peers.py --sweep --resume --time-budget 480 "${@:2}"
+    # the sweep's own budget ends inside the step's limit, so a case cut short is recorded, not interrupted
+    budget=480
+    [ -n "${DEADLINE:-}" ] && budget=$((DEADLINE - (SECONDS - started) - 60))
+    run 500 python3 benchmarks/peers.py --sweep --resume --time-budget "$budget" "${@:2}"
     ;;
   large)
     run 240 python3 benchmarks/step_anatomy.py --model 3b --seq 2048,8192 --batch 8 --micro-batch 2 --steps 2 --traced 1
