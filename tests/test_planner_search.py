@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatrain.planner import (data_parallel, hardware, memory_model, model_shapes, search, spill_choices,
-                               spill_placement)
+from megatrain.planner import (buffer_kinds, data_parallel, hardware, memory_model, model_shapes, search,
+                               spill_choices, spill_placement)
 from megatrain.planner.hardware import GiB, HardwareProfile
 from megatrain.planner.model_shapes import PRESETS, ModelShape
 from megatrain.planner.plan import Plan
@@ -293,6 +293,11 @@ def test_most_staging_is_the_most_sets_that_fit_up_to_one_update_pass() -> None:
     assert spill_choices.most_staging(m, plan, lambda n: n <= 37) == 37
     assert spill_choices.most_staging(m, plan, lambda n: True) == cap
     assert spill_choices.most_staging(m, plan, lambda n: n <= 3) == 3
+    # some blocks on disk: a set stages a chunk of those only, so no more sets than their chunks
+    some = Plan(spill="blocks", spill_dir="/nvme", spill_staging=3, spill_blocks={"master": [1, 3], "grads": [2]})
+    numels = spill_placement.block_numels(m)
+    staged = sum(len(buffer_kinds.spill_chunks(numels[b], some.spill_chunk_bytes)) for b in (1, 2, 3))
+    assert 3 < staged < cap and spill_choices.most_staging(m, some, lambda n: True) == staged
 
 
 def test_a_spilled_plan_takes_the_most_staging_sets_its_ram_allows() -> None:
