@@ -272,6 +272,13 @@ def test_with_a_wake_the_read_ahead_never_waits_for_a_set_being_written_back(gat
     ahead.drop()
 
 
+def _two_transfers_in_flight(io, files, kind, block: int) -> None:
+    """The disk's gate shut and two writes of ``block``'s ``kind`` in flight behind it: a busy disk."""
+    io.gate.clear()
+    for lo in (0, 1024):
+        files.write_async(kind, block, _values(kind, block, 0.0)[lo:lo + 1024], lo, 1024)
+
+
 @pytest.mark.parametrize("gated", [2], indirect=True)
 def test_with_a_wake_the_read_ahead_reads_only_into_the_disks_idle_time(gated) -> None:
     io, files = gated
@@ -279,9 +286,7 @@ def test_with_a_wake_the_read_ahead_reads_only_into_the_disks_idle_time(gated) -
     _whole_step(ahead, 1)
     _all_sets_back(files)
     _ops(log)
-    io.gate.clear()
-    for lo in (0, 1024):  # two transfers in flight that are not reads ahead (a load's reads, say)
-        files.write_async(M, 0, _values(M, 0, 0.0)[lo:lo + 1024], lo, 1024)
+    _two_transfers_in_flight(io, files, M, 0)  # not reads ahead (a load's reads, say)
     woken = threading.Event()
     ahead.read_ahead(woken.set)  # three sets free, but the disk is busy: nothing read
     assert _ops(log) == [] and not woken.is_set()
@@ -302,9 +307,7 @@ def test_once_a_steps_jobs_come_its_chunks_are_read_into_free_sets_busy_disk_or_
     ahead.taken(2, 3)  # nothing of block 3 on disk
     _all_sets_back(files)
     _ops(log)
-    io.gate.clear()
-    for lo in (0, 1024):  # two transfers in flight that are not reads ahead (of a block not read next)
-        files.write_async(G, 2, _values(G, 2, 0.0)[lo:lo + 1024], lo, 1024)
+    _two_transfers_in_flight(io, files, G, 2)  # not reads ahead (of a block not read next)
     woken = threading.Event()
     ahead.read_ahead(woken.set)  # the disk is busy, but these are the chunks of the jobs to come: read into the sets
     assert _ops(log) == [("spill_read", 2, 1, 0, "ahead"), ("spill_read", 2, 0, 0, "ahead"),
