@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu_session.sh large    # 3B step anatomy at 2048/8192, profile, calibrate, planner validation
 #   bash benchmarks/gpu_session.sh first    # one command for a short lease: checks, 1B, 8B flagship, anatomy,
 #                                           # stream sanitizer, the GPU's profile
+#   bash benchmarks/gpu_session.sh offload  # the CUDA tests with kvikio from .whl/, then the 3B peers against
+#                                           # DeepSpeed ZeRO-3 offload (the rest of the DEADLINE, or 480 s)
 #
 # DEADLINE=S (seconds, default none) ends a part in time to return its files: each step's limit is cut to
 # what is left, and a step that would get under 20 s is skipped. results-PART.tgz is rewritten after every step.
@@ -22,7 +24,7 @@
 # files of benchmarks/results/. Unpack it into benchmarks/results/ of the checkout the next part
 # starts from: `peers --resume` goes on from the sweep results it finds there.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh checks|anatomy|long|peers|large|first}
+part=${1:?usage: gpu_session.sh checks|anatomy|long|peers|large|first|offload}
 out=${OUT:-$PWD/gpu_out}
 mkdir -p "$out"
 log="$out/$part.log"
@@ -59,6 +61,9 @@ if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
+# The peers sweep's own budget: 480 s, or what DEADLINE leaves less a minute, so a case cut short is recorded
+peers_budget() { if [ -n "${DEADLINE:-}" ]; then echo $((DEADLINE - (SECONDS - started) - 60)); else echo 480; fi; }
+
 case $part in
   checks)
     run 80 python3 -m pytest -q -m gpu -p no:cacheprovider tests
@@ -88,9 +93,13 @@ case $part in
   peers)
     # further arguments go to peers.py: `peers --sizes 3b --grow-layers 0` runs the 3B cases alone
     # the sweep's own budget ends inside the step's limit, so a case cut short is recorded, not interrupted
-    budget=480
-    [ -n "${DEADLINE:-}" ] && budget=$((DEADLINE - (SECONDS - started) - 60))
-    run 500 python3 benchmarks/peers.py --sweep --resume --time-budget "$budget" "${@:2}"
+    run 500 python3 benchmarks/peers.py --sweep --resume --time-budget "$(peers_budget)" "${@:2}"
+    ;;
+  offload)
+    # with .whl/ carried, kvikio is installed: the spilled-load test runs its kvikio case too
+    run 100 python3 -m pytest -q -rA --tb=short -m gpu -p no:cacheprovider tests
+    run 500 python3 benchmarks/peers.py --sweep --resume --time-budget "$(peers_budget)" --sizes 3b --grow-layers 0 \
+      --systems megatrain,deepspeed,pytorch,fsdp2 "${@:2}"
     ;;
   large)
     run 240 python3 benchmarks/step_anatomy.py --model 3b --seq 2048,8192 --batch 8 --micro-batch 2 --steps 2 --traced 1
@@ -117,7 +126,7 @@ case $part in
     # the GPU's own figures for the planner (racecheck is in `anatomy`: two tiny steps outlast 120 s under it)
     run 120 megatrain-plan profile --out "$out/hardware.json"
     ;;
-  *) echo "unknown part $part: checks, anatomy, long, peers, large or first" >&2; exit 2 ;;
+  *) echo "unknown part $part: checks, anatomy, long, peers, large, first or offload" >&2; exit 2 ;;
 esac
 
 pack

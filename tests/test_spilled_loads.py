@@ -2,6 +2,7 @@
 update, equal to training with everything in RAM."""
 from __future__ import annotations
 
+import importlib.util
 import threading
 import time
 
@@ -193,13 +194,18 @@ def test_loads_copy_the_masters_read_ahead_for_the_update_instead_of_reading_the
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_spilled_masters_load_on_cuda_as_in_ram(tmp_path):
+@pytest.mark.parametrize("io_backend", ["posix", "kvikio"])
+def test_spilled_masters_load_on_cuda_as_in_ram(tmp_path, io_backend):
     """On CUDA the loader thread reads a spilled master through the pinned bounce buffers and copies it up on the
-    h2d stream, recording the slot's event after the last copy: training equals the masters in RAM, bitwise."""
+    h2d stream, recording the slot's event after the last copy: training equals the masters in RAM, bitwise, with
+    either file backend (kvikio: the ``[gds]`` extra, GPUDirect Storage or its compatibility mode)."""
+    if io_backend == "kvikio" and importlib.util.find_spec("kvikio") is None:
+        pytest.skip("kvikio is not installed (pip install megatrain[gds])")
     ids = torch.randint(0, CONFIG.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
     results = []
     for plan in (Plan(num_slots=2, prefetch_depth=1),
-                 Plan(num_slots=2, prefetch_depth=1, spill="all", spill_dir=str(tmp_path), spill_chunk_bytes=4096)):
+                 Plan(num_slots=2, prefetch_depth=1, spill="all", spill_dir=str(tmp_path), spill_chunk_bytes=4096,
+                      io_backend=io_backend)):
         with Engine(CONFIG, OptimizerConfig(lr=1e-2, max_grad_norm=1.0), plan=plan, compute_dtype=torch.float32,
                     device="cuda", seed=0) as engine:
             losses = [float(engine.step(ids, ids)) for _ in range(3)]
