@@ -7,6 +7,7 @@ written. No timing is asserted (benchmarks measure; tests check).
 """
 from __future__ import annotations
 
+import datetime
 import json
 import pathlib
 import subprocess
@@ -127,3 +128,32 @@ def test_loss_reference_falls_back_when_pytorch_did_not_run():
                "matmul_peak": {"tflops": 1.0, "dtype": "float32", "n": 8}}
     md = report.markdown(report.build(machine, "2026-01-01", {"warmup": 1}, rows))
     assert "| pytorch | out of memory (GPU, peak 79.0 GiB): ... |" in md
+
+
+def test_resume_keeps_results_and_decides_again_what_did_not_run(tmp_path):
+    """``--resume`` keeps the results of today's report (ok, out of memory, and failed unless retried) and decides
+    again every run recorded as not run: DeepSpeed recorded as not installed on a GPU machine runs once it is; on a
+    CPU it is recorded as not run again, at once, without a subprocess."""
+    from peer_runners.sweep import Comparison
+
+    machine = {"device": "cpu", "cpu": "x", "cores": 2, "usable_cores": 2, "python": "3", "torch": "t",
+               "matmul_peak": {"tflops": 1.0, "dtype": "float32", "n": 8}}
+    rows = [_row("megatrain", "ok", 5.0), _row("pytorch", "out of memory (GPU, peak 79.0 GiB): ..."),
+            _row("fsdp2", "failed: ValueError: bad"),
+            _row("deepspeed", "not run: not installed (pip install deepspeed)")]
+    settings = {"steps": 2, "warmup": 1, "seed": 0, "lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8,
+                "weight_decay": 0.1, "max_grad_norm": 1.0}
+
+    today = datetime.date.today().isoformat()
+    report.write(report.build(machine, today, dict(settings), rows), str(tmp_path / f"{today}_cpu_peers"))
+
+    def resumed(retry_failed: bool) -> Comparison:
+        return Comparison(machine, str(tmp_path), str(tmp_path / "logs"), dict(settings), None, 60, resume=True,
+                          retry_failed=retry_failed)
+
+    c = resumed(False)
+    assert [r["system"] for r in c.rows] == ["megatrain", "pytorch", "fsdp2"]
+    assert [r["system"] for r in resumed(True).rows] == ["megatrain", "pytorch"]
+    row = c.run(c.spec("deepspeed", "tiny", None, 32, 4, 2))
+    assert row["status"] == "not run: needs CUDA"
+    assert [r["system"] for r in c.rows] == ["megatrain", "pytorch", "fsdp2", "deepspeed"]

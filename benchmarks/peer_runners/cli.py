@@ -41,9 +41,10 @@ def parser(doc: str) -> argparse.ArgumentParser:
                    help="folder of the report (default benchmarks/results)")
     p.add_argument("--logs", help="folder for each run's output (default: a temporary folder, printed)")
     p.add_argument("--resume", action="store_true",
-                   help="keep the runs of today's report for this device; run what it lacks or ran out of time for")
+                   help="keep the runs of today's report for this device; run what it lacks or did not run "
+                        "(out of time, DeepSpeed not installed then)")
     p.add_argument("--retry-failed", action="store_true",
-                   help="with --resume: run again the runs that failed (out of memory and not-run results stay)")
+                   help="with --resume: run again the runs that failed (out-of-memory results stay)")
     p.add_argument("--time-budget", type=float,
                    help="seconds for the whole comparison (default: none; 540 with --sweep)")
     p.add_argument("--run-timeout", type=float, default=900, help="seconds at most for one system's run")

@@ -12,8 +12,11 @@ A comparison is a list of cases (model shape, sequence, batch), each run by ever
 
 [Note: budget] A run is started only with at least ``MIN_RUN_SECONDS`` left, and stopped
 when the budget ends; what was not run is recorded as ``not run: the time budget ...`` and
-``--resume`` runs exactly those (and what is missing) again, keeping the rest; with
-``--retry-failed`` also the runs that failed (not those out of memory).
+``--resume`` runs those (and what is missing) again, keeping the rest; with
+``--retry-failed`` also the runs that failed (not those out of memory). A row recorded as not run
+for another reason (DeepSpeed not installed, no CUDA) is no result either: ``--resume`` decides it
+again, so a run whose reason is gone (DeepSpeed installed since) runs, and one whose reason holds is
+recorded as not run once more.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ from .run_megatrain import import_megatrain
 from .spec import MODELS, RunSpec, model_config, model_label
 
 MIN_RUN_SECONDS = 45
-BUDGET_NOT_RUN = "not run: the time budget"
+NOT_RUN = "not run"  # every status of a run that did not start ([Note: budget])
+BUDGET_NOT_RUN = f"{NOT_RUN}: the time budget"
 
 
 def echo(line: str) -> None:
@@ -55,7 +59,7 @@ class Comparison:
         if resume:
             old = report.load(self.stem)
             if old is not None:
-                again = (BUDGET_NOT_RUN, "failed") if retry_failed else (BUDGET_NOT_RUN,)
+                again = (NOT_RUN, "failed") if retry_failed else (NOT_RUN,)
                 keep = [r for r in old["runs"] if not r["status"].startswith(again)]
                 self.rows = keep
                 self.done = {report.run_key(r) for r in keep}
