@@ -141,46 +141,46 @@ class ModelShape:
         """Final norm, plus lm_head (vocab x hidden) unless it is the embedding's weight."""
         return [p.numel for p in self.table(HEAD)]
 
-    @property
+    @functools.cached_property
     def params_embedding(self) -> int:
         return sum(self.embedding_params())
 
-    @property
+    @functools.cached_property
     def params_layer(self) -> int:
         return sum(self.layer_params())
 
-    @property
+    @functools.cached_property
     def params_head(self) -> int:
         return sum(self.head_params())
 
-    @property
+    @functools.cached_property
     def params(self) -> int:
         """Distinct parameters of the model (a tied weight counted once)."""
         return self.params_embedding + self.num_layers * self.params_layer + self.params_head
 
-    @property
+    @functools.cached_property
     def numel_embedding(self) -> int:
         return sum(aligned(n) for n in self.embedding_params())
 
-    @property
+    @functools.cached_property
     def numel_layer(self) -> int:
         return sum(aligned(n) for n in self.layer_params())
 
-    @property
+    @functools.cached_property
     def numel_head(self) -> int:
         return sum(aligned(n) for n in self.head_params())
 
-    @property
+    @functools.cached_property
     def numel_largest_block(self) -> int:
         """Elements of the largest flat block buffer: the size of one device slot."""
         return max(self.numel_embedding, self.numel_layer, self.numel_head)
 
-    @property
+    @functools.cached_property
     def numel_total(self) -> int:
         """Elements of every block's flat buffer, each distinct block once (host arena size)."""
         return self.numel_embedding + self.num_layers * self.numel_layer + self.numel_head
 
-    @property
+    @functools.cached_property
     def spill_file_bytes(self) -> int:
         """One fp32 kind of every distinct block in a spill file, each block rounded up to 4 KiB."""
         blocks = [self.numel_embedding] + [self.numel_layer] * self.num_layers + [self.numel_head]
@@ -193,7 +193,7 @@ class ModelShape:
 
     # ---- FLOPs per token ---------------------------------------------------------------------
 
-    @property
+    @functools.cached_property
     def params_active(self) -> int:
         """The parameters one token runs through: ``params`` less the experts it is not routed to (dense: all)."""
         return self.params - self.num_layers * self.experts.inactive_params_layer(self.hidden_size)
@@ -201,6 +201,10 @@ class ModelShape:
     def matmul_weights_layer(self) -> int:
         """Elements of one layer's matmul weights a token runs through: its 2-D parameters (norms and biases are
         not matmuls) and the experts it is routed to (num_experts_per_tok of them)."""
+        return self._matmul_weights_layer
+
+    @functools.cached_property
+    def _matmul_weights_layer(self) -> int:
         dense = sum(p.numel for p in self.table(LAYER) if len(p.shape) == 2)
         return dense + self.experts.num_experts_per_tok * self.experts.expert_params(self.hidden_size)
 

@@ -22,6 +22,7 @@ Pure stdlib.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .buffer_kinds import BufferKind, element_bytes, placement, spill_block_bytes
@@ -37,6 +38,11 @@ def block_numels(model: ModelShape) -> list[int]:
     return [model.numel_embedding] + [model.numel_layer] * model.num_layers + [model.numel_head]
 
 
+# Spilled.of's placements by (model, spill, spill_blocks, optimizer mode, state bytes), up to PLACEMENTS_KEPT.
+PLACEMENTS_KEPT = 4096
+_PLACEMENTS: dict[tuple, "Spilled"] = {}
+
+
 @dataclass(frozen=True)
 class Spilled:
     """A plan's placement on one model: per kind, the spilled blocks, their elements and file bytes."""
@@ -47,17 +53,25 @@ class Spilled:
 
     @classmethod
     def of(cls, model: ModelShape, plan: Plan, state_bytes: int = 4) -> "Spilled":
-        numels = block_numels(model)
-        return cls(placement(plan, len(numels)), tuple(numels), state_bytes)
+        """The placement of ``plan`` on ``model``: the same object for the same model, placement fields and state
+        bytes (the search prices one placement thousands of times; a Spilled is never changed)."""
+        key = (model, plan.spill, plan.spill_blocks, plan.optimizer_mode, state_bytes)  # what placement() reads
+        found = _PLACEMENTS.get(key)
+        if found is None:
+            if len(_PLACEMENTS) >= PLACEMENTS_KEPT:
+                _PLACEMENTS.clear()
+            numels = block_numels(model)
+            found = _PLACEMENTS[key] = cls(placement(plan, len(numels)), tuple(numels), state_bytes)
+        return found
 
-    @property
+    @functools.cached_property
     def kinds(self) -> tuple[BufferKind, ...]:
         """The kinds with at least one block on disk (k of the staging term)."""
         return tuple(k for k in BufferKind if self.blocks.get(k))
 
     def numel(self, kind: BufferKind) -> int:
         """Ns_k: elements of ``kind`` on disk."""
-        return sum(self.numels[b] for b in self.blocks.get(kind, ()))
+        return self._sums.get(kind, (0, 0))[0]
 
     def element_bytes(self, kind: BufferKind) -> int:
         """s_k: bytes of one element of ``kind``, in RAM and in its spill file (``buffer_kinds.element_bytes``)."""
@@ -65,7 +79,14 @@ class Spilled:
 
     def file_bytes(self, kind: BufferKind) -> int:
         """F_k: bytes of ``kind``'s spill file: sum over its spilled blocks of the block x s_k rounded up to 4 KiB."""
-        return sum(spill_block_bytes(self.numels[b], self.element_bytes(kind)) for b in self.blocks.get(kind, ()))
+        return self._sums.get(kind, (0, 0))[1]
+
+    @functools.cached_property
+    def _sums(self) -> dict[BufferKind, tuple[int, int]]:
+        """Per spilled kind, (Ns_k, F_k), summed once."""
+        return {kind: (sum(self.numels[b] for b in blocks),
+                       sum(spill_block_bytes(self.numels[b], self.element_bytes(kind)) for b in blocks))
+                for kind, blocks in self.blocks.items()}
 
     def block_kinds(self, b: int) -> int:
         """How many of block b's kinds live on disk."""
