@@ -198,13 +198,10 @@ class ModelShape:
         """The parameters one token runs through: ``params`` less the experts it is not routed to (dense: all)."""
         return self.params - self.num_layers * self.experts.inactive_params_layer(self.hidden_size)
 
+    @functools.cached_property
     def matmul_weights_layer(self) -> int:
         """Elements of one layer's matmul weights a token runs through: its 2-D parameters (norms and biases are
         not matmuls) and the experts it is routed to (num_experts_per_tok of them)."""
-        return self._matmul_weights_layer
-
-    @functools.cached_property
-    def _matmul_weights_layer(self) -> int:
         dense = sum(p.numel for p in self.table(LAYER) if len(p.shape) == 2)
         return dense + self.experts.num_experts_per_tok * self.experts.expert_params(self.hidden_size)
 
@@ -224,11 +221,11 @@ class ModelShape:
 
     def layer_flops_fwd(self, seq: int) -> float:
         """One decoder layer, forward, per token: 2 x matmul weights + causal attention."""
-        return 2.0 * self.matmul_weights_layer() + self.attention_flops_fwd(seq)
+        return 2.0 * self.matmul_weights_layer + self.attention_flops_fwd(seq)
 
     def layer_flops_bwd(self, seq: int) -> float:
         """One decoder layer, backward (without recompute), per token: 4 x matmul weights (dX, dW) + attention's."""
-        return 4.0 * self.matmul_weights_layer() + self.attention_flops_bwd(seq)
+        return 4.0 * self.matmul_weights_layer + self.attention_flops_bwd(seq)
 
     def layer_flops_recompute(self, seq: int) -> float:
         """Recompute before backward is one more forward of the layer: same as ``layer_flops_fwd``."""

@@ -143,8 +143,9 @@ def test_overview_detects_this_machine(tmp_path) -> None:
 
 
 def test_profile_writes_a_profile(tmp_path) -> None:
+    """The command saves the profile where asked and a plan is made from it (the disk: ``--disk-only``'s test)."""
     out = tmp_path / "hw.json"
-    r = run("profile", "--out", str(out), "--spill-dir", str(tmp_path), "--json")
+    r = run("profile", "--out", str(out), "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["saved_to"] == str(out)
     r = run("plan", "--model", "shape:Qwen2.5-0.5B", "--seq-len", "128", "--batch", "2", "--hardware", str(out),

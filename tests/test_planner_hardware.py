@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -101,17 +100,22 @@ def test_matching_preset_names() -> None:
     assert profiler._matching_preset("Tesla T4") is None
 
 
-def test_measure_on_this_machine(tmp_path) -> None:
+def test_measure_on_this_machine(tmp_path, monkeypatch) -> None:
+    """Every figure measured, and the disk's as ``measure_disk`` gives them for the folder named (the probe itself
+    runs in ``test_planner_cli``'s ``--disk-only`` test)."""
     pytest.importorskip("torch")
+    disk = dict(disk_read_gbps=1.5, disk_write_gbps=2.5, disk_direct_faster=True, disk_cpu_s_per_gb=0.1)
+    asked = []
+    monkeypatch.setattr(profiler, "measure_disk", lambda folder, beside, log: asked.append(folder) or disk)
     hw = profiler.measure(str(tmp_path))
+    assert asked == [str(tmp_path)] and "disk not measured" not in hw.source
+    assert (hw.disk_read_gbps, hw.disk_write_gbps, hw.disk_direct_faster, hw.disk_cpu_s_per_gb) == (1.5, 2.5, True, 0.1)
     assert hw.cpu_adam_params_per_s > 0 and hw.adam_by_threads and hw.cpu_shadow_params_per_s > 0
-    assert hw.disk_read_gbps > 0 and hw.disk_write_gbps > 0 and hw.disk_cpu_s_per_gb >= 0
     assert all(v > 0 for v in hw.matmul_tflops.values())
     seqs = profiler.ATTENTION_SEQS_CPU if hw.device_is_host else profiler.ATTENTION_SEQS_GPU
     assert [n for n, _ in hw.attention_tflops["float32"]] == list(seqs)
     assert all(r > 0 for pts in hw.attention_tflops.values() for _, r in pts)
     assert HardwareProfile.from_json(hw.to_json()) == hw
-    assert os.listdir(tmp_path) == []                     # the disk probe cleans up
     if hw.device_is_host:
         assert "no GPU" in hw.source
 

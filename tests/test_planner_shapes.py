@@ -54,7 +54,7 @@ def test_flops_by_hand_llama_8b() -> None:
     m = ms.PRESETS["shape:Llama-3.1-8B"]
     seq = 4096
     matmul = 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336      # q, o; k, v; gate, up, down
-    assert m.matmul_weights_layer() == matmul == 218_103_808
+    assert m.matmul_weights_layer == matmul == 218_103_808
     attn_fwd = 2 * 32 * 128 * (seq + 1)                                 # causal: 2 x heads x hd x (S + 1)
     assert m.attention_flops_fwd(seq) == attn_fwd
     assert m.layer_flops_fwd(seq) == 2 * matmul + attn_fwd

@@ -151,7 +151,7 @@ def test_the_toy_family_trains_through_the_engine_like_plain_pytorch(toy: Family
     shape = model_shapes.from_config(HF)
     assert shape.params == sum(p.numel() for p in ref.parameters())  # the planner counts the toy's table
     h, i, q, kv = 32, 48, 4 * 8, 2 * 8
-    assert shape.matmul_weights_layer() == h * q + 2 * h * kv + q * h + 2 * h * i  # two MLP matrices, not three
+    assert shape.matmul_weights_layer == h * q + 2 * h * kv + q * h + 2 * h * i  # two MLP matrices, not three
 
     optimizer = OptimizerConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0)
     named = ref.hf_parameters()
