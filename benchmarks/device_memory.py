@@ -43,20 +43,25 @@ def recorded_runs(results: str, device: str) -> list[dict]:
     a plan and a peak."""
     runs = []
     for path in sorted(glob.glob(os.path.join(results, f"*_{device}_step_anatomy_*.json"))):
-        for r in json.load(open(path))["runs"]:
+        for r in _runs(path):
             if r.get("plan") and r.get("peak_gpu_bytes"):
                 runs.append(dict(source=os.path.basename(path), label=r["variant"], model=r["model"],
                                  layers=r.get("layers"), seq=r["seq"], batch=r["batch"],
                                  clipping=r.get("clipping", True), plan=r["plan"], allocated=r["peak_gpu_bytes"],
                                  reserved=r.get("peak_gpu_reserved_bytes") or None))
     for path in sorted(glob.glob(os.path.join(results, f"*_{device}_peers.json"))):
-        for r in json.load(open(path))["runs"]:
+        for r in _runs(path):
             plan = (r.get("details") or {}).get("plan")
             if r["system"] == "megatrain" and r["status"] == "ok" and plan and r.get("peak_gpu_bytes"):
                 runs.append(dict(source=os.path.basename(path), label="peers", model=r["model"].split("@")[0],
                                  layers=r.get("layers"), seq=r["seq"], batch=r["batch"], clipping=True, plan=plan,
                                  allocated=r["peak_gpu_bytes"], reserved=r.get("peak_gpu_reserved_bytes") or None))
     return runs
+
+
+def _runs(path: str) -> list[dict]:
+    with open(path) as f:
+        return json.load(f)["runs"]
 
 
 def priced(run: dict, hw) -> dict:
@@ -97,7 +102,7 @@ def main() -> int:
 
     try:
         hw = hardware.preset(args.device)
-    except Exception as e:  # an unknown preset: one line
+    except hardware.HardwareError as e:  # an unknown preset: one line
         print(f"device_memory: error: {e}", file=sys.stderr)
         return 2
     runs = [priced(r, hw) for r in recorded_runs(args.results, args.device)]
