@@ -11,8 +11,9 @@ step, then ``--steps`` timed ones) with the plan the planner's rules give
 (on a CPU the device buffers are host memory), the planner's listed buffers for
 the same plan (``memory_model.listed_host_bytes``: every buffer, without the
 fixed process terms) and the error, step time, tokens/s, and model TFLOP/s
-without attention (6N per token) and with attention FLOPs (causal: forward +
-backward, ``ModelShape.attention_model_flops_per_token``). On a GPU, peak device memory would be compared with
+without attention (6 x N_matmul per token, benchmarks/README.md; the every-parameter figure beside
+it) and with attention FLOPs by the model convention (causal: forward + backward 2x forward,
+``ModelShape.attention_model_flops_per_token``). On a GPU, peak device memory would be compared with
 the device buffers; not measured here yet.
 Writes ``benchmarks/results/<date>_<device>_long_context.{json,md,png}``.
 """
@@ -95,6 +96,7 @@ def main() -> int:
                      "memory_error": listed / growth - 1, "step_seconds": step, "tokens_per_second": seq / step,
                      "model_tflops": model_flops / step / 1e12, "model_tflops_with_attention":
                      (model_flops + attn) / step / 1e12,
+                     "all_params_tflops": shape.all_params_flops_per_token() * seq / step / 1e12,
                      "predicted_step_seconds": predicted.step_seconds if predicted else None,
                      "memory": mem.rows()})
         r = rows[-1]
@@ -104,7 +106,7 @@ def main() -> int:
     today = datetime.date.today().isoformat()
     command = "python benchmarks/long_context.py" + "".join(f" {a}" for a in sys.argv[1:])
     report = {"date": today, "device": "cpu", "command": command, "machine": machine(), "model": hf,
-              "params": shape.params, "checkpoints": args.checkpoints, "results": rows}
+              "params": shape.params, "matmul_params_active": shape.matmul_params_active, "checkpoints": args.checkpoints, "results": rows}
     os.makedirs(args.out, exist_ok=True)
     stem = new_base(os.path.join(args.out, f"{today}_cpu_long_context{'_host' if args.checkpoints == 'host' else ''}"
                                   f"{'_untiled' if args.untiled else ''}"))
@@ -120,7 +122,7 @@ def write(report: dict, stem: str, command: str) -> int:
              f"params, fp32, batch 1, checkpoints on the {report.get('checkpoints', 'device')}.", "",
              "| seq | MLP tile | attention tile | checkpoint piece | peak RSS growth GiB | planner's buffers GiB "
              "| error | layer working set GiB | attention working set GiB | step s | step predicted s | tok/s "
-             "| model TFLOP/s (6N, attention not counted) | with attention |",
+             "| model TFLOP/s (6 N_matmul, attention not counted) | with attention |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         predicted = r.get("predicted_step_seconds")

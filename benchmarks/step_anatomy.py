@@ -32,6 +32,8 @@ sys.path.insert(0, HERE)
 from peer_runners import probe, report  # noqa: E402
 from peer_runners.run_megatrain import import_megatrain, plan_for  # noqa: E402
 from peer_runners.spec import MODELS, RunSpec, model_config, model_label  # noqa: E402
+from peer_runners.weights import model_shape  # noqa: E402
+from flop_figures import figures  # noqa: E402
 from result_files import new_base  # noqa: E402
 
 VARIANTS = {  # plan changes tried beside the planner's own choice
@@ -114,12 +116,16 @@ def _timed(engine: Any, spec: RunSpec, variant: str, row: dict[str, Any], ids: l
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.reset_peak_host_memory_stats()
     breakdowns, steps = [], []
+    t_prev = time.perf_counter()
     for i in range(args.warmup + args.steps):
         if i >= args.warmup:
             engine.time_next_step()
-        t0 = time.perf_counter()
+        # .item(): the step's end as a loop that logs its loss sees it. A step's time is the interval between two
+        # such ends, so the AdamW a step defers is in the interval it delays (benchmarks/README.md, steady state).
         loss = engine.step(ids[i % 2], ids[i % 2]).item()
-        steps.append(time.perf_counter() - t0)
+        now = time.perf_counter()
+        steps.append(now - t_prev)
+        t_prev = now
         if i >= args.warmup:
             breakdowns.append(engine.last_step_breakdown)
         echo(f"  {spec.model} seq {spec.seq} {variant}: step {i + 1}/{args.warmup + args.steps} "
@@ -141,10 +147,14 @@ def _timed(engine: Any, spec: RunSpec, variant: str, row: dict[str, Any], ids: l
         row["trace_file"] = path
     keys = [k for k in breakdowns[-1] if all(k in b for b in breakdowns)]
     row["events"] = {k: statistics.median(b[k] for b in breakdowns) for k in keys}
-    step = statistics.median(steps[args.warmup:])
-    tflops = 6 * engine.num_parameters * spec.tokens / step / 1e12  # 6N per token: no recompute, no attention
-    row.update(status="ok", median_step_seconds=step, step_seconds=steps, tokens_per_second=spec.tokens / step,
-               params=engine.num_parameters, model_tflops=tflops, mfu=tflops / args.matmul_peak_tflops,
+    steady = steps[args.warmup:]
+    step = statistics.median(steady)
+    # 6 x N_matmul per token, no recompute, no attention; the every-parameter figure and attention beside it
+    flops = figures(model_shape(spec), spec.tokens, step, spec.seq, args.matmul_peak_tflops,
+                    torch.cuda.get_device_name() if cuda else None)
+    row.update(status="ok", median_step_seconds=step, min_step_seconds=min(steady), max_step_seconds=max(steady),
+               timed_steps=len(steady), step_seconds=steps, tokens_per_second=spec.tokens / step,
+               params=engine.num_parameters, **flops, mfu=flops["mfu_measured_matmul"],
                peak_gpu_bytes=torch.cuda.max_memory_allocated() if cuda else None,
                peak_gpu_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None,
                peak_host_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -169,7 +179,10 @@ def markdown(rep: dict[str, Any]) -> str:
              "holds launch gaps); trace: torch.profiler (kernels and copies on the device, AdamW on its "
              "thread). Roofline = max(compute, H2D, D2H, AdamW), with AdamW on the compute thread max(compute + AdamW, "
              "H2D, D2H); ratio = step / roofline (target <= 1.10).", "",
-             "| model | seq | variant | plan | step s | tokens/s | model TFLOP/s (MFU) | peak GPU / host GiB, pinned "
+             "Model TFLOP/s = 6 x N_matmul x tokens / median step (benchmarks/README.md); MFU against the matmul "
+             "measured in this run and the device's datasheet dense bf16 peak; all-param: 6 x every parameter.", "",
+             "| model | seq | variant | plan | step s (min-max) | tokens/s | model TFLOP/s (MFU run / datasheet; "
+             "all-param) | peak GPU / host GiB, pinned "
              "| events: compute / H2D / D2H / AdamW busy | "
              "exposed H2D / D2H / ckpt / AdamW | events ratio | trace: compute / H2D / D2H / AdamW / of it bf16 shadow "
              "| bound by "
@@ -188,7 +201,10 @@ def markdown(rep: dict[str, Any]) -> str:
             f"| {r['model']} | {r['seq']} | {r['variant']} | mb {p['micro_batch_size']}, {p['num_slots']} slots, "
             f"ckpt {p['checkpoints']}, {p['optimizer_mode']}"
             f"{', cast on device' if p.get('weights_cast') == 'device' else ''} | {r['median_step_seconds']:.3f} "
-            f"| {r['tokens_per_second']:,.0f} | {r['model_tflops']:.1f} ({r['mfu']:.1%}) "
+            f"({r['min_step_seconds']:.3f}-{r['max_step_seconds']:.3f}, {r['timed_steps']} timed) "
+            f"| {r['tokens_per_second']:,.0f} | {r['model_tflops']:.1f} ({r['mfu']:.1%} / "
+            f"{'-' if r['mfu_datasheet'] is None else format(r['mfu_datasheet'], '.1%')}; "
+            f"{r['all_params_tflops']:.1f}) "
             f"| {(r['peak_gpu_bytes'] or 0) / 2**30:.1f} / {r['peak_host_rss_bytes'] / 2**30:.1f}, pinned "
             f"{(r.get('pinned_host_bytes') or 0) / 2**30:.1f} (planner {q['pinned_host_bytes'] / 2**30:.1f}) "
             f"| {f(e['compute_s'], e['h2d_busy_s'], e['d2h_busy_s'], e.get('adam_busy_s'))} "
@@ -213,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=4, help="the planner's fallback micro-batch")
     p.add_argument("--variant", default="planner", help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3, help="timed steps (event breakdown)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up (event breakdown; the "
+                                                        "protocol's steady state asks for >= 5)")
     p.add_argument("--traced", type=int, default=2, help="steps under torch.profiler (0: none)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--no-clip", action="store_true", help="no gradient clipping (the planner may then choose eager)")

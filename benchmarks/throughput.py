@@ -7,11 +7,13 @@ Each system runs in a fresh subprocess (so peak memory is its own) with the same
 random initial weights and batches: megatrain (bf16 compute on a GPU, fp32 on a
 CPU; weights and AdamW state in host memory) and PyTorch with the whole model on
 the device (fp32 master, bf16 autocast on a GPU, per-layer activation
-checkpointing, fused AdamW on the device). Reports per system: median step time,
-tokens/s, model TFLOP/s without attention (6 x N x tokens / step time; recompute not
-counted) and with causal attention's forward and backward FLOPs added (the planner's
-``ModelShape.attention_model_flops_per_token``), peak
-device memory, peak host RSS, final loss; and megatrain / PyTorch as a ratio.
+checkpointing, fused AdamW on the device). Reports per system: median step time with
+the min and max of the timed steps after the warm-up, tokens/s, model TFLOP/s without attention
+(6 x N_matmul x tokens / step time; recompute not counted; ``flop_figures``, benchmarks/README.md)
+with the every-parameter figure beside it, and with causal attention's forward and backward FLOPs
+by the model convention added (``ModelShape.attention_model_flops_per_token``), MFU against the
+device's datasheet bf16 peak where known, peak device memory, peak host RSS, final loss; and
+megatrain / PyTorch as a ratio.
 Writes ``benchmarks/results/<date>_<device>_throughput.{json,md}``.
 """
 from __future__ import annotations
@@ -143,15 +145,18 @@ def child(args) -> None:
     print(json.dumps(out))
 
 
-def summarize(name: str, r: dict, tokens: int, warmup: int, attention_per_token: float) -> dict:
-    """``attention_per_token``: causal attention forward + backward FLOPs per token at the run's length."""
+def summarize(name: str, r: dict, tokens: int, warmup: int, shape, seq: int, gpu: str | None) -> dict:
+    """One system's row: step time (median, min, max of the steps after ``warmup``) and the protocol's FLOP
+    figures (``flop_figures``) for a model of ``shape`` on rows of ``seq`` tokens."""
+    from flop_figures import figures
+
     if r.get("status") != "ok":
         return {"system": name, **r}
     steady = r["times"][warmup:] or r["times"]
     step = statistics.median(steady)
-    return {"system": name, "status": "ok", "step_seconds": step, "tokens_per_second": tokens / step,
-            "model_tflops": 6 * r["params"] * tokens / step / 1e12,
-            "model_tflops_with_attention": (6 * r["params"] + attention_per_token) * tokens / step / 1e12,
+    return {"system": name, "status": "ok", "step_seconds": step, "min_step_seconds": min(steady),
+            "max_step_seconds": max(steady), "timed_steps": len(steady), "tokens_per_second": tokens / step,
+            **figures(shape, tokens, step, seq, gpu_name=gpu),
             "final_loss": r["loss"], "losses": r["losses"], "plan": r.get("plan"),
             "peak_device_gib": None if r["peak_device_bytes"] is None else r["peak_device_bytes"] / 2**30,
             "peak_host_rss_gib": r["peak_host_rss_bytes"] / 2**30, "params": r["params"], "step_times": r["times"]}
@@ -169,7 +174,7 @@ def main() -> int:
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--checkpoints", choices=["device", "host"], default="device")
     p.add_argument("--loss-chunk", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6, help="steps, the warm-up included (default 6: 1 + 5 timed)")
     p.add_argument("--warmup", type=int, default=1, help="steps left out of the median")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA exists")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -183,7 +188,7 @@ def main() -> int:
 
     tokens = args.batch * args.seq
     shape = model_shapes.from_config(dict(MODELS[args.model], model_type="llama"))
-    attention = shape.attention_model_flops_per_token(args.seq)
+    info = machine()
     rows = []
     for system in ("pytorch", "megatrain"):
         print(f"{system}: {args.model}, {args.batch} x {args.seq} tokens, {args.steps} steps", file=sys.stderr, flush=True)
@@ -191,32 +196,37 @@ def main() -> int:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         result = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {
             "status": f"failed with exit status {proc.returncode}"}
-        rows.append(summarize(system, result, tokens, args.warmup, attention))
+        rows.append(summarize(system, result, tokens, args.warmup, shape, args.seq,
+                              None if args.cpu else info.get("gpu")))
     base, ours = rows
     ratio = (ours["tokens_per_second"] / base["tokens_per_second"]
              if ours.get("status") == "ok" and base.get("status") == "ok" else None)
-    info = machine()
     device = (info.get("gpu") or "cpu").replace(" ", "-")
     if args.cpu:
         device = "cpu"
-    report = {"date": datetime.date.today().isoformat(), "machine": info, "args": vars(args), "results": rows,
+    report = {"date": datetime.date.today().isoformat(), "machine": info, "args": vars(args),
+              "command": "python benchmarks/throughput.py" + "".join(f" {a}" for a in sys.argv[1:]), "results": rows,
               "megatrain_over_pytorch_tokens_per_second": ratio}
     os.makedirs(args.out, exist_ok=True)
     stem = new_base(os.path.join(args.out, f"{report['date']}_{device}_throughput_{args.model}"))
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=2)
     lines = [f"# Throughput, {args.model}, {args.batch} x {args.seq} tokens/step, {device} ({report['date']})", "",
-             "| system | step s | tokens/s | model TFLOP/s (6N, attention not counted) | with attention "
-             "| peak device GiB | peak host RSS GiB | final loss |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| system | step s (min-max) | tokens/s | model TFLOP/s (6 N_matmul, attention not counted) "
+             "| all-param TFLOP/s | with attention | MFU (datasheet) | peak device GiB | peak host RSS GiB "
+             "| final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("status") != "ok":
-            lines.append(f"| {r['system']} | {r['status']} | | | | | | |")
+            lines.append(f"| {r['system']} | {r['status']} | | | | | | | | |")
             continue
         dev = "-" if r["peak_device_gib"] is None else f"{r['peak_device_gib']:.2f}"
-        lines.append(f"| {r['system']} | {r['step_seconds']:.3f} | {r['tokens_per_second']:,.0f} | "
-                     f"{r['model_tflops']:.3f} | {r['model_tflops_with_attention']:.3f} | {dev} | "
-                     f"{r['peak_host_rss_gib']:.2f} | {r['final_loss']:.4f} |")
+        mfu = "-" if r["mfu_datasheet"] is None else (f"{r['mfu_datasheet']:.1%} of "
+                                                      f"{r['datasheet_peak']['device']}")
+        lines.append(f"| {r['system']} | {r['step_seconds']:.3f} ({r['min_step_seconds']:.3f}-"
+                     f"{r['max_step_seconds']:.3f}, {r['timed_steps']} timed) | {r['tokens_per_second']:,.0f} | "
+                     f"{r['model_tflops']:.3f} | {r['all_params_tflops']:.3f} | {r['model_tflops_with_attention']:.3f} "
+                     f"| {mfu} | {dev} | {r['peak_host_rss_gib']:.2f} | {r['final_loss']:.4f} |")
     if ours.get("plan"):
         p = ours["plan"]
         lines += ["", f"megatrain's plan ({args.plan}): {p['micro_batch_size']} sequences a micro-batch, "
@@ -227,7 +237,7 @@ def main() -> int:
         lines += ["", f"Losses, step by step, megatrain against PyTorch: largest difference {max(gaps):.2e} "
                   f"(step {gaps.index(max(gaps)) + 1} of {len(gaps)})."]
     if ratio is not None:
-        lines += ["", f"megatrain / PyTorch tokens/s: **{ratio:.2f}x** (6N per token; recompute not counted)"]
+        lines += ["", f"megatrain / PyTorch tokens/s: **{ratio:.2f}x** (6 N_matmul per token; recompute not counted)"]
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

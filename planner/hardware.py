@@ -76,7 +76,7 @@ class HardwareProfile:
     # assumes BF16_STATE_FACTOR x the AdamW time).
     cpu_bf16_state_params_per_s: float = 0.0
     # Causal attention (scaled_dot_product_attention with is_causal, forward + backward) TFLOP/s per compute
-    # dtype by sequence length, FLOPs counted as the planner counts them (model_shapes.attention_flops_per_token):
+    # dtype by sequence length, FLOPs counted as the planner counts them (model_flops.attention_flops_per_token):
     # {"float32": ((seq, TFLOP/s), ...)}. Empty for a dtype: not measured (attention runs at the layers' rate).
     attention_tflops: Mapping[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     # Cost and memory constants fitted from real training steps on this machine (megatrain-plan calibrate),

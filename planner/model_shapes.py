@@ -9,7 +9,8 @@ The parameters of each block come from the model's family (``block_parameters`` 
 table the runtime lays its blocks out from; the presets are the families' too. Each block is one flat buffer in the
 runtime; each parameter's offset is aligned to ``ALIGN_ELEMENTS`` elements, so a block's buffer is slightly larger
 than its parameter count. ``block_numel`` is the aligned size (what slots and arenas hold); ``params`` counts the
-model's real parameters (what FLOPs and MFU count). Pure stdlib.
+model's real parameters. FLOPs per token (the model convention model TFLOP/s counts, N_matmul, and the hardware
+FLOPs apart) are ``ModelFlops``'s (``model_flops``), mixed in. Pure stdlib.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from megatrain.errors import MegatrainError
 from . import hf_config
 from .buffer_kinds import spill_block_bytes
 from .expert_shapes import ExpertShape
+from .model_flops import ATTENTION_BWD_FACTOR, ModelFlops, attention_flops_per_token  # noqa: F401 (their old home)
 from megatrain.models import registry
 
 from .block_parameters import ALIGN_ELEMENTS, EMBED, HEAD, LAYER, aligned, block_table
@@ -47,21 +49,8 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[name]
 
 
-# Causal attention backward (flash backward: QK^T again, dV, dP, dQ, dK) over its forward.
-ATTENTION_BWD_FACTOR = 2.5
-
-
-def attention_flops_per_token(heads: int, head_dim: int, seq: int) -> float:
-    """Causal attention FLOPs per token in forward, averaged over a sequence of ``seq`` tokens.
-
-    QK^T and PV each cost 2 x heads x head_dim x (keys seen); a causal token sees (seq + 1) / 2 keys
-    on average, so 2 x 2 x heads x head_dim x (seq + 1) / 2 = 2 x heads x head_dim x (seq + 1).
-    """
-    return 2.0 * heads * head_dim * (seq + 1)
-
-
 @dataclass(frozen=True)
-class ModelShape:
+class ModelShape(ModelFlops):
     """The architecture numbers of a decoder of one of ``megatrain.models``' families (``model_type``)."""
 
     name: str
@@ -191,64 +180,7 @@ class ModelShape:
         b = dtype_bytes(dtype)
         return {"embedding": self.numel_embedding * b, "layer": self.numel_layer * b, "head": self.numel_head * b}
 
-    # ---- FLOPs per token ---------------------------------------------------------------------
-
-    @functools.cached_property
-    def params_active(self) -> int:
-        """The parameters one token runs through: ``params`` less the experts it is not routed to (dense: all)."""
-        return self.params - self.num_layers * self.experts.inactive_params_layer(self.hidden_size)
-
-    @functools.cached_property
-    def matmul_weights_layer(self) -> int:
-        """Elements of one layer's matmul weights a token runs through: its 2-D parameters (norms and biases are
-        not matmuls) and the experts it is routed to (num_experts_per_tok of them)."""
-        dense = sum(p.numel for p in self.table(LAYER) if len(p.shape) == 2)
-        return dense + self.experts.num_experts_per_tok * self.experts.expert_params(self.hidden_size)
-
-    def attention_flops_fwd(self, seq: int) -> float:
-        """Causal attention FLOPs per token in forward (``attention_flops_per_token``)."""
-        return attention_flops_per_token(self.num_heads, self.head_dim, seq)
-
-    def attention_flops_bwd(self, seq: int) -> float:
-        """Causal attention backward per token: ATTENTION_BWD_FACTOR x forward."""
-        return ATTENTION_BWD_FACTOR * self.attention_flops_fwd(seq)
-
-    def attention_model_flops_per_token(self, seq: int) -> float:
-        """Causal attention FLOPs per token of the whole model in one step, forward and backward, at ``seq`` tokens
-        per sequence: L x (attention_flops_fwd + attention_flops_bwd) = L x 3.5 x 2 x heads x head_dim x (seq + 1).
-        Recompute not counted (as in ``model_flops_per_token``); what "TFLOP/s with attention" adds to 6N."""
-        return self.num_layers * (self.attention_flops_fwd(seq) + self.attention_flops_bwd(seq))
-
-    def layer_flops_fwd(self, seq: int) -> float:
-        """One decoder layer, forward, per token: 2 x matmul weights + causal attention."""
-        return 2.0 * self.matmul_weights_layer + self.attention_flops_fwd(seq)
-
-    def layer_flops_bwd(self, seq: int) -> float:
-        """One decoder layer, backward (without recompute), per token: 4 x matmul weights (dX, dW) + attention's."""
-        return 4.0 * self.matmul_weights_layer + self.attention_flops_bwd(seq)
-
-    def layer_flops_recompute(self, seq: int) -> float:
-        """Recompute before backward is one more forward of the layer: same as ``layer_flops_fwd``."""
-        return self.layer_flops_fwd(seq)
-
-    def head_flops_fwd(self) -> float:
-        """lm_head forward per token: 2 x vocab x hidden (the embedding is a gather: no FLOPs)."""
-        return 2.0 * self.vocab_size * self.hidden_size
-
-    def head_flops_bwd(self) -> float:
-        """lm_head backward per token (dX and dW): 4 x vocab x hidden. The runtime runs it in forward."""
-        return 4.0 * self.vocab_size * self.hidden_size
-
-    def model_flops_per_token(self) -> float:
-        """FLOPs per token that model TFLOP/s counts (DESIGN.md section 7): 6 x active params (a mixture of
-        experts counts the experts a token is routed to, not all of them), no recompute, no attention."""
-        return 6.0 * self.params_active
-
-    def hardware_flops_per_token(self, seq: int) -> float:
-        """FLOPs per token the GPU really runs in one step: every layer's forward, recompute and
-        backward, plus the head's forward and backward."""
-        per_layer = self.layer_flops_fwd(seq) + self.layer_flops_recompute(seq) + self.layer_flops_bwd(seq)
-        return self.num_layers * per_layer + self.head_flops_fwd() + self.head_flops_bwd()
+    # ---- FLOPs per token: ModelFlops (model_flops.py) --------------------------------------------
 
     # ---- activation bytes per token ----------------------------------------------------------
 
@@ -305,6 +237,7 @@ class ModelShape:
     def summary(self) -> dict[str, Any]:
         return {
             "name": self.name, "params": self.params, "params_active": self.params_active,
+            "matmul_params_active": self.matmul_params_active,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_layers": self.num_layers,
             "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,

@@ -153,7 +153,7 @@ def attention_tflops(device: str, dtypes: tuple[str, ...], seqs: tuple[int, ...]
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from .model_shapes import ATTENTION_BWD_FACTOR, attention_flops_per_token
+    from .model_flops import ATTENTION_BWD_FACTOR, attention_flops_per_token
 
     on_gpu = device.startswith("cuda")
     out: dict[str, tuple[tuple[int, float], ...]] = {}

@@ -221,13 +221,15 @@ def test_unsupported_configs_are_refused_in_one_line(change: dict, words: str) -
 
 @pytest.mark.parametrize("name, total, active", [("gpt-oss-20b", 20.91e9, 3.61e9), ("gpt-oss-120b", 116.83e9, 5.13e9)])
 def test_presets_have_the_published_total_and_active_parameters(name: str, total: float, active: float) -> None:
-    """OpenAI's model card counts active parameters without the embedding table (a lookup, not a matmul);
-    megatrain's ``params_active`` (6 x N per token) includes it, as for every family."""
+    """OpenAI's model card counts active parameters without the embedding table (a lookup, not a matmul): megatrain's
+    N_matmul (``matmul_params_active``, model FLOPs 6 x N_matmul per token); ``params_active`` (the every-parameter
+    figure) includes it, as for every family."""
     shape = model_shapes.resolve(f"shape:{name}")
     embedding = shape.vocab_size * shape.hidden_size
     assert abs(shape.params - total) / total < 0.005
     assert abs(shape.params_active - embedding - active) / active < 0.02
-    assert shape.model_flops_per_token() == 6.0 * shape.params_active
+    assert abs(shape.matmul_params_active - active) / active < 0.01
+    assert shape.model_flops_per_token() == 6.0 * shape.matmul_params_active
 
 
 def test_plan_size_on_an_h200_answers_with_ram_and_nvme() -> None:

@@ -96,5 +96,8 @@ def test_unsupported_layouts_are_refused_in_one_line(change: dict, words: str) -
 def test_presets_have_the_published_total_and_active_parameters(name: str, total: float, active: float) -> None:
     shape = model_shapes.resolve(name)
     assert abs(shape.params - total) / total < 0.01 and abs(shape.params_active - active) / active < 0.03
-    assert shape.model_flops_per_token() == 6.0 * shape.params_active
+    # N_matmul: the active parameters less the embedding (a lookup), the norms and the biases (not matmuls).
+    matmul = shape.params_active - shape.params_embedding
+    assert 0 < matmul - shape.matmul_params_active < 0.001 * matmul
+    assert shape.model_flops_per_token() == 6.0 * shape.matmul_params_active
 

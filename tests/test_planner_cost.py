@@ -36,7 +36,7 @@ def test_compute_bound_matches_hand_formula() -> None:
     assert est.step_seconds == pytest.approx(fwd + bwd, rel=1e-3)
     assert est.bottleneck == "compute"
     assert est.tokens_per_second == pytest.approx(T / est.step_seconds)
-    assert est.model_tflops == pytest.approx(6 * M8.params * T / est.step_seconds / 1e12)
+    assert est.model_tflops == pytest.approx(6 * M8.matmul_params_active * T / est.step_seconds / 1e12)
     assert est.mfu == pytest.approx(est.model_tflops / 790)
 
 

@@ -61,11 +61,14 @@ def test_flops_by_hand_llama_8b() -> None:
     assert m.layer_flops_bwd(seq) == 4 * matmul + 2.5 * attn_fwd
     assert m.layer_flops_recompute(seq) == m.layer_flops_fwd(seq)
     assert m.head_flops_fwd() == 2 * 128256 * 4096
-    assert m.model_flops_per_token() == 6 * 8_030_261_248
+    # N_matmul: the layers' matmul weights and lm_head; the input embedding (a lookup) not counted.
+    assert m.matmul_params_active == 32 * matmul + 128256 * 4096 == 7_504_658_432
+    assert m.model_flops_per_token() == 6 * 7_504_658_432
+    assert m.all_params_flops_per_token() == 6 * 8_030_261_248
     hw_per_token = 32 * (2 * (2 * matmul + attn_fwd) + 4 * matmul + 2.5 * attn_fwd) + 6 * 128256 * 4096
     assert m.hardware_flops_per_token(seq) == pytest.approx(hw_per_token)
     # With recompute the GPU runs ~8N per token against 6N counted (anchors.md): about 4/3, a bit less
-    # here because 6N also counts the embedding, a gather that runs no FLOPs.
+    # here because the head (6 x vocab x hidden) is not recomputed.
     assert 1.2 < m.hardware_flops_per_token(1) / m.model_flops_per_token() < 1.34
 
 

@@ -114,7 +114,15 @@ def test_step_anatomy_benchmark_reports_each_configuration(tmp_path, capsys):
                        "--out", str(tmp_path / "untraced")]) == 0
     (row,) = json.loads(next((tmp_path / "untraced").glob("*.json")).read_text())["runs"]
     assert row["status"] == "ok" and row["trace"] is None and not row["clipping"]
-    assert row["model_tflops"] == pytest.approx(6 * row["params"] * 4 * 32 / row["median_step_seconds"] / 1e12)
+    # 6 x N_matmul: the tiny shape's matmuls (q, k, v, o, gate, up, down per layer; lm_head), no input embedding
+    cfg = bench.model_config("tiny", None, 32)
+    h, i, v, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    n_matmul = L * (2 * h * h + 2 * h * kv + 3 * h * i) + v * h
+    tps = 4 * 32 / row["median_step_seconds"]
+    assert row["model_tflops"] == pytest.approx(6 * n_matmul * tps / 1e12)
+    assert row["all_params_tflops"] == pytest.approx(6 * row["params"] * tps / 1e12)
+    assert row["min_step_seconds"] <= row["median_step_seconds"] <= row["max_step_seconds"]
     assert row["mfu"] > 0 and "not traced" in next((tmp_path / "untraced").glob("*.md")).read_text()
     assert row["predicted"]["pinned_host_bytes"] == 0 and row["pinned_host_bytes"] == 0  # a CPU pins nothing
     untraced = ["--model", "tiny", "--seq", "32", "--batch", "4", "--micro-batch", "2", "--warmup", "0", "--steps",

@@ -1,10 +1,12 @@
 """What a run measured: one JSON line per step in ``metrics.jsonl``, and the end-of-run summary.
 
-Model FLOPs follow DESIGN.md section 7: 6 x N x (positions processed) per step, recompute not
-counted, attention FLOPs not included (``model_tflops``, ``mfu``); and the same with causal
-attention's forward and backward FLOPs at the run's sequence length added
-(``model_tflops_with_attention``, ``mfu_with_attention``; ``TokenFlops``). MFU divides by the matmul
-peak of the compute dtype when one is known (a GPU preset, or a profile measured by
+Model FLOPs follow the benchmark protocol (benchmarks/README.md; ``planner/model_flops.py``): 6 x N_matmul x
+(positions processed) per step, N_matmul the parameters of the matrix multiplies a token runs through (lm_head
+included, the input embedding a lookup, a mixture of experts' routed experts only), recompute not counted, attention
+FLOPs not included (``model_tflops``, ``mfu``); the same with causal attention's forward and backward FLOPs by the
+model convention at the run's sequence length added (``model_tflops_with_attention``, ``mfu_with_attention``); and
+beside them the every-parameter figure, 6 x every active parameter (``all_params_tflops``; ``TokenFlops``). MFU
+divides by the matmul peak of the compute dtype when one is known (a GPU preset, or a profile measured by
 ``megatrain-plan profile``).
 """
 from __future__ import annotations
@@ -28,29 +30,35 @@ from .progress import format_bytes
 class TokenFlops:
     """The FLOPs per position processed a run's TFLOP/s figures count.
 
-    ``model``: 6 x N (DESIGN.md section 7: attention not counted, recompute not counted). ``attention``: causal
-    attention forward + backward at ``seq`` tokens per row, the planner's formula
-    (``ModelShape.attention_model_flops_per_token``: L x 3.5 x 2 x heads x head_dim x (seq + 1)); packed documents are
-    counted as whole rows, an upper bound on what document attention computes.
+    ``model``: 6 x N_matmul (``ModelShape.model_flops_per_token``: the matmul parameters a token runs through,
+    lm_head included, the input embedding not; attention and recompute not counted). ``attention``: causal attention
+    forward + backward at ``seq`` tokens per row by the model convention, backward 2x forward
+    (``ModelShape.attention_model_flops_per_token``: L x 3 x 2 x heads x head_dim x (seq + 1)); packed documents are
+    counted as whole rows, an upper bound on what document attention computes. ``all_params``: 6 x every parameter
+    a token uses (``ModelShape.all_params_flops_per_token``, the embedding included), reported beside; 0: not given.
     """
 
     model: float
     attention: float
     seq: int
+    all_params: float = 0.0
 
     @classmethod
-    def of(cls, config: Mapping[str, Any], num_parameters: int, seq: int) -> "TokenFlops":
+    def of(cls, config: Mapping[str, Any], seq: int) -> "TokenFlops":
         """For a model given by its config.json fields (``ModelConfig.to_dict()``) trained on rows of ``seq``."""
         shape = model_shapes.from_config(config)
-        return cls(6.0 * num_parameters, shape.attention_model_flops_per_token(seq), seq)
+        return cls(shape.model_flops_per_token(), shape.attention_model_flops_per_token(seq), seq,
+                   shape.all_params_flops_per_token())
 
     def figures(self, tokens_per_second: float, peak_tflops: float | None) -> dict[str, float | None]:
-        """model TFLOP/s and MFU without attention and with it, at ``tokens_per_second``."""
+        """model TFLOP/s and MFU without attention and with it, and the every-parameter TFLOP/s, at
+        ``tokens_per_second``."""
         tflops = self.model * tokens_per_second / 1e12
         with_attention = (self.model + self.attention) * tokens_per_second / 1e12
         return {"model_tflops": tflops, "model_tflops_with_attention": with_attention,
                 "mfu": tflops / peak_tflops if peak_tflops else None,
-                "mfu_with_attention": with_attention / peak_tflops if peak_tflops else None}
+                "mfu_with_attention": with_attention / peak_tflops if peak_tflops else None,
+                "all_params_tflops": self.all_params * tokens_per_second / 1e12 if self.all_params else None}
 
 
 def host_peak_bytes() -> int:
@@ -202,7 +210,7 @@ def format_summary(s: Mapping[str, Any]) -> str:
         f"throughput   {s['tokens_per_second']:,.0f} tokens/s (positions processed, padding included"
         + (", this invocation)" if segment else ")"),
         f"             {s['model_tflops']:.4g} model TFLOP/s (6N, attention not counted: 6 x "
-        f"{s['num_parameters']:,} params x tokens/s)",
+        f"{s['model_flops_per_token'] / 6:,.0f} matmul params x tokens/s)",
         f"             {s['model_tflops_with_attention']:.4g} model TFLOP/s with attention (6N + causal attention "
         f"forward and backward at {s['attention_seq_len']:,} tokens per row)",
         f"MFU          " + (f"{100 * s['mfu']:.1f}% (6N, attention not counted), {100 * s['mfu_with_attention']:.1f}% "

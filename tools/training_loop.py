@@ -72,7 +72,7 @@ class TrainingLoop:
         self.tokens_done = run.tokens_done
         self.schedule = lr_schedule.from_config(c.lr, c.min_lr, c.warmup_steps, c.total_steps)
         self.peak, self.peak_source = metrics.matmul_peak_tflops(engine.device, dtype_name(engine.compute_dtype))
-        self.flops = metrics.TokenFlops.of(engine.config.to_dict(), engine.num_parameters, c.seq_len)
+        self.flops = metrics.TokenFlops.of(engine.config.to_dict(), c.seq_len)
         self.metrics_path = os.path.join(run.out, run_dir.METRICS_FILE)
         self.ckpt_root = os.path.join(run.out, run_dir.CHECKPOINT_DIR)
         self.out = run.out
