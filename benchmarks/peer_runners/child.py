@@ -10,11 +10,14 @@ A system is a module ``run_<name>.py`` whose ``build(spec)`` returns a trainer:
     trainer.pinned_bytes()  pinned host bytes outside torch's pinned allocator, or None
     trainer.close()
 
-[Note: step timing] Steps run back to back; step i's time is the wall time from its start
-to the start of step i + 1, and the last step's ends after ``drain()``. Nothing is left
-outside the timed intervals between steps, so work a system defers (megatrain's AdamW
-overlapping the next forward) is counted where it delays a step, and the last step pays
-what is still queued. The first ``warmup`` steps are left out of the median.
+[Note: step timing] Steps run back to back; step i's time is the interval between the
+completions of steps i - 1 and i (step 0's from the end of setup). Work a system defers
+(megatrain's AdamW of step i overlapping step i + 1's forward) lands in the interval it delays,
+so in steady state every interval holds one step's whole work. After the ``steps`` timed steps
+one more step runs untimed (the tail: it pays the last timed step's deferred work), then
+``drain()``; both are recorded apart (``tail_step_seconds``, ``drain_seconds``) and never added
+to a timed step. The first ``warmup`` steps are left out of the median and of the spread
+(min / median / max).
 
 [Note: peaks] Peak GPU memory is ``torch.cuda.max_memory_allocated`` over the timed
 steps (reset after setup; the setup peak is recorded apart). Peak host RSS is VmHWM
@@ -109,16 +112,20 @@ def run(spec: RunSpec) -> tuple[dict[str, Any], Any]:
         times: list[float] = []
         losses: list[float] = []
         breakdowns: list[dict[str, float] | None] = []
+        timed, tail = data[:spec.steps], data[spec.steps]
         t_prev = time.perf_counter()
-        for i, ids in enumerate(data):
+        for i, ids in enumerate(timed):
             losses.append(trainer.step(ids))
-            if i == len(data) - 1:
-                trainer.drain()
             breakdowns.append(trainer.breakdown())
             now = time.perf_counter()
             times.append(now - t_prev)
             t_prev = now
-            progress.write(phase="step", step=i + 1, steps=len(data), seconds=times[-1], loss=losses[-1])
+            progress.write(phase="step", step=i + 1, steps=len(timed), seconds=times[-1], loss=losses[-1])
+        result["tail_loss"] = trainer.step(tail)  # untimed ([Note: step timing])
+        result["tail_step_seconds"] = time.perf_counter() - t_prev
+        t_drain = time.perf_counter()
+        trainer.drain()
+        result["drain_seconds"] = time.perf_counter() - t_drain
         result.update(status="ok", step_seconds=times, losses=losses)
         if any(b is not None for b in breakdowns):
             result["breakdowns"] = breakdowns

@@ -30,7 +30,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8, help="sequences per optimizer step (global batch)")
     p.add_argument("--micro-batch", type=int, default=2,
                    help="sequences per micro-batch of the peers (megatrain takes its plan's)")
-    p.add_argument("--steps", type=int, help="optimizer steps per system (default 4; 3 with --sweep)")
+    p.add_argument("--steps", type=int, default=6,
+                   help="timed optimizer steps per system, warm-up included (default 6: 1 warm-up + 5, the "
+                        "protocol's least); one more runs untimed after them")
     p.add_argument("--warmup", type=int, default=1, help="first steps left out of the median")
     p.add_argument("--systems", type=_list(str, SYSTEMS), default=list(SYSTEMS),
                    help=f"comma-separated, of {','.join(SYSTEMS)} (default all)")
@@ -46,7 +48,7 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--retry-failed", action="store_true",
                    help="with --resume: run again the runs that failed (out-of-memory results stay)")
     p.add_argument("--time-budget", type=float,
-                   help="seconds for the whole comparison (default: none; 540 with --sweep)")
+                   help="seconds for the whole comparison (default: none; 900 with --sweep)")
     p.add_argument("--run-timeout", type=float, default=900, help="seconds at most for one system's run")
     g = p.add_argument_group("sweep (--sweep)")
     g.add_argument("--sweep", action="store_true", help="sizes x sequence lengths, then grow the model per system")
@@ -77,8 +79,6 @@ def main(doc: str, argv: list[str] | None = None) -> int:
     from .spec import RunSpec, model_config
     from .sweep import Comparison, echo
 
-    if args.steps is None:
-        args.steps = 3 if args.sweep else 4
     if not args.sweep:  # check the single run's numbers before starting anything
         try:
             RunSpec(system="pytorch", model=args.model, config=model_config(args.model, args.layers, args.seq),
@@ -92,7 +92,7 @@ def main(doc: str, argv: list[str] | None = None) -> int:
     peak = machine["matmul_peak"]
     echo(f"device {machine['device']}{' (' + machine['gpu'] + ')' if machine.get('gpu') else ''}: matmul peak "
          f"{peak['tflops']:.1f} TFLOP/s ({peak['dtype']})")
-    budget = args.time_budget if args.time_budget is not None else (540.0 if args.sweep else None)
+    budget = args.time_budget if args.time_budget is not None else (900.0 if args.sweep else None)
     if budget is not None:
         budget -= time.monotonic() - t0
     settings = {"steps": args.steps, "warmup": args.warmup, "seed": args.seed, "lr": args.lr, "betas": [0.9, 0.95],

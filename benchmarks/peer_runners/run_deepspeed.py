@@ -1,5 +1,9 @@
 """DeepSpeed ZeRO-3 with parameters and optimizer offloaded to pinned CPU memory: the usual offload recipe.
 
+The comparison runs it at micro-batches of 4, 8 and 16 (those that divide the batch; ``sweep.DEEPSPEED_MICRO_BATCHES``):
+ZeRO-3 gathers every parameter once per micro-batch, so a larger one does less of that per token; the best is
+the headline, every one is kept in the JSON. ``run_zero_offload.py`` runs stage 2 (ZeRO-Offload) with this code.
+
 bf16 compute, ``DeepSpeedCPUAdam`` (AdamW mode; DeepSpeed picks it for an "AdamW" optimizer
 when the optimizer is offloaded, and JIT-builds it with ninja and nvcc on first use),
 gradient clipping and accumulation by DeepSpeed, and per-layer activation checkpointing
@@ -16,8 +20,23 @@ from .spec import NotRun, RunSpec
 from .weights import build_hf_model, distinct_parameters
 
 
-def ds_config(spec: RunSpec) -> dict[str, Any]:
+def ds_config(spec: RunSpec, stage: int = 3) -> dict[str, Any]:
+    """ZeRO-3: parameters and optimizer state offloaded to pinned host memory. ZeRO-2 (ZeRO-Offload): bf16
+    parameters and gradients on the device, fp32 masters and AdamW state offloaded to pinned host memory."""
     hidden = spec.config["hidden_size"]
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": hidden * hidden,
+    }
+    if stage == 3:
+        zero.update({"offload_param": {"device": "cpu", "pin_memory": True},
+                     "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+                     "stage3_param_persistence_threshold": 10 * hidden})
+    else:
+        zero.update({"allgather_bucket_size": hidden * hidden, "reduce_scatter": True})
     return {
         "train_batch_size": spec.batch,
         "train_micro_batch_size_per_gpu": spec.micro_batch,
@@ -26,23 +45,14 @@ def ds_config(spec: RunSpec) -> dict[str, Any]:
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "betas": list(spec.betas), "eps": spec.eps,
                                                   "weight_decay": spec.weight_decay}},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": "cpu", "pin_memory": True},
-            "offload_optimizer": {"device": "cpu", "pin_memory": True},
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "reduce_bucket_size": hidden * hidden,
-            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-            "stage3_param_persistence_threshold": 10 * hidden,
-        },
+        "zero_optimization": zero,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
 
 
 class DeepspeedTrainer:
-    def __init__(self, spec: RunSpec) -> None:
+    def __init__(self, spec: RunSpec, stage: int = 3) -> None:
         if spec.device != "cuda":
             raise NotRun("needs CUDA")
         try:
@@ -53,12 +63,13 @@ class DeepspeedTrainer:
         self.spec = spec
         torch.cuda.set_device(0)
         deepspeed.init_distributed(dist_backend="nccl")
-        model = build_hf_model(spec, "cpu")  # ZeRO-3 partitions it into pinned host memory on initialize
+        model = build_hf_model(spec, "cpu")  # ZeRO partitions it (ZeRO-3: into pinned host memory) on initialize
         self.params = distinct_parameters(model)
-        config = ds_config(spec)
+        config = ds_config(spec, stage)
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         basic = getattr(self.engine, "basic_optimizer", None)
-        self.details = {"deepspeed": deepspeed.__version__, "config": config,
+        self.details = {"deepspeed": deepspeed.__version__, "config": config, "zero_stage": stage,
+                        "micro_batch": spec.micro_batch,
                         "optimizer": type(basic).__name__ if basic is not None else "unknown",
                         "activation_checkpointing": "per layer (transformers, non-reentrant)"}
 

@@ -12,7 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-SYSTEMS = ("megatrain", "pytorch", "fsdp2", "deepspeed")
+SYSTEMS = ("megatrain", "pytorch", "fsdp2", "deepspeed", "zero_offload")
+DEEPSPEED_SYSTEMS = ("deepspeed", "zero_offload")  # need CUDA, the deepspeed package and its CPU Adam
 
 # Hugging Face LlamaConfig fields. The 1b and 3b shapes are Llama-3.2-1B's and -3B's (tied embeddings),
 # with plain RoPE (theta 500000) so that every system computes the same positions at any length.
@@ -123,7 +124,8 @@ class RunSpec:
 
 
 def batches(spec: RunSpec):
-    """The token batches of every step: ``steps`` int64 tensors [batch, seq], the same in every system.
+    """The token batches of every step: ``steps`` + 1 int64 tensors [batch, seq], the same in every system (the
+    last is the untimed tail step's, ``child``'s [Note: step timing]).
 
     Labels are the ids themselves: every system shifts them inside (Hugging Face's convention).
     """
@@ -131,4 +133,4 @@ def batches(spec: RunSpec):
 
     gen = torch.Generator().manual_seed(spec.seed + 1)
     return [torch.randint(0, spec.config["vocab_size"], (spec.batch, spec.seq), generator=gen)
-            for _ in range(spec.steps)]
+            for _ in range(spec.steps + 1)]

@@ -16,7 +16,14 @@ when the budget ends; what was not run is recorded as ``not run: the time budget
 ``--retry-failed`` also the runs that failed (not those out of memory). A row recorded as not run
 for another reason (DeepSpeed not installed, no CUDA) is no result either: ``--resume`` decides it
 again, so a run whose reason is gone (DeepSpeed installed since) runs, and one whose reason holds is
-recorded as not run once more.
+recorded as not run once more. Every row carries the header of the run that measured it (date,
+command, machine, matmul peak: ``report.run_header``); rows kept from a report written before rows
+carried one are stamped with that report's header.
+
+[Note: micro-batch sweep] DeepSpeed ZeRO-3 gathers every parameter once per micro-batch, so its
+best micro-batch is the largest that fits: it runs at each of ``DEEPSPEED_MICRO_BATCHES`` that
+divides the batch (the peers' ``--micro-batch`` where none does); the report marks the fastest,
+every run is kept.
 """
 from __future__ import annotations
 
@@ -30,9 +37,10 @@ from typing import Any
 
 from . import launcher, report
 from .run_megatrain import import_megatrain
-from .spec import MODELS, RunSpec, model_config, model_label
+from .spec import DEEPSPEED_SYSTEMS, MODELS, RunSpec, model_config, model_label
 
 MIN_RUN_SECONDS = 45
+DEEPSPEED_MICRO_BATCHES = (4, 8, 16)  # [Note: micro-batch sweep]
 NOT_RUN = "not run"  # every status of a run that did not start ([Note: budget])
 BUDGET_NOT_RUN = f"{NOT_RUN}: the time budget"
 
@@ -61,6 +69,9 @@ class Comparison:
             if old is not None:
                 again = (NOT_RUN, "failed") if retry_failed else (NOT_RUN,)
                 keep = [r for r in old["runs"] if not r["status"].startswith(again)]
+                stamp = report.run_header(old["machine"], old["date"], old.get("settings", {}).get("command"))
+                for r in keep:
+                    r.setdefault("run_header", stamp)
                 self.rows = keep
                 self.done = {report.run_key(r) for r in keep}
                 echo(f"resuming {self.stem}.json: {len(keep)} runs kept")
@@ -78,7 +89,7 @@ class Comparison:
 
     def _not_run_here(self, system: str) -> str | None:
         """Why ``system`` cannot run on this machine, or None."""
-        if system != "deepspeed":
+        if system not in DEEPSPEED_SYSTEMS:
             return None
         if self.device != "cuda":
             return "not run: needs CUDA"
@@ -91,7 +102,7 @@ class Comparison:
 
     def prepare(self, systems: list[str]) -> None:
         """Build DeepSpeed's CPU Adam once before its runs, when they will run."""
-        if "deepspeed" not in systems or self._not_run_here("deepspeed") is not None:
+        if not set(DEEPSPEED_SYSTEMS) & set(systems) or self._not_run_here("deepspeed") is not None:
             return
         timeout = 600.0 if self.deadline is None else max(1.0, min(600.0, self.deadline - time.monotonic()))
         echo(f"building DeepSpeedCPUAdam (ninja; up to {timeout:.0f} s)")
@@ -119,7 +130,8 @@ class Comparison:
             log = os.path.join(self.logs, f"{spec.system}_{spec.model}_seq{spec.seq}.log")
             raw = launcher.launch(spec, timeout, log, echo, budget_end=self.deadline)
             raw["log"] = log
-        row = report.derive(spec, raw, shape, self.peak)
+        row = report.derive(spec, raw, shape, self.peak, self.machine.get("gpu"))
+        row["run_header"] = report.run_header(self.machine, self.date, self.settings.get("command"))
         self.rows.append(row)
         self.done.add(spec.key())
         self._say(row)
@@ -138,17 +150,24 @@ class Comparison:
         return report.write(report.build(self.machine, self.date, self.settings, self.rows), self.stem)
 
     # ------------------------------------------------------------------ what to run
-    def single(self, systems: list[str], model: str, layers: int | None, seq: int, batch: int, micro: int) -> None:
+    def case(self, systems: list[str], model: str, layers: int | None, seq: int, batch: int,
+             micro: int) -> list[dict[str, Any]]:
+        """Every system on one case; DeepSpeed ZeRO-3 at each micro-batch of its sweep. Returns the rows."""
+        rows = []
         for system in systems:
-            self.run(self.spec(system, model, layers, seq, batch, micro))
+            micros = micro_batches(system, batch, micro)
+            rows += [self.run(self.spec(system, model, layers, seq, batch, m)) for m in micros]
+        return rows
+
+    def single(self, systems: list[str], model: str, layers: int | None, seq: int, batch: int, micro: int) -> None:
+        self.case(systems, model, layers, seq, batch, micro)
 
     def sweep(self, systems: list[str], sizes: list[str], seqs: list[int], tokens: int, micro_tokens: int,
               grow_layers: int, max_layers: int) -> None:
         for seq in seqs:
             batch, micro = sweep_batch(seq, tokens, micro_tokens)
             for model in sizes:
-                for system in systems:
-                    self.run(self.spec(system, model, None, seq, batch, micro))
+                self.case(systems, model, None, seq, batch, micro)
         base = sizes[-1]
         for seq in seqs:
             batch, micro = sweep_batch(seq, tokens, micro_tokens)
@@ -160,8 +179,8 @@ class Comparison:
                     if self.out_of_time():
                         echo("growth stopped: the time budget is spent (--resume goes on from here)")
                         return
-                    row = self.run(self.spec(system, base, layers, seq, batch, micro))
-                    if row["status"] != "ok":
+                    rows = self.case([system], base, layers, seq, batch, micro)
+                    if not any(row["status"] == "ok" for row in rows):
                         growing.remove(system)
                 layers += grow_layers
 
@@ -171,6 +190,14 @@ class Comparison:
     def _ok(self, system: str, model: str, seq: int) -> bool:
         return any(r["system"] == system and r["model"] == model and r["seq"] == seq and r["status"] == "ok"
                    for r in self.rows)
+
+
+def micro_batches(system: str, batch: int, micro: int) -> list[int]:
+    """The micro-batches ``system`` runs a case of ``batch`` sequences at: DeepSpeed ZeRO-3's sweep ([Note:
+    micro-batch sweep]), every other system the peers' ``micro``."""
+    if system != "deepspeed":
+        return [micro]
+    return [m for m in DEEPSPEED_MICRO_BATCHES if m <= batch and batch % m == 0] or [micro]
 
 
 def sweep_batch(seq: int, tokens: int, micro_tokens: int) -> tuple[int, int]:

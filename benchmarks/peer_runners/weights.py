@@ -79,9 +79,9 @@ def _no_init() -> Iterator[None]:
         yield
 
 
-def build_hf_model(spec: RunSpec, device: str | torch.device) -> Any:
-    """transformers' LlamaForCausalLM in fp32 on ``device`` with the initial weights, per-layer activation
-    checkpointing (non-reentrant) on, in training mode."""
+def build_hf_model(spec: RunSpec, device: str | torch.device, checkpointing: bool = True) -> Any:
+    """transformers' LlamaForCausalLM in fp32 on ``device`` with the initial weights, in training mode; per-layer
+    activation checkpointing (non-reentrant) on unless ``checkpointing`` is False."""
     from transformers import LlamaForCausalLM
 
     with torch.device(device), _no_init():
@@ -89,13 +89,39 @@ def build_hf_model(spec: RunSpec, device: str | torch.device) -> Any:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(initial_weight(name, tuple(p.shape), spec))
+    if checkpointing:
+        enable_checkpointing(model)
+    model.train()
+    return model
+
+
+def enable_checkpointing(model: Any) -> None:
+    """Per-layer activation checkpointing (non-reentrant) on a transformers model."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the older name warns there
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.train()
-    return model
+
+
+def model_shape(spec: RunSpec) -> Any:
+    """The planner's ModelShape of the run's model (what the memory estimates of ``fits`` read)."""
+    from .run_megatrain import import_megatrain
+
+    import_megatrain()
+    from megatrain.planner import model_shapes
+
+    return model_shapes.from_config(spec.config)
+
+
+def device_bytes(spec: RunSpec) -> int | None:
+    """The memory a peer's device holds: the GPU's total on CUDA, the host's available memory on a CPU."""
+    if spec.device == "cuda":
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    from .memory import host_available
+
+    return host_available()
 
 
 def distinct_parameters(model: torch.nn.Module) -> int:
