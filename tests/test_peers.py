@@ -231,3 +231,34 @@ def test_resume_keeps_results_and_decides_again_what_did_not_run(tmp_path):
     row = c.run(c.spec("deepspeed", "tiny", None, 32, 4, 2))
     assert row["status"] == "not run: needs CUDA"
     assert [r["system"] for r in c.rows] == ["megatrain", "pytorch", "fsdp2", "deepspeed"]
+
+
+def test_memory_estimates_by_hand_and_the_checkpointing_choice():
+    """fits.py's estimates are the formulas its docstring states; PyTorch runs without checkpointing where that
+    estimate fits 85% of the device (the 3B shape at 4 x 2048 on an H200's 139.8 GiB, not on an 80 GB H100)."""
+    from types import SimpleNamespace
+
+    from peer_runners import fits
+
+    shape = SimpleNamespace(params=1000, params_layer=100, num_layers=4, layer_working_bytes_per_token=lambda c: 50,
+                            logits_bytes_per_token=lambda c: 30, checkpoint_bytes_per_token=lambda c: 8)
+    tokens = 16
+    without = 18 * 1000 + 4 * 16 * 50 + 16 * 30
+    with_ckpt = 18 * 1000 + 4 * 16 * 8 + 16 * 50 + 16 * 30
+    assert fits.in_vram_bytes(shape, tokens, checkpointing=False) == without
+    assert fits.in_vram_bytes(shape, tokens, checkpointing=True) == with_ckpt
+    assert fits.zero_offload_bytes(shape, tokens) == with_ckpt - 14 * 1000
+    assert fits.fsdp_no_sync_bytes(shape, tokens) == with_ckpt - 14 * 1000 + 2 * 100
+    assert fits.choose_checkpointing(shape, tokens, int(without / 0.85) + 1)[0] is False
+    assert fits.choose_checkpointing(shape, tokens, int(without / 0.85) - 1)[0] is True
+    assert fits.choose_checkpointing(shape, tokens, None)[0] is False  # unknown memory: try, fall back on OOM
+
+    from peer_runners.weights import model_shape
+
+    spec3b = RunSpec(system="pytorch", model="3b", config=model_config("3b", None, 2048), seq=2048, batch=16,
+                     micro_batch=4, steps=6)
+    h200, h100 = 150_109_880_320, 85_899_345_920
+    on, why = fits.choose_checkpointing(model_shape(spec3b), 4 * 2048, h200)
+    assert on is False and why.startswith("off (estimate without it")
+    on, why = fits.choose_checkpointing(model_shape(spec3b), 4 * 2048, h100)
+    assert on is True and why.startswith("per layer")
