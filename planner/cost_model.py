@@ -73,7 +73,7 @@ class CostEstimate:
     # CPU AdamW time the step waits for (eager: what outlasts backward; deferred: what delays forward).
     optimizer_exposed_seconds: float
     tokens: int
-    model_flops: float        # 6 x params x tokens (DESIGN.md section 7)
+    model_flops: float        # 6 x N_matmul x tokens (model_flops.py, DESIGN.md section 7)
     hardware_flops: float     # what the GPU runs: forward + recompute + backward + head, attention included
     attention_flops: float    # attention forward + backward per step, stated separately
     peak_tflops: float

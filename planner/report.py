@@ -88,7 +88,8 @@ def time_table(cost: CostEstimate) -> str:
 
 
 def with_attention_tflops(c: CostEstimate) -> float:
-    """Model TFLOP/s counting attention too: (6N per token x T + attention forward and backward) / step."""
+    """Model TFLOP/s counting attention too: (6 x N_matmul per token x T + attention forward and backward by the
+    model convention) / step."""
     return (c.model_flops + c.attention_flops) / c.step_seconds / 1e12
 
 

@@ -55,7 +55,7 @@ def page(model: ModelShape, work: Workload, chosen: ChosenPlan, ranks: Ranks,
         memory_table(best.memory), "",
         time_table(c), "",
         f"step {seconds(c.step_seconds)}, {rate(c.tokens_per_second)}, model {c.model_tflops:.0f} "
-        f"TFLOP/s without attention (6N per token), {with_attention_tflops(c):.0f} with attention FLOPs, "
+        f"TFLOP/s without attention (6 x N_matmul per token), {with_attention_tflops(c):.0f} with attention FLOPs, "
         f"MFU {c.mfu:.1%}; bottleneck: {c.bottleneck}; "
         f"{seconds(1e9 / c.tokens_per_second)} per billion tokens",
     ])
