@@ -155,7 +155,8 @@ class Comparison:
         """Every system on one case; DeepSpeed ZeRO-3 at each micro-batch of its sweep. Returns the rows."""
         rows = []
         for system in systems:
-            micros = micro_batches(system, batch, micro)
+            # one row says why a system cannot run here; a sweep only where it runs
+            micros = micro_batches(system, batch, micro)[:1 if self._not_run_here(system) else None]
             rows += [self.run(self.spec(system, model, layers, seq, batch, m)) for m in micros]
         return rows
 
