@@ -7,7 +7,8 @@ Each system runs in a fresh subprocess (so peak memory is its own) with the same
 random initial weights and batches: megatrain (bf16 compute on a GPU, fp32 on a
 CPU; weights and AdamW state in host memory) and PyTorch with the whole model on
 the device (fp32 master, bf16 autocast on a GPU, per-layer activation
-checkpointing, fused AdamW on the device). Reports per system: median step time with
+checkpointing only where the model does not fit without it, ``peer_runners/fits.py``, fused AdamW on
+the device). Step times are intervals between step ends (benchmarks/README.md, steady state). Reports per system: median step time with
 the min and max of the timed steps after the warm-up, tokens/s, model TFLOP/s without attention
 (6 x N_matmul x tokens / step time; recompute not counted; ``flop_figures``, benchmarks/README.md)
 with the every-parameter figure beside it, and with causal attention's forward and backward FLOPs
@@ -80,10 +81,13 @@ def run_megatrain(args, cfg, device) -> dict:
     engine = Engine(ModelConfig(**cfg), OptimizerConfig(lr=1e-4, max_grad_norm=1.0), plan=plan,
                     compute_dtype=dtype, device=device, seed=0)
     times, losses = [], []
+    t_prev = time.perf_counter()
     for i, ids in enumerate(batches(cfg["vocab_size"], args.batch, args.seq, args.steps)):
-        t0 = time.perf_counter()
         losses.append(engine.step(ids, ids).item())  # .item(): the step's end, as a user's loop would see it
-        times.append(time.perf_counter() - t0)
+        # a step's time: the interval between two step ends (its deferred AdamW lands in the step it delays)
+        now = time.perf_counter()
+        times.append(now - t_prev)
+        t_prev = now
         print(f"  megatrain step {i + 1}/{args.steps}: {times[-1]:.3f} s, loss {losses[-1]:.4f}", file=sys.stderr,
               flush=True)
     engine.synchronize()
@@ -105,18 +109,25 @@ def run_pytorch(args, cfg, device) -> dict:
     model.load_state_dict(init.state_dict())
     init.close()
     model.to(device)
+    # activation checkpointing only where the model does not fit without it (peers' estimate, peer_runners/fits.py)
+    from megatrain.planner import model_shapes
+    from peer_runners import fits
+
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    checkpoint, why = fits.choose_checkpointing(model_shapes.from_config(dict(cfg, model_type="llama")),
+                                                args.micro_batch * args.seq, memory)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     times, losses = [], []
+    t_prev = time.perf_counter()
     for i, ids in enumerate(batches(cfg["vocab_size"], args.batch, args.seq, args.steps)):
-        t0 = time.perf_counter()
         ids = ids.to(device)
         labels = shift_labels(ids)
         n_tokens = (labels != -100).sum()
         total = torch.zeros((), device=device)
         for s in range(0, ids.shape[0], args.micro_batch):
             with autocast:
-                logits = model(ids[s:s + args.micro_batch], checkpoint=True)
+                logits = model(ids[s:s + args.micro_batch], checkpoint=checkpoint)
             part = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels[s:s + args.micro_batch].flatten(),
                                                      ignore_index=-100, reduction="sum") / n_tokens
             part.backward()
@@ -125,10 +136,13 @@ def run_pytorch(args, cfg, device) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total.item())
-        times.append(time.perf_counter() - t0)
+        now = time.perf_counter()
+        times.append(now - t_prev)
+        t_prev = now
         print(f"  pytorch step {i + 1}/{args.steps}: {times[-1]:.3f} s, loss {losses[-1]:.4f}", file=sys.stderr,
               flush=True)
-    return {"times": times, "loss": losses[-1], "losses": losses, "params": sum(p.numel() for p in model.parameters())}
+    return {"times": times, "loss": losses[-1], "losses": losses, "params": sum(p.numel() for p in model.parameters()),
+            "activation_checkpointing": why}
 
 
 def child(args) -> None:
@@ -159,7 +173,8 @@ def summarize(name: str, r: dict, tokens: int, warmup: int, shape, seq: int, gpu
             **figures(shape, tokens, step, seq, gpu_name=gpu),
             "final_loss": r["loss"], "losses": r["losses"], "plan": r.get("plan"),
             "peak_device_gib": None if r["peak_device_bytes"] is None else r["peak_device_bytes"] / 2**30,
-            "peak_host_rss_gib": r["peak_host_rss_bytes"] / 2**30, "params": r["params"], "step_times": r["times"]}
+            "peak_host_rss_gib": r["peak_host_rss_bytes"] / 2**30, "params": r["params"], "step_times": r["times"],
+            **({"activation_checkpointing": r["activation_checkpointing"]} if "activation_checkpointing" in r else {})}
 
 
 def main() -> int:
@@ -232,6 +247,8 @@ def main() -> int:
         lines += ["", f"megatrain's plan ({args.plan}): {p['micro_batch_size']} sequences a micro-batch, "
                   f"{p['num_slots']} slots, checkpoints on the {p['checkpoints']}, {len(p['kept_layers'])} of "
                   f"{MODELS[args.model]['num_hidden_layers']} layers kept, AdamW {p['optimizer_mode']}."]
+    if base.get("activation_checkpointing"):
+        lines += ["", f"PyTorch's activation checkpointing: {base['activation_checkpointing']}."]
     if all(r.get("status") == "ok" for r in rows):
         gaps = [abs(a - b) for a, b in zip(base["losses"], ours["losses"])]
         lines += ["", f"Losses, step by step, megatrain against PyTorch: largest difference {max(gaps):.2e} "

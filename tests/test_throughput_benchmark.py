@@ -29,4 +29,7 @@ def test_throughput_compares_every_steps_loss(tmp_path, plan: str) -> None:
         assert p["micro_batch_size"] == 2 and p["kept_layers"] == []
     else:  # the planner keeps every layer of a model this small, the whole batch in one micro-batch
         assert p["micro_batch_size"] == 4 and len(p["kept_layers"]) == 4
-    assert f"megatrain's plan ({plan})" in result.with_suffix(".md").read_text()
+    md = result.with_suffix(".md").read_text()
+    assert f"megatrain's plan ({plan})" in md
+    # the tiny model fits without activation checkpointing: PyTorch runs without it
+    assert pytorch["activation_checkpointing"].startswith("off (estimate") and "checkpointing: off" in md
