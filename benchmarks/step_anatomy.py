@@ -260,18 +260,21 @@ def main(argv: list[str] | None = None) -> int:
 
     hw = detect()
     args.matmul_peak_tflops = machine["matmul_peak"]["tflops"]
-    runs = [measure(spec, v, args, hw, echo) for spec in specs for v in variants]
     date = datetime.date.today().isoformat()
     rep = {"benchmark": "step_anatomy", "date": date, "device": report.device_label(machine), "machine": machine,
            "command": "python benchmarks/step_anatomy.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "runs": runs}
+           "runs": []}
     os.makedirs(args.out, exist_ok=True)
     base = new_base(os.path.join(args.out, f"{date}_{rep['device']}_step_anatomy_{'-'.join(models)}"))
-    with open(base + ".json", "w") as f:
-        json.dump(rep, f, indent=1)
-    md = markdown(rep)
-    with open(base + ".md", "w") as f:
-        f.write(md)
+    for spec in specs:
+        for v in variants:
+            rep["runs"].append(measure(spec, v, args, hw, echo))
+            # written after every configuration: a run stopped by its time limit keeps the rows it measured
+            with open(base + ".json", "w") as f:
+                json.dump(rep, f, indent=1)
+            md = markdown(rep)
+            with open(base + ".md", "w") as f:
+                f.write(md)
     print(md)
     print(f"wrote {base}.json and .md")
     return 0
