@@ -1,33 +1,21 @@
-"""Every megatrain-plan command in README.md runs as written (exit 0)."""
+"""Every megatrain-plan command in README.md and docs/ runs as written (exit 0)."""
 from __future__ import annotations
-
-import pathlib
-import re
-import shlex
 
 import pytest
 
+from doc_pages import commands
 from megatrain.planner import cli, profiler
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+PLAN_COMMANDS = [argv for _, argv in commands("megatrain-plan")]
 
 
-def readme_commands() -> list[list[str]]:
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
-        for line in block.splitlines():
-            if line.split()[:1] == ["megatrain-plan"]:
-                commands.append(shlex.split(line, comments=True)[1:])
-    return commands
-
-
-def test_readme_names_planner_commands() -> None:
-    kinds = {argv[0] if argv and not argv[0].startswith("-") else "" for argv in readme_commands()}
+def test_the_pages_name_every_planner_command() -> None:
+    kinds = {argv[0] if argv and not argv[0].startswith("-") else "" for argv in PLAN_COMMANDS}
     assert {"", "plan", "size", "ram", "profile"} <= kinds
 
 
-@pytest.mark.parametrize("argv", readme_commands(), ids=lambda argv: " ".join(argv)[:60] or "overview")
-def test_readme_planner_command_runs(argv: list[str], monkeypatch, tmp_path, capsys) -> None:
+@pytest.mark.parametrize("argv", PLAN_COMMANDS, ids=lambda argv: " ".join(argv)[:60] or "overview")
+def test_documented_planner_command_runs(argv: list[str], monkeypatch, tmp_path, capsys) -> None:
     monkeypatch.chdir(tmp_path)                                   # profile --out, plan --out write here
     monkeypatch.setenv("MEGATRAIN_HARDWARE", str(tmp_path / "no-profile.json"))  # this machine, detected
     # profile's benchmarks run in test_planner_cli; here its command line, checks and output file.
