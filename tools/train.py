@@ -35,8 +35,8 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from megatrain.runtime.distributed.process_group import exit_process
 
     from . import data_order, evaluation, export, metric_sinks, metrics, model_source, packing, ranks, \
-        restart, resume, run_dir, run_plan, tokenizer as tokenizers, tokenizer_check, train_config, train_options, \
-        world_change
+        restart, resume, run_dir, run_inputs, run_plan, tokenizer as tokenizers, tokenizer_check, train_config, \
+        train_options, world_change
     from .data import Corpus
     from .plot import plot
     from .training_loop import TrainingLoop, dtype_name, next_batch
@@ -264,9 +264,9 @@ class Run:
             resume.refuse_branching(out, self.start_step)
         elif not overwrite:
             run_dir.refuse_existing(out, resumable=os.path.isdir(os.path.join(out, run_dir.CHECKPOINT_DIR)))
-        elif self.resumed is not None and _inside(self.resumed.path, out):
-            raise TrainConfigError(f"overwrite: the checkpoint being resumed ({self.resumed.path}) is in {out}, "
-                                   f"which --overwrite would clear; choose another --out")
+        else:  # nothing the run reads may be in what --overwrite deletes
+            run_inputs.refuse_inputs_in(out, run_inputs.inputs(c, self.values.get("config"),
+                                                               self.resumed.path if self.resumed else None))
         return own_run
 
     def _check_model(self) -> tuple[tokenizers.Tokenizer, ModelConfig, model_source.ModelSource | None]:
@@ -361,11 +361,6 @@ class Run:
 
 def _same_dir(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
-
-
-def _inside(path: str, directory: str) -> bool:
-    path, directory = os.path.realpath(path), os.path.realpath(directory)
-    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
 def _device(name: str) -> torch.device:

@@ -187,6 +187,9 @@ def _coerce(key: str, kind: str, value: Any, source: str) -> Any:
     return value
 
 
+# The key of ``--config``'s path in the values (a command-line option only, like "overwrite": no TrainConfig field).
+CONFIG_FILE = "config"
+
 _KIND_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
                "tuple[str, ...]": "a path or a list of paths"}
 
@@ -209,6 +212,8 @@ def read_values(argv: Sequence[str] | None) -> dict[str, Any]:
     values.update(from_mapping(args, "command line"))
     if overwrite:
         values["overwrite"] = True
+    if config_path is not None:
+        values[CONFIG_FILE] = config_path  # read, so never inside what --overwrite deletes (tools/run_inputs.py)
     return values
 
 
