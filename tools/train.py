@@ -40,6 +40,7 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from .data import Corpus
     from .plot import plot
     from .training_loop import TrainingLoop, dtype_name, next_batch
+    from .warning_lines import one_line_warnings
     from .train_config import TrainConfig, TrainConfigError
 
 EXIT_USAGE = 2
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             if rank_set.writes:
                 print(f"megatrain-train: {e}", file=sys.stderr)
             return 0
-        return Run(config, values, rank_set).execute()
+        with one_line_warnings(lambda line: print(line, file=sys.stderr)):  # the library's warnings: one line
+            return Run(config, values, rank_set).execute()
     except USER_ERRORS as e:
         return _usage_error(str(e))
     except ValueError as e:
