@@ -34,9 +34,9 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig, keep_freed_heap
     from megatrain.runtime.distributed.process_group import exit_process
 
-    from . import data_order, evaluation, export, metric_sinks, metrics, model_source, packing, ranks, \
-        restart, resume, run_dir, run_inputs, run_plan, tokenizer as tokenizers, tokenizer_check, train_config, \
-        train_options, world_change
+    from . import data_order, evaluation, export, io_failure, metric_sinks, metrics, model_source, packing, \
+        ranks, restart, resume, run_dir, run_inputs, run_plan, tokenizer as tokenizers, tokenizer_check, \
+        train_config, train_options, world_change
     from .data import Corpus
     from .plot import plot
     from .training_loop import TrainingLoop, dtype_name, next_batch
@@ -70,9 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         if not type(e).__module__.startswith("megatrain."):
             raise
         return _usage_error(str(e))
-    except OSError as e:  # a path the checks could not foresee: permissions, a full disk, a file that vanished
-        where = f"{e.filename}: " if e.filename else ""
-        return _usage_error(f"{where}{e.strerror or e}; check the path and the disk")
+    except OSError as e:  # a path the checks could not foresee (status 2), or a disk failing under the run (74)
+        return _usage_error(io_failure.line(e), io_failure.exit_status(e))
     except RuntimeError as e:  # under torchrun: another rank stopped (it printed why) or stopped answering
         if not ranks.peer_failure(e):
             raise
@@ -88,9 +87,9 @@ def _options(argv: list[str] | None) -> tuple[dict[str, Any], TrainConfig]:
     return restart.resolve(values, train_config.build(values))  # --resume-or-start: resume, start over or start
 
 
-def _usage_error(message: str) -> int:
+def _usage_error(message: str, status: int = EXIT_USAGE) -> int:
     print(f"megatrain-train: error: {message.splitlines()[0] if message else 'invalid input'}", file=sys.stderr)
-    return EXIT_USAGE
+    return status
 
 
 @dataclass

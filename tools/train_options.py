@@ -109,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
         allow_abbrev=False,
         epilog="Every option can also be set in a TOML file (--config run.toml) under the same name with "
-               "underscores; the command line overrides the file.",
+               "underscores; the command line overrides the file. Exit status: 0 trained; 2 a bad option or input "
+               "(one line); 74 a disk that filled up or failed while the run wrote (the file named); 130 "
+               "interrupted (Ctrl-C, after a checkpoint); 1 another rank or the export failed.",
     )
     parser.add_argument("--config", metavar="TOML", help="a TOML file of options (keys as below, with underscores)")
     parser.add_argument("--overwrite", action="store_true",
