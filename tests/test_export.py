@@ -3,6 +3,9 @@ an existing directory is never written into."""
 from __future__ import annotations
 
 import os
+import stat
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -110,3 +113,33 @@ def test_a_run_that_spilled_exports_and_leaves_no_scratch_files(trained_run, tmp
     hf = transformers.AutoModelForCausalLM.from_pretrained(exports / "model")
     assert transformers.AutoTokenizer.from_pretrained(exports / "model").eos_token == "<|im_end|>"
     assert hf.config.vocab_size == 300
+
+
+def test_a_killed_exports_folders_are_removed_by_the_next_export_and_others_kept(trained_run, tmp_path, capsys):
+    _, _, run = trained_run
+    exports = tmp_path / "exports"
+    exports.mkdir()
+    killed = ("import os, shutil; from megatrain.tools import export; "
+              "shutil.copyfile = lambda *a: os._exit(9); "  # killed once the weights are written, with the tokenizer
+              f"export.main([{str(run)!r}, {str(exports / 'first')!r}, '--dtype', 'fp32'])")
+    assert subprocess.run([sys.executable, "-c", killed]).returncode == 9
+    (left,) = os.listdir(exports)
+    assert left.startswith(".first.export-")
+    mine = exports / ".notes.export-draft"  # named alike, not megatrain's: kept
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert export.main([str(run), str(exports / "second"), "--dtype", "fp32"]) == 0
+    assert sorted(os.listdir(exports)) == [".notes.export-draft", "second"]
+    assert (mine / "notes.txt").read_text() == "mine"
+    assert f"removed 1 folder(s) left in {exports} by exports that no longer run: {left}" in capsys.readouterr().err
+
+
+def test_an_export_gets_the_users_umask(trained_run, tmp_path):
+    _, _, run = trained_run
+    previous = os.umask(0o027)
+    try:
+        assert export.main([str(run), str(tmp_path / "shared"), "--dtype", "fp32"]) == 0
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(tmp_path / "shared").st_mode) == 0o750
+    assert stat.S_IMODE(os.stat(tmp_path / "shared" / "config.json").st_mode) == 0o640

@@ -8,7 +8,8 @@ the weights and config.json are written by ``Engine.save_pretrained`` from the c
 the directories the run recorded: its ``--model`` directory, then its ``--tokenizer``'s directory (which
 wins where both have a file). OUT must not exist or be empty: the export is written into a new
 directory beside it and renamed into place when complete, so a failed export leaves nothing behind
-and an existing directory is never written into.
+and an existing directory is never written into (tools/export_staging.py: a killed export's folders are
+removed by the next export). OUT gets the mode the user's umask gives a new directory.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 from typing import Any
 
 from megatrain.runtime.errors import MegatrainError
@@ -77,7 +77,7 @@ def export(source: str, out: str, dtype: str = "bf16", say: Any = None) -> list[
 
     from megatrain.runtime.io import training_checkpoint
 
-    from . import run_dir
+    from . import export_staging, run_dir
 
     if dtype not in DTYPES:
         raise ExportError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
@@ -93,8 +93,11 @@ def export(source: str, out: str, dtype: str = "bf16", say: Any = None) -> list[
     plan = training_checkpoint.engine_arguments(manifest)["plan"]
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.export-", dir=parent)
-    spill = (tempfile.mkdtemp(prefix=".megatrain-export-spill-", dir=parent)
+    stale = export_staging.reclaim(parent)  # what killed exports left here
+    if stale and say is not None:
+        say(f"removed {len(stale)} folder(s) left in {parent} by exports that no longer run: {', '.join(stale)}")
+    staging = export_staging.create(parent, export_staging.staging_prefix(out))
+    spill = (export_staging.create(parent, export_staging.SPILL_PREFIX)
              if plan is not None and plan.spill != "none" else None)
     try:
         # The checkpoint's spill files (if its plan spills) go to a scratch directory of our own, removed after.
@@ -105,6 +108,7 @@ def export(source: str, out: str, dtype: str = "bf16", say: Any = None) -> list[
             engine.close()
         for name, src in copies.items():
             shutil.copyfile(src, os.path.join(staging, name))
+        export_staging.finish(staging)
         written = sorted(os.listdir(staging))
         check_out(out)  # nothing appeared there meanwhile
         if os.path.isdir(out):
