@@ -154,7 +154,7 @@ class Run:
         if self.resumed is not None and self.start_step >= c.total_steps:
             raise TrainConfigError(f"steps: the checkpoint is at step {self.start_step} already; raise --steps "
                                    f"(now {c.total_steps}) to train further")
-        overwrite = bool(self.values.get("overwrite"))
+        overwrite = bool(self.values.get("overwrite")) or restart.killed_at_start(self.out, c)  # its leftovers
         own_run = self._check_run_dir(self.out, overwrite)
         device = self.ranks.device(_device(c.device))
         self.rows = self.ranks.rows(c.batch)
