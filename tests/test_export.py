@@ -2,7 +2,9 @@
 an existing directory is never written into."""
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from megatrain.runtime import Engine
-from megatrain.tools import export, train
+from megatrain.tools import export, io_failure, train
 
 from chat_model import train_two_steps, write_model, write_tokenizer
 
@@ -143,3 +145,15 @@ def test_an_export_gets_the_users_umask(trained_run, tmp_path):
         os.umask(previous)
     assert stat.S_IMODE(os.stat(tmp_path / "shared").st_mode) == 0o750
     assert stat.S_IMODE(os.stat(tmp_path / "shared" / "config.json").st_mode) == 0o640
+
+
+def test_a_full_disk_during_an_export_is_its_own_status(trained_run, tmp_path, monkeypatch, capsys):
+    _, _, run = trained_run
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "x" / "tokenizer.json"))
+    monkeypatch.setattr(shutil, "copyfile", full)
+    assert export.main([str(run), str(tmp_path / "x"), "--dtype", "fp32"]) == io_failure.EXIT_IO
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tokenizer.json: No space left on device" in err, err
+    assert os.listdir(tmp_path) == []  # the staging folder removed, OUT never made

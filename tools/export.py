@@ -21,6 +21,8 @@ from typing import Any
 
 from megatrain.runtime.errors import MegatrainError
 
+from . import io_failure
+
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 DTYPES = ("bf16", "fp32")
@@ -42,7 +44,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="megatrain-export", allow_abbrev=False,
                      description="Write a megatrain-train run (its latest checkpoint, or the checkpoint named) as a "
-                                 "Hugging Face model directory: weights, config, tokenizer and generation config.")
+                                 "Hugging Face model directory: weights, config, tokenizer and generation config.",
+                     epilog="Exit status: 0 written; 2 a bad argument or input (one line); 74 a disk that filled "
+                            "up or failed (the file named); 130 interrupted. OUT is never partly written.")
     parser.add_argument("source", metavar="RUN_OR_CHECKPOINT",
                         help="a megatrain-train --out directory, its checkpoints/ directory, or one step-N in it")
     parser.add_argument("out", metavar="OUT", help="the directory to write; it must not exist or be empty")
@@ -57,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                                      file=sys.stderr))
     except MegatrainError as e:
         return _error(str(e))
-    except OSError as e:
-        where = f"{e.filename}: " if e.filename else ""
-        return _error(f"{where}{e.strerror or e}; check the path and the disk")
+    except OSError as e:  # a path (status 2), or a disk that filled up or failed (io_failure.EXIT_IO)
+        _error(io_failure.line(e))
+        return io_failure.exit_status(e)
     except KeyboardInterrupt:  # the partial export (beside OUT) is removed on the way out
         print("megatrain-export: interrupted; OUT was not written", file=sys.stderr)
         return EXIT_INTERRUPTED
