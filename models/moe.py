@@ -26,6 +26,18 @@ DENSE = {"num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0,
          "shared_expert_intermediate_size": 0, "router_aux_loss_coef": None}
 
 
+def expert_count(model_type: str, data: Mapping[str, Any], names: tuple[str, ...], default: int) -> int:
+    """The number of experts: the first of ``names`` (the keys the family's transformers config reads) the config
+    has, else ``default``. A config holding both ``num_experts`` and ``num_local_experts`` with different values
+    (which one a reader takes differs by family) is refused in one line."""
+    both = [data[k] for k in ("num_experts", "num_local_experts") if k in data]
+    if len(both) == 2 and both[0] != both[1]:
+        raise HFConfigError(f"num_experts={both[0]!r} and num_local_experts={both[1]!r} disagree for model_type="
+                            f"{model_type!r}; keep one of them in the config")
+    name = next((k for k in names if k in data), names[0])
+    return integer(name, data.get(name, default))
+
+
 def read_experts(model_type: str, data: Mapping[str, Any], *, experts: int, width: int, norm_topk_prob: bool,
                  shared: int = 0) -> dict[str, Any]:
     """The expert fields, checked: ``experts``, ``width``, ``shared`` are the numbers transformers read (its

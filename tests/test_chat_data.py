@@ -151,3 +151,17 @@ def test_megatrain_train_fine_tunes_a_model_directory_on_chat_data(tmp_path, cap
     capsys.readouterr()
     assert train.main(["--resume", str(out), "--steps", "4", "--train-on", "all", "--progress", "none"]) == 2
     assert "train_on cannot change" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [5, None, {"text": "hi"}])
+def test_content_that_is_not_a_string_is_refused_naming_file_and_line(tmp_path, capsys, content):
+    data = tmp_path / "chat.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    bad = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content}]}
+    data.write_text("\n".join(json.dumps(r) for r in [good] * 20 + [bad]) + "\n")
+    out = tmp_path / "run"
+    assert train.main(["--out", str(out), "--data", str(data), "--no-shuffle", "--steps", "2", "--seq-len", "32",
+                       "--batch", "2", "--progress", "none", "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{data} line 21: the assistant message's content in messages" in err, err
+    assert f"is {json.dumps(content)}, not a string" in err and not out.exists()

@@ -2,13 +2,18 @@
 an existing directory is never written into."""
 from __future__ import annotations
 
+import errno
 import os
+import shutil
+import stat
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from megatrain.runtime import Engine
-from megatrain.tools import export, train
+from megatrain.tools import export, io_failure, train
 
 from chat_model import train_two_steps, write_model, write_tokenizer
 
@@ -110,3 +115,45 @@ def test_a_run_that_spilled_exports_and_leaves_no_scratch_files(trained_run, tmp
     hf = transformers.AutoModelForCausalLM.from_pretrained(exports / "model")
     assert transformers.AutoTokenizer.from_pretrained(exports / "model").eos_token == "<|im_end|>"
     assert hf.config.vocab_size == 300
+
+
+def test_a_killed_exports_folders_are_removed_by_the_next_export_and_others_kept(trained_run, tmp_path, capsys):
+    _, _, run = trained_run
+    exports = tmp_path / "exports"
+    exports.mkdir()
+    killed = ("import os, shutil; from megatrain.tools import export; "
+              "shutil.copyfile = lambda *a: os._exit(9); "  # killed once the weights are written, with the tokenizer
+              f"export.main([{str(run)!r}, {str(exports / 'first')!r}, '--dtype', 'fp32'])")
+    assert subprocess.run([sys.executable, "-c", killed]).returncode == 9
+    (left,) = os.listdir(exports)
+    assert left.startswith(".first.export-")
+    mine = exports / ".notes.export-draft"  # named alike, not megatrain's: kept
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert export.main([str(run), str(exports / "second"), "--dtype", "fp32"]) == 0
+    assert sorted(os.listdir(exports)) == [".notes.export-draft", "second"]
+    assert (mine / "notes.txt").read_text() == "mine"
+    assert f"removed 1 folder(s) left in {exports} by exports that no longer run: {left}" in capsys.readouterr().err
+
+
+def test_an_export_gets_the_users_umask(trained_run, tmp_path):
+    _, _, run = trained_run
+    previous = os.umask(0o027)
+    try:
+        assert export.main([str(run), str(tmp_path / "shared"), "--dtype", "fp32"]) == 0
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(tmp_path / "shared").st_mode) == 0o750
+    assert stat.S_IMODE(os.stat(tmp_path / "shared" / "config.json").st_mode) == 0o640
+
+
+def test_a_full_disk_during_an_export_is_its_own_status(trained_run, tmp_path, monkeypatch, capsys):
+    _, _, run = trained_run
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "x" / "tokenizer.json"))
+    monkeypatch.setattr(shutil, "copyfile", full)
+    assert export.main([str(run), str(tmp_path / "x"), "--dtype", "fp32"]) == io_failure.EXIT_IO
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tokenizer.json: No space left on device" in err, err
+    assert os.listdir(tmp_path) == []  # the staging folder removed, OUT never made

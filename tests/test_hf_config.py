@@ -254,3 +254,13 @@ def test_parameter_table_is_what_transformers_and_the_templates_register(name: s
     assert shape.layer_params() == [p.numel for p in table[BlockKind.LAYER]]
     assert shape.numel_layer == templates.layers[0].layout.numel
     assert shape.numel_embedding == templates.embed.layout.numel and shape.numel_head == templates.head.layout.numel
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"])
+def test_conflicting_expert_counts_are_refused(model_type: str) -> None:
+    """num_experts and num_local_experts both given and different: which one a reader takes differs by family."""
+    config = _cfg(model_type=model_type, num_experts=0, num_local_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=24)
+    _refused_by_both(config, "num_experts=0 and num_local_experts=4 disagree", model_type)
+    agreeing = {**config, "num_experts": 4}
+    assert ModelConfig.from_hf(agreeing).num_experts == 4  # the agreeing pair: 4 experts

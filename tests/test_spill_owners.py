@@ -33,7 +33,7 @@ def _fake(spill_dir, host: str, pid: int, start: int | None = None, owner: bool 
 
 def test_dead_owners_are_reclaimed_live_and_foreign_ones_kept(tmp_path) -> None:
     host, dead = spill_dirs.host_name(), _dead_pid()
-    reclaimed = {_fake(tmp_path, host, dead), _fake(tmp_path, host, _dead_pid(), owner=False)}
+    reclaimed = {_fake(tmp_path, host, dead)}
     # The pid of a running process whose start time differs from the recorded one: reused, the owner is gone.
     reclaimed.add(_fake(tmp_path, host, os.getppid(), start=(spill_dirs.process_start(os.getppid()) or 0) + 1))
     kept = {
@@ -41,14 +41,17 @@ def test_dead_owners_are_reclaimed_live_and_foreign_ones_kept(tmp_path) -> None:
         _fake(tmp_path, host, os.getppid()),  # a live owner, start time unknown
         _fake(tmp_path, "another_host", dead),  # another machine's: cannot tell, never touched
     }
+    unrecorded = _fake(tmp_path, host, _dead_pid(), owner=False)  # no ownership record: not known to be ours
+    kept.add(unrecorded)
     (tmp_path / "megatrain-spill-legacy").mkdir()  # not named by owner: never touched
     (tmp_path / "user-file.bin").write_bytes(b"mine")
     kept |= {"megatrain-spill-legacy", "user-file.bin"}
     plan = Plan(spill="optimizer", spill_dir=str(tmp_path), io_backend="posix")
-    with pytest.warns(UserWarning, match=r"removed 3 spill directories .* no longer running") as record:
+    with pytest.warns(UserWarning, match=r"removed 2 spill directories .* no longer running") as record:
         engine = Engine(CONFIG, plan=plan, compute_dtype=torch.float32, device="cpu")
     message = str(record[0].message)
     assert all(name in message for name in reclaimed) and "\n" not in message
+    assert unrecorded not in message and unrecorded in str(record[1].message)
     with engine:
         own = set(os.listdir(tmp_path)) - kept
         assert len(own) == 1, own
@@ -78,3 +81,41 @@ def test_a_killed_runs_spill_directory_is_reclaimed_by_the_next_run(tmp_path) ->
         with Engine(CONFIG, plan=plan, compute_dtype=torch.float32, device="cpu"):
             assert left not in os.listdir(tmp_path)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_folder_named_like_ours_without_our_record_is_kept_and_said_once(tmp_path) -> None:
+    host = spill_dirs.host_name()
+    mine = tmp_path / f"megatrain-spill-{host}-pid{_dead_pid()}-mine"
+    mine.mkdir()
+    (mine / "thesis.txt").write_text("four years of work")
+    foreign = tmp_path / f"megatrain-spill-{host}-pid{_dead_pid()}-copied"  # a record naming another machine
+    foreign.mkdir()
+    (foreign / "owner.json").write_text(json.dumps({"host": "elsewhere", "pid": int(foreign.name.split("pid")[1]
+                                                                                         .split("-")[0])}))
+    plan = Plan(spill="all", spill_dir=str(tmp_path), io_backend="posix")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with Engine(CONFIG, plan=plan, compute_dtype=torch.float32, device="cpu"):
+            pass
+        with Engine(CONFIG, plan=plan, compute_dtype=torch.float32, device="cpu"):
+            pass  # said once, not again by the next engine
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 1 and "\n" not in messages[0], messages
+    assert mine.name in messages[0] and foreign.name in messages[0] and "without megatrain's owner.json" in messages[0]
+    assert (mine / "thesis.txt").read_text() == "four years of work"
+    assert sorted(os.listdir(tmp_path)) == sorted([mine.name, foreign.name])
+
+
+def test_megatrain_train_keeps_the_folder_and_says_so_in_one_line(tmp_path, capsys) -> None:
+    from megatrain.tools import train
+    spill = tmp_path / "spill"
+    mine = spill / f"megatrain-spill-{spill_dirs.host_name()}-pid{_dead_pid()}-mine"
+    mine.mkdir(parents=True)
+    (mine / "thesis.txt").write_text("four years of work")
+    assert train.main(["--out", str(tmp_path / "run"), "--steps", "1", "--seq-len", "32", "--batch", "2",
+                       "--progress", "none", "--no-plot", "--spill", "all", "--spill-dir", str(spill)]) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if mine.name in line]
+    assert len(lines) == 1 and lines[0].startswith("megatrain-train: warning: left 1 folder(s)"), err
+    assert "UserWarning" not in err and "warnings.warn" not in err and ".py:" not in err
+    assert (mine / "thesis.txt").read_text() == "four years of work" and os.listdir(spill) == [mine.name]

@@ -287,12 +287,15 @@ def _messages(value: Any, where: str, field: str) -> list[dict]:
         if m["role"] not in ROLES:
             raise TrainConfigError(f"data: {where}: unknown role {m['role']!r} in {field}; use one of "
                                    f"{', '.join(ROLES)}")
+        if not isinstance(m["content"], str):  # never trained as the text "5" or "null"
+            raise TrainConfigError(f"data: {where}: the {m['role']} message's content in {field} is "
+                                   f"{json.dumps(m['content'], ensure_ascii=False)[:40]}, not a string; write the "
+                                   f"message's text as a string")
     return value
 
 
 def _text(message: Mapping[str, Any]) -> str:
-    content = message["content"]
-    return content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
+    return message["content"]  # a string (checked by _messages)
 
 
 def _one_line(err: BaseException) -> str:

@@ -8,7 +8,8 @@ the weights and config.json are written by ``Engine.save_pretrained`` from the c
 the directories the run recorded: its ``--model`` directory, then its ``--tokenizer``'s directory (which
 wins where both have a file). OUT must not exist or be empty: the export is written into a new
 directory beside it and renamed into place when complete, so a failed export leaves nothing behind
-and an existing directory is never written into.
+and an existing directory is never written into (tools/export_staging.py: a killed export's folders are
+removed by the next export). OUT gets the mode the user's umask gives a new directory.
 """
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 from typing import Any
 
 from megatrain.runtime.errors import MegatrainError
+
+from . import io_failure
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -42,7 +44,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="megatrain-export", allow_abbrev=False,
                      description="Write a megatrain-train run (its latest checkpoint, or the checkpoint named) as a "
-                                 "Hugging Face model directory: weights, config, tokenizer and generation config.")
+                                 "Hugging Face model directory: weights, config, tokenizer and generation config.",
+                     epilog="Exit status: 0 written; 2 a bad argument or input (one line); 74 a disk that filled "
+                            "up or failed (the file named); 130 interrupted. OUT is never partly written.")
     parser.add_argument("source", metavar="RUN_OR_CHECKPOINT",
                         help="a megatrain-train --out directory, its checkpoints/ directory, or one step-N in it")
     parser.add_argument("out", metavar="OUT", help="the directory to write; it must not exist or be empty")
@@ -57,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                                      file=sys.stderr))
     except MegatrainError as e:
         return _error(str(e))
-    except OSError as e:
-        where = f"{e.filename}: " if e.filename else ""
-        return _error(f"{where}{e.strerror or e}; check the path and the disk")
+    except OSError as e:  # a path (status 2), or a disk that filled up or failed (io_failure.EXIT_IO)
+        _error(io_failure.line(e))
+        return io_failure.exit_status(e)
     except KeyboardInterrupt:  # the partial export (beside OUT) is removed on the way out
         print("megatrain-export: interrupted; OUT was not written", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -77,7 +81,7 @@ def export(source: str, out: str, dtype: str = "bf16", say: Any = None) -> list[
 
     from megatrain.runtime.io import training_checkpoint
 
-    from . import run_dir
+    from . import export_staging, run_dir
 
     if dtype not in DTYPES:
         raise ExportError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
@@ -93,8 +97,11 @@ def export(source: str, out: str, dtype: str = "bf16", say: Any = None) -> list[
     plan = training_checkpoint.engine_arguments(manifest)["plan"]
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.export-", dir=parent)
-    spill = (tempfile.mkdtemp(prefix=".megatrain-export-spill-", dir=parent)
+    stale = export_staging.reclaim(parent)  # what killed exports left here
+    if stale and say is not None:
+        say(f"removed {len(stale)} folder(s) left in {parent} by exports that no longer run: {', '.join(stale)}")
+    staging = export_staging.create(parent, export_staging.staging_prefix(out))
+    spill = (export_staging.create(parent, export_staging.SPILL_PREFIX)
              if plan is not None and plan.spill != "none" else None)
     try:
         # The checkpoint's spill files (if its plan spills) go to a scratch directory of our own, removed after.
@@ -105,6 +112,7 @@ def export(source: str, out: str, dtype: str = "bf16", say: Any = None) -> list[
             engine.close()
         for name, src in copies.items():
             shutil.copyfile(src, os.path.join(staging, name))
+        export_staging.finish(staging)
         written = sorted(os.listdir(staging))
         check_out(out)  # nothing appeared there meanwhile
         if os.path.isdir(out):

@@ -90,17 +90,41 @@ def matmul_peak_tflops(device: torch.device, compute_dtype: str) -> tuple[float 
 
 
 class MetricsLog:
-    """Appends one JSON object per step to ``path`` (line-buffered, so a killed run keeps its lines)."""
+    """Appends one JSON object per step to ``path``, each row one whole ``write`` (a killed run keeps its rows).
+
+    A row the disk cannot take (full, over quota) is cut off again, so the file always ends with a whole row, and
+    the ``OSError`` names the file. ``sync`` (at each checkpoint) puts the rows on the disk with the checkpoint.
+    """
 
     def __init__(self, path: str, append: bool) -> None:
         self.path = path
-        self._file = open(path, "a" if append else "w", encoding="utf-8", buffering=1)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o666)
+        self._end = os.lseek(self._fd, 0, os.SEEK_END)  # where the last whole row ends
 
     def write(self, record: Mapping[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        row = (json.dumps(record) + "\n").encode("utf-8")
+        try:
+            written = 0
+            while written < len(row):
+                written += os.write(self._fd, row[written:])
+        except OSError as e:
+            try:
+                os.ftruncate(self._fd, self._end)  # no torn row: the file ends with the last whole one
+            except OSError:
+                pass
+            raise OSError(e.errno, e.strerror, self.path) from None
+        self._end += len(row)
+
+    def sync(self) -> None:
+        try:
+            os.fsync(self._fd)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, self.path) from None
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:

@@ -214,6 +214,9 @@ class NullLog:
     def write(self, record: Mapping[str, Any]) -> None:
         pass
 
+    def sync(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -13,6 +13,10 @@ again, and it must pick the run up where its last complete checkpoint left it. W
 
 A directory that holds another run (an option that defines the model, the data or the optimizer state differs
 from the recorded run's) or files no run recorded is refused, as for any new run: nothing is deleted or mixed.
+
+Without ``--resume-or-start``, a plain re-run of a run killed before its first step finished (``killed_at_start``:
+its record, an empty metrics file and its lock are all ``--out`` holds) replaces those files, as ``--overwrite``
+would; any other contents keep ``--out`` refused.
 """
 from __future__ import annotations
 
@@ -73,6 +77,29 @@ def record(out: str, config: TrainConfig) -> None:
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(train_config.absolute_paths(config), f, indent=1, sort_keys=True)
     os.replace(path + ".tmp", path)
+
+
+def killed_at_start(out: str, config: TrainConfig) -> bool:
+    """``out`` holds only what a start of this same run wrote before it was killed at its first step: its
+    ``RUN_RECORD`` (these options), an empty metrics file, its lock. A plain re-run replaces them; anything else
+    in ``out`` (a metrics row, a checkpoint, another run's record, a file of the user's) keeps it refused."""
+    if config.resume or config.resume_or_start:
+        return False
+    entries = set(run_dir.existing_entries(out)) - {run_dir.LOCK_FILE}
+    if RUN_RECORD not in entries or not entries <= {RUN_RECORD, run_dir.METRICS_FILE}:
+        return False
+    metrics_file = os.path.join(out, run_dir.METRICS_FILE)
+    if run_dir.METRICS_FILE in entries and (os.path.islink(metrics_file) or not os.path.isfile(metrics_file)
+                                            or os.path.getsize(metrics_file) > 0):
+        return False
+    saved = _recorded(out)
+    if saved is None:
+        return False
+    try:
+        refuse_another_run(out, saved, config)
+    except TrainConfigError:
+        return False
+    return True
 
 
 def drop_lone_record(out: str) -> None:

@@ -4,7 +4,8 @@ A run directory holds what one run wrote (``RUN_FILES``). The rules, checked bef
 
 - A fresh run refuses a directory that is not empty, offering ``--resume DIR`` or ``--overwrite``
   (the convention of Hugging Face's ``overwrite_output_dir``). ``--overwrite`` deletes only the
-  earlier run's own files (``RUN_FILES``); anything else in the directory stays.
+  earlier run's own files (``RUN_FILES``); anything else in the directory stays, and a run that reads
+  anything inside those files is refused before they are deleted (tools/run_inputs.py).
 - A resumed run writes into the run it resumes (derived from the ``--resume`` path, never from a
   path stored in the checkpoint), or into ``--out`` when that is given.
 - The run that writes a directory holds ``megatrain.lock`` in it: an advisory ``flock`` plus the

@@ -34,12 +34,13 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig, keep_freed_heap
     from megatrain.runtime.distributed.process_group import exit_process
 
-    from . import data_order, evaluation, export, metric_sinks, metrics, model_source, packing, ranks, \
-        restart, resume, run_dir, run_plan, tokenizer as tokenizers, tokenizer_check, train_config, train_options, \
-        world_change
+    from . import data_order, evaluation, export, io_failure, metric_sinks, metrics, model_source, packing, \
+        ranks, restart, resume, run_dir, run_inputs, run_plan, tokenizer as tokenizers, tokenizer_check, \
+        train_config, train_options, world_change
     from .data import Corpus
     from .plot import plot
     from .training_loop import TrainingLoop, dtype_name, next_batch
+    from .warning_lines import one_line_warnings
     from .train_config import TrainConfig, TrainConfigError
 
 EXIT_USAGE = 2
@@ -61,16 +62,16 @@ def main(argv: list[str] | None = None) -> int:
             if rank_set.writes:
                 print(f"megatrain-train: {e}", file=sys.stderr)
             return 0
-        return Run(config, values, rank_set).execute()
+        with one_line_warnings(lambda line: print(line, file=sys.stderr)):  # the library's warnings: one line
+            return Run(config, values, rank_set).execute()
     except USER_ERRORS as e:
         return _usage_error(str(e))
     except ValueError as e:
         if not type(e).__module__.startswith("megatrain."):
             raise
         return _usage_error(str(e))
-    except OSError as e:  # a path the checks could not foresee: permissions, a full disk, a file that vanished
-        where = f"{e.filename}: " if e.filename else ""
-        return _usage_error(f"{where}{e.strerror or e}; check the path and the disk")
+    except OSError as e:  # a path the checks could not foresee (status 2), or a disk failing under the run (74)
+        return _usage_error(io_failure.line(e), io_failure.exit_status(e))
     except RuntimeError as e:  # under torchrun: another rank stopped (it printed why) or stopped answering
         if not ranks.peer_failure(e):
             raise
@@ -86,9 +87,9 @@ def _options(argv: list[str] | None) -> tuple[dict[str, Any], TrainConfig]:
     return restart.resolve(values, train_config.build(values))  # --resume-or-start: resume, start over or start
 
 
-def _usage_error(message: str) -> int:
+def _usage_error(message: str, status: int = EXIT_USAGE) -> int:
     print(f"megatrain-train: error: {message.splitlines()[0] if message else 'invalid input'}", file=sys.stderr)
-    return EXIT_USAGE
+    return status
 
 
 @dataclass
@@ -153,7 +154,7 @@ class Run:
         if self.resumed is not None and self.start_step >= c.total_steps:
             raise TrainConfigError(f"steps: the checkpoint is at step {self.start_step} already; raise --steps "
                                    f"(now {c.total_steps}) to train further")
-        overwrite = bool(self.values.get("overwrite"))
+        overwrite = bool(self.values.get("overwrite")) or restart.killed_at_start(self.out, c)  # its leftovers
         own_run = self._check_run_dir(self.out, overwrite)
         device = self.ranks.device(_device(c.device))
         self.rows = self.ranks.rows(c.batch)
@@ -264,9 +265,9 @@ class Run:
             resume.refuse_branching(out, self.start_step)
         elif not overwrite:
             run_dir.refuse_existing(out, resumable=os.path.isdir(os.path.join(out, run_dir.CHECKPOINT_DIR)))
-        elif self.resumed is not None and _inside(self.resumed.path, out):
-            raise TrainConfigError(f"overwrite: the checkpoint being resumed ({self.resumed.path}) is in {out}, "
-                                   f"which --overwrite would clear; choose another --out")
+        else:  # nothing the run reads may be in what --overwrite deletes
+            run_inputs.refuse_inputs_in(out, run_inputs.inputs(c, self.values.get("config"),
+                                                               self.resumed.path if self.resumed else None))
         return own_run
 
     def _check_model(self) -> tuple[tokenizers.Tokenizer, ModelConfig, model_source.ModelSource | None]:
@@ -361,11 +362,6 @@ class Run:
 
 def _same_dir(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
-
-
-def _inside(path: str, directory: str) -> bool:
-    path, directory = os.path.realpath(path), os.path.realpath(directory)
-    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
 def _device(name: str) -> torch.device:

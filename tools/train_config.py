@@ -200,7 +200,7 @@ class TrainConfig:
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 def build(values: Mapping[str, Any]) -> TrainConfig:
-    values = {k: v for k, v in values.items() if k != "overwrite"}
+    values = {k: v for k, v in values.items() if k not in ("overwrite", "config")}  # command-line only
     model = values.get("model")
     if "tokenizer" not in values and isinstance(model, str) and model != DEMO_MODEL:
         if hub_models.is_hub_name(model):  # its snapshot in the Hugging Face cache (downloaded when missing)

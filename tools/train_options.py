@@ -109,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
         allow_abbrev=False,
         epilog="Every option can also be set in a TOML file (--config run.toml) under the same name with "
-               "underscores; the command line overrides the file.",
+               "underscores; the command line overrides the file. Exit status: 0 trained; 2 a bad option or input "
+               "(one line); 74 a disk that filled up or failed while the run wrote (the file named); 130 "
+               "interrupted (Ctrl-C, after a checkpoint); 1 another rank or the export failed.",
     )
     parser.add_argument("--config", metavar="TOML", help="a TOML file of options (keys as below, with underscores)")
     parser.add_argument("--overwrite", action="store_true",
@@ -187,6 +189,9 @@ def _coerce(key: str, kind: str, value: Any, source: str) -> Any:
     return value
 
 
+# The key of ``--config``'s path in the values (a command-line option only, like "overwrite": no TrainConfig field).
+CONFIG_FILE = "config"
+
 _KIND_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
                "tuple[str, ...]": "a path or a list of paths"}
 
@@ -209,6 +214,8 @@ def read_values(argv: Sequence[str] | None) -> dict[str, Any]:
     values.update(from_mapping(args, "command line"))
     if overwrite:
         values["overwrite"] = True
+    if config_path is not None:
+        values[CONFIG_FILE] = config_path  # read, so never inside what --overwrite deletes (tools/run_inputs.py)
     return values
 
 

@@ -126,6 +126,7 @@ class TrainingLoop:
                     stop = self.ranks.any(interrupt.requested)  # under torchrun: every rank stops at the same step
                     if stop or (c.save_every and step % c.save_every == 0 and step < c.total_steps):
                         self._flush(log, progress)
+                        log.sync()  # the rows up to the checkpoint on the disk with it
                         self._save(step, blocking=stop)
                     if stop:
                         self.exit_code = EXIT_INTERRUPTED
@@ -133,6 +134,7 @@ class TrainingLoop:
                         break
                 else:
                     self._flush(log, progress)
+                    log.sync()
                     self._save(c.total_steps, blocking=True)
                 engine.wait_for_checkpoint()
         except BaseException:

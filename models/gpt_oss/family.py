@@ -21,7 +21,7 @@ from ..config_fields import (FULL_ATTENTION, SLIDING_ATTENTION, attention_biases
                              layer_types, layer_windows, number, optional_integer)
 from ..errors import HFConfigError
 from ..family import Family, Preset
-from ..moe import read_experts, write_experts
+from ..moe import expert_count, read_experts, write_experts
 from ..parameters import Param, head_dim, linear
 
 MODEL_TYPE = "gpt_oss"
@@ -47,7 +47,7 @@ def read(data: Mapping[str, Any], num_hidden_layers: int) -> dict[str, Any]:
             "qk_norm": fixed_flag(MODEL_TYPE, data, "qk_norm", False),
             **layer_windows(window, layer_types("layer_types", types, num_hidden_layers)),
             **read_experts(MODEL_TYPE, {**data, "num_experts_per_tok": data.get("num_experts_per_tok", 4)},
-                           experts=integer("num_local_experts", data.get("num_local_experts", 128)),
+                           experts=expert_count(MODEL_TYPE, data, ("num_local_experts",), 128),
                            width=integer("intermediate_size", data["intermediate_size"]), norm_topk_prob=False)}
 
 

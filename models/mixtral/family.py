@@ -12,13 +12,13 @@ from typing import Any, Mapping
 
 from ..config_fields import attention_biases, fixed_flag, integer, optional_integer
 from ..family import Family, Preset
-from ..moe import moe_layer, per_expert_names, read_experts, write_experts
+from ..moe import expert_count, moe_layer, per_expert_names, read_experts, write_experts
 
 MODEL_TYPE = "mixtral"
 
 
 def read(data: Mapping[str, Any], num_hidden_layers: int) -> dict[str, Any]:
-    experts = integer("num_local_experts", data.get("num_local_experts", data.get("num_experts", 8)))
+    experts = expert_count(MODEL_TYPE, data, ("num_local_experts", "num_experts"), 8)
     return {**attention_biases(MODEL_TYPE, data, qkv=False, o=False, mlp=False),
             "qk_norm": fixed_flag(MODEL_TYPE, data, "qk_norm", False),
             "sliding_window": optional_integer("sliding_window", data.get("sliding_window")),

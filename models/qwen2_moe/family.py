@@ -15,7 +15,7 @@ from ..config_fields import (FULL_ATTENTION, SLIDING_ATTENTION, attention_biases
                              layer_types, layer_windows, optional_integer)
 from ..errors import HFConfigError
 from ..family import Family
-from ..moe import every_layer_sparse, moe_layer, read_experts, write_experts
+from ..moe import every_layer_sparse, expert_count, moe_layer, read_experts, write_experts
 from ..qwen2.family import DEFAULT_MAX_WINDOW_LAYERS, DEFAULT_WINDOW
 from ..qwen3_moe.family import QWEN_MOE_DISK
 
@@ -32,7 +32,7 @@ def read(data: Mapping[str, Any], num_hidden_layers: int) -> dict[str, Any]:
     return {**attention_biases(MODEL_TYPE, data, qkv=qkv, o=False, mlp=False),
             "qk_norm": fixed_flag(MODEL_TYPE, data, "qk_norm", False),
             **windows(data, num_hidden_layers),
-            **read_experts(MODEL_TYPE, data, experts=integer("num_experts", data.get("num_experts", 60)),
+            **read_experts(MODEL_TYPE, data, experts=expert_count(MODEL_TYPE, data, ("num_experts",), 60),
                            width=integer("moe_intermediate_size", data.get("moe_intermediate_size", 1408)),
                            norm_topk_prob=boolean("norm_topk_prob", data.get("norm_topk_prob", False)),
                            shared=shared)}

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from ..config_fields import attention_biases, boolean, fixed_flag, integer, optional_integer
 from ..family import Family, Preset
-from ..moe import every_layer_sparse, moe_layer, per_expert_names, read_experts, write_experts
+from ..moe import every_layer_sparse, expert_count, moe_layer, per_expert_names, read_experts, write_experts
 from ..qwen2.family import DEFAULT_WINDOW
 
 MODEL_TYPE = "qwen3_moe"
@@ -23,7 +23,7 @@ QWEN_MOE_DISK = per_expert_names("mlp", ("gate_proj", "up_proj", "down_proj"))
 
 def read(data: Mapping[str, Any], num_hidden_layers: int) -> dict[str, Any]:
     every_layer_sparse(MODEL_TYPE, data)
-    experts = integer("num_local_experts", data.get("num_local_experts", data.get("num_experts", 128)))
+    experts = expert_count(MODEL_TYPE, data, ("num_local_experts", "num_experts"), 128)
     return {**attention_biases(MODEL_TYPE, data, mlp=False), "qk_norm": fixed_flag(MODEL_TYPE, data, "qk_norm", True),
             "sliding_window": window(data), "layer_types": None,
             **read_experts(MODEL_TYPE, data, experts=experts,

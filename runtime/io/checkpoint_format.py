@@ -53,6 +53,7 @@ import torch
 from megatrain.planner.buffer_kinds import STATE_KINDS, BufferKind
 
 from megatrain.runtime.errors import InputError
+from megatrain.runtime.paths import confined
 from megatrain.runtime.io.crc32s import CRC_CHUNK_BYTES, Crc32s
 
 if TYPE_CHECKING:
@@ -201,8 +202,10 @@ def read_manifest(path: str) -> dict[str, Any]:
     if not all(isinstance(rel, str) and type(size) is int for rel, size in files.items()):
         raise InputError(f"{mpath} lists its files wrongly: the manifest is corrupt; load the previous step "
                          "directory instead")
+    for name in ARRAYS:  # every path the manifest names stays in the step directory
+        confined(path, manifest["arrays"][name].get("path"), mpath)
     for rel, size in files.items():
-        full = os.path.join(path, rel)
+        full = confined(path, rel, mpath)
         if not os.path.isfile(full):
             raise InputError(f"{full} is missing from the checkpoint; load the previous step directory instead")
         actual = os.path.getsize(full)
@@ -348,7 +351,7 @@ def read_array(path: str, meta: dict[str, Any], store: "HostStore", name: str,
     import tensorstore as ts
 
     dst = live_arrays(store)[name]
-    full = os.path.join(path, meta["path"])
+    full = confined(path, meta["path"], os.path.join(path, MANIFEST))
     crc = Crc32s()
     try:
         layout = direct_layout(full)

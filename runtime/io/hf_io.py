@@ -36,7 +36,7 @@ from megatrain.planner.buffer_kinds import BufferKind
 from megatrain.runtime.config import ModelConfig, read_config_json
 from megatrain.runtime.errors import CheckpointError, ConfigError, InputError
 from megatrain.runtime.io import mxfp4
-from megatrain.runtime.paths import user_path
+from megatrain.runtime.paths import confined, user_path
 
 if TYPE_CHECKING:
     from megatrain.runtime.state.model_state import ModelState
@@ -136,7 +136,7 @@ def find_shards(path: str | os.PathLike) -> list[str]:
             names = sorted(set(weight_map.values()))
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise InputError(f"{index} is corrupt (no valid weight_map); re-download or re-export the model") from None
-        files = [os.path.join(path, n) for n in names]
+        files = [confined(path, n, index) for n in names]  # an index from a hub is untrusted: no path out
         missing = [n for n, f in zip(names, files) if not os.path.isfile(f)]
         if missing:
             raise InputError(f"{index} names {missing[0]}, which is not in {path}; download every shard")

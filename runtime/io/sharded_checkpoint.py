@@ -44,6 +44,7 @@ from megatrain.planner.buffer_kinds import BufferKind
 from megatrain.runtime.io import checkpoint_format
 from megatrain.runtime.io.checkpoint_format import ARRAYS, CRC_CHUNK_BYTES, Crc32s
 from megatrain.runtime.errors import CheckpointError, InputError
+from megatrain.runtime.paths import confined
 from megatrain.runtime.io.training_checkpoint import CheckpointWriter, Restored, restore as restore_checkpoint
 
 if TYPE_CHECKING:
@@ -220,7 +221,7 @@ def _read_array(state: "ShardedModelState", path: str, meta: dict[str, Any], kin
                 crc_worker: cf.Executor) -> None:
     import tensorstore as ts
 
-    full = os.path.join(path, meta["path"])
+    full = confined(path, meta["path"], os.path.join(path, checkpoint_format.MANIFEST))
     crc = Crc32s()
     try:
         layout = checkpoint_format.direct_layout(full)

@@ -4,9 +4,11 @@ An engine's spill files live in ``<spill_dir>/megatrain-spill-<host>-pid<pid>-<r
 next to ``owner.json`` (host, pid, and the process's start time, so a reused pid
 is not taken for the owner). ``close()`` removes the directory; a killed process
 cannot, so the next engine that opens a spill directory in the same spill_dir
-first removes those whose owner ran on this host and is no longer running, and
-warns with what it removed and the space it freed. A directory of another host,
-of a running process, or not named this way is never touched.
+first removes those whose ``owner.json`` names a process of this host that is no
+longer running, and warns with what it removed and the space it freed. A directory
+of another host, of a running process, not named this way, or without that record
+(megatrain did not make it, or cannot tell) is never touched; one named like ours
+with a dead pid but no record is said once, in one line.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from megatrain.runtime.spill.spill_io import SpillError
 PREFIX = "megatrain-spill-"
 OWNER_FILE = "owner.json"
 _NAME = re.compile(r"megatrain-spill-(?P<host>[A-Za-z0-9._]+)-pid(?P<pid>\d+)-[A-Za-z0-9_]+")
+# The folders this process has said it leaves (each said once, however many engines open the spill_dir).
+_REPORTED: set[str] = set()
 
 
 def host_name() -> str:
@@ -56,26 +60,25 @@ def owner_running(pid: int, start: int | None) -> bool:
 
 
 def reclaim(spill_dir: str) -> list[str]:
-    """Remove the spill directories in ``spill_dir`` of owners on this host that no longer run; their paths."""
+    """Remove the spill directories in ``spill_dir`` whose ownership record names a process of this host that no
+    longer runs; their paths. One named like ours without such a record is left, and said once (one line)."""
     try:
         entries = sorted(os.listdir(spill_dir))
     except OSError:
         return []
-    host, removed, freed = host_name(), [], 0
+    host, removed, left, freed = host_name(), [], [], 0
     for entry in entries:
         m = _NAME.fullmatch(entry)
-        if m is None or m["host"] != host:
-            continue
         path = os.path.join(spill_dir, entry)
-        start = None
-        try:
-            with open(os.path.join(path, OWNER_FILE), encoding="utf-8") as f:
-                owner = json.load(f)
-            if isinstance(owner, dict) and owner.get("pid") == int(m["pid"]) and isinstance(owner.get("start"), int):
-                start = owner["start"]
-        except (OSError, ValueError):
-            pass  # killed before it wrote its owner file: the pid in the name decides
-        if owner_running(int(m["pid"]), start) or not os.path.isdir(path) or os.path.islink(path):
+        if m is None or m["host"] != host or not os.path.isdir(path) or os.path.islink(path):
+            continue
+        owner = _owner(path)
+        if owner is None or owner.get("pid") != int(m["pid"]) or owner.get("host") not in (socket.gethostname(), host):
+            if not owner_running(int(m["pid"]), None) and path not in _REPORTED:
+                left.append(path)  # not megatrain's record of a process here: not ours to delete
+            continue
+        start = owner.get("start")
+        if owner_running(int(m["pid"]), start if isinstance(start, int) else None):
             continue
         freed += _disk_bytes(path)
         shutil.rmtree(path, ignore_errors=True)
@@ -84,7 +87,22 @@ def reclaim(spill_dir: str) -> list[str]:
         warnings.warn(f"removed {len(removed)} spill director{'y' if len(removed) == 1 else 'ies'} left in {spill_dir} "
                       f"by runs that are no longer running ({freed / 2**30:.2f} GiB): "
                       f"{', '.join(os.path.basename(p) for p in removed)}", UserWarning, stacklevel=2)
+    if left:
+        _REPORTED.update(left)
+        warnings.warn(f"left {len(left)} folder(s) in {spill_dir} named like spill directories but without "
+                      f"megatrain's {OWNER_FILE}: {', '.join(os.path.basename(p) for p in left)}; delete them "
+                      f"yourself if they are not needed", UserWarning, stacklevel=2)
     return removed
+
+
+def _owner(path: str) -> dict | None:
+    """The ownership record ``create`` wrote in ``path``, or None (missing, unreadable, not ours)."""
+    try:
+        with open(os.path.join(path, OWNER_FILE), encoding="utf-8") as f:
+            owner = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) and isinstance(owner.get("pid"), int) else None
 
 
 def create(spill_dir: str) -> str:
