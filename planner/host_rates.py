@@ -105,3 +105,31 @@ def cpu_copy_gbps(nbytes: int = 64 * MiB) -> float:
         dst.copy_(src)
         return time.perf_counter() - t0
     return nbytes / best_of(once, 3) / 1e9
+
+
+def adam_bytes_per_param(state_bytes: int = 4) -> int:
+    """Bytes one AdamW update moves per parameter through host memory, with m and v of ``state_bytes`` each
+    (4 for fp32, 2 for bf16): the fp32 master read and written (8), the fp32 gradient read (4), m and v each
+    read and written (4 x state_bytes): 28 for fp32 state, 20 for bf16 (whose fp32 scratch stays in cache)."""
+    return 4 + 4 + 4 + 4 * state_bytes
+
+
+def cpu_memory_gbps(numel: int, threads: int) -> float:
+    """Host memory GB/s of a triad on ``threads`` threads: a = b + 0.5 x c over three fp32 arrays of ``numel``
+    elements (beyond the caches), 12 bytes moved per element (two reads, one write; the write's cache-line
+    fill not counted, as AdamW's bytes are not)."""
+    import torch
+    before = torch.get_num_threads()
+    a, b, c = torch.empty(numel), torch.rand(numel), torch.rand(numel)
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        torch.add(b, c, alpha=0.5, out=a)
+        return time.perf_counter() - t0
+
+    try:
+        torch.set_num_threads(threads)
+        once()  # faults a's pages in
+        return 12 * numel / best_of(once, 3) / 1e9
+    finally:
+        torch.set_num_threads(before)

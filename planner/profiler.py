@@ -21,7 +21,8 @@ from . import profile_checks
 from .disk_profile import NOT_MEASURED, measure_disk
 from .hardware import HOST_PRESETS, MiB, HardwareProfile, preset
 from .host_probe import gpu_present, host_memory, memlock_bytes
-from .host_rates import cpu_adam_rate, cpu_bf16_state_rate, cpu_copy_gbps, cpu_shadow_rate
+from .host_rates import (adam_bytes_per_param, cpu_adam_rate, cpu_bf16_state_rate, cpu_copy_gbps, cpu_memory_gbps,
+                         cpu_shadow_rate)
 
 CACHE_PATH = os.path.join(os.path.expanduser("~"), ".cache", "megatrain", "hardware.json")
 TRANSFER_SIZES_GPU = tuple(1 << s for s in range(20, 31, 2))      # 1 MiB .. 1 GiB
@@ -233,6 +234,9 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
     notes = []
     log(f"CPU AdamW (torch fused, flat fp32 buffer) over threads {threads}")
     adam = cpu_adam_rate(1 << 22 if not on_gpu else 1 << 26, threads)
+    adam_threads, adam_rate = max(adam, key=lambda tr: tr[1])
+    log(f"host memory bandwidth (triad) on {adam_threads} threads")
+    memory_gbps = cpu_memory_gbps(1 << 25, adam_threads)
     log("CPU fp32 -> bf16 shadow rounding")
     shadow = cpu_shadow_rate(1 << 22 if not on_gpu else 1 << 26)
     log("CPU bf16 AdamW state: widening and stochastic rounding")
@@ -267,11 +271,12 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
     notes += [f"{f.line()} (kept after {profile_checks.REMEASURE_TRIES} measurements)" for f in off]
     return HardwareProfile(
         gpu_name=name, gpu_mem_bytes=mem, h2d_gbps=h2d, d2h_gbps=d2h, duplex_gbps=duplex, matmul_tflops=tflops,
-        cpu_adam_params_per_s=max(r for _, r in adam), host_ram_bytes=total, host_available_bytes=avail,
+        cpu_adam_params_per_s=adam_rate, host_ram_bytes=total, host_available_bytes=avail,
         cgroup_limit_bytes=cg, memlock_bytes=memlock_bytes(), **disk, interconnect=link, cores=cores,
         source=f"measured by megatrain-plan profile on {_now()}" + (f"; {'; '.join(notes)}" if notes else ""),
         transfer_by_size=tuple(table), adam_by_threads=tuple(adam), cpu_shadow_params_per_s=shadow,
-        cpu_bf16_state_params_per_s=bf16_state,
+        cpu_bf16_state_params_per_s=bf16_state, host_memory_gbps=memory_gbps,
+        cpu_adam_bytes_per_param=adam_bytes_per_param(), cpu_adam_gbps=adam_bytes_per_param() * adam_rate / 1e9,
         attention_tflops=attention)
 
 
