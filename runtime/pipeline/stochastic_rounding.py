@@ -11,20 +11,22 @@ that make it unbiased in expectation; round-to-nearest would lose every update s
 updated exactly as with fp32 state.
 
 The noise is counter-based: a pure function of a key and the element's index, with no generator state. A piece
-of ``WIDEN_ELEMENTS`` elements (2^20) has a key, a hash of (AdamW step, block, the piece's first element, 0 for m
-/ 1 for v), reduced to an offset o in [0, 2^20); element i of the piece gets ``NOISE[(o + i) mod 2^20]``. NOISE is
-a fixed table of 2^20 16-bit values, the top 16 bits of a bijective integer hash of the index over 20 bits, so
-every 16-bit value appears exactly 16 times: for any element, over a uniformly random offset the noise is exactly
-uniform, so the rounding is exactly unbiased in expectation; offsets of different keys are independent hashes, so
-an element's noise differs from step to step, and within a piece no two elements share their noise sequence.
-Reading a slice of the table is one pass (the table, 8 MiB with its wrap-around copy, stays in the last-level
-cache); an integer hash per element in torch ops would take about ten passes, more than the AdamW kernel itself.
+of ``WIDEN_ELEMENTS`` elements (2^20) has two keys, hashes of (AdamW step, block, the piece's first element, 0 for
+m / 1 for v), each reduced to an offset o in [0, 2^16); element i of the piece gets ``NOISE[(o + i) mod 2^16]``
+from m's or v's table. A table holds every 16-bit value once (h(i) for i < 2^16, h a bijective integer hash:
+odd multiplications, an addition and xor-shifts modulo 2^16), so for any element, over a uniformly random
+offset, the noise is exactly uniform and the rounding exactly unbiased in expectation; the offsets of different
+steps are independent hashes, so an element's noise is drawn afresh each step, and m's and v's are independent.
+Within one step, elements 2^16 apart in a piece share their noise (the table's period): each element stays
+unbiased, only those far-apart roundings are alike. Adding the noise is one pass over m and v together (a view
+of the tables, 1 MiB with their wrap-around copies, that stays in L2); an integer hash per element in torch ops
+would take about ten passes, more than the AdamW kernel itself, and a generator's draw runs on one thread.
 
 The same key gives the same noise, so a run resumed from a checkpoint writes the same bits as one never
 interrupted, whatever the thread that runs it; a checkpoint stores no generator state. The pieces are walked in
 chunks of ``cache_chunk`` elements (2^17 per intra-op thread: the two fp32 scratch chunks of a thread's share stay
 in its L2 between widening, AdamW and rounding, and every thread has work); a chunk never straddles a piece and
-its noise is the piece's table slice at its position, and chunk edges fall on multiples of 1024 (the fused
+its noise is the piece's at its position, and chunk edges fall on multiples of 1024 (the fused
 kernel's vector body and scalar tail fall the same way), so the bits do not depend on the thread count.
 m and v may spill ([Note: spill]): their files and staging buffers hold bf16 too, and the AdamW worker widens and
 rounds the staged chunk as it would the RAM block. Where they spill, a chunk is a multiple of WIDEN_ELEMENTS
