@@ -1,7 +1,8 @@
 """Hardware profile: the measured (or preset) figures the planner plans against.
 
 A HardwareProfile is data: bandwidths, matmul rates, CPU AdamW rate, memory budgets. ``megatrain-plan profile``
-measures one (planner/profiler.py); presets below carry datasheet-derived estimates with their sources. Pure stdlib.
+measures one (planner/profiler.py); presets (hardware_presets.py) carry datasheet-derived estimates with their
+sources. Pure stdlib.
 """
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ from typing import Any, Mapping
 from megatrain.errors import MegatrainError
 
 from .calibration import Calibration, CalibrationError, log2_interpolate
+from .hardware_presets import GPU_PRESETS, HOST_PRESETS, GiB, MiB  # MiB, GiB: re-exported to the planner
 
-MiB = 1024 ** 2
-GiB = 1024 ** 3
 GB = 1e9
 PROFILE_VERSION = 1
 # Share of the available host RAM a plan leaves unfilled, for what the memory model does not see: spilled runs of
@@ -75,6 +75,13 @@ class HardwareProfile:
     # worker's threads): the pass bf16 optimizer state adds to each update; 0: not measured (the cost model then
     # assumes BF16_STATE_FACTOR x the AdamW time).
     cpu_bf16_state_params_per_s: float = 0.0
+    # The host's memory bandwidth: a triad (a = b + s x c over fp32 arrays far beyond the caches, 12 bytes per
+    # element) in GB/s, on the thread count of cpu_adam_params_per_s; 0: not measured (older profiles).
+    host_memory_gbps: float = 0.0
+    # Bytes CPU AdamW moves per parameter with fp32 state (host_rates.adam_bytes_per_param: 28), and the GB/s it
+    # reaches at cpu_adam_params_per_s (bytes/param x params/s), to compare with host_memory_gbps; 0: not measured.
+    cpu_adam_bytes_per_param: int = 0
+    cpu_adam_gbps: float = 0.0
     # Causal attention (scaled_dot_product_attention with is_causal, forward + backward) TFLOP/s per compute
     # dtype by sequence length, FLOPs counted as the planner counts them (model_flops.attention_flops_per_token):
     # {"float32": ((seq, TFLOP/s), ...)}. Empty for a dtype: not measured (attention runs at the layers' rate).
@@ -116,29 +123,7 @@ class HardwareProfile:
         if len(set(dtypes)) != len(dtypes):
             raise HardwareError(f"calibrations has more than one entry for a dtype ({', '.join(dtypes)}); run "
                                 "megatrain-plan calibrate again")
-        for f in ("gpu_mem_bytes", "host_ram_bytes", "host_available_bytes", "cores", "cgroup_limit_bytes"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise HardwareError(f"{f}={v!r} must be an integer >= 0 (bytes or a count); fix the profile")
-        if self.host_ram_bytes <= 0 or self.cores <= 0:
-            raise HardwareError(f"host_ram_bytes={self.host_ram_bytes}, cores={self.cores} must be > 0; "
-                                f"pass --ram or fix the profile")
-        for f in ("cpu_shadow_params_per_s", "cpu_bf16_state_params_per_s", "disk_cpu_s_per_gb"):
-            v = getattr(self, f)
-            if not isinstance(v, (int, float)) or v < 0:
-                raise HardwareError(f"{f}={v!r} must be a number >= 0 (0: not measured); run megatrain-plan "
-                                    "profile or fix it")
-        for f in ("h2d_gbps", "d2h_gbps", "duplex_gbps", "cpu_adam_params_per_s"):
-            v = getattr(self, f)
-            if not isinstance(v, (int, float)) or v <= 0:
-                raise HardwareError(f"{f}={v!r} must be a positive number; run megatrain-plan profile or fix it")
-        if not self.matmul_tflops or any(not isinstance(v, (int, float)) or v <= 0
-                                         for v in self.matmul_tflops.values()):
-            raise HardwareError(f"matmul_tflops={self.matmul_tflops!r} needs positive TFLOP/s per dtype, "
-                                f"e.g. {{'bfloat16': 790}}")
-        if self.host_available_bytes > self.host_ram_bytes:
-            raise HardwareError(f"host_available_bytes={self.host_available_bytes} exceeds host_ram_bytes="
-                                f"{self.host_ram_bytes}; fix the profile")
+        _check_figures(self)
 
     @property
     def device_is_host(self) -> bool:
@@ -273,90 +258,33 @@ class HardwareProfile:
             f.write(self.to_json() + "\n")
 
 
-# ---- presets ---------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class HostPreset:
-    """A host: RAM, cores, CPU AdamW rate, NVMe. CPU AdamW is memory-bound at ~28-30 bytes moved
-    per parameter (anchors.md), so params/s ~= achievable memory bandwidth / 30 bytes."""
-
-    name: str
-    ram_bytes: int
-    cores: int
-    cpu_adam_params_per_s: float
-    disk_read_gbps: float
-    disk_write_gbps: float
-    source: str
-
-
-@dataclass(frozen=True)
-class GpuPreset:
-    """A GPU and the link to its host. Memory is the total nvidia-smi reports for the board; TFLOP/s are
-    dense and 'achievable': measured where anchors.md has a measurement, else 0.8 x the datasheet."""
-
-    name: str
-    mem_bytes: int
-    matmul_tflops: Mapping[str, float]
-    h2d_gbps: float
-    d2h_gbps: float
-    duplex_gbps: float
-    interconnect: str
-    default_host: str
-    source: str = field(default="")
-
-
-HOST_PRESETS: dict[str, HostPreset] = {h.name: h for h in (
-    HostPreset("workstation-128g", 128 * GiB, 16, 2.0e9, 7.0, 5.0,
-               "estimate: 2-channel DDR5 ~60 GB/s / 30 B per param; PCIe Gen4 NVMe 7/5 GB/s datasheet"),
-    HostPreset("workstation-256g", 256 * GiB, 32, 3.5e9, 7.0, 5.0,
-               "estimate: 4-channel DDR5 ~105 GB/s / 30 B per param; PCIe Gen4 NVMe 7/5 GB/s datasheet"),
-    HostPreset("server-512g", 512 * GiB, 64, 6.0e9, 12.0, 10.0,
-               "estimate: 8-channel DDR5 ~180 GB/s / 30 B per param; PCIe Gen5 NVMe 12/10 GB/s datasheet"),
-    HostPreset("server-1t", 1024 * GiB, 96, 8.0e9, 12.0, 10.0,
-               "estimate: 12-channel DDR5 ~240 GB/s / 30 B per param; PCIe Gen5 NVMe 12/10 GB/s datasheet"),
-    HostPreset("server-2t", 2048 * GiB, 112, 10.0e9, 12.0, 10.0,
-               "estimate: dual-socket DDR5 (DGX H100 class, 2 TB) ~300 GB/s / 30 B per param"),
-    HostPreset("grace-480g", 480 * GiB, 72, 12.0e9, 12.0, 10.0,
-               "estimate: Grace LPDDR5X ~500 GB/s spec, ~360 achievable / 30 B per param (GH200 datasheet)"),
-)}
-
-_PCIE5 = "PCIe Gen5 x16: ~64 GB/s per direction spec, ~50-55 pinned in practice (anchors.md)"
-_PCIE4 = "PCIe Gen4 x16: ~32 GB/s per direction spec, ~25 pinned in practice"
-
-GPU_PRESETS: dict[str, GpuPreset] = {g.name: g for g in (
-    GpuPreset("H100-SXM", 81559 * MiB, {"bfloat16": 790.0, "float16": 790.0, "tf32": 396.0, "float32": 54.0},
-              52.0, 52.0, 90.0, "PCIe Gen5 x16", "server-2t",
-              "NVIDIA H100 datasheet (SXM5 80GB: 989 bf16 / 495 tf32 / 67 fp32 dense TFLOPS); bf16 790 measured "
-              "on lent machines (anchors.md), others 0.8 x spec; " + _PCIE5),
-    GpuPreset("H100-PCIe", 81559 * MiB, {"bfloat16": 605.0, "float16": 605.0, "tf32": 302.0, "float32": 41.0},
-              52.0, 52.0, 90.0, "PCIe Gen5 x16", "server-1t",
-              "NVIDIA H100 datasheet (PCIe 80GB: 756 bf16 / 378 tf32 / 51 fp32 dense TFLOPS) x 0.8; " + _PCIE5),
-    GpuPreset("H200", 143771 * MiB, {"bfloat16": 790.0, "float16": 790.0, "tf32": 396.0, "float32": 54.0},
-              52.0, 52.0, 90.0, "PCIe Gen5 x16", "server-2t",
-              "NVIDIA H200 datasheet (141 GB HBM3e, compute as H100 SXM); bf16 790 measured (anchors.md); "
-              + _PCIE5),
-    GpuPreset("GH200", 97871 * MiB, {"bfloat16": 790.0, "float16": 790.0, "tf32": 396.0, "float32": 54.0},
-              360.0, 360.0, 600.0, "NVLink-C2C", "grace-480g",
-              "NVIDIA GH200 datasheet (96 GB HBM3; NVLink-C2C 450 GB/s per direction spec, 0.8 assumed "
-              "achievable); compute as H100 SXM"),
-    GpuPreset("A100-40GB", 40960 * MiB, {"bfloat16": 250.0, "float16": 250.0, "tf32": 125.0, "float32": 15.6},
-              25.0, 25.0, 40.0, "PCIe Gen4 x16", "server-1t",
-              "NVIDIA A100 datasheet (312 bf16 / 156 tf32 / 19.5 fp32 dense TFLOPS) x 0.8; " + _PCIE4),
-    GpuPreset("A100-80GB", 81920 * MiB, {"bfloat16": 250.0, "float16": 250.0, "tf32": 125.0, "float32": 15.6},
-              25.0, 25.0, 40.0, "PCIe Gen4 x16", "server-1t",
-              "NVIDIA A100 datasheet (312 bf16 / 156 tf32 / 19.5 fp32 dense TFLOPS) x 0.8; " + _PCIE4),
-    GpuPreset("L40S", 46068 * MiB, {"bfloat16": 290.0, "float16": 290.0, "tf32": 146.0, "float32": 73.0},
-              25.0, 25.0, 40.0, "PCIe Gen4 x16", "server-512g",
-              "NVIDIA L40S datasheet (362 bf16 / 183 tf32 / 91.6 fp32 dense TFLOPS) x 0.8; " + _PCIE4),
-    GpuPreset("RTX-4090", 24564 * MiB, {"bfloat16": 132.0, "float16": 132.0, "tf32": 66.0, "float32": 66.0},
-              25.0, 25.0, 40.0, "PCIe Gen4 x16", "workstation-128g",
-              "NVIDIA Ada whitepaper (RTX 4090: 165 bf16 fp32-accumulate / 82.6 tf32 / 82.6 fp32 dense TFLOPS) "
-              "x 0.8; " + _PCIE4),
-    GpuPreset("RTX-3090", 24576 * MiB, {"bfloat16": 57.0, "float16": 57.0, "tf32": 28.5, "float32": 28.5},
-              25.0, 25.0, 40.0, "PCIe Gen4 x16", "workstation-128g",
-              "NVIDIA Ampere GA102 whitepaper (RTX 3090: 71 bf16 fp32-accumulate / 35.6 tf32 / 35.6 fp32 "
-              "dense TFLOPS) x 0.8; " + _PCIE4),
-)}
+def _check_figures(hw: HardwareProfile) -> None:
+    """Refuse a profile whose counts, rates or bandwidths are not numbers in their range (one line each)."""
+    for f in ("gpu_mem_bytes", "host_ram_bytes", "host_available_bytes", "cores", "cgroup_limit_bytes",
+              "cpu_adam_bytes_per_param"):
+        v = getattr(hw, f)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise HardwareError(f"{f}={v!r} must be an integer >= 0 (bytes or a count); fix the profile")
+    if hw.host_ram_bytes <= 0 or hw.cores <= 0:
+        raise HardwareError(f"host_ram_bytes={hw.host_ram_bytes}, cores={hw.cores} must be > 0; "
+                            f"pass --ram or fix the profile")
+    for f in ("cpu_shadow_params_per_s", "cpu_bf16_state_params_per_s", "disk_cpu_s_per_gb", "host_memory_gbps",
+              "cpu_adam_gbps"):
+        v = getattr(hw, f)
+        if not isinstance(v, (int, float)) or v < 0:
+            raise HardwareError(f"{f}={v!r} must be a number >= 0 (0: not measured); run megatrain-plan "
+                                "profile or fix it")
+    for f in ("h2d_gbps", "d2h_gbps", "duplex_gbps", "cpu_adam_params_per_s"):
+        v = getattr(hw, f)
+        if not isinstance(v, (int, float)) or v <= 0:
+            raise HardwareError(f"{f}={v!r} must be a positive number; run megatrain-plan profile or fix it")
+    if not hw.matmul_tflops or any(not isinstance(v, (int, float)) or v <= 0
+                                     for v in hw.matmul_tflops.values()):
+        raise HardwareError(f"matmul_tflops={hw.matmul_tflops!r} needs positive TFLOP/s per dtype, "
+                            f"e.g. {{'bfloat16': 790}}")
+    if hw.host_available_bytes > hw.host_ram_bytes:
+        raise HardwareError(f"host_available_bytes={hw.host_available_bytes} exceeds host_ram_bytes="
+                            f"{hw.host_ram_bytes}; fix the profile")
 
 
 def _dtype_name(dtype: str) -> str:

@@ -21,6 +21,8 @@ from . import profile_checks
 from .disk_profile import NOT_MEASURED, measure_disk
 from .hardware import HOST_PRESETS, MiB, HardwareProfile, preset
 from .host_probe import gpu_present, host_memory, memlock_bytes
+from .host_rates import (adam_bytes_per_param, cpu_adam_rate, cpu_bf16_state_rate, cpu_copy_gbps, cpu_memory_gbps,
+                         cpu_shadow_rate)
 
 CACHE_PATH = os.path.join(os.path.expanduser("~"), ".cache", "megatrain", "hardware.json")
 TRANSFER_SIZES_GPU = tuple(1 << s for s in range(20, 31, 2))      # 1 MiB .. 1 GiB
@@ -42,72 +44,6 @@ def _best_of(fn: Callable[[], float], repeats: int, what: str = "", log: Callabl
     """The fastest of ``repeats`` samples; a round spread above profile_checks.SAMPLE_SPREAD_MAX is measured
     again, and ``log`` says so ([profile_checks.steady_minimum])."""
     return profile_checks.steady_minimum(lambda: [fn() for _ in range(repeats)], what or "a sample", log)
-
-
-def cpu_shadow_rate(numel: int) -> float:
-    """Params/s of rounding fp32 into bf16 on the CPU (all threads): the runtime's shadow refresh."""
-    import torch
-    src, dst = torch.randn(numel), torch.empty(numel, dtype=torch.bfloat16)
-
-    def once() -> float:
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        return time.perf_counter() - t0
-
-    once()
-    return numel / _best_of(once, 3)
-
-
-def cpu_bf16_state_rate(numel: int, threads: int) -> float:
-    """Params/s of the pass bf16 AdamW state adds to an update, on ``threads`` threads: m and v widened to fp32,
-    then each rounded back to bf16 at random, with the torch calls of the runtime's stochastic_rounding.py
-    (a generator's 16-bit noise added to the fp32 bits, the low half masked off)."""
-    import torch
-    before = torch.get_num_threads()
-    m, v = torch.randn(numel).bfloat16(), torch.randn(numel).bfloat16()
-
-    def once() -> float:
-        t0 = time.perf_counter()
-        for state in (m, v):
-            wide = state.float()
-            noise = torch.randint(0, 1 << 16, wide.shape, generator=torch.Generator().manual_seed(1), dtype=torch.int32)
-            bits = wide.view(torch.int32)
-            bits.add_(noise).bitwise_and_(-(1 << 16))
-            state.copy_(bits.view(torch.bfloat16)[1::2])
-        return time.perf_counter() - t0
-
-    try:
-        torch.set_num_threads(threads)
-        for _ in range(2):  # the first calls fault their buffers' pages in
-            once()
-        return numel / _best_of(once, 3)
-    finally:
-        torch.set_num_threads(before)
-
-
-def cpu_adam_rate(numel: int, threads: list[int]) -> list[tuple[int, float]]:
-    """(threads, params/s) of torch's fused CPU AdamW over one flat fp32 buffer: the runtime's optimizer."""
-    import torch
-    before = torch.get_num_threads()
-    p, g = torch.zeros(numel), torch.randn(numel)
-    m, v, step = torch.zeros(numel), torch.zeros(numel), torch.tensor(0.0)
-
-    def once() -> float:
-        step.add_(1)
-        t0 = time.perf_counter()
-        torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-3, beta1=0.9, beta2=0.999,
-                            weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
-        return time.perf_counter() - t0
-
-    out = []
-    try:
-        for n in threads:
-            torch.set_num_threads(n)
-            once()
-            out.append((n, numel / _best_of(once, 3)))
-    finally:
-        torch.set_num_threads(before)
-    return out
 
 
 def matmul_tflops(device: str, dtypes: tuple[str, ...], n: int, repeats: int = 3,
@@ -260,19 +196,6 @@ def gpu_transfers(sizes: tuple[int, ...]) -> list[tuple[int, float, float, float
     return out
 
 
-def cpu_copy_gbps(nbytes: int = 64 * MiB) -> float:
-    """Host memcpy GB/s: the 'transfer' rate when the device is the CPU."""
-    import torch
-    src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    dst.copy_(src)
-
-    def once() -> float:
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        return time.perf_counter() - t0
-    return nbytes / _best_of(once, 3) / 1e9
-
-
 def interconnect_label(name: str) -> str:
     """NVLink-C2C for Grace Hopper, else PCIe generation and width from NVML when it is installed."""
     if "GH200" in name or "GB200" in name:
@@ -311,6 +234,9 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
     notes = []
     log(f"CPU AdamW (torch fused, flat fp32 buffer) over threads {threads}")
     adam = cpu_adam_rate(1 << 22 if not on_gpu else 1 << 26, threads)
+    adam_threads, adam_rate = max(adam, key=lambda tr: tr[1])
+    log(f"host memory bandwidth (triad) on {adam_threads} threads")
+    memory_gbps = cpu_memory_gbps(1 << 25, adam_threads)
     log("CPU fp32 -> bf16 shadow rounding")
     shadow = cpu_shadow_rate(1 << 22 if not on_gpu else 1 << 26)
     log("CPU bf16 AdamW state: widening and stochastic rounding")
@@ -345,11 +271,12 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
     notes += [f"{f.line()} (kept after {profile_checks.REMEASURE_TRIES} measurements)" for f in off]
     return HardwareProfile(
         gpu_name=name, gpu_mem_bytes=mem, h2d_gbps=h2d, d2h_gbps=d2h, duplex_gbps=duplex, matmul_tflops=tflops,
-        cpu_adam_params_per_s=max(r for _, r in adam), host_ram_bytes=total, host_available_bytes=avail,
+        cpu_adam_params_per_s=adam_rate, host_ram_bytes=total, host_available_bytes=avail,
         cgroup_limit_bytes=cg, memlock_bytes=memlock_bytes(), **disk, interconnect=link, cores=cores,
         source=f"measured by megatrain-plan profile on {_now()}" + (f"; {'; '.join(notes)}" if notes else ""),
         transfer_by_size=tuple(table), adam_by_threads=tuple(adam), cpu_shadow_params_per_s=shadow,
-        cpu_bf16_state_params_per_s=bf16_state,
+        cpu_bf16_state_params_per_s=bf16_state, host_memory_gbps=memory_gbps,
+        cpu_adam_bytes_per_param=adam_bytes_per_param(), cpu_adam_gbps=adam_bytes_per_param() * adam_rate / 1e9,
         attention_tflops=attention)
 
 

@@ -56,6 +56,21 @@ def hardware_line(hw: HardwareProfile) -> str:
             + f"; {hw.cores} cores; {hw.interconnect}")
 
 
+def adam_memory_line(hw: HardwareProfile) -> str:
+    """CPU AdamW's memory traffic against the host's bandwidth, and bf16 state's pass against fp32 AdamW on the
+    AdamW worker's threads; "not measured" for what an older profile lacks."""
+    if hw.cpu_adam_gbps and hw.host_memory_gbps:
+        adam = (f"AdamW moves {hw.cpu_adam_bytes_per_param} B/param: {hw.cpu_adam_gbps:.1f} GB/s of the host's "
+                f"{hw.host_memory_gbps:.1f} GB/s memory bandwidth (triad), "
+                f"{hw.cpu_adam_gbps / hw.host_memory_gbps:.0%}")
+    else:
+        adam = "AdamW's GB/s and the host's memory bandwidth: not measured"
+    if not hw.cpu_bf16_state_params_per_s:
+        return adam
+    return (f"{adam}; bf16 state's pass {hw.cpu_bf16_state_params_per_s / 1e9:.2f} Gparam/s, "
+            f"{hw.cpu_bf16_state_params_per_s / hw.adam_params_per_s:.2f}x fp32 AdamW on the worker's threads")
+
+
 def profile_text(hw: HardwareProfile, saved_to: str) -> str:
     """What ``megatrain-plan profile`` measured, a line per resource."""
     attention = "; ".join(f"{k} " + ", ".join(f"{r:.2f} at {n:,} tokens" for n, r in pts)
@@ -64,6 +79,7 @@ def profile_text(hw: HardwareProfile, saved_to: str) -> str:
         hardware_line(hw), "matmul TFLOP/s: " + ", ".join(f"{k} {v:.2f}" for k, v in hw.matmul_tflops.items()),
         "causal attention TFLOP/s (forward + backward): " + (attention or "not measured"),
         "AdamW by threads: " + ", ".join(f"{n}: {r / 1e9:.2f} Gparam/s" for n, r in hw.adam_by_threads),
+        adam_memory_line(hw),
         f"disk: read {hw.disk_read_gbps:.2f} / write {hw.disk_write_gbps:.2f} GB/s", f"source: {hw.source}",
         f"saved to {saved_to}"])
 

@@ -7,7 +7,9 @@ import torch
 from megatrain.planner import memory_model, model_shapes
 from megatrain.planner.workload import Workload, WorkloadError
 from megatrain.runtime import ConfigError, Engine, ModelConfig, OptimizerConfig, Plan
-from megatrain.runtime.pipeline.stochastic_rounding import noise_seed, round_stochastic
+from megatrain.runtime.pipeline.stochastic_rounding import (NOISE_PERIOD, WIDEN_ELEMENTS, cache_chunk, noise_at,
+                                                           noise_key, noise_table, round_stochastic,
+                                                           widened_chunks)
 
 CONFIG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
@@ -39,37 +41,92 @@ def state(e: Engine) -> dict[str, torch.Tensor]:
             "exp_avg_sq": s.exp_avg_sq.tensor.clone(), "steps": torch.stack(s.steps)}
 
 
+def rounded(src: torch.Tensor, at: int) -> torch.Tensor:
+    """src (fp32 [n]) rounded to bf16 with the noise from ``noise_table()[at]`` on (m's half of the table)."""
+    dst = torch.empty(src.numel(), dtype=torch.bfloat16)
+    round_stochastic(src.clone().view(1, -1), [dst], (at,))
+    return dst
+
+
+def test_noise_table_holds_every_16_bit_value_once_per_period() -> None:
+    # exact balance: over a uniformly random offset, every element's noise is exactly uniform on [0, 2^16)
+    table = noise_table()
+    assert table.shape == (4 * NOISE_PERIOD,) and table.dtype == torch.int32
+    for half in (0, 2):
+        period = table[half * NOISE_PERIOD:(half + 1) * NOISE_PERIOD]
+        assert torch.equal(period.sort().values, torch.arange(NOISE_PERIOD, dtype=torch.int32))
+        assert torch.equal(table[(half + 1) * NOISE_PERIOD:(half + 2) * NOISE_PERIOD], period)
+    assert not torch.equal(table[:NOISE_PERIOD], table[2 * NOISE_PERIOD:3 * NOISE_PERIOD])  # m's and v's differ
+    # no visible pattern: neighbours uncorrelated, the low bit a fair coin (a plain counter would fail both)
+    x = table[:NOISE_PERIOD].double()
+    assert abs(float(torch.corrcoef(torch.stack([x[:-1], x[1:]]))[0, 1])) < 0.02
+    assert abs(float((table[:NOISE_PERIOD] & 1).double().mean()) - 0.5) < 0.01
+
+
 def test_stochastic_rounding_is_unbiased_where_nearest_is_not() -> None:
     # 1 + 2^-9 lies a quarter of a bf16 ULP (2^-7) above 1: round-to-nearest always gives 1.0 (bias -2^-9);
     # stochastic rounding gives 1 + 2^-7 a quarter of the time, 1.0 otherwise: the mean is the value itself.
     value = 1.0 + 2.0 ** -9
     draws = 200_000
     dst = torch.empty(draws, dtype=torch.bfloat16)
-    round_stochastic(torch.full((draws,), value), dst, seed=1234)
+    at = noise_at(3, 1, 0)
+    round_stochastic(torch.full((2, draws), value), [dst, torch.empty_like(dst)], at)
     assert set(dst.float().unique().tolist()) == {1.0, 1.0 + 2.0 ** -7}
     mean = float(dst.double().mean())
     nearest = float(torch.tensor(value).bfloat16().double())
     assert nearest == 1.0 and abs(nearest - value) == 2.0 ** -9
-    # the standard error of the mean is 2^-7 x sqrt(0.25 x 0.75 / draws) = 7.6e-6: 5 of them, 150x below the bias
+    # a whole period of noise holds every 16-bit value once: each of 3 periods rounds up exactly a quarter of
+    # its 2^16 draws; the 3392-draw remainder's share up is within 5 standard errors of a quarter
     assert abs(mean - value) < 4e-5
-    # negative values round the same way in magnitude
-    round_stochastic(torch.full((draws,), -value), dst, seed=99)
-    assert abs(float(dst.double().mean()) + value) < 4e-5
+    # negative values round the same way in magnitude, v's half of the table too
+    v = torch.empty_like(dst)
+    round_stochastic(torch.full((2, draws), -value), [dst, v], noise_at(4, 1, 0))
+    assert abs(float(dst.double().mean()) + value) < 4e-5 and abs(float(v.double().mean()) + value) < 4e-5
+
+
+def test_rounding_one_element_over_many_keys_is_unbiased() -> None:
+    # the same element (block 2, element 70000) across 4000 AdamW steps: its noise comes from 4000 hashed
+    # offsets; the mean of its roundings converges to the value (standard error 2^-7 x sqrt(0.3 x 0.7 / 4000))
+    value = 1.0 + 0.3 * 2.0 ** -7
+    ups = []
+    for step in range(4000):
+        m = rounded(torch.full((1,), value), noise_at(step, 2, 70_000)[0])
+        ups.append(float(m[0]) > 1.0)
+    share = sum(ups) / len(ups)
+    assert abs(share - 0.3) < 5 * (0.3 * 0.7 / 4000) ** 0.5
 
 
 def test_stochastic_rounding_is_deterministic_for_the_same_key() -> None:
     src = torch.randn(10_000)
-    a, b, c = (torch.empty(10_000, dtype=torch.bfloat16) for _ in range(3))
-    round_stochastic(src.clone(), a, noise_seed(7, 3, 1024, 0))
-    round_stochastic(src.clone(), b, noise_seed(7, 3, 1024, 0))
-    round_stochastic(src.clone(), c, noise_seed(8, 3, 1024, 0))
+    a = rounded(src, noise_at(7, 3, 1024)[0])
+    b = rounded(src, noise_at(7, 3, 1024)[0])
+    c = rounded(src, noise_at(8, 3, 1024)[0])
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     assert not torch.equal(a.view(torch.int16), c.view(torch.int16))
     # every result is one of the two bf16 neighbours of its source (truncated, or that plus one ULP)
     down = (src.view(torch.int32) & -(1 << 16)).view(torch.float32)
     up = ((src.view(torch.int32) & -(1 << 16)) + (1 << 16)).view(torch.float32)
     assert bool(((a.float() == down) | (a.float() == up)).all())
-    assert len({noise_seed(s, b, o, w) for s in range(3) for b in range(3) for o in (0, 1024) for w in (0, 1)}) == 36
+    keys = {noise_key(s, b, o, w) for s in range(3) for b in range(3) for o in (0, WIDEN_ELEMENTS) for w in (0, 1)}
+    assert len(keys) == 36  # distinct keys hash apart (2^16 offsets: a collision here would be 1 in ~100)
+
+
+def test_chunked_rounding_does_not_depend_on_the_chunk_size() -> None:
+    # a piece rounded in one chunk or in chunks of 2^17 (one per thread count) gets the same bits: the noise is
+    # the piece's at each element's position, whatever the chunk that holds it
+    n = 3 * 2**17 + 5000
+    src = torch.randn(2, n)
+    whole = [torch.empty(n, dtype=torch.bfloat16) for _ in range(2)]
+    round_stochastic(src.clone(), whole, noise_at(5, 6, WIDEN_ELEMENTS))
+    parts = [torch.empty(n, dtype=torch.bfloat16) for _ in range(2)]
+    for a, k in widened_chunks(n, WIDEN_ELEMENTS, cache_chunk(1)):
+        round_stochastic(src[:, a:a + k].clone(), [parts[0][a:a + k], parts[1][a:a + k]],
+                         noise_at(5, 6, WIDEN_ELEMENTS + a))
+    assert all(torch.equal(w.view(torch.int16), p.view(torch.int16)) for w, p in zip(whole, parts))
+    # m's and v's noise differ: the same values round apart
+    same = torch.full((2, n), 1.0 + 2.0 ** -9)
+    round_stochastic(same, whole, noise_at(5, 6, 0))
+    assert not torch.equal(whole[0].view(torch.int16), whole[1].view(torch.int16))
 
 
 def test_bf16_state_tracks_fp32_state_losses() -> None:

@@ -4,8 +4,8 @@ DESIGN.md's layering, checked on every module of runtime/, planner/, tools/, mod
 
 - no import cycle: every import counts, at module level, inside a function or under ``TYPE_CHECKING``
   (a cycle through a lazy import is still two modules that cannot be understood apart);
-- planner/ never imports the runtime, the tools, or torch (except ``planner/profiler.py``, which measures
-  the GPU); the runtime never imports the tools;
+- planner/ never imports the runtime, the tools, or torch (except ``planner/profiler.py`` and ``host_rates.py``, which
+  measure the machine); the runtime never imports the tools;
 - models/ (the model families) never imports the runtime, the planner or the tools; its stdlib halves (the
   registry, each family's config rules, parameter table and presets) import no torch and none of its torch
   halves (``models/layers/``, ``block_classes``, a family's ``blocks``); the planner imports only stdlib halves;
@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # folder -> import name (pyproject.toml's package-dir)
 PACKAGES = {"megatrain": "megatrain", "runtime": "megatrain.runtime", "planner": "megatrain.planner",
             "tools": "megatrain.tools", "models": "megatrain.models"}
-# The one planner module allowed to import torch (inside the functions that measure a device).
-PLANNER_TORCH_OK = {"megatrain.planner.profiler"}
+# The planner modules allowed to import torch (inside the functions that measure a device).
+PLANNER_TORCH_OK = {"megatrain.planner.profiler", "megatrain.planner.host_rates"}
 # Private-looking names that are public API of the standard library (namedtuple's methods).
 STDLIB_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
 

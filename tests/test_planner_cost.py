@@ -182,7 +182,7 @@ def test_bf16_state_adds_its_widening_and_rounding_pass_to_adamw() -> None:
 def test_the_bf16_state_probe_times_the_pass_and_leaves_the_thread_count() -> None:
     import torch
 
-    from megatrain.planner.profiler import cpu_bf16_state_rate
+    from megatrain.planner.host_rates import cpu_bf16_state_rate
 
     before = torch.get_num_threads()
     assert cpu_bf16_state_rate(1 << 14, threads=1) > 0

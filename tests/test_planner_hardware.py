@@ -111,6 +111,9 @@ def test_measure_on_this_machine(tmp_path, monkeypatch) -> None:
     assert asked == [str(tmp_path)] and "disk not measured" not in hw.source
     assert (hw.disk_read_gbps, hw.disk_write_gbps, hw.disk_direct_faster, hw.disk_cpu_s_per_gb) == (1.5, 2.5, True, 0.1)
     assert hw.cpu_adam_params_per_s > 0 and hw.adam_by_threads and hw.cpu_shadow_params_per_s > 0
+    # AdamW's memory traffic: 28 bytes/param x the best params/s, beside the triad's GB/s
+    assert hw.cpu_adam_bytes_per_param == 28 and hw.host_memory_gbps > 0
+    assert hw.cpu_adam_gbps == pytest.approx(28 * hw.cpu_adam_params_per_s / 1e9)
     assert all(v > 0 for v in hw.matmul_tflops.values())
     seqs = profiler.ATTENTION_SEQS_CPU if hw.device_is_host else profiler.ATTENTION_SEQS_GPU
     assert [n for n, _ in hw.attention_tflops["float32"]] == list(seqs)
@@ -169,3 +172,31 @@ def test_the_disks_cpu_time_is_a_number_at_least_zero() -> None:
     assert HardwareProfile.from_json(hw.replace(disk_cpu_s_per_gb=0.09).to_json()).disk_cpu_s_per_gb == 0.09
     with pytest.raises(HardwareError, match="disk_cpu_s_per_gb"):
         hw.replace(disk_cpu_s_per_gb=-0.1)
+
+
+def test_adams_bytes_per_parameter_by_hand() -> None:
+    from megatrain.planner.host_rates import adam_bytes_per_param
+
+    # master read + write (4 + 4), gradient read (4), m and v read + written (2 x 2 x state bytes)
+    assert adam_bytes_per_param(4) == 4 + 4 + 4 + 2 * 2 * 4 == 28
+    assert adam_bytes_per_param(2) == 4 + 4 + 4 + 2 * 2 * 2 == 20
+
+
+def test_a_profile_without_the_memory_figures_loads_and_says_so(tmp_path) -> None:
+    """Profiles written before AdamW's GB/s and the host's bandwidth were measured load with them unknown (0); the
+    profile text says "not measured" for them, and gives them where measured."""
+    from megatrain.planner import report
+
+    data = json.loads(hardware.preset("H200").replace(cpu_bf16_state_params_per_s=2e9).to_json())
+    for f in ("host_memory_gbps", "cpu_adam_bytes_per_param", "cpu_adam_gbps"):
+        del data[f]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    old = HardwareProfile.load(str(path))
+    assert (old.host_memory_gbps, old.cpu_adam_bytes_per_param, old.cpu_adam_gbps) == (0.0, 0, 0.0)
+    line = report.adam_memory_line(old)
+    assert "not measured" in line and f"{2e9 / old.cpu_adam_params_per_s:.2f}x fp32 AdamW" in line
+    new = old.replace(host_memory_gbps=200.0, cpu_adam_bytes_per_param=28, cpu_adam_gbps=150.0)
+    assert "150.0 GB/s of the host's 200.0 GB/s memory bandwidth (triad), 75%" in report.adam_memory_line(new)
+    with pytest.raises(HardwareError, match="host_memory_gbps"):
+        old.replace(host_memory_gbps=-1.0)

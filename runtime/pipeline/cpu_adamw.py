@@ -65,7 +65,8 @@ from megatrain.runtime.spill.read_ahead import ReadAhead
 from megatrain.runtime.spill.staging_pool import Staged
 from megatrain.runtime.device.streams import Event
 from megatrain.runtime.model.templates import BlockLayout
-from megatrain.runtime.pipeline.stochastic_rounding import WIDEN_ELEMENTS, noise_seed, round_stochastic, widened_pieces
+from megatrain.runtime.pipeline.stochastic_rounding import (WIDEN_ELEMENTS, cache_chunk, noise_at, round_stochastic,
+                                                           widened_chunks)
 
 
 _WAKE = object()  # in the job queue: a transfer landed, the disk may be idle ([Note: spill read-ahead])
@@ -316,8 +317,9 @@ class AdamWorker:
     def _apply(self, job: AdamJob, lo: int, n: int, grads: torch.Tensor,
                buf: Callable[[BufferKind], torch.Tensor]) -> None:
         """The update of elements [lo, lo + n) of one block: clip, fused AdamW on its views (bf16 m and v, in RAM
-        or a staging set alike: widened to fp32 a piece at a time and rounded back, [Note: bf16 optimizer state];
-        a spilled chunk starts on a piece's edge, so the pieces and their noise are the whole block's), the
+        or a staging set alike: widened to fp32 a cache-sized chunk at a time and rounded back, [Note: bf16
+        optimizer state]; a spilled chunk starts on a piece's edge, so the pieces and their noise are the whole
+        block's), the
         compute-dtype shadow. The step count advances once per block, with its first piece."""
         b, store = job.block, self.store
         if job.clip is not None:
@@ -332,11 +334,14 @@ class AdamWorker:
         else:
             count = int(step)
             assert lo % WIDEN_ELEMENTS == 0, "bf16 state spill chunks start on WIDEN_ELEMENTS multiples"
-            for a, k in widened_pieces(n):
-                m32, v32 = m[a:a + k].float(), v[a:a + k].float()
-                _fused_adamw(job, lo + a, k, (master[a:a + k], grads[a:a + k], m32, v32), step)
-                round_stochastic(m32, m[a:a + k], noise_seed(count, b, lo + a, 0))
-                round_stochastic(v32, v[a:a + k], noise_seed(count, b, lo + a, 1))
+            chunk = cache_chunk(torch.get_num_threads())
+            scratch = torch.empty(2, min(chunk, n))  # fp32 m and v of one chunk, in cache from widening to rounding
+            for a, k in widened_chunks(n, lo, chunk):
+                wide = scratch[:, :k]
+                wide[0].copy_(m[a:a + k])
+                wide[1].copy_(v[a:a + k])
+                _fused_adamw(job, lo + a, k, (master[a:a + k], grads[a:a + k], wide[0], wide[1]), step)
+                round_stochastic(wide, [m[a:a + k], v[a:a + k]], noise_at(count, b, lo + a))
         if store.shadow is not store.master and store.shadow is not None:
             with record_function(f"shadow[{b}]"):  # the compute-dtype copy that travels H2D
                 store.refresh_shadow(b, master, lo)
