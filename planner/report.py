@@ -47,13 +47,26 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]], right: Seque
 
 def hardware_line(hw: HardwareProfile) -> str:
     gpu = "no GPU (device = CPU)" if hw.device_is_host else f"{hw.gpu_name} {gib(hw.gpu_mem_bytes)}"
-    return (f"{gpu}; host RAM {gib(hw.host_budget_bytes)} usable of {gib(hw.host_ram_bytes)}; "
-            f"H2D {hw.h2d_gbps:.1f} / D2H {hw.d2h_gbps:.1f} / both {hw.duplex_gbps:.1f} GB/s; "
+    link = "" if hw.device_is_host else (f"H2D {hw.h2d_gbps:.1f} / D2H {hw.d2h_gbps:.1f} / both {hw.duplex_gbps:.1f} "
+                                         f"GB/s; ")  # no GPU: nothing crosses PCIe
+    return (f"{gpu}; host RAM {gib(hw.host_budget_bytes)} usable of {gib(hw.host_ram_bytes)}; {link}"
             f"AdamW {hw.cpu_adam_params_per_s / 1e9:.2f} Gparam/s"
             + (f" + bf16 shadow {hw.cpu_shadow_params_per_s / 1e9:.2f} Gparam/s" if hw.cpu_shadow_params_per_s else "")
             + (f" (bf16 state + {hw.cpu_bf16_state_params_per_s / 1e9:.2f} Gparam/s)" if hw.cpu_bf16_state_params_per_s
                else "")
-            + f"; {hw.cores} cores; {hw.interconnect}")
+            + f"; {hw.cores} cores" + (f"; {hw.interconnect}" if hw.interconnect not in ("none", "unknown") else ""))
+
+
+def figures_note(hw: HardwareProfile) -> str | None:
+    """Where ``hw``'s figures are not measured: one line saying what they are and the command that measures them
+    (None for a measured profile)."""
+    if hw.source.startswith("measured"):
+        return None
+    what = "a GPU preset's" if not hw.device_is_host else "rough guesses for this CPU, not measured"
+    if not hw.device_is_host and hw.source.startswith("detected"):
+        what = "the detected GPU with a preset's rates, not measured"
+    return (f"these figures are {what}: `megatrain-plan profile` measures this machine (and --spill-dir DIR its "
+            f"disk); plans made with them are estimates")
 
 
 def adam_memory_line(hw: HardwareProfile) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 
 from . import model_shapes, sizing
 from .hardware import HardwareProfile
-from .report import choice_json, disk_text, gib, hardware_line, rate, seconds, table
+from .report import choice_json, disk_text, figures_note, gib, hardware_line, rate, seconds, table
 from .workload import Workload
 
 
@@ -67,11 +67,14 @@ def page(o: Overview) -> tuple[dict[str, Any], str]:
             "longest_context": {"model": longest["model"], "seq_len": longest["longest_context_batch1"]},
             "largest_llama": None if big is None else big.to_dict()}
     rates = hw.matmul_tflops
-    why = (f" (auto: this hardware multiplies fp32 faster than bf16, {rates.get('float32', 0):.3g} vs "
-           f"{rates.get('bfloat16', 0):.3g} TFLOP/s)" if o.dtype_auto and o.dtype == "float32" else "")
+    why = ("" if not o.dtype_auto or o.dtype != "float32" else
+           " (auto: what megatrain-train computes in on a CPU)" if hw.device_is_host else
+           f" (auto: this hardware multiplies fp32 faster than bf16, {rates.get('float32', 0):.3g} vs "
+           f"{rates.get('bfloat16', 0):.3g} TFLOP/s)")
+    note = figures_note(hw) if not o.preset else None
     where = f"{spill_dir}, {gib(free)} free" if free is not None else f"{hw.gpu_name}'s host NVMe, any size"
     lines = [f"{'this machine' if not o.preset else 'hardware'}: {hardware_line(hw)}",
-             f"  source: {hw.source}",
+             f"  source: {hw.source}", *([f"  {note}"] if note else []),
              f"spill disk: {where}; {disk_text(hw, o.disk_measured)}",
              f"compute dtype: {o.dtype}{why}", "",
              f"each preset model at {'up to ' if not o.batch_given else ''}{batch_label} x {seq} tokens per step"

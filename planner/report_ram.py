@@ -62,7 +62,7 @@ def page(q: RamQuestion, ladder: list[sizing.LadderRow], scaling: list[dict[str,
         c = spill.choice
         row += [gib(c.memory.nvme_bytes) if c is not None else "-"]
         rows.append(row)
-    nvme_desc = f"a {gib(q.nvme_size)} NVMe at {disk_text(hw, q.disk_measured)}"
+    nvme_desc = _nvme_text(q)
     eff = ("efficiency",) if ranks is not None else ()
     heads = ("host RAM", "batch", "throughput", *eff, "+NVMe: batch", "throughput", *eff, "on NVMe")
     world = "" if ranks is None else f"{ranks.world} x "
@@ -88,6 +88,11 @@ def page(q: RamQuestion, ladder: list[sizing.LadderRow], scaling: list[dict[str,
     return data, "\n".join(lines)
 
 
+def _nvme_text(q: RamQuestion) -> str:
+    """The NVMe the with-NVMe figures assume: its size and speed, and where the speed comes from."""
+    return f"a {gib(q.nvme_size)} NVMe at {disk_text(q.hw, q.disk_measured)}"
+
+
 def _target(q: RamQuestion, ans: sizing.TargetAnswer, price: float, data: dict[str, Any]) -> list[str]:
     """The lines answering the throughput target; its figures added to ``data``."""
     model, hw, target, seq = q.model, q.hw, q.target, q.work.seq_len
@@ -106,12 +111,10 @@ def _target(q: RamQuestion, ans: sizing.TargetAnswer, price: float, data: dict[s
         for key, o in (("without_nvme", ans.without_nvme), ("with_nvme", ans.with_nvme)):
             data[key] = None if o is None else {"batch": o[0], **choice_json(o[1]),
                                                 "ram_to_buy_bytes": buy(o[1].memory.host_bytes)}
-        lines.append(f"least host RAM for >= {target:,.0f} tok/s:")
+        lines.append(f"least host RAM for >= {target:,.0f} tok/s (with the NVMe: {_nvme_text(q)}, at the "
+                     f"table's RAM sizes):")
         for lab, (b, o) in options:
             assert o.cost is not None
-            if lab == "with the NVMe" and o.plan.spill == "none":
-                lines.append(f"  {lab}: no less RAM (the plans that spill are slower than the target)")
-                continue
             lines.append(f"  {lab}: batch {b} x {seq}, {rate(o.cost.tokens_per_second)} (MFU "
                          f"{o.cost.mfu:.0%}); the run needs {gib(o.memory.host_bytes)} "
                          f"({gib(o.memory.pinned_host_bytes)} pinned), {spill_text(o)}; buy "

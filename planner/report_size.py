@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import model_shapes, search, spill_placement
+from . import model_shapes, report_ram, search, spill_placement
+from .cli_args import NVME_DIR
 from .hardware import HardwareProfile
 from .model_shapes import ModelShape
 from .report import choice_json, gib, memory_json, rate, seconds, table
@@ -84,13 +85,43 @@ def page(model: ModelShape, work: Workload, least: dict[str, PlanChoice], preset
     text = "\n".join([
         f"{model.name} ({model_shapes.params_label(model.params)} params), {work.batch} x {work.seq_len} tokens "
         f"per step, {work.compute_dtype}, clipping {'on' if work.clipping else 'off'}, spill {work.spill}",
-        state_line(model, work), *ranks_line,
+        *verdicts(presets, least, G, node), state_line(model, work), *ranks_line,
         f"minimum GPU memory {gib(gpu.memory.device_bytes)} (plan: {gpu.plan.micro_batch_size} seq "
         f"per micro-batch, checkpoints on {gpu.plan.checkpoints})", least_line, "",
         table(heads, rows, (False,) + (True,) * (len(heads) - 2) + (False,)),
-        f"(each preset with its usual host and that host's NVMe; spill plans write to {work.spill_dir})",
+        "(GPU presets' figures, not measured: each preset with its usual host and that host's NVMe at the preset's "
+        "speed, any size; `megatrain-plan profile` then `megatrain-plan plan` size this machine; "
+        + ("--spill-dir DIR sizes against that folder's free space)" if work.spill_dir == NVME_DIR else
+           f"spill plans write to {work.spill_dir})"),
     ])
     return data, text
+
+
+def verdicts(presets: list[Preset], least: dict[str, PlanChoice], G: int, node: str) -> list[str]:
+    """A line per configuration: fits in RAM / fits with N GiB on NVMe / does not fit, and what would make it fit
+    (``least``: search.minimum_memory's, on a probe GPU: the least the model needs anywhere)."""
+    host, resident, gpu = least["host"].memory, least.get("host_no_spill"), least["gpu"].memory
+    lines = []
+    for p in presets:
+        hw, best = p.hw, p.result.best
+        ram = f"the {gib(hw.host_budget_bytes)} of RAM usable{node}"
+        if best is not None:
+            m = best.memory
+            lines.append(f"{p.name}: fits in RAM: the run needs {gib(G * m.host_bytes)} of {ram}, nothing on NVMe"
+                         if best.plan.spill == "none" else
+                         f"{p.name}: fits with {gib(G * m.nvme_bytes)} on NVMe: the run needs {gib(G * m.host_bytes)} "
+                         f"of {ram}" + (f"; in RAM alone it needs {gib(G * resident.memory.host_bytes)}"
+                                        if resident is not None else ""))
+            continue
+        if gpu.device_bytes > hw.gpu_mem_bytes:
+            fix = f"a GPU with at least {gib(gpu.device_bytes)} (or a shorter --seq-len)"
+        elif G * host.host_bytes > hw.host_budget_bytes:
+            fix = (f"at least {gib(report_ram.buy(G * host.host_bytes))} of RAM{node} with "
+                   f"{gib(G * host.nvme_bytes)} on NVMe (--ram; `megatrain-plan ram` prices it)")
+        else:
+            fix = "more free NVMe space (--spill-dir on a larger disk) or a smaller --batch"
+        lines.append(f"{p.name}: does not fit ({p.result.reason()}); it would fit with {fix}")
+    return lines
 
 
 def state_line(model: ModelShape, work: Workload) -> str:

@@ -392,7 +392,8 @@ def spill_cost_seconds(model: ModelShape, work: Workload, choice: PlanChoice, hw
 
 
 def preferred_compute_dtype(hw: HardwareProfile) -> str:
-    """bf16 unless this hardware multiplies fp32 faster (a CPU without bf16 matmul units)."""
+    """What ``megatrain-train --compute-dtype auto`` computes in there: fp32 where the device is the CPU; on a GPU
+    bf16 unless it multiplies fp32 faster."""
     rates = hw.matmul_tflops
     bf16, fp32 = rates.get("bfloat16", 0.0), rates.get("float32", 0.0)
-    return "float32" if fp32 > bf16 else "bfloat16"
+    return "float32" if hw.device_is_host or fp32 > bf16 else "bfloat16"

@@ -95,7 +95,7 @@ class TargetAnswer:
 
     target: float
     without_nvme: tuple[int, PlanChoice] | None     # (batch, plan) needing the least RAM, nothing spilled
-    with_nvme: tuple[int, PlanChoice] | None        # the same with spill allowed
+    with_nvme: tuple[int, PlanChoice] | None        # the same with spill allowed (the ladder's, at its RAM sizes)
     fastest: tuple[int, PlanChoice] | None          # the fastest plan at any batch tried
     saturated: bool                                 # larger batches stopped helping before max_batch
 
@@ -113,19 +113,22 @@ class TargetAnswer:
 
 
 def least_ram_for(model: ModelShape, work: Workload, hw: HardwareProfile, target: float,
-                  max_batch: int, ranks: search.Ranks = None) -> TargetAnswer:
-    """Plan with unlimited host RAM at batches 1, 2, 4, ... (W, 2W, 4W, ... with ``ranks``; until
-    ``max_batch``, or until doubling the batch twice in a row no longer raises the throughput) and keep
-    the plan needing the least host RAM among those reaching ``target`` tokens/s (all ranks', with the
-    collectives), with nothing spilled and with spill allowed (``work.spill_dir``, within
-    ``work.spill_free_bytes``)."""
+                  max_batch: int, ranks: search.Ranks = None, ladder: list[LadderRow] | tuple = ()) -> TargetAnswer:
+    """The least host RAM reaching ``target`` tokens/s (all ranks', with the collectives).
+
+    Nothing spilled: plan with unlimited host RAM at batches 1, 2, 4, ... (W, 2W, 4W, ... with ``ranks``; until
+    ``max_batch``, or until doubling the batch twice in a row no longer raises the throughput) and keep the plan
+    needing the least host RAM among those reaching the target. Spill allowed: the plans of ``ladder``
+    (``ram_ladder``'s rows with the NVMe, each searched with that much RAM: with unlimited RAM a search spills
+    nothing, so only a RAM size finds the plans that trade RAM for the disk) reaching the target, the one
+    needing the least host RAM; so the answer is never more than the smallest ladder row reaching the target."""
     unlimited = hw.replace(host_ram_bytes=1 << 60, host_available_bytes=1 << 60, cgroup_limit_bytes=0)
-    best: dict[bool, tuple[int, PlanChoice]] = {}
+    in_ram: tuple[int, PlanChoice] | None = None
     fastest: tuple[int, PlanChoice] | None = None
     flat = 0
     batch = 1 if ranks is None else ranks.world
     while batch <= max_batch and flat < 2:
-        w = dataclasses.replace(work, batch=batch)
+        w = dataclasses.replace(work, batch=batch, spill="none")
         fit, _ = search.feasible_choices(model, w, unlimited, ranks)
         if ranks is not None:
             fit = [as_node(model, w, c, hw, ranks) for c in fit]
@@ -135,13 +138,16 @@ def least_ram_for(model: ModelShape, work: Workload, hw: HardwareProfile, target
             if fastest is None or gain > 0:
                 fastest = (batch, top)
             flat = flat + 1 if gain < SATURATION_GAIN else 0
-        for spill in (False, True):
-            enough = [c for c in fit if _rate(c) >= target and (spill or c.plan.spill == "none")]
-            least = min(enough, key=lambda c: c.memory.host_bytes, default=None)
-            if least is not None and (spill not in best or least.memory.host_bytes < best[spill][1].memory.host_bytes):
-                best[spill] = (batch, least)
+        least = min((c for c in fit if _rate(c) >= target), key=lambda c: c.memory.host_bytes, default=None)
+        if least is not None and (in_ram is None or least.memory.host_bytes < in_ram[1].memory.host_bytes):
+            in_ram = (batch, least)
         batch *= 2
-    return TargetAnswer(target, best.get(False), best.get(True), fastest, saturated=flat >= 2)
+    spilled = [(r.batch, r.choice) for r in ladder if r.nvme and r.choice is not None and r.choice.cost is not None]
+    with_nvme = min(((b, c) for b, c in spilled if _rate(c) >= target), key=lambda bc: bc[1].memory.host_bytes,
+                    default=None)
+    if spilled and (fastest is None or max(_rate(c) for _, c in spilled) > _rate(fastest[1])):
+        fastest = max(spilled, key=lambda bc: _rate(bc[1]))
+    return TargetAnswer(target, in_ram, with_nvme, fastest, saturated=flat >= 2)
 
 
 def as_node(model: ModelShape, work: Workload, choice: PlanChoice, hw: HardwareProfile,

@@ -52,6 +52,8 @@ def _close_open_engines() -> None:
 class Engine:
     """A facade over engine_arguments.py, step_inputs.py, the executor and state_io.py."""
     routing = property(lambda self: self.executor.routing.last, doc="The last step's StepRouting (MoE) or None")
+    lm_loss = property(lambda self: self.executor.routing.lm_loss, doc="The last step's or evaluate's "
+                       "language-model loss (mean cross-entropy, no router's load-balancing term): [] fp32; None before")
 
     def __init__(self, model_config: ModelConfig, optimizer: OptimizerConfig | None = None, plan: Plan | None = None,
                  compute_dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None, seed: int = 0,
@@ -85,17 +87,19 @@ class Engine:
 
     # ------------------------------------------------------------------ training
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, lr: float | None = None,
-             position_ids: torch.Tensor | None = None) -> torch.Tensor:
+             position_ids: torch.Tensor | None = None, padding: torch.Tensor | None = None) -> torch.Tensor:
         """One AdamW step over the whole batch. input_ids, labels: [B, S] integer (labels -100 = ignored).
 
         ``position_ids``: [B, S] integer, packed documents (each row runs of 0, 1, 2, ...; a document starts
         where its position is 0): RoPE positions and attention restart at each document. None: one sequence
         per row. Label the first token of each document -100 to keep the token before it (the previous
-        document's end) from predicting it. Returns the mean loss over all predicted tokens (+ the weighted
-        load-balancing loss of a model with one, ``routing``) as a 0-dim fp32 tensor on the device."""
+        document's end) from predicting it. ``padding``: [B, S] bool, True at filler positions (labelled -100
+        too): a mixture of experts' token counts (``routing``) leave them out. Returns the mean loss over all
+        predicted tokens (+ the weighted load-balancing loss of a model with one, ``routing``, as transformers'
+        ``outputs.loss``; the cross-entropy alone: ``lm_loss``) as a 0-dim fp32 tensor on the device."""
         self._check_open()
         hyper = self.inputs.hyper(lr)
-        batch = self.inputs.step_batch(input_ids, labels, position_ids)
+        batch = self.inputs.step_batch(input_ids, labels, position_ids, padding)
         self._report_skipped()
         return self.executor.train_step(batch, hyper)
 
@@ -192,14 +196,9 @@ class Engine:
 
     # ------------------------------------------------------------------ Hugging Face and checkpoints
     @classmethod
-    def from_pretrained(
-        cls,
-        path: str | os.PathLike,
-        optimizer: OptimizerConfig | None = None,
-        plan: Plan | None = None,
-        compute_dtype: torch.dtype = torch.bfloat16,
-        device: str | torch.device | None = None,
-    ) -> "Engine":
+    def from_pretrained(cls, path: str | os.PathLike, optimizer: OptimizerConfig | None = None, plan: Plan | None = None,
+                        compute_dtype: torch.dtype = torch.bfloat16,
+                        device: str | torch.device | None = None) -> "Engine":
         """A Hugging Face model directory (config.json + *.safetensors, optional index), streamed tensor by tensor
         into the fp32 masters: peak extra RAM is one tensor (see runtime/io/hf_io.py)."""
         pretrained = state_io.find_pretrained(path)

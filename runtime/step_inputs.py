@@ -59,9 +59,14 @@ class StepInputs:
                          self.optimizer.skip_nonfinite)
 
     def step_batch(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                   position_ids: torch.Tensor | None) -> Batch:
+                   position_ids: torch.Tensor | None, padding: torch.Tensor | None = None) -> Batch:
         """A training step's batch: this rank's share, of the shape the plan was made for."""
         batch = self._batch(input_ids, labels, position_ids)
+        if padding is not None:
+            if tuple(padding.shape) != tuple(input_ids.shape) or padding.dtype != torch.bool:
+                raise InputError(f"padding has shape {tuple(padding.shape)} and dtype {padding.dtype}; it must be "
+                                 f"bool of input_ids' shape {tuple(input_ids.shape)} (True at padding)")
+            batch.padding = self._to_device(padding)
         if self.plan.workload is not None:  # host-side shape ints: no device sync
             self.plan.workload.check_batch(*input_ids.shape)
         if self.micro_batch_open:

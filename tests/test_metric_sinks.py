@@ -175,3 +175,40 @@ def test_a_resumed_run_continues_its_wandb_run_and_a_missing_wandb_is_one_line(t
     with pytest.raises(TrainConfigError, match="pip install wandb") as e:
         metric_sinks.check(TrainConfig(log_to="tensorboard,wandb"))
     assert "\n" not in str(e.value)
+
+
+def test_per_expert_and_per_layer_lists_and_the_breakdown_are_scalars_too(tmp_path):
+    # Every number of a metrics row reaches TensorBoard: a mixture of experts' lists entry by entry, the step's
+    # time breakdown key by key; strings, booleans and None stay out.
+    row = {"step": 1, "loss": 2.0, "expert_tokens": [5, 0, 7, 4], "expert_load": [1.25, 1.5],
+           "breakdown": {"step_s": 0.5, "compute_s": 0.25}, "grad_norm": None, "note": "x", "skipped": True}
+    sink = metric_sinks.open(TrainConfig(log_to="tensorboard"), str(tmp_path))
+    sink.log(1, row)
+    sink.close()
+    scalars = read_scalars(tmp_path / "tensorboard")
+    assert {tag: values[0][1] for tag, values in scalars.items()} == {
+        "train/loss": 2.0, "train/expert_tokens/expert_0": 5, "train/expert_tokens/expert_1": 0,
+        "train/expert_tokens/expert_2": 7, "train/expert_tokens/expert_3": 4, "train/expert_load/layer_0": 1.25,
+        "train/expert_load/layer_1": 1.5, "train/breakdown/step_s": 0.5, "train/breakdown/compute_s": 0.25}
+
+
+def test_wandb_files_land_in_out_wandb_and_the_summary_goes_to_stdout(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("wandb")
+    from megatrain.tools import train
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    out = tmp_path / "run"
+    assert train.main(["--out", str(out), "--steps", "2", "--seq-len", "32", "--batch", "2", "--progress", "none",
+                       "--no-plot", "--log-to", "tensorboard,wandb"]) == 0
+    wandb_records(out)  # OUT/wandb/offline-run-*/: wandb's own files directly under OUT/wandb
+    assert not (out / "wandb" / "wandb").exists() and (out / "wandb" / "run_id").is_file()
+    captured = capsys.readouterr()
+    # The summary on stdout (what `> log.txt` keeps), its outputs block naming every file and folder written.
+    assert "trained steps 1-2" in captured.out
+    block = captured.out[captured.out.index("outputs"):]
+    for name in ("metrics.jsonl", "summary.json", "run.json", "checkpoints", "tensorboard/", "wandb/"):
+        assert f"{out}/{name}" in block, name
+    written = {p.name for p in out.iterdir()} - {"megatrain.lock"}
+    assert all(name in block for name in written), (written, block)

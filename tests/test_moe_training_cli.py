@@ -44,8 +44,10 @@ def test_chat_fine_tuning_a_qwen3_moe_reports_the_experts_load(tmp_path, capsys)
 
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    for r in rows:  # each of the 2 layers routes each of the 2 x 64 positions to 2 experts
-        assert len(r["expert_tokens"]) == 6 and sum(r["expert_tokens"]) == 2 * 2 * 64 * 2
+    for r in rows:  # each of the 2 layers routes each real token of the 2 x 64 positions to 2 experts (padding
+        # left out: the exact count in test_moe_counters.py)
+        assert len(r["expert_tokens"]) == 6 and sum(r["expert_tokens"]) <= 2 * 2 * 64 * 2
+        assert sum(r["expert_tokens"]) % (2 * 2) == 0 and r["train_objective"] > r["loss"]
         assert len(r["expert_load"]) == 2 and r["expert_load_max"] == max(r["expert_load"]) >= 1.0
         assert 0.0 <= r["experts_idle"] < 1.0 and r["aux_loss"] > 0
     summary = json.loads((out / "summary.json").read_text())

@@ -77,6 +77,21 @@ def test_overview_on_a_24g_cpu_machine_trains_with_spill(capsys, monkeypatch, tm
     rc, out, err = _main(capsys, "--hardware", str(profile))
     assert rc == 0, err
     assert "with spill" in out and "60.0 GiB free" in out and "assumed" in out and "float32" in out
+    # No GPU: no PCIe figures, no bare "none"; figures not measured say so and name the command that measures them.
+    first = out.splitlines()[0]
+    assert "H2D" not in first and not first.endswith("; none")
+    assert "these figures are rough guesses for this CPU, not measured: `megatrain-plan profile`" in out
+
+
+def test_overview_without_a_gpu_plans_in_the_dtype_training_would_use(capsys, monkeypatch, tmp_path) -> None:
+    # A CPU whose bf16 matmul is as fast as fp32: megatrain-train --compute-dtype auto still trains in fp32 there.
+    profile = tmp_path / "hw.json"
+    CPU_24G.replace(matmul_tflops={"float32": 0.05, "bfloat16": 0.05}).save(str(profile))
+    _free_disk(monkeypatch, FREE)
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _main(capsys, "--hardware", str(profile), "--batch", "1", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["compute_dtype"] == "float32"
 
 
 def _free_disk(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
@@ -130,3 +145,37 @@ def test_profile_refuses_an_unwritable_destination_before_measuring(capsys, tmp_
     assert "measuring" not in err and blocker.read_text() == "x"
     rc, out, err = _main(capsys, "profile", "--out", str(tmp_path))
     assert rc == 2 and "is a directory" in err
+
+
+def test_ram_answers_the_least_ram_of_its_ladder_and_size_agrees(capsys) -> None:
+    # An 8B model at 8 x 1024 on an RTX 4090: without NVMe it needs over 120 GiB; with the NVMe 128 GiB reaches
+    # the target. ram's answer is never more than the smallest RAM size of its own table that reaches the target,
+    # and size, given that RAM and batch, finds a plan as fast.
+    common = ("--model", "shape:Llama-3.1-8B", "--hardware", "RTX-4090", "--seq-len", "1024")
+    rc, out, err = _main(capsys, "ram", *common, "--tokens-per-second", "300", "--max-batch", "8", "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    meeting = [e for e in data["ladder"] if e.get("tokens_per_second", 0) >= 300]
+    assert data["reachable"] and meeting
+    assert data["ram_to_buy_bytes"] <= min(e["ram_bytes"] for e in meeting)
+    assert data["with_nvme"]["ram_to_buy_bytes"] < data["without_nvme"]["ram_to_buy_bytes"]  # the NVMe saves RAM
+    assert data["nvme_bytes"] > 0 and data["tokens_per_second"] >= 300
+    ram = f"{data['ram_to_buy_bytes'] // GiB}G"
+    rc, out, err = _main(capsys, "size", *common, "--batch", str(data["batch"]), "--ram", ram, "--json")
+    assert rc == 0, err
+    (row,) = json.loads(out)["hardware"]
+    assert row["feasible"] and row["tokens_per_second"] >= 300 and row["host_ram_bytes"] <= data["ram_to_buy_bytes"]
+    rc, out, err = _main(capsys, "size", *common, "--batch", str(data["batch"]), "--ram", ram)
+    assert rc == 0 and "<nvme>" not in out
+    assert out.splitlines()[1].startswith("RTX-4090: fits with ") and " on NVMe: the run needs " in out
+
+
+def test_size_says_what_does_not_fit_and_what_would(capsys) -> None:
+    rc, out, err = _main(capsys, "size", "--model", "shape:Llama-3.1-70B", "--hardware", "RTX-4090", "--ram", "64G")
+    assert rc == 0, err
+    verdict = out.splitlines()[1]
+    assert verdict.startswith("RTX-4090: does not fit (host RAM") and "it would fit with at least " in verdict
+    need = json.loads(_main(capsys, "size", "--model", "shape:Llama-3.1-70B", "--hardware", "RTX-4090", "--ram",
+                            "64G", "--json")[1])["host_ram_bytes"]
+    named = float(verdict.split("it would fit with at least ")[1].split(" GiB")[0].replace(",", ""))
+    assert named * GiB >= need / 0.94  # the RAM to install covers what the run needs at the usable share

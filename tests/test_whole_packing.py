@@ -156,3 +156,23 @@ def test_whole_packing_resumes_exactly_and_its_eval_loss_is_per_conversation_sco
     assert summary["eval_token_accuracy"] == right / count  # argmax == label over the labelled tokens
     rows = metrics.read_metrics(str(straight / "metrics.jsonl"))
     assert all(0 <= r["token_accuracy"] <= 1 for r in rows) and rows[-1]["eval_token_accuracy"] == right / count
+
+
+def test_epoch_counts_the_documents_trained_by_hand_before_and_after_a_resume(chat_model, tmp_path, capsys):
+    # 5 documents of 29 tokens and 5 of 9 (30 and 10 with the separator), in corpus order, packed whole
+    # best-fit-decreasing into rows of 64: [a0 a1], [a2 a3], [a4 b0 b1 b2], [b3 b4]; 2 rows a step. The whole
+    # epoch is read into one packing window before the first row, but epoch counts the documents whose rows were
+    # trained: 4 of 10 after step 1, all 10 after step 2, then 4 more.
+    rng = np.random.default_rng(0)
+    paths = [str(tmp_path / "a.npy"), str(tmp_path / "b.npy")]
+    np.save(paths[0], rng.integers(10, 250, size=(5, 29)))
+    np.save(paths[1], rng.integers(10, 250, size=(5, 9)))
+    common = ["--model", chat_model, "--data", *paths, "--packing", "whole", "--no-shuffle", "--seq-len", "64"] + FAST
+    straight, split, resumed = tmp_path / "straight", tmp_path / "split", tmp_path / "resumed"
+    assert train.main(["--out", str(straight), "--steps", "3"] + common) == 0, capsys.readouterr().err
+    assert [r["epoch"] for r in metrics.read_metrics(str(straight / "metrics.jsonl"))] == [0.4, 1.0, 1.4]
+    assert json.loads((straight / "summary.json").read_text())["epoch"] == 1.4
+    assert train.main(["--out", str(split), "--steps", "3", "--save-every", "1"] + common) == 0
+    assert train.main(["--resume", str(split / "checkpoints" / "step-00000001"), "--out", str(resumed),
+                       "--progress", "none"]) == 0, capsys.readouterr().err
+    assert [r["epoch"] for r in metrics.read_metrics(str(resumed / "metrics.jsonl"))] == [1.0, 1.4]

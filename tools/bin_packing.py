@@ -41,6 +41,7 @@ class Piece(NamedTuple):
     labels: np.ndarray   # [n] int64, the first -100
     begins: bool         # the document's first piece (its only one unless it was split)
     cut: bool            # the first piece of a document that was split
+    ends: bool           # the document's last piece (its only one unless it was split)
 
 
 class PackedRow(NamedTuple):
@@ -50,6 +51,7 @@ class PackedRow(NamedTuple):
     padding: int           # positions holding no document
     documents: int         # documents begun in the row (a split document's later pieces not counted)
     cut: int               # documents split whose first piece is here
+    ended: int             # documents whose last piece is here (a split document's earlier pieces not counted)
 
 
 def pieces(ids: np.ndarray, labels: np.ndarray, seq_len: int) -> list[Piece]:
@@ -59,7 +61,7 @@ def pieces(ids: np.ndarray, labels: np.ndarray, seq_len: int) -> list[Piece]:
         part = np.array(labels[start:start + seq_len], dtype=np.int64)
         part[0] = IGNORE_INDEX  # nothing of this document stands before it in its row
         out.append(Piece(np.asarray(ids[start:start + seq_len], dtype=np.int64), part, start == 0,
-                         start == 0 and len(ids) > seq_len))
+                         start == 0 and len(ids) > seq_len, start + seq_len >= len(ids)))
     return out
 
 
@@ -109,4 +111,4 @@ def _rows(window: list[Piece], seq_len: int, pad: int) -> Iterator[PackedRow]:
         positions = np.concatenate([np.arange(len(p.ids), dtype=np.int64) for p in chosen]
                                    + [np.arange(seq_len - used, dtype=np.int64)])
         yield PackedRow(ids, labels, positions, seq_len - used, sum(p.begins for p in chosen),
-                        sum(p.cut for p in chosen))
+                        sum(p.cut for p in chosen), sum(p.ends for p in chosen))

@@ -23,6 +23,7 @@ epoch of reading, never the epochs before), then goes on: the same rows, batched
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator, Mapping
 
@@ -95,10 +96,12 @@ class Position:
 
 
 class TrainingData:
-    """The training batches from a position on; ``position`` and ``epoch`` follow the last batch given out.
+    """The training batches from a position on; ``position``, ``epoch`` and ``padding`` follow the last batch given out.
 
-    ``epoch`` is a number people read: the epochs done, with the fraction of this epoch's documents read
-    (1.5: halfway through the second pass).
+    ``epoch`` is a number people read: the epochs done, with the fraction of this epoch's documents the rows
+    given out so far end (1.5: halfway through the second pass). A document counts once the row holding its last
+    token (its separator) is given out, so a packing window read ahead counts nothing; a document with no
+    token counts when it is read. At a resume the epoch's rows are packed again, so the count is the same.
     """
 
     def __init__(self, corpus: Corpus, addresses: Addresses, numbers: np.ndarray, seq_len: int, batch: int,
@@ -110,7 +113,9 @@ class TrainingData:
         self.position = position
         self.mode = mode  # packing.MODES: how documents become rows
         self.epoch = float(position.epoch)
-        self._started = 0  # documents of the current epoch handed to packing
+        self._empty = 0  # documents of the current epoch read with no token
+        # the padding (a row's last positions) of the last ``batch`` rows given out, newest last
+        self._rows_padding: deque[int] = deque(maxlen=batch)
         # The rows given out, in all (a checkpoint keeps them): padding and cut documents for the summary.
         self.packed = packing.PackingStats.from_dict(position_stats)
 
@@ -135,21 +140,29 @@ class TrainingData:
     def batches(self) -> Iterator[packing.Batch]:
         return packing.batches(self._rows(), self.batch)
 
+    def padding(self) -> torch.Tensor:
+        """[batch, seq_len] bool, True at the padding positions of the last batch given out."""
+        rows = list(self._rows_padding)
+        assert len(rows) == self.batch, "padding() is asked before a batch was given out"
+        return torch.arange(self.seq_len).unsqueeze(0) >= torch.tensor([self.seq_len - n for n in rows]).unsqueeze(1)
+
     def _rows(self) -> Iterator[packing.Row]:
         epoch, skip = self.position.epoch, self.position.epoch_rows
         while True:
-            self._started = 0
+            self._empty = 0
             order = epoch_order(self.numbers, self.seed, epoch, self.shuffle)
-            rows = 0
+            rows = ended = 0  # rows of the epoch packed, documents they end (the skipped ones too: exact at resume)
             figures = packing.RowFigures()
             for row in packing.pack(self._documents(order), self.seq_len, self.separator_id, mode=self.mode,
                                     figures=figures):
                 rows += 1
+                ended += figures.ended
                 if rows <= skip:
                     continue
                 self.packed.add(figures, self.seq_len)
                 self.position = Position(epoch, rows, self.position.rows_done + 1)
-                self.epoch = epoch + self._started / max(1, len(order))
+                self.epoch = epoch + (ended + self._empty) / max(1, len(order))
+                self._rows_padding.append(figures.padding)
                 yield row
             if rows == 0:
                 return  # no tokens at all: the caller says so
@@ -159,9 +172,10 @@ class TrainingData:
         file, where = self.addresses.file, self.addresses.where
         for number in order:
             doc = self.corpus.document(int(file[number]), int(where[number]))
-            self._started += 1
             if len(doc[0] if isinstance(doc, tuple) else doc):
                 yield doc
+            else:
+                self._empty += 1
 
 
 def packing_mode(requested: str, corpus: Corpus) -> str:

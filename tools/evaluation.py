@@ -6,8 +6,8 @@ documents are packed in corpus order as training packs (same row length and sepa
 batches of ``--batch`` rows, the last one possibly smaller, every row included: the padded last row's
 padding is labelled -100 and counts for nothing. Rows are packed again at each evaluation rather than kept,
 so an eval set costs no memory. The loss is the mean over every predicted token of the set (each batch's
-mean weighted by its tokens, summed on the device in float64: one host sync per evaluation);
-the perplexity is exp(loss).
+mean weighted by its tokens, summed on the device in float64: one host sync per evaluation): the
+language-model loss, without a mixture of experts' load-balancing term; the perplexity is exp(loss).
 
 ``Engine.evaluate`` streams the blocks as a training step's forward does, with the chunked loss, and leaves
 the training state as it was: evaluating changes nothing about the run but the time it takes.
@@ -70,7 +70,8 @@ class EvalSet:
             n = int((labels[:, 1:] != packing.IGNORE_INDEX).sum())
             if n == 0:
                 continue  # a batch of prompts only: nothing to predict
-            weighted = engine.evaluate(ids, labels, position_ids=positions).double() * n
+            engine.evaluate(ids, labels, position_ids=positions)
+            weighted = engine.lm_loss.double() * n  # the cross-entropy (a router's load-balancing term apart)
             total = weighted if total is None else total + weighted
             correct = engine.correct_tokens if correct is None else correct + engine.correct_tokens
             tokens += n

@@ -8,9 +8,11 @@ or several of them (``--log-to tensorboard,wandb``).
 ``check(config)`` says in one line what is missing before anything is written (the training
 command calls it with the other input checks). TensorBoard: the ``tensorboard`` package's event
 files under ``OUT/tensorboard`` (``tensorboard --logdir OUT``), every number of the record as a
-scalar ``train/<name>`` (an evaluation's ``eval_<name>`` as ``eval/<name>``); a resumed run purges the events after its checkpoint's step, as it does
+scalar ``train/<name>`` (an evaluation's ``eval_<name>`` as ``eval/<name>``; the per-expert and per-layer lists
+a scalar per entry, ``train/expert_tokens/expert_3``, ``train/expert_load/layer_0``; the step's time breakdown
+``train/breakdown/<phase>``); a resumed run purges the events after its checkpoint's step, as it does
 the rows of metrics.jsonl. Weights & Biases: ``wandb.init`` with the run's options as its config (project
-``WANDB_PROJECT``, else megatrain; its files under ``WANDB_DIR``, else ``OUT/wandb``; ``WANDB_MODE=offline``
+``WANDB_PROJECT``, else megatrain; its files under ``WANDB_DIR/wandb``, else ``OUT/wandb``; ``WANDB_MODE=offline``
 as wandb reads it), the same scalars by the same names, the run's summary.json as its summary; a resumed run
 continues the same wandb run (its id kept in ``OUT/wandb/run_id``).
 """
@@ -93,7 +95,7 @@ class WandbSink:
             f.write(run_id)
         self._run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "megatrain", id=run_id, resume="allow",
                                name=os.path.basename(os.path.abspath(out_dir)), config=dict(config),
-                               dir=os.environ.get("WANDB_DIR") or own_dir,
+                               dir=os.environ.get("WANDB_DIR") or out_dir,  # wandb writes DIR/wandb/
                                settings=wandb.Settings(console="off", silent=True))
 
     def log(self, step: int, record: Mapping[str, Any]) -> None:
@@ -105,15 +107,34 @@ class WandbSink:
         self._run.finish(exit_code=int(summary.get("exit_code") or 0) if summary is not None else 1)
 
 
+# What the entries of a list field count, for their tags (``train/expert_tokens/expert_3``); others: ``item_<i>``.
+_ENTRIES = {"expert_tokens": "expert", "expert_load": "layer"}
+
+
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
-    """Every finite number of a metrics record by its tag: ``train/<name>``, an evaluation's ``eval/<name>``."""
+    """Every finite number of a metrics record by its tag: ``train/<name>``, an evaluation's ``eval/<name>``; a list
+    (per expert, per layer) as a scalar per entry, ``train/expert_tokens/expert_3``; a dict (the step's
+    ``breakdown``) as a scalar per key, ``train/breakdown/compute_s``."""
     out: dict[str, float] = {}
     for name, value in record.items():
-        if name == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
+        if name == "step":
             continue
-        if math.isfinite(value):
-            out[f"eval/{name[len('eval_'):]}" if name.startswith("eval_") else f"train/{name}"] = value
+        tag = f"eval/{name[len('eval_'):]}" if name.startswith("eval_") else f"train/{name}"
+        if isinstance(value, (list, tuple)):
+            entry = _ENTRIES.get(name, "item")
+            _add(out, {f"{tag}/{entry}_{i}": v for i, v in enumerate(value)})
+        elif isinstance(value, Mapping):
+            _add(out, {f"{tag}/{key}": v for key, v in value.items()})
+        else:
+            _add(out, {tag: value})
     return out
+
+
+def _add(out: dict[str, float], values: Mapping[str, Any]) -> None:
+    """The finite numbers of ``values`` (not booleans, strings or None) into ``out``."""
+    for tag, value in values.items():
+        if not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value):
+            out[tag] = value
 
 
 def check(config: TrainConfig) -> None:

@@ -244,14 +244,15 @@ def format_summary(s: Mapping[str, Any]) -> str:
         f"memory       no GPU ({s['device']})",
         f"             peak host RSS {format_bytes(s['host_peak_bytes'])}",
         f"outputs      {s['out']}",
-        f"  metrics    {s['metrics']}",
-        f"  checkpoint {s['checkpoint']}",
-        f"  plot       {s['plot']}",
+        f"  metrics     {s['metrics']}",
+        *([f"  summary     {s['summary']}"] if s.get("summary") else []),
+        *([f"  options     {s['run_record']}"] if s.get("run_record") else []),
+        f"  checkpoint  {s['checkpoint']}",
+        f"  plot        {s['plot']}",
     ]
-    if s.get("trace"):
-        lines.append(f"  trace      {s['trace']}")
-    if s.get("export"):
-        lines.append(f"  export     {s['export']}")
+    for key in ("trace", "tensorboard", "wandb", "export"):  # each written only when asked for
+        if s.get(key):
+            lines.append(f"  {key:<11} {s[key]}")
     return "\n".join(lines)
 
 

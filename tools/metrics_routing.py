@@ -5,13 +5,16 @@ counted by the routers as they route, and the aux loss); the training loop reads
 loss, after the step is done. Each metrics row then carries:
 
 - ``expert_tokens``: per expert, the tokens routed to it, summed over the layers (each token counts once per
-  layer for each of its top-k experts; over the global batch under data parallelism);
-- ``expert_load``: per layer, the busiest expert's tokens over the mean per expert (1.0: perfectly balanced;
+  layer for each of its top-k experts; padding positions not counted; over the global batch under data
+  parallelism);
+- ``expert_load``: per layer, the busiest expert's tokens over the mean per expert (of the counted tokens) (1.0: perfectly balanced;
   ``experts / top_k``: every token to the same k experts: a collapsed router);
 - ``expert_load_max``: the largest of those; ``experts_idle``: the fraction of (layer, expert) pairs that
   received no token in the step;
-- ``aux_loss``: the load-balancing loss (transformers' ``aux_loss``, unweighted; the row's ``loss`` includes it
-  weighted by ``router_aux_loss_coef``), only when the model trains with it.
+- ``aux_loss``: the load-balancing loss (transformers' ``aux_loss``, unweighted), only when the model trains
+  with it; the row's ``loss`` is then the language-model loss alone (the cross-entropy), and
+  ``train_objective`` what the step minimised: ``loss`` + ``router_aux_loss_coef`` x ``aux_loss``
+  (transformers' ``outputs.loss``).
 """
 from __future__ import annotations
 

@@ -28,9 +28,10 @@ rest of a longer document is dropped) and padded.
 ``whole``: documents apart as in ``documents``, but each in one row whole, rows filled best-fit-decreasing
 (bin_packing.py, [Note: whole-document packing]); only a document longer than a row is split.
 
-Every mode reports, row by row (``RowFigures``), its padding, the documents it begins and the documents it
+Every mode reports, row by row (``RowFigures``), its padding, the documents it begins, the documents it
 cuts (a document, with its separator, not held whole by one row: continued in the next row, truncated by
-``none``, or split by ``whole``); ``PackingStats`` adds them up for the run's summary.
+``none``, or split by ``whole``) and the documents it ends (whose last token, or separator, is in it: trained
+once the row is); ``PackingStats`` adds them up for the run's summary.
 
 In every mode only padding is filler: it carries ``pad_id`` and the label -100 (ignored by the loss);
 packed modes pad only the final row (in ``documents``, the padding is a segment of its own). Labels are
@@ -71,11 +72,13 @@ class Batch(NamedTuple):
 
 @dataclass
 class RowFigures:
-    """The row just yielded by ``pack``: positions of padding, documents begun in it, documents cut in it."""
+    """The row just yielded by ``pack``: positions of padding (the row's last ones), documents begun in it,
+    documents cut in it, documents ended in it."""
 
     padding: int = 0
     documents: int = 0
     cut: int = 0
+    ended: int = 0
 
 
 @dataclass
@@ -121,11 +124,13 @@ def pack(documents: Iterable[Document], seq_len: int, separator_id: int, pad_id:
         for doc in documents:
             size = len(doc[0] if isinstance(doc, tuple) else doc) + 1  # with its separator
             figures.padding, figures.documents, figures.cut = max(0, seq_len - size), 1, int(size > seq_len)
+            figures.ended = 1
             yield _one_row(doc, seq_len, separator_id, pad)
         return
     if mode == "whole":
         for packed in bin_packing.pack_whole(_with_separator(documents, separator_id), seq_len, pad):
             figures.padding, figures.documents, figures.cut = packed.padding, packed.documents, packed.cut
+            figures.ended = packed.ended
             yield Row(packed.ids, packed.labels, packed.positions)
         return
     sep = np.array([separator_id], dtype=np.int64)
@@ -134,7 +139,7 @@ def pack(documents: Iterable[Document], seq_len: int, separator_id: int, pad_id:
     label_pieces: list[np.ndarray] = []  # their labels
     position_pieces: list[np.ndarray] = []  # their positions ("documents")
     have = 0                        # tokens in pieces
-    begun = cut = 0                 # documents begun in the row being filled; documents it cuts
+    begun = cut = ended = 0         # documents begun in the row being filled; documents it cuts; it ends
     for doc in documents:
         doc, doc_labels, sep_labels = _parts(doc, sep)
         at, first = 0, True  # the next token's position in its segment of this row; the document's first token
@@ -158,13 +163,15 @@ def pack(documents: Iterable[Document], seq_len: int, separator_id: int, pad_id:
                 label_pieces.append(labels)
                 pos += take
                 have += take
+                if part is sep and pos == n:  # the separator placed: the document ends in this row
+                    ended += 1
                 if have == seq_len:
                     if (pos < n or part is doc) and not counted:  # the document goes on in the next row
                         cut, counted = cut + 1, True
-                    figures.padding, figures.documents, figures.cut = 0, begun, cut
+                    figures.padding, figures.documents, figures.cut, figures.ended = 0, begun, cut, ended
                     yield Row(np.concatenate(pieces), np.concatenate(label_pieces),
                               np.concatenate(position_pieces) if with_positions else None)
-                    pieces, label_pieces, position_pieces, have, begun, cut = [], [], [], 0, 0, 0
+                    pieces, label_pieces, position_pieces, have, begun, cut, ended = [], [], [], 0, 0, 0, 0
     if have:
         ids = np.full(seq_len, pad, dtype=np.int64)
         labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
@@ -173,7 +180,7 @@ def pack(documents: Iterable[Document], seq_len: int, separator_id: int, pad_id:
         positions = None
         if with_positions:  # the padding: a segment of its own
             positions = np.concatenate(position_pieces + [np.arange(seq_len - have, dtype=np.int64)])
-        figures.padding, figures.documents, figures.cut = seq_len - have, begun, cut
+        figures.padding, figures.documents, figures.cut, figures.ended = seq_len - have, begun, cut, ended
         yield Row(ids, labels, positions)
 
 

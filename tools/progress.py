@@ -6,6 +6,7 @@ on a terminal, a new line every ``log_every`` steps otherwise, e.g. in a log fil
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any, Mapping, TextIO
@@ -148,3 +149,19 @@ class Progress:
             self.stream.write("\n")
             self.stream.flush()
         self.style = "none" if self.style != "plain" else "closed"
+
+
+def print_summary(text: str) -> None:
+    """The run's summary on stdout (what ``megatrain-train ... > log.txt`` keeps), and on stderr as well where that
+    is not the same file (a terminal showing the progress shows the summary once)."""
+    print(text, flush=True)
+    if not _same_file(sys.stdout, sys.stderr):
+        print(text, file=sys.stderr, flush=True)
+
+
+def _same_file(a: Any, b: Any) -> bool:
+    try:
+        x, y = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (AttributeError, OSError, ValueError):  # a stream without a file descriptor (captured): not the same
+        return False
+    return (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino)

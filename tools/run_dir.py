@@ -23,7 +23,7 @@ import socket
 import time
 from typing import Callable
 
-from .train_config import TrainConfigError
+from .train_config import TrainConfigError, log_targets
 
 CHECKPOINT_DIR = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
@@ -194,3 +194,16 @@ def _read_owner(fd: int) -> dict:
 def _describe(owner: dict) -> str:
     return f"pid {owner.get('pid', '?')} on {owner.get('host', '?')}" + \
         (f", started {owner['started']}" if owner.get("started") else "")
+
+
+def written(out: str, log_to: str) -> dict[str, str]:
+    """The summary's paths of the files and folders a run writes in ``out`` besides its metrics, checkpoints, plot
+    and trace: summary.json, run.json (the options, when the run took the directory), tensorboard/ and wandb/
+    (``--log-to``)."""
+    found = {"summary": os.path.join(out, "summary.json")}
+    if os.path.exists(os.path.join(out, "run.json")):
+        found["run_record"] = os.path.join(out, "run.json")
+    for target in ("tensorboard", "wandb"):
+        if target in log_targets(log_to):
+            found[target] = os.path.join(out, target) + os.sep
+    return {k: os.path.abspath(v) + (os.sep if v.endswith(os.sep) else "") for k, v in found.items()}

@@ -6,13 +6,14 @@
     megatrain-train --config run.toml --steps 2000    # the same keys in a TOML file; the command line wins
     megatrain-train --resume run1                     # continue where run1 stopped (its settings, plus yours)
 
-Writes OUT/metrics.jsonl (one line per step, with the held-out loss after each evaluation), OUT/summary.json,
-OUT/checkpoints/, OUT/training.png (with matplotlib), OUT/trace.json (--trace) and, with --export-on-finish DIR,
-a Hugging Face directory DIR at the end. The data order is tools/data_order.py's, evaluation tools/evaluation.py's,
-the steps tools/training_loop.py's. OUT must be new or empty (--overwrite replaces an earlier run's files;
---resume continues it, in its own directory); see tools/run_dir.py. Ctrl-C saves a checkpoint and exits with
-status 130 (also during start-up, with nothing written yet); a second Ctrl-C exits at once. A bad option or
-input: one line on stderr, status 2, before anything is written.
+Writes OUT/metrics.jsonl (a line per step, with the held-out loss after each evaluation), OUT/summary.json, OUT/run.json
+(the options), OUT/checkpoints/, OUT/training.png (with matplotlib), OUT/trace.json (--trace), OUT/tensorboard/ and
+OUT/wandb/ (--log-to) and, with --export-on-finish DIR, a Hugging Face directory DIR at the end. Progress and warnings
+go to stderr, the summary to stdout (and stderr). The data order is tools/data_order.py's, evaluation
+tools/evaluation.py's, the steps tools/training_loop.py's. OUT must be new or empty (--overwrite replaces an earlier
+run's files; --resume continues it, in its own directory); see tools/run_dir.py. Ctrl-C saves a checkpoint and exits
+with status 130 (also during start-up, with nothing written yet); a second Ctrl-C exits at once. A bad option or input:
+one line on stderr, status 2, before anything is written.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from megatrain.runtime.distributed.process_group import exit_process
 
     from . import data_order, evaluation, export, io_failure, metric_sinks, metrics, model_source, packing, \
-        ranks, restart, resume, run_dir, run_inputs, run_plan, tokenizer as tokenizers, tokenizer_check, \
+        progress, ranks, restart, resume, run_dir, run_inputs, run_plan, tokenizer as tokenizers, tokenizer_check, \
         train_config, train_options, world_change
     from .data import Corpus
     from .plot import plot
@@ -335,6 +336,7 @@ class Run:
         packed = loop.data.packed
         return metrics.summarize(loop.records, engine.num_parameters, loop.flops, loop.peak, engine.device, {
             "peak_source": loop.peak_source, "out": os.path.abspath(self.out), "metrics": loop.metrics_path,
+            **run_dir.written(self.out, self.config.log_to),
             "checkpoint": f"{loop.ckpt_root} (step {loop.saved_at})" if loop.saved_at is not None else "none",
             "trace": loop.tracer.describe() if loop.tracer is not None else None,
             "exit_code": loop.exit_code, "notes": self.notes, "plan": plan.to_dict(),
@@ -342,7 +344,7 @@ class Run:
         }, history=metrics.read_metrics(loop.metrics_path))
 
     def _finish(self, summary: dict[str, Any], loop: "TrainingLoop") -> int:
-        """The export, the plot, summary.json and the lines on stderr; returns the exit status."""
+        """The export, the plot, summary.json and the summary's lines (stdout, and stderr); returns the exit status."""
         c = self.config
         if c.export_on_finish and loop.exit_code == 0:
             summary["export"], failure = export.export_run(loop.ckpt_root, c.export_on_finish, c.export_dtype)
@@ -354,9 +356,7 @@ class Run:
             if c.plot else "off (--no-plot)"
         metrics.write_summary(os.path.join(self.out, "summary.json"), summary)
         loop.sink.close(summary)  # --log-to: the summary too
-        print(metrics.format_summary(summary), file=sys.stderr)
-        for note in self.notes:
-            print(f"note: {note}", file=sys.stderr)
+        progress.print_summary("\n".join([metrics.format_summary(summary), *(f"note: {note}" for note in self.notes)]))
         return loop.exit_code
 
 

@@ -52,6 +52,7 @@ class Pending:
     correct: torch.Tensor | None = None   # [] int64 on the device: this rank's tokens predicted right (argmax)
     own_tokens: int = 0       # this rank's predicted tokens (what ``correct`` is a share of)
     routing: Any = None       # Engine.routing: the experts' token counts and aux loss on the device (MoE)
+    objective: torch.Tensor | None = None  # [] fp32 on the device: what the step minimised (loss + coef x aux)
 
 
 
@@ -106,11 +107,13 @@ class TrainingLoop:
                     timed = step % c.log_every == 0
                     if timed:
                         engine.time_next_step()
-                    loss = engine.step(ids[self.rows], labels[self.rows], lr=lr,  # this rank's rows
-                                       position_ids=None if positions is None else positions[self.rows])
+                    objective = engine.step(ids[self.rows], labels[self.rows], lr=lr,  # this rank's rows
+                                            position_ids=None if positions is None else positions[self.rows],
+                                            padding=self.data.padding()[self.rows])
                     breakdown = engine.last_step_breakdown if timed else None
-                    launched = Pending(step, loss, engine.grad_norm, lr, int((labels[:, 1:] != -100).sum()),
+                    launched = Pending(step, engine.lm_loss, engine.grad_norm, lr, int((labels[:, 1:] != -100).sum()),
                                        ids.numel(), breakdown, self.data.epoch)
+                    launched.objective = objective
                     launched.correct = engine.correct_tokens  # read with the loss, one step later
                     launched.routing = engine.routing
                     launched.own_tokens = int((labels[self.rows][:, 1:] != -100).sum())
@@ -171,6 +174,8 @@ class TrainingLoop:
         }
         if p.routing is not None:
             record.update(metrics_routing.figures(p.routing))
+            if "aux_loss" in record and p.objective is not None:  # the total the step minimised
+                record["train_objective"] = float(p.objective.item())
         if p.evaluation is not None:
             record.update(p.evaluation)
         if p.breakdown is not None:

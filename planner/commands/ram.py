@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> None:
         model, dataclasses.replace(work, batch=r.batch), r.choice.plan, sizing.with_ram(hw, r.ram_bytes), ranks)
         for r in ladder]
     target = args.tokens_per_second
-    answer = None if target is None else sizing.least_ram_for(model, work, hw, target, args.max_batch, ranks)
+    answer = None if target is None else sizing.least_ram_for(model, work, hw, target, args.max_batch, ranks, ladder)
     data, text = report_ram.page(report_ram.RamQuestion(
         model, work, hw, measured, nvme_size, args.price_per_gb, args.max_batch, ranks, target),
         ladder, scaling, answer)

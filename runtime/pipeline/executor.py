@@ -70,6 +70,8 @@ class Batch:
     documents: list[Documents | None] | None = None
     # Decoder layers whose forward graph is kept for backward, not recomputed ([Note: kept layers]).
     kept: frozenset[int] = frozenset()
+    # [B, S] bool on the device, True at padding: left out of the experts' token counts; None: no padding given.
+    padding: torch.Tensor | None = None
 
 
 class Executor:
@@ -148,6 +150,7 @@ class Executor:
             self.dist.begin_step()
             batch.n_tokens = self.dist.all_reduce_sum(batch.n_tokens)
         positions = self._positions(batch)
+        self.routing.count(None if batch.padding is None else [~batch.padding[rows] for rows in batch.micro])
         self.kept.begin(batch.kept)
         self.checkpoints.begin([b.layer for b in self.templates.layers if b.layer not in batch.kept],
                                *batch.input_ids.shape, self.config.hidden_size, batch.micro)

@@ -29,7 +29,10 @@ term grows with their count); a one-micro-batch step is that. Data parallel: the
 all-reduced after the forward, so the step equals one process on the global batch.
 
 The counts of the experts actually routed to (the router's own top-k, used for the metrics) are kept per layer:
-[layers, E] int64 on the device, read by the caller once per step with the loss.
+[layers, E] int64 on the device, read by the caller once per step with the loss. They count the tokens of the
+step's rows and leave out its padding (``Batch.padding``): a router sees a micro-batch's rows [b, S] flattened,
+whole or in sequence tiles taken in order, so each call's tokens are the next columns of that micro-batch's
+mask. The load-balancing loss's statistics above keep every position, as transformers' without a mask.
 """
 from __future__ import annotations
 
@@ -56,9 +59,11 @@ class StepRouting:
     """
 
     def __init__(self, layers: int, experts: int, top_k: int, coef: float | None, device: torch.device,
-                 collectives: Collectives | None) -> None:
+                 collectives: Collectives | None, counted: list[torch.Tensor] | None = None) -> None:
         self.experts, self.top_k, self.coef = experts, top_k, coef
         self.dist = collectives
+        # Per micro-batch, [b, S] bool on the device: the positions the token counts count (not padding); None: all.
+        self.counted = counted
         self.tokens = torch.zeros(layers, experts, dtype=torch.int64, device=device)
         self.aux_loss: torch.Tensor | None = None
         # The loss's statistics (transformers' own top-k of softmax in the logits' dtype) and, after the
@@ -95,6 +100,7 @@ class _Recorder:
 
     def __init__(self, step: StepRouting, layer: int) -> None:
         self.step, self.layer = step, layer
+        self.micro, self.column = 0, 0  # where the next router call's tokens start in the counted masks
 
     def logits(self, logits: torch.Tensor) -> torch.Tensor:
         s = self.step
@@ -109,7 +115,19 @@ class _Recorder:
 
     def routed(self, experts: torch.Tensor) -> None:
         flat = experts.reshape(-1)
-        self.step.tokens[self.layer].scatter_add_(0, flat, torch.ones_like(flat))
+        self.step.tokens[self.layer].scatter_add_(0, flat, self._counted(experts) if self.step.counted is not None
+                                                  else torch.ones_like(flat))
+
+    def _counted(self, experts: torch.Tensor) -> torch.Tensor:
+        """1 for each (token, choice) of experts [T, k] that is no padding, else 0: [T x k] int64."""
+        assert self.step.counted is not None
+        mask = self.step.counted[self.micro]  # [b, S]: this micro-batch's rows
+        width = experts.shape[0] // mask.shape[0]  # the router's tokens are [b, width] of them, flattened
+        tokens = mask[:, self.column:self.column + width].reshape(-1, 1)
+        self.column += width
+        if self.column >= mask.shape[1]:
+            self.micro, self.column = self.micro + 1, 0
+        return tokens.expand(-1, experts.shape[1]).reshape(-1).to(torch.int64)
 
 
 class _Gradient:
@@ -160,6 +178,14 @@ class RouterBalance:
         self.config, self.device, self.dist = config, device, collectives
         self.current: StepRouting | None = None  # the forward pass running or last run
         self.last: StepRouting | None = None  # the last training step's, for the metrics
+        self.counted: list[torch.Tensor] | None = None  # the next training pass's masks (``count``)
+        # The last pass's language-model loss (the cross-entropy, no load-balancing term): [] fp32 on the device.
+        self.lm_loss: torch.Tensor | None = None
+
+    def count(self, counted: list[torch.Tensor] | None) -> None:
+        """The next training forward counts, per micro-batch, the positions where ``counted`` [b, S] is True
+        (None: every position)."""
+        self.counted = counted
 
     @contextlib.contextmanager
     def forward(self, layer: int, training: bool, part: Part | None = None) -> Iterator[None]:
@@ -173,7 +199,8 @@ class RouterBalance:
             return
         if layer == 0:
             self.current = StepRouting(c.num_hidden_layers, c.num_experts, c.num_experts_per_tok,
-                                       c.router_aux_loss_coef, self.device, self.dist if training else None)
+                                       c.router_aux_loss_coef, self.device, self.dist if training else None,
+                                       self.counted if training else None)
             if training:
                 self.last = self.current
         assert self.current is not None
@@ -192,5 +219,7 @@ class RouterBalance:
             yield
 
     def loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The pass's reported loss: ``loss`` (the cross-entropy) + coef x aux when the loss is on."""
+        """The pass's reported loss: ``loss`` (the cross-entropy, kept as ``lm_loss``) + coef x aux when the loss
+        is on."""
+        self.lm_loss = loss
         return loss if self.current is None else self.current.loss(loss)
