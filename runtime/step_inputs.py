@@ -26,6 +26,7 @@ from megatrain.planner.kept_layers import default_kept_layers
 from megatrain.planner.plan import Plan
 from megatrain.planner.workload import Workload
 
+from megatrain.runtime import config_ranges
 from megatrain.runtime.config import ModelConfig
 from megatrain.runtime.engine_arguments import Arguments
 from megatrain.runtime.errors import InputError
@@ -52,8 +53,13 @@ class StepInputs:
     def hyper(self, lr: float | None) -> AdamHyper:
         """The AdamW hyperparameters of one step: ``lr`` (None: the optimizer's) checked."""
         lr = self.optimizer.lr if lr is None else lr
-        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
-            raise InputError(f"lr={lr!r} must be a finite number >= 0 (e.g. 3e-4)")
+        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or not \
+                0 <= lr <= config_ranges.LR_MAX:
+            raise InputError(f"lr={lr!r} must be a finite number in [0, {config_ranges.LR_MAX:g}] (e.g. 3e-4; no "
+                             f"real run uses more)")
+        product = config_ranges.decay_product(lr, self.optimizer.weight_decay)
+        if product:
+            raise InputError(product)
         b1, b2 = self.optimizer.betas
         return AdamHyper(float(lr), b1, b2, self.optimizer.eps, self.optimizer.weight_decay,
                          self.optimizer.skip_nonfinite)

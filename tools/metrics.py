@@ -194,6 +194,8 @@ def format_summary(s: Mapping[str, Any]) -> str:
            f"{segment['first_loss']:.4f} -> {segment['last_loss']:.4f}; {segment['tokens']:,} positions, "
            f"{segment['trained_tokens']:,} labelled tokens"] if segment else []),
         *([packing_line(s["packing"])] if s.get("packing") else []),
+        *([f"skipped      {s['skipped_steps']:,} update(s) for a non-finite gradient (NaN or inf)"
+           + (": the run diverged" if s.get("diverged") else "")] if s.get("skipped_steps") else []),
         *metrics_routing.summary_line(s),
         *([f"eval         loss {s['eval_loss']:.4f}, perplexity {s['eval_perplexity']:.4g}"
            + (f", token accuracy {100 * s['eval_token_accuracy']:.2f}%" if s.get("eval_token_accuracy") is not None

@@ -12,7 +12,7 @@ a Hugging Face directory DIR at the end. The data order is tools/data_order.py's
 the steps tools/training_loop.py's. OUT must be new or empty (--overwrite replaces an earlier run's files;
 --resume continues it, in its own directory); see tools/run_dir.py. Ctrl-C saves a checkpoint and exits with
 status 130 (also during start-up, with nothing written yet); a second Ctrl-C exits at once. A bad option or
-input: one line on stderr, status 2, before anything is written.
+input: one line on stderr, status 2, before anything is written. A diverged run: status 3 (tools/divergence.py).
 """
 from __future__ import annotations
 
@@ -336,7 +336,7 @@ class Run:
             "peak_source": loop.peak_source, "out": os.path.abspath(self.out), "metrics": loop.metrics_path,
             "checkpoint": f"{loop.ckpt_root} (step {loop.saved_at})" if loop.saved_at is not None else "none",
             "trace": loop.tracer.describe() if loop.tracer is not None else None,
-            "exit_code": loop.exit_code, "notes": self.notes, "plan": plan.to_dict(),
+            **loop.outcome(), "notes": self.notes, "plan": plan.to_dict(),
             "packing": {"mode": self.packing, **packed.to_dict(), "padding_fraction": packed.padding_fraction},
         }, history=metrics.read_metrics(loop.metrics_path))
 

@@ -109,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
         allow_abbrev=False,
         epilog="Every option can also be set in a TOML file (--config run.toml) under the same name with "
-               "underscores; the command line overrides the file.",
+               "underscores; the command line overrides the file. Exit status: 0 trained; 2 a bad option or input "
+               "(one line, nothing written); 3 training diverged (10 updates in a row, or every update of a "
+               "shorter run, skipped for a non-finite gradient); 130 interrupted (Ctrl-C).",
     )
     parser.add_argument("--config", metavar="TOML", help="a TOML file of options (keys as below, with underscores)")
     parser.add_argument("--overwrite", action="store_true",

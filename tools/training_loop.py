@@ -14,7 +14,7 @@ import torch
 
 from megatrain.runtime import Engine
 
-from . import data_order, evaluation, lr_schedule, metric_sinks, metrics, metrics_routing, packing, ranks, run_dir, \
+from . import data_order, divergence, evaluation, lr_schedule, metric_sinks, metrics, metrics_routing, packing, ranks, run_dir, \
     train_config, world_change
 from .interrupt import EXIT_INTERRUPTED, InterruptGuard
 from .progress import Progress
@@ -84,6 +84,8 @@ class TrainingLoop:
         self.ranks, self.rows = run.ranks, run.rows
         self.saved_at: int | None = None
         self.exit_code = 0
+        self.watch = divergence.DivergenceWatch(run.start_step + 1, c.total_steps)
+        self.diverged: str | None = None  # the line saying the run diverged, when it did
         self.started = self.last_time = time.perf_counter()
 
     def run(self, batches: Iterator[packing.Batch]) -> None:
@@ -123,6 +125,8 @@ class TrainingLoop:
                         self._flush(log, progress)
                     if self.tracer is not None:
                         self.tracer.after_step(step, engine.synchronize)
+                    if self._diverged(progress):
+                        break
                     stop = self.ranks.any(interrupt.requested)  # under torchrun: every rank stops at the same step
                     if stop or (c.save_every and step % c.save_every == 0 and step < c.total_steps):
                         self._flush(log, progress)
@@ -133,7 +137,10 @@ class TrainingLoop:
                         break
                 else:
                     self._flush(log, progress)
-                    self._save(c.total_steps, blocking=True)
+                    engine.synchronize()  # the last steps' skipped updates reported
+                    if not self._diverged(progress):
+                        self._save(c.total_steps, blocking=True)
+                engine.synchronize()  # every skipped update reported here, as one line
                 engine.wait_for_checkpoint()
         except BaseException:
             self.sink.close()  # the run failed: no summary (else the run closes the sink with its summary)
@@ -143,6 +150,20 @@ class TrainingLoop:
             log.close()
             if self.tracer is not None:
                 self.tracer.close(engine.synchronize)
+
+    def _diverged(self, progress: Progress) -> bool:
+        """Stop the run (exit status 3, no checkpoint) when its recent updates were all skipped."""
+        self.diverged = self.watch.diverged(self.engine.skipped_steps)
+        if self.diverged is None:
+            return False
+        self.exit_code = divergence.EXIT_DIVERGED
+        if self.ranks.writes:
+            progress.message(f"megatrain-train: error: {self.diverged}")
+        return True
+
+    def outcome(self) -> dict[str, Any]:
+        """summary.json's exit status and skipped steps."""
+        return {"exit_code": self.exit_code, **divergence.figures(self.engine.skipped_steps, self.diverged)}
 
     def _flush(self, log: metrics.MetricsLog, progress: Progress) -> None:
         """Read the pending step's numbers (waits for that step only) and record them."""
