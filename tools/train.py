@@ -35,7 +35,7 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from megatrain.runtime.distributed.process_group import exit_process
 
     from . import data_order, evaluation, export, metric_sinks, metrics, model_source, packing, ranks, \
-        restart, resume, run_dir, run_plan, tokenizer as tokenizers, tokenizer_check, train_config, train_options, \
+        restart, resume, run_dir, run_limits, tokenizer as tokenizers, tokenizer_check, train_config, train_options, \
         world_change
     from .data import Corpus
     from .plot import plot
@@ -159,6 +159,12 @@ class Run:
         self.rows = self.ranks.rows(c.batch)
         dtype = _compute_dtype(c.compute_dtype, device)
         tokenizer, model, source = self._check_model()
+        moved = None if self.resumed is None or c.plan else world_change.replan(
+            self.resumed.extra, self.resumed.plan, c.batch, self.ranks.world_size)
+        if moved:  # a resume at another world size plans again for the new per-rank batch
+            self.changes.append(moved)
+        chosen = run_limits.choose(c, self.values, self.out, self.resumed.plan if self.resumed else None, model,
+                                   dtype_name(dtype), self.ranks.topology, moved is not None, device.type == "cpu")
         corpus = Corpus(c.data, tokenizer, c.text_field, c.token_dtype, c.train_on)
         corpus.check_token_ids(model.vocab_size)
         if self.resumed is None and "tokenizer" not in self.values:  # the model directory's, not one chosen
@@ -171,12 +177,6 @@ class Run:
         first = next_batch(batches)  # the data yields a batch: checked before anything is written
         evals = evaluation.eval_set(c, corpus, data.addresses, held_out, tokenizer.separator_id, model.vocab_size,
                                     self.packing)
-        moved = None if self.resumed is None or c.plan else world_change.replan(
-            self.resumed.extra, self.resumed.plan, c.batch, self.ranks.world_size)
-        if moved:  # a resume at another world size plans again for the new per-rank batch
-            self.changes.append(moved)
-        chosen = run_plan.choose(c, self.values, self.out, self.resumed.plan if self.resumed else None, model,
-                                 dtype_name(dtype), self.ranks.topology, moved is not None, device.type == "cpu")
         plan, self.plan_description = chosen.plan, chosen.description
         self.notes += chosen.notes
         return Setup(own_run, overwrite, device, dtype, model, source, corpus, itertools.chain([first], batches),

@@ -209,6 +209,9 @@ def read_values(argv: Sequence[str] | None) -> dict[str, Any]:
                 file_values[key] = relative_to(base, key, file_values[key])
         values.update(file_values)
     values.update(from_mapping(args, "command line"))
+    if values.get("tokens") == 0:
+        raise TrainConfigError("tokens=0 trains nothing; give the tokens to train (e.g. --tokens 1_000_000), or "
+                               "leave --tokens out to train --steps steps")
     if overwrite:
         values["overwrite"] = True
     return values
