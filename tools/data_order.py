@@ -111,6 +111,8 @@ class TrainingData:
         self.mode = mode  # packing.MODES: how documents become rows
         self.epoch = float(position.epoch)
         self._started = 0  # documents of the current epoch handed to packing
+        self._dropped = 0  # of those, the ones with nothing to learn (packing.learnable)
+        self._counting = True  # dropped documents are counted (not those before a resumed position)
         # The rows given out, in all (a checkpoint keeps them): padding and cut documents for the summary.
         self.packed = packing.PackingStats.from_dict(position_stats)
 
@@ -138,19 +140,26 @@ class TrainingData:
     def _rows(self) -> Iterator[packing.Row]:
         epoch, skip = self.position.epoch, self.position.epoch_rows
         while True:
-            self._started = 0
+            self._started = self._dropped = 0
+            self._counting = skip == 0  # a resumed epoch's rows before its position were counted already
             order = epoch_order(self.numbers, self.seed, epoch, self.shuffle)
             rows = 0
             figures = packing.RowFigures()
             for row in packing.pack(self._documents(order), self.seq_len, self.separator_id, mode=self.mode,
                                     figures=figures):
                 rows += 1
+                self._counting = rows >= skip
                 if rows <= skip:
                     continue
                 self.packed.add(figures, self.seq_len)
                 self.position = Position(epoch, rows, self.position.rows_done + 1)
                 self.epoch = epoch + self._started / max(1, len(order))
                 yield row
+            if rows == 0 and self._dropped:
+                raise TrainConfigError(f"data: none of the {self._started:,} training documents has a token to "
+                                       f"learn (a chat record needs an assistant turn, and with --packing "
+                                       f"{self.mode} one within its first {self.seq_len} tokens); raise --seq-len, "
+                                       f"shorten the prompts, or check the data")
             if rows == 0:
                 return  # no tokens at all: the caller says so
             epoch, skip = epoch + 1, 0
@@ -160,7 +169,10 @@ class TrainingData:
         for number in order:
             doc = self.corpus.document(int(file[number]), int(where[number]))
             self._started += 1
-            if len(doc[0] if isinstance(doc, tuple) else doc):
+            if not packing.learnable(doc, self.seq_len, self.mode):  # counted, as cut documents are; never packed
+                self._dropped += 1
+                self.packed.dropped += int(self._counting)
+            elif len(doc[0] if isinstance(doc, tuple) else doc):
                 yield doc
 
 

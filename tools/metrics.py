@@ -95,6 +95,12 @@ class MetricsLog:
         self._file.close()
 
 
+def remove_if_empty(path: str) -> None:
+    """Remove a metrics file no step was written to (a run that stopped before its first step)."""
+    if os.path.isfile(path) and os.path.getsize(path) == 0:
+        os.remove(path)
+
+
 def read_metrics(path: str) -> list[dict[str, Any]]:
     """The step records of a metrics.jsonl; a line that is not one (a torn last line of a killed run) is skipped."""
     records = []
@@ -230,7 +236,9 @@ def packing_line(p: Mapping[str, Any]) -> str:
     cut = {"whole": "split, longer than a row", "none": "truncated to a row"}.get(p["mode"], "continued in the "
                                                                                      "next row")
     return (f"packing      {p['mode']}: {100 * p['padding_fraction']:.1f}% of {p['positions']:,} positions padding; "
-            f"{p['cut']:,} of {p['documents']:,} documents cut ({cut})")
+            f"{p['cut']:,} of {p['documents']:,} documents cut ({cut})"
+            + (f"; {p['dropped']:,} dropped (nothing to learn: no assistant turn, or a prompt filling the row)"
+               if p.get("dropped") else ""))
 
 
 def write_summary(path: str, summary: Mapping[str, Any]) -> None:

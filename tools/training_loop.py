@@ -148,6 +148,8 @@ class TrainingLoop:
         finally:
             progress.close()
             log.close()
+            if writes and self.start_step == 0 and not self.records:  # stopped before its first step: --out as it
+                metrics.remove_if_empty(self.metrics_path)            # was (train.py removes the rest)
             if self.tracer is not None:
                 self.tracer.close(engine.synchronize)
 
