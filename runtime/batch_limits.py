@@ -3,8 +3,8 @@
 ``Engine.step`` runs a batch in the plan's micro-batches (the whole batch, for an engine built without a
 plan: see runtime/step_inputs.py). A micro-batch's activations, priced by the planner's memory model
 (``memory_model.activation_bytes``, what the default plan's kept layers are chosen against), must fit the
-memory the device has free once the engine is built: one row of ten million tokens would otherwise grow to
-tens of GB before failing. Checked once per batch shape (a few microseconds of host arithmetic), never with
+memory the device can hold besides the engine (``capacity_bytes``): one row of ten million tokens would
+otherwise grow to tens of GB before failing. Checked once per batch shape (a few microseconds of host arithmetic), never with
 a device sync; the refusal names the most rows, or the longest row, that fits.
 """
 from __future__ import annotations
@@ -22,19 +22,22 @@ from megatrain.runtime.errors import InputError
 
 
 class BatchTooLargeError(InputError):
-    """A step's batch whose activations cannot fit the device's free memory under the engine's plan."""
+    """A step's batch whose activations cannot fit the device's memory under the engine's plan."""
 
 
-def free_bytes(device: torch.device) -> int:
-    """The memory the device has free now (a CPU device: the host's available memory)."""
-    return int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else \
-        int(psutil.virtual_memory().available)
+def capacity_bytes(device: torch.device) -> int:
+    """What the device could give a step's activations: its total memory less what this process holds on it (the
+    engine's buffers; a CPU device: the host's memory less this process's resident set). Not the memory free now,
+    which other processes move: the default plan's kept layers follow that (step_inputs.py), this bound does not."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[1]) - int(torch.cuda.memory_allocated(device))
+    return int(psutil.virtual_memory().total) - int(psutil.Process().memory_info().rss)
 
 
 def check(config: ModelConfig, compute_dtype: torch.dtype, clipping: bool, plan: Plan, micro_batch_open: bool,
           rows: int, seq: int, device: torch.device) -> None:
     """Raise BatchTooLargeError when a micro-batch of this ``rows`` x ``seq`` batch needs more activation memory
-    than ``device`` has free (``micro_batch_open``: the batch is one micro-batch, the default plan's first step)."""
+    than ``device`` can hold (``micro_batch_open``: the batch is one micro-batch, the default plan's first step)."""
     try:
         shape = model_shapes.from_config(config.to_dict())
     except model_shapes.ModelShapeError:
@@ -46,20 +49,21 @@ def check(config: ModelConfig, compute_dtype: torch.dtype, clipping: bool, plan:
         return memory_model.activation_bytes(shape, Workload(s, r, dtype, clipping),
                                              plan.replace(micro_batch_size=micro))
 
-    free = free_bytes(device)
+    room = capacity_bytes(device)
     need = needs(rows, seq)
-    if need <= free:
+    if need <= room:
         return
-    fits_rows = _largest(lambda r: needs(r, seq) <= free, rows - 1)
+    fits_rows = _largest(lambda r: needs(r, seq) <= room, rows - 1)
     if fits_rows:
         fix = (f"at most {fits_rows} row(s) of {seq} tokens fit at once: pass a plan with "
                f"micro_batch_size={fits_rows} (Plan(micro_batch_size={fits_rows})), or a smaller batch")
     else:
-        longest = _largest(lambda s: needs(1, s) <= free, seq - 1)
+        longest = _largest(lambda s: needs(1, s) <= room, seq - 1)
         fix = (f"the longest row that fits is {longest:,} tokens; shorten the sequences" if longest else
-               "not even a short row fits; free memory on the device")
+               "not even a short row fits")
     raise BatchTooLargeError(f"a batch of {rows} x {seq:,} tokens needs {need / 2**30:.2f} GiB of activations per "
-                             f"micro-batch, more than the {free / 2**30:.2f} GiB free on {device}; {fix}")
+                             f"micro-batch, more than the {room / 2**30:.2f} GiB {device} can hold besides the engine; "
+                             f"{fix}")
 
 
 def _largest(ok: Callable[[int], bool], high: int) -> int:
