@@ -4,8 +4,8 @@
 plan: see runtime/step_inputs.py). A micro-batch's activations, priced by the planner's memory model
 (``memory_model.activation_bytes``, what the default plan's kept layers are chosen against), must fit the
 memory the device can hold besides the engine (``capacity_bytes``): one row of ten million tokens would
-otherwise grow to tens of GB before failing. Checked once per batch shape (a few microseconds of host arithmetic), never with
-a device sync; the refusal names the most rows, or the longest row, that fits.
+otherwise grow to tens of GB before failing. Checked once per batch shape (host arithmetic, about a
+millisecond), never with a device sync; the refusal names the most rows, or the longest row, that fits.
 """
 from __future__ import annotations
 

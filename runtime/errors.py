@@ -32,5 +32,5 @@ class ClosedError(MegatrainError):
     """The engine was closed; build or load a new one."""
 
 
-__all__ = ["MegatrainError", "ConfigError", "InputError", "NonFiniteError", "CheckpointError", "ClosedError", "PlanError",
-           "AttentionBackendError"]
+__all__ = ["MegatrainError", "ConfigError", "InputError", "NonFiniteError", "CheckpointError", "ClosedError",
+           "PlanError", "AttentionBackendError"]

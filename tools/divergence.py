@@ -35,6 +35,12 @@ class DivergenceWatch:
                 f"the data and the model's weights, or resume from an earlier checkpoint")
 
 
+def elsewhere() -> str:
+    """The line of a rank whose own skipped steps are not reported yet when another rank's show the run diverged."""
+    return (f"training diverged: {WINDOW} updates in a row had a non-finite gradient (NaN or inf) and were skipped, "
+            f"so the run stopped (exit status {EXIT_DIVERGED}); lower --lr, check the data and the model's weights")
+
+
 def figures(skipped: Sequence[int], diverged: str | None) -> dict[str, object]:
     """summary.json's account of the skipped steps (this invocation's)."""
     return {"skipped_steps": len(skipped), "skipped_step_numbers": list(skipped)[:100], "diverged": diverged}

@@ -14,8 +14,8 @@ import torch
 
 from megatrain.runtime import Engine
 
-from . import data_order, divergence, evaluation, lr_schedule, metric_sinks, metrics, metrics_routing, packing, ranks, run_dir, \
-    train_config, world_change
+from . import data_order, divergence, evaluation, lr_schedule, metric_sinks, metrics, metrics_routing, packing, \
+    ranks, run_dir, train_config, world_change
 from .interrupt import EXIT_INTERRUPTED, InterruptGuard
 from .progress import Progress
 from .trace import StepTracer
@@ -154,10 +154,12 @@ class TrainingLoop:
                 self.tracer.close(engine.synchronize)
 
     def _diverged(self, progress: Progress) -> bool:
-        """Stop the run (exit status 3, no checkpoint) when its recent updates were all skipped."""
-        self.diverged = self.watch.diverged(self.engine.skipped_steps)
-        if self.diverged is None:
+        """Stop the run (exit status 3, no checkpoint) when its recent updates were all skipped. Under torchrun the
+        ranks agree (a rank's skipped steps are reported when its AdamW worker gets to them): all stop together."""
+        line = self.watch.diverged(self.engine.skipped_steps)
+        if not self.ranks.any(line is not None):
             return False
+        self.diverged = line or divergence.elsewhere()
         self.exit_code = divergence.EXIT_DIVERGED
         if self.ranks.writes:
             progress.message(f"megatrain-train: error: {self.diverged}")
