@@ -125,9 +125,13 @@ class TrainingLoop:
                         self._flush(log, progress)
                     if self.tracer is not None:
                         self.tracer.after_step(step, engine.synchronize)
-                    if self._diverged(progress):
+                    line = self.watch.diverged(engine.skipped_steps)
+                    # Under torchrun every rank stops at the same step, for Ctrl-C or divergence: one all-reduce
+                    diverged, stop = self.ranks.any_each(line is not None, interrupt.requested)
+                    if diverged:
+                        self._flush(log, progress)
+                        self._stop_diverged(line, progress)
                         break
-                    stop = self.ranks.any(interrupt.requested)  # under torchrun: every rank stops at the same step
                     if stop or (c.save_every and step % c.save_every == 0 and step < c.total_steps):
                         self._flush(log, progress)
                         self._save(step, blocking=stop)
@@ -138,7 +142,10 @@ class TrainingLoop:
                 else:
                     self._flush(log, progress)
                     engine.synchronize()  # the last steps' skipped updates reported
-                    if not self._diverged(progress):
+                    line = self.watch.diverged(engine.skipped_steps)
+                    if self.ranks.any(line is not None):
+                        self._stop_diverged(line, progress)
+                    else:
                         self._save(c.total_steps, blocking=True)
                 engine.synchronize()  # every skipped update reported here, as one line
                 engine.wait_for_checkpoint()
@@ -153,17 +160,13 @@ class TrainingLoop:
             if self.tracer is not None:
                 self.tracer.close(engine.synchronize)
 
-    def _diverged(self, progress: Progress) -> bool:
-        """Stop the run (exit status 3, no checkpoint) when its recent updates were all skipped. Under torchrun the
-        ranks agree (a rank's skipped steps are reported when its AdamW worker gets to them): all stop together."""
-        line = self.watch.diverged(self.engine.skipped_steps)
-        if not self.ranks.any(line is not None):
-            return False
+    def _stop_diverged(self, line: str | None, progress: Progress) -> None:
+        """The run stops (exit status 3, no checkpoint): its recent updates were all skipped, on this rank (``line``)
+        or on another, whose AdamW worker reported them sooner (None)."""
         self.diverged = line or divergence.elsewhere()
         self.exit_code = divergence.EXIT_DIVERGED
         if self.ranks.writes:
             progress.message(f"megatrain-train: error: {self.diverged}")
-        return True
 
     def outcome(self) -> dict[str, Any]:
         """summary.json's exit status and skipped steps."""
