@@ -212,11 +212,11 @@ class Engine:
         return engine
 
     def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
-                        max_shard_bytes: int = 5 * 10**9) -> None:
-        """Write a directory transformers.AutoModelForCausalLM.from_pretrained loads: config.json and safetensors
-        shards of at most ``max_shard_bytes`` (plus the index when there are several)."""
+                        max_shard_bytes: int = 5 * 10**9, allow_nonfinite: bool = False) -> None:
+        """A directory transformers.AutoModelForCausalLM.from_pretrained loads: config.json, safetensors shards of at
+        most ``max_shard_bytes`` (+ index); NaN or inf weights raise NonFiniteError unless ``allow_nonfinite``."""
         self._check_open()
-        self.state_io.save_pretrained(path, dtype, max_shard_bytes)
+        self.state_io.save_pretrained(path, dtype, max_shard_bytes, allow_nonfinite)
 
     def save_checkpoint(self, directory: str | os.PathLike, extra: Mapping[str, object] | None = None,
                         keep: int = 3, blocking: bool = False) -> "CheckpointHandle":

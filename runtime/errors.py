@@ -20,6 +20,10 @@ class InputError(MegatrainError):
     """A batch passed to the engine has the wrong shape, dtype or values."""
 
 
+class NonFiniteError(MegatrainError):
+    """Weights hold NaN or infinity: refused where they are read (a model's files) or written (an export)."""
+
+
 class CheckpointError(MegatrainError):
     """A checkpoint or export could not be written (disk full, permissions); the previous one is untouched."""
 
@@ -28,5 +32,5 @@ class ClosedError(MegatrainError):
     """The engine was closed; build or load a new one."""
 
 
-__all__ = ["MegatrainError", "ConfigError", "InputError", "CheckpointError", "ClosedError", "PlanError",
-           "AttentionBackendError"]
+__all__ = ["MegatrainError", "ConfigError", "InputError", "NonFiniteError", "CheckpointError", "ClosedError",
+           "PlanError", "AttentionBackendError"]

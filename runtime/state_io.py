@@ -26,7 +26,8 @@ from megatrain.runtime.state.model_state import ModelState
 
 
 class StateIO(Protocol):
-    def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype, max_shard_bytes: int) -> None:
+    def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype, max_shard_bytes: int,
+                        allow_nonfinite: bool = False) -> None:
         """A Hugging Face directory of the weights (every rank calls it)."""
 
     def save_checkpoint(self, step: int, settings: dict[str, Any], directory: str | os.PathLike,
@@ -60,8 +61,9 @@ class LocalStateIO:
         self.state = state
         self.writer: CheckpointWriter | None = None  # created on the first save
 
-    def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype, max_shard_bytes: int) -> None:
-        hf_io.save_pretrained(self.state, path, dtype, max_shard_bytes)
+    def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype, max_shard_bytes: int,
+                        allow_nonfinite: bool = False) -> None:
+        hf_io.save_pretrained(self.state, path, dtype, max_shard_bytes, allow_nonfinite)
 
     def save_checkpoint(self, step: int, settings: dict[str, Any], directory: str | os.PathLike,
                         extra: Mapping[str, object] | None, keep: int, blocking: bool) -> CheckpointHandle:
@@ -92,9 +94,11 @@ class ShardedStateIO(LocalStateIO):
         super().__init__(state)
         self.sharded = state
 
-    def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype, max_shard_bytes: int) -> None:
+    def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype, max_shard_bytes: int,
+                        allow_nonfinite: bool = False) -> None:
         """Rank 0 writes, gathering block by block; the other ranks serve its reads."""
-        self.sharded.on_first_rank(lambda: hf_io.save_pretrained(self.sharded, path, dtype, max_shard_bytes))
+        self.sharded.on_first_rank(lambda: hf_io.save_pretrained(self.sharded, path, dtype, max_shard_bytes,
+                                                                        allow_nonfinite))
 
     def save_checkpoint(self, step: int, settings: dict[str, Any], directory: str | os.PathLike,
                         extra: Mapping[str, object] | None, keep: int, blocking: bool) -> CheckpointHandle:

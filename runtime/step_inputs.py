@@ -26,6 +26,7 @@ from megatrain.planner.kept_layers import default_kept_layers
 from megatrain.planner.plan import Plan
 from megatrain.planner.workload import Workload
 
+from megatrain.runtime import batch_limits, config_ranges
 from megatrain.runtime.config import ModelConfig
 from megatrain.runtime.engine_arguments import Arguments
 from megatrain.runtime.errors import InputError
@@ -42,6 +43,7 @@ class StepInputs:
         self.compute_dtype = compute_dtype
         self.ranks = 1 if args.topology is None else args.topology.world_size
         self.micro_batch_open = not args.plan_given  # the default plan's micro-batch: set by the first step
+        self.fitting_shapes: set[tuple[int, ...]] = set()  # batch shapes whose activations fit (batch_limits)
 
     @property
     def recorded_plan(self) -> Plan | None:
@@ -52,29 +54,44 @@ class StepInputs:
     def hyper(self, lr: float | None) -> AdamHyper:
         """The AdamW hyperparameters of one step: ``lr`` (None: the optimizer's) checked."""
         lr = self.optimizer.lr if lr is None else lr
-        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
-            raise InputError(f"lr={lr!r} must be a finite number >= 0 (e.g. 3e-4)")
+        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or not \
+                0 <= lr <= config_ranges.LR_MAX:
+            raise InputError(f"lr={lr!r} must be a finite number in [0, {config_ranges.LR_MAX:g}] (e.g. 3e-4; no "
+                             f"real run uses more)")
+        product = config_ranges.decay_product(lr, self.optimizer.weight_decay)
+        if product:
+            raise InputError(product)
         b1, b2 = self.optimizer.betas
         return AdamHyper(float(lr), b1, b2, self.optimizer.eps, self.optimizer.weight_decay,
                          self.optimizer.skip_nonfinite)
 
     def step_batch(self, input_ids: torch.Tensor, labels: torch.Tensor,
                    position_ids: torch.Tensor | None, padding: torch.Tensor | None = None) -> Batch:
-        """A training step's batch: this rank's share, of the shape the plan was made for."""
+        """A training step's batch: this rank's share, of the shape the plan was made for, whose activations fit."""
+        if self.plan.workload is not None and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+            self.plan.workload.check_batch(*input_ids.shape)  # host-side shape ints: no device sync
+        self._check_fits(input_ids)
         batch = self._batch(input_ids, labels, position_ids)
         if padding is not None:
             if tuple(padding.shape) != tuple(input_ids.shape) or padding.dtype != torch.bool:
                 raise InputError(f"padding has shape {tuple(padding.shape)} and dtype {padding.dtype}; it must be "
                                  f"bool of input_ids' shape {tuple(input_ids.shape)} (True at padding)")
             batch.padding = self._to_device(padding)
-        if self.plan.workload is not None:  # host-side shape ints: no device sync
-            self.plan.workload.check_batch(*input_ids.shape)
         if self.micro_batch_open:
             plan = self.plan.replace(micro_batch_size=input_ids.shape[0])
             self.plan = plan.replace(kept_layers=self._default_kept(plan, *input_ids.shape))
             self.micro_batch_open = False
         batch.kept = frozenset(self.plan.kept_layers)  # [Note: kept layers]
         return batch
+
+    def _check_fits(self, input_ids: torch.Tensor) -> None:
+        """A batch shape not seen before: its activations must fit the device (runtime/batch_limits.py)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape or \
+                tuple(input_ids.shape) in self.fitting_shapes:
+            return  # not a batch (refused by _batch), or checked already
+        batch_limits.check(self.config, self.compute_dtype, self.optimizer.clipping, self.plan, self.micro_batch_open,
+                           *input_ids.shape, self.device)
+        self.fitting_shapes.add(tuple(input_ids.shape))
 
     def _default_kept(self, plan: Plan, batch: int, seq: int) -> tuple[int, ...]:
         """The layers the default plan keeps for batches of [batch, seq]: the planner's choice for the memory the

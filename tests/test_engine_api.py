@@ -219,7 +219,9 @@ def test_without_a_plan_the_first_step_keeps_what_memory_allows(monkeypatch):
     (ids, labels), = _data(steps=1, batch=4)
     losses = set()
     for free, kept in [(2**40, (0, 1, 2, 3)), (int(needs(2) / DEFAULT_KEEP_SHARE) + 1, (2, 3)), (1, ())]:
-        monkeypatch.setattr(psutil, "virtual_memory", lambda free=free: type("VM", (), {"available": free})())
+        # the memory free varies; the machine's total (what a batch must fit at all, batch_limits.py) does not
+        monkeypatch.setattr(psutil, "virtual_memory",
+                            lambda free=free: type("VM", (), {"available": free, "total": 2**40})())
         with Engine(config, OptimizerConfig(lr=1e-3, max_grad_norm=1.0), compute_dtype=torch.float32,
                     device="cpu") as engine:
             losses.add(engine.step(ids, labels).item())

@@ -209,6 +209,7 @@ PEAK_SCRIPT = textwrap.dedent("""
     # torch's one-off process set-up (thread pools, kernels) is not the loader's: pay it on a tiny engine first.
     Engine(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                        num_attention_heads=4), device="cpu").close()
+    torch.isfinite(torch.ones(2**18).sum())  # the loader's finite check (a sum): its kernel's code paged in once
     seen = {}
     load_weights = hf_io.load_weights
 

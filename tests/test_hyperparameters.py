@@ -17,7 +17,7 @@ def _one_line(err, word: str) -> None:
     assert "\n" not in msg and word in msg, msg
 
 
-@pytest.mark.parametrize("lr", [NAN, INF, -INF, -1e-3, "3e-4", True])
+@pytest.mark.parametrize("lr", [NAN, INF, -INF, -1e-3, "3e-4", True, 1e308, 1.5])
 def test_step_refuses_bad_lr_and_changes_nothing(lr) -> None:
     with Engine(ModelConfig(**BASE), compute_dtype=torch.float32, device="cpu") as engine:
         ids = torch.randint(0, 32, (2, 8))
@@ -39,6 +39,7 @@ def test_step_refuses_bad_lr_and_changes_nothing(lr) -> None:
     ("eps", 0.0), ("eps", -1e-8), ("eps", INF), ("eps", NAN), ("eps", None),
     ("weight_decay", INF), ("weight_decay", NAN), ("weight_decay", -0.1), ("weight_decay", "0.1"),
     ("max_grad_norm", INF), ("max_grad_norm", NAN), ("max_grad_norm", 0.0), ("max_grad_norm", "1"),
+    ("lr", 1e308), ("lr", 1.5), ("weight_decay", 1e308), ("weight_decay", 11.0), ("eps", 1e308), ("eps", 2.0),
     ("no_decay", [1, 2]), ("no_decay", 3),
 ])
 def test_optimizer_config_refuses(field, value) -> None:
@@ -85,3 +86,21 @@ def test_valid_values_still_accepted() -> None:
                       rope_scaling={"rope_type": "llama3", "factor": 8, "low_freq_factor": 1,
                                     "high_freq_factor": 4, "original_max_position_embeddings": 8192})
     assert cfg.rope_theta == 500000.0 and math.isfinite(cfg.rope_theta) and cfg.pad_token_id is None
+
+
+@pytest.mark.parametrize("lr, weight_decay", [(0.5, 2.0), (1.0, 1.0), (0.1, 10.0)])
+def test_decoupled_decay_that_would_flip_the_weights_is_refused(lr, weight_decay) -> None:
+    """Each step scales every weight by 1 - lr x weight_decay: at 1 or more it zeroes or flips them."""
+    with pytest.raises(ConfigError, match=r"lr=.* x weight_decay=.* must be < 1"):
+        OptimizerConfig(lr=lr, weight_decay=weight_decay)
+    with Engine(ModelConfig(**BASE), OptimizerConfig(lr=1e-3, weight_decay=weight_decay),
+                compute_dtype=torch.float32, device="cpu") as engine:
+        ids = torch.randint(0, 32, (2, 8))
+        with pytest.raises(InputError, match="must be < 1"):
+            engine.step(ids, ids, lr=lr)  # a step's own lr too
+        assert engine.step_count == 0
+
+
+def test_the_largest_values_a_real_run_uses_are_accepted() -> None:
+    OptimizerConfig(lr=1.0, weight_decay=0.0, eps=1.0, betas=(0.0, 0.999999))
+    OptimizerConfig(lr=0.09, weight_decay=10.0)

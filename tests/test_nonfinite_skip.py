@@ -1,13 +1,17 @@
 """OptimizerConfig(skip_nonfinite=True): a non-finite gradient skips the update and says so; off, NaN spreads.
+Weights holding NaN or infinity are refused where a model is loaded and where one is exported.
 
 See [Note: non-finite updates] in runtime/pipeline/cpu_adamw.py.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
+from megatrain.runtime.errors import NonFiniteError
 
 CONFIG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2)
 IDS = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -66,3 +70,46 @@ def test_without_the_flag_nan_reaches_the_masters(mode, clip) -> None:
         engine.synchronize()
         assert engine.skipped_steps == []
         assert not bool(torch.isfinite(engine.state_dict()["model.embed_tokens.weight"]).all())
+
+
+def _saved(tmp_path, value: float, allow_nonfinite: bool = True) -> str:
+    """A Hugging Face directory of CONFIG whose lm_head row 5 holds ``value`` (fp32 files)."""
+    with Engine(CONFIG, compute_dtype=torch.float32, device="cpu") as engine:
+        state = engine.state_dict()
+        state["lm_head.weight"] = state["lm_head.weight"].clone()
+        state["lm_head.weight"][5, 3] = value
+        engine.load_state_dict(state)
+        engine.save_pretrained(tmp_path / "model", dtype=torch.float32, allow_nonfinite=allow_nonfinite)
+    return str(tmp_path / "model")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_model_with_a_non_finite_weight_is_refused_at_load_naming_the_tensor(tmp_path, value) -> None:
+    path = _saved(tmp_path, value)
+    with pytest.raises(NonFiniteError) as err:
+        Engine.from_pretrained(path, compute_dtype=torch.float32, device="cpu")
+    msg = str(err.value)
+    assert "\n" not in msg and "lm_head.weight" in msg and "1 non-finite value" in msg, msg
+
+
+def test_a_finite_model_loads_bit_for_bit(tmp_path) -> None:
+    path = _saved(tmp_path, 3.0e38)  # finite, if absurd: loads (what it trains to is the run's concern)
+    with Engine.from_pretrained(path, compute_dtype=torch.float32, device="cpu") as engine:
+        assert float(engine.state_dict()["lm_head.weight"][5, 3]) == pytest.approx(3.0e38)
+
+
+def test_save_pretrained_refuses_non_finite_weights_unless_allowed(tmp_path) -> None:
+    with Engine(CONFIG, compute_dtype=torch.float32, device="cpu") as engine:
+        engine.load_state_dict(_poisoned(engine))
+        with pytest.raises(NonFiniteError) as err:
+            engine.save_pretrained(tmp_path / "refused", dtype=torch.float32)
+        assert "lm_head.weight" in str(err.value) and "\n" not in str(err.value)
+        assert not any(n.endswith(".safetensors") or n.endswith(".tmp") for n in os.listdir(tmp_path / "refused"))
+        big = engine.state_dict()  # finite in fp32, infinite once rounded to bf16: refused in bf16 only
+        big["lm_head.weight"] = torch.full_like(big["lm_head.weight"], 3.4e38)
+        engine.load_state_dict(big)
+        engine.save_pretrained(tmp_path / "fp32", dtype=torch.float32)
+        with pytest.raises(NonFiniteError, match="BF16"):
+            engine.save_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+        engine.save_pretrained(tmp_path / "allowed", dtype=torch.bfloat16, allow_nonfinite=True)
+        assert os.path.exists(tmp_path / "allowed" / "model.safetensors")

@@ -152,3 +152,57 @@ def test_ctrl_c_while_starting_is_one_line_130(tmp_path, delay):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and err.strip() == "megatrain-train: interrupted before training started", err
     assert sorted(os.listdir(tmp_path)) == ["stalled.txt"]
+
+
+# Values no option should take to a traceback or a hang: past any machine, zero, negative, not finite, not a number.
+EXTREMES = st.sampled_from(["99999999999999999999", "1000000000", "1e308", "-1e308", "0", "-1", "nan", "inf", "-inf",
+                            "abc", "", "1e-400", "0x10", "../../outside", "/etc/passwd"])
+# Numeric options a generated value goes to (--steps is fixed last: a huge count would just train on).
+NUMERIC_OPTIONS = ["--seq-len", "--batch", "--lr", "--min-lr", "--warmup-steps", "--weight-decay", "--beta1",
+                   "--beta2", "--max-grad-norm", "--save-every", "--keep", "--separator-id", "--seed", "--log-every",
+                   "--eval-fraction", "--eval-every", "--collective-timeout"]
+# Paths outside the run directory, each one the command reads (never writes) or must refuse.
+OUTSIDE_PATHS = [["--plan", "/etc/passwd"], ["--tokenizer", "/etc/hostname"], ["--config", "/etc/passwd"],
+                 ["--resume", "/etc"], ["--model", "/etc"], ["--spill-dir", "/proc/megatrain-spill"],
+                 ["--export-on-finish", "/etc"], ["--eval-data", "/no/such/file"], ["--tokens", "0"],
+                 ["--tokens", "-5"], ["--tokens", "nan"]]
+
+
+class _Hang(BaseException):
+    """Raised by the alarm: the command ran past its bound."""
+
+
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_extreme_option_values_are_one_line_bounded_and_touch_nothing_outside_out(world, capsys, data):
+    """Each example: one to three options with extreme values (and maybe a path outside), a fresh --out. The
+    command trains (status 0, 3) or refuses in one line (status 2), within a bound, and changes no file but
+    --out's."""
+    root, _, _ = world
+    argv: list[str] = []
+    for _ in range(data.draw(st.integers(1, 3), label="options")):
+        argv += [data.draw(st.sampled_from(NUMERIC_OPTIONS), label="option"), data.draw(EXTREMES, label="value")]
+    if data.draw(st.booleans(), label="outside path"):
+        argv += data.draw(st.sampled_from(OUTSIDE_PATHS), label="path")
+    out = root / f"fresh-{len(os.listdir(root))}"
+    before = snapshot(root)
+    capsys.readouterr()
+
+    def hang(*_):
+        raise _Hang(argv)
+
+    previous = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(90)  # far past any refusal (about a second) or a one-step demo run
+    try:
+        code = train.main(argv + ["--out", str(out)] + FAST + ["--steps", "1"])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, (argv, err)
+    assert code in (0, 2, 3), (argv, code, err)
+    if code == 2:
+        assert err.count("\n") == 1 and err.startswith("megatrain-train: error: "), (argv, err)
+        assert not out.exists(), argv
+    after = {k: v for k, v in snapshot(root).items() if not k.startswith(str(out))}
+    assert after == before, argv

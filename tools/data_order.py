@@ -113,9 +113,12 @@ class TrainingData:
         self.position = position
         self.mode = mode  # packing.MODES: how documents become rows
         self.epoch = float(position.epoch)
-        self._empty = 0  # documents of the current epoch read with no token
+        self._empty = 0  # documents of the current epoch read and never packed (no token, or nothing to learn)
         # the padding (a row's last positions) of the last ``batch`` rows given out, newest last
         self._rows_padding: deque[int] = deque(maxlen=batch)
+        self._started = 0  # documents of the current epoch handed to packing
+        self._dropped = 0  # of those, the ones with nothing to learn (packing.learnable)
+        self._counting = True  # dropped documents are counted (not those before a resumed position)
         # The rows given out, in all (a checkpoint keeps them): padding and cut documents for the summary.
         self.packed = packing.PackingStats.from_dict(position_stats)
 
@@ -150,6 +153,8 @@ class TrainingData:
         epoch, skip = self.position.epoch, self.position.epoch_rows
         while True:
             self._empty = 0
+            self._started = self._dropped = 0
+            self._counting = skip == 0  # a resumed epoch's rows before its position were counted already
             order = epoch_order(self.numbers, self.seed, epoch, self.shuffle)
             rows = ended = 0  # rows of the epoch packed, documents they end (the skipped ones too: exact at resume)
             figures = packing.RowFigures()
@@ -157,6 +162,7 @@ class TrainingData:
                                     figures=figures):
                 rows += 1
                 ended += figures.ended
+                self._counting = rows >= skip
                 if rows <= skip:
                     continue
                 self.packed.add(figures, self.seq_len)
@@ -164,6 +170,11 @@ class TrainingData:
                 self.epoch = epoch + (ended + self._empty) / max(1, len(order))
                 self._rows_padding.append(figures.padding)
                 yield row
+            if rows == 0 and self._dropped:
+                raise TrainConfigError(f"data: none of the {self._started:,} training documents has a token to "
+                                       f"learn (a chat record needs an assistant turn, and with --packing "
+                                       f"{self.mode} one within its first {self.seq_len} tokens); raise --seq-len, "
+                                       f"shorten the prompts, or check the data")
             if rows == 0:
                 return  # no tokens at all: the caller says so
             epoch, skip = epoch + 1, 0
@@ -172,7 +183,12 @@ class TrainingData:
         file, where = self.addresses.file, self.addresses.where
         for number in order:
             doc = self.corpus.document(int(file[number]), int(where[number]))
-            if len(doc[0] if isinstance(doc, tuple) else doc):
+            self._started += 1
+            if not packing.learnable(doc, self.seq_len, self.mode):  # counted, as cut documents are; never packed
+                self._dropped += 1
+                self._empty += 1
+                self.packed.dropped += int(self._counting)
+            elif len(doc[0] if isinstance(doc, tuple) else doc):
                 yield doc
             else:
                 self._empty += 1

@@ -19,7 +19,7 @@ import shutil
 import sys
 from typing import Any
 
-from megatrain.runtime.errors import MegatrainError
+from megatrain.runtime.errors import MegatrainError, NonFiniteError
 
 from . import io_failure
 
@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a megatrain-train --out directory, its checkpoints/ directory, or one step-N in it")
     parser.add_argument("out", metavar="OUT", help="the directory to write; it must not exist or be empty")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="weight dtype of the export (bf16)")
+    parser.add_argument("--allow-nonfinite", action="store_true",
+                        help="write weights holding NaN or infinity (a diverged run) instead of refusing them")
     return parser
 
 
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         written = export(args.source, args.out, args.dtype, say=lambda line: print(f"megatrain-export: {line}",
-                                                                                     file=sys.stderr))
+                                                                                     file=sys.stderr),
+                         allow_nonfinite=args.allow_nonfinite)
     except MegatrainError as e:
         return _error(str(e))
     except OSError as e:  # a path (status 2), or a disk that filled up or failed (io_failure.EXIT_IO)
@@ -71,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def export(source: str, out: str, dtype: str = "bf16", say: Any = None) -> list[str]:
-    """Write ``source``'s checkpoint to ``out`` (see the module docstring); the names of the files written."""
+def export(source: str, out: str, dtype: str = "bf16", say: Any = None, allow_nonfinite: bool = False) -> list[str]:
+    """Write ``source``'s checkpoint to ``out`` (see the module docstring); the names of the files written. Weights
+    holding NaN or infinity are refused (nothing written) unless ``allow_nonfinite``."""
     import torch
 
     from megatrain.runtime import Engine
@@ -107,7 +111,12 @@ def export(source: str, out: str, dtype: str = "bf16", say: Any = None) -> list[
         # The checkpoint's spill files (if its plan spills) go to a scratch directory of our own, removed after.
         engine = Engine.load_checkpoint(path, device="cpu", plan=plan.replace(spill_dir=spill) if spill else None)
         try:
-            engine.save_pretrained(staging, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+            try:
+                engine.save_pretrained(staging, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
+                                       allow_nonfinite=allow_nonfinite)
+            except NonFiniteError as e:
+                raise ExportError(f"{path}: {e}; export an earlier checkpoint (a step-N in its checkpoints/), or "
+                                  f"pass --allow-nonfinite to write it anyway") from None
         finally:
             engine.close()
         for name, src in copies.items():

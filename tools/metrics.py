@@ -127,6 +127,12 @@ class MetricsLog:
             self._fd = -1
 
 
+def remove_if_empty(path: str) -> None:
+    """Remove a metrics file no step was written to (a run that stopped before its first step)."""
+    if os.path.isfile(path) and os.path.getsize(path) == 0:
+        os.remove(path)
+
+
 def read_metrics(path: str) -> list[dict[str, Any]]:
     """The step records of a metrics.jsonl; a line that is not one (a torn last line of a killed run) is skipped."""
     records = []
@@ -226,6 +232,8 @@ def format_summary(s: Mapping[str, Any]) -> str:
            f"{segment['first_loss']:.4f} -> {segment['last_loss']:.4f}; {segment['tokens']:,} positions, "
            f"{segment['trained_tokens']:,} labelled tokens"] if segment else []),
         *([packing_line(s["packing"])] if s.get("packing") else []),
+        *([f"skipped      {s['skipped_steps']:,} update(s) for a non-finite gradient (NaN or inf)"
+           + (": the run diverged" if s.get("diverged") else "")] if s.get("skipped_steps") else []),
         *metrics_routing.summary_line(s),
         *([f"eval         loss {s['eval_loss']:.4f}, perplexity {s['eval_perplexity']:.4g}"
            + (f", token accuracy {100 * s['eval_token_accuracy']:.2f}%" if s.get("eval_token_accuracy") is not None
@@ -261,7 +269,9 @@ def packing_line(p: Mapping[str, Any]) -> str:
     cut = {"whole": "split, longer than a row", "none": "truncated to a row"}.get(p["mode"], "continued in the "
                                                                                      "next row")
     return (f"packing      {p['mode']}: {100 * p['padding_fraction']:.1f}% of {p['positions']:,} positions padding; "
-            f"{p['cut']:,} of {p['documents']:,} documents cut ({cut})")
+            f"{p['cut']:,} of {p['documents']:,} documents cut ({cut})"
+            + (f"; {p['dropped']:,} dropped (nothing to learn: no assistant turn, or a prompt filling the row)"
+               if p.get("dropped") else ""))
 
 
 def write_summary(path: str, summary: Mapping[str, Any]) -> None:

@@ -31,7 +31,10 @@ rest of a longer document is dropped) and padded.
 Every mode reports, row by row (``RowFigures``), its padding, the documents it begins, the documents it
 cuts (a document, with its separator, not held whole by one row: continued in the next row, truncated by
 ``none``, or split by ``whole``) and the documents it ends (whose last token, or separator, is in it: trained
-once the row is); ``PackingStats`` adds them up for the run's summary.
+once the row is); ``PackingStats`` adds them up for the run's summary, with the documents dropped before
+packing because they have nothing to learn (``learnable``: a chat record with no labelled token, or, where each
+document starts a row (``whole``, ``none``), none in its first row: a prompt that fills the row alone). A batch
+of such rows would have no token to predict.
 
 In every mode only padding is filler: it carries ``pad_id`` and the label -100 (ignored by the loss);
 packed modes pad only the final row (in ``documents``, the padding is a segment of its own). Labels are
@@ -90,6 +93,7 @@ class PackingStats:
     padding: int = 0
     documents: int = 0
     cut: int = 0
+    dropped: int = 0   # documents with nothing to learn, never packed (``learnable``)
 
     def add(self, row: RowFigures, seq_len: int) -> None:
         self.rows += 1
@@ -108,6 +112,19 @@ class PackingStats:
     @classmethod
     def from_dict(cls, saved: Mapping[str, Any] | None) -> "PackingStats":
         return cls(**{k: int(v) for k, v in (saved or {}).items() if k in cls.__dataclass_fields__})
+
+
+def learnable(doc: Document, seq_len: int, mode: str) -> bool:
+    """Whether ``doc`` gives its rows a token to predict. Plain text always does (its labels are its tokens); an
+    (ids, labels) pair needs a labelled token, and in ``whole`` and ``none`` (where it starts a row, its first
+    token unpredicted) one within its first row: a prompt longer than the row leaves that row nothing to learn,
+    and the completion would be learnt without seeing its prompt."""
+    if not isinstance(doc, tuple):
+        return True
+    labels = doc[1]
+    if mode in ("whole", "none"):
+        labels = labels[1:seq_len]
+    return bool((labels != IGNORE_INDEX).any())
 
 
 def pack(documents: Iterable[Document], seq_len: int, separator_id: int, pad_id: int | None = None,

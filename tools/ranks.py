@@ -160,13 +160,17 @@ class Ranks:
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is set on any rank (one all-reduce of a CPU tensor under torchrun)."""
+        return self.any_each(flag)[0]
+
+    def any_each(self, *flags: bool) -> tuple[bool, ...]:
+        """Whether each of ``flags`` is set on any rank: one all-reduce for all of them under torchrun."""
         if self.topology is None:
-            return flag
-        value = torch.tensor([int(flag)], dtype=torch.int64)
+            return tuple(flags)
+        value = torch.tensor([int(f) for f in flags], dtype=torch.int64)
         if self.topology.backend == "nccl":  # unverified on GPUs so far
             value = value.cuda()
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
+        return tuple(bool(v) for v in value.tolist())
 
     def say(self, line: str) -> None:
         """A line on stderr, from rank 0 only."""

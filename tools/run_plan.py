@@ -37,7 +37,7 @@ def choose(c: TrainConfig, values: dict[str, object], out: str, resumed: Plan | 
     given explicitly; ``topology``: the ranks under torchrun (None: one process); ``replan``: search again even
     for a resumed run (it resumes at another world size, so its per-rank batch changed); ``on_cpu``: the run's
     device is the CPU (a plan given or resumed takes this run's CPU choices where they apply: ``_chosen``)."""
-    spill_root = c.spill_dir or os.path.join(out, run_dir.SPILL_DIR)
+    spill_root = spill_dir(c, out)
     research = resumed is not None and (values.get("spill") == "auto" or replan)
     chosen = _chosen(c, values, out, resumed, model, compute_dtype, topology, spill_root, research, on_cpu)
     chosen.collective_timeout_s = _collective_timeout(c, model, chosen.plan, compute_dtype, topology)
@@ -66,14 +66,24 @@ def _chosen(c: TrainConfig, values: dict[str, object], out: str, resumed: Plan |
     return _placed(RunPlan(plan.replace(**placed, **choices), description))
 
 
+def spill_dir(c: TrainConfig, out: str) -> str:
+    """Where the run's spill files go: --spill-dir, else OUT/spill."""
+    return c.spill_dir or os.path.join(out, run_dir.SPILL_DIR)
+
+
+def workload(c: TrainConfig, compute_dtype: str, spill_root: str) -> Workload:
+    """The run's step as the planner sees it (what the search plans for)."""
+    return Workload(c.seq_len, c.batch, compute_dtype=compute_dtype, clipping=c.max_grad_norm > 0,
+                    spill=c.spill, spill_dir=spill_root, spill_free_bytes=disk_space.free_bytes(spill_root),
+                    optimizer_state=c.optimizer_state, nonblocking_saves=c.save_every > 0)
+
+
 def _search(c: TrainConfig, model: ModelConfig, compute_dtype: str, spill_root: str,
             topology: Topology | None) -> RunPlan:
     hw = this_machine()
-    work = Workload(c.seq_len, c.batch, compute_dtype=compute_dtype, clipping=c.max_grad_norm > 0,
-                    spill=c.spill, spill_dir=spill_root, spill_free_bytes=disk_space.free_bytes(spill_root),
-                    optimizer_state=c.optimizer_state, nonblocking_saves=c.save_every > 0)
+    work = workload(c, compute_dtype, spill_root)
     shape = model_shapes.from_config(model.to_dict(), name=planner_name(c.model))
-    chosen = choose_plan(shape, PlanRequest(work, assume_disk_speed=True), hw, _planner_ranks(hw, topology))
+    chosen = choose_plan(shape, PlanRequest(work, assume_disk_speed=True), hw, planner_ranks(hw, topology))
     notes = []
     if chosen.disk_speed_assumed:
         notes.append(f"disk speed not measured: the plan assumes {sizing.ASSUMED_DISK_GBPS:g} GB/s (megatrain-plan "
@@ -98,7 +108,7 @@ def _collective_timeout(c: TrainConfig, model: ModelConfig, plan: Plan, compute_
     work = Workload(c.seq_len, c.batch, compute_dtype=compute_dtype, clipping=c.max_grad_norm > 0,
                     optimizer_state=c.optimizer_state)
     shape = model_shapes.from_config(model.to_dict(), name=planner_name(c.model))
-    ranks = _planner_ranks(hw, topology)
+    ranks = planner_ranks(hw, topology)
     assert ranks is not None
     return data_parallel.collective_timeout_s(shape, work, plan, hw, ranks)
 
@@ -112,7 +122,7 @@ def planner_name(model: str) -> str | None:
         return None
 
 
-def _planner_ranks(hw: HardwareProfile, topology: Topology | None) -> data_parallel.Topology | None:
+def planner_ranks(hw: HardwareProfile, topology: Topology | None) -> data_parallel.Topology | None:
     """Under torchrun: the ranks as the planner sees them (one rank's plan, the node's RAM shared by its ranks);
     None for one process."""
     if topology is None or topology.world_size == 1:

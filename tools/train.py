@@ -14,6 +14,7 @@ tools/evaluation.py's, the steps tools/training_loop.py's. OUT must be new or em
 run's files; --resume continues it, in its own directory); see tools/run_dir.py. Ctrl-C saves a checkpoint and exits
 with status 130 (also during start-up, with nothing written yet); a second Ctrl-C exits at once. A bad option or input:
 one line on stderr, status 2, before anything is written.
+A diverged run: status 3 (tools/divergence.py); a disk that fills up or fails: status 74 (tools/io_failure.py).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
     from megatrain.runtime.distributed.process_group import exit_process
 
     from . import data_order, evaluation, export, io_failure, metric_sinks, metrics, model_source, packing, \
-        progress, ranks, restart, resume, run_dir, run_inputs, run_plan, tokenizer as tokenizers, tokenizer_check, \
+        progress, ranks, restart, resume, run_dir, run_inputs, run_limits, tokenizer as tokenizers, tokenizer_check, \
         train_config, train_options, world_change
     from .data import Corpus
     from .plot import plot
@@ -161,6 +162,12 @@ class Run:
         self.rows = self.ranks.rows(c.batch)
         dtype = _compute_dtype(c.compute_dtype, device)
         tokenizer, model, source = self._check_model()
+        moved = None if self.resumed is None or c.plan else world_change.replan(
+            self.resumed.extra, self.resumed.plan, c.batch, self.ranks.world_size)
+        if moved:  # a resume at another world size plans again for the new per-rank batch
+            self.changes.append(moved)
+        chosen = run_limits.choose(c, self.values, self.out, self.resumed.plan if self.resumed else None, model,
+                                   dtype_name(dtype), self.ranks.topology, moved is not None, device.type == "cpu")
         corpus = Corpus(c.data, tokenizer, c.text_field, c.token_dtype, c.train_on)
         corpus.check_token_ids(model.vocab_size)
         if self.resumed is None and "tokenizer" not in self.values:  # the model directory's, not one chosen
@@ -173,12 +180,6 @@ class Run:
         first = next_batch(batches)  # the data yields a batch: checked before anything is written
         evals = evaluation.eval_set(c, corpus, data.addresses, held_out, tokenizer.separator_id, model.vocab_size,
                                     self.packing)
-        moved = None if self.resumed is None or c.plan else world_change.replan(
-            self.resumed.extra, self.resumed.plan, c.batch, self.ranks.world_size)
-        if moved:  # a resume at another world size plans again for the new per-rank batch
-            self.changes.append(moved)
-        chosen = run_plan.choose(c, self.values, self.out, self.resumed.plan if self.resumed else None, model,
-                                 dtype_name(dtype), self.ranks.topology, moved is not None, device.type == "cpu")
         plan, self.plan_description = chosen.plan, chosen.description
         self.notes += chosen.notes
         return Setup(own_run, overwrite, device, dtype, model, source, corpus, itertools.chain([first], batches),
@@ -339,7 +340,7 @@ class Run:
             **run_dir.written(self.out, self.config.log_to),
             "checkpoint": f"{loop.ckpt_root} (step {loop.saved_at})" if loop.saved_at is not None else "none",
             "trace": loop.tracer.describe() if loop.tracer is not None else None,
-            "exit_code": loop.exit_code, "notes": self.notes, "plan": plan.to_dict(),
+            **loop.outcome(), "notes": self.notes, "plan": plan.to_dict(),
             "packing": {"mode": self.packing, **packed.to_dict(), "padding_fraction": packed.padding_fraction},
         }, history=metrics.read_metrics(loop.metrics_path))
 

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from megatrain.runtime import config_ranges
 from megatrain.runtime.errors import MegatrainError
 
 from . import hub_models
@@ -142,14 +143,20 @@ class TrainConfig:
         _require(self, "collective_timeout", 0 <= self.collective_timeout < math.inf, "must be seconds >= 0")
         _require(self, "resume_or_start", not (self.resume_or_start and self.resume),
                  "takes the run in --out; leave --resume out")
-        _require(self, "lr", self.lr > 0 and math.isfinite(self.lr), "must be a positive number, e.g. 3e-4")
+        _require(self, "lr", 0 < self.lr <= config_ranges.LR_MAX,
+                 f"must be a positive number <= {config_ranges.LR_MAX:g} (no real run uses more), e.g. 3e-4")
         _require(self, "min_lr", self.min_lr == -1.0 or 0 <= self.min_lr <= self.lr,
                  f"must be in [0, lr={self.lr}] (or -1 for lr / 10)")
         _require(self, "warmup_steps", self.warmup_steps >= -1, "must be >= 0 (or -1 for 10% of the steps)")
-        _require(self, "weight_decay", self.weight_decay >= 0, "must be >= 0")
+        _require(self, "weight_decay", 0 <= self.weight_decay <= config_ranges.WEIGHT_DECAY_MAX,
+                 f"must be in [0, {config_ranges.WEIGHT_DECAY_MAX:g}] (no real run uses more), e.g. 0.1")
+        product = config_ranges.decay_product(self.lr, self.weight_decay)
+        if product:
+            raise TrainConfigError(product)
         for name in ("beta1", "beta2"):
             _require(self, name, 0 <= getattr(self, name) < 1, "must be in [0, 1), e.g. 0.9 / 0.95")
-        _require(self, "max_grad_norm", self.max_grad_norm >= 0, "must be >= 0 (0 turns clipping off)")
+        _require(self, "max_grad_norm", 0 <= self.max_grad_norm < math.inf, "must be a finite number >= 0 (0 turns "
+                 "clipping off)")
         _one_of("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
         _one_of("device", self.device, DEVICES)
         _one_of("progress", self.progress, PROGRESS_STYLES)

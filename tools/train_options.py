@@ -110,8 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         epilog="Every option can also be set in a TOML file (--config run.toml) under the same name with "
                "underscores; the command line overrides the file. Exit status: 0 trained; 2 a bad option or input "
-               "(one line); 74 a disk that filled up or failed while the run wrote (the file named); 130 "
-               "interrupted (Ctrl-C, after a checkpoint); 1 another rank or the export failed.",
+               "(one line, nothing written); 3 training diverged (10 updates in a row, or every update of a "
+               "shorter run, skipped for a non-finite gradient); 74 a disk that filled up or failed while the run "
+               "wrote (the file named); 130 interrupted (Ctrl-C, after a checkpoint); 1 another rank or the export "
+               "failed.",
     )
     parser.add_argument("--config", metavar="TOML", help="a TOML file of options (keys as below, with underscores)")
     parser.add_argument("--overwrite", action="store_true",
@@ -212,6 +214,9 @@ def read_values(argv: Sequence[str] | None) -> dict[str, Any]:
                 file_values[key] = relative_to(base, key, file_values[key])
         values.update(file_values)
     values.update(from_mapping(args, "command line"))
+    if values.get("tokens") == 0:
+        raise TrainConfigError("tokens=0 trains nothing; give the tokens to train (e.g. --tokens 1_000_000), or "
+                               "leave --tokens out to train --steps steps")
     if overwrite:
         values["overwrite"] = True
     if config_path is not None:

@@ -14,8 +14,8 @@ import torch
 
 from megatrain.runtime import Engine
 
-from . import data_order, evaluation, lr_schedule, metric_sinks, metrics, metrics_routing, packing, ranks, run_dir, \
-    train_config, world_change
+from . import data_order, divergence, evaluation, lr_schedule, metric_sinks, metrics, metrics_routing, packing, \
+    ranks, run_dir, train_config, world_change
 from .interrupt import EXIT_INTERRUPTED, InterruptGuard
 from .progress import Progress
 from .trace import StepTracer
@@ -85,6 +85,8 @@ class TrainingLoop:
         self.ranks, self.rows = run.ranks, run.rows
         self.saved_at: int | None = None
         self.exit_code = 0
+        self.watch = divergence.DivergenceWatch(run.start_step + 1, c.total_steps)
+        self.diverged: str | None = None  # the line saying the run diverged, when it did
         self.started = self.last_time = time.perf_counter()
 
     def run(self, batches: Iterator[packing.Batch]) -> None:
@@ -126,7 +128,13 @@ class TrainingLoop:
                         self._flush(log, progress)
                     if self.tracer is not None:
                         self.tracer.after_step(step, engine.synchronize)
-                    stop = self.ranks.any(interrupt.requested)  # under torchrun: every rank stops at the same step
+                    line = self.watch.diverged(engine.skipped_steps)
+                    # Under torchrun every rank stops at the same step, for Ctrl-C or divergence: one all-reduce
+                    diverged, stop = self.ranks.any_each(line is not None, interrupt.requested)
+                    if diverged:
+                        self._flush(log, progress)
+                        self._stop_diverged(line, progress)
+                        break
                     if stop or (c.save_every and step % c.save_every == 0 and step < c.total_steps):
                         self._flush(log, progress)
                         log.sync()  # the rows up to the checkpoint on the disk with it
@@ -137,8 +145,14 @@ class TrainingLoop:
                         break
                 else:
                     self._flush(log, progress)
-                    log.sync()
-                    self._save(c.total_steps, blocking=True)
+                    engine.synchronize()  # the last steps' skipped updates reported
+                    line = self.watch.diverged(engine.skipped_steps)
+                    if self.ranks.any(line is not None):
+                        self._stop_diverged(line, progress)
+                    else:
+                        log.sync()
+                        self._save(c.total_steps, blocking=True)
+                engine.synchronize()  # every skipped update reported here, as one line
                 engine.wait_for_checkpoint()
         except BaseException:
             self.sink.close()  # the run failed: no summary (else the run closes the sink with its summary)
@@ -146,8 +160,22 @@ class TrainingLoop:
         finally:
             progress.close()
             log.close()
+            if writes and self.start_step == 0 and not self.records:  # stopped before its first step: --out as it
+                metrics.remove_if_empty(self.metrics_path)            # was (train.py removes the rest)
             if self.tracer is not None:
                 self.tracer.close(engine.synchronize)
+
+    def _stop_diverged(self, line: str | None, progress: Progress) -> None:
+        """The run stops (exit status 3, no checkpoint): its recent updates were all skipped, on this rank (``line``)
+        or on another, whose AdamW worker reported them sooner (None)."""
+        self.diverged = line or divergence.elsewhere()
+        self.exit_code = divergence.EXIT_DIVERGED
+        if self.ranks.writes:
+            progress.message(f"megatrain-train: error: {self.diverged}")
+
+    def outcome(self) -> dict[str, Any]:
+        """summary.json's exit status and skipped steps."""
+        return {"exit_code": self.exit_code, **divergence.figures(self.engine.skipped_steps, self.diverged)}
 
     def _flush(self, log: metrics.MetricsLog, progress: Progress) -> None:
         """Read the pending step's numbers (waits for that step only) and record them."""

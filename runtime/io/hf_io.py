@@ -35,7 +35,7 @@ from megatrain.planner.buffer_kinds import BufferKind
 
 from megatrain.runtime.config import ModelConfig, read_config_json
 from megatrain.runtime.errors import CheckpointError, ConfigError, InputError
-from megatrain.runtime.io import mxfp4
+from megatrain.runtime.io import finite_weights, mxfp4
 from megatrain.runtime.paths import confined, user_path
 
 if TYPE_CHECKING:
@@ -181,6 +181,7 @@ def load_weights(state: "ModelState", files: list[str]) -> None:
                             tmp = torch.empty(d.numel, dtype=t.dtype)
                             _read_into(handles[f], f, t, tmp)
                             dst.copy_(tmp)
+                finite_weights.check_loaded_block(block, master, pieces, where)
     finally:
         for fh in handles.values():
             fh.close()
@@ -244,8 +245,10 @@ def _read_into(fh: Any, path: str, t: TensorInfo, dst: torch.Tensor) -> None:
 
 # ---------------------------------------------------------------------- writing
 def save_pretrained(state: "ModelState", path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
-                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
-    """Write config.json and safetensors shards (+ index when several) that transformers loads."""
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, allow_nonfinite: bool = False) -> None:
+    """Write config.json and safetensors shards (+ index when several) that transformers loads. A tensor holding NaN
+    or infinity once in ``dtype`` (a diverged run, or a finite value past the dtype's range) is refused
+    (``NonFiniteError``, no file left behind) unless ``allow_nonfinite``."""
     if dtype not in (torch.bfloat16, torch.float32, torch.float16):
         raise ConfigError(f"dtype={dtype} is not supported for export; use torch.bfloat16, torch.float16 or torch.float32")
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
@@ -275,7 +278,7 @@ def save_pretrained(state: "ModelState", path: str | os.PathLike, dtype: torch.d
     weight_map = {}
     try:  # each file is written as <name>.tmp and renamed: a failure leaves no partial file behind
         for name, shard in zip(names, shards):
-            _write_shard(state, os.path.join(path, name), shard, dtype)
+            _write_shard(state, os.path.join(path, name), shard, dtype, allow_nonfinite)
             weight_map.update({d.name: name for _, _, d in shard})
         for stale in glob.glob(os.path.join(path, "model-*-of-*.safetensors")) + [os.path.join(path, SINGLE_FILE),
                                                                                     os.path.join(path, INDEX_FILE)]:
@@ -288,7 +291,8 @@ def save_pretrained(state: "ModelState", path: str | os.PathLike, dtype: torch.d
         raise _export_error(e, path, total) from None
 
 
-def _write_shard(state: "ModelState", path: str, shard: list[tuple[Any, Any, DiskTensor]], dtype: torch.dtype) -> None:
+def _write_shard(state: "ModelState", path: str, shard: list[tuple[Any, Any, DiskTensor]], dtype: torch.dtype,
+                 allow_nonfinite: bool = False) -> None:
     itemsize = torch.empty((), dtype=dtype).element_size()
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -308,6 +312,8 @@ def _write_shard(state: "ModelState", path: str, shard: list[tuple[Any, Any, Dis
                     cached = (block.index, state.read_block(BufferKind.MASTER, block.index))
                 src = cached[1][e.offset + d.start:e.offset + d.start + d.numel]
                 t = src if dtype == torch.float32 else src.to(dtype)  # one tensor converted at a time
+                if not allow_nonfinite:
+                    finite_weights.check_written(d.name, t, _DTYPE_NAMES[dtype])
                 f.write(memoryview(t.view(torch.uint8).numpy()))
         os.replace(tmp, path)
     except BaseException as e:
