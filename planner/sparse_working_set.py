@@ -25,21 +25,26 @@ from .workload import Workload
 
 def layer_saved_bytes(model: ModelShape, work: Workload, plan: Plan) -> tuple[int, str]:
     """The most a sparse layer's backward graphs save at once for one micro-batch (module note), and the formula:
-    whole, t x a + b x r + e; in groups, max(t x (a - k x p) + b x r, t x min(g, k) x p + 4g [grouped path])."""
-    d = work.compute_dtype
+    whole, t x (a - i) + b x r + e + q; in groups, max(t x (a - k x p - i) + b x r + q, t x min(g, k) x p + 4g
+    [grouped path]); i = h x c in bf16 / fp16, where the recompute's input is not saved (its norm saves its fp32
+    copy; a kept layer's graph holds it), else 0; q = S x D x c in bf16 / fp16, the micro-batch's RoPE tables cast
+    to the compute dtype (``kept_layers.kept_activation_bytes``), else 0."""
+    d, c = work.compute_dtype, work.compute_bytes
     mbs = min(plan.micro_batch_size, work.batch)
     t = mbs * work.seq_len
     a, p = kept_layers.kept_bytes_per_token(model, d), moe_memory.pair_bytes(model, d)
+    a -= model.hidden_size * c if c < 4 else 0
+    q = work.seq_len * model.head_dim * c if c < 4 else 0
     r, e = moe_memory.sequence_bytes(model, d), moe_memory.micro_batch_bytes(model, d)
     k, E = model.experts.num_experts_per_tok, model.experts.num_experts
     g = plan.expert_group_size
     if not g:
-        return t * a + mbs * r + e, f"t x a + b x r + e = {t} x {a} + {mbs} x {r} + {e}"
+        return t * a + mbs * r + e + q, f"t x (a - i) + b x r + e + q = {t} x {a} + {mbs} x {r} + {e} + {q}"
     g = min(g, E)
-    dense = t * (a - k * p) + mbs * r
+    dense = t * (a - k * p) + mbs * r + q
     group = t * min(g, k) * p + (4 * g if e else 0)
-    return max(dense, group), (f"max(t x (a - k x p) + b x r, t x min(g, k) x p + 4g) = max({t} x ({a} - {k} x {p}) "
-                               f"+ {mbs} x {r}, {t} x {min(g, k)} x {p} + {4 * g if e else 0})")
+    return max(dense, group), (f"max(t x (a - k x p - i) + b x r + q, t x min(g, k) x p + 4g) = max({t} x ({a} - "
+                               f"{k} x {p}) + {mbs} x {r} + {q}, {t} x {min(g, k)} x {p} + {4 * g if e else 0})")
 
 
 def layer_working_set(model: ModelShape, work: Workload, plan: Plan, layer_numel: int) -> tuple[int, str]:
@@ -67,24 +72,31 @@ def bytes_per_token(model: ModelShape, dtype: str) -> tuple[int, int]:
             moe_memory.mlp_kept_bytes_per_token(model, dtype) + x_t)
 
 
-def routed_state(model: ModelShape, work: Workload, plan: Plan) -> tuple[int, str]:
-    """What a layer in expert groups holds for every micro-batch between its loads (runtime/pipeline/
-    expert_layers.py), the larger of its two passes. Forward: h, the routed tokens and the experts' sum
-    (3 x h x c a token), the shared term (h x c, Qwen2-MoE), the routing weights (k x w), the pairs' sorted order
-    and experts (16 x k), each expert's end (4E a micro-batch). Backward: the routed tokens and their gradient
-    (2 x h x c), the layer's input copied from a host checkpoint (h x c; a device checkpoint is held anyway), the
-    routing weights and their gradient (2 x k x w), the pairs and ends as in the forward:
-    max(T x (c x (3 + s) x h + k x (w + 16)), T x (c x (2 + host) x h + k x (2w + 16))) + M x 4E."""
+def routed_passes(model: ModelShape, work: Workload, plan: Plan) -> tuple[int, int]:
+    """What a layer in expert groups holds between its loads (runtime/pipeline/expert_layers.py), in its forward and
+    in its backward, for every micro-batch. Forward: h, the routed tokens and the experts' sum (3 x h x c a token),
+    the shared term (h x c, Qwen2-MoE: s = 1), the routing weights (k x w), the pairs' sorted order and experts
+    (16 x k), each expert's end (4E a micro-batch): T x (c x (3 + s) x h + k x (w + 16)) + M x 4E. Backward: the
+    routed tokens and their gradient (2 x h x c), the layer's input copied from a host checkpoint (h x c: host = 1;
+    a device checkpoint is held anyway), the routing weights and their gradient (2 x k x w), the pairs and ends as
+    in the forward, and each parameter's squared gradient norm (4 x n, n the layer's parameters):
+    T x (c x (2 + host) x h + k x (2w + 16)) + M x 4E + 4n."""
     c, h, T = work.compute_bytes, model.hidden_size, work.tokens
     k, E = model.experts.num_experts_per_tok, model.experts.num_experts
     w = moe_memory.weight_bytes(model, work.compute_dtype)
     s = 1 if model.experts.shared_expert_intermediate_size else 0
     host = 1 if plan.checkpoints == "host" else 0
-    M = work.micro_batches(min(plan.micro_batch_size, work.batch))
-    forward, backward = c * (3 + s) * h + k * (w + 16), c * (2 + host) * h + k * (2 * w + 16)
-    return (T * max(forward, backward) + M * 4 * E,
-            f"max(T x (c x (3 + s) x h + k x (w + 16)), T x (c x (2 + host) x h + k x (2w + 16))) + M x 4E = "
-            f"{T} x max({forward}, {backward}) + {M} x {4 * E}")
+    ends = work.micro_batches(min(plan.micro_batch_size, work.batch)) * 4 * E
+    forward = T * (c * (3 + s) * h + k * (w + 16)) + ends
+    backward = T * (c * (2 + host) * h + k * (2 * w + 16)) + ends + 4 * len(model.layer_params())
+    return forward, backward
+
+
+def routed_state(model: ModelShape, work: Workload, plan: Plan) -> tuple[int, str]:
+    """The larger of ``routed_passes``, with the formula."""
+    forward, backward = routed_passes(model, work, plan)
+    return max(forward, backward), (f"max(T x (c x (3 + s) x h + k x (w + 16)) + M x 4E, T x (c x (2 + host) x h "
+                                    f"+ k x (2w + 16)) + M x 4E + 4n) = max({forward}, {backward})")
 
 
 def routing_statistics(model: ModelShape) -> tuple[int, str]:
