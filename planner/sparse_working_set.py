@@ -51,10 +51,15 @@ def layer_working_set(model: ModelShape, work: Workload, plan: Plan, layer_numel
     """One sparse layer's peak (its backward) for one micro-batch, untiled: the saved bytes (``layer_saved_bytes``)
     plus the backward's widest gradients, t x x_t (``moe_memory.transient_bytes_per_token``: of the experts' pairs,
     whole or the group's min(g, k) of k; the dense part's dy and its tokens' gradient, 2 x h x c, in groups),
-    plus autograd's parameter gradients of the layer (or the part) in the compute dtype, layer x c."""
+    plus autograd's parameter gradients of the layer (or the part) in the compute dtype, layer x c. With every
+    layer kept nothing is recomputed: a kept layer's backward reads the graph its forward kept (the "kept
+    activations" term), so the saved bytes are not counted twice."""
     d, c = work.compute_dtype, work.compute_bytes
     t = min(plan.micro_batch_size, work.batch) * work.seq_len
-    saved, formula = layer_saved_bytes(model, work, plan)
+    if kept_layers.recomputed_layers(model, plan):
+        saved, formula = layer_saved_bytes(model, work, plan)
+    else:
+        saved, formula = 0, "0 (every layer kept)"
     x_t = moe_memory.transient_bytes_per_token(model, d)
     if plan.expert_group_size:
         k, g = model.experts.num_experts_per_tok, min(plan.expert_group_size, model.experts.num_experts)
