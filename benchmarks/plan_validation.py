@@ -57,6 +57,20 @@ SPILL_CONFIGS = {
     "50M-spill": (_llama(512, 1536, 8, 8, 4, 16384, tie_word_embeddings=True), 256, 4),
     "200M-spill": (_llama(1024, 2816, 12, 16, 8, 32000), 256, 2),
 }
+# Mixtures of experts (fp32, the CPU's grouped experts), unlike the agreement tests' fixtures: top-2 of 8 experts
+# (Mixtral) and top-4 of 16 (Qwen3-MoE, head_dim set apart from hidden / heads), each with the planner's plan, with
+# every layer kept and with every layer recomputed (the plan's ``kept_layers`` replaced; ``KEEP``).
+_MIXTRAL = dict(model_type="mixtral", vocab_size=8000, hidden_size=384, intermediate_size=512, num_hidden_layers=6,
+                num_attention_heads=6, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
+_QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=8000, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=4,
+                  moe_intermediate_size=256, norm_topk_prob=True)
+MOE_CONFIGS = {
+    "moe-8x2": (_MIXTRAL, 256, 4), "moe-8x2-kept": (_MIXTRAL, 256, 4), "moe-8x2-recomputed": (_MIXTRAL, 256, 4),
+    "moe-16x4": (_QWEN3_MOE, 256, 4), "moe-16x4-kept": (_QWEN3_MOE, 256, 4),
+    "moe-16x4-recomputed": (_QWEN3_MOE, 256, 4),
+}
+KEEP = {"-kept": "all", "-recomputed": "none"}  # a config name's ending: the layers its plan keeps
 GPU_CONFIGS = {
     "1B-fp32": (_llama(2048, 8192, 16, 32, 8, 128256, tie_word_embeddings=True, rope_theta=500000.0), 2048, 8),
 }
@@ -88,7 +102,7 @@ def main() -> int:
     hw = profiler.this_machine()
     constants = hw.constants("fp32")
     print(f"hardware: {hw.source}\nconstants: {constants}", file=sys.stderr, flush=True)
-    configs = dict(CONFIGS)
+    configs = dict(CONFIGS, **MOE_CONFIGS)
     if not hw.device_is_host:
         configs.update(GPU_CONFIGS)
     if args.quick:
@@ -107,7 +121,7 @@ def main() -> int:
         if result.best is None:
             rows.append({"config": name, "status": f"infeasible: {result.reason()}"})
             continue
-        plan = result.best.plan
+        plan = keep(result.best.plan, name, shape.num_layers)
         print(f"{name}: {model_shapes.params_label(shape.params)} params, {batch} x {seq} tokens, plan "
               f"{plan.to_json(indent=None)}", file=sys.stderr, flush=True)
         planned.append((name, hf, seq, batch, shape, work, plan, cost_model.estimate(shape, work, plan, hw),
@@ -192,6 +206,14 @@ def main() -> int:
     print("\n".join(lines))
     print(f"plot: {plot(ok, stem + '.png')}", file=sys.stderr)
     return 0
+
+
+def keep(plan, name: str, layers: int):
+    """``plan`` keeping every layer or none where ``name`` ends so (``KEEP``), else as it is."""
+    mode = next((m for end, m in KEEP.items() if name.endswith(end)), None)
+    if mode is None:
+        return plan
+    return plan.replace(kept_layers=tuple(range(layers)) if mode == "all" else ())
 
 
 def plot(rows: list[dict[str, object]], path: str) -> str:

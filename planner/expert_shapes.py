@@ -22,6 +22,10 @@ class ExpertShape:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # The top-k weights renormalised to sum to 1 (Mixtral always); the load-balancing loss's weight (None: off).
+    # What the routers save for backward depends on both (``moe_memory``); neither changes a parameter.
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float | None = None
 
     @classmethod
     def of(cls, fields: Any) -> "ExpertShape":
@@ -29,8 +33,8 @@ class ExpertShape:
         return cls(**{k: getattr(fields, k) for k in asdict(cls())})
 
     def dims(self) -> Mapping[str, int]:
-        """The fields by their config names, for the family's parameter table."""
-        return asdict(self)
+        """The counts by their config names, for the family's parameter table and the plan's shape digest."""
+        return {k: v for k, v in asdict(self).items() if k not in ("norm_topk_prob", "router_aux_loss_coef")}
 
     def inactive_params_layer(self, hidden_size: int) -> int:
         """One layer's parameters a token does not run through: the experts it is not routed to, 3 x hidden x

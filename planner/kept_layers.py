@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from . import moe_memory
 from .model_shapes import ModelShape, dtype_bytes
 from .plan import Plan
 from .workload import Workload
@@ -35,31 +36,42 @@ def kept_bytes_per_token(model: ModelShape, dtype: str) -> int:
       c x (5 h + 3 q_width + 2 kv_width + 4 i) + 4 h [+ 4 h if c < 4] + 8 + 4 heads
       [+ (4 + c) x (q_width + kv_width) + 4 x (heads + kv_heads) with q/k norms]
 
-    The RoPE tables are the step's own (fp32); in bf16 / fp16 each kept micro-batch also holds its cast copy
-    (``kept_activation_bytes``). Other layer structures (fused projections, post-norms, experts) are estimated
-    by the same terms."""
+    A sparse layer's MLP term is its family's instead of 4 x i x c (``moe_memory.mlp_kept_bytes_per_token``:
+    router, routed pairs, shared expert), and gpt-oss's attention adds its sinks' columns
+    (``moe_memory.attention_bytes_per_token``); what it saves per sequence and per micro-batch beside is
+    ``kept_activation_bytes``'. The RoPE tables are the step's own (fp32); in bf16 / fp16 each kept micro-batch
+    also holds its cast copy (``kept_activation_bytes``). Other layer structures (fused projections, post-norms)
+    are estimated by the same terms."""
     c = dtype_bytes(dtype)
     h, i = model.hidden_size, model.experts.mlp_width(model.intermediate_size)
     qw, kvw = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
-    total = c * (5 * h + 3 * qw + 2 * kvw + 4 * i) + 4 * h + (4 * h if c < 4 else 0) + 8 + 4 * model.num_heads
+    total = c * (5 * h + 3 * qw + 2 * kvw) + 4 * h + (4 * h if c < 4 else 0) + 8 + 4 * model.num_heads
+    if model.experts.num_experts:
+        total += moe_memory.mlp_kept_bytes_per_token(model, dtype) + moe_memory.attention_bytes_per_token(model, dtype)
+    else:
+        total += c * 4 * i
     if model.qk_norm:
         total += (4 + c) * (qw + kvw) + 4 * (model.num_heads + model.num_kv_heads)
     return total
 
 
 def kept_activation_bytes(model: ModelShape, work: Workload, plan: Plan) -> tuple[int, str]:
-    """The kept layers' activations at the end of forward, and the formula: with k kept layers, M micro-batches
-    and a = ``kept_bytes_per_token``: k x (T x a [+ M x S x D x c in bf16 / fp16: each micro-batch's cos and
-    sin cast to the compute dtype])."""
+    """The kept layers' activations at the end of forward, and the formula: with k kept layers, M micro-batches,
+    B sequences and a = ``kept_bytes_per_token``: k x (T x a [+ B x r: gpt-oss's sink rows] [+ M x e: a sparse
+    layer's per micro-batch, ``moe_memory.micro_batch_bytes``] [+ M x S x D x c in bf16 / fp16: each
+    micro-batch's cos and sin cast to the compute dtype])."""
     k = len(plan.kept_layers)
     c = work.compute_bytes
     T, S, D = work.tokens, work.seq_len, model.head_dim
     a = kept_bytes_per_token(model, work.compute_dtype)
     M = work.micro_batches(min(plan.micro_batch_size, work.batch))
-    if c < 4:
-        return (k * (T * a + M * S * D * c),
-                f"k x (T x a + M x S x D x c) = {k} x ({T} x {a} + {M} x {S} x {D} x {c})")
-    return k * T * a, f"k x T x a = {k} x {T} x {a}"
+    r, e = moe_memory.sequence_bytes(model, work.compute_dtype), moe_memory.micro_batch_bytes(model, work.compute_dtype)
+    rope = S * D * c if c < 4 else 0
+    per_layer = T * a + work.batch * r + M * (e + rope)
+    terms = [f"{T} x {a}"] + ([f"{work.batch} x {r}"] if r else []) + ([f"{M} x {e}"] if e else []) + \
+        ([f"{M} x {S} x {D} x {c}"] if rope else [])
+    return k * per_layer, f"k x (T x a{' + B x r' if r else ''}{' + M x e' if e else ''}" \
+        f"{' + M x S x D x c' if rope else ''}) = {k} x ({' + '.join(terms)})"
 
 
 def recomputed_layers(model: ModelShape, plan: Plan) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import buffer_kinds, kept_layers, spill_placement
+from . import buffer_kinds, kept_layers, sparse_working_set, spill_placement
 from .allocator_retention import allocator_retention
 from .attention_memory import attention_working_set
 from .buffer_kinds import BufferKind, crosses_pcie, has_shadow, load_bytes, spill_block_bytes, spill_chunk_numel
@@ -158,7 +158,9 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
         Bg, g_unit = grad_numel(model, plan)
         dev("grad accumulators", G * Bg * 4, f"G x {g_unit} x 4 = {G} x {Bg} x 4")
     if grouped(model, plan):
-        dev("expert-group routed state", *routed_state(model, work))
+        dev("expert-group routed state", *sparse_working_set.routed_state(model, work, plan))
+    if model.experts.num_experts:
+        dev("routing statistics", *sparse_working_set.routing_statistics(model))
     if model.tie_word_embeddings:
         # The head's gradient of the shared weight waits here until the embedding's backward (in place: in the
         # embedding's host gradients).
@@ -309,16 +311,22 @@ def layer_working_set(model: ModelShape, work: Workload, plan: Plan) -> tuple[in
     (A = ``attention_whole_bytes_per_token``), and its token-local work for one tile of v tokens
     (a = ``attention_tile_bytes_per_token``): t x A + u x m + v x a + layer x c (u = t when the MLP is
     untiled). Layers in expert groups run their experts over a micro-batch's routed tokens in one go, whatever
-    ``mlp_tile_tokens`` says (the runtime's [Note: expert groups]): their MLP counts untiled, u = t."""
+    ``mlp_tile_tokens`` says (the runtime's [Note: expert groups]): their MLP counts untiled, u = t. A sparse layer
+    untiled is its family's (``sparse_working_set.layer_working_set``: whole or in groups); tiled, its w and m are
+    (``sparse_working_set.bytes_per_token``)."""
     c = work.compute_bytes
     mbs = min(plan.micro_batch_size, work.batch)
     t = mbs * work.seq_len
-    w = model.layer_working_bytes_per_token(work.compute_dtype)
     layer_n = min(model.numel_layer, slot_numel(model, plan)[0])  # with expert groups: one part's
     grads = layer_n * c
     tile = None if grouped(model, plan) else plan.mlp_tile_tokens
     attention_tile = plan.attention_tile_tokens
-    m = model.mlp_working_bytes_per_token(work.compute_dtype)
+    untiled = (tile is None or tile >= work.seq_len) and (attention_tile is None or attention_tile >= work.seq_len)
+    if model.experts.num_experts and untiled:
+        return sparse_working_set.layer_working_set(model, work, plan, layer_n)
+    d = work.compute_dtype
+    w, m = (sparse_working_set.bytes_per_token(model, d) if model.experts.num_experts else
+            (model.layer_working_bytes_per_token(d), model.mlp_working_bytes_per_token(d)))
     u = mbs * tile if tile is not None and tile < work.seq_len else t
     if attention_tile is not None and attention_tile < work.seq_len:
         A = model.attention_whole_bytes_per_token(work.compute_dtype)
@@ -332,15 +340,6 @@ def layer_working_set(model: ModelShape, work: Workload, plan: Plan) -> tuple[in
     return (t * (w - m) + u * m + t * h * c + grads,
             f"t x (w - m) + u x m + t x h x c + layer x c = {t} x ({w} - {m}) + {u} x {m} + {t} x {h} x {c} "
             f"+ {layer_n} x {c}")
-
-
-def routed_state(model: ModelShape, work: Workload) -> tuple[int, str]:
-    """What a layer in expert groups holds for every micro-batch while its groups pass: forward, h, the routed
-    tokens, the experts' sum and the shared term (4 x h x c a token), the routing weights and their sorted order
-    (k x (4 + 8)); backward, the input, the routed tokens and their gradient, the routing and the weights'
-    gradient (fewer): T x (4 x h x c + 16 x k)."""
-    c, h, k, T = work.compute_bytes, model.hidden_size, model.experts.num_experts_per_tok, work.tokens
-    return T * (4 * h * c + 16 * k), f"T x (4 x h x c + 16 x k) = {T} x (4 x {h} x {c} + 16 x {k})"
 
 
 def listed_host_bytes(est: MemoryEstimate, device_is_host: bool) -> int:

@@ -213,7 +213,10 @@ def test_slot_formula_by_hand_for_qwen3_235b() -> None:
     slots = next(c for c in mem.components if c.name == "weight slots")
     assert slots.nbytes == 2 * 622333952 * 2
     routed = next(c for c in mem.components if c.name == "expert-group routed state")
-    assert routed.nbytes == 32768 * (4 * 4096 * 2 + 16 * 8)
+    # forward (the larger pass): h, the routed tokens and their sum, bf16 weights, the sorted pairs; each
+    # micro-batch's 128 expert ends
+    M = work.micro_batches(min(plan.micro_batch_size, work.batch))
+    assert routed.nbytes == 32768 * (3 * 4096 * 2 + 8 * (2 + 16)) + M * 4 * 128
 
 
 def test_megatrain_plan_shows_the_group_size(capsys) -> None:
