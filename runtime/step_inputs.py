@@ -29,7 +29,7 @@ from megatrain.planner.workload import Workload
 from megatrain.runtime.config import ModelConfig
 from megatrain.runtime.engine_arguments import Arguments
 from megatrain.runtime.errors import InputError
-from megatrain.runtime.pipeline.cpu_adamw import AdamHyper
+from megatrain.runtime.optim.adamw_kernel import AdamHyper
 from megatrain.runtime.pipeline.executor import Batch
 from megatrain.runtime.pipeline.head_loss import IGNORE_INDEX, shift_labels
 

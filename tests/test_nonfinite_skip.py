@@ -1,6 +1,6 @@
 """OptimizerConfig(skip_nonfinite=True): a non-finite gradient skips the update and says so; off, NaN spreads.
 
-See [Note: non-finite updates] in runtime/pipeline/cpu_adamw.py.
+See [Note: non-finite updates] in runtime/optim/cpu_adamw.py.
 """
 from __future__ import annotations
 

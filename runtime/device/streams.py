@@ -56,7 +56,7 @@ class Stream:
 
 
 class Streams:
-    """The four streams of a step."""
+    """The five streams of a step."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -70,8 +70,10 @@ class Streams:
             # ckpt: host activation checkpoints out and back in pieces, so gigabytes of them queue neither behind
             # nor in front of a block's weights or gradients ([Note: host checkpoints in pieces]).
             self.ckpt = Stream(torch.cuda.Stream(device))
+            # optim: the resident blocks' AdamW on the device ([Note: resident blocks]), beside backward's compute.
+            self.optim = Stream(torch.cuda.Stream(device))
         else:
-            self.compute = self.h2d = self.d2h = self.ckpt = Stream(None)
+            self.compute = self.h2d = self.d2h = self.ckpt = self.optim = Stream(None)
 
     def event(self) -> Event:
         return Event(self.cuda)

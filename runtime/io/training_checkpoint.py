@@ -169,8 +169,8 @@ class CheckpointWriter:
         live = live_arrays(state.store)
         handle = CheckpointHandle(os.path.join(directory, f"step-{step:08d}"))
         self.last = handle
-        # With spilled state there is no RAM to snapshot into: write it now, block by block, from the files.
-        if blocking or state.store.spilled or write_arrays is not None:
+        # With spilled (or resident) state there is no whole arena to snapshot: write it now, block by block.
+        if blocking or state.store.blockwise or write_arrays is not None:
             _commit(handle, directory, step, live, manifest, keep, write_arrays)
             handle.stall_s = time.perf_counter() - start
             handle.wait()
