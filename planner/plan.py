@@ -101,7 +101,7 @@ class Plan:
       resident_blocks     the blocks (0 the embedding, 1..L the layers, L + 1 the head) whose fp32 master, AdamW m
                           and v and gradient live in device memory, 16 bytes a parameter there (none of it in host
                           RAM), updated on the device by torch's AdamW: their loads cast on the device, their
-                          gradients never leave it ([Note: resident blocks] in runtime/optim/device_adamw.py)
+                          gradients never leave it ([Note: resident blocks] in runtime/state/resident_state.py)
       spill               "optimizer": AdamW m and v live in spill files on disk (8 bytes/param off RAM);
                           "all": the fp32 master and gradients too (16 bytes/param off RAM);
                           "blocks": per kind, the blocks ``spill_blocks`` names (4 bytes/param of each

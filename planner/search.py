@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from megatrain.errors import MegatrainError
 from megatrain.models import registry
 
-from . import cost_model, data_parallel, kept_layers, memory_model, spill_placement
+from . import cost_model, data_parallel, kept_layers, memory_model, plan_variants, spill_placement
 from .cost_model import CostEstimate
 from .hardware import HardwareProfile
 from .memory_model import MemoryEstimate, Overrun
@@ -251,12 +251,11 @@ def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile,
             misfit.append(choice)
             continue
         fit.append(PlanChoice(choice.plan, choice.memory, cost_model.estimate(model, rank, choice.plan, hw)))
-        if not choice.plan.kept_layers:
-            continue
-        none = choice.plan.replace(kept_layers=())  # every layer recomputed: as fast where recompute is off the
-        mem = _memory(model, work, none, hw, ranks)  # critical path, and then less memory wins the tie
-        if not overruns(mem, work, hw, ranks):
-            fit.append(PlanChoice(none, mem, cost_model.estimate(model, rank, none, hw)))
+        # every layer recomputed (as fast where recompute is off the critical path, and then less memory wins the
+        # tie); optimizer state on the device traded against kept layers ([Note: resident trade])
+        for p in plan_variants.variants(model, rank, choice.plan, lambda q: not overruns(
+                _memory(model, work, q, hw, ranks), work, hw, ranks), ranks is None and not hw.device_is_host):
+            fit.append(PlanChoice(p, _memory(model, work, p, hw, ranks), cost_model.estimate(model, rank, p, hw)))
     return fit, misfit
 
 

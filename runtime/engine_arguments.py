@@ -61,7 +61,7 @@ def check_arguments(model_config: object, optimizer: object, plan: object, compu
     topology = join_ranks()
     if topology is not None and optimizer.state_dtype != "fp32":
         raise ConfigError("state_dtype='bf16' is not supported with data parallelism yet; use state_dtype='fp32'")
-    _check_resident(plan, optimizer, topology is not None)
+    _check_resident(plan, optimizer)
     picked = pick_device(rank_device(topology, device))
     if not plan_given:  # the default plan's AdamW thread and copies follow the device
         plan = default_plan(optimizer.clipping, device_is_host=picked.type == "cpu" and topology is None)
@@ -105,10 +105,10 @@ def pick_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def _check_resident(plan: Plan, optimizer: OptimizerConfig, ranks: bool) -> None:
-    """What a plan's resident blocks ([Note: resident blocks]) are not built for yet: fp32 state only, one process,
-    updates not skipped for a non-finite gradient (deciding that on the device's behalf would be a host sync)."""
-    why = ("bf16 AdamW state" if optimizer.state_dtype != "fp32" else "data parallelism" if ranks else
+def _check_resident(plan: Plan, optimizer: OptimizerConfig) -> None:
+    """What a plan's resident blocks ([Note: resident blocks]) are not built for yet: fp32 state only, updates not
+    skipped for a non-finite gradient (deciding that on the device's behalf would be a host sync)."""
+    why = ("bf16 AdamW state" if optimizer.state_dtype != "fp32" else
            "skip_nonfinite" if optimizer.skip_nonfinite else None)
     if plan.resident_blocks and why:
         raise ConfigError(f"resident_blocks (optimizer state on the device) is not supported with {why} yet; "

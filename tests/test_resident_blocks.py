@@ -112,3 +112,35 @@ def test_plans_that_cannot_keep_blocks_on_the_device_are_refused() -> None:
                compute_dtype=torch.float32, device="cpu")
     assert "resident_blocks" not in Plan().to_json() and Plan.from_json(Plan(resident_blocks=(2, 0)).to_json()) == \
         Plan(resident_blocks=(0, 2))
+
+
+def _rank_train(rank: int, world: int, clip: float | None, mode: str, save: str) -> list:
+    """One rank's losses and final weights and AdamW state, with a host plan and a resident one; the resident run
+    saves a checkpoint mid-way, a third resumes it into a host plan: every rank's bits of the same run."""
+    rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    out = []
+    for plan in (HOST.replace(optimizer_mode=mode), HOST.replace(optimizer_mode=mode, resident_blocks=(0, 2, 4))):
+        with Engine(CONFIG, OptimizerConfig(lr=1e-2, weight_decay=0.1, max_grad_norm=clip), plan=plan,
+                    compute_dtype=torch.float32, device="cpu", seed=3) as engine:
+            losses = []
+            for i, ids in enumerate(_batches(CONFIG, 3)):
+                losses.append(engine.step(ids[rows], ids[rows]).item())
+                if i == 1 and plan.resident_blocks:
+                    engine.save_checkpoint(save, blocking=True)
+            out.append((losses, engine.state_dict(), engine.optimizer_state_dict()))
+    with Engine.load_checkpoint(save, plan=HOST.replace(optimizer_mode=mode), device="cpu") as engine:
+        ids = _batches(CONFIG, 3)[2]
+        engine.step(ids[rows], ids[rows])
+        out.append(([], engine.state_dict(), engine.optimizer_state_dict()))
+    return out
+
+
+@pytest.mark.parametrize("mode,clip", [("deferred", 0.05), ("eager", None)])
+def test_resident_blocks_sharded_over_two_ranks_train_the_host_paths_bits(tmp_path, mode: str,
+                                                                            clip: float | None) -> None:
+    """Two gloo ranks, each block's state sharded: a rank's resident shards train the bits of its host shards,
+    and a checkpoint the resident ranks wrote resumes into host ranks with the same bits."""
+    from rank_processes import run_ranks
+    for host, resident, resumed in run_ranks(_rank_train, 2, tmp_path, clip, mode, str(tmp_path / "ck")):
+        _same(resident, host)
+        assert all(torch.equal(resumed[1][k], v) for k, v in host[1].items())

@@ -92,12 +92,13 @@ class Executor:
         self.schedule = training_schedule(templates, self.parts)  # the step's loads: [Note: load sequence]
         self.evaluation = evaluation_schedule(templates, self.parts)
         self.slots = WeightSlots(plan.num_slots, 0 if in_place else slot_numel, compute_dtype, device, self.streams)
-        resident = frozenset(plan.resident_blocks)  # [Note: resident blocks]: gradients in their own device buffers
+        # [Note: resident blocks]: gradients add up in their own buffers (data parallel: the reduce-scatter's copied in)
+        resident = frozenset(plan.resident_blocks) if collectives is None else frozenset()
         self.grad_buffers = GradBuffers(plan.device_grad_buffers, 0 if in_place else grad_unit(  # (tied: tied_grad's)
             templates, self.parts, self._grad_numel, self.schedule.tied, resident), device, self.streams, self.timer,
-            host_grads, store.resident_grads)
-        # Tied embeddings: the head's lm_head gradient lands here in forward, the embedding's own in backward; one
-        # extra fp32 buffer of the embedding's size for the whole step (in place: its host gradients; resident: its own).
+            host_grads, store.resident_grads if collectives is None else lambda b: None)
+        # Tied embeddings: lm_head's gradient lands here in forward, the embedding's in backward; one fp32 buffer of
+        # the embedding's size for the whole step (in place: its host gradients; resident: its own).
         self.tied_grad = (None if not self.schedule.tied else host_grads(templates.embed.index) if host_grads else
                           store.resident_grads(templates.embed.index) if templates.embed.index in resident else
                           torch.zeros(self._grad_numel(templates.embed), dtype=torch.float32, device=device))
@@ -114,8 +115,7 @@ class Executor:
                                     one_thread=device.type == "cpu", inline=plan.adam_thread == "compute")
         self.updates = BlockUpdates(templates, store, self.optim, self.grad_buffers, self.streams, self.timer, log,
                                     eager, max_grad_norm, device, collectives)
-        if store.spilled:
-            self.timer.counters = self.optim.counters  # [Note: roofline]: the disk's busy and wait seconds
+        self.timer.counters = self.optim.counters if store.spilled else None  # [Note: roofline]: the disk's seconds
         self.step_no = 0  # optimizer steps completed or in flight
         self.loader = WeightLoader(self.slots, store, self.streams, plan.prefetch_depth, self.optim,
                                    log, self.timer, fill=None if collectives is None else collectives.fill_slot,
