@@ -7,7 +7,9 @@ Device memory holds either kept layers' activations (a recompute saved per layer
 bytes a parameter: the CPU AdamW's update, the weights' H2D and the gradients' D2H saved per block). Which pays more
 depends on the step's bottleneck, so the search times both ends and lets the cost model pick: the candidate's kept
 layers with the most first blocks resident that fit beside them, and every block resident with the most kept
-layers that fit beside that. The step each variant takes is the cost model's, and ``megatrain-plan plan`` prints
+layers that fit beside that; then, for the fastest of all, the points between: the most resident blocks beside 3/4,
+1/2 and 1/4 of its kept layers (``traded``; only there, the search's time being the overview's). The step each
+variant takes is the cost model's, and ``megatrain-plan plan`` prints
 them (``commands/plan.py``).
 """
 from __future__ import annotations
@@ -33,3 +35,17 @@ def variants(model: ModelShape, work: Workload, plan: Plan, fits: Callable[[Plan
         if len(most.resident_blocks) < model.num_layers + 2 and fits(every):
             out.append(kept_layers.keep_most(model, work, every, fits))
     return [p for p in out if fits(p)]
+
+
+def traded(model: ModelShape, work: Workload, plan: Plan, fits: Callable[[Plan], bool], on_gpu: bool) -> list[Plan]:
+    """The fastest candidate's kept layers traded for resident blocks: the most first blocks resident beside 3/4,
+    1/2 and 1/4 of its kept layers (the first in ``kept_layers.keep_order``), each that fits and holds one."""
+    if not (on_gpu and resident_blocks.may_hold(plan) and plan.kept_layers):
+        return []
+    order, k, out = kept_layers.keep_order(model, work), len(plan.kept_layers), []
+    for fewer in sorted({k * 3 // 4, k // 2, k // 4} - {0, k}, reverse=True):
+        some = resident_blocks.most_resident(model, plan.replace(kept_layers=tuple(order[:fewer]), resident_blocks=()),
+                                             fits)
+        if some.resident_blocks and fits(some):
+            out.append(some)
+    return out

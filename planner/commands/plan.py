@@ -64,6 +64,7 @@ def resident_alternatives(model: ModelShape, work: Workload, chosen: ChosenPlan)
     """How many blocks keep their optimizer state on the GPU and why ([Note: resident trade]): the fastest plan the
     search timed with none, with some and with every block resident, each with its kept layers."""
     fit, _ = search.feasible_choices(model, work, chosen.hardware)
+    fit += search.traded(model, work, chosen.hardware, None, fit)
     blocks = model.num_layers + 2
     best: dict[str, search.PlanChoice] = {}
     for c in fit:
