@@ -144,3 +144,31 @@ def test_resident_blocks_sharded_over_two_ranks_train_the_host_paths_bits(tmp_pa
     for host, resident, resumed in run_ranks(_rank_train, 2, tmp_path, clip, mode, str(tmp_path / "ck")):
         _same(resident, host)
         assert all(torch.equal(resumed[1][k], v) for k, v in host[1].items())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode,clip", [("deferred", 0.05), ("eager", None), ("deferred", None)])
+def test_resident_blocks_on_cuda_train_as_the_host_path(mode: str, clip: float | None) -> None:
+    """On a GPU the resident blocks' update is CUDA's fused AdamW on the optim stream, the host blocks' the CPU's:
+    the same losses within 1e-6 relative and the weights within the update-relative noise bound (the two kernels
+    round differently), every block resident and some; the state is read back to the host for state dicts."""
+    from numerics import assert_update_close
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        def run(plan: Plan) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+            with Engine(CONFIG, OptimizerConfig(lr=1e-2, weight_decay=0.1, max_grad_norm=clip), plan=plan,
+                        compute_dtype=torch.float32, device="cuda", seed=3) as engine:
+                initial = engine.state_dict()
+                losses = [engine.step(ids.cuda(), ids.cuda()).item() for ids in _batches(CONFIG, 3)]
+                return losses, initial, engine.state_dict()
+        host = HOST.replace(optimizer_mode=mode)
+        losses, initial, expected = run(host)
+        for resident in ((0, 2, 4), (0, 1, 2, 3, 4)):
+            got_losses, _, got = run(host.replace(resident_blocks=resident))
+            assert got_losses == pytest.approx(losses, rel=1e-6)
+            assert all(t.device.type == "cpu" for t in got.values())
+            assert_update_close(got, expected, initial)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
