@@ -106,10 +106,8 @@ def pick_device(device: str | torch.device | None) -> torch.device:
 
 
 def _check_resident(plan: Plan, optimizer: OptimizerConfig) -> None:
-    """What a plan's resident blocks ([Note: resident blocks]) are not built for yet: fp32 state only, updates not
-    skipped for a non-finite gradient (deciding that on the device's behalf would be a host sync)."""
-    why = ("bf16 AdamW state" if optimizer.state_dtype != "fp32" else
-           "skip_nonfinite" if optimizer.skip_nonfinite else None)
+    """What a plan's resident blocks ([Note: resident blocks]) are not built for yet: fp32 AdamW state only."""
+    why = "bf16 AdamW state" if optimizer.state_dtype != "fp32" else None
     if plan.resident_blocks and why:
         raise ConfigError(f"resident_blocks (optimizer state on the device) is not supported with {why} yet; "
                           "plan again with megatrain-plan plan, or drop resident_blocks from the plan")

@@ -24,10 +24,10 @@ def _batches(config: ModelConfig, steps: int) -> list[torch.Tensor]:
     return [torch.randint(0, config.vocab_size, (4, 12), generator=gen) for _ in range(steps)]
 
 
-def _train(plan: Plan, clip: float | None, config: ModelConfig = CONFIG, steps: int = 3, engine_out: list | None = None
-           ) -> tuple[list[float], dict[str, torch.Tensor], dict]:
-    """Losses, weights and AdamW state after ``steps`` fp32 steps."""
-    with Engine(config, OptimizerConfig(lr=1e-2, weight_decay=0.1, max_grad_norm=clip), plan=plan,
+def _train(plan: Plan, clip: float | None, config: ModelConfig = CONFIG, steps: int = 3, engine_out: list | None = None,
+           skip: bool = False) -> tuple[list[float], dict[str, torch.Tensor], dict]:
+    """Losses, weights and AdamW state after ``steps`` fp32 steps (``skip``: skip_nonfinite, on finite steps)."""
+    with Engine(config, OptimizerConfig(lr=1e-2, weight_decay=0.1, max_grad_norm=clip, skip_nonfinite=skip), plan=plan,
                 compute_dtype=torch.float32, device="cpu", seed=3) as engine:
         losses = [engine.step(ids, ids).item() for ids in _batches(config, steps)]
         if engine_out is not None:
@@ -57,6 +57,10 @@ def test_resident_blocks_train_the_host_paths_bits(mode: str, clip: float | None
 def test_resident_blocks_of_an_untied_model_train_the_host_paths_bits() -> None:
     host = HOST.replace(kept_layers=())
     _same(_train(host.replace(resident_blocks=(0, 3)), 0.05, UNTIED), _train(host, 0.05, UNTIED))
+    # skip_nonfinite's check on the device (the kernel's found_inf, the step count kept) changes no finite step's bits
+    for clip, mode in ((0.05, "deferred"), (None, "eager")):
+        plan = host.replace(optimizer_mode=mode)
+        _same(_train(plan.replace(resident_blocks=(0, 1, 3)), clip, UNTIED, skip=True), _train(plan, clip, UNTIED))
 
 
 def test_resident_state_is_on_the_device_and_not_in_host_ram() -> None:
@@ -107,7 +111,7 @@ def test_plans_that_cannot_keep_blocks_on_the_device_are_refused() -> None:
         Plan(resident_blocks=(1,), compute_in_place=True)
     with pytest.raises(PlanError, match="names block 9"):
         Engine(CONFIG, plan=HOST.replace(resident_blocks=(9,)), compute_dtype=torch.float32, device="cpu")
-    with pytest.raises(ConfigError, match="bf16 AdamW state"):
+    with pytest.raises(ConfigError, match="bf16 AdamW state"):  # (stochastic rounding on the device: not built)
         Engine(CONFIG, OptimizerConfig(state_dtype="bf16"), plan=HOST.replace(resident_blocks=(1,)),
                compute_dtype=torch.float32, device="cpu")
     assert "resident_blocks" not in Plan().to_json() and Plan.from_json(Plan(resident_blocks=(2, 0)).to_json()) == \

@@ -32,6 +32,10 @@ class Event:
         if self._event is not None and self.recorded:
             stream.raw.wait_event(self._event)
 
+    def done(self) -> bool:
+        """Whether the event has happened (no wait; an event never recorded, or on a CPU, has)."""
+        return self._event is None or not self.recorded or self._event.query()
+
     def synchronize(self) -> None:
         """Block the calling host thread until the event has happened (worker threads only)."""
         if self._event is not None and self.recorded:

@@ -27,11 +27,12 @@ class AdamHyper:
 
 
 def fused_adamw(hyper: AdamHyper, layout: BlockLayout, lo: int, n: int, flats: tuple[torch.Tensor, ...],
-                step: torch.Tensor) -> None:
+                step: torch.Tensor, found_inf: torch.Tensor | None = None) -> None:
     """torch's fused AdamW on the views of elements [lo, lo + n) of a block laid out as ``layout``; ``flats``: its
     fp32 master, grads, m and v, each holding just those n elements (on one device); ``step``: the block's step
-    count (a float32 scalar on that device), already advanced. Once for the entries with weight decay, once
-    without."""
+    count (a float32 scalar on that device), already advanced; ``found_inf`` (an fp32 scalar there, or None): 1
+    leaves every buffer as it is (the kernel's own skip). Once for the entries with weight decay, once without."""
+    skip = {} if found_inf is None else {"found_inf": found_inf}
     h = hyper
     entries, views = layout.range_views(flats, lo, n)
     for decay, wd in ((True, h.weight_decay), (False, 0.0)):
@@ -41,5 +42,5 @@ def fused_adamw(hyper: AdamHyper, layout: BlockLayout, lo: int, n: int, flats: t
             torch._fused_adamw_(
                 p, g, ea, eas, [], [step] * len(pick),
                 lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=wd, eps=h.eps,
-                amsgrad=False, maximize=False,
+                amsgrad=False, maximize=False, **skip,
             )

@@ -90,7 +90,8 @@ class BlockOptimizer:
 
     def take_skipped(self) -> list[int]:
         """Steps (each once) whose update was skipped for a non-finite gradient since the last call."""
-        return self.cpu.take_skipped()
+        on_device = [] if self.device is None else self.device.take_skipped()
+        return sorted(set(self.cpu.take_skipped()) | set(on_device))
 
     @property
     def busy_seconds(self) -> float | None:

@@ -11,6 +11,13 @@ block's update.
 On a CPU device the streams are no-ops and the update runs at once on the calling thread: the same kernel on the
 same views of fp32 buffers as the CPU AdamW's, so a plan with resident blocks trains the same bits as the host path.
 
+[Note: non-finite updates on the device]
+With ``skip_nonfinite`` the update is skipped on the device, without a host sync, where the CPU AdamW would skip it
+(cpu_adamw.py's [Note: non-finite updates]): a device flag, 1 where the clip coefficient is NaN or 0 (clipping) or
+the block's gradient holds a non-finite number (without), is the fused kernel's ``found_inf`` (it leaves master, m
+and v as they are) and keeps the step count where it was. The flag is copied to the host behind the update; steps
+whose flag has landed and is set are reported by ``take_skipped``.
+
 The coefficient's device scalar is rewritten only in the next step's clipping, after that step's forward has
 loaded every resident block, each load ordered after the block's update: no update still reads it then.
 """
@@ -37,6 +44,7 @@ class DeviceAdamW:
                  log: EventLog) -> None:
         self.resident, self.layouts, self.streams, self.log = resident, layouts, streams, log
         self.updated: dict[int, Event] = {b: streams.event() for b in resident.blocks}  # each block's last update
+        self._flags: list[tuple[int, torch.Tensor, Event]] = []  # (step, host copy of its skip flag, the copy's)
 
     def update(self, step: int, block: int, ready: Event, clip: tuple[torch.Tensor, Event] | None,
                hyper: AdamHyper) -> None:
@@ -51,12 +59,30 @@ class DeviceAdamW:
                 stream.wait_event(clip[1])
                 grads.mul_(clip[0])
             count = r.steps[block]
-            count.add_(1)
+            found = self._nonfinite(clip, grads) if hyper.skip_nonfinite else None
+            count.add_(1 if found is None else 1 - found)
             flats = (r.view(BufferKind.MASTER, block), grads, r.view(BufferKind.EXP_AVG, block),
                      r.view(BufferKind.EXP_AVG_SQ, block))
-            fused_adamw(hyper, self.layouts[block], 0, grads.numel(), flats, count)
+            fused_adamw(hyper, self.layouts[block], 0, grads.numel(), flats, count, found)
+            if found is not None:
+                host = torch.empty((), dtype=torch.float32, pin_memory=self.streams.cuda)
+                host.copy_(found, non_blocking=True)
+                self._flags.append((step, host, self.streams.recorded(stream)))
             self.updated[block] = self.streams.recorded(stream)
         self.log.record("adam_end", step, block)
+
+    @staticmethod
+    def _nonfinite(clip: tuple[torch.Tensor, Event] | None, grads: torch.Tensor) -> torch.Tensor:
+        """1.0 where the update is to be skipped, else 0.0 (a device scalar): the clip coefficient NaN or 0, or
+        without clipping a non-finite number in the block's gradient."""
+        ok = (torch.isfinite(clip[0]) & (clip[0] > 0)) if clip is not None else torch.isfinite(grads).all()
+        return (~ok).to(torch.float32)
+
+    def take_skipped(self) -> list[int]:
+        """Steps (each once) with a skipped update whose flag has reached the host since the last call."""
+        landed = [(step, host) for step, host, event in self._flags if event.done()]
+        self._flags = [f for f in self._flags if not f[2].done()]
+        return sorted({step for step, host in landed if float(host) > 0})
 
     def order_after(self, stream: Stream, block: int) -> None:
         """``stream`` waits for block's last update (a load casting its master)."""
