@@ -27,7 +27,7 @@ def variants(model: ModelShape, work: Workload, plan: Plan, fits: Callable[[Plan
     every layer recomputed (where it keeps some); the kept layers with the most resident blocks beside them; every
     block resident with the most kept layers beside it ([Note: resident trade])."""
     out = [plan.replace(kept_layers=())] if plan.kept_layers else []
-    if on_gpu and resident_blocks.may_hold(plan):
+    if on_gpu and resident_blocks.may_hold(plan, work):
         most = resident_blocks.most_resident(model, plan, fits)
         if most.resident_blocks:
             out.append(most)
@@ -40,7 +40,7 @@ def variants(model: ModelShape, work: Workload, plan: Plan, fits: Callable[[Plan
 def traded(model: ModelShape, work: Workload, plan: Plan, fits: Callable[[Plan], bool], on_gpu: bool) -> list[Plan]:
     """The fastest candidate's kept layers traded for resident blocks: the most first blocks resident beside 3/4,
     1/2 and 1/4 of its kept layers (the first in ``kept_layers.keep_order``), each that fits and holds one."""
-    if not (on_gpu and resident_blocks.may_hold(plan) and plan.kept_layers):
+    if not (on_gpu and resident_blocks.may_hold(plan, work) and plan.kept_layers):
         return []
     order, k, out = kept_layers.keep_order(model, work), len(plan.kept_layers), []
     for fewer in sorted({k * 3 // 4, k // 2, k // 4} - {0, k}, reverse=True):

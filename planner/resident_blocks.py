@@ -15,6 +15,7 @@ from typing import Callable
 
 from .model_shapes import ModelShape
 from .plan import Plan
+from .workload import Workload
 from .spill_placement import block_numels
 
 # Device bytes a resident parameter holds: fp32 master, m, v, gradient.
@@ -49,10 +50,12 @@ def first_blocks(model: ModelShape, r: int) -> tuple[int, ...]:
     return tuple(range(min(r, model.num_layers + 2)))
 
 
-def may_hold(plan: Plan) -> bool:
+def may_hold(plan: Plan, work: Workload) -> bool:
     """Whether a candidate may keep blocks on the device: nothing spilled, whole layers, weights not computed on in
-    place (the plan's own checks); the search also asks for a GPU and one process."""
-    return plan.spill == "none" and not plan.expert_group_size and not plan.compute_in_place
+    place (the plan's own checks), fp32 AdamW state (the runtime's device AdamW keeps no bf16 state); the search also
+    asks for a GPU and one process."""
+    return (plan.spill == "none" and not plan.expert_group_size and not plan.compute_in_place
+            and work.optimizer_state == "fp32")
 
 
 def most_resident(model: ModelShape, plan: Plan, fits: Callable[[Plan], bool]) -> Plan:

@@ -58,6 +58,8 @@ def test_the_search_trades_resident_blocks_against_kept_layers_on_the_h200() -> 
     assert any(len(c.plan.resident_blocks) == LLAMA_1B.num_layers + 2 for c in fit)
     on_cpu = plan_variants.variants(LLAMA_1B, WORK, best.plan.replace(resident_blocks=()), lambda p: True, False)
     assert not any(p.resident_blocks for p in on_cpu)  # a CPU device or data-parallel ranks: none tried
+    bf16_state = Workload(2048, 16, optimizer_state="bf16")  # the device AdamW keeps fp32 state only
+    assert not search.search(LLAMA_1B, bf16_state, H200).best.plan.resident_blocks
 
 
 def test_megatrain_plan_says_how_many_blocks_and_the_timed_alternatives(capsys) -> None:
