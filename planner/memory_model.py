@@ -221,7 +221,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
              f"fitted: a + b x (working set + logits chunk) = {cal.temporaries_bytes} + "
              f"{cal.temporaries_factor:.3f} x {transient}", pinned=False)
     if work.nonblocking_saves:
-        comps.append(checkpoint_snapshot(model, work, spilled, bool(plan.resident_blocks)))
+        comps.append(checkpoint_snapshot(model, work, spilled))
         comps.append(checkpoint_writer_staging(model))
     if not spilled.kinds:
         comps.append(Component("spill files", "nvme", 0, "0: nothing spills in this plan"))
@@ -239,17 +239,15 @@ def checkpoint_writer_staging(model: ModelShape) -> Component:
     return Component("checkpoint writer staging", "host", n, f"min(4 x N, 256 MiB) = {n}", pinned=False)
 
 
-def checkpoint_snapshot(model: ModelShape, work: Workload, spilled: "spill_placement.Spilled",
-                        resident: bool = False) -> Component:
+def checkpoint_snapshot(model: ModelShape, work: Workload, spilled: "spill_placement.Spilled") -> Component:
     """A non-blocking checkpoint save's snapshot (runtime/io/training_checkpoint.py, [Note: asynchronous
     checkpoints]): copies of the master, m and v arenas held while the background write runs, (4 + 2 x s) x N
     (s: AdamW state bytes, 4, or 2 in bf16). None when the plan spills any kind (such a save writes from the store,
-    blocking) or keeps blocks on the device (read block by block), or, in data parallelism, on a rank (its shards
-    are written blocking)."""
+    blocking) or, in data parallelism, on a rank (its shards are written blocking). Blocks whose state is on the
+    device are gathered into it too."""
     N, s = model.numel_total, work.state_bytes
-    if spilled.kinds or resident:
-        return Component("checkpoint snapshot", "host", 0, "0: a plan that spills or keeps state on the device saves "
-                         "blocking", pinned=False)
+    if spilled.kinds:
+        return Component("checkpoint snapshot", "host", 0, "0: a plan that spills saves blocking", pinned=False)
     return Component("checkpoint snapshot", "host", (4 + 2 * s) * N, f"(4 + 2 x s) x N = {4 + 2 * s} x {N}",
                      pinned=False)
 

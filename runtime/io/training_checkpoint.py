@@ -169,16 +169,26 @@ class CheckpointWriter:
         live = live_arrays(state.store)
         handle = CheckpointHandle(os.path.join(directory, f"step-{step:08d}"))
         self.last = handle
-        # With spilled (or resident) state there is no whole arena to snapshot: write it now, block by block.
-        if blocking or state.store.blockwise or write_arrays is not None:
+        # With spilled state there is no RAM to snapshot into: write it now, block by block, from the files.
+        if blocking or state.store.spilled or write_arrays is not None:
             _commit(handle, directory, step, live, manifest, keep, write_arrays)
             handle.stall_s = time.perf_counter() - start
             handle.wait()
             return handle
-        snapshot = {name: t.clone() for name, t in live.items()}  # the stall: memcpy of master, m and v
+        snapshot = {name: _whole_copy(t) for name, t in live.items()}  # the stall: memcpy of master, m and v
         handle.start(lambda: _commit(handle, directory, step, snapshot, manifest, keep))
         handle.stall_s = time.perf_counter() - start
         return handle
+
+
+def _whole_copy(t: "torch.Tensor | checkpoint_format.SpilledArena") -> torch.Tensor:
+    """A host copy of a whole array: an arena cloned, or (blocks resident on the device) its blocks gathered."""
+    if not isinstance(t, checkpoint_format.SpilledArena):
+        return t.clone()
+    out = torch.empty(t.numel(), dtype=t.dtype)
+    for lo, block in t.pieces():
+        out[lo:lo + block.numel()].copy_(block)
+    return out
 
 
 def engine_settings(config: ModelConfig, optimizer: OptimizerConfig, plan: Plan | None, compute_dtype: torch.dtype,

@@ -250,11 +250,6 @@ class HostStore:
         spilled (read those block by block: ``read_block``) or the kind is not kept."""
         return None if kind in self.spilled or self._on_device else self.ram_arena(kind)
 
-    @property
-    def blockwise(self) -> bool:
-        """Whether some state is read block by block (spilled, or resident on the device): no whole arena."""
-        return bool(self.spilled or self._on_device)
-
     def copies(self, kind: BufferKind, b: int) -> bool:
         """Whether ``read_block(kind, b)`` is a copy (spilled, or resident on a GPU) that ``write_block`` stores."""
         return self.is_spilled(kind, b) or (b in self._on_device and self.resident.copies)  # type: ignore[union-attr]
