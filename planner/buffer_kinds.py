@@ -37,7 +37,7 @@ Placement = Mapping[BufferKind, frozenset[int]]
 SPILL_ALIGN = 4096
 
 # Elements that bf16 AdamW state is widened to fp32 and rounded back in, each piece's noise keyed by its first
-# element (runtime/pipeline/stochastic_rounding.py, [Note: bf16 optimizer state]). A chunk of a block whose bf16
+# element (runtime/optim/stochastic_rounding.py, [Note: bf16 optimizer state]). A chunk of a block whose bf16
 # m or v spills starts on a multiple of it, so the chunks walk the same pieces as the block in RAM: the same bits.
 WIDEN_ELEMENTS = 2**20
 

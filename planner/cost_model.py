@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from . import kept_layers, spill_placement, spill_timing, step_replay, step_traffic
+from . import kept_layers, resident_blocks, spill_placement, spill_timing, step_replay, step_traffic
 from .buffer_kinds import BufferKind, has_shadow, load_bytes
 from .hardware import HardwareProfile
 from .model_shapes import ModelShape
@@ -128,10 +128,11 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
     on_cpu = spill_timing.applies(hw, plan, adam.spilled)  # a spilled step without a GPU: spill_timing
     rates = _Rates.of(model, work, batch, hw)
     rates = rates if on_cpu else _with_disk_loads(rates, model, work, plan, hw)
-    slabs = _HostSlabs(plan)
+    slabs = step_replay.HostSlabs(plan)
     steps = _forward_steps(model, work, plan, batch, rates, adam, slabs)
     n_fwd = len(steps)
     steps += _backward_steps(model, work, plan, batch, rates, adam, slabs)
+    resident_blocks.add_device_updates(model, plan, steps, n_fwd, hw.device_is_host, hw.cpu_adam_params_per_s)
     if plan.optimizer_mode != "eager" and not hw.device_is_host:
         _gate_loads_on_deferred_adam(model, steps, adam)
     total_adam = adam.arithmetic() if on_cpu else adam.total()  # on_cpu: its disk time is spill_timing's
@@ -225,6 +226,7 @@ class _AdamTime:
     def __init__(self, model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile) -> None:
         cal = hw.fitted(work.compute_dtype)
         self.spilled = spill_placement.Spilled.of(model, plan, work.state_bytes)
+        self.resident = frozenset(plan.resident_blocks)  # updated on the device: resident_blocks.add_device_updates
         # Seconds per parameter: AdamW, then the shadow pass where there is one (measured, or the factor). Rates
         # where it runs: every core on the compute thread, else as the worker runs (HardwareProfile.adam_params_per_s:
         # one thread on a CPU device, as the bf16-state pass is measured; ``cores`` scales it to the compute thread).
@@ -251,7 +253,7 @@ class _AdamTime:
         spilled the disk runs beside it (reads ahead, writes behind; a spilled kind is read once and written
         once: master, m and v by AdamW, grads in backward): t = max(that, numel x sum of s_k over its spilled
         kinds x (1 / read GB/s + 1 / write GB/s) / 1e9) (s_k 4, or 2 for bf16 m and v)."""
-        numel = self.spilled.numels[b]
+        numel = 0 if b in self.resident else self.spilled.numels[b]
         compute = numel * self.per_param
         if not self.spilled.block_kinds(b):
             return compute
@@ -262,27 +264,12 @@ class _AdamTime:
         return sum(self.block(b) for b in range(len(self.spilled.numels)))
 
     def arithmetic(self) -> float:
-        """Every block's update without its disk time: N x seconds per parameter."""
-        return sum(self.spilled.numels) * self.per_param
-
-
-class _HostSlabs:
-    """Eager mode: each drain lands in one of S host slabs; a slab frees when its AdamW ends."""
-
-    def __init__(self, plan: Plan) -> None:
-        self.eager = plan.optimizer_mode == "eager"
-        self.count = plan.host_grad_slabs
-        self.users: list[int] = []
-
-    def take(self, step_index: int) -> int | None:
-        """The step whose AdamW must end before step ``step_index``'s drain has a slab (eager mode)."""
-        wait_for = self.users[-self.count] if self.eager and len(self.users) >= self.count else None
-        self.users.append(step_index)
-        return wait_for
+        """Every block's update without its disk time: (N - Nr) x seconds per parameter."""
+        return sum(n for b, n in enumerate(self.spilled.numels) if b not in self.resident) * self.per_param
 
 
 def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBatch, rates: _Rates, adam: _AdamTime,
-                   slabs: _HostSlabs) -> list[BlockVisit]:
+                   slabs: step_replay.HostSlabs) -> list[BlockVisit]:
     """Embedding, the layers, and the head (whose loss and backward run in the forward pass)."""
     c, M, T = work.compute_bytes, batch.micro_batches, batch.tokens
     host_ckpt = plan.checkpoints == "host"
@@ -292,7 +279,8 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBat
     h2d, d2h = rates.h2d_gbps * scale, rates.d2h_gbps * scale
     # weights and grads copied (w 1; wc bytes a weight: c, or 4 cast on the device), or used in place (0)
     w, wc = (0, 0) if plan.compute_in_place else (1, load_bytes(c, plan.weights_cast))
-    steps = [BlockVisit(_copy_s(wc * E, h2d), M * rates.launch_fwd_s, 0.0)]  # the embedding: a gather
+    wb, wcb = resident_blocks.crossing(plan, w, wc)  # per block: none for a resident one
+    steps = [BlockVisit(_copy_s(wcb(0) * E, h2d), M * rates.launch_fwd_s, 0.0)]  # the embedding: a gather
     kept = set(plan.kept_layers)
     for layer in range(model.num_layers):
         # compute_fwd(M) = T x flops_fwd(seq) / rate (attention at its own rate) + M x launch
@@ -304,17 +292,17 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBat
         # A kept layer drains no checkpoint ([Note: kept layers]).
         drain = _copy_s(ckpt_bytes, d2h) if host_ckpt and layer not in kept else 0.0
         wait = len(steps) - 1 if drain and len(steps) >= 2 else None
-        steps.append(BlockVisit(_copy_s(wc * Lw, h2d), comp, drain, d2h_at_start=True, wait_d2h_of=wait))
+        steps.append(BlockVisit(_copy_s(wcb(1 + layer) * Lw, h2d), comp, drain, d2h_at_start=True, wait_d2h_of=wait))
     # Head: load (norm [+ lm_head]) x wc, plus the embedding again when tied; compute its forward and
     # backward: T x (2 + 4) x V x h / rate + M x chunks x launch; untied head drains its fp32 grads.
-    head_load = (H + (E if model.tie_word_embeddings else 0)) * wc
+    head_load = H * wcb(model.num_layers + 1) + (E * wcb(0) if model.tie_word_embeddings else 0)
     head_flops = T * (model.head_flops_fwd() + model.head_flops_bwd())
     head_comp = head_flops / rates.flops_per_s + M * batch.loss_chunks * rates.launch_bwd_s
     if rates.head_flops_per_s:
         # Fitted head class, timed alone with its chunk loop: T x (2 + 4) x V x h / r_head(h)
         head_comp = head_flops / rates.head_flops_per_s
     head_untied = not model.tie_word_embeddings
-    head_d2h = _copy_s(w * H * 4, d2h) if head_untied else 0.0
+    head_d2h = _copy_s(wb(model.num_layers + 1) * H * 4, d2h) if head_untied else 0.0
     steps.append(BlockVisit(_copy_s(head_load, h2d), head_comp, head_d2h,
                        adam_s=adam.block(model.num_layers + 1) if slabs.eager and head_untied else 0.0,
                        wait_adam_of=slabs.take(len(steps)) if head_untied else None))
@@ -322,7 +310,7 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBat
 
 
 def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBatch, rates: _Rates, adam: _AdamTime,
-                    slabs: _HostSlabs) -> list[BlockVisit]:
+                    slabs: step_replay.HostSlabs) -> list[BlockVisit]:
     """The layers in reverse, then the embedding; indices continue after the forward's steps."""
     c, G, M, T = work.compute_bytes, plan.device_grad_buffers, batch.micro_batches, batch.tokens
     first = model.num_layers + 2                              # the forward's visits come first
@@ -330,6 +318,7 @@ def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBa
     Lw = model.numel_layer
     h2d, d2h = rates.h2d_gbps * rates.duplex_scale, rates.d2h_gbps * rates.duplex_scale
     w, wc = (0, 0) if plan.compute_in_place else (1, load_bytes(c, plan.weights_cast))  # as in _forward_steps
+    wb, wcb = resident_blocks.crossing(plan, w, wc)
     steps: list[BlockVisit] = []
     grad_users: list[int] = []
     for layer in reversed(range(model.num_layers)):
@@ -338,20 +327,20 @@ def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBa
         # A kept layer ([Note: kept layers]): no checkpoint, no recompute, and its forward's launches not
         # repeated: T x flops_bwd(seq) / rate + M x (launch_bwd - launch_fwd).
         kept = layer in plan.kept_layers
-        load = _copy_s(wc * Lw + (0 if kept else ckpt_bytes), h2d)
+        load = _copy_s(wcb(1 + layer) * Lw + (0 if kept else ckpt_bytes), h2d)
         flops = T * ((0.0 if kept else model.layer_flops_recompute(batch.seq)) + model.layer_flops_bwd(batch.seq))
         attention = T * ((0.0 if kept else model.attention_flops_fwd(batch.seq)) + model.attention_flops_bwd(batch.seq))
         comp = rates.layer_seconds(flops, attention) + M * (rates.launch_bwd_s - (rates.launch_fwd_s if kept else 0.0))
         wait = grad_users[-G] if len(grad_users) >= G else None   # a grad buffer frees when its drain ends
         index = first + len(steps)
         grad_users.append(index)
-        steps.append(BlockVisit(load, comp, _copy_s(w * Lw * 4, d2h), wait_d2h_of=wait, backward=True,
+        steps.append(BlockVisit(load, comp, _copy_s(wb(1 + layer) * Lw * 4, d2h), wait_d2h_of=wait, backward=True,
                            adam_s=adam.block(1 + layer) if slabs.eager else 0.0, wait_adam_of=slabs.take(index)))
     # Embedding backward: no weights; scatter-add dy (launches only); drain E x 4.
     wait = grad_users[-G] if len(grad_users) >= G else None
     # Tied: the head's update (its norm) is queued here too, with the shared weight's.
     adam_e = adam.block(0) + (adam.block(model.num_layers + 1) if model.tie_word_embeddings else 0.0)
-    steps.append(BlockVisit(0.0, M * rates.launch_bwd_s, _copy_s(w * model.numel_embedding * 4, d2h), wait_d2h_of=wait,
+    steps.append(BlockVisit(0.0, M * rates.launch_bwd_s, _copy_s(wb(0) * model.numel_embedding * 4, d2h), wait_d2h_of=wait,
                        backward=True, adam_s=adam_e if slabs.eager else 0.0,
                        wait_adam_of=slabs.take(first + len(steps))))
     return steps

@@ -17,6 +17,8 @@ totals are plain sums. Symbols used in the formulas:
   P   plan.spill_staging; Ck elements of one spill chunk: min(plan.spill_chunk_bytes, Bmax x 4 rounded up to
       4 KiB) / 4 (buffer_kinds.spill_chunk_numel); k the number of kinds with a block on disk
   s_k bytes per element of kind k: 4, or s (the AdamW state's: 4, or 2 in bf16) for m and v, in RAM and on disk
+  Nr  elements of the plan's resident blocks (``Plan.resident_blocks``: master, m, v and gradient on the device);
+      Bh the largest block not resident
   Ns_k elements of kind k whose blocks the plan spills (spill_placement.Spilled: every block for a
       shorthand's kinds); F_k its spill file: sum over those blocks of (block x s_k rounded up to 4 KiB)
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import buffer_kinds, kept_layers, sparse_working_set, spill_placement
+from . import buffer_kinds, kept_layers, resident_blocks, sparse_working_set, spill_placement
 from .allocator_retention import allocator_retention
 from .attention_memory import attention_working_set
 from .buffer_kinds import BufferKind, crosses_pcie, has_shadow, load_bytes, spill_block_bytes, spill_chunk_numel
@@ -161,11 +163,14 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
         dev("expert-group routed state", *sparse_working_set.routed_state(model, work, plan))
     if model.experts.num_experts:
         dev("routing statistics", *sparse_working_set.routing_statistics(model))
+    Nr = resident_blocks.resident_numel(model, plan)
+    if plan.resident_blocks:  # [Note: resident blocks]: fp32 master, m, v and gradient of each resident block
+        dev("resident optimizer state", 16 * Nr, f"16 x Nr = 16 x {Nr}")
     if model.tie_word_embeddings:
         # The head's gradient of the shared weight waits here until the embedding's backward (in place: in the
-        # embedding's host gradients).
-        dev("tied embedding grad", 0 if plan.compute_in_place else E * 4,
-            "0: compute in place" if plan.compute_in_place else f"E x 4 = {E} x 4")
+        # embedding's host gradients; a resident embedding: in its own, counted above).
+        own = "0: compute in place" if plan.compute_in_place else "0: resident" if 0 in plan.resident_blocks else None
+        dev("tied embedding grad", 0 if own else E * 4, own or f"E x 4 = {E} x 4")
     R = kept_layers.recomputed_layers(model, plan)  # L - k: the layers with a boundary checkpoint
     if plan.checkpoints == "device":
         dev("activation checkpoints", R * T * h * c, f"(L - k) x T x h x c = {R} x {T} x {h} x {c}")
@@ -196,7 +201,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile 
     spilled = spill_placement.Spilled.of(model, plan, work.state_bytes)
     for kind, label, s in ((BufferKind.MASTER, "fp32 master", 4), (BufferKind.EXP_AVG, "Adam m", work.state_bytes),
                            (BufferKind.EXP_AVG_SQ, "Adam v", work.state_bytes)):
-        state_terms(kind, label, N, spilled, host, comps, size=s,
+        state_terms(kind, label, N - Nr, spilled, host, comps, size=s,
                     pinned=crosses_pcie(kind, load_bytes(c, plan.weights_cast) == 4))
     host_spill_terms(model, plan, c, spilled, host, comps)
     if plan.checkpoints == "host":
@@ -240,7 +245,8 @@ def checkpoint_snapshot(model: ModelShape, work: Workload, spilled: "spill_place
     """A non-blocking checkpoint save's snapshot (runtime/io/training_checkpoint.py, [Note: asynchronous
     checkpoints]): copies of the master, m and v arenas held while the background write runs, (4 + 2 x s) x N
     (s: AdamW state bytes, 4, or 2 in bf16). None when the plan spills any kind (such a save writes from the store,
-    blocking) or, in data parallelism, on a rank (its shards are written blocking)."""
+    blocking) or, in data parallelism, on a rank (its shards are written blocking). Blocks whose state is on the
+    device are gathered into it too."""
     N, s = model.numel_total, work.state_bytes
     if spilled.kinds:
         return Component("checkpoint snapshot", "host", 0, "0: a plan that spills saves blocking", pinned=False)
@@ -267,6 +273,9 @@ def host_spill_terms(model: ModelShape, plan: Plan, c: int, spilled: "spill_plac
     """The shadow, the gradients and the spill buffers in host RAM (and the grads spill file). Every spill
     buffer is bounded by one chunk (Ck), never by the largest block: spilling needs less RAM than not."""
     N, Bmax = model.numel_total, model.numel_largest_block
+    Nr, Bh = resident_blocks.resident_numel(model, plan), resident_blocks.largest_host_block(model, plan)
+    if Nr:  # [Note: resident blocks]: none of their state in RAM
+        N, Bmax = N - Nr, Bh
     # In fp32, or with the cast on the device, the master is the weights that travel (fp32: a spilled one is read
     # from its file); else a compute-dtype shadow.
     if has_shadow(c, plan.weights_cast):

@@ -15,7 +15,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .plan_checks import PlanError, at_least, check_host_device, kept_layer_numbers, one_of
+from .plan_checks import (PlanError, at_least, check_host_device, check_resident, kept_layer_numbers, one_of,
+                          resident_block_numbers)
 from .workload_fingerprint import WorkloadFingerprint, fingerprint_from_dict
 
 PLAN_VERSION = 1
@@ -97,6 +98,10 @@ class Plan:
       kept_layers         the decoder layers (0..L-1) whose forward graph stays for backward instead of being
                           recomputed from a boundary checkpoint: each T x (kept bytes per token - h x c) more
                           (memory_model "kept activations"), one layer forward less in backward
+      resident_blocks     the blocks (0 the embedding, 1..L the layers, L + 1 the head) whose fp32 master, AdamW m
+                          and v and gradient live in device memory, 16 bytes a parameter there (none of it in host
+                          RAM), updated on the device by torch's AdamW: their loads cast on the device, their
+                          gradients never leave it ([Note: resident blocks] in runtime/state/resident_state.py)
       spill               "optimizer": AdamW m and v live in spill files on disk (8 bytes/param off RAM);
                           "all": the fp32 master and gradients too (16 bytes/param off RAM);
                           "blocks": per kind, the blocks ``spill_blocks`` names (4 bytes/param of each
@@ -148,6 +153,8 @@ class Plan:
     # Decoder layers (0..L-1) whose activations are kept for backward (no recompute); the others are recomputed
     # from their boundary checkpoints ([Note: kept layers] in runtime/pipeline/kept_layers.py).
     kept_layers: tuple[int, ...] = ()
+    # Blocks whose fp32 master, m, v and gradient live in device memory and are updated there (empty: none).
+    resident_blocks: tuple[int, ...] = ()
     # What lives in spill files instead of host RAM: "none", "optimizer" (m, v), "all" (fp32 master, m, v, grads),
     # or "blocks" (per kind, the blocks spill_blocks names).
     spill: str = "none"
@@ -206,8 +213,9 @@ class Plan:
         if self.expert_group_size is not None:
             at_least("expert_group_size", self.expert_group_size, 0, "experts per group, or 0 / null for whole layers")
         object.__setattr__(self, "kept_layers", kept_layer_numbers(self.kept_layers))
+        object.__setattr__(self, "resident_blocks", resident_block_numbers(self.resident_blocks))
         one_of("spill", self.spill, SPILL_CHOICES)
-        self._check_spill_blocks()
+        _check_spill_blocks(self)
         one_of("io_backend", self.io_backend, IO_BACKENDS)
         at_least("spill_staging", self.spill_staging, 1, "AdamW needs one staging set to work in")
         at_least("io_threads", self.io_threads, 1, "the POSIX backend needs a thread")
@@ -220,6 +228,7 @@ class Plan:
             raise PlanError(f"spill_chunk_bytes={self.spill_chunk_bytes} must be a multiple of {SPILL_CHUNK_ALIGN} "
                             "(the spill files' alignment); round it to one")
         check_host_device(self)
+        check_resident(self)
         if self.spill != "none" and not self.spill_dir:
             raise PlanError(f"spill={self.spill!r} needs spill_dir: name a directory on a fast local disk (--spill-dir)")
         if self.spill_dir is not None and not isinstance(self.spill_dir, str):
@@ -235,22 +244,6 @@ class Plan:
         if bad:
             raise PlanError(f"kept_layers names layer {bad[0]}, but this model has {num_layers} decoder layers "
                             f"(0 .. {num_layers - 1}); plan again for this model with megatrain-plan plan")
-
-    def _check_spill_blocks(self) -> None:
-        if isinstance(self.spill_blocks, Mapping):  # from JSON
-            known = set(SPILL_KINDS)
-            if not set(self.spill_blocks) <= known:
-                raise PlanError(f"spill_blocks has keys {', '.join(sorted(self.spill_blocks))}; the kinds are "
-                                f"{', '.join(SPILL_KINDS)}")
-            object.__setattr__(self, "spill_blocks", SpillBlocks(**self.spill_blocks))
-        if self.spill_blocks is not None and not isinstance(self.spill_blocks, SpillBlocks):
-            raise PlanError(f"spill_blocks={self.spill_blocks!r} must be a SpillBlocks, a JSON object or None")
-        if self.spill == "blocks" and (self.spill_blocks is None or self.spill_blocks.empty):
-            raise PlanError("spill='blocks' needs spill_blocks naming at least one block of one kind; "
-                            "or use spill='none'")
-        if self.spill != "blocks" and self.spill_blocks is not None:
-            raise PlanError(f"spill_blocks is read only with spill='blocks' (spill={self.spill!r}); "
-                            "set spill='blocks' or drop spill_blocks")
 
     def spill_placement(self, num_blocks: int) -> dict[str, tuple[int, ...]]:
         """Per kind (``SPILL_KINDS``), the blocks of a model of ``num_blocks`` blocks whose state lives in spill
@@ -283,7 +276,9 @@ class Plan:
         return self.io_direct if self.io_direct_reads is None else self.io_direct_reads
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "kept_layers": list(self.kept_layers)}  # as JSON has it
+        out = {**dataclasses.asdict(self), "kept_layers": list(self.kept_layers)}  # as JSON has it
+        out["resident_blocks"] = list(self.resident_blocks)  # written only when there are some: as before without
+        return out if self.resident_blocks else {k: v for k, v in out.items() if k != "resident_blocks"}
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
@@ -319,6 +314,24 @@ class Plan:
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
             f.write(self.to_json() + "\n")
+
+
+def _check_spill_blocks(self: "Plan") -> None:
+    """``Plan.spill_blocks`` read from JSON and checked against ``spill``."""
+    if isinstance(self.spill_blocks, Mapping):  # from JSON
+        known = set(SPILL_KINDS)
+        if not set(self.spill_blocks) <= known:
+            raise PlanError(f"spill_blocks has keys {', '.join(sorted(self.spill_blocks))}; the kinds are "
+                            f"{', '.join(SPILL_KINDS)}")
+        object.__setattr__(self, "spill_blocks", SpillBlocks(**self.spill_blocks))
+    if self.spill_blocks is not None and not isinstance(self.spill_blocks, SpillBlocks):
+        raise PlanError(f"spill_blocks={self.spill_blocks!r} must be a SpillBlocks, a JSON object or None")
+    if self.spill == "blocks" and (self.spill_blocks is None or self.spill_blocks.empty):
+        raise PlanError("spill='blocks' needs spill_blocks naming at least one block of one kind; "
+                        "or use spill='none'")
+    if self.spill != "blocks" and self.spill_blocks is not None:
+        raise PlanError(f"spill_blocks is read only with spill='blocks' (spill={self.spill!r}); "
+                        "set spill='blocks' or drop spill_blocks")
 
 
 def default_plan(clipping: bool, device_is_host: bool = False) -> Plan:

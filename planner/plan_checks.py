@@ -61,3 +61,41 @@ def check_host_device(plan: Any) -> None:
     if plan.adam_thread == "compute" and plan.spill != "none":
         raise PlanError(f"adam_thread='compute' cannot wait for spill I/O (spill={plan.spill!r}): "
                         "use adam_thread='worker' with a spill plan")
+
+
+def resident_block_numbers(value: Any) -> tuple[int, ...]:
+    """``Plan.resident_blocks`` checked: distinct block indices >= 0, sorted."""
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in value):
+        raise PlanError(f"resident_blocks={value!r} must be a list of block indices >= 0 "
+                        "(0 the embedding, 1..L the layers, L + 1 the head)")
+    if len(set(value)) != len(value):
+        raise PlanError(f"resident_blocks={list(value)!r} names a block twice; list each block once")
+    return tuple(sorted(value))
+
+
+def check_resident(plan: Any) -> None:
+    """A ``Plan``'s ``resident_blocks`` (fp32 master, m, v and gradient in device memory, updated there) against
+    what they exclude: a spill file for any of their state, computing in place on the host's weights, and layers
+    streamed in expert groups (whose gradients drain part by part to the host)."""
+    if not plan.resident_blocks:
+        return
+    named = plan.spill_blocks
+    on_disk = set() if named is None else {b for kind in ("master", "exp_avg", "exp_avg_sq", "grads")
+                                           for b in named.blocks(kind)}
+    why = (f"spill={plan.spill!r} puts every block's state on disk" if plan.spill in ("optimizer", "all") else
+           f"spill_blocks names block {min(on_disk & set(plan.resident_blocks))}"
+           if on_disk & set(plan.resident_blocks) else
+           "compute_in_place computes on the host's weights" if plan.compute_in_place else
+           "layers stream in expert groups" if plan.expert_group_size else None)
+    if why:
+        raise PlanError(f"resident_blocks keeps those blocks' state on the device, but {why}; "
+                        "drop resident_blocks or plan again with megatrain-plan plan")
+
+
+def check_resident_blocks(plan: Any, num_blocks: int) -> None:
+    """Refuse a ``Plan``'s resident block that a model of ``num_blocks`` blocks does not have (one line)."""
+    bad = [b for b in plan.resident_blocks if b >= num_blocks]
+    if bad:
+        raise PlanError(f"resident_blocks names block {bad[0]}, but this model has {num_blocks} blocks "
+                        f"(0 .. {num_blocks - 1}); plan again for this model with megatrain-plan plan")

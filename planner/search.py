@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from megatrain.errors import MegatrainError
 from megatrain.models import registry
 
-from . import cost_model, data_parallel, kept_layers, memory_model, spill_placement
+from . import cost_model, data_parallel, kept_layers, memory_model, plan_variants, spill_placement
 from .cost_model import CostEstimate
 from .hardware import HardwareProfile
 from .memory_model import MemoryEstimate, Overrun
@@ -251,13 +251,22 @@ def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile,
             misfit.append(choice)
             continue
         fit.append(PlanChoice(choice.plan, choice.memory, cost_model.estimate(model, rank, choice.plan, hw)))
-        if not choice.plan.kept_layers:
-            continue
-        none = choice.plan.replace(kept_layers=())  # every layer recomputed: as fast where recompute is off the
-        mem = _memory(model, work, none, hw, ranks)  # critical path, and then less memory wins the tie
-        if not overruns(mem, work, hw, ranks):
-            fit.append(PlanChoice(none, mem, cost_model.estimate(model, rank, none, hw)))
+        # every layer recomputed (as fast where recompute is off the critical path, and then less memory wins the
+        # tie); optimizer state on the device traded against kept layers ([Note: resident trade])
+        for p in plan_variants.variants(model, rank, choice.plan, lambda q: not overruns(
+                _memory(model, work, q, hw, ranks), work, hw, ranks), ranks is None and not hw.device_is_host):
+            fit.append(PlanChoice(p, _memory(model, work, p, hw, ranks), cost_model.estimate(model, rank, p, hw)))
     return fit, misfit
+
+
+def traded(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks, fit: list[PlanChoice]) -> list[PlanChoice]:
+    """``plan_variants.traded`` of the fastest of ``fit``, timed."""
+    if not fit:
+        return []
+    best, rank = min(fit, key=lambda c: c.cost.step_seconds if c.cost else 0.0), _rank(work, ranks)
+    return [PlanChoice(p, _memory(model, work, p, hw, ranks), cost_model.estimate(model, rank, p, hw))
+            for p in plan_variants.traded(model, rank, best.plan, lambda q: not overruns(
+                _memory(model, work, q, hw, ranks), work, hw, ranks), ranks is None and not hw.device_is_host)]
 
 
 def casts(plan: Plan, work: Workload, hw: HardwareProfile | None) -> tuple[Plan, ...]:
@@ -285,6 +294,7 @@ def search(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks 
     RAM, the two together), and a spilled plan takes the most staging sets that fit if they cost no time
     (``spill_choices.most_staging``). With ``ranks``: one rank's plan for ``work`` (the global step), per node."""
     fit, misfit = feasible_choices(model, work, hw, ranks)
+    fit += traded(model, work, hw, ranks, fit)  # the fastest's kept layers for resident blocks ([Note: resident trade])
     considered = len(fit) + len(misfit)
     if fit:
         fastest = min(c.cost.step_seconds for c in fit if c.cost is not None)
@@ -378,17 +388,6 @@ def disk_traffic_bytes(mem: MemoryEstimate) -> int:
     """Bytes the spill disk moves per step: every spilled kind is read once and written once per step
     (master, m and v around AdamW; deferred gradients written in backward, read by AdamW)."""
     return 2 * mem.nvme_bytes
-
-
-def spill_cost_seconds(model: ModelShape, work: Workload, choice: PlanChoice, hw: HardwareProfile) -> float:
-    """What spilling adds to the step: the plan's step time minus the same plan's with nothing spilled
-    (memory aside)."""
-    assert choice.cost is not None
-    if choice.plan.spill == "none":
-        return 0.0
-    resident = cost_model.estimate(model, work, choice.plan.replace(spill="none", spill_blocks=None, spill_dir=None),
-                                   hw)
-    return max(0.0, choice.cost.step_seconds - resident.step_seconds)
 
 
 def preferred_compute_dtype(hw: HardwareProfile) -> str:

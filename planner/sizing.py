@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from . import data_parallel, search
+from . import cost_model, data_parallel, search
 from .hardware import GiB, HardwareProfile
 from .model_shapes import ModelShape
 from .search import PlanChoice
@@ -201,7 +201,7 @@ def what_fits(model: ModelShape, work: Workload, hw: HardwareProfile,
             continue
         best = search.search(model, w, hw).require()
         in_ram = best.plan.spill == "none" or search.fits(model, dataclasses.replace(w, spill="none"), hw)
-        return ModelAnswer(model, b, best, in_ram, search.spill_cost_seconds(model, w, best, hw), "feasible", ctx)
+        return ModelAnswer(model, b, best, in_ram, spill_cost_seconds(model, w, best, hw), "feasible", ctx)
     r = search.search(model, smallest, hw)
     return ModelAnswer(model, 0, None, False, 0.0, r.reason(), ctx)
 
@@ -266,3 +266,14 @@ def largest_llama(work: Workload, hw: HardwareProfile, widths: tuple = LLAMA_WID
     if best is None:
         return LargestAnswer(None, None)
     return LargestAnswer(best, search.search(best, work, hw).require())
+
+
+def spill_cost_seconds(model: ModelShape, work: Workload, choice: PlanChoice, hw: HardwareProfile) -> float:
+    """What spilling adds to the step: the plan's step time minus the same plan's with nothing spilled
+    (memory aside)."""
+    assert choice.cost is not None
+    if choice.plan.spill == "none":
+        return 0.0
+    resident = cost_model.estimate(model, work, choice.plan.replace(spill="none", spill_blocks=None, spill_dir=None),
+                                   hw)
+    return max(0.0, choice.cost.step_seconds - resident.step_seconds)

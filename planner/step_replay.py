@@ -88,3 +88,18 @@ def simulate(steps: list[BlockVisit], slots: int, depth: int) -> dict[str, objec
         if s.adam_s > 0:
             aend[i] = cpu_free = max(cpu_free, dend[i]) + s.adam_s
     return {"end": max(comp_free, d2h_free), "cend": cend, "adam_end": cpu_free}
+
+
+class HostSlabs:
+    """Eager mode: each drain lands in one of S host slabs; a slab frees when its AdamW ends."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.eager = plan.optimizer_mode == "eager"
+        self.count = plan.host_grad_slabs
+        self.users: list[int] = []
+
+    def take(self, step_index: int) -> int | None:
+        """The step whose AdamW must end before step ``step_index``'s drain has a slab (eager mode)."""
+        wait_for = self.users[-self.count] if self.eager and len(self.users) >= self.count else None
+        self.users.append(step_index)
+        return wait_for

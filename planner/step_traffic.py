@@ -22,15 +22,19 @@ def traffic(model: ModelShape, work: Workload, plan: Plan) -> tuple[float, float
     H2D = (E + L x layer + head [+ E tied]) x wc forward + L x layer x wc backward [+ (L - k) x T x h x c host ckpts]
     D2H = (L x layer + E [+ head untied]) x 4 fp32 grads [+ (L - k) x T x h x c host ckpts]
     (k kept layers: no checkpoint; ``Plan.compute_in_place``: no weights or grads copied, w = 0, else 1; wc the
-    bytes a weight travels in, ``buffer_kinds.load_bytes``: c, or 4 where the device rounds the fp32 master)"""
-    c, L = work.compute_bytes, model.num_layers
-    E, Lw, H = model.numel_embedding, model.numel_layer, model.numel_head
+    bytes a weight travels in, ``buffer_kinds.load_bytes``: c, or 4 where the device rounds the fp32 master); a
+    resident block's terms are 0 (``Plan.resident_blocks``: its state is on the device)"""
+    c = work.compute_bytes
     R = kept_layers.recomputed_layers(model, plan)
     ckpt = R * work.tokens * model.hidden_size * c if plan.checkpoints == "host" else 0
     tied = model.tie_word_embeddings
     w = 0 if plan.compute_in_place else 1
-    h2d = w * (E + 2 * L * Lw + H + (E if tied else 0)) * load_bytes(c, plan.weights_cast) + ckpt
-    d2h = w * (L * Lw + E + (0 if tied else H)) * 4 + ckpt
+    numels = spill_placement.block_numels(model)  # E, L x layer, H
+    loads = [2 if tied else 1] + [2] * model.num_layers + [1]  # each block's loads a step
+    drains = [1] * (model.num_layers + 1) + [0 if tied else 1]  # each block's gradient drains
+    crossing = [b for b in range(len(numels)) if b not in plan.resident_blocks]
+    h2d = w * sum(loads[b] * numels[b] for b in crossing) * load_bytes(c, plan.weights_cast) + ckpt
+    d2h = w * sum(drains[b] * numels[b] for b in crossing) * 4 + ckpt
     return float(h2d), float(d2h)
 
 

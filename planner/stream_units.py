@@ -31,7 +31,12 @@ def grad_numel(model: ModelShape, plan: Plan) -> tuple[int, str]:
     embedding's gradient adds up in a buffer of its own (the memory model's "tied embedding grad") and the head
     holds only its norm, so no accumulator takes the embedding:
       Bg = max(Hd, layer)           (expert groups: max(Hd, D, Xg))
-    For a tied Llama-3.2-3B shape 100.7M elements against Bmax = E = 394.0M."""
+    For a tied Llama-3.2-3B shape 100.7M elements against Bmax = E = 394.0M. The resident blocks' gradients add up
+    in their own device buffers ([Note: resident blocks]): Bg is the largest of the others (0 when none is left)."""
+    if plan.resident_blocks and not grouped(model, plan):
+        skip = set(plan.resident_blocks) | ({0} if model.tie_word_embeddings else set())
+        numels = [model.numel_embedding] + [model.numel_layer] * model.num_layers + [model.numel_head]
+        return max((n for b, n in enumerate(numels) if b not in skip), default=0), "Bg"
     if not model.tie_word_embeddings:
         return slot_numel(model, plan)
     layer = _layer_units(model, plan) if grouped(model, plan) else (model.numel_layer,)

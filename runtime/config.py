@@ -214,8 +214,8 @@ class OptimizerConfig:
     weight_decay: float = 0.01
     max_grad_norm: float | None = 1.0
     no_decay: tuple[str, ...] = field(default_factory=tuple)
-    skip_nonfinite: bool = False  # a non-finite gradient skips the update (runtime/pipeline/cpu_adamw.py)
-    # AdamW m and v kept as "fp32", or "bf16" with stochastic rounding (runtime/pipeline/stochastic_rounding.py)
+    skip_nonfinite: bool = False  # a non-finite gradient skips the update (runtime/optim/cpu_adamw.py)
+    # AdamW m and v kept as "fp32", or "bf16" with stochastic rounding (runtime/optim/stochastic_rounding.py)
     state_dtype: str = "fp32"
 
     def __post_init__(self) -> None:

@@ -17,7 +17,7 @@ import atexit
 import os
 import warnings
 import weakref
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -31,11 +31,12 @@ from megatrain.runtime.distributed.collectives import Collectives
 from megatrain.runtime.engine_arguments import check_arguments, resumed_plan
 from megatrain.runtime.errors import ClosedError
 from megatrain.runtime.io.training_checkpoint import CheckpointHandle, engine_settings
-from megatrain.runtime.model.templates import Templates
+from megatrain.runtime.model.templates import Block, Templates
 from megatrain.runtime.pipeline.executor import Executor
-from megatrain.runtime.pipeline.stochastic_rounding import STATE_DTYPES
+from megatrain.runtime.optim.stochastic_rounding import STATE_DTYPES
 from megatrain.runtime.spill.spill_io import make_io
 from megatrain.runtime.state.host_store import HostStore
+from megatrain.runtime.state.resident_state import ResidentState
 from megatrain.runtime.step_inputs import StepInputs
 
 # Engines still open at interpreter exit are closed first: a worker thread caught mid-update by the
@@ -68,12 +69,7 @@ class Engine:
         self.collectives = (None if self.topology is None else Collectives(
             self.topology, self.templates.blocks, self.device, plan.device_grad_buffers))
         store_blocks = self.templates.blocks if self.collectives is None else self.collectives.shards.blocks
-        spilled = placement(plan, len(store_blocks))  # per kind, the blocks in spill files
-        io = make_io(plan.io_backend, plan.io_threads, plan.io_direct, plan.direct_reads) if spilled else None
-        self.store = HostStore(store_blocks, compute_dtype, full_grads=plan.optimizer_mode == "deferred", io=io,
-                               grad_slabs=plan.host_grad_slabs, pin=self.device.type == "cuda", placement=spilled,
-                               spill_dir=plan.spill_dir, staging=plan.spill_staging, chunk_bytes=plan.spill_chunk_bytes,
-                               state_dtype=STATE_DTYPES[self.optimizer.state_dtype], weights_cast=plan.weights_cast)
+        self.store = _host_store(plan, store_blocks, compute_dtype, self.optimizer, self.device)
         # Whole-state reads and writes (state dicts, Hugging Face files, checkpoints) first settle: see synchronize.
         self.state, self.state_io = state_io.open_state(self.templates, self.store, self.synchronize, self.collectives)
         if not _skip_init:
@@ -138,7 +134,7 @@ class Engine:
         was exposed and what each resource was busy, ``forward_s``, the roofline (step_timer.py; the README's
         ``engine.last_step_breakdown`` paragraph). On CUDA, reading it waits for that step once."""
         self._check_open()
-        return self.executor.timer.breakdown(self.executor.adam.busy_seconds)
+        return self.executor.timer.breakdown(self.executor.optim.busy_seconds)
 
     @property
     def plan(self) -> Plan:
@@ -166,7 +162,7 @@ class Engine:
         self._check_open()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.executor.adam.wait_all(self.executor.step_no)
+        self.executor.optim.wait_all(self.executor.step_no)
         self.store.flush()
         self._report_skipped()
 
@@ -287,7 +283,7 @@ class Engine:
     # ------------------------------------------------------------------ internals
     def _report_skipped(self) -> None:
         """Warn about steps whose update the AdamW worker skipped (OptimizerConfig(skip_nonfinite=True))."""
-        steps = [s for s in self.executor.adam.take_skipped() if s not in self.skipped_steps]
+        steps = [s for s in self.executor.optim.take_skipped() if s not in self.skipped_steps]
         if steps:
             self.skipped_steps.extend(steps)
             warnings.warn(f"step {', '.join(map(str, steps))}: the gradient is not finite (NaN or inf), so the update "
@@ -298,3 +294,16 @@ class Engine:
         if getattr(self, "_closed", True):
             raise ClosedError("this Engine is closed (close() or the end of its with-block); "
                               "build a new one, or Engine.load_checkpoint(...) to continue a run")
+
+
+def _host_store(plan: Plan, blocks: Sequence[Block], compute_dtype: torch.dtype, optimizer: OptimizerConfig,
+                device: torch.device) -> HostStore:
+    """The model state's store for ``plan``: RAM arenas, the spill files of what it spills (with their I/O backend),
+    the device state of its resident blocks."""
+    spilled = placement(plan, len(blocks))  # per kind, the blocks in spill files
+    io = make_io(plan.io_backend, plan.io_threads, plan.io_direct, plan.direct_reads) if spilled else None
+    return HostStore(blocks, compute_dtype, full_grads=plan.optimizer_mode == "deferred", io=io,
+                     grad_slabs=plan.host_grad_slabs, pin=device.type == "cuda", placement=spilled,
+                     spill_dir=plan.spill_dir, staging=plan.spill_staging, chunk_bytes=plan.spill_chunk_bytes,
+                     state_dtype=STATE_DTYPES[optimizer.state_dtype], weights_cast=plan.weights_cast,
+                     resident=ResidentState.of(plan.resident_blocks, blocks, device))

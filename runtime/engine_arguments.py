@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from megatrain.planner.plan import Plan, PlanError, default_plan, host_device_choices
+from megatrain.planner.plan_checks import check_resident_blocks
 from megatrain.planner.workload_fingerprint import shape_digest
 
 from megatrain.runtime.config import ModelConfig, OptimizerConfig
@@ -53,12 +54,14 @@ def check_arguments(model_config: object, optimizer: object, plan: object, compu
             f"compute_dtype={compute_dtype!r} is not supported; use torch.bfloat16 (fast) or torch.float32 (exact)"
         )
     plan.check_kept_layers(model_config.num_hidden_layers)
+    check_resident_blocks(plan, model_config.num_hidden_layers + 2)  # the embedding, the layers, the head
     if plan.workload is not None:  # a plan's memory bounds hold only for the model and dtype it was made for
         plan.workload.check_model(shape_digest(model_config.to_dict()), str(compute_dtype).removeprefix("torch."))
     # Several ranks (a process group, or torchrun's environment): this rank's shards ([Note: collectives]).
     topology = join_ranks()
     if topology is not None and optimizer.state_dtype != "fp32":
         raise ConfigError("state_dtype='bf16' is not supported with data parallelism yet; use state_dtype='fp32'")
+    _check_resident(plan, optimizer)
     picked = pick_device(rank_device(topology, device))
     if not plan_given:  # the default plan's AdamW thread and copies follow the device
         plan = default_plan(optimizer.clipping, device_is_host=picked.type == "cpu" and topology is None)
@@ -100,3 +103,11 @@ def pick_device(device: str | torch.device | None) -> torch.device:
     elif dev.type != "cpu":
         raise ConfigError(f"device={device!r} is not supported; use 'cuda' or 'cpu'")
     return dev
+
+
+def _check_resident(plan: Plan, optimizer: OptimizerConfig) -> None:
+    """What a plan's resident blocks ([Note: resident blocks]) are not built for yet: fp32 AdamW state only."""
+    why = "bf16 AdamW state" if optimizer.state_dtype != "fp32" else None
+    if plan.resident_blocks and why:
+        raise ConfigError(f"resident_blocks (optimizer state on the device) is not supported with {why} yet; "
+                          "plan again with megatrain-plan plan, or drop resident_blocks from the plan")

@@ -30,7 +30,7 @@ from megatrain.runtime import batch_limits, config_ranges
 from megatrain.runtime.config import ModelConfig
 from megatrain.runtime.engine_arguments import Arguments
 from megatrain.runtime.errors import InputError
-from megatrain.runtime.pipeline.cpu_adamw import AdamHyper
+from megatrain.runtime.optim.adamw_kernel import AdamHyper
 from megatrain.runtime.pipeline.executor import Batch
 from megatrain.runtime.pipeline.head_loss import IGNORE_INDEX, shift_labels
 

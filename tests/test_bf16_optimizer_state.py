@@ -7,9 +7,9 @@ import torch
 from megatrain.planner import memory_model, model_shapes
 from megatrain.planner.workload import Workload, WorkloadError
 from megatrain.runtime import ConfigError, Engine, ModelConfig, OptimizerConfig, Plan
-from megatrain.runtime.pipeline.stochastic_rounding import (NOISE_PERIOD, WIDEN_ELEMENTS, cache_chunk, noise_at,
-                                                           noise_key, noise_table, round_stochastic,
-                                                           widened_chunks)
+from megatrain.runtime.optim.stochastic_rounding import (NOISE_PERIOD, WIDEN_ELEMENTS, cache_chunk, noise_at,
+                                                         noise_key, noise_table, round_stochastic,
+                                                         widened_chunks)
 
 CONFIG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)

@@ -124,7 +124,7 @@ def test_a_checkpoint_of_a_cpu_plan_resumes_without_its_cpu_choices_where_they_d
 def test_a_failed_update_on_the_compute_thread_is_raised_by_every_later_wait(monkeypatch) -> None:
     """An update that fails on the compute thread raises from ``step``, and every later call that would wait for
     that block's update raises too (as with the worker thread), instead of waiting for ever."""
-    from megatrain.runtime.pipeline import cpu_adamw
+    from megatrain.runtime.optim import cpu_adamw
 
     plan = BASE.replace(compute_in_place=True, adam_thread="compute")
     engine = Engine(CONFIG, OptimizerConfig(max_grad_norm=1.0), plan=plan, compute_dtype=torch.float32, device="cpu")

@@ -13,7 +13,7 @@ MAX_CLASS_LINES = 250
 # merge. Empty now: a name goes here only while its split is under way, and leaves when that merges.
 FILES_BEING_SPLIT: set[str] = set()
 OLD_MAX_LINES = 600
-# Classes being split below MAX_CLASS_LINES on other branches ("runtime/pipeline/cpu_adamw.py::AdamWorker"),
+# Classes being split below MAX_CLASS_LINES on other branches ("runtime/optim/cpu_adamw.py::AdamWorker"),
 # held to the file limit meanwhile. Empty now, as above.
 CLASSES_BEING_SPLIT: set[str] = set()
 

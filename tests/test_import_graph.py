@@ -245,7 +245,7 @@ def test_planner_imports_only_stdlib_halves_of_models(modules: dict[str, Module]
 # the base at the bottom, the facade at the top. ``pipeline`` and ``io`` share a floor but never import each other.
 RUNTIME_BASE = {"megatrain.runtime.errors", "megatrain.runtime.paths", "megatrain.runtime.config",
                 "megatrain.runtime.config_ranges"}
-RUNTIME_FLOORS = ["base", "device", "model", "spill", "state", "distributed", "pipeline|io", "facade"]
+RUNTIME_FLOORS = ["base", "device", "model", "spill", "state", "distributed", "optim", "pipeline|io", "facade"]
 
 
 def _runtime_floor(name: str) -> tuple[int, str] | None:
@@ -255,7 +255,7 @@ def _runtime_floor(name: str) -> tuple[int, str] | None:
     if name in RUNTIME_BASE:
         return 0, "base"
     rest = name.split(".")[2:]
-    if len(rest) >= 2 or (rest and rest[0] in ("device", "model", "spill", "state", "distributed", "pipeline", "io")):
+    if len(rest) >= 2 or (rest and rest[0] in ("device", "model", "spill", "state", "distributed", "optim", "pipeline", "io")):
         part = rest[0]
         return next(i for i, f in enumerate(RUNTIME_FLOORS) if part in f.split("|")), part
     return len(RUNTIME_FLOORS) - 1, "facade"

@@ -1,7 +1,7 @@
 """OptimizerConfig(skip_nonfinite=True): a non-finite gradient skips the update and says so; off, NaN spreads.
 Weights holding NaN or infinity are refused where a model is loaded and where one is exported.
 
-See [Note: non-finite updates] in runtime/pipeline/cpu_adamw.py.
+See [Note: non-finite updates] in runtime/optim/cpu_adamw.py.
 """
 from __future__ import annotations
 
@@ -37,10 +37,13 @@ def _poisoned(engine: Engine) -> dict:
     return state
 
 
+@pytest.mark.parametrize("resident", [(), (0, 2), (0, 1, 2, 3)], ids=["host", "some-resident", "all-resident"])
 @pytest.mark.parametrize("mode, clip", MODES)
-def test_nonfinite_gradient_skips_the_update(mode, clip) -> None:
+def test_nonfinite_gradient_skips_the_update(mode, clip, resident) -> None:
+    """In host RAM, and with some or every block's state on the device ([Note: non-finite updates on the device])."""
     opt = OptimizerConfig(lr=1e-2, max_grad_norm=clip, skip_nonfinite=True)
-    with Engine(CONFIG, opt, plan=Plan(optimizer_mode=mode), compute_dtype=torch.float32, device="cpu") as engine:
+    plan = Plan(optimizer_mode=mode, resident_blocks=resident)
+    with Engine(CONFIG, opt, plan=plan, compute_dtype=torch.float32, device="cpu") as engine:
         engine.step(IDS, IDS)
         good = engine.state_dict()
         engine.load_state_dict(_poisoned(engine))

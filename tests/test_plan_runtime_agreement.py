@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatrain.planner import memory_model, model_shapes, search
+from megatrain.planner.buffer_kinds import BufferKind
 from megatrain.planner.hardware import HardwareProfile, preset
 from megatrain.planner.plan import Plan
 from megatrain.planner.profiler import detect
@@ -51,7 +52,11 @@ PLANS = [Plan(), Plan(num_slots=3, prefetch_depth=2, checkpoints="host", device_
          Plan(compute_in_place=True, adam_thread="compute", kept_layers=(0,)),
          # The weights rounded on the device: no shadow, the master is what the loads copy (bf16; fp32 has neither).
          Plan(weights_cast="device"), Plan(weights_cast="device", optimizer_mode="eager", spill="optimizer",
-                                           spill_dir=SPILL_DIR, spill_staging=2)]
+                                           spill_dir=SPILL_DIR, spill_staging=2),
+         # Optimizer state on the device ([Note: resident blocks]): 16 bytes a resident parameter there, none of it
+         # in RAM; the accumulators and slabs the size of the largest block left on the host, none when none is.
+         Plan(resident_blocks=(0, 2), checkpoints="host"), Plan(optimizer_mode="eager", resident_blocks=(1, 3)),
+         Plan(resident_blocks=(0, 1, 2, 3), kept_layers=(0,))]
 
 
 # The host arenas copied to or from the GPU (pinned there), by compute dtype: m and v never; the master only where
@@ -68,7 +73,8 @@ def _nbytes(t: torch.Tensor) -> int:
 @pytest.mark.parametrize("plan", PLANS, ids=["default", "host-ckpt", "host-ckpt-pieces", "eager", "spill-opt",
                                          "spill-all", "spill-eager", "spill-all-4k", "spill-opt-8k", "spill-blocks",
                                          "host-ckpt-kept-0", "host-ckpt-kept-all", "in-place", "cast-on-device",
-                                         "cast-on-device-eager-spill-opt"])
+                                         "cast-on-device-eager-spill-opt", "resident-some", "resident-eager",
+                                         "resident-all"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_memory_model_matches_allocations(name: str, plan: Plan, dtype: torch.dtype, tmp_path,
@@ -91,9 +97,12 @@ def test_memory_model_matches_allocations(name: str, plan: Plan, dtype: torch.dt
         assert est["weight slots"] == sum(_nbytes(b) for b in ex.slots.buffers)
         assert est["grad accumulators"] == sum(_nbytes(b) for b in ex.grad_buffers.buffers)
         tied = ex.tied_grad  # a buffer of its own, or (in place) a view of the host gradients
-        own = tied is not None and (store.grads is None or tied.untyped_storage().data_ptr()
-                                    != store.grads.tensor.untyped_storage().data_ptr())
+        held = [a.tensor for a in (store.grads,) if a is not None] + (
+            [store.resident.buffers[BufferKind.GRADS]] if store.resident is not None else [])
+        own = tied is not None and tied.untyped_storage().data_ptr() not in {
+            t.untyped_storage().data_ptr() for t in held}  # not the host gradients' or a resident block's own
         assert est.get("tied embedding grad", 0) == (_nbytes(tied) if own else 0)
+        assert est.get("resident optimizer state", 0) == (0 if store.resident is None else store.resident.nbytes)
         ram = lambda arena: 0 if arena is None else arena.nbytes  # noqa: E731
         assert est.get("fp32 master", 0) == ram(store.master)
         assert est.get("Adam m", 0) == ram(store.exp_avg) and est.get("Adam v", 0) == ram(store.exp_avg_sq)

@@ -6,7 +6,7 @@ import dataclasses
 import os
 from typing import Any
 
-from .. import cli_args, data_parallel_report, disk_space, model_shapes, report, report_plan
+from .. import cli_args, data_parallel_report, disk_space, model_shapes, report, report_plan, search
 from ..cost_model import CostEstimate
 from ..model_shapes import ModelShape
 from ..plan_request import ChosenPlan, PlanRequest, choose_plan
@@ -40,6 +40,9 @@ def run(args: argparse.Namespace) -> None:
         text += (f"\nclipping keeps every update until backward ends, and the CPU AdamW bounds the step; without "
                  f"clipping (--no-clip) the updates overlap backward: step {report.seconds(unclipped.step_seconds)}, "
                  f"{report.rate(unclipped.tokens_per_second)}")
+    if ranks is None and not chosen.hardware.device_is_host:
+        data["resident_alternatives"], more = resident_alternatives(model, work, chosen)
+        text += "\n" + more
     report.emit(args.json, data, text)
 
 
@@ -55,6 +58,31 @@ def clipping_cost(model: ModelShape, work: Workload, chosen: ChosenPlan, ranks: 
         return None
     faster = other.choice.cost is not None and other.choice.cost.step_seconds < cost.step_seconds * (1 - TIME_TOLERANCE)
     return other.choice.cost if faster else None
+
+
+def resident_alternatives(model: ModelShape, work: Workload, chosen: ChosenPlan) -> tuple[list[dict[str, Any]], str]:
+    """How many blocks keep their optimizer state on the GPU and why ([Note: resident trade]): the fastest plan the
+    search timed with none, with some and with every block resident, each with its kept layers."""
+    fit, _ = search.feasible_choices(model, work, chosen.hardware)
+    fit += search.traded(model, work, chosen.hardware, None, fit)
+    blocks = model.num_layers + 2
+    best: dict[str, search.PlanChoice] = {}
+    for c in fit:
+        r = len(c.plan.resident_blocks)
+        group = "none" if r == 0 else "every" if r == blocks else "some"
+        if c.cost is not None and (group not in best or c.cost.step_seconds < best[group].cost.step_seconds):  # type: ignore[union-attr]
+            best[group] = c
+    rows = [{"resident_blocks": len(c.plan.resident_blocks), "kept_layers": len(c.plan.kept_layers),
+             "step_seconds": c.cost.step_seconds, "optimizer_exposed_seconds": c.cost.optimizer_exposed_seconds,
+             "device_bytes": c.memory.device_bytes} for c in best.values() if c.cost is not None]
+    p = chosen.plan
+    text = (f"optimizer state on the GPU: {len(p.resident_blocks)} of {blocks} blocks (16 bytes a parameter there: no "
+            f"CPU AdamW, weight H2D or gradient D2H for them); the fastest timed with "
+            + "; ".join(f"{r['resident_blocks']} blocks: step {report.seconds(r['step_seconds'])} with "
+                        f"{r['kept_layers']} of {model.num_layers} layers kept, AdamW exposed "
+                        f"{report.seconds(r['optimizer_exposed_seconds'])}"
+                        for r in sorted(rows, key=lambda r: r["resident_blocks"])))
+    return rows, text
 
 
 def local_free_bytes(args: argparse.Namespace) -> int | None:

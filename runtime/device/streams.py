@@ -32,6 +32,10 @@ class Event:
         if self._event is not None and self.recorded:
             stream.raw.wait_event(self._event)
 
+    def done(self) -> bool:
+        """Whether the event has happened (no wait; an event never recorded, or on a CPU, has)."""
+        return self._event is None or not self.recorded or self._event.query()
+
     def synchronize(self) -> None:
         """Block the calling host thread until the event has happened (worker threads only)."""
         if self._event is not None and self.recorded:
@@ -56,7 +60,7 @@ class Stream:
 
 
 class Streams:
-    """The four streams of a step."""
+    """The five streams of a step."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -70,8 +74,10 @@ class Streams:
             # ckpt: host activation checkpoints out and back in pieces, so gigabytes of them queue neither behind
             # nor in front of a block's weights or gradients ([Note: host checkpoints in pieces]).
             self.ckpt = Stream(torch.cuda.Stream(device))
+            # optim: the resident blocks' AdamW on the device ([Note: resident blocks]), beside backward's compute.
+            self.optim = Stream(torch.cuda.Stream(device))
         else:
-            self.compute = self.h2d = self.d2h = self.ckpt = Stream(None)
+            self.compute = self.h2d = self.d2h = self.ckpt = self.optim = Stream(None)
 
     def event(self) -> Event:
         return Event(self.cuda)

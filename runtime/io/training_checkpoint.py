@@ -175,10 +175,20 @@ class CheckpointWriter:
             handle.stall_s = time.perf_counter() - start
             handle.wait()
             return handle
-        snapshot = {name: t.clone() for name, t in live.items()}  # the stall: memcpy of master, m and v
+        snapshot = {name: _whole_copy(t) for name, t in live.items()}  # the stall: memcpy of master, m and v
         handle.start(lambda: _commit(handle, directory, step, snapshot, manifest, keep))
         handle.stall_s = time.perf_counter() - start
         return handle
+
+
+def _whole_copy(t: "torch.Tensor | checkpoint_format.SpilledArena") -> torch.Tensor:
+    """A host copy of a whole array: an arena cloned, or (blocks resident on the device) its blocks gathered."""
+    if not isinstance(t, checkpoint_format.SpilledArena):
+        return t.clone()
+    out = torch.empty(t.numel(), dtype=t.dtype)
+    for lo, block in t.pieces():
+        out[lo:lo + block.numel()].copy_(block)
+    return out
 
 
 def engine_settings(config: ModelConfig, optimizer: OptimizerConfig, plan: Plan | None, compute_dtype: torch.dtype,

@@ -17,7 +17,8 @@ from megatrain.runtime.device.event_log import EventLog
 from megatrain.runtime.device.streams import Event, Streams
 from megatrain.runtime.distributed.collectives import Collectives
 from megatrain.runtime.model.templates import Block, Templates
-from megatrain.runtime.pipeline.cpu_adamw import AdamHyper, AdamJob, AdamWorker
+from megatrain.runtime.optim.adamw_kernel import AdamHyper
+from megatrain.runtime.optim.block_optimizer import BlockOptimizer, Clip
 from megatrain.runtime.pipeline.grad_buffers import GradBuffers
 from megatrain.runtime.pipeline.step_timer import StepTimer
 from megatrain.runtime.state.host_store import GradSink, HostStore
@@ -32,16 +33,14 @@ class PendingUpdate(NamedTuple):
 
 
 class BlockUpdates:
-    def __init__(self, templates: Templates, store: HostStore, adam: AdamWorker, grad_buffers: GradBuffers,
+    def __init__(self, templates: Templates, store: HostStore, optim: BlockOptimizer, grad_buffers: GradBuffers,
                  streams: Streams, timer: StepTimer, log: EventLog, eager: bool, max_grad_norm: float | None,
                  device: torch.device, collectives: Collectives | None) -> None:
-        self.store, self.adam, self.grad_buffers = store, adam, grad_buffers
+        self.store, self.optim, self.grad_buffers = store, optim, grad_buffers
         self.streams, self.timer, self.log = streams, timer, log
         self.eager, self.max_grad_norm = eager, max_grad_norm
         self.dist = collectives
         blocks = templates.blocks
-        # What AdamW updates of each block: the whole layout, or this rank's shard of it.
-        self.adam_layouts = [b.layout for b in (blocks if collectives is None else collectives.shards.blocks)]
         order = {name: i for i, name in enumerate(templates.hf_parameter_order())}
         self.norm_index = [torch.tensor([order[e.hf_name] for e in b.layout.entries], device=device) for b in blocks]
         # Per-parameter gradient norms in model.parameters() order, filled as blocks finish.
@@ -66,7 +65,7 @@ class BlockUpdates:
         else:
             g_buf, reduced = self.dist.reduce_scatter(block.index, g_index, g_buf)
         # One sink per piece: the whole block in RAM; a chunk at a time when the gradients spill.
-        sinks = iter(self.store.grad_sinks(block.index, check=self.adam.raise_if_failed))
+        sinks = iter(self.store.grad_sinks(block.index, check=self.optim.raise_if_failed))
         while True:
             with self.timer.adam_wait(self.streams.compute):  # waits only while every slab awaits its update
                 piece = next(sinks, None)
@@ -98,7 +97,7 @@ class BlockUpdates:
         for update in sorted(pending, key=lambda u: u.block.index):
             self._submit(step, update.block, update.grads, update.grads_ready, clip, hyper, update.release)
 
-    def _clip_coefficient(self) -> tuple[torch.Tensor, Event] | None:
+    def _clip_coefficient(self) -> Clip | None:
         """The global norm (``grad_norm``) and, with clipping, the coefficient on its way to the host."""
         self.grad_norm = torch.linalg.vector_norm(self.norms, 2.0) if self.dist is None else self.dist.global_norm()
         if self.max_grad_norm is None:
@@ -107,17 +106,15 @@ class BlockUpdates:
             self.streams.compute.wait_event(self.clip_copied)
         self.clip_dev.copy_(torch.clamp(self.max_grad_norm / (self.grad_norm + 1e-6), max=1.0))
         self.clip_copied = self._drain_scalar(self.clip_dev, self.clip_host)
-        return self.clip_host, self.clip_copied
+        return Clip(self.clip_host, self.clip_copied, self.clip_dev)
 
     def _submit(self, step: int, block: Block, host: torch.Tensor | None, done: Event,
-                clip: tuple[torch.Tensor, Event] | None, hyper: AdamHyper, release: Callable[[], None] | None) -> None:
-        self.log.record("adam_submit", step, block.index)
-        job = AdamJob(step, block.index, host, done, clip, hyper, self.adam_layouts[block.index], release)
-        if not self.adam.inline:
-            self.adam.submit(job)
+                clip: Clip | None, hyper: AdamHyper, release: Callable[[], None] | None) -> None:
+        if not self.optim.inline:
+            self.optim.submit(step, block.index, host, done, clip, hyper, release)
             return
         with self.timer.adam_wait(self.streams.compute):  # the update runs here, on the compute thread: exposed
-            self.adam.submit(job)
+            self.optim.submit(step, block.index, host, done, clip, hyper, release)
 
     def _drain_scalar(self, value: torch.Tensor, host: torch.Tensor) -> Event:
         ready = self.streams.recorded(self.streams.compute)

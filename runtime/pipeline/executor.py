@@ -37,8 +37,9 @@ from megatrain.runtime.device.streams import Streams
 from megatrain.runtime.distributed.collectives import Collectives
 from megatrain.runtime.model.templates import Block, BlockKind, Templates
 from megatrain.runtime.pipeline.activation_checkpoints import DeviceCheckpoints, HostCheckpoints
+from megatrain.runtime.optim.adamw_kernel import AdamHyper
+from megatrain.runtime.optim.block_optimizer import BlockOptimizer
 from megatrain.runtime.pipeline.block_updates import BlockUpdates, PendingUpdate
-from megatrain.runtime.pipeline.cpu_adamw import AdamHyper, AdamWorker
 from megatrain.runtime.pipeline.expert_layers import ExpertLayers
 from megatrain.runtime.pipeline.expert_parts import streamed_parts
 from megatrain.runtime.pipeline.grad_buffers import BlockGrads, GradBuffers, grad_unit
@@ -93,12 +94,15 @@ class Executor:
         self.schedule = training_schedule(templates, self.parts)  # the step's loads: [Note: load sequence]
         self.evaluation = evaluation_schedule(templates, self.parts)
         self.slots = WeightSlots(plan.num_slots, 0 if in_place else slot_numel, compute_dtype, device, self.streams)
+        # [Note: resident blocks]: gradients add up in their own buffers (data parallel: the reduce-scatter's copied in)
+        resident = frozenset(plan.resident_blocks) if collectives is None else frozenset()
         self.grad_buffers = GradBuffers(plan.device_grad_buffers, 0 if in_place else grad_unit(  # (tied: tied_grad's)
-            templates, self.parts, self._grad_numel, self.schedule.tied), device, self.streams, self.timer, host_grads)
-        # Tied embeddings: the head's lm_head gradient lands here in forward and the embedding's
-        # own in backward; one extra fp32 buffer of the embedding's size, resident for the whole step (in place:
-        # the embedding's host gradients).
+            templates, self.parts, self._grad_numel, self.schedule.tied, resident), device, self.streams, self.timer,
+            host_grads, store.resident_grads if collectives is None else lambda b: None)
+        # Tied embeddings: lm_head's gradient lands here in forward, the embedding's in backward; one fp32 buffer of
+        # the embedding's size for the whole step (in place: its host gradients; resident: its own).
         self.tied_grad = (None if not self.schedule.tied else host_grads(templates.embed.index) if host_grads else
+                          store.resident_grads(templates.embed.index) if templates.embed.index in resident else
                           torch.zeros(self._grad_numel(templates.embed), dtype=torch.float32, device=device))
         self.checkpoints: DeviceCheckpoints | HostCheckpoints = (
             HostCheckpoints(plan.checkpoint_piece_tokens, compute_dtype, device, self.streams, device.type == "cuda",
@@ -107,17 +111,15 @@ class Executor:
         )
         eager = plan.optimizer_mode == "eager"
         # Its jobs come in this order; on a CPU device the compute thread owns the cores: [Note: helper threads].
-        self.adam = AdamWorker(store, self.schedule.update_order(eager), log, one_thread=device.type == "cpu",
-                               inline=plan.adam_thread == "compute")
-        self.updates = BlockUpdates(templates, store, self.adam, self.grad_buffers, self.streams, self.timer, log,
+        # What AdamW updates of each block: the whole layout, or this rank's shard of it.
+        layouts = [b.layout for b in (templates.blocks if collectives is None else collectives.shards.blocks)]
+        self.optim = BlockOptimizer(store, self.schedule.update_order(eager), layouts, log, self.streams,
+                                    one_thread=device.type == "cpu", inline=plan.adam_thread == "compute")
+        self.updates = BlockUpdates(templates, store, self.optim, self.grad_buffers, self.streams, self.timer, log,
                                     eager, max_grad_norm, device, collectives)
-        if store.spill_files is not None:
-            files, adam = store.spill_files, self.adam
-            self.timer.counters = lambda: {  # noqa: E731  [Note: roofline]: the disk's busy and wait seconds
-                "disk_read_busy_s": files.read_clock.seconds, "disk_write_busy_s": files.write_clock.seconds,
-                "disk_busy_s": files.io_clock.seconds, "adam_disk_wait_s": adam.disk_wait_seconds}
+        self.timer.counters = self.optim.counters if store.spilled else None  # [Note: roofline]: the disk's seconds
         self.step_no = 0  # optimizer steps completed or in flight
-        self.loader = WeightLoader(self.slots, store, self.streams, plan.prefetch_depth, self.adam.wait_updated,
+        self.loader = WeightLoader(self.slots, store, self.streams, plan.prefetch_depth, self.optim,
                                    log, self.timer, fill=None if collectives is None else collectives.fill_slot,
                                    in_place=in_place)
         self.rotary, self.routing = RotaryPositions(self.config, device), RouterBalance(self.config, device, self.dist)
@@ -137,7 +139,7 @@ class Executor:
     def restore(self, step: int) -> None:
         """Continue from optimizer step ``step`` of a checkpoint, every update up to it applied."""
         self.step_no = step
-        self.adam.restore(step)
+        self.optim.restore(step)
 
     # ------------------------------------------------------------------ the step
     def train_step(self, batch: Batch, hyper: AdamHyper) -> torch.Tensor:
@@ -306,7 +308,7 @@ class Executor:
                        documents: Documents | None = None) -> torch.Tensor:
         """input_ids: [B, S] on the device -> logits [B, S, vocab] fp32 (materialised: for evaluation).
         ``position_ids`` and ``documents``: packed rows, as in ``Batch``."""
-        self.adam.wait_all(self.step_no)
+        self.optim.wait_all(self.step_no)
         s = self.evaluation
         whole = [slice(None)]  # one micro-batch: every row
         positions = self.rotary.positions(input_ids.shape[1], whole, position_ids,
@@ -321,7 +323,7 @@ class Executor:
 
     def close(self) -> None:
         self.loader.close()  # its jobs wait for AdamW's updates: stopped before the worker
-        self.adam.close()
+        self.optim.close()
         if isinstance(self.checkpoints, HostCheckpoints):
             self.checkpoints.close()
 

@@ -18,7 +18,8 @@ from megatrain.models.layers.expert_group import Routed, Routing
 from megatrain.runtime.model.templates import BlockKind, Templates
 from megatrain.runtime.pipeline.activation_checkpoints import DeviceCheckpoints, HostCheckpoints
 from megatrain.runtime.pipeline.block_updates import BlockUpdates, PendingUpdate
-from megatrain.runtime.pipeline.cpu_adamw import AdamHyper, AdamWorker
+from megatrain.runtime.optim.adamw_kernel import AdamHyper
+from megatrain.runtime.optim.block_optimizer import BlockOptimizer
 from megatrain.runtime.pipeline.grad_buffers import GradBuffers
 from megatrain.runtime.pipeline.rotary_positions import Positions
 from megatrain.runtime.pipeline.router_balance import RouterBalance
@@ -34,7 +35,7 @@ class Step(Protocol):
     store: HostStore
     grad_buffers: GradBuffers
     updates: BlockUpdates
-    adam: AdamWorker
+    optim: BlockOptimizer
     streams: Streams
     timer: StepTimer
     checkpoints: DeviceCheckpoints | HostCheckpoints
@@ -59,7 +60,7 @@ class ExpertLayers:
         self.layer = step.templates.modules[BlockKind.LAYER]  # the experts' (alike in every layer type)
         self.routing = step.routing  # the recomputed router's logits take the load-balancing loss's gradient
         self.store, self.grad_buffers, self.updates = step.store, step.grad_buffers, step.updates
-        self.adam_check: Callable[[], None] = step.adam.raise_if_failed
+        self.adam_check: Callable[[], None] = step.optim.raise_if_failed
         self.streams, self.timer, self.checkpoints = step.streams, step.timer, step.checkpoints
         self.attention_tile = step.attention_tile
         # host checkpoints hand out buffers they reuse: the backward copies a layer's inputs to keep them from its

@@ -11,7 +11,8 @@ a tied embedding's gradient has a buffer of its own instead, kept from the head
 a tied Llama-3.2-3B shape a layer's 100.7M elements, not the table's 394.0M). In
 place ([Note: compute in place], weight_slots.py) the buffers hold nothing: a
 block's gradients add up in its host gradients (``host_grads``), which its drain
-then leaves as they are.
+then leaves as they are. A resident block's gradients ([Note: resident blocks]) add up in its own device buffer
+the same way, and ``grad_unit`` leaves those blocks out.
 """
 from __future__ import annotations
 
@@ -26,19 +27,22 @@ from megatrain.runtime.device.streams import Event, Streams
 
 
 def grad_unit(templates: Templates, parts: Mapping[int, Sequence[Part]], numel: Callable[[Block], int],
-              tied: bool) -> int:
+              tied: bool, resident: frozenset[int] = frozenset()) -> int:
     """Elements of one gradient buffer: the largest block's gradient (``numel``: padded to whole shards in data
     parallel) or streamed part's, leaving out a ``tied`` embedding's, which adds up in a buffer of its own: the
-    planner's Bg (planner/stream_units.py, ``grad_numel``)."""
-    return max(max(p.numel for p in parts[b.index]) if b.index in parts else numel(b)
-               for b in templates.blocks if not (tied and b.index == templates.embed.index))
+    planner's Bg (planner/stream_units.py, ``grad_numel``); the ``resident`` blocks' add up in their own buffers."""
+    return max((max(p.numel for p in parts[b.index]) if b.index in parts else numel(b)
+                for b in templates.blocks if not (tied and b.index == templates.embed.index) and b.index not in resident),
+               default=0)
 
 
 class GradBuffers:
     def __init__(self, count: int, numel: int, device: torch.device, streams: Streams, timer: StepTimer,
-                 host_grads: Callable[[int], torch.Tensor] | None = None) -> None:
-        """``host_grads``: in place, block b's host gradients (``numel`` is then 0)."""
-        self.host_grads = host_grads
+                 host_grads: Callable[[int], torch.Tensor] | None = None,
+                 own_grads: Callable[[int], torch.Tensor | None] = lambda b: None) -> None:
+        """``host_grads``: in place, block b's host gradients (``numel`` is then 0); ``own_grads``: block b's own
+        buffer where it has one (a resident block's), else None."""
+        self.host_grads, self.own_grads = host_grads, own_grads
         self.buffers = [torch.zeros(numel, dtype=torch.float32, device=device) for _ in range(count)]
         self.drained: list[Event] = [streams.event() for _ in range(count)]
         self.streams = streams
@@ -47,12 +51,16 @@ class GradBuffers:
 
     def acquire(self, numel: int, block: int | None = None, zeroed: bool = True) -> tuple[int, torch.Tensor]:
         """A zeroed fp32 buffer [numel] for block ``block`` on the compute stream, its previous drain complete
-        (in place: the block's host gradients); ``zeroed=False``: as it is, for a ``BlockGrads`` to write."""
+        (in place: the block's host gradients; a resident block: its own); ``zeroed=False``: as it is, for a
+        ``BlockGrads`` to write."""
         index = self._next
         self._next = (self._next + 1) % len(self.buffers)
         with self.timer.stall("d2h", self.streams.compute):
             self.streams.compute.wait_event(self.drained[index])
-        if self.host_grads is not None:
+        own = None if block is None else self.own_grads(block)
+        if own is not None:
+            buf = own
+        elif self.host_grads is not None:
             assert block is not None, "refused by Plan: compute_in_place with expert groups"
             buf = self.host_grads(block)
         else:

@@ -46,9 +46,10 @@ from torch.profiler import record_function
 from megatrain.planner.buffer_kinds import BufferKind
 
 from megatrain.runtime.device.event_log import EventLog
+from megatrain.runtime.optim.block_optimizer import BlockOptimizer
 from megatrain.runtime.state.host_store import HostStore
 from megatrain.runtime.spill.spill_io import aligned_empty
-from megatrain.runtime.pipeline.spilled_loads import SpilledLoad, SpilledLoads, WaitUpdated
+from megatrain.runtime.pipeline.spilled_loads import SpilledLoad, SpilledLoads
 from megatrain.runtime.pipeline.step_schedule import Load
 from megatrain.runtime.pipeline.step_timer import StepTimer
 from megatrain.runtime.device.streams import Event, Streams
@@ -97,17 +98,18 @@ class WeightLoader:
         store: HostStore,
         streams: Streams,
         depth: int,
-        wait_updated: WaitUpdated,
+        optim: BlockOptimizer,
         log: EventLog,
         timer: StepTimer,
         fill: Fill | None = None,
         in_place: bool = False,
     ) -> None:
-        """``in_place``: compute reads each block's weights in host RAM ([Note: compute in place])."""
+        """``optim``: asked whether a block is updated before its load; ``in_place``: compute reads each block's
+        weights in host RAM ([Note: compute in place])."""
         assert 1 <= depth <= len(slots) - 1
         assert not (in_place and fill is not None), "data parallel gathers into slots"
         self.slots, self.store, self.streams, self.depth = slots, store, streams, depth
-        self.wait_updated = wait_updated
+        self.optim = optim
         self.log = log
         self.timer = timer
         self.fill = fill
@@ -121,7 +123,7 @@ class WeightLoader:
         self._spilled: dict[int, SpilledLoad] = {}  # per slot: the loader thread's job filling it
         files = store.spill_files
         self.spilled_loads = None if files is None else SpilledLoads(
-            files, streams, wait_updated, timer, bounce=slots.buffers[0].device.type != "cpu", slots=len(slots))
+            files, streams, optim.wait_updated, timer, bounce=slots.buffers[0].device.type != "cpu", slots=len(slots))
 
     def start(self, step: int, sequence: Sequence[Load]) -> None:
         """Begin a sequence of loads for ``step``; nothing may be resident from the previous one."""
@@ -198,7 +200,7 @@ class WeightLoader:
         spilled = source is None and self.fill is None  # a job for the loader thread: [Note: spilled loads]
         if not spilled:
             with self.timer.adam_wait(self.streams.compute):  # the previous step's update: what this load copies
-                self.wait_updated(block, self.step - 1)
+                self.optim.wait_updated(block, self.step - 1)
             if source is None:  # data parallel, a spilled master: read on this thread once AdamW's write lands
                 assert self.store.spill_files is not None
                 with self.timer.disk_wait(self.streams.compute):
@@ -208,6 +210,7 @@ class WeightLoader:
         numel = self.store.numels[block]
         with self.streams.h2d.use(), record_function(f"h2d[{block}]"):
             self.streams.h2d.wait_event(self.slots.released[slot])
+            self.optim.order_after(self.streams.h2d, block)  # a resident block: cast on the device after its update
             if spilled:
                 assert self.spilled_loads is not None and load.part is None
                 self._spilled[slot] = self.spilled_loads.submit(block, self.step, self.slots.buffers[slot][:numel],

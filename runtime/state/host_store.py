@@ -25,6 +25,10 @@ spill files instead (``spill_files.py``, [Note: spill]), each (block, kind) in
 RAM or on disk independently; ``read_block`` /
 ``write_block`` are the one way to a block's bytes either way, and
 ``grad_sink`` says where a block's gradient lands on the host.
+
+The blocks ``Plan.resident_blocks`` names keep no byte in RAM: their master, m, v and gradient are device
+buffers (``ResidentState``, [Note: resident blocks]) that ``read_block`` / ``write_block``, ``load_source`` and
+``grad_sink`` reach the same way.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from megatrain.runtime.errors import ConfigError
 from megatrain.runtime.spill.spill_files import SpillFiles
 from megatrain.runtime.spill.staging_pool import StagingPool
 from megatrain.runtime.spill.spill_io import FileIO
+from megatrain.runtime.state.resident_state import ResidentState
 from megatrain.runtime.model.templates import Block
 
 if TYPE_CHECKING:
@@ -133,9 +138,13 @@ class HostStore:
         chunk_bytes: int = 64 * 2**20,
         state_dtype: torch.dtype = torch.float32,
         weights_cast: str = "host",
+        resident: ResidentState | None = None,
     ) -> None:
         """``state_dtype``: AdamW m and v's, in RAM and in their spill files (bf16: [Note: bf16 optimizer state]).
-        ``weights_cast``: ``Plan.weights_cast``; "device": no shadow, the loads copy the master and round it."""
+        ``weights_cast``: ``Plan.weights_cast``; "device": no shadow, the loads copy the master and round it.
+        ``resident``: the state of the blocks kept on the device (none of theirs in RAM)."""
+        self.resident = resident
+        self._on_device = frozenset() if resident is None else resident.blocks
         self.offsets: list[int] = []
         total = 0
         for block in blocks:
@@ -171,16 +180,20 @@ class HostStore:
             assert compute_dtype == torch.float32 or BufferKind.MASTER not in self.placement
             self.shadow = self.master
         else:
-            self.shadow = HostArena(total, compute_dtype, pin, "shadow")
+            self._shadow_at, shadow_numel = _offsets(self.numels, self._on_device)
+            self.shadow = HostArena(shadow_numel, compute_dtype, pin, "shadow")
         self.grads = self._allocate(BufferKind.GRADS, "fp32 grads", pin) if full_grads else None
         # Gradients land in slabs in eager mode, and on their way to the grads file for blocks whose grads spill.
         self.grads_spilled = BufferKind.GRADS in self.spilled
         need_slabs = not full_grads or self.grads_spilled
         # Spilled gradients drain a chunk at a time (rounded up to 4 KiB) into slabs written to the grads file.
-        slab_numel = spill_chunk_numel(self.max_block_numel, chunk_bytes) if self.grads_spilled else self.max_block_numel
+        host_max = max((n for b, n in enumerate(self.numels) if b not in self._on_device), default=0)
+        slab_numel = spill_chunk_numel(host_max, chunk_bytes) if self.grads_spilled else host_max
         self.slabs = GradSlabs(grad_slabs, slab_numel, pin) if need_slabs else None
         # AdamW step count per block, as torch.optim keeps it: a float32 CPU scalar tensor.
-        self.steps = [torch.zeros((), dtype=torch.float32) for _ in blocks]
+        # (a resident block's on the device, as the fused kernel there takes it).
+        self.steps = [resident.steps[b] if b in self._on_device else torch.zeros((), dtype=torch.float32)  # type: ignore[union-attr]
+                      for b in range(len(blocks))]
         self.spill_files: SpillFiles | None = None
         if self.spilled:
             assert io is not None and spill_dir is not None
@@ -193,11 +206,9 @@ class HostStore:
 
     def _allocate(self, kind: BufferKind, name: str, pin: bool,
                   dtype: torch.dtype = torch.float32) -> HostArena | None:
-        """The arena of ``kind``'s blocks that stay in RAM, in block order (None when every block spills)."""
-        offsets, at = {}, 0
-        for b, n in enumerate(self.numels):
-            if b not in self.placement.get(kind, ()):
-                offsets[b], at = at, at + n
+        """The arena of ``kind``'s blocks that stay in RAM, in block order (None when every block spills or is
+        resident)."""
+        offsets, at = _offsets(self.numels, self.placement.get(kind, frozenset()) | self._on_device)
         self._ram_offsets[kind] = offsets
         crosses = crosses_pcie(kind, self.master_loaded)
         return HostArena(at, dtype, pin, name, crosses) if offsets else None
@@ -237,7 +248,11 @@ class HostStore:
     def arena(self, kind: BufferKind) -> HostArena | None:
         """The RAM arena of ``kind`` when it holds every block in order; None when any block of the kind is
         spilled (read those block by block: ``read_block``) or the kind is not kept."""
-        return None if kind in self.spilled else self.ram_arena(kind)
+        return None if kind in self.spilled or self._on_device else self.ram_arena(kind)
+
+    def copies(self, kind: BufferKind, b: int) -> bool:
+        """Whether ``read_block(kind, b)`` is a copy (spilled, or resident on a GPU) that ``write_block`` stores."""
+        return self.is_spilled(kind, b) or (b in self._on_device and self.resident.copies)  # type: ignore[union-attr]
 
     def _view(self, kind: BufferKind, b: int) -> torch.Tensor:
         arena = self.ram_arena(kind)
@@ -247,7 +262,10 @@ class HostStore:
 
     def read_block(self, kind: BufferKind, b: int) -> torch.Tensor:
         """Block b's ``kind`` ([numel], ``dtype(kind)``: fp32, m and v in the state dtype): a view of RAM (writes
-        to it are the store's), or, spilled, a copy read from its file."""
+        to it are the store's), or, spilled, a copy read from its file; resident, ``ResidentState.read``."""
+        if b in self._on_device:
+            assert self.resident is not None
+            return self.resident.read(kind, b)
         if self.is_spilled(kind, b):
             assert self.spill_files is not None
             return self.spill_files.read_block(kind, b)
@@ -255,8 +273,11 @@ class HostStore:
 
     def write_block(self, kind: BufferKind, b: int, src: torch.Tensor) -> None:
         """Store ``src`` ([numel], converted to ``dtype(kind)``) as block b's ``kind`` (RAM copy, or a synchronous
-        file write)."""
-        if self.is_spilled(kind, b):
+        file write; resident: into its device buffer)."""
+        if b in self._on_device:
+            assert self.resident is not None
+            self.resident.write(kind, b, src)
+        elif self.is_spilled(kind, b):
             assert self.spill_files is not None
             self.spill_files.write_block(kind, b, src)
         else:
@@ -264,18 +285,23 @@ class HostStore:
 
     def load_source(self, b: int) -> torch.Tensor | None:
         """Block b's compute-dtype weights in RAM, what travels H2D; None when they are read from the master
-        spill file instead (fp32 compute with block b's master spilled: no second copy in RAM)."""
+        spill file instead (fp32 compute with block b's master spilled: no second copy in RAM); a resident block's
+        fp32 master on the device, which its load casts there."""
+        if b in self._on_device:
+            assert self.resident is not None
+            return self.resident.view(BufferKind.MASTER, b)
         if self.shadow is self.master:
             return None if self.is_spilled(BufferKind.MASTER, b) else self._view(BufferKind.MASTER, b)
         assert self.shadow is not None
-        return self.shadow.tensor[self.offsets[b]:self.offsets[b] + self.numels[b]]
+        return self.shadow.tensor[self._shadow_at[b]:self._shadow_at[b] + self.numels[b]]
 
     def refresh_shadow(self, b: int, master: torch.Tensor | None = None, lo: int = 0) -> None:
         """Round block b's master (``master``, elements [lo, lo + len) if given, else the stored block) into
         its compute-dtype shadow."""
-        if self.shadow is not self.master and self.shadow is not None:
+        if self.shadow is not self.master and self.shadow is not None and b not in self._on_device:
             src = self.read_block(BufferKind.MASTER, b) if master is None else master
-            self.shadow.tensor[self.offsets[b] + lo:self.offsets[b] + lo + src.numel()].copy_(src)
+            at = self._shadow_at[b] + lo
+            self.shadow.tensor[at:at + src.numel()].copy_(src)
 
     # ---- gradients ----------------------------------------------------------------------
     def grad_sinks(self, b: int, check: Callable[[], None] = lambda: None) -> Iterable[GradSink]:
@@ -283,7 +309,12 @@ class HostStore:
         eager mode, a slab AdamW frees when done; block b's grads spilled, one slab per chunk, written to the grads
         file behind its drain (AdamW reads the chunks back from there, after those writes). Waiting for a
         free slab calls ``check`` every second (e.g. to raise the AdamW worker's error instead of waiting
-        for ever). A spilled block's slabs are acquired one at a time, as the iteration reaches them."""
+        for ever). A spilled block's slabs are acquired one at a time, as the iteration reaches them. A resident
+        block's gradient is its device buffer, where it added up: its drain copies nothing."""
+        if b in self._on_device:
+            assert self.resident is not None
+            grads = self.resident.view(BufferKind.GRADS, b)
+            return [GradSink(grads, lambda done: None, grads, None)]
         if self.slabs is None or (self.grads is not None and not self.is_spilled(BufferKind.GRADS, b)):
             host = self._view(BufferKind.GRADS, b)
             return [GradSink(host, lambda done: None, host, None)]
@@ -293,6 +324,10 @@ class HostStore:
             return [GradSink(host, lambda done: None, host, lambda: slabs.release(slab))]
         assert self.spill_files is not None
         return _spilled_sinks(self.slabs, self.spill_files, b, check)
+
+    def resident_grads(self, b: int) -> torch.Tensor | None:
+        """A resident block's gradient buffer on the device, where its gradients add up; None for another block."""
+        return None if self.resident is None or b not in self.resident else self.resident.view(BufferKind.GRADS, b)
 
     def grad_sink(self, b: int, check: Callable[[], None] = lambda: None) -> GradSink:
         """The first (for a block in RAM, the only) sink of ``grad_sinks(b)``."""
@@ -328,6 +363,15 @@ class HostStore:
         if self.spill_files is not None:
             self.spill_files.close()
             self.spill_files = None
+
+
+def _offsets(numels: Sequence[int], skip: frozenset[int]) -> tuple[dict[int, int], int]:
+    """Each block not in ``skip``: its first element in an arena of those blocks in block order; and their total."""
+    out, at = {}, 0
+    for b, n in enumerate(numels):
+        if b not in skip:
+            out[b], at = at, at + n
+    return out, at
 
 
 def _spilled_sinks(slabs: GradSlabs, files: SpillFiles, b: int, check: Callable[[], None]) -> Iterator[GradSink]:

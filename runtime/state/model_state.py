@@ -54,10 +54,10 @@ class ModelState:
         """Block b's fp32 master ([numel]) to change in place: on leaving the block it is stored (written
         back when spilled) and rounded into the shadow. If the body raises, a spilled master and the shadow
         stay as they were (a RAM master is the store's own memory: it keeps what the body changed)."""
-        spilled = self.store.is_spilled(BufferKind.MASTER, b)
+        copied = self.store.copies(BufferKind.MASTER, b)
         master = self.store.read_block(BufferKind.MASTER, b)
-        yield master  # spilled: a copy of the file's block, ours to change
-        if spilled:
+        yield master  # spilled (or resident on a GPU): a copy of the block, ours to change
+        if copied:
             self.store.write_block(BufferKind.MASTER, b, master)
         self.store.refresh_shadow(b, master)
 

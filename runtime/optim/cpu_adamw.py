@@ -65,21 +65,12 @@ from megatrain.runtime.spill.read_ahead import ReadAhead
 from megatrain.runtime.spill.staging_pool import Staged
 from megatrain.runtime.device.streams import Event
 from megatrain.runtime.model.templates import BlockLayout
-from megatrain.runtime.pipeline.stochastic_rounding import (WIDEN_ELEMENTS, cache_chunk, noise_at, round_stochastic,
-                                                           widened_chunks)
+from megatrain.runtime.optim.adamw_kernel import AdamHyper, fused_adamw
+from megatrain.runtime.optim.stochastic_rounding import (WIDEN_ELEMENTS, cache_chunk, noise_at, round_stochastic,
+                                                         widened_chunks)
 
 
 _WAKE = object()  # in the job queue: a transfer landed, the disk may be idle ([Note: spill read-ahead])
-
-
-@dataclass(frozen=True)
-class AdamHyper:
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    skip_nonfinite: bool = False  # see [Note: non-finite updates]
 
 
 @dataclass
@@ -99,9 +90,10 @@ class AdamWorker:
     """The worker thread: waits for a job's inputs, updates the block, refreshes its shadow and signals it.
     With spill files, ``ahead`` (read_ahead.py) stages each piece's spilled state and writes it back."""
 
-    def __init__(self, store: HostStore, order: Sequence[int], log: EventLog, one_thread: bool = False,
+    def __init__(self, store: HostStore, order: Sequence[int], blocks: int, log: EventLog, one_thread: bool = False,
                  inline: bool = False) -> None:
-        """``order``: the blocks in the order every step's jobs come (``StepSchedule.update_order``);
+        """``order``: the blocks in the order every step's jobs come (``StepSchedule.update_order``, less the blocks
+        updated on the device); ``blocks``: the model's;
         ``one_thread``: its kernels run on one intra-op thread (the device is the CPU: [Note: helper threads]);
         ``inline``: no thread, each job runs in ``submit`` (nothing spilled)."""
         assert not (inline and store.spill_files is not None), "refused by Plan: adam_thread='compute' with spill"
@@ -110,8 +102,9 @@ class AdamWorker:
         self.log = log
         # A job per block, the closing None, and one wake-up (``_nudge``): a job's put never waits for a wake-up.
         self._jobs: queue.Queue[AdamJob | object | None] = queue.Queue(maxsize=len(order) + 2)
+        self._order = tuple(order)
         self._nudged = False  # a wake-up is queued, not yet taken
-        self._updated = [0] * len(order)  # last step whose update of block b is complete
+        self._updated = [0] * blocks  # last step whose update of block b is complete
         self._cond = threading.Condition()
         # Per step: seconds the worker spent updating (not waiting for drains or reads), and jobs done.
         self._busy: dict[int, list[float]] = {}
@@ -156,7 +149,7 @@ class AdamWorker:
         self.raise_if_failed()
 
     def wait_all(self, step: int) -> None:
-        for b in range(len(self._updated)):
+        for b in self._order:
             self.wait_updated(b, step)
 
     def restore(self, step: int) -> None:
@@ -183,7 +176,7 @@ class AdamWorker:
         entry = self._busy.setdefault(step, [0.0, 0])
         entry[0] += seconds
         entry[1] += 1 if last else 0
-        if entry[1] == len(self._updated):
+        if entry[1] == len(self._order):
             self._busy_complete = entry[0]
             for s in [s for s in self._busy if s <= step]:
                 del self._busy[s]
@@ -348,19 +341,9 @@ class AdamWorker:
 
 
 def _fused_adamw(job: AdamJob, lo: int, n: int, flats: tuple[torch.Tensor, ...], step: torch.Tensor) -> None:
-    """torch's fused AdamW on the views of elements [lo, lo + n) of job's block; ``flats``: its fp32 master,
-    grads, m and v, each holding just those n elements. Once for the entries with weight decay, once without."""
-    h = job.hyper
-    entries, views = job.layout.range_views(flats, lo, n)
-    for decay, wd in ((True, h.weight_decay), (False, 0.0)):
-        pick = [i for i, e in enumerate(entries) if e.decay == decay]
-        if pick:
-            p, g, ea, eas = ([vs[i] for i in pick] for vs in views)
-            torch._fused_adamw_(
-                p, g, ea, eas, [], [step] * len(pick),
-                lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=wd, eps=h.eps,
-                amsgrad=False, maximize=False,
-            )
+    """adamw_kernel.py's fused AdamW on the elements [lo, lo + n) of job's block (``flats``: those of its master,
+    grads, m and v)."""
+    fused_adamw(job.hyper, job.layout, lo, n, flats, step)
 
 
 def _finite(job: AdamJob, grads: torch.Tensor) -> bool:
