@@ -160,14 +160,20 @@ def test_no_rounding_pass_on_the_cpu() -> None:
 
 
 def test_search_rounds_on_the_device_where_adamw_bounds_the_step() -> None:
-    """1B, 8 x 2048 with clipping on an H200: the deferred update outlasts the compute, and the cast on the device
-    takes the rounding pass off it; on a CPU device there is no PCIe to trade and the plan keeps the host cast."""
+    """1B, 8 x 2048 with clipping on an H200: the deferred update outlasts the compute. The search keeps every block's
+    optimizer state on the device (no CPU AdamW left to bound the step); without that, the cast on the device takes
+    the rounding pass off the CPU update and is the faster plan. On a CPU device there is no PCIe to trade and the
+    plan keeps the host cast."""
     model = model_shapes.resolve("shape:Llama-3.2-1B")
     work = Workload(2048, 8, compute_dtype="bf16")
-    best = search.search(model, work, preset("H200", "workstation-128g")).best
-    assert best is not None and best.plan.weights_cast == "device"
-    host = cost_model.estimate(model, work, best.plan.replace(weights_cast="host"), preset("H200", "workstation-128g"))
-    assert best.cost.step_seconds < host.step_seconds
+    hw = preset("H200", "workstation-128g")
+    best = search.search(model, work, hw).best
+    assert best is not None and len(best.plan.resident_blocks) == model.num_layers + 2
+    on_host = best.plan.replace(resident_blocks=())
+    device = cost_model.estimate(model, work, on_host.replace(weights_cast="device"), hw)
+    host = cost_model.estimate(model, work, on_host.replace(weights_cast="host"), hw)
+    assert device.step_seconds < host.step_seconds
+    assert best.cost.step_seconds < device.step_seconds
     cpu = search.search(model_shapes.from_config(HF), Workload(16, 4, compute_dtype="bf16"),
                         preset("H200", "workstation-128g").replace(gpu_name="cpu", gpu_mem_bytes=0)).best
     assert cpu is not None and cpu.plan.weights_cast == "host"
@@ -186,11 +192,13 @@ def test_minimum_host_ram_has_no_shadow_on_a_gpu() -> None:
 
 def test_the_cast_on_the_device_fits_where_the_shadow_does_not() -> None:
     """Llama-3.1-8B with clipping in 130 GiB of RAM, nothing on disk: master, m, v and gradients take 16 x N
-    (119.7 GiB) and a shadow 2 x N (15.0 GiB) more than 95% of it, so only the plan that rounds on the device fits,
-    and the search tries it as a candidate of its own."""
+    (119.7 GiB) and a shadow 2 x N (15.0 GiB) more than 95% of it, so with every block's state on the host only the
+    plan that rounds on the device fits, and the search tries it as a candidate of its own."""
     model = model_shapes.resolve("shape:Llama-3.1-8B")
     work = Workload(4096, 16, compute_dtype="bf16")
     hw = preset("H200", "workstation-128g").with_overrides(ram_bytes=130 * 2**30)
     best = search.search(model, work, hw).best
     assert best is not None and best.plan.weights_cast == "device" and best.plan.spill == "none"
-    assert memory_model.estimate(model, work, best.plan.replace(weights_cast="host"), hw).overruns(hw)
+    on_host = best.plan.replace(resident_blocks=())
+    assert not memory_model.estimate(model, work, on_host, hw).overruns(hw)
+    assert memory_model.estimate(model, work, on_host.replace(weights_cast="host"), hw).overruns(hw)
