@@ -52,8 +52,10 @@ def main() -> int:
         with open(args.from_json) as f:
             saved = json.load(f)
         stem = os.path.splitext(args.from_json)[0]
+        text = "\n".join(markdown(saved, saved["command"])) + "\n"
         with open(stem + ".md", "w") as f:
-            f.write("\n".join(markdown(saved, saved["command"])) + "\n")
+            f.write(text)
+        print(text, end="")
         print(f"wrote {stem}.md; plot: {plot(saved['results'], stem + '.png')}", file=sys.stderr)
         return 0
     from megatrain.planner import cost_model, memory_model, model_shapes, profiler, search
