@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -36,7 +34,7 @@ import torch
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
 
 from megatrain.runtime.io import training_checkpoint
-from result_files import new_base
+from result_files import machine, write_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -166,26 +164,19 @@ def main() -> int:
         "steps_during_write": len(steps_during),
     }
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cores": os.cpu_count(), "scratch": args.dir or tempfile.gettempdir()}
+    info = {**machine(), "scratch": args.dir or tempfile.gettempdir()}
     report = {"date": datetime.date.today().isoformat(), "machine": info, "args": vars(args), "results": rows}
-    os.makedirs(args.out, exist_ok=True)
-    stem = new_base(os.path.join(args.out, f"{report['date']}_{device}_checkpoint_io"))
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=2)
-    with open(stem + ".md", "w") as f:
-        f.write(f"# Checkpoint I/O, {device} ({report['date']})\n\n")
-        f.write(f"{rows['parameters'] / 1e6:.1f}M parameters, {gb:.3f} GB of fp32 master + AdamW m + v; "
-                f"{info['cores']} cores; scratch {info['scratch']}; page cache dropped before reads.\n\n")
-        f.write("| path | write GB/s | read GB/s |\n|---|---|---|\n")
-        f.write(f"| plain copy (write+fsync / readinto) | {rows['plain_write_gbps']} | {rows['plain_read_gbps']} |\n")
-        f.write(f"| megatrain checkpoint (tensorstore, CRC32, fsync, commit) | {rows['checkpoint_write_gbps']} | "
-                f"{rows['checkpoint_read_gbps']} |\n\n")
-        f.write(f"Asynchronous save: training stalled {rows['async_stall_s']} s (snapshot copy) for a "
-                f"{rows['async_write_s']} s background write; median step {rows['step_s_median']} s without a "
-                f"write, {rows['step_s_median_during_write']} s during one ({rows['steps_during_write']} steps).\n")
-    print(json.dumps(rows, indent=1))
-    print(f"wrote {stem}.json and .md", file=sys.stderr)
+    lines = [f"# Checkpoint I/O, {device} ({report['date']})", "",
+             f"{rows['parameters'] / 1e6:.1f}M parameters, {gb:.3f} GB of fp32 master + AdamW m + v; "
+             f"{info['cores']} cores; scratch {info['scratch']}; page cache dropped before reads.", "",
+             "| path | write GB/s | read GB/s |", "|---|---|---|",
+             f"| plain copy (write+fsync / readinto) | {rows['plain_write_gbps']} | {rows['plain_read_gbps']} |",
+             f"| megatrain checkpoint (tensorstore, CRC32, fsync, commit) | {rows['checkpoint_write_gbps']} | "
+             f"{rows['checkpoint_read_gbps']} |", "",
+             f"Asynchronous save: training stalled {rows['async_stall_s']} s (snapshot copy) for a "
+             f"{rows['async_write_s']} s background write; median step {rows['step_s_median']} s without a "
+             f"write, {rows['step_s_median_during_write']} s during one ({rows['steps_during_write']} steps)."]
+    write_report(os.path.join(args.out, f"{report['date']}_{device}_checkpoint_io"), report, lines)
     return 0
 
 

@@ -18,20 +18,14 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 
-from result_files import new_base
+from result_files import machine, write_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def machine() -> dict[str, object]:
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version()}
 
 
 def tiny_chat(root: str) -> tuple[str, str]:
@@ -107,11 +101,8 @@ def main() -> None:
         "stats": {name: stats(xs, args.max_norm) for name, xs in series.items()},
         "grad_norms": series,
     }
-    stem = new_base(os.path.join(args.out, f"{result['date']}_cpu_clip_frequency"))
-    with open(stem + ".json", "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
     lines = [f"# How often clipping at max_norm {args.max_norm} changes the update ({result['date']}, "
-             f"{result['machine']['processor']}, {result['machine']['cpu_count']} shared cores)", "",
+             f"{result['machine']['cpu']}, {result['machine']['cores']} shared cores)", "",
              f"`{result['command']}`", "",
              "| run | steps | steps clipped | first tenth | last tenth | median norm | p5 | p95 | max |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -120,9 +111,7 @@ def main() -> None:
                      f"{s['clipped_share_last_tenth']:.1%} | {s['median']:.3f} | {s['p5']:.3f} | {s['p95']:.3f} | "
                      f"{s['max']:.3f} |")
     lines += ["", *(f"- {name}: {what}" for name, what in result["runs"].items())]
-    with open(stem + ".md", "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(os.path.join(args.out, f"{result['date']}_cpu_clip_frequency"), result, lines, indent=1)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from peer_runners.spec import model_config  # noqa: E402
-from result_files import new_base  # noqa: E402
+from result_files import write_report  # noqa: E402
 
 GiB = 2**30
 PHASE_TERMS = ("kept activations", "layer working set", "attention working set", "logits chunk")
@@ -128,14 +128,8 @@ def main() -> int:
                      f"({err(r['tensors_bytes'], r['allocated'])}) | {r['planner_bytes'] / GiB:.1f} "
                      f"({err(r['planner_bytes'], r['reserved'])}) | {r['phases_bytes'] / GiB:.2f} "
                      f"({err(r['phases_bytes'], r['allocated'])}, {r['largest_phase']}) |")
-    os.makedirs(args.out, exist_ok=True)
-    stem = new_base(os.path.join(args.out, f"{datetime.date.today().isoformat()}_{args.device}_device_memory"))
-    with open(stem + ".json", "w") as f:
-        json.dump({"device": args.device, "hardware": hw.source, "runs": runs}, f, indent=2)
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {stem}.json, {stem}.md", file=sys.stderr)
+    write_report(os.path.join(args.out, f"{datetime.date.today().isoformat()}_{args.device}_device_memory"),
+                 {"device": args.device, "hardware": hw.source, "runs": runs}, lines)
     return 0
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import datetime
-import json
 import mmap
 import os
 import statistics
@@ -34,10 +33,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from throughput import machine  # noqa: E402
-
 from megatrain.planner.host_probe import _disk_pass, io_buffers, stamp_pages  # noqa: E402
-from result_files import new_base  # noqa: E402
+from result_files import machine, write_report  # noqa: E402
 
 REQUEST = 64 << 20
 COUNT = 16  # 1 GiB
@@ -144,13 +141,7 @@ def main() -> int:
         reads, writes = [r for r, _ in s], [w_ for _, w_ in s]
         lines.append(f"| {w} | {statistics.median(reads):.2f} | {statistics.median(writes):.2f} | "
                      f"{' '.join(f'{x:.2f}' for x in reads)} | {' '.join(f'{x:.2f}' for x in writes)} |")
-    os.makedirs(args.out, exist_ok=True)
-    stem = new_base(os.path.join(args.out, f"{date}_cpu_disk_probe"))
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=2)
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(os.path.join(args.out, f"{date}_cpu_disk_probe"), report, lines)
     return 0
 
 

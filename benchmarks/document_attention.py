@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -28,8 +27,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from throughput import MODELS, machine  # noqa: E402
-from result_files import new_base  # noqa: E402
+from throughput import MODELS  # noqa: E402
+from result_files import figure, machine, write_report  # noqa: E402
 
 
 def mixes(seq: int) -> dict[str, callable]:
@@ -151,13 +150,9 @@ def main() -> None:
               f"step x{row['step']['ratio']:.3f}", file=sys.stderr, flush=True)
         results.append(row)
     date = datetime.date.today().isoformat()
-    stem = new_base(os.path.join(args.out, f"{date}_{device.type}_document_attention"))
     meta = {"date": date, "device": device.type, "dtype": str(dtype).removeprefix("torch."), "model": args.model,
             "seq": args.seq, "batch": args.batch, "repeats": args.repeats, "threads": torch.get_num_threads(),
             "machine": machine(), "results": results}
-    os.makedirs(args.out, exist_ok=True)
-    with open(stem + ".json", "w") as f:
-        json.dump(meta, f, indent=1)
     lines = [f"# Document attention cost, {args.model}, {args.batch} x {args.seq} tokens, {device.type} ({date})", "",
              f"Medians of {args.repeats} alternating measurements after {args.warmup} warm-up; "
              f"{meta['machine'].get('cores')} cores ({meta['threads']} torch threads), torch {torch.__version__}, "
@@ -169,31 +164,22 @@ def main() -> None:
         a, s = r["attention"], r["step"]
         lines.append(f"| {r['mix']} | {r['documents']} | {a['sdpa_calls']} | {a['documents_s']:.4f} | "
                      f"{a['ratio']:.2f}x | {s['documents_s']:.4f} | {s['ratio']:.3f}x |")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {stem}.json, .md; plot: {plot(results, stem + '.png')}", file=sys.stderr)
+    stem = write_report(os.path.join(args.out, f"{date}_{device.type}_document_attention"), meta, lines, indent=1)
+    print(f"plot: {plot(results, stem + '.png')}", file=sys.stderr)
 
 
 def plot(results: list[dict], path: str) -> str:
-    try:
-        import matplotlib
+    def draw(ax) -> None:
+        names = [r["mix"] for r in results]
+        x = range(len(names))
+        ax.bar([i - 0.2 for i in x], [r["attention"]["ratio"] for r in results], 0.4, label="attention fwd+bwd")
+        ax.bar([i + 0.2 for i in x], [r["step"]["ratio"] for r in results], 0.4, label="training step")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(list(x), names, rotation=15, ha="right", fontsize=8)
+        ax.set_ylabel("time / without documents")
+        ax.legend()
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "skipped (matplotlib is not installed)"
-    fig, ax = plt.subplots(figsize=(8, 4))
-    names = [r["mix"] for r in results]
-    x = range(len(names))
-    ax.bar([i - 0.2 for i in x], [r["attention"]["ratio"] for r in results], 0.4, label="attention fwd+bwd")
-    ax.bar([i + 0.2 for i in x], [r["step"]["ratio"] for r in results], 0.4, label="training step")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks(list(x), names, rotation=15, ha="right", fontsize=8)
-    ax.set_ylabel("time / without documents")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return figure(path, (8, 4), draw, dpi=120)
 
 
 if __name__ == "__main__":

@@ -23,17 +23,11 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import sys
 
-from result_files import new_base
+from result_files import figure, machine, write_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def machine() -> dict[str, object]:
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version()}
 
 
 def main() -> int:
@@ -57,7 +51,13 @@ def main() -> int:
     if args.from_json:
         with open(args.from_json) as f:
             saved = json.load(f)
-        return write(saved, os.path.splitext(args.from_json)[0], saved["command"])
+        stem = os.path.splitext(args.from_json)[0]
+        text = "\n".join(markdown(saved, saved["command"])) + "\n"
+        with open(stem + ".md", "w") as f:
+            f.write(text)
+        print(text, end="")
+        print(f"wrote {stem}.md; plot: {plot(saved['results'], stem + '.png')}", file=sys.stderr)
+        return 0
     from megatrain.planner import cost_model, memory_model, model_shapes, profiler, search
     from megatrain.planner.plan import Plan
     from megatrain.planner.workload import Workload
@@ -107,16 +107,15 @@ def main() -> int:
     command = "python benchmarks/long_context.py" + "".join(f" {a}" for a in sys.argv[1:])
     report = {"date": today, "device": "cpu", "command": command, "machine": machine(), "model": hf,
               "params": shape.params, "matmul_params_active": shape.matmul_params_active, "checkpoints": args.checkpoints, "results": rows}
-    os.makedirs(args.out, exist_ok=True)
-    stem = new_base(os.path.join(args.out, f"{today}_cpu_long_context{'_host' if args.checkpoints == 'host' else ''}"
-                                  f"{'_untiled' if args.untiled else ''}"))
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=2)
-    return write(report, stem, command)
+    base = os.path.join(args.out, f"{today}_cpu_long_context{'_host' if args.checkpoints == 'host' else ''}"
+                                  f"{'_untiled' if args.untiled else ''}")
+    stem = write_report(base, report, markdown(report, command))
+    print(f"plot: {plot(rows, stem + '.png')}", file=sys.stderr)
+    return 0
 
 
-def write(report: dict, stem: str, command: str) -> int:
-    """The Markdown table and the plot beside the JSON."""
+def markdown(report: dict, command: str) -> list[str]:
+    """The Markdown table of a results JSON."""
     rows, today = report["results"], report["date"]
     lines = [f"# Long context on a CPU ({today})", "", f"`{command}`; {report['params']:,} "
              f"params, fp32, batch 1, checkpoints on the {report.get('checkpoints', 'device')}.", "",
@@ -147,30 +146,19 @@ def write(report: dict, stem: str, command: str) -> int:
     lines += ["", "Peak RSS growth: the process's peak resident set over its baseline before the engine; "
               "planner's buffers: every buffer memory_model lists for the plan (device ones are host memory on a "
               "CPU), without its fixed process terms."]
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"plot: {plot(rows, stem + '.png')}", file=sys.stderr)
-    return 0
+    return lines
 
 
 def plot(rows: list[dict[str, object]], path: str) -> str:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "none (matplotlib not installed)"
-    fig, ax = plt.subplots(figsize=(6, 4))
-    seqs = [r["seq"] for r in rows]
-    ax.plot(seqs, [r["peak_rss_growth_bytes"] / 2**30 for r in rows], "o-", label="peak RSS growth (measured)")
-    ax.plot(seqs, [r["listed_bytes"] / 2**30 for r in rows], "s--", label="planner's buffers")
-    ax.set_xlabel("tokens per sequence")
-    ax.set_ylabel("GiB")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+    def draw(ax) -> None:
+        seqs = [r["seq"] for r in rows]
+        ax.plot(seqs, [r["peak_rss_growth_bytes"] / 2**30 for r in rows], "o-", label="peak RSS growth (measured)")
+        ax.plot(seqs, [r["listed_bytes"] / 2**30 for r in rows], "s--", label="planner's buffers")
+        ax.set_xlabel("tokens per sequence")
+        ax.set_ylabel("GiB")
+        ax.legend()
+
+    return figure(path, (6, 4), draw)
 
 
 if __name__ == "__main__":

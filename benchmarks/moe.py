@@ -30,7 +30,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from result_files import new_base  # noqa: E402
+from result_files import machine, write_report  # noqa: E402
 
 # Qwen3-MoE's shape, scaled to ~100M parameters (~24M active per token): 6 layers of h512 (GQA 8/4 heads, q/k
 # norms), 16 experts of width 576, 2 per token (renormalised), vocabulary 8192, untied.
@@ -109,8 +109,6 @@ def main() -> int:
     if args.worker:
         worker(args.worker[0], args.worker[1], args.batch, args.seq, args.rounds)
         return 0
-    from throughput import machine
-
     cfg = MODELS[args.model]
     with tempfile.TemporaryDirectory() as directory:
         params = save_model(cfg, directory)
@@ -156,10 +154,6 @@ def main() -> int:
 
 
 def write(report: dict, args: argparse.Namespace) -> None:
-    os.makedirs(args.out, exist_ok=True)
-    stem = new_base(os.path.join(args.out, f"{report['date']}_cpu_moe_{args.model}"))
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=2)
     info, load = report["machine"], report["load_average_1_5_15_min"]
     lines = [f"# Mixture of experts on the CPU: megatrain vs transformers + torch.optim.AdamW, {args.model} "
              f"({report['params'] / 1e6:.1f}M total, {report['params_active'] / 1e6:.1f}M active), {args.batch} x "
@@ -179,10 +173,7 @@ def write(report: dict, args: argparse.Namespace) -> None:
                      f"{r['final_loss']:.6f} | {r['final_aux_loss']:.6f} |")
     lines += ["", f"Median of the per-pair step-time ratios, megatrain / transformers: "
               f"**{report['median_ratio_megatrain_to_transformers']:.2f}x**."]
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {stem}.json and .md", file=sys.stderr)
+    write_report(os.path.join(args.out, f"{report['date']}_cpu_moe_{args.model}"), report, lines)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import tempfile
 
-from result_files import new_base
+from result_files import write_report
 
 
 def run(state: str, seed: int, steps: int, root: str, extra: list[str]) -> subprocess.Popen:
@@ -74,9 +74,6 @@ def main() -> None:
         "curves": curves,
     }
     suffix = "" if label == "demo" else f"_{label}"
-    stem = new_base(os.path.join(args.out, f"{result['date']}_cpu_optimizer_state{suffix}"))
-    with open(stem + ".json", "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
     lines = [f"# fp32 vs bf16 AdamW state: {label} loss curves, {n} steps ({result['date']}, shared CPU)", "",
              f"`{result['command']}`", "", "| comparison | mean abs loss diff | max abs | last-10 mean diff |",
              "|---|---|---|---|"]
@@ -85,9 +82,7 @@ def main() -> None:
         lines.append(f"| {label} | {g['mean_abs']:.4f} | {g['max_abs']:.4f} | {g['last10_mean_diff']:+.4f} |")
     lines += ["", "Last-10-step mean loss: " + ", ".join(f"{k} {v:.4f}" for k, v in
                                                        result["last10_mean_loss"].items())]
-    with open(stem + ".md", "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(os.path.join(args.out, f"{result['date']}_cpu_optimizer_state{suffix}"), result, lines, indent=1)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -36,8 +35,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from result_files import new_base  # noqa: E402
-from throughput import MODELS as THROUGHPUT_MODELS, batches, machine  # noqa: E402
+from result_files import machine, write_report  # noqa: E402
+from throughput import MODELS as THROUGHPUT_MODELS, batches  # noqa: E402
 
 MODELS = {
     **THROUGHPUT_MODELS,
@@ -203,32 +202,26 @@ def result_rows(seconds: dict[str, list[float]], last_loss: dict[str, float]) ->
 def write_results(args, name: str, device_name: str, heading: str, report: dict, notes: list[str]) -> None:
     """``<out>/<date>_<device>_<name>_<model>[_<label>]``: .json (``report``), .md (``heading``, the command,
     ``notes``, a table of ``report["results"]``) and .png (the median ratios to PyTorch; with matplotlib)."""
-    stem = new_base(os.path.join(args.out, f"{report['date']}_{device_name}_{name}_{args.model}"
-                                 + (f"_{args.label}" if args.label else "")))
-    os.makedirs(args.out, exist_ok=True)
     rows = report["results"]
     title = f"{args.model} ({report['params'] / 1e6:.1f}M), {args.batch} x {args.seq} tokens/step, fp32, {device_name}"
     info = report["machine"]
     lines = [f"# {heading}, {title} ({report['date']})", "", f"`{report['command']}`", "",
              f"{info['cores']} cores ({info['cpu']}), torch {info['torch']}, {report['threads']} threads per process "
              f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}).", *notes, ""]
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=2)
     lines = lines + ["| system | median step s | min step s | median of per-round ratios to PyTorch | last loss |",
                      "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['system']} | {r['median_step_s']:.3f} | {r['min_step_s']:.3f} | "
                      f"{r['median_ratio_to_pytorch']:.2f}x | {r['final_loss']:.6f} |")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    stem = write_report(os.path.join(args.out, f"{report['date']}_{device_name}_{name}_{args.model}"
+                                     + (f"_{args.label}" if args.label else "")), report, lines)
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"wrote {stem}.json and .md (no plot: matplotlib is not installed)", file=sys.stderr)
+        print("no plot: matplotlib is not installed", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(7, 0.5 + 0.45 * len(rows)))
     ax.barh([r["system"] for r in rows], [r["median_ratio_to_pytorch"] for r in rows])
@@ -238,7 +231,7 @@ def write_results(args, name: str, device_name: str, heading: str, report: dict,
     fig.tight_layout()
     fig.savefig(stem + ".png", dpi=120)
     plt.close(fig)
-    print(f"wrote {stem}.json, .md and .png", file=sys.stderr)
+    print(f"plot: {stem}.png", file=sys.stderr)
 
 
 if __name__ == "__main__":

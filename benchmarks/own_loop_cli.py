@@ -38,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from own_loop import MODELS, pytorch_trainer, result_rows, write_results  # noqa: E402
-from throughput import machine  # noqa: E402
+from result_files import machine  # noqa: E402
 
 SYSTEMS = ("megatrain-train", "pytorch", "pytorch, per-layer checkpointing", "pytorch, freed heap kept")
 CHILD = {"pytorch": "plain", "pytorch, per-layer checkpointing": "checkpoint", "pytorch, freed heap kept": "heap"}

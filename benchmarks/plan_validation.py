@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import platform
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from result_files import new_base  # noqa: E402
+from result_files import figure, machine, write_report  # noqa: E402
 
 
 def _llama(h: int, i: int, layers: int, heads: int, kv: int, vocab: int, **kw: object) -> dict[str, object]:
@@ -75,11 +73,6 @@ GPU_CONFIGS = {
     "1B-fp32": (_llama(2048, 8192, 16, 32, 8, 128256, tie_word_embeddings=True, rope_theta=500000.0), 2048, 8),
 }
 STEP_GOAL, HOST_GOAL = 0.15, 0.10
-
-
-def machine() -> dict[str, object]:
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version()}
 
 
 def main() -> int:
@@ -170,10 +163,6 @@ def main() -> int:
     report = {"date": today, "device": device, "command": command, "machine": machine(), "constants": constants,
               "hardware": hw.to_dict(), "goal": {"step_error": STEP_GOAL, "host_error": HOST_GOAL},
               "kept": "fastest step" if args.percentile == 0 else f"p{args.percentile:g} step", "results": rows}
-    os.makedirs(args.out, exist_ok=True)
-    stem = new_base(os.path.join(args.out, f"{today}_{device}_plan_validation"))
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=2)
     pct = lambda x: "-" if x is None else f"{x:+.1%}"  # noqa: E731
     ok = [r for r in rows if r["status"] == "ok"]
     lines = [f"# Planner vs runtime, {device} ({today})", "",
@@ -201,9 +190,7 @@ def main() -> int:
     if noisy:
         lines.append(f"Step times spread over {SPREAD_WARN:.0%} in {', '.join(noisy)}: the machine was busy; "
                      "re-run on a quiet machine.")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    stem = write_report(os.path.join(args.out, f"{today}_{device}_plan_validation"), report, lines)
     print(f"plot: {plot(ok, stem + '.png')}", file=sys.stderr)
     return 0
 
@@ -220,29 +207,21 @@ def plot(rows: list[dict[str, object]], path: str) -> str:
     """Predicted over measured step time and peak RSS against parameters."""
     if not rows:
         return "none (no successful configs)"
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "skipped (matplotlib is not installed)"
     params = [r["params"] / 1e6 for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(params, [1 + r["step_error"] for r in rows], "o-", label="step time")
-    ax.plot(params, [1 + r["host_error"] for r in rows], "s-", label="peak host RSS")
-    for lo, hi, color in ((1 - STEP_GOAL, 1 + STEP_GOAL, "tab:blue"), (1 - HOST_GOAL, 1 + HOST_GOAL, "tab:orange")):
-        ax.axhspan(lo, hi, color=color, alpha=0.08)
-    ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("parameters (M)")
-    ax.set_ylabel("predicted / measured")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+
+    def draw(ax) -> None:
+        ax.plot(params, [1 + r["step_error"] for r in rows], "o-", label="step time")
+        ax.plot(params, [1 + r["host_error"] for r in rows], "s-", label="peak host RSS")
+        for lo, hi, color in ((1 - STEP_GOAL, 1 + STEP_GOAL, "tab:blue"), (1 - HOST_GOAL, 1 + HOST_GOAL, "tab:orange")):
+            ax.axhspan(lo, hi, color=color, alpha=0.08)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("parameters (M)")
+        ax.set_ylabel("predicted / measured")
+        ax.legend()
+        ax.grid(alpha=0.3)
+
+    return figure(path, (7, 4), draw, dpi=120)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pickle
 import resource
@@ -27,8 +26,8 @@ import torch.multiprocessing as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from throughput import MODELS as THROUGHPUT_MODELS, batches, machine  # noqa: E402
-from result_files import new_base  # noqa: E402
+from throughput import MODELS as THROUGHPUT_MODELS, batches  # noqa: E402
+from result_files import figure, machine, write_report  # noqa: E402
 
 # "33m": a model whose host state dominates a CPU rank's RSS (16 B/param, 0.5 GiB at one rank), for the memory rows.
 MODELS = {**THROUGHPUT_MODELS,
@@ -157,12 +156,8 @@ def main() -> int:
         row["speedup"] = row["tokens_per_second"] / base["tokens_per_second"]
         row["predicted"]["speedup"] = row["predicted"]["tokens_per_second"] / base["predicted"]["tokens_per_second"]
     device = "gpu" if torch.cuda.is_available() and not args.cpu else "cpu"
-    stem = new_base(os.path.join(args.out, f"{datetime.date.today().isoformat()}_{device}_scaling"))
     report = {"date": datetime.date.today().isoformat(), "machine": machine(), "device": device, "args": vars(args),
               "loadavg": _loadavg(), "results": rows}
-    os.makedirs(args.out, exist_ok=True)
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=1)
     lines = [f"# Data-parallel scaling ({device}, {args.model}, seq {args.seq}, {args.steps} timed steps)", "",
              f"Machine: {report['machine']}", "",
              f"Load average (1, 5, 15 min) before / after: {report['loadavg'][0]} / {report['loadavg'][1]}", "",
@@ -180,9 +175,8 @@ def main() -> int:
                      f"{min(peaks) / q['rank_bytes']:.2f}-{max(peaks) / q['rank_bytes']:.2f} |")
     lines += ["", f"Planner: {rows[-1]['predicted']['bandwidth']}; hardware {rows[-1]['predicted']['hardware']}.",
               f"Command: `python benchmarks/scaling.py {' '.join(sys.argv[1:])}`".rstrip()]
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {stem}.json, {stem}.md; plot: {plot(rows, stem + '.png')}", file=sys.stderr)
+    stem = write_report(os.path.join(args.out, f"{report['date']}_{device}_scaling"), report, lines, indent=1)
+    print(f"plot: {plot(rows, stem + '.png')}", file=sys.stderr)
     return 0
 
 
@@ -196,27 +190,19 @@ def _loadavg() -> list[str]:
 
 
 def plot(rows: list[dict], path: str) -> str:
-    try:
-        import matplotlib
+    def draw(ax) -> None:
+        for mode, marker in (("fixed global batch", "o"), ("fixed per-rank batch", "s")):
+            sel = [r for r in rows if r["mode"] == mode]
+            if not sel:
+                continue
+            worlds = [r["world"] for r in sel]
+            ax.plot(worlds, [r["tokens_per_second"] for r in sel], marker + "-", label=f"{mode}: measured")
+            ax.plot(worlds, [r["predicted"]["tokens_per_second"] for r in sel], marker + "--", label=f"{mode}: planner")
+        ax.set_xlabel("world size (ranks)")
+        ax.set_ylabel("tokens/s")
+        ax.legend()
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "skipped (matplotlib is not installed)"
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for mode, marker in (("fixed global batch", "o"), ("fixed per-rank batch", "s")):
-        sel = [r for r in rows if r["mode"] == mode]
-        if not sel:
-            continue
-        worlds = [r["world"] for r in sel]
-        ax.plot(worlds, [r["tokens_per_second"] for r in sel], marker + "-", label=f"{mode}: measured")
-        ax.plot(worlds, [r["predicted"]["tokens_per_second"] for r in sel], marker + "--", label=f"{mode}: planner")
-    ax.set_xlabel("world size (ranks)")
-    ax.set_ylabel("tokens/s")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+    return figure(path, (7, 4), draw)
 
 
 if __name__ == "__main__":

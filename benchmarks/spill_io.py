@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -26,7 +24,7 @@ import torch
 
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
 from megatrain.runtime.spill.spill_io import PosixIO, aligned_empty
-from result_files import new_base
+from result_files import machine, write_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -126,16 +124,11 @@ def main() -> int:
     best = [min(r[i] for r in rows) for i in range(4)]
     gbps = [nbytes / t / 1e9 for t in best]
     train = training(directory, args.steps)
-    report = {"date": datetime.date.today().isoformat(), "machine": {"platform": platform.platform(),
-              "cores": os.cpu_count(), "torch": torch.__version__}, "directory": directory, "bytes": nbytes,
+    report = {"date": datetime.date.today().isoformat(), "machine": machine(), "directory": directory, "bytes": nbytes,
               "block_bytes": block, "threads": args.threads, "o_direct": direct,
               "plain_write_gbps": gbps[0], "plain_read_gbps": gbps[1], "backend_write_gbps": gbps[2],
               "backend_read_gbps": gbps[3], "write_ratio": gbps[2] / gbps[0], "read_ratio": gbps[3] / gbps[1],
               "train_step_seconds": train}
-    os.makedirs(args.out, exist_ok=True)
-    stem = new_base(os.path.join(args.out, f"{report['date']}_cpu_spill_io"))
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=2)
     lines = [f"# Spill I/O, {nbytes / 2**30:.2f} GiB in {args.block_mib} MiB blocks, {args.threads} threads "
              f"({report['date']})", "", "| | write GB/s | read GB/s |", "|---|---|---|",
              f"| plain sequential | {gbps[0]:.2f} | {gbps[1]:.2f} |",
@@ -143,9 +136,7 @@ def main() -> int:
              f"| ratio | {gbps[2] / gbps[0]:.2f}x | {gbps[3] / gbps[1]:.2f}x |", "",
              f"Training step ({train['params'] / 1e6:.1f}M params, fp32, CPU): {train['none']:.2f} s with nothing "
              f"spilled, {train['all']:.2f} s with spill='all' ({train['all'] / train['none']:.2f}x)."]
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(os.path.join(args.out, f"{report['date']}_cpu_spill_io"), report, lines)
     return 0
 
 

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
 
 import torch
 
-from result_files import new_base
+from result_files import write_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = dict(model_type="llama", vocab_size=16384, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
@@ -86,10 +85,6 @@ def main() -> int:
     today = datetime.date.today().isoformat()
     command = "python benchmarks/spill_read_ahead.py" + "".join(f" {a}" for a in sys.argv[1:])
     report = {"date": today, "command": command, "load_average": load, "hardware": hw.to_dict(), "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    stem = new_base(os.path.join(args.out, f"{today}_cpu_spill_read_ahead"))
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=2)
     lines = [f"# Spill read-ahead depth, 35M spilled model, CPU ({today})", "", f"`{command}`; load average "
              f"(1 min) {min(x[0] for x in load):.1f} .. {max(x[0] for x in load):.1f} over the run: the machine "
              "was shared, figures are noisy.", "",
@@ -100,9 +95,7 @@ def main() -> int:
                      f"{r['median_compute_s']:.3f} | {r['median_disk_busy_s']:.3f} | "
                      f"{r['median_disk_exposed_s']:.3f} | {r['median_disk_adam_exposed_s']:.3f} | "
                      f"{r['predicted_step_s']:.3f} |")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(os.path.join(args.out, f"{today}_cpu_spill_read_ahead"), report, lines)
     return 0
 
 

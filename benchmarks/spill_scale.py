@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import resource
 import shutil
 import subprocess
@@ -34,7 +33,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from result_files import new_base  # noqa: E402
+from result_files import machine, write_report  # noqa: E402
 
 LLAMA = dict(vocab_size=128256, num_attention_heads=32, rope_theta=500000.0)
 MODELS = {
@@ -274,9 +273,7 @@ def main() -> int:
 
     hw = this_machine()  # $MEGATRAIN_HARDWARE or the saved profile: the disk's measured GB/s
     info = {"date": datetime.date.today().isoformat(),
-            "machine": {"platform": platform.platform(), "cores": os.cpu_count(), "torch": torch.__version__,
-                        "host_ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-                        "disk_free_gb": round(shutil.disk_usage(args.dir or ".").free / 1e9, 1)},
+            "machine": {**machine(), "disk_free_gb": round(shutil.disk_usage(args.dir or ".").free / 1e9, 1)},
             "read_gbps": args.read_gbps or hw.disk_read_gbps or 1.0,
             "write_gbps": args.write_gbps or hw.disk_write_gbps or 1.0}
     rows = []
@@ -295,16 +292,11 @@ def main() -> int:
             rows.append({"status": "ok", **json.loads(proc.stdout.strip().splitlines()[-1])})
         else:
             rows.append({"model": model, "spill": args.spill, "status": f"failed (exit {proc.returncode})"})
-    os.makedirs(args.out, exist_ok=True)
-    stem = new_base(os.path.join(args.out, f"{info['date']}_cpu_spill_scale_{args.spill}_{args.model.replace(',', '_')}"
-                                 + ("_bf16_state" if args.optimizer_state == "bf16" else "")
-                                 + ("_no_clip" if args.no_clip else "") + ("_eager" if args.eager else "")
-                                 + ("_recompute_all" if args.recompute_all else "")))
-    with open(stem + ".json", "w") as f:
-        json.dump({**info, "rows": rows}, f, indent=2)
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(rows, info))
-    print(markdown(rows, info))
+    base = os.path.join(args.out, f"{info['date']}_cpu_spill_scale_{args.spill}_{args.model.replace(',', '_')}"
+                        + ("_bf16_state" if args.optimizer_state == "bf16" else "")
+                        + ("_no_clip" if args.no_clip else "") + ("_eager" if args.eager else "")
+                        + ("_recompute_all" if args.recompute_all else ""))
+    write_report(base, {**info, "rows": rows}, markdown(rows, info))
     return 0
 
 

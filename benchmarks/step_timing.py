@@ -29,8 +29,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from throughput import MODELS, batches, machine  # noqa: E402
-from result_files import new_base  # noqa: E402
+from throughput import MODELS, batches  # noqa: E402
+from result_files import machine, write_report  # noqa: E402
 
 
 def child(args) -> None:
@@ -154,10 +154,6 @@ def main() -> int:
     label = "cpu" if device == "cpu" else (info.get("gpu") or device).replace(" ", "-")
     report = {"date": datetime.date.today().isoformat(), "machine": info, "device": device, "args": vars(args),
               "runtimes": runtimes, "results": rows, "ratios": ratios}
-    os.makedirs(args.out, exist_ok=True)
-    stem = new_base(os.path.join(args.out, f"{report['date']}_{label}_step_timing_{args.model}"))
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=2)
     lines = [f"# Step timing cost, {args.model}, {args.batch} x {args.seq} tokens/step, micro-batch "
              f"{args.micro_batch}, {label} ({report['date']})", "",
              f"{args.rounds} processes per tree, {args.steps} measured steps each after {args.warmup} warm-up; "
@@ -167,10 +163,7 @@ def main() -> int:
     lines += [f"| {r['system']} | {r['steps']} | {r['n']} | {r['median_s']:.4f} | {r['min_s']:.4f} | {r['iqr_s']:.4f} "
               f"| {', '.join(map(str, r['timer_clock_reads_per_step']))} |" for r in rows]
     lines += [""] + [f"- {k}: **{v:.3f}x**" for k, v in ratios.items()]
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {stem}.json and .md", file=sys.stderr)
+    write_report(os.path.join(args.out, f"{report['date']}_{label}_step_timing_{args.model}"), report, lines)
     return 0
 
 

@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -36,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the reference model of the equivalence tests
 sys.path.insert(0, HERE)
 
-from result_files import new_base  # noqa: E402
+from result_files import machine, write_report  # noqa: E402
 
 MODELS = {
     # Llama-3.2-1B's shape (1.24B parameters, tied embeddings).
@@ -45,21 +44,6 @@ MODELS = {
     "tiny": dict(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2),
 }
-
-
-def machine() -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
-    try:
-        import psutil
-
-        info["host_ram_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        info.update(gpu=p.name, gpu_mem_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda)
-    return info
 
 
 def batches(vocab: int, batch: int, seq: int, steps: int):
@@ -222,10 +206,6 @@ def main() -> int:
     report = {"date": datetime.date.today().isoformat(), "machine": info, "args": vars(args),
               "command": "python benchmarks/throughput.py" + "".join(f" {a}" for a in sys.argv[1:]), "results": rows,
               "megatrain_over_pytorch_tokens_per_second": ratio}
-    os.makedirs(args.out, exist_ok=True)
-    stem = new_base(os.path.join(args.out, f"{report['date']}_{device}_throughput_{args.model}"))
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=2)
     lines = [f"# Throughput, {args.model}, {args.batch} x {args.seq} tokens/step, {device} ({report['date']})", "",
              "| system | step s (min-max) | tokens/s | model TFLOP/s (6 N_matmul, attention not counted) "
              "| all-param TFLOP/s | with attention | MFU (datasheet) | peak device GiB | peak host RSS GiB "
@@ -255,10 +235,7 @@ def main() -> int:
                   f"(step {gaps.index(max(gaps)) + 1} of {len(gaps)})."]
     if ratio is not None:
         lines += ["", f"megatrain / PyTorch tokens/s: **{ratio:.2f}x** (6 N_matmul per token; recompute not counted)"]
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {stem}.json and .md", file=sys.stderr)
+    write_report(os.path.join(args.out, f"{report['date']}_{device}_throughput_{args.model}"), report, lines)
     return 0
 
 

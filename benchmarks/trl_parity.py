@@ -41,8 +41,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the chat tokenizer and template of the tests
 
 import trl_rows  # noqa: E402
-from throughput import machine  # noqa: E402
-from result_files import new_base  # noqa: E402
+from result_files import machine, write_report  # noqa: E402
 
 
 def build(work: str, records: int, vocab: int) -> tuple[str, str]:
@@ -215,12 +214,8 @@ def main() -> None:
             print(layout, json.dumps(entry["summary"]), flush=True)
     results["load_average_after"] = os.getloadavg()
     suffix = "" if a.layouts == "rows,packed" else "_" + a.layouts.replace(",", "_")
-    stem = new_base(os.path.join(HERE, "results", f"{results['date']}_cpu_trl_parity{suffix}"))
-    with open(stem + ".json", "w") as f:
-        json.dump(results, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(results))
-    print(f"wrote {stem}.json and .md")
+    write_report(os.path.join(HERE, "results", f"{results['date']}_cpu_trl_parity{suffix}"), results,
+                 markdown(results), indent=1)
 
 
 def markdown(r: dict) -> str:

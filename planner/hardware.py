@@ -22,6 +22,8 @@ PROFILE_VERSION = 1
 # Share of the available host RAM a plan leaves unfilled, for what the memory model does not see: spilled runs of
 # 1-5B parameters on a CPU peaked 3-6.5% (0.6-0.8 GiB) above it, and a run killed for memory loses its work.
 HOST_HEADROOM = 0.05
+# Fields earlier releases wrote and nothing read (RLIMIT_MEMLOCK: CUDA pins through the driver); dropped on load.
+RETIRED_FIELDS = frozenset({"memlock_bytes"})
 
 
 class HardwareError(MegatrainError):
@@ -48,9 +50,7 @@ class HardwareProfile:
     host_ram_bytes: int
     host_available_bytes: int
     cores: int
-    # cgroup memory limit (0 = none) and RLIMIT_MEMLOCK (-1 = unlimited); informational: CUDA pins via the driver.
-    cgroup_limit_bytes: int = 0
-    memlock_bytes: int = -1
+    cgroup_limit_bytes: int = 0  # the cgroup's memory limit (0 = none)
     disk_read_gbps: float = 0.0
     disk_write_gbps: float = 0.0
     # Whether plans move spill data with O_DIRECT on that disk (the plan's io_direct follows it): True where the
@@ -221,7 +221,7 @@ class HardwareProfile:
             raise HardwareError(f"a hardware profile is a JSON object, got {type(data).__name__}; "
                                 f"pass the file megatrain-plan profile wrote")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - known - RETIRED_FIELDS)
         if unknown:
             raise HardwareError(f"unknown hardware field(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
         required = [f.name for f in dataclasses.fields(cls)
@@ -230,7 +230,7 @@ class HardwareProfile:
         if missing:
             raise HardwareError(f"hardware profile lacks {', '.join(missing)}; run megatrain-plan profile again")
         try:
-            return cls(**data)
+            return cls(**{k: v for k, v in data.items() if k in known})
         except TypeError as e:
             raise HardwareError(f"hardware profile has a field of the wrong type ({e}); run megatrain-plan "
                                 f"profile again") from None

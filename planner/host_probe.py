@@ -5,7 +5,6 @@ profile from them. Pure stdlib (psutil when installed).
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import tempfile
 import time
@@ -48,12 +47,6 @@ def cgroup_limit() -> int:
         # v1 reports "unlimited" as a huge page-rounded number.
         return 0 if value >= 1 << 60 else value
     return 0
-
-
-def memlock_bytes() -> int:
-    """RLIMIT_MEMLOCK soft limit in bytes; -1 when unlimited."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return -1 if soft == resource.RLIM_INFINITY else int(soft)
 
 
 def disk_bandwidth(directory: str, nbytes: int = 1024 * MiB, threads: int = 4, request: int = DISK_REQUEST_BYTES,

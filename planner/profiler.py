@@ -20,7 +20,7 @@ from typing import Any, Callable
 from . import profile_checks
 from .disk_profile import NOT_MEASURED, measure_disk
 from .hardware import HOST_PRESETS, MiB, HardwareProfile, preset
-from .host_probe import gpu_present, host_memory, memlock_bytes
+from .host_probe import gpu_present, host_memory
 from .host_rates import (adam_bytes_per_param, cpu_adam_rate, cpu_bf16_state_rate, cpu_copy_gbps, cpu_memory_gbps,
                          cpu_shadow_rate)
 
@@ -272,7 +272,7 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
     return HardwareProfile(
         gpu_name=name, gpu_mem_bytes=mem, h2d_gbps=h2d, d2h_gbps=d2h, duplex_gbps=duplex, matmul_tflops=tflops,
         cpu_adam_params_per_s=adam_rate, host_ram_bytes=total, host_available_bytes=avail,
-        cgroup_limit_bytes=cg, memlock_bytes=memlock_bytes(), **disk, interconnect=link, cores=cores,
+        cgroup_limit_bytes=cg, **disk, interconnect=link, cores=cores,
         source=f"measured by megatrain-plan profile on {_now()}" + (f"; {'; '.join(notes)}" if notes else ""),
         transfer_by_size=tuple(table), adam_by_threads=tuple(adam), cpu_shadow_params_per_s=shadow,
         cpu_bf16_state_params_per_s=bf16_state, host_memory_gbps=memory_gbps,
@@ -296,7 +296,7 @@ def detect() -> HardwareProfile:
     total, avail, cg = host_memory()
     cores = os.cpu_count() or 1
     common: dict[str, Any] = dict(host_ram_bytes=total, host_available_bytes=avail, cgroup_limit_bytes=cg,
-                                  memlock_bytes=memlock_bytes(), cores=cores)
+                                  cores=cores)
     if gpu_present():
         try:
             import torch

@@ -5,9 +5,12 @@ temporary file left behind, the previous files untouched.
 """
 from __future__ import annotations
 
+import ast
 import errno
+import importlib
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -39,6 +42,26 @@ def test_every_error_type_is_a_megatrain_error() -> None:
                 SpillError):
         assert issubclass(cls, MegatrainError), cls
     assert issubclass(MegatrainError, ValueError)  # code that caught ValueError keeps working
+
+
+def test_every_error_class_in_the_product_is_a_megatrain_error() -> None:
+    """Every ``class ...Error`` in megatrain/, models/, planner/, runtime/ and tools/ (found in the source, so a new
+    one is checked without being listed here) belongs to the one family a CLI prints as one line."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    packages = {"megatrain": "megatrain", "models": "megatrain.models", "planner": "megatrain.planner",
+                "runtime": "megatrain.runtime", "tools": "megatrain.tools"}
+    found = []
+    for folder, package in packages.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            names = [n.name for n in ast.parse(path.read_text()).body
+                     if isinstance(n, ast.ClassDef) and n.name.endswith("Error")]
+            if names:
+                parts = path.relative_to(root / folder).with_suffix("").parts
+                module = importlib.import_module(".".join((package, *parts)).removesuffix(".__init__"))
+                found += [getattr(module, n) for n in names]
+    assert len(found) >= 20, found
+    outside = [f"{c.__module__}.{c.__name__}" for c in found if not issubclass(c, MegatrainError)]
+    assert not outside, f"user errors outside megatrain.errors.MegatrainError: {outside}"
 
 
 def test_the_planner_still_imports_no_runtime() -> None:

@@ -5,7 +5,8 @@ DESIGN.md's layering, checked on every module of runtime/, planner/, tools/, mod
 - no import cycle: every import counts, at module level, inside a function or under ``TYPE_CHECKING``
   (a cycle through a lazy import is still two modules that cannot be understood apart);
 - planner/ never imports the runtime, the tools, or torch (except ``planner/profiler.py`` and ``host_rates.py``, which
-  measure the machine); the runtime never imports the tools;
+  measure the machine); the runtime never imports the tools, and imports the planner only through the edges
+  ``RUNTIME_PLANNER_EDGES`` lists (the contract modules and named exceptions);
 - models/ (the model families) never imports the runtime, the planner or the tools; its stdlib halves (the
   registry, each family's config rules, parameter table and presets) import no torch and none of its torch
   halves (``models/layers/``, ``block_classes``, a family's ``blocks``); the planner imports only stdlib halves;
@@ -302,6 +303,69 @@ def test_runtime_does_not_import_tools(modules: dict[str, Module]) -> None:
            if mod.name.startswith("megatrain.runtime") for target, line in mod.imports.items()
            if target.startswith("megatrain.tools")]
     assert not bad, "\n".join(bad)
+
+
+# Every import of the planner by the runtime, as (runtime module, planner module) without "megatrain.": the
+# allowed set is the contract modules (the planner's pure-stdlib data modules both sides read: plan, buffer_kinds,
+# block_parameters, hf_config) plus the named exceptions below, as DESIGN.md section 1's runtime row lists them. An
+# edge not here fails the test: add it here and to that row, or import the contract instead.
+RUNTIME_PLANNER_EDGES = {
+    # the contract
+    ("runtime", "planner.plan"), ("runtime.engine", "planner.plan"), ("runtime.engine_arguments", "planner.plan"),
+    ("runtime.errors", "planner.plan"), ("runtime.io.training_checkpoint", "planner.plan"),
+    ("runtime.pipeline.executor", "planner.plan"), ("runtime.pipeline.expert_parts", "planner.plan"),
+    ("runtime.step_inputs", "planner.plan"), ("runtime.batch_limits", "planner.plan"),
+    ("runtime.engine_arguments", "planner.plan_checks"),
+    ("runtime.distributed.sharded_state", "planner.buffer_kinds"), ("runtime.engine", "planner.buffer_kinds"),
+    ("runtime.io.checkpoint_format", "planner.buffer_kinds"), ("runtime.io.hf_io", "planner.buffer_kinds"),
+    ("runtime.io.sharded_checkpoint", "planner.buffer_kinds"), ("runtime.optim.cpu_adamw", "planner.buffer_kinds"),
+    ("runtime.optim.device_adamw", "planner.buffer_kinds"), ("runtime.state.resident_state", "planner.buffer_kinds"),
+    ("runtime.pipeline.expert_parts", "planner.buffer_kinds"),
+    ("runtime.pipeline.spilled_loads", "planner.buffer_kinds"),
+    ("runtime.optim.stochastic_rounding", "planner.buffer_kinds"),
+    ("runtime.pipeline.weight_slots", "planner.buffer_kinds"), ("runtime.spill.read_ahead", "planner.buffer_kinds"),
+    ("runtime.spill.spill_files", "planner.buffer_kinds"), ("runtime.spill.spill_io", "planner.buffer_kinds"),
+    ("runtime.spill.staging_pool", "planner.buffer_kinds"), ("runtime.state.host_store", "planner.buffer_kinds"),
+    ("runtime.state.model_state", "planner.buffer_kinds"),
+    ("runtime.model.templates", "planner.block_parameters"),
+    ("runtime.pipeline.expert_parts", "planner.block_parameters"),
+    ("runtime.state.shards", "planner.block_parameters"),
+    ("runtime.config", "planner.hf_config"),
+    # the exceptions: a plan made for another model refused, by the model's digest
+    ("runtime.engine_arguments", "planner.workload_fingerprint"),
+    # the default plan completed by the first batch (its micro-batch and kept layers): the planner's policy
+    ("runtime.step_inputs", "planner.kept_layers"), ("runtime.step_inputs", "planner.memory_model"),
+    ("runtime.step_inputs", "planner.model_shapes"), ("runtime.step_inputs", "planner.workload"),
+    # a batch the plan cannot hold refused before anything is allocated: priced by the planner's memory model
+    ("runtime.batch_limits", "planner.memory_model"), ("runtime.batch_limits", "planner.model_shapes"),
+    ("runtime.batch_limits", "planner.workload"),
+}
+
+
+def _runtime_planner_edges(modules: dict[str, Module]) -> dict[tuple[str, str], str]:
+    """Each import of a planner module by a runtime module, without "megatrain.", with where it is."""
+    return {(mod.name.removeprefix("megatrain."), target.removeprefix("megatrain.")): mod.where(line)
+            for mod in modules.values() if mod.name.startswith("megatrain.runtime")
+            for target, line in mod.imports.items() if target.startswith("megatrain.planner")}
+
+
+def test_runtime_imports_the_planner_only_through_the_allowed_edges(modules: dict[str, Module]) -> None:
+    edges = _runtime_planner_edges(modules)
+    new = sorted(f"{where}: {a} imports {b}" for (a, b), where in edges.items() if (a, b) not in RUNTIME_PLANNER_EDGES)
+    assert not new, ("the runtime imports the planner beyond its contract and the named exceptions (DESIGN.md "
+                     "section 1; RUNTIME_PLANNER_EDGES):\n" + "\n".join(new))
+    gone = sorted(f"{a} -> {b}" for a, b in RUNTIME_PLANNER_EDGES - set(edges))
+    assert not gone, "allowed in RUNTIME_PLANNER_EDGES but no longer in the code; remove them:\n" + "\n".join(gone)
+
+
+def test_the_edge_check_sees_a_new_runtime_import_of_the_planner() -> None:
+    graph = {m.name: m for m in (
+        Module("megatrain.runtime.pipeline.executor", ROOT / "x.py", ast.parse(""), False,
+               {"megatrain.planner.plan": 1, "megatrain.planner.search": 2, "megatrain.runtime.errors": 3}),
+        Module("megatrain.runtime.errors", ROOT / "y.py", ast.parse(""), False))}
+    assert set(_runtime_planner_edges(graph)) == {("runtime.pipeline.executor", "planner.plan"),
+                                                  ("runtime.pipeline.executor", "planner.search")}
+    assert ("runtime.pipeline.executor", "planner.search") not in RUNTIME_PLANNER_EDGES
 
 
 def _private(name: str) -> bool:

@@ -26,6 +26,8 @@ import tempfile
 import time
 from typing import Any, Callable, Sequence
 
+from megatrain.errors import MegatrainError
+
 PROG = "megatrain-plan calibrate"
 FITTED_NOTE = "cost and memory constants fitted by megatrain-plan calibrate"
 DTYPES = ("fp32", "bf16")
@@ -49,7 +51,7 @@ RUNS = (
 )
 
 
-class CalibrateError(ValueError):
+class CalibrateError(MegatrainError):
     """Bad input or a failed run: one line, with the fix."""
 
 
@@ -359,8 +361,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    from megatrain.planner.calibration import CalibrationError
-    from megatrain.planner.hardware import HardwareError
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return 0
@@ -383,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hw, out, warnings = calibrate(args.dtype, args.steps, args.percentile, args.quick, command, args.out, log,
                                       args.rounds)
         save_atomically(hw, out)
-    except (CalibrateError, HardwareError, CalibrationError) as e:
+    except MegatrainError as e:  # ours, the hardware profile's, the fit's: one line, exit 2
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     for w in warnings:

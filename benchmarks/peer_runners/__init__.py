@@ -10,6 +10,7 @@
 | ``probe.py`` | the machine's description and its measured matmul peak (a subprocess) |
 | ``child.py`` | one system's run in a fresh subprocess: setup, timed steps, peaks, status |
 | ``fits.py`` | what fits in device memory: which setting each peer runs at its best (checkpointing, no-sync, ZeRO-Offload) |
+| ``trainer.py`` | what the peers' trainers answer alike after their steps: drain the device, no breakdown, pinned bytes |
 | ``run_megatrain.py``, ``run_pytorch.py``, ``run_fsdp2.py``, ``run_deepspeed.py``, ``run_zero_offload.py`` | one system each |
 | ``launcher.py`` | the parent's side of a run: start it, watch host memory and time, read its result |
 | ``sweep.py`` | which runs, in what order, within a time budget; DeepSpeed's micro-batch sweep; growing the model until it fails |

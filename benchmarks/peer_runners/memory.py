@@ -79,19 +79,6 @@ def host_available() -> int | None:
     return avail if headroom is None else min(avail, headroom)
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
-import platform
 import statistics
 import subprocess
 import time
 from typing import Any
+
+from result_files import machine  # benchmarks/result_files.py, beside this package
 
 from . import memory
 
@@ -74,12 +74,10 @@ def describe(device_request: str) -> dict[str, Any]:
     if device == "cuda" and not cuda:
         raise SystemExit("--device cuda: no CUDA device is visible to torch")
     info: dict[str, Any] = {
-        "device": device, "cuda_available": cuda, "platform": platform.platform(),
-        "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        **machine(), "device": device, "cuda_available": cuda, "cuda": torch.version.cuda,
         "transformers": _version("transformers"), "deepspeed": _version("deepspeed"),
-        "cpu": memory.cpu_model(), "cores": os.cpu_count(), "usable_cores": memory.usable_cores(),
-        "torch_threads": torch.get_num_threads(), "host_ram_bytes": memory.host_total(),
-        "host_available_bytes": memory.host_available(),
+        "usable_cores": memory.usable_cores(), "torch_threads": torch.get_num_threads(),
+        "host_ram_bytes": memory.host_total(), "host_available_bytes": memory.host_available(),
     }
     if cuda:
         p = torch.cuda.get_device_properties(0)

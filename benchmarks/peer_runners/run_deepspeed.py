@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .spec import NotRun, RunSpec
+from .trainer import TorchTrainer
 from .weights import build_hf_model, distinct_parameters
 
 
@@ -51,7 +52,7 @@ def ds_config(spec: RunSpec, stage: int = 3) -> dict[str, Any]:
     }
 
 
-class DeepspeedTrainer:
+class DeepspeedTrainer(TorchTrainer):
     def __init__(self, spec: RunSpec, stage: int = 3) -> None:
         if spec.device != "cuda":
             raise NotRun("needs CUDA")
@@ -62,6 +63,7 @@ class DeepspeedTrainer:
                          f"pip download deepspeed --no-deps -d .whl, then pip install .whl/*.whl)") from None
         self.spec = spec
         torch.cuda.set_device(0)
+        self.device = torch.device("cuda", 0)
         deepspeed.init_distributed(dist_backend="nccl")
         model = build_hf_model(spec, "cpu")  # ZeRO partitions it (ZeRO-3: into pinned host memory) on initialize
         self.params = distinct_parameters(model)
@@ -82,15 +84,6 @@ class DeepspeedTrainer:
             self.engine.step()          # the optimizer step runs at the accumulation boundary only
             total += loss.detach().float()
         return (total / self.spec.micro_batches).item()
-
-    def drain(self) -> None:
-        torch.cuda.synchronize()
-
-    def breakdown(self) -> None:
-        return None
-
-    def pinned_bytes(self) -> int | None:
-        return None  # through torch's pinned allocator: the child reads its statistics
 
     def close(self) -> None:
         destroy = getattr(self.engine, "destroy", None)

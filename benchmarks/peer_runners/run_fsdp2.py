@@ -21,10 +21,11 @@ import torch.distributed as dist
 
 from . import fits
 from .spec import RunSpec
+from .trainer import TorchTrainer
 from .weights import build_hf_model, device_bytes, distinct_parameters, model_shape
 
 
-class Fsdp2Trainer:
+class Fsdp2Trainer(TorchTrainer):
     def __init__(self, spec: RunSpec) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -83,16 +84,6 @@ class Fsdp2Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.item()
-
-    def drain(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def breakdown(self) -> None:
-        return None
-
-    def pinned_bytes(self) -> int | None:
-        return None  # through torch's pinned allocator: the child reads its statistics
 
     def close(self) -> None:
         del self.optimizer, self.model

@@ -15,6 +15,7 @@ import torch
 
 from . import fits
 from .spec import RunSpec
+from .trainer import TorchTrainer
 from .weights import build_hf_model, device_bytes, distinct_parameters, enable_checkpointing, model_shape
 
 
@@ -34,7 +35,7 @@ def accumulate(model: torch.nn.Module, ids: torch.Tensor, spec: RunSpec, autocas
     return total / spec.micro_batches
 
 
-class PytorchTrainer:
+class PytorchTrainer(TorchTrainer):
     def __init__(self, spec: RunSpec) -> None:
         self.spec = spec
         self.device = torch.device(spec.device)
@@ -72,13 +73,6 @@ class PytorchTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.item()  # waits for the optimizer too: it is queued before the copy on the same stream
-
-    def drain(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def breakdown(self) -> None:
-        return None
 
     def pinned_bytes(self) -> int | None:
         return 0

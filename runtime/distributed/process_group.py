@@ -41,11 +41,6 @@ class Topology:
     backend: str  # "nccl" or "gloo"
 
     @property
-    def is_first(self) -> bool:
-        """Rank 0: the one that writes what is written once (metrics, the checkpoint's commit, exports)."""
-        return self.rank == 0
-
-    @property
     def nodes(self) -> int:
         return max(1, self.world_size // max(1, self.local_world_size))
 
