@@ -111,7 +111,7 @@ def test_metrics_give_tflops_with_and_without_attention(tmp_path, capsys) -> Non
     ratio = summary["model_tflops_with_attention"] / summary["model_tflops"]
     assert ratio == pytest.approx((6 * n_matmul + attention) / (6 * n_matmul))
     err = capsys.readouterr().err
-    assert "model TFLOP/s (6N, attention not counted" in err and "model TFLOP/s with attention" in err
+    assert "model TFLOP/s (6 x N_matmul, attention not counted" in err and "model TFLOP/s with attention" in err
     assert f"6 x {n_matmul:,} matmul params" in err
 
 
@@ -121,6 +121,6 @@ def test_progress_line_names_both_figures() -> None:
               **flops.figures(1e9, peak_tflops=1.0)}
     assert record["model_tflops"] == pytest.approx(0.6) and record["mfu_with_attention"] == pytest.approx(0.75)
     line = progress.describe(record)
-    assert "MFU 60.0% (6N), 75.0% with attention" in line
+    assert "MFU 60.0% (6 x N_matmul), 75.0% with attention" in line
     line = progress.describe({**record, **flops.figures(1e9, peak_tflops=None)})
-    assert "0.6 TFLOP/s (6N), 0.75 with attention" in line
+    assert "0.6 TFLOP/s (6 x N_matmul), 0.75 with attention" in line

@@ -241,11 +241,11 @@ def format_summary(s: Mapping[str, Any]) -> str:
           if s.get("eval_loss") is not None else []),
         f"throughput   {s['tokens_per_second']:,.0f} tokens/s (positions processed, padding included"
         + (", this invocation)" if segment else ")"),
-        f"             {s['model_tflops']:.4g} model TFLOP/s (6N, attention not counted: 6 x "
+        f"             {s['model_tflops']:.4g} model TFLOP/s (6 x N_matmul, attention not counted: 6 x "
         f"{s['model_flops_per_token'] / 6:,.0f} matmul params x tokens/s)",
-        f"             {s['model_tflops_with_attention']:.4g} model TFLOP/s with attention (6N + causal attention "
+        f"             {s['model_tflops_with_attention']:.4g} model TFLOP/s with attention (6 x N_matmul + causal attention "
         f"forward and backward at {s['attention_seq_len']:,} tokens per row)",
-        f"MFU          " + (f"{100 * s['mfu']:.1f}% (6N, attention not counted), {100 * s['mfu_with_attention']:.1f}% "
+        f"MFU          " + (f"{100 * s['mfu']:.1f}% (6 x N_matmul, attention not counted), {100 * s['mfu_with_attention']:.1f}% "
                             f"with attention, of {s['peak_tflops']:g} TFLOP/s" if s["mfu"] is not None
                             else f"n/a ({s['peak_source']})"),
         f"memory       peak GPU {format_bytes(s['gpu_peak_bytes'])}" if s["gpu_peak_bytes"] else

@@ -65,10 +65,10 @@ def describe(m: Mapping[str, Any]) -> str:
         parts.append(f"{m['trained_tokens']:,} labelled trained")
     if m.get("mfu") is not None:
         with_attention = m.get("mfu_with_attention")
-        parts.append(f"MFU {100 * m['mfu']:.1f}% (6N)" + (f", {100 * with_attention:.1f}% with attention"
+        parts.append(f"MFU {100 * m['mfu']:.1f}% (6 x N_matmul)" + (f", {100 * with_attention:.1f}% with attention"
                                                           if with_attention is not None else ""))
     elif m.get("model_tflops") is not None:
-        parts.append(f"{m['model_tflops']:.3g} TFLOP/s (6N)" + (
+        parts.append(f"{m['model_tflops']:.3g} TFLOP/s (6 x N_matmul)" + (
             f", {m['model_tflops_with_attention']:.3g} with attention"
             if m.get("model_tflops_with_attention") is not None else ""))
     parts.append(f"lr {m['lr']:.2e}")
