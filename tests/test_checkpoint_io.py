@@ -208,14 +208,20 @@ def medium_checkpoint(tmp_path_factory):
 
 
 # Direct reads land in place (measured: < 1 MiB); tensorstore's chunk buffers plus what its threads and the
-# allocator keep of them, 12-24 MiB measured. Never a copy of an array: a whole-array tensorstore read held
-# one (56 MiB here; measured 63 MiB of peak).
+# allocator keep of them, 11-25 MiB measured, once 35 MiB in about 15 loads. Never a copy of an array: a
+# whole-array tensorstore read held one (56 MiB here; measured 63 MiB of peak), and would in every load. The
+# noise only adds, so the least of up to three loads is what is held to the bound.
 @pytest.mark.parametrize("reader,bound", [("direct", 8 * 2**20), ("tensorstore", 32 * 2**20)])
 def test_peak_ram_while_loading_a_checkpoint(medium_checkpoint, reader: str, bound: int) -> None:
-    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(medium_checkpoint), reader], capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    m = json.loads(out.stdout.strip().splitlines()[-1])
-    print(reader, "checkpoint load (MiB):", {k: round(v / 2**20, 2) for k, v in m.items()})
-    assert bound < 0.6 * m["array_bytes"], m
-    assert m["load_peak"] - m["at_load"] <= bound, m
+    loads = []
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(medium_checkpoint), reader],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        m = json.loads(out.stdout.strip().splitlines()[-1])
+        print(reader, "checkpoint load (MiB):", {k: round(v / 2**20, 2) for k, v in m.items()})
+        assert bound < 0.6 * m["array_bytes"], m
+        loads.append(m)
+        if m["load_peak"] - m["at_load"] <= bound:
+            break
+    assert min(m["load_peak"] - m["at_load"] for m in loads) <= bound, loads
