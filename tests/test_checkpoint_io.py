@@ -208,7 +208,7 @@ def medium_checkpoint(tmp_path_factory):
 
 
 # Direct reads land in place (measured: < 1 MiB); tensorstore's chunk buffers plus what its threads and the
-# allocator keep of them, 11-25 MiB measured, once 35 MiB in about 15 loads. Never a copy of an array: a
+# allocator keep of them, 11-25 MiB measured, twice 35 MiB in about 35 loads. Never a copy of an array: a
 # whole-array tensorstore read held one (56 MiB here; measured 63 MiB of peak), and would in every load. The
 # noise only adds, so the least of up to three loads is what is held to the bound.
 @pytest.mark.parametrize("reader,bound", [("direct", 8 * 2**20), ("tensorstore", 32 * 2**20)])
