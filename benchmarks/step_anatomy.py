@@ -7,7 +7,9 @@ For each model x sequence length (and each --variant of the planner's plan), one
 runs --warmup steps, then --steps timed steps reading ``engine.last_step_breakdown`` (event
 timing: compute, exposed H2D / D2H / checkpoint traffic / AdamW, and each resource's busy
 time), then --traced steps under torch.profiler, whose trace gives the kernels' own time and
-the copies' device time (tools/trace_anatomy.py). The roofline is max(compute, H2D, D2H,
+the copies' device time (tools/trace_anatomy.py), and the kernels' time by category: GEMM, attention, norms,
+RoPE, SwiGLU, cross-entropy, copies, other elementwise, the optimizer (tools/kernel_categories.py). The
+timed steps' figures are written before the trace starts: a trace cut short by a time limit leaves them. The roofline is max(compute, H2D, D2H,
 CPU AdamW) for the plan that ran (AdamW on the compute thread: max(compute + AdamW, H2D, D2H));
 the ratio is step / roofline (the target: within 1.10). Both readings are reported: the event timer's compute still holds launch gaps, the
 trace's does not. Beside them, the planner's cost model for the same plan (its step and
@@ -24,7 +26,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -67,7 +69,9 @@ def predict(spec: RunSpec, plan: Any, clipping: bool, hw: Any) -> dict[str, Any]
             "recompute_flops": c.recompute_flops, "hardware_flops": c.hardware_flops}
 
 
-def measure(spec: RunSpec, variant: str, args: argparse.Namespace, hw: Any, echo) -> dict[str, Any]:
+def measure(spec: RunSpec, variant: str, args: argparse.Namespace, hw: Any, echo,
+            keep: Callable[[dict[str, Any]], None] = lambda row: None) -> dict[str, Any]:
+    """One configuration's row; ``keep(row)`` is called with the timed steps' row before any trace starts."""
     import torch
 
     from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
@@ -98,17 +102,18 @@ def measure(spec: RunSpec, variant: str, args: argparse.Namespace, hw: Any, echo
         return {**row, "status": f"failed at start: {str(e).splitlines()[0]}"}
     with engine:
         try:
-            return _timed(engine, spec, variant, row, ids, args, echo)
+            return _timed(engine, spec, variant, row, ids, args, echo, keep)
         except torch.OutOfMemoryError as e:  # recorded with what ran before it
             return {**row, "status": f"out of memory in a step: {str(e).splitlines()[0]}"}
 
 
 def _timed(engine: Any, spec: RunSpec, variant: str, row: dict[str, Any], ids: list, args: argparse.Namespace,
-           echo) -> dict[str, Any]:
+           echo, keep: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     import resource
 
     import torch
 
+    from megatrain.tools.kernel_categories import kernel_breakdown
     from megatrain.tools.trace_anatomy import anatomy, profile_kwargs
 
     cuda = spec.device == "cuda"
@@ -131,20 +136,6 @@ def _timed(engine: Any, spec: RunSpec, variant: str, row: dict[str, Any], ids: l
         echo(f"  {spec.model} seq {spec.seq} {variant}: step {i + 1}/{args.warmup + args.steps} "
              f"{steps[-1]:.3f} s, loss {loss:.4f}")
     engine.synchronize()
-    row["trace"] = None
-    if args.traced:  # at long sequences the profiler's parse takes longer than the steps: --traced 0
-        with torch.profiler.profile(**profile_kwargs(cuda)) as prof:
-            t0 = time.perf_counter()
-            for i in range(args.traced):
-                engine.step(ids[i % 2], ids[i % 2])
-            engine.synchronize()
-            traced_step = (time.perf_counter() - t0) / args.traced
-        row["trace"] = anatomy(prof.events(), args.traced, traced_step)
-    if args.traced and args.trace_dir:
-        os.makedirs(args.trace_dir, exist_ok=True)
-        path = os.path.join(args.trace_dir, f"{spec.model}_seq{spec.seq}_{variant}.json")
-        prof.export_chrome_trace(path)
-        row["trace_file"] = path
     keys = [k for k in breakdowns[-1] if all(k in b for b in breakdowns)]
     row["events"] = {k: statistics.median(b[k] for b in breakdowns) for k in keys}
     steady = steps[args.warmup:]
@@ -158,7 +149,24 @@ def _timed(engine: Any, spec: RunSpec, variant: str, row: dict[str, Any], ids: l
                peak_gpu_bytes=torch.cuda.max_memory_allocated() if cuda else None,
                peak_gpu_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None,
                peak_host_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-               pinned_host_bytes=_pinned_bytes(engine, cuda), final_loss=loss)
+               pinned_host_bytes=_pinned_bytes(engine, cuda), final_loss=loss, trace=None, kernels=None)
+    if not args.traced:  # at long sequences the profiler's parse takes longer than the steps: --traced 0
+        return row
+    keep(row)  # the timed steps' figures on disk before the trace (an 8B step's parse takes about a minute)
+    with torch.profiler.profile(**profile_kwargs(cuda)) as prof:
+        t0 = time.perf_counter()
+        for i in range(args.traced):
+            engine.step(ids[i % 2], ids[i % 2])
+        engine.synchronize()
+        traced_step = (time.perf_counter() - t0) / args.traced
+    events = prof.events()
+    row["trace"] = anatomy(events, args.traced, traced_step)
+    row["kernels"] = kernel_breakdown(events, args.traced)
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+        path = os.path.join(args.trace_dir, f"{spec.model}_seq{spec.seq}_{variant}.json")
+        prof.export_chrome_trace(path)
+        row["trace_file"] = path
     return row
 
 
@@ -214,9 +222,32 @@ def markdown(rep: dict[str, Any]) -> str:
             f"| {f(q['step_s'], q['compute_s'], q['h2d_s'], q['d2h_s'], q['adam_s'])} "
             f"| {len(p.get('kept_layers', ()))} of {r['layers']} "
             f"| {q['recompute_flops'] / 1e9:,.1f} / {q['hardware_flops'] / 1e9:,.1f} |")
+    lines += kernel_table(rep["runs"])
     lines += ["", f"Machine: {rep['machine'].get('gpu') or rep['machine'].get('cpu')}, {rep['machine'].get('cores')} "
               f"cores, torch {rep['machine'].get('torch')}. Command: `{rep['command']}`.", ""]
     return "\n".join(lines)
+
+
+def kernel_table(runs: list[dict[str, Any]]) -> list[str]:
+    """The traced steps' kernel time by category (seconds per step, share of the kernels' total), one row a traced
+    configuration; none without one."""
+    from megatrain.tools.kernel_categories import ORDER
+
+    traced = [r for r in runs if r.get("kernels")]
+    if not traced:
+        return []
+    source = "device kernels" if traced[0]["kernels"]["source"] == "cuda" else "operators' self time (a CPU)"
+    lines = ["", f"Kernel time by category, seconds per traced step ({source}; share of their sum; "
+             "tools/kernel_categories.py):", "",
+             "| model | seq | variant | " + " | ".join(ORDER) + " | sum s | first of other |",
+             "|" + "---|" * (len(ORDER) + 5)]
+    for r in traced:
+        k = r["kernels"]
+        other = next((t["name"] for t in k["top"] if t["category"] == "other"), "-")
+        lines.append(f"| {r['model']} | {r['seq']} | {r['variant']} | "
+                     + " | ".join(f"{k['seconds'][c]:.3f} ({k['share'][c]:.0%})" for c in ORDER)
+                     + f" | {k['total_s']:.3f} | {other[:60].replace('|', '/')} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,15 +297,20 @@ def main(argv: list[str] | None = None) -> int:
            "runs": []}
     os.makedirs(args.out, exist_ok=True)
     base = new_base(os.path.join(args.out, f"{date}_{rep['device']}_step_anatomy_{'-'.join(models)}"))
+    def write(runs: list[dict[str, Any]]) -> str:
+        """The report with ``runs``, both files (rewritten as each configuration ends, and before its trace)."""
+        with open(base + ".json", "w") as f:
+            json.dump({**rep, "runs": runs}, f, indent=1)
+        md = markdown({**rep, "runs": runs})
+        with open(base + ".md", "w") as f:
+            f.write(md)
+        return md
+
     for spec in specs:
         for v in variants:
-            rep["runs"].append(measure(spec, v, args, hw, echo))
-            # written after every configuration: a run stopped by its time limit keeps the rows it measured
-            with open(base + ".json", "w") as f:
-                json.dump(rep, f, indent=1)
-            md = markdown(rep)
-            with open(base + ".md", "w") as f:
-                f.write(md)
+            # a run stopped by its time limit keeps the rows it measured, and a traced row its timed steps
+            rep["runs"].append(measure(spec, v, args, hw, echo, keep=lambda row: write(rep["runs"] + [row])))
+            md = write(rep["runs"])
     print(md)
     print(f"wrote {base}.json and .md")
     return 0

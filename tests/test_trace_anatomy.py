@@ -1,5 +1,6 @@
 """The trace anatomy (tools/trace_anatomy.py): interval arithmetic by hand, both device paths on
-synthetic traces, and a real CPU trace of the engine."""
+synthetic traces, and a real CPU trace of the engine; the kernels' categories (tools/kernel_categories.py) on a
+synthetic CUDA trace by hand and on a real CPU trace against the profiler's own per-operator table."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -8,15 +9,16 @@ import pytest
 import torch
 
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
+from megatrain.tools.kernel_categories import ORDER, category, kernel_breakdown
 from megatrain.tools.trace_anatomy import anatomy, profile_kwargs, union_seconds
 
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
 
-def ev(name: str, start: float, end: float, device=CPU, thread: int = 0) -> SimpleNamespace:
-    """A trace record; thread 0 the compute thread, 1 the AdamW worker."""
+def ev(name: str, start: float, end: float, device=CPU, thread: int = 0, self_us: float = 0.0) -> SimpleNamespace:
+    """A trace record; thread 0 the compute thread, 1 the AdamW worker; ``self_us`` its own CPU time."""
     return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device,
-                           thread=thread)
+                           thread=thread, self_cpu_time_total=self_us)
 
 
 def test_union_counts_overlaps_once():
@@ -107,13 +109,17 @@ def test_step_anatomy_benchmark_reports_each_configuration(tmp_path, capsys):
         assert r["plan"]["adam_thread"] == "compute"
         assert e["roofline_s"] == max(e["compute_s"] + e["adam_busy_s"], e["h2d_busy_s"], e["d2h_busy_s"])
         assert r["trace"]["adam_traced"] and r["trace"]["roofline_ratio"] > 0
-    assert "| tiny | 32 | host-ckpt |" in result.with_suffix(".md").read_text()
+        k = r["kernels"]  # the traced step's operators by category: the engine's matmuls in gemm
+        assert k["source"] == "cpu" and sum(k["seconds"].values()) == pytest.approx(k["total_s"])
+        assert k["seconds"]["gemm"] > 0 and k["seconds"]["optimizer"] > 0
+    md = result.with_suffix(".md").read_text()
+    assert "| tiny | 32 | host-ckpt |" in md and "Kernel time by category" in md
     # --traced 0 (long sequences): no profiler; model TFLOP/s and MFU by hand from the row's own figures
     assert bench.main(["--model", "tiny", "--seq", "32", "--batch", "4", "--micro-batch", "2", "--no-clip",
                        "--planner-only", "--warmup", "0", "--steps", "1", "--traced", "0", "--device", "cpu",
                        "--out", str(tmp_path / "untraced")]) == 0
     (row,) = json.loads(next((tmp_path / "untraced").glob("*.json")).read_text())["runs"]
-    assert row["status"] == "ok" and row["trace"] is None and not row["clipping"]
+    assert row["status"] == "ok" and row["trace"] is None and row["kernels"] is None and not row["clipping"]
     # 6 x N_matmul: the tiny shape's matmuls (q, k, v, o, gate, up, down per layer; lm_head), no input embedding
     cfg = bench.model_config("tiny", None, 32)
     h, i, v, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
@@ -132,3 +138,81 @@ def test_step_anatomy_benchmark_reports_each_configuration(tmp_path, capsys):
     names = sorted(p.name for p in (tmp_path / "untraced").glob("*.json"))
     assert [n.split("_", 1)[1] for n in names] == ["cpu_step_anatomy_tiny.json", "cpu_step_anatomy_tiny_2.json"]
     assert (tmp_path / "untraced" / names[0]).read_text() == first
+
+
+def test_kernel_categories_of_a_cuda_trace_by_hand():
+    """H200-style kernel names, 2 traced steps: each kernel's duration in its category, DMA copies and memsets
+    left out (they are trace_anatomy's H2D / D2H), the CPU side ignored where the device has kernels."""
+    k = [("nvjet_tst_128x256_64x4_1x2_h_bz_coopB_TNT", 100, "gemm"),
+         ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1", 60, "gemm"),
+         ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", 40, "attention"),
+         ("fmha_cutlassB_bf16_aligned_64x64_k128_sm80", 20, "attention"),  # CUTLASS, but attention first
+         ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel(at::TensorIteratorBase&)>", 8,
+          "elementwise"),
+         ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float>>>", 4,
+          "elementwise"),
+         ("void at::native::vectorized_elementwise_kernel<4, at::native::bfloat16_copy_kernel_cuda()>", 6, "copy"),
+         ("void at::native::cunn_SoftMaxForward<4, float, float, float, LogSoftMaxForwardEpilogue>", 5,
+          "cross_entropy"),
+         ("void multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>", 3, "optimizer"),
+         ("_rms_norm_forward_kernel", 2, "norm"), ("_triton_rope", 2, "rope"), ("_swiglu_backward_kernel", 2, "swiglu"),
+         ("my_property_kernel", 10, "other")]  # "property" holds "rope": not RoPE
+    events = [ev(name, 0, us, CUDA) for name, us, _ in k]
+    events += [ev("Memcpy HtoD (Pinned -> Device)", 0, 500, CUDA), ev("Memset (Device)", 0, 50, CUDA),
+               ev("aten::mm", 0, 1000, self_us=1000)]
+    b = kernel_breakdown(events, steps=2)
+    want = dict.fromkeys(ORDER, 0.0)
+    for name, us, cat in k:
+        assert category(name) == cat, name
+        want[cat] += us / 2 / 1e6
+    assert b["source"] == "cuda" and b["seconds"] == pytest.approx(want)
+    assert b["total_s"] == pytest.approx(sum(us for _, us, _ in k) / 2 / 1e6)  # 262 us over 2 steps
+    assert sum(b["seconds"].values()) == pytest.approx(b["total_s"]) and sum(b["share"].values()) == pytest.approx(1)
+    assert b["share"]["gemm"] == pytest.approx(160 / 262)
+    assert [t["name"] for t in b["top"][:2]] == [k[0][0], k[1][0]] and b["top"][0]["seconds"] == pytest.approx(50e-6)
+
+
+def test_kernel_categories_of_a_real_cpu_trace():
+    """On a CPU each operator's self time: nested operators count once, the categories sum to the operators'
+    total, and the matmul's own time lands in gemm, as the profiler's own per-operator table has it."""
+    a, w = torch.randn(256, 512), torch.randn(512, 512)
+    labels = torch.randint(0, 512, (256,))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            h = torch.nn.functional.silu(a @ w)
+            torch.nn.functional.cross_entropy(h, labels)
+    events = prof.events()
+    b = kernel_breakdown(events, steps=2)
+    assert b["source"] == "cpu" and set(b["seconds"]) == set(ORDER)
+    assert sum(b["seconds"].values()) == pytest.approx(b["total_s"])
+    assert b["total_s"] == pytest.approx(sum(e.self_cpu_time_total for e in events) / 2e6)
+    mm = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key == "aten::mm") / 2e6
+    assert mm > 0 and b["seconds"]["gemm"] >= mm * (1 - 1e-9)
+    assert b["seconds"]["cross_entropy"] > 0 and b["seconds"]["elementwise"] > 0  # log_softmax / nll; silu
+    assert any(t["name"] == "aten::mm" and t["category"] == "gemm" for t in b["top"])
+
+
+def test_step_anatomy_keeps_the_timed_steps_when_the_trace_is_cut_short(tmp_path, monkeypatch):
+    """The time limit's interrupt during the trace's parse (an 8B step's takes about a minute): the report on
+    disk already holds the configuration's timed steps."""
+    import importlib.util
+    import json
+    import os
+
+    import megatrain.tools.kernel_categories as kc
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "step_anatomy.py")
+    spec = importlib.util.spec_from_file_location("step_anatomy", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def interrupted(events, steps):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kc, "kernel_breakdown", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--model", "tiny", "--seq", "32", "--batch", "4", "--micro-batch", "2", "--warmup", "0",
+                    "--steps", "2", "--traced", "1", "--device", "cpu", "--out", str(tmp_path)])
+    (row,) = json.loads(next(tmp_path.glob("*.json")).read_text())["runs"]
+    assert row["status"] == "ok" and row["timed_steps"] == 2 and row["trace"] is None
+    assert row["min_step_seconds"] <= row["median_step_seconds"] <= row["max_step_seconds"]
