@@ -4,6 +4,11 @@
     python benchmarks/plan_validation.py            # fp32, ~10M .. ~300M parameters (a few minutes on a CPU)
     python benchmarks/plan_validation.py --quick    # the three smallest configs
     python benchmarks/plan_validation.py --spill-dir DIR   # and the spilled rows (everything on disk in DIR)
+    python benchmarks/plan_validation.py --plan-only       # each config's plan and prediction; nothing runs
+
+On a GPU (a CUDA device and a GPU's profile) the GPU configs run too, in the compute dtype each names (bf16:
+Llama-3.2-1B's shape at 8192 tokens, -3B's, Llama-3.1-8B's, and a Qwen3-MoE shape). ``--plan-only`` plans
+them wherever the profile is a GPU's (``MEGATRAIN_HARDWARE=<a GPU's hardware.json>``), CUDA or not.
 
 The planner plans with the saved hardware profile (``megatrain-plan profile`` /
 ``calibrate``; its fitted constants where it has them, the defaults otherwise,
@@ -69,13 +74,29 @@ MOE_CONFIGS = {
     "moe-16x4-recomputed": (_QWEN3_MOE, 256, 4),
 }
 KEEP = {"-kept": "all", "-recomputed": "none"}  # a config name's ending: the layers its plan keeps
+# On a GPU: name -> (config.json fields, seq, batch, compute dtype). Llama-3.2-1B's and -3B's shapes (tied),
+# Llama-3.1-8B's (untied; with clipping its fp32 state needs 121.7 GiB of host RAM where the H200 machine has
+# 118.1: "8B-24L" is its layer shape with 24 of its 32 layers, 6.2B), and Qwen3-30B-A3B's shape with 6 of its 48
+# layers (128 experts, 8 a token; 4.4B); the calibration's models are 4-layer, widths 256 .. 1024, fp32 or bf16.
+_L1B = _llama(2048, 8192, 16, 32, 8, 128256, tie_word_embeddings=True, rope_theta=500000.0)
+_L3B = _llama(3072, 8192, 28, 24, 8, 128256, tie_word_embeddings=True, rope_theta=500000.0)
+_L8B = _llama(4096, 14336, 32, 32, 8, 128256, rope_theta=500000.0)
+_QWEN3_MOE_GPU = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                      num_hidden_layers=6, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                      num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                      rope_theta=1000000.0)
 GPU_CONFIGS = {
-    "1B-fp32": (_llama(2048, 8192, 16, 32, 8, 128256, tie_word_embeddings=True, rope_theta=500000.0), 2048, 8),
+    "1B-fp32": (_L1B, 2048, 8, "fp32"),
+    "1B-8192": (_L1B, 8192, 4, "bf16"),
+    "3B": (_L3B, 2048, 16, "bf16"),
+    "8B": (_L8B, 4096, 16, "bf16"),
+    "8B-24L": (dict(_L8B, num_hidden_layers=24), 4096, 16, "bf16"),
+    "moe-gpu": (_QWEN3_MOE_GPU, 2048, 8, "bf16"),
 }
 STEP_GOAL, HOST_GOAL = 0.15, 0.10
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--quick", action="store_true", help="the three smallest configs")
     p.add_argument("--steps", type=int, default=3, help="timed steps per config after one warm-up (3)")
@@ -85,7 +106,9 @@ def main() -> int:
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--spill-dir", help="also run SPILL_CONFIGS with everything spilled into this folder")
     p.add_argument("--only", help="comma-separated config names to run (default: all)")
-    args = p.parse_args()
+    p.add_argument("--plan-only", action="store_true",
+                   help="print each config's plan and the planner's prediction; run nothing, write nothing")
+    args = p.parse_args(argv)
 
     from megatrain.planner import cost_model, memory_model, model_shapes, profiler, search
     from megatrain.planner.calibration import SPREAD_WARN, robust
@@ -93,39 +116,50 @@ def main() -> int:
     from megatrain.tools.calibrate import run_in_rounds
 
     hw = profiler.this_machine()
-    constants = hw.constants("fp32")
-    print(f"hardware: {hw.source}\nconstants: {constants}", file=sys.stderr, flush=True)
-    configs = dict(CONFIGS, **MOE_CONFIGS)
-    if not hw.device_is_host:
+    print(f"hardware: {hw.source}", file=sys.stderr, flush=True)
+    configs = {name: (*entry, "fp32") for name, entry in dict(CONFIGS, **MOE_CONFIGS).items()}
+    if not hw.device_is_host and (args.plan_only or cuda_present()):
         configs.update(GPU_CONFIGS)
     if args.quick:
         configs = dict(list(CONFIGS.items())[:3])
     if args.spill_dir:
-        configs.update(SPILL_CONFIGS)
+        configs.update({name: (*entry, "fp32") for name, entry in SPILL_CONFIGS.items()})
     if args.only:
+        unknown = set(args.only.split(",")) - set(configs)
+        if unknown:
+            print(f"plan_validation: --only {','.join(sorted(unknown))}: not a config here; of {', '.join(configs)}",
+                  file=sys.stderr)
+            return 2
         configs = {k: v for k, v in configs.items() if k in args.only.split(",")}
+    constants = {dtype: hw.constants(dtype) for dtype in sorted({entry[3] for entry in configs.values()})}
+    print(f"constants: {constants}", file=sys.stderr, flush=True)
     rows: list[dict[str, object]] = []
     planned = []  # (name, hf, seq, batch, shape, work, plan, cost, mem) of the configs that fit
-    for name, (hf, seq, batch) in configs.items():
+    for name, (hf, seq, batch, dtype) in configs.items():
         shape = model_shapes.from_config(hf)
         spill = dict(spill="all", spill_dir=args.spill_dir) if name in SPILL_CONFIGS else {}
-        work = Workload(seq_len=seq, batch=batch, compute_dtype="fp32", clipping=True, **spill)
+        work = Workload(seq_len=seq, batch=batch, compute_dtype=dtype, clipping=True, **spill)
         result = search.search(shape, work, hw)
         if result.best is None:
             rows.append({"config": name, "status": f"infeasible: {result.reason()}"})
             continue
         plan = keep(result.best.plan, name, shape.num_layers)
-        print(f"{name}: {model_shapes.params_label(shape.params)} params, {batch} x {seq} tokens, plan "
+        print(f"{name}: {model_shapes.params_label(shape.params)} params, {batch} x {seq} tokens, {dtype}, plan "
               f"{plan.to_json(indent=None)}", file=sys.stderr, flush=True)
         planned.append((name, hf, seq, batch, shape, work, plan, cost_model.estimate(shape, work, plan, hw),
                         memory_model.estimate(shape, work, plan, hw)))
+    if args.plan_only:
+        print(plan_table(rows, planned, hw.device_is_host))
+        return 0
 
     def progress(r: int, i: int) -> None:
         print(f"round {r + 1}/{args.rounds}: {planned[i][0]}", file=sys.stderr, flush=True)
 
     try:
-        runs = run_in_rounds([(hf, seq, batch, "fp32", plan.to_json(indent=None), args.steps, 0)
-                              for _, hf, seq, batch, _, _, plan, _, _ in planned], args.rounds, progress)
+        # the measured run's dtype as tools/calibrate.py names it (fp32 or bf16)
+        runs = run_in_rounds([(hf, seq, batch, "fp32" if work.compute_bytes == 4 else "bf16", plan.to_json(indent=None),
+                               args.steps, 0) for _, hf, seq, batch, _, work, plan, _, _ in planned], args.rounds,
+                             progress)
     except ValueError as e:
         print(f"plan_validation: error: {e}", file=sys.stderr)
         return 2
@@ -137,7 +171,8 @@ def main() -> int:
             predicted_host = mem.host_bytes
         predicted_device = None if hw.device_is_host else mem.device_bytes
         rows.append({
-            "config": name, "status": "ok", "params": shape.params, "tokens": work.tokens, "plan": plan.to_dict(),
+            "config": name, "status": "ok", "params": shape.params, "tokens": work.tokens,
+            "compute_dtype": work.compute_dtype, "plan": plan.to_dict(),
             "predicted_step_seconds": cost.step_seconds, "measured_step_seconds": step.value,
             "step_spread": step.spread, "step_error": cost.step_seconds / step.value - 1,
             "predicted_host_bytes": predicted_host, "measured_peak_rss_bytes": measured["peak_rss_bytes"],
@@ -167,14 +202,14 @@ def main() -> int:
     ok = [r for r in rows if r["status"] == "ok"]
     lines = [f"# Planner vs runtime, {device} ({today})", "",
              f"`{command}`; constants: {constants}.", "",
-             "| config | params | step predicted s | step measured s | error | spread | peak RSS predicted GiB "
+             "| config | dtype | params | step predicted s | step measured s | error | spread | peak RSS predicted GiB "
              "| peak RSS measured GiB | error | device error | bound by |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['config']} | {r['status']} | | | | | | | | | |")
+            lines.append(f"| {r['config']} | {r['status']} | | | | | | | | | | |")
             continue
-        lines.append(f"| {r['config']} | {model_shapes.params_label(r['params'])} | "
+        lines.append(f"| {r['config']} | {r['compute_dtype']} | {model_shapes.params_label(r['params'])} | "
                      f"{r['predicted_step_seconds']:.3f} | {r['measured_step_seconds']:.3f} | {pct(r['step_error'])} | "
                      f"{r['step_spread']:.0%} | {r['predicted_host_bytes'] / 2**30:.3f} | "
                      f"{r['measured_peak_rss_bytes'] / 2**30:.3f} | {pct(r['host_error'])} | "
@@ -193,6 +228,29 @@ def main() -> int:
     stem = write_report(os.path.join(args.out, f"{today}_{device}_plan_validation"), report, lines)
     print(f"plot: {plot(ok, stem + '.png')}", file=sys.stderr)
     return 0
+
+
+def cuda_present() -> bool:
+    """A CUDA device here: the GPU configs run only on one."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def plan_table(rows: list[dict[str, object]], planned: list, device_is_host: bool) -> str:
+    """``--plan-only``'s table: each config's plan and predictions, and the configs no plan fits."""
+    gib = 2 ** 30
+    lines = ["| config | params | dtype | tokens | plan | predicted step s | host GiB | device GiB | bound by |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, _, seq, batch, shape, work, plan, cost, mem in planned:
+        host = (mem.device_bytes + mem.host_bytes) if device_is_host else mem.host_bytes
+        lines.append(f"| {name} | {shape.params / 1e9:.2f}B | {work.compute_dtype} | {batch} x {seq} | mb "
+                     f"{plan.micro_batch_size}, {plan.num_slots} slots, {plan.optimizer_mode}, kept "
+                     f"{len(plan.kept_layers)} of {shape.num_layers}, resident {len(plan.resident_blocks)} | "
+                     f"{cost.step_seconds:.3f} | {host / gib:.2f} | "
+                     f"{'-' if device_is_host else format(mem.device_bytes / gib, '.2f')} | {cost.bottleneck} |")
+    lines += [f"| {r['config']} | {r['status']} | | | | | | | |" for r in rows if r["status"] != "ok"]
+    return "\n".join(lines)
 
 
 def keep(plan, name: str, layers: int):
