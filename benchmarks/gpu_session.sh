@@ -1,34 +1,50 @@
 #!/usr/bin/env bash
-# The GPU measurements, in parts of under ten minutes each, for a GPU machine reached in short sessions.
+# The GPU measurements, in parts, for a GPU machine lent in sessions of 15 minutes of device time (its start
+# counted), at most 10 minutes a command: about 12 minutes of commands a session, in one call of up to ~540 s
+# and, on the still-warm machine, a second of up to ~150 s.
 #
-# The parts that finish the benchmark protocol (benchmarks/README.md), in priority order, one a session of
-# about 15 minutes of device time (what does not fit is the next session's):
-#   DEADLINE=540 bash benchmarks/gpu_session.sh flagship  # 8B, 16 x 4096, clipping, 1 + 5 timed steps; then the
-#                                                         # 1B peers at their best in the time left (--resume)
-#   DEADLINE=540 bash benchmarks/gpu_session.sh peers --model-sizes  # see below: the peers at their best
-#   DEADLINE=540 bash benchmarks/gpu_session.sh planner   # profile + calibrate (bf16) on this GPU, then the
-#                                                         # planner checked out of sample: plan_validation,
-#                                                         # 1B at 8192 and 3B at 2048 against their predictions
-#   DEADLINE=540 bash benchmarks/gpu_session.sh largest   # the planner's largest dense model (Qwen2.5-14B's
-#                                                         # shape, spill to disk), 6 steps, memory against the plan
-#   DEADLINE=540 bash benchmarks/gpu_session.sh moe       # a ~7B Qwen3-MoE shape (Qwen3-30B-A3B's, 12 layers),
-#                                                         # grouped experts, 6 steps; tokens/s, 6 x active N_matmul
-#   DEADLINE=540 bash benchmarks/gpu_session.sh seq8192   # 1B and 3B at 8192 tokens against PyTorch; racecheck
-# `peers` resumes today's report: `peers --sizes 1b --seqs 2048 --grow-layers 0`, then `--sizes 3b`.
-# DRY_RUN=1 prints every command of a part instead of running it (no GPU needed): a check of the script.
+#   DEADLINE=540 bash benchmarks/gpu_session.sh PART [PART ...]   # the parts in the order given, in one call
+#   DRY_RUN=1 bash benchmarks/gpu_session.sh PART ...             # print the commands and estimates (no GPU)
+#
+# The parts that finish the benchmark protocol (benchmarks/README.md), in priority order, with the seconds each
+# takes as estimated from the recorded H200 runs (benchmarks/results/2026-11-2[678]_H200_*; "~" where no run of
+# that kind was recorded):
+#   flagship    230  8B, 16 x 4096, clipping, 1 + 5 timed steps, 1 traced (kernel categories); ~20 s where the
+#                    planner finds no plan (with clipping the 8B's fp32 state needs 121.7 GiB of host RAM of 118.1)
+#   peers1b     490  the 1B peers at their best: megatrain, PyTorch, ZeRO-Offload, ZeRO-3 at micro-batch 4/8/16,
+#                    FSDP2 last (its 7 steps ~160 s); the DeepSpeed build 47 s of it; cut by its time budget
+#   peers3b     880  the same at 3B (~500 without FSDP2's ~380: the budget cuts it and says so)
+#   calibrate   120  megatrain-plan profile (disk too) and calibrate (bf16, 4-layer models): KEEP/hardware.json
+#   validation  200  plan_validation's GPU configs against the calibrated profile (this call's, or HARDWARE=path)
+#   moe         100  a 6.9B Qwen3-MoE shape (10 of Qwen3-30B-A3B's 48 layers), grouped experts, 6 steps
+#   largest     525  Qwen2.5-14B's shape, bf16 AdamW state, m and v spilled to disk, 6 steps, memory against plan
+#   seq8192     155  1B (against PyTorch, losses) and 3B (megatrain and PyTorch) at 8192 tokens
+#   racecheck   300  compute-sanitizer racecheck on two tiny steps (over 120 s under it)
+# (planner = calibrate validation.) Each call also spends ~12 s on its set-up (the venv, the project).
+# About 3,050 s in all: four sessions of two calls, in this order (results-*.tgz of each unpacked into
+# benchmarks/results/ before the next; a calibrated hardware.json carried in as HARDWARE=path):
+#   1: DEADLINE=540 ... flagship peers1b;   DEADLINE=150 ... calibrate
+#   2: DEADLINE=540 ... peers3b;            DEADLINE=150 ... moe
+#   3: DEADLINE=540 HARDWARE=... ... validation seq8192;   DEADLINE=150 ... racecheck (what it reaches)
+#   4: DEADLINE=540 ... largest;            racecheck again if it was cut
 #
 # Earlier parts, kept to reproduce the recorded results they made (2026-11-26..28; no clipping, 2-3 timed steps):
-#   bash benchmarks/gpu_session.sh checks   # CUDA tests, 1B losses and speed against PyTorch, 8B flagship (~7 min)
-#   bash benchmarks/gpu_session.sh anatomy  # 1B step anatomy (planner, host checkpoints, eager); compute-sanitizer
-#   bash benchmarks/gpu_session.sh long     # 8B at 32k, 128k and 512k tokens a sequence
-#   bash benchmarks/gpu_session.sh large    # 3B step anatomy at 2048/8192, profile, calibrate, planner validation
-#   bash benchmarks/gpu_session.sh first    # one command for a short lease: checks, 1B, 8B flagship, anatomy,
-#                                           # stream sanitizer, the GPU's profile
-#   bash benchmarks/gpu_session.sh offload  # the CUDA tests with kvikio from .whl/, then the 3B peers against
-#                                           # DeepSpeed ZeRO-3 offload (the rest of the DEADLINE, or 480 s)
+#   checks (CUDA tests, 1B against PyTorch, 8B), anatomy (1B variants, sanitizers), long (8B at 32k..512k),
+#   large (3B anatomy, profile, fp32 calibrate, validation), first, offload, and `peers ARGS` (peers.py --sweep
+#   --resume with ARGS; it takes the rest of the command line, so it comes last).
 #
-# DEADLINE=S (seconds, default none) ends a part in time to return its files: each step's limit is cut to
-# what is left, and a step that would get under 20 s is skipped. results-PART.tgz is rewritten after every step.
+# DEADLINE=S (seconds, default none) ends the call in time to return its files: each step's limit is cut to
+# what is left, and a step that would get under 20 s is skipped (said in the log).
+#
+# What comes back: $OUT (default ./gpu_out) holds two files, PARTS.log (every step's output) and
+# results-PARTS.tgz (PARTS: the parts joined by "-"), rewritten after every step: the new files of
+# benchmarks/results/ and session/ (KEEP, default /tmp/gpu-session-keep): the hardware profile, the plans the
+# planner made, the training runs' folders (metrics.jsonl, run.json; never a checkpoint or a spill file), the
+# train_watch records (the spill disk's peak) and venv-packages.txt. The training runs go to KEEP, spill files to
+# SPILL (default /tmp/megatrain-spill), removed after the part: nothing large is written under $OUT.
+# megatrain-train ends every run with a checkpoint (no option skips it) that the 64 GiB disk cannot hold for the
+# moe (76.6 GiB) and largest (110.0 GiB beside 55.0 GiB of spill files) runs: benchmarks/train_watch.py stops
+# them with Ctrl-C twice once their 6th metrics row is written.
 #
 # Packages: the project and the wheels named in benchmarks/gpu_wheels.txt (DeepSpeed and what it needs, kvikio)
 # go into a venv made with --system-site-packages ($VENV, default /tmp/megatrain-venv): the image's packages stay
@@ -40,23 +56,44 @@
 #     hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
 #     typing-extensions==4.16.0 kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 nvidia-cufile==1.20.0.107 \
 #     rapids-logger==0.3.0 cuda-pathfinder==1.9.1
-# The venv's own packages are listed in $OUT/venv-packages.txt. Everything is written under $OUT (default
-# ./gpu_out): one log per part and results-PART.tgz, the new files of benchmarks/results/ (and the training
-# runs' folders). Unpack it into benchmarks/results/ of the checkout the next part starts from: `peers --resume`
-# goes on from the sweep results it finds there.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh flagship|peers|planner|largest|moe|seq8192|checks|anatomy|long|large|first|offload}
+usage="usage: gpu_session.sh PART [PART ...]: flagship peers1b peers3b calibrate validation moe largest seq8192
+racecheck (planner = calibrate validation); earlier: checks anatomy long large first offload, peers [ARGS] last"
+declare -A estimate=([flagship]=230 [peers1b]=490 [peers3b]=880 [calibrate]=120 [validation]=200 [moe]=100
+  [largest]=525 [seq8192]=155 [racecheck]=300 [checks]=340 [anatomy]=585 [long]=600 [large]=800 [first]=523
+  [offload]=481 [peers]=500)
+parts=()
+peer_args=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    planner) parts+=(calibrate validation) ;;
+    peers) parts+=(peers); shift; peer_args=("$@"); break ;;
+    flagship|peers1b|peers3b|calibrate|validation|moe|largest|seq8192|racecheck|checks|anatomy|long|large|first|offload)
+      parts+=("$1") ;;
+    *) echo "gpu_session.sh: unknown part ${1@Q}; $usage" >&2; exit 2 ;;
+  esac
+  shift
+done
+[ ${#parts[@]} -gt 0 ] || { echo "$usage" >&2; exit 2; }
+tag=$(IFS=-; echo "${parts[*]}")
 out=${OUT:-$PWD/gpu_out}
-mkdir -p "$out"
-log="$out/$part.log"
+keep=${KEEP:-/tmp/gpu-session-keep}
+spill=${SPILL:-/tmp/megatrain-spill}
+dry=${DRY_RUN:-}
+log="$out/$tag.log"
+if [ -n "$dry" ]; then log=/dev/null; else mkdir -p "$out"; fi
 export PYTHONUNBUFFERED=1
 stamp=$(mktemp)
 started=$SECONDS
+[ -z "$dry" ] && { rm -rf "$keep"; mkdir -p "$keep"; }
 
 say() { echo "== $* ($((SECONDS - started)) s)" | tee -a "$log"; }
-# The results written so far in this part (and any PNG), in one file.
-pack() { find benchmarks/results -type f -newer "$stamp" -print0 | tar czf "$out/results-$part.tgz" --null -T - 2>>"$log"; }
-# run SECONDS CMD...: one step under its own time limit, its output in the log; a failure does not stop the part
+# The results written so far in this call and the small files of KEEP, in one file (a file over 8 MiB left out)
+pack() {
+  { find benchmarks/results -type f -newer "$stamp" -print0; find "$keep" -type f -size -8M -print0; } |
+    tar czf "$out/results-$tag.tgz" --null -T - --transform "s|^${keep#/}|session|" 2>>"$log"
+}
+# run SECONDS CMD...: one step under its own time limit, its output in the log; a failure does not stop the call
 run() {
   local limit=$1; shift
   if [ -n "${DEADLINE:-}" ]; then
@@ -70,8 +107,6 @@ run() {
   say "exit $rc"
   pack
 }
-
-dry=${DRY_RUN:-}
 if [ -n "$dry" ]; then
   run() { shift; echo "+ $*"; }
   pack() { :; }
@@ -109,64 +144,98 @@ else
   venv_pip install -q --no-deps --no-build-isolation -e . >>"$log" 2>&1
   [ -d .whl ] && install_wheels >>"$log" 2>&1
   venv_pip list --path "$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-    >"$out/venv-packages.txt" 2>>"$log"
+    >"$keep/venv-packages.txt" 2>>"$log"
 fi
 export PATH="$venv/bin:$PATH"  # megatrain-plan, megatrain-train and the venv's python3 first
 
-# The peers sweep's own budget: 480 s, or what DEADLINE leaves less a minute, so a case cut short is recorded
-peers_budget() { if [ -n "${DEADLINE:-}" ]; then echo $((DEADLINE - (SECONDS - started) - 60)); else echo 480; fi; }
+# A peers sweep's own budget: its step's limit less 20 s, or what DEADLINE leaves less a minute, so that a case
+# cut short is recorded rather than interrupted
+peers_budget() {
+  local budget=$(($1 - 20))
+  if [ -n "${DEADLINE:-}" ]; then
+    local left=$((DEADLINE - (SECONDS - started) - 60))
+    [ "$left" -lt "$budget" ] && budget=$left
+  fi
+  echo "$budget"
+}
+# The hardware profile a part plans with: HARDWARE=path where given, else this call's calibrate's
+hardware() { if [ -n "${HARDWARE:-}" ]; then echo "$HARDWARE"; else echo "$keep/hardware.json"; fi; }
+# The planner's plan for a megatrain-train run, as JSON into KEEP (what the run is measured against)
+plan_json() { local name=$1; shift; run 60 sh -c 'out=$1; shift; megatrain-plan plan "$@" --json >"$out"' sh \
+  "$keep/${name}_plan.json" "$@"; }
 
-case $part in
+total=0
+for part in "${parts[@]}"; do
+  total=$((total + ${estimate[$part]}))
+  say "part $part (estimate ${estimate[$part]} s)"
+  case $part in
   flagship)
     # The headline: Llama-3.1-8B's shape, 16 x 4096 tokens, clipping (max_norm 1.0), the planner's plan, 1 warm-up
-    # and 5 timed steps; model TFLOP/s = 6 x N_matmul x tokens / median step. No profiler: its parse outlasts a step.
+    # and 5 timed steps (written before the trace), then 1 traced step: the kernels by category
     run 330 python3 benchmarks/step_anatomy.py --model 8b --seq 4096 --batch 16 --planner-only \
-      --warmup 1 --steps 5 --traced 0
-    # then the 1B peers at their best in what is left (resumed by the `peers` part)
-    run 500 python3 benchmarks/peers.py --model 1b --seq 2048 --batch 16 --micro-batch 4 --resume \
-      --time-budget "$(peers_budget)" --systems megatrain,pytorch,zero_offload,deepspeed,fsdp2
+      --warmup 1 --steps 5 --traced 1
     ;;
-  planner)
-    # The GPU's own figures, the constants fitted from its calibration runs (4-layer models, widths 256..1024),
-    # then the planner checked on shapes apart from them: plan_validation's configs (the 1B among them), and the
-    # 1B at 8192 and 3B at 2048 step anatomy rows (each holds the planner's prediction for the plan it ran)
-    export MEGATRAIN_HARDWARE="$out/hardware.json"
-    run 120 megatrain-plan profile --out "$MEGATRAIN_HARDWARE"
-    run 200 megatrain-plan calibrate --dtype bf16 --rounds 1 --out "$MEGATRAIN_HARDWARE"
-    run 150 python3 benchmarks/plan_validation.py --rounds 1 --only 300M,wide-shallow,deep-narrow,1B-fp32
-    run 200 python3 benchmarks/step_anatomy.py --model 1b,3b --seq 8192 --batch 4 --planner-only --warmup 1 \
-      --steps 5 --traced 0
+  peers1b|peers3b)
+    # megatrain, in-VRAM PyTorch, ZeRO-Offload, ZeRO-3 at micro-batches 4, 8, 16, then FSDP2 (the slowest) in
+    # the budget left; --resume keeps today's report's other runs
+    run 500 python3 benchmarks/peers.py --model "${part#peers}" --seq 2048 --batch 16 --micro-batch 4 --resume \
+      --time-budget "$(peers_budget 500)" --systems megatrain,pytorch,zero_offload,deepspeed,fsdp2
     ;;
-  largest)
-    # What the planner says this machine (H200, 128 GiB RAM, 64 GiB disk) trains, then its largest dense real shape:
-    # Qwen2.5-14B's, fp32 masters, bf16 AdamW state where that makes it fit, the rest spilled to the disk; 6 steps
-    run 60 sh -c "megatrain-plan --seq-len 4096 --spill-dir /tmp/megatrain-spill >'$out/largest_overview.txt'"
-    run 80 sh -c "megatrain-plan plan --model shape:Qwen2.5-14B --seq-len 4096 --batch 8 --optimizer-state bf16 \
-      --spill auto --spill-dir /tmp/megatrain-spill >'$out/largest_plan.txt'"
-    # metrics.jsonl keeps every step's line as it ends; the run's last act is its final checkpoint (megatrain-train
-    # always writes one), about 8 bytes a parameter: where the disk cannot hold it beside the spill files, that
-    # save fails after the steps were recorded
-    run 420 megatrain-train --model shape:Qwen2.5-14B --seq-len 4096 --batch 8 --steps 6 --max-grad-norm 1.0 \
-      --optimizer-state bf16 --spill auto --spill-dir /tmp/megatrain-spill --progress plain --log-every 1 \
-      --out "$out/largest_qwen2.5-14b"
+  calibrate)
+    # The GPU's own figures (the spill disk's too) and the constants fitted from the calibration's 4-layer models
+    # (widths 256..1024) in bf16: the profile the validation checks out of sample
+    [ -z "$dry" ] && mkdir -p "$spill-probe"
+    run 90 megatrain-plan profile --spill-dir "$spill-probe" --out "$keep/hardware.json"
+    run 200 megatrain-plan calibrate --dtype bf16 --rounds 1 --out "$keep/hardware.json"
+    rm -rf "$spill-probe"
+    ;;
+  validation)
+    # The planner against the runtime on shapes apart from the calibration's: 1B at 8192, 3B, the 8B (its
+    # 24-layer cut where the whole one gets no plan), a Qwen3-MoE shape; step, peak host RSS, peak GPU memory
+    [ -n "$dry" ] || [ -f "$(hardware)" ] || say "no calibrated profile at $(hardware) (HARDWARE=path, or calibrate first)"
+    run 300 env MEGATRAIN_HARDWARE="$(hardware)" python3 benchmarks/plan_validation.py --rounds 1 --steps 3 \
+      --only 1B-8192,3B,8B,8B-24L,moe-gpu
     ;;
   moe)
-    # A ~7B mixture of experts: Qwen3-30B-A3B's shape with 12 of its 48 layers (128 experts, 8 active), grouped
-    # expert matmuls; tokens/s, model TFLOP/s with 6 x active N_matmul, the expert load in metrics.jsonl
-    mkdir -p "$out/qwen3-moe-12l"
+    # A 6.9B mixture of experts: Qwen3-30B-A3B's shape with 10 of its 48 layers (128 experts, 8 active; 12 layers'
+    # fp32 state needs 122.7 GiB of host RAM), grouped expert matmuls; tokens/s, model TFLOP/s with 6 x active
+    # N_matmul, the expert load: metrics.jsonl
+    [ -z "$dry" ] && mkdir -p "$keep/qwen3-moe-10l"
     run 30 python3 -c "import json, sys; from megatrain.planner.model_shapes import PRESETS
-cfg = dict(PRESETS['shape:Qwen3-30B-A3B'].config, num_hidden_layers=12)
-json.dump(cfg, open(sys.argv[1], 'w'), indent=1)" "$out/qwen3-moe-12l/config.json"
-    run 400 megatrain-train --model "$out/qwen3-moe-12l/config.json" --seq-len 4096 --batch 8 --steps 6 \
-      --max-grad-norm 1.0 --progress plain --log-every 1 --out "$out/moe_qwen3-12l"
+cfg = dict(PRESETS['shape:Qwen3-30B-A3B'].config, num_hidden_layers=10)
+json.dump(cfg, open(sys.argv[1], 'w'), indent=1)" "$keep/qwen3-moe-10l/config.json"
+    plan_json moe --model "$keep/qwen3-moe-10l/config.json" --seq-len 4096 --batch 8
+    run 300 python3 benchmarks/train_watch.py --stop-after 6 --run-dir "$keep/moe" --record "$keep/moe_watch.json" \
+      -- megatrain-train --model "$keep/qwen3-moe-10l/config.json" --seq-len 4096 --batch 8 --steps 6 \
+      --max-grad-norm 1.0 --spill none --progress plain --log-every 1 --out "$keep/moe"
+    ;;
+  largest)
+    # Qwen2.5-14B's shape on this machine (128 GiB RAM, 64 GiB disk): fp32 masters and gradients in RAM, bf16 m and
+    # v (55.0 GiB) in spill files, 6 steps; peak host, GPU (metrics.jsonl) and disk (largest_watch.json) against
+    # largest_plan.json. --spill optimizer: auto finds no plan (it asks 77.4 GiB of disk)
+    [ -z "$dry" ] && mkdir -p "$spill-probe"
+    [ -n "${HARDWARE:-}" ] || run 90 megatrain-plan profile --spill-dir "$spill-probe" --out "$keep/hardware.json"
+    rm -rf "$spill-probe"
+    big=(--model shape:Qwen2.5-14B --seq-len 4096 --batch 8 --optimizer-state bf16 --spill optimizer
+         --spill-dir "$spill")
+    plan_json largest "${big[@]}" --hardware "$(hardware)"
+    run 480 env MEGATRAIN_HARDWARE="$(hardware)" python3 benchmarks/train_watch.py --stop-after 6 \
+      --run-dir "$keep/largest" --watch "$spill" --record "$keep/largest_watch.json" \
+      -- megatrain-train "${big[@]}" --steps 6 --max-grad-norm 1.0 --progress plain --log-every 1 --out "$keep/largest"
+    [ -z "$dry" ] && rm -rf "$spill"
+    # what the planner says this machine trains (fp32 state)
+    run 60 sh -c 'megatrain-plan --seq-len 4096 --spill-dir "$1" --hardware "$2" >"$3"' sh "$keep" "$(hardware)" \
+      "$keep/largest_overview.txt"
     ;;
   seq8192)
     # 1B and 3B at 8192 tokens against in-VRAM PyTorch (the 1B ran at 0.63x PyTorch there); 1 + 5 timed steps
     run 200 python3 benchmarks/throughput.py --model 1b --seq 8192 --batch 4 --micro-batch 1 --steps 6
     run 200 python3 benchmarks/peers.py --model 3b --seq 8192 --batch 4 --micro-batch 1 --resume \
-      --systems megatrain,pytorch --time-budget "$(peers_budget)"
-    # races between the streams, two steps of a tiny model (racecheck is slow: it gets what is left)
-    run 240 compute-sanitizer --tool racecheck --target-processes all \
+      --systems megatrain,pytorch --time-budget "$(peers_budget 200)"
+    ;;
+  racecheck)
+    # races between the streams, two steps of a tiny model
+    run 300 compute-sanitizer --tool racecheck --target-processes all \
       python3 benchmarks/throughput.py --model tiny --seq 128 --batch 4 --micro-batch 2 --steps 2 --out /tmp/scratch
     ;;
   checks)
@@ -196,22 +265,20 @@ json.dump(cfg, open(sys.argv[1], 'w'), indent=1)" "$out/qwen3-moe-12l/config.jso
     ;;
   peers)
     # further arguments go to peers.py: `peers --sizes 3b --grow-layers 0` runs the 3B cases alone
-    # the sweep's own budget ends inside the step's limit, so a case cut short is recorded, not interrupted
-    run 500 python3 benchmarks/peers.py --sweep --resume --time-budget "$(peers_budget)" "${@:2}"
+    run 500 python3 benchmarks/peers.py --sweep --resume --time-budget "$(peers_budget 500)" "${peer_args[@]}"
     ;;
   offload)
     # with .whl/ carried, kvikio is installed: the spilled-load test runs its kvikio case too
     run 100 python3 -m pytest -q -rA --tb=short -m gpu -p no:cacheprovider tests
-    run 500 python3 benchmarks/peers.py --sweep --resume --time-budget "$(peers_budget)" --sizes 3b --grow-layers 0 \
-      --systems megatrain,deepspeed,pytorch,fsdp2 "${@:2}"
+    run 500 python3 benchmarks/peers.py --sweep --resume --time-budget "$(peers_budget 500)" --sizes 3b \
+      --grow-layers 0 --systems megatrain,deepspeed,pytorch,fsdp2
     ;;
   large)
     run 240 python3 benchmarks/step_anatomy.py --model 3b --seq 2048,8192 --batch 8 --micro-batch 2 --steps 2 --traced 1
     # the GPU's own figures (copies, matmul and causal-attention rates) and fitted constants before the table
-    export MEGATRAIN_HARDWARE="$out/hardware.json"
-    run 120 megatrain-plan profile --out "$MEGATRAIN_HARDWARE"
-    run 240 megatrain-plan calibrate --out "$MEGATRAIN_HARDWARE"  # fp32, as the table
-    run 200 python3 benchmarks/plan_validation.py --quick
+    run 120 megatrain-plan profile --out "$keep/hardware.json"
+    run 240 megatrain-plan calibrate --out "$keep/hardware.json"  # fp32, as the table
+    run 200 env MEGATRAIN_HARDWARE="$keep/hardware.json" python3 benchmarks/plan_validation.py --quick
     ;;
   first)
     # the quick checks first: a failure there fails fast and leaves the time to the steps after it
@@ -228,12 +295,12 @@ json.dump(cfg, open(sys.argv[1], 'w'), indent=1)" "$out/qwen3-moe-12l/config.jso
     run 120 env TORCH_CUDA_SANITIZER=1 python3 benchmarks/throughput.py --model tiny --seq 128 --batch 4 \
       --micro-batch 2 --steps 2 --out /tmp/scratch
     # the GPU's own figures for the planner (racecheck is in `anatomy`: two tiny steps outlast 120 s under it)
-    run 120 megatrain-plan profile --out "$out/hardware.json"
+    run 120 megatrain-plan profile --out "$keep/hardware.json"
     ;;
-  *) echo "unknown part $part: flagship, peers, planner, largest, moe, seq8192 (or the earlier checks, anatomy, long,"\
-       "large, first, offload)" >&2; exit 2 ;;
-esac
+  esac
+done
 
+say "estimate for this call: $total s of commands${DEADLINE:+ (DEADLINE $DEADLINE s)}"
 pack
 [ -n "$dry" ] && exit 0
-say "done; results-$part.tgz holds: $(tar tzf "$out/results-$part.tgz" | tr '\n' ' ')"
+say "done; results-$tag.tgz holds: $(tar tzf "$out/results-$tag.tgz" | tr '\n' ' ')"
