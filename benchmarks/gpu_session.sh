@@ -22,11 +22,12 @@
 #   racecheck   300  compute-sanitizer racecheck on two tiny steps (over 120 s under it)
 # (planner = calibrate validation.) Each call also spends ~12 s on its set-up (the venv, the project).
 # About 3,050 s in all: four sessions of two calls, in this order (results-*.tgz of each unpacked into
-# benchmarks/results/ before the next; a calibrated hardware.json carried in as HARDWARE=path):
-#   1: DEADLINE=540 ... flagship peers1b;   DEADLINE=150 ... calibrate
-#   2: DEADLINE=540 ... peers3b;            DEADLINE=150 ... moe
-#   3: DEADLINE=540 HARDWARE=... ... validation seq8192;   DEADLINE=150 ... racecheck (what it reaches)
-#   4: DEADLINE=540 ... largest;            racecheck again if it was cut
+# benchmarks/results/ before the next; session 3's calibrated session/hardware.json carried into session 4 as
+# HARDWARE=path, which also spares largest its own profile):
+#   1: DEADLINE=540 ... flagship peers1b;              DEADLINE=150 ... moe
+#   2: DEADLINE=540 ... peers3b;                       DEADLINE=150 ... seq8192 (its 3B pair may be cut)
+#   3: DEADLINE=540 ... calibrate validation racecheck (racecheck gets the ~200 s left)
+#   4: DEADLINE=540 HARDWARE=... ... largest
 #
 # Earlier parts, kept to reproduce the recorded results they made (2026-11-26..28; no clipping, 2-3 timed steps):
 #   checks (CUDA tests, 1B against PyTorch, 8B), anatomy (1B variants, sanitizers), long (8B at 32k..512k),
