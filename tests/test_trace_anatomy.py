@@ -155,6 +155,7 @@ def test_kernel_categories_of_a_cuda_trace_by_hand():
          ("void at::native::cunn_SoftMaxForward<4, float, float, float, LogSoftMaxForwardEpilogue>", 5,
           "cross_entropy"),
          ("void multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>", 3, "optimizer"),
+         ("void multi_tensor_apply_kernel<TensorListMetadata<1>, LpNormFunctor<float, 2>>", 1, "optimizer"),
          ("_rms_norm_forward_kernel", 2, "norm"), ("_triton_rope", 2, "rope"), ("_swiglu_backward_kernel", 2, "swiglu"),
          ("my_property_kernel", 10, "other")]  # "property" holds "rope": not RoPE
     events = [ev(name, 0, us, CUDA) for name, us, _ in k]
@@ -166,9 +167,9 @@ def test_kernel_categories_of_a_cuda_trace_by_hand():
         assert category(name) == cat, name
         want[cat] += us / 2 / 1e6
     assert b["source"] == "cuda" and b["seconds"] == pytest.approx(want)
-    assert b["total_s"] == pytest.approx(sum(us for _, us, _ in k) / 2 / 1e6)  # 262 us over 2 steps
+    assert b["total_s"] == pytest.approx(sum(us for _, us, _ in k) / 2 / 1e6)  # 263 us over 2 steps
     assert sum(b["seconds"].values()) == pytest.approx(b["total_s"]) and sum(b["share"].values()) == pytest.approx(1)
-    assert b["share"]["gemm"] == pytest.approx(160 / 262)
+    assert b["share"]["gemm"] == pytest.approx(160 / 263)
     assert [t["name"] for t in b["top"][:2]] == [k[0][0], k[1][0]] and b["top"][0]["seconds"] == pytest.approx(50e-6)
 
 

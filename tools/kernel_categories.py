@@ -35,7 +35,7 @@ import torch
 # cutlass_*; flash attention: flash_fwd_kernel, cuDNN's *sdpa*, fmha_*) and CPU operator names (aten::mm, ...).
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("flash", "attention", "sdpa", "fmha", "attn")),
-    ("optimizer", ("adam",)),
+    ("optimizer", ("adam", "lpnorm", "_foreach")),  # AdamW; the gradient norm clipping takes
     ("gemm", ("gemm", "matmul", "nvjet", "xmma", "cublas", "cutlass", "aten::mm", "aten::addmm", "aten::bmm",
               "aten::baddbmm", "aten::linear", "grouped_mm")),
     ("norm", ("rms_norm", "layer_norm", "rmsnorm", "layernorm")),
