@@ -60,7 +60,7 @@ def pytorch_trainer(config, optimizer, state: dict, device: torch.device, checkp
     """
     from reference_model import ReferenceLM, make_optimizer
 
-    from megatrain.runtime.pipeline.head_loss import IGNORE_INDEX, shift_labels
+    from megatrain.runtime.model.head_loss import IGNORE_INDEX, shift_labels
 
     model = ReferenceLM(config)
     model.load_state_dict(state)

@@ -85,7 +85,7 @@ def run_pytorch(args, cfg, device) -> dict:
     from reference_model import ReferenceLM
 
     from megatrain.runtime import Engine, ModelConfig
-    from megatrain.runtime.pipeline.head_loss import shift_labels
+    from megatrain.runtime.model.head_loss import shift_labels
 
     config = ModelConfig(**cfg)
     init = Engine(config, device="cpu", seed=0)  # the same initial weights as megatrain's

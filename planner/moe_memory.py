@@ -1,6 +1,6 @@
 """What a mixture-of-experts layer allocates, per token, per routed pair and per micro-batch: the memory model's
 sparse terms, read from the runtime's sparse MLPs (models/layers/moe.py, sorted_experts.py, expert_group.py,
-gpt_oss/blocks.py; runtime/pipeline/expert_layers.py, router_balance.py) and checked against what their
+gpt_oss/blocks.py; runtime/pipeline/experts/expert_layers.py, router_balance.py) and checked against what their
 autograd graphs and buffers hold (tests/test_plan_runtime_agreement_moe.py).
 
 Symbols: c the compute dtype's bytes; h hidden; E experts; k experts a token is routed to (so T x k routed pairs);

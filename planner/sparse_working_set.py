@@ -8,7 +8,7 @@ path's ends, 4E); g the expert group's size.
 
 A whole sparse layer recomputed saves for its backward what a kept one holds for one micro-batch,
 t x a + b x r + e, and its backward adds the widest gradients (``moe_memory.transient_bytes_per_token``). In expert
-groups ([Note: expert groups] in runtime/pipeline/expert_parts.py) no part's graph spans another's: the dense
+groups ([Note: expert groups] in runtime/pipeline/experts/expert_parts.py) no part's graph spans another's: the dense
 part's recompute saves the layer's all but its pairs, t x (a - k x p) + b x r, and a group's saves its pairs: a
 token reaches at most min(g, k) of a group's experts, so at most t x min(g, k) x p + 4g (its experts' ends on the
 grouped path).
@@ -78,7 +78,7 @@ def bytes_per_token(model: ModelShape, dtype: str) -> tuple[int, int]:
 
 
 def routed_passes(model: ModelShape, work: Workload, plan: Plan) -> tuple[int, int]:
-    """What a layer in expert groups holds between its loads (runtime/pipeline/expert_layers.py), in its forward and
+    """What a layer in expert groups holds between loads (runtime/pipeline/experts/expert_layers.py), in its forward and
     in its backward, for every micro-batch. Forward: h, the routed tokens and the experts' sum (3 x h x c a token),
     the shared term (h x c, Qwen2-MoE: s = 1), the routing weights (k x w), the pairs' sorted order and experts
     (16 x k), each expert's end (4E a micro-batch): T x (c x (3 + s) x h + k x (w + 16)) + M x 4E. Backward: the
@@ -105,7 +105,7 @@ def routed_state(model: ModelShape, work: Workload, plan: Plan) -> tuple[int, st
 
 
 def routing_statistics(model: ModelShape) -> tuple[int, str]:
-    """The step's routing counts on the device (runtime/pipeline/router_balance.py): [L, E] int64 tokens routed
+    """The step's routing counts on the device (runtime/pipeline/experts/router_balance.py): [L, E] int64 tokens routed
     per layer and expert, and with the load-balancing loss the loss's [E] assignments (int64), probability sums
     and gradient weights (fp32): 8 x L x E [+ 16 x E]."""
     L, E = model.num_layers, model.experts.num_experts

@@ -32,7 +32,7 @@ from megatrain.runtime.engine_arguments import Arguments
 from megatrain.runtime.errors import InputError
 from megatrain.runtime.optim.adamw_kernel import AdamHyper
 from megatrain.runtime.pipeline.executor import Batch
-from megatrain.runtime.pipeline.head_loss import IGNORE_INDEX, shift_labels
+from megatrain.runtime.model.head_loss import IGNORE_INDEX, shift_labels
 
 ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from megatrain.runtime import ModelConfig, OptimizerConfig
 from megatrain.models.layers.decoder import DecoderLayer, RMSNorm
-from megatrain.runtime.pipeline.head_loss import IGNORE_INDEX, shift_labels
+from megatrain.runtime.model.head_loss import IGNORE_INDEX, shift_labels
 from megatrain.models.layers.rope import attention_scaling, inverse_frequencies, rotary_tables
 
 

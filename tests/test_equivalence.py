@@ -34,7 +34,7 @@ so its relative rounding noise reaches several percent in both trainings.
    may block its reduction differently), so every layer's gradient differs by ulps.
 3. SEQUENCE_TILES: with ``mlp_tile_tokens`` or ``attention_tile_tokens`` below the sequence length, the
    tiled half's parameter gradients are sums of per-tile sums, and the layer's input gradient adds its terms
-   in another order (``runtime/pipeline/sequence_tiles.py``); the forward too where a tile's rows take another BLAS
+   in another order (``runtime/model/sequence_tiles.py``); the forward too where a tile's rows take another BLAS
    kernel.
 
 Clipping is bitwise: the per-parameter norms, their order, the coefficient

@@ -1,5 +1,5 @@
-"""Expert groups ([Note: expert groups] in runtime/pipeline/expert_parts.py): a sparse layer streamed as its dense
-part and groups of experts trains as the whole layer does, and as transformers does; the planner sizes slots by
+"""Expert groups ([Note: expert groups] in runtime/pipeline/experts/expert_parts.py): a sparse layer streamed as its
+dense part and groups of experts trains as the whole layer does, and as transformers does; the planner sizes slots by
 the largest part and chooses the group size by the device budget; the schedule holds at most K parts resident.
 
 Equality with the whole layer in float32 on this CPU: the forward is bitwise (the whole layer's operations in its

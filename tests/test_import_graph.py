@@ -298,6 +298,55 @@ def test_the_floor_check_finds_an_upward_import() -> None:
         p.name for p in (ROOT / "runtime").iterdir() if (p / "__init__.py").exists()}
 
 
+# The pipeline's mixture-of-experts room (runtime/pipeline/experts/__init__.py): the executor alone drives it; the
+# step's other pieces read only ``expert_parts`` (the ``Part`` a load carries), which imports nothing of the pipeline.
+EXPERTS = "megatrain.runtime.pipeline.experts"
+EXPERT_PARTS = f"{EXPERTS}.expert_parts"
+
+
+def _in_experts(name: str) -> bool:
+    return name == EXPERTS or name.startswith(f"{EXPERTS}.")
+
+
+def _experts_violations(modules: dict[str, Module]) -> list[str]:
+    bad = []
+    for mod in modules.values():
+        if not mod.name.startswith("megatrain.runtime.pipeline"):
+            continue
+        for target, line in mod.imports.items():
+            if not target.startswith("megatrain.runtime.pipeline."):
+                continue
+            if (not _in_experts(mod.name) and _in_experts(target) and target != EXPERT_PARTS
+                    and mod.name != "megatrain.runtime.pipeline.executor"):
+                bad.append(f"{mod.where(line)}: {mod.name} imports {target} (only the executor drives the experts)")
+            if mod.name == EXPERT_PARTS and not _in_experts(target):
+                bad.append(f"{mod.where(line)}: expert_parts imports {target} (the step's pieces read its Part)")
+    return bad
+
+
+def test_only_the_executor_drives_the_experts(modules: dict[str, Module]) -> None:
+    assert f"{EXPERTS}.expert_layers" in modules["megatrain.runtime.pipeline.executor"].imports
+    assert EXPERT_PARTS in modules["megatrain.runtime.pipeline.step_schedule"].imports
+    bad = _experts_violations(modules)
+    assert not bad, "the pipeline and its experts (runtime/pipeline/experts/__init__.py):\n" + "\n".join(bad)
+
+
+def test_the_experts_check_finds_a_step_piece_driving_them() -> None:
+    def fake(name: str, *imports: str) -> Module:
+        return Module(name, ROOT / "x.py", ast.parse(""), False, {i: 1 for i in imports})
+
+    pipeline = "megatrain.runtime.pipeline"
+    graph = {m.name: m for m in (
+        fake(f"{pipeline}.executor", f"{EXPERTS}.expert_layers", EXPERT_PARTS),
+        fake(f"{pipeline}.step_schedule", EXPERT_PARTS, f"{EXPERTS}.router_balance"),
+        fake(EXPERT_PARTS, f"{pipeline}.grad_buffers", "megatrain.runtime.model.templates"),
+        fake(f"{EXPERTS}.expert_layers", f"{pipeline}.grad_buffers", EXPERT_PARTS))}
+    found = sorted(line.split(": ", 1)[1] for line in _experts_violations(graph))
+    assert found == [
+        f"expert_parts imports {pipeline}.grad_buffers (the step's pieces read its Part)",
+        f"{pipeline}.step_schedule imports {EXPERTS}.router_balance (only the executor drives the experts)"]
+
+
 def test_runtime_does_not_import_tools(modules: dict[str, Module]) -> None:
     bad = [f"{mod.where(line)}: imports {target}" for mod in modules.values()
            if mod.name.startswith("megatrain.runtime") for target, line in mod.imports.items()
@@ -313,14 +362,14 @@ RUNTIME_PLANNER_EDGES = {
     # the contract
     ("runtime", "planner.plan"), ("runtime.engine", "planner.plan"), ("runtime.engine_arguments", "planner.plan"),
     ("runtime.errors", "planner.plan"), ("runtime.io.training_checkpoint", "planner.plan"),
-    ("runtime.pipeline.executor", "planner.plan"), ("runtime.pipeline.expert_parts", "planner.plan"),
+    ("runtime.pipeline.executor", "planner.plan"), ("runtime.pipeline.experts.expert_parts", "planner.plan"),
     ("runtime.step_inputs", "planner.plan"), ("runtime.batch_limits", "planner.plan"),
     ("runtime.engine_arguments", "planner.plan_checks"),
     ("runtime.distributed.sharded_state", "planner.buffer_kinds"), ("runtime.engine", "planner.buffer_kinds"),
     ("runtime.io.checkpoint_format", "planner.buffer_kinds"), ("runtime.io.hf_io", "planner.buffer_kinds"),
     ("runtime.io.sharded_checkpoint", "planner.buffer_kinds"), ("runtime.optim.cpu_adamw", "planner.buffer_kinds"),
     ("runtime.optim.device_adamw", "planner.buffer_kinds"), ("runtime.state.resident_state", "planner.buffer_kinds"),
-    ("runtime.pipeline.expert_parts", "planner.buffer_kinds"),
+    ("runtime.pipeline.experts.expert_parts", "planner.buffer_kinds"),
     ("runtime.pipeline.spilled_loads", "planner.buffer_kinds"),
     ("runtime.optim.stochastic_rounding", "planner.buffer_kinds"),
     ("runtime.pipeline.weight_slots", "planner.buffer_kinds"), ("runtime.spill.read_ahead", "planner.buffer_kinds"),
@@ -328,7 +377,7 @@ RUNTIME_PLANNER_EDGES = {
     ("runtime.spill.staging_pool", "planner.buffer_kinds"), ("runtime.state.host_store", "planner.buffer_kinds"),
     ("runtime.state.model_state", "planner.buffer_kinds"),
     ("runtime.model.templates", "planner.block_parameters"),
-    ("runtime.pipeline.expert_parts", "planner.block_parameters"),
+    ("runtime.pipeline.experts.expert_parts", "planner.block_parameters"),
     ("runtime.state.shards", "planner.block_parameters"),
     ("runtime.config", "planner.hf_config"),
     # the exceptions: a plan made for another model refused, by the model's digest

@@ -16,7 +16,7 @@ from megatrain.planner import memory_model, model_shapes, moe_memory, sparse_wor
 from megatrain.planner.plan import Plan
 from megatrain.planner.workload import Workload
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
-from megatrain.runtime.pipeline import expert_layers
+from megatrain.runtime.pipeline.experts import expert_layers
 
 _BASE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 CONFIGS = {

@@ -106,7 +106,7 @@ def test_without_the_loss_gradient_the_weights_differ(tmp_path, monkeypatch) -> 
     """The test above can fail: without the aux loss's gradient in the backward, the training moves off."""
     import contextlib
 
-    from megatrain.runtime.pipeline.router_balance import RouterBalance
+    from megatrain.runtime.pipeline.experts.router_balance import RouterBalance
 
     monkeypatch.setattr(RouterBalance, "backward", lambda self: contextlib.nullcontext())
     hf = _saved(tmp_path, "qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.3)

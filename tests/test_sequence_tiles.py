@@ -21,7 +21,7 @@ from megatrain.runtime import ModelConfig
 from megatrain.models.layers.attention import Documents
 from megatrain.models.layers.decoder import DecoderLayer
 from megatrain.models.layers.rope import inverse_frequencies, rotary_tables
-from megatrain.runtime.pipeline.sequence_tiles import tiled_layer_backward
+from megatrain.runtime.model.sequence_tiles import tiled_layer_backward
 
 CONFIG = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=88, num_hidden_layers=1,
                      num_attention_heads=4, num_key_value_heads=2, mlp_bias=True, qk_norm=True)

@@ -107,7 +107,7 @@ def head_seconds(h: int, vocab: int, mbs: int, seq: int, micro_batches: int, chu
     class (a [t, h] x [h, vocab] matmul), the decoder layers another."""
     import torch
 
-    from megatrain.runtime.pipeline.head_loss import head_forward_backward
+    from megatrain.runtime.model.head_loss import head_forward_backward
 
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(vocab, h, generator=gen) * 0.02).to(device=device, dtype=dtype)

@@ -1,6 +1,6 @@
 """A sparse layer computed in parts whose weights stream apart (architecture only): its dense part (attention,
 the norms, the router, Qwen2-MoE's shared expert) and groups of its experts. The runtime's
-[Note: expert groups] (``runtime/pipeline/expert_parts.py``) says when each part's weights are resident.
+[Note: expert groups] (``runtime/pipeline/experts/expert_parts.py``) says when each part's weights are resident.
 
 ``dense`` runs the attention half and routes: the tokens the experts read (the post-attention norm of h), the
 routing, and the shared expert's term. ``route`` sorts a micro-batch's (token, choice) pairs by expert once

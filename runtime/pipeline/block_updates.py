@@ -61,7 +61,7 @@ class BlockUpdates:
         reduced: Event | None = None
         if self.dist is None:
             norms = torch._foreach_norm(block.layout.view_list(g_buf), 2.0)
-            self.norms.index_copy_(0, self.norm_index[block.index], torch.stack(norms))
+            self.record_norms(block, torch.stack(norms))
         else:
             g_buf, reduced = self.dist.reduce_scatter(block.index, g_index, g_buf)
         # One sink per piece: the whole block in RAM; a chunk at a time when the gradients spill.
@@ -80,9 +80,21 @@ class BlockUpdates:
             self.tied_drained = done
         return self.hand_off(step, block, sink, done, hyper)
 
+    def record_norms(self, block: Block, norms: torch.Tensor) -> None:
+        """Block's per-parameter gradient norms ([entries] fp32, in its layout's order) into the step's vector."""
+        self.norms.index_copy_(0, self.norm_index[block.index], norms)
+
+    def grad_sink(self, block: Block) -> GradSink:
+        """Block's one host gradient sink (its gradients in RAM; eager mode: a slab, waited for while every slab
+        awaits its update, the wait timed as AdamW's): a layer streamed in parts drains into it part by part
+        (experts/expert_layers.py)."""
+        with self.timer.adam_wait(self.streams.compute):
+            return self.store.grad_sink(block.index, check=self.optim.raise_if_failed)
+
     def hand_off(self, step: int, block: Block, sink: GradSink, done: Event, hyper: AdamHyper) -> list[PendingUpdate]:
         """Block's gradient has drained into ``sink`` (``done``: its last drain): its update queued (eager) or
-        kept pending. The end of ``finish``; a layer streamed in parts drains part by part first (expert_layers.py)."""
+        kept pending. The end of ``finish``; a layer streamed in parts drains part by part first
+        (experts/expert_layers.py)."""
         self.log.record("d2h", step, block.index)
         if sink.for_adam is None:  # spilled grads: AdamW reads the block back from the grads file
             return [PendingUpdate(block, None, self.streams.event(), None)]

@@ -35,20 +35,20 @@ from megatrain.models.layers.attention import Documents
 from megatrain.runtime.device.event_log import EventLog
 from megatrain.runtime.device.streams import Streams
 from megatrain.runtime.distributed.collectives import Collectives
+from megatrain.runtime.model.head_loss import chunked_logits, head_forward_backward, head_loss
+from megatrain.runtime.model.layer_backward import recompute_backward
+from megatrain.runtime.model.rotary_positions import LayerPositions, Positions, RotaryPositions
+from megatrain.runtime.model.sequence_tiles import AddGrads
 from megatrain.runtime.model.templates import Block, BlockKind, Templates
-from megatrain.runtime.pipeline.activation_checkpoints import DeviceCheckpoints, HostCheckpoints
 from megatrain.runtime.optim.adamw_kernel import AdamHyper
 from megatrain.runtime.optim.block_optimizer import BlockOptimizer
+from megatrain.runtime.pipeline.activation_checkpoints import DeviceCheckpoints, HostCheckpoints
 from megatrain.runtime.pipeline.block_updates import BlockUpdates, PendingUpdate
-from megatrain.runtime.pipeline.expert_layers import ExpertLayers
-from megatrain.runtime.pipeline.expert_parts import streamed_parts
+from megatrain.runtime.pipeline.experts.expert_layers import ExpertLayers
+from megatrain.runtime.pipeline.experts.expert_parts import streamed_parts
+from megatrain.runtime.pipeline.experts.router_balance import RouterBalance
 from megatrain.runtime.pipeline.grad_buffers import BlockGrads, GradBuffers, grad_unit
-from megatrain.runtime.pipeline.head_loss import chunked_logits, head_forward_backward, head_loss
 from megatrain.runtime.pipeline.kept_layers import KeptGraphs
-from megatrain.runtime.pipeline.layer_backward import recompute_backward
-from megatrain.runtime.pipeline.sequence_tiles import AddGrads
-from megatrain.runtime.pipeline.rotary_positions import LayerPositions, Positions, RotaryPositions
-from megatrain.runtime.pipeline.router_balance import RouterBalance
 from megatrain.runtime.pipeline.step_schedule import StepSchedule, evaluation_schedule, training_schedule
 from megatrain.runtime.pipeline.step_timer import StepTimer
 from megatrain.runtime.pipeline.weight_slots import WeightLoader, WeightSlots
@@ -128,8 +128,9 @@ class Executor:
         self.kept = KeptGraphs(log)  # [Note: kept layers]
         self.mlp_tile = plan.mlp_tile_tokens or 0  # [Note: sequence tiles]
         self.attention_tile = plan.attention_tile_tokens or 0
-        self.cap = self.config.final_logit_softcapping  # the head's logit soft-cap (head_loss.py), None: none
-        self.expert_layers = ExpertLayers(self)  # the loads of layers streamed in parts: [Note: expert groups]
+        self.cap = self.config.final_logit_softcapping  # the head's logit soft-cap (model/head_loss.py), None: none
+        self.expert_layers = ExpertLayers(templates, self.routing, self.checkpoints, self.grad_buffers, self.updates,
+                                          self.attention_tile)  # layers streamed in parts: [Note: expert groups]
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
@@ -257,7 +258,7 @@ class Executor:
 
     def _layer_backward(self, layer: Block, params: dict[str, torch.Tensor], x_in: torch.Tensor, dy: torch.Tensor,
                         positions: Positions, add_grads: AddGrads) -> torch.Tensor:
-        """One micro-batch through ``layer`` again from its checkpoint x_in: layer_backward.py."""
+        """One micro-batch through ``layer`` again from its checkpoint x_in: model/layer_backward.py."""
         self.log.record("recompute", self.step_no, layer.index)
         return recompute_backward(functools.partial(self.templates.run, layer), params, x_in, dy, positions,
                                   add_grads, self.mlp_tile, self.attention_tile)
@@ -334,6 +335,6 @@ def _label(phase: str, block: Block, labelled: bool) -> ContextManager[object]:
 
 
 def _head_norm(templates: Templates, head_params: dict[str, torch.Tensor]) -> tuple[HeadNorm, dict[str, torch.Tensor]]:
-    """The head's final norm as ``head_loss.py`` takes it: norm(params, x), and its own parameters."""
+    """The head's final norm as ``model/head_loss.py`` takes it: norm(params, x), and its own parameters."""
     norm_params = {k: v for k, v in head_params.items() if k.startswith("norm.")}
     return (lambda p, h: templates.run(BlockKind.HEAD, {**head_params, **p}, h)), norm_params

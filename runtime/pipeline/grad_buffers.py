@@ -21,7 +21,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from megatrain.runtime.model.templates import Block, BlockLayout, Templates
-from megatrain.runtime.pipeline.expert_parts import Part
+from megatrain.runtime.pipeline.experts.expert_parts import Part
 from megatrain.runtime.pipeline.step_timer import StepTimer
 from megatrain.runtime.device.streams import Event, Streams
 

@@ -8,7 +8,7 @@ layer again in reverse; the embedding's backward needs no weights. A backward
 load recomputes its layer from the activation checkpoints forward saved, so it
 may be issued only after the last forward layer was released (``after``): by
 then every checkpoint is written. Evaluation runs the forward part alone.
-A layer streamed in parts ([Note: expert groups] in expert_parts.py) is several loads of its block: forward
+A layer streamed in parts ([Note: expert groups] in experts/expert_parts.py) is several loads of its block: forward
 its dense part then each expert group; backward its dense part (the routing), each group, the dense part again.
 The loader (weight_slots.py) runs a sequence through the slots; the executor
 computes on each load while it is resident. ``update_order`` is the order in which
@@ -22,7 +22,7 @@ from typing import Mapping, NamedTuple, Sequence
 import torch
 
 from megatrain.runtime.model.templates import Block, BlockLayout, Templates
-from megatrain.runtime.pipeline.expert_parts import Part
+from megatrain.runtime.pipeline.experts.expert_parts import Part
 
 
 class Load(NamedTuple):

@@ -45,7 +45,7 @@ from megatrain.models.layers import routing_observer
 
 from megatrain.runtime.config import ModelConfig
 from megatrain.runtime.distributed.collectives import Collectives
-from megatrain.runtime.pipeline.expert_parts import Part
+from megatrain.runtime.pipeline.experts.expert_parts import Part
 
 __all__ = ["RouterBalance", "StepRouting"]
 

@@ -1,16 +1,16 @@
 """A recomputed decoder layer's backward for one micro-batch, and where its parameter gradients add up.
 
-A layer the plan does not keep ([Note: kept layers] in kept_layers.py) runs its forward again from its boundary
-checkpoint with autograd on, whole or in sequence tiles ([Note: sequence tiles] in sequence_tiles.py), and
+A layer the plan does not keep ([Note: kept layers] in pipeline/kept_layers.py) runs its forward again from its
+boundary checkpoint with autograd on, whole or in sequence tiles ([Note: sequence tiles] in sequence_tiles.py), and
 backpropagates dy through it at once; a kept layer backpropagates through its forward's graph instead. Both hand
-the parameter gradients to ``add_grads`` (the layer's ``BlockGrads.add``, grad_buffers.py), which puts them in the
-block's fp32 device buffer.
+the parameter gradients to ``add_grads`` (the layer's ``BlockGrads.add``, pipeline/grad_buffers.py), which puts
+them in the block's fp32 device buffer.
 """
 from __future__ import annotations
 
 import torch
 
-from megatrain.runtime.pipeline.sequence_tiles import AddGrads, RunLayer, tiled_layer_backward
+from megatrain.runtime.model.sequence_tiles import AddGrads, RunLayer, tiled_layer_backward
 
 
 def recompute_backward(run: RunLayer, params: dict[str, torch.Tensor], x_in: torch.Tensor, dy: torch.Tensor,

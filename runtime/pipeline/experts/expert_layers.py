@@ -3,11 +3,13 @@
 What each load computes is [Note: expert groups] (expert_parts.py); the torch of it is
 ``megatrain.models.layers.expert_group``. The executor hands every load with a ``part`` here, in the order of
 the load sequence; a layer's state between its loads (the routed micro-batches, the accumulators, the host
-gradient sink) lives here from its first load to its last.
+gradient sink) lives here from its first load to its last. It works with what the executor hands it: the block
+templates, the step's routing, its activation checkpoints, its gradient buffers and its block updates (a block's
+norms, its host gradient sink and its hand-off to the optimizer).
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 from torch.profiler import record_function
@@ -15,32 +17,16 @@ from torch.profiler import record_function
 from megatrain.models.layers import expert_group
 from megatrain.models.layers.expert_group import Routed, Routing
 
+from megatrain.runtime.device.streams import Event
+from megatrain.runtime.model.rotary_positions import Positions
 from megatrain.runtime.model.templates import BlockKind, Templates
+from megatrain.runtime.optim.adamw_kernel import AdamHyper
 from megatrain.runtime.pipeline.activation_checkpoints import DeviceCheckpoints, HostCheckpoints
 from megatrain.runtime.pipeline.block_updates import BlockUpdates, PendingUpdate
-from megatrain.runtime.optim.adamw_kernel import AdamHyper
-from megatrain.runtime.optim.block_optimizer import BlockOptimizer
+from megatrain.runtime.pipeline.experts.router_balance import RouterBalance
 from megatrain.runtime.pipeline.grad_buffers import GradBuffers
-from megatrain.runtime.pipeline.rotary_positions import Positions
-from megatrain.runtime.pipeline.router_balance import RouterBalance
 from megatrain.runtime.pipeline.step_schedule import Load
-from megatrain.runtime.pipeline.step_timer import StepTimer
-from megatrain.runtime.device.streams import Event, Streams
-from megatrain.runtime.state.host_store import GradSink, HostStore
-
-
-class Step(Protocol):
-    """What of the executor's step the loads of a layer in parts use (its own attributes, read as they are)."""
-    templates: Templates
-    store: HostStore
-    grad_buffers: GradBuffers
-    updates: BlockUpdates
-    optim: BlockOptimizer
-    streams: Streams
-    timer: StepTimer
-    checkpoints: DeviceCheckpoints | HostCheckpoints
-    attention_tile: int
-    routing: RouterBalance
+from megatrain.runtime.state.host_store import GradSink
 
 
 class _Backward(NamedTuple):
@@ -55,17 +41,19 @@ class _Backward(NamedTuple):
 
 
 class ExpertLayers:
-    def __init__(self, step: Step) -> None:
-        self.layers = step.templates.layer_modules  # per layer type ([Note: layer types]): the dense part's
-        self.layer = step.templates.modules[BlockKind.LAYER]  # the experts' (alike in every layer type)
-        self.routing = step.routing  # the recomputed router's logits take the load-balancing loss's gradient
-        self.store, self.grad_buffers, self.updates = step.store, step.grad_buffers, step.updates
-        self.adam_check: Callable[[], None] = step.optim.raise_if_failed
-        self.streams, self.timer, self.checkpoints = step.streams, step.timer, step.checkpoints
-        self.attention_tile = step.attention_tile
+    def __init__(self, templates: Templates, routing: RouterBalance, checkpoints: DeviceCheckpoints | HostCheckpoints,
+                 grad_buffers: GradBuffers, updates: BlockUpdates, attention_tile: int) -> None:
+        """``routing``: the recomputed router's logits take the load-balancing loss's gradient; ``checkpoints``: the
+        layer's inputs, saved by the forward's dense part; ``attention_tile``: the dense part's attention tiles
+        (``Plan.attention_tile_tokens``, 0: none)."""
+        self.layers = templates.layer_modules  # per layer type ([Note: layer types]): the dense part's
+        self.layer = templates.modules[BlockKind.LAYER]  # the experts' (alike in every layer type)
+        self.routing, self.checkpoints = routing, checkpoints
+        self.grad_buffers, self.updates = grad_buffers, updates
+        self.attention_tile = attention_tile
         # host checkpoints hand out buffers they reuse: the backward copies a layer's inputs to keep them from its
         # first dense load to its last
-        self.keep_inputs = isinstance(step.checkpoints, HostCheckpoints)
+        self.keep_inputs = isinstance(checkpoints, HostCheckpoints)
         self._forward: dict[int, tuple[list[Routed], list[torch.Tensor]]] = {}  # per layer: routed, experts' sum
         self._backward: dict[int, _Backward] = {}
 
@@ -133,9 +121,8 @@ class ExpertLayers:
         if part.number > 0:
             return []
         del self._backward[layer]
-        block = load.block
-        self.updates.norms.index_copy_(0, self.updates.norm_index[block.index], state.squares.sqrt())
-        return self.updates.hand_off(step, block, state.sink[0], state.done[0], hyper)
+        self.updates.record_norms(load.block, state.squares.sqrt())
+        return self.updates.hand_off(step, load.block, state.sink[0], state.done[0], hyper)
 
     def _group_backward(self, state: _Backward, m: int, params: dict[str, torch.Tensor],
                         grads: dict[str, torch.Tensor], dy: torch.Tensor, first: int) -> None:
@@ -181,8 +168,7 @@ class ExpertLayers:
         index = torch.tensor(part.entries, device=g_buf.device)
         state.squares.index_add_(0, index, torch.stack(norms).square())
         if not state.sink:
-            with self.timer.adam_wait(self.streams.compute):
-                state.sink.append(self.store.grad_sink(load.block.index, check=self.adam_check))
+            state.sink.append(self.updates.grad_sink(load.block))
         host = state.sink[0].host
         with record_function(f"d2h[{load.block.index}.{part.number}]"):
             for lo, n, at in part.ranges:

@@ -48,7 +48,7 @@ Finish = Callable[[torch.Tensor], torch.Tensor]        # dh -> gradient w.r.t. t
 def tiled_layer_backward(run: RunLayer, leaves: dict[str, torch.Tensor], x_in: torch.Tensor, dy: torch.Tensor,
                          rotary: tuple, tile: int, add_grads: AddGrads, attention_tile: int = 0) -> torch.Tensor:
     """Gradient w.r.t. x_in ([B, S, hidden], requires grad); parameter gradients go to ``add_grads``.
-    ``rotary``: what the layer takes after x (cos, sin and the documents, see executor.Positions); ``tile``:
+    ``rotary``: what the layer takes after x (cos, sin and the documents, see rotary_positions.Positions); ``tile``:
     tokens per MLP tile (the whole sequence: one tile); ``attention_tile`` > 0: the attention half's
     token-local work in tiles of that many tokens too."""
     if 0 < attention_tile < x_in.shape[1]:
