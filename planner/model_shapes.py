@@ -1,8 +1,11 @@
 """Model shapes: what a decoder-only transformer costs in parameters, bytes and FLOPs.
 
-A ModelShape comes from a Hugging Face ``config.json`` (a path or a dict, read by ``hf_config``, the reader the
-runtime uses too) or a named preset. Everything the memory and cost models need about a model is here, per block, in
-the runtime's block order: embedding, each decoder layer, head (final norm + lm_head; when embeddings are tied the
+A ModelShape is the planner's arithmetic on a model: it is derived from the ``ModelConfig`` the runtime takes too
+(``of_model``, the one place; a config.json or a preset is read into a ModelConfig first), and built directly only
+where the planner sizes a model that has no config.json (``sizing``'s sweeps of layer counts, tests). Its fields
+are the planner's names for the dimensions its formulas use (``num_layers``, ``num_heads``, ``num_kv_heads``);
+``config`` keeps the ModelConfig it came from. Everything the memory and cost models need about a model is here,
+per block, in the runtime's block order: embedding, each decoder layer, head (final norm + lm_head; when embeddings are tied the
 head holds only the norm and borrows the embedding's weight, so the embedding block is loaded a second time).
 
 The parameters of each block come from the model's family (``block_parameters`` asks ``megatrain.models``), the
@@ -20,8 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from megatrain.errors import MegatrainError
+from megatrain.models import hf_config
+from megatrain.models.errors import ConfigError
+from megatrain.models.model_config import ModelConfig
 
-from . import hf_config
 from .buffer_kinds import spill_block_bytes
 from .expert_shapes import ExpertShape
 from .model_flops import ATTENTION_BWD_FACTOR, ModelFlops, attention_flops_per_token  # noqa: F401 (their old home)
@@ -76,8 +81,9 @@ class ModelShape(ModelFlops):
     model_type: str = registry.DEFAULT_MODEL_TYPE
     # A sparse MLP (megatrain.models.moe): its experts, how many each token runs, their width, a shared expert.
     experts: ExpertShape = ExpertShape()
-    # The config.json fields this shape was read from (a preset's), for building the runtime's ModelConfig.
-    config: Mapping[str, Any] | None = field(default=None, compare=False)
+    # The model this shape was derived from (``of_model``): the runtime's configuration of a preset, and the
+    # family's own fields, which its parameter table reads. None: a shape built directly (no config.json).
+    config: ModelConfig | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for f in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
@@ -103,9 +109,10 @@ class ModelShape(ModelFlops):
     # ---- parameters, per block ------------------------------------------------------------
 
     def config_dims(self) -> dict[str, Any]:
-        """The dimensions by their config.json names: what the family's parameter table and the plan's shape
-        digest read."""
-        return {"model_type": self.model_type, "hidden_size": self.hidden_size,
+        """The dimensions by their config.json names: what the family's parameter table (with the family's own
+        fields) and the plan's shape digest read."""
+        own = {} if self.config is None else self.config.family_fields
+        return {**own,"model_type": self.model_type, "hidden_size": self.hidden_size,
                 "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
                 "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "vocab_size": self.vocab_size,
@@ -245,37 +252,41 @@ class ModelShape(ModelFlops):
         }
 
 
-# ---- reading config.json (``hf_config`` is the one reader) ----------------------------------------
+# ---- a ModelConfig's shape; config.json read by ``hf_config``, the one reader -------------------------
+
+def of_model(config: ModelConfig, name: str | None = None) -> ModelShape:
+    """The shape of ``config``'s model (``name``: the label reports use; absent: its model_type)."""
+    return ModelShape(
+        name=name or config.model_type,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,  # type: ignore[arg-type]  (resolved by ModelConfig)
+        vocab_size=config.vocab_size,
+        head_dim=config.head_dim or 0,
+        tie_word_embeddings=config.tie_word_embeddings,
+        attention_bias=config.attention_bias,
+        o_proj_bias=bool(config.o_proj_bias),
+        mlp_bias=config.mlp_bias,
+        qk_norm=config.qk_norm,
+        rope_theta=config.rope_theta,
+        rope_scaling=config.rope_scaling,
+        max_position_embeddings=config.max_position_embeddings,
+        model_type=config.model_type,
+        experts=ExpertShape.of(config),
+        config=config,
+    )
+
 
 def from_config(config: Mapping[str, Any], name: str | None = None) -> ModelShape:
-    """A ModelShape from a Hugging Face config dict of a supported family, read by ``hf_config``."""
+    """A ModelShape from a Hugging Face config dict of a supported family (read into a ``ModelConfig``)."""
     label = name or (str(config.get("_name_or_path") or config.get("model_type", registry.DEFAULT_MODEL_TYPE))
                      if isinstance(config, Mapping) else "config")
     try:
-        d = hf_config.parse(config)
-    except hf_config.HFConfigError as e:
+        return of_model(ModelConfig(**hf_config.fields(config)), label)
+    except ConfigError as e:
         raise ModelShapeError(f"{label}: {e}") from None
-    return ModelShape(
-        name=label,
-        hidden_size=d.hidden_size,
-        intermediate_size=d.intermediate_size,
-        num_layers=d.num_hidden_layers,
-        num_heads=d.num_attention_heads,
-        num_kv_heads=d.num_key_value_heads,
-        vocab_size=d.vocab_size,
-        head_dim=d.head_dim or 0,
-        tie_word_embeddings=d.tie_word_embeddings,
-        attention_bias=d.attention_bias,
-        o_proj_bias=d.o_proj_bias,
-        mlp_bias=d.mlp_bias,
-        qk_norm=d.qk_norm,
-        rope_theta=d.rope_theta,
-        rope_scaling=d.rope_scaling,
-        max_position_embeddings=d.max_position_embeddings,
-        model_type=d.model_type,
-        experts=ExpertShape.of(d),
-        config=dict(config),
-    )
 
 
 def from_config_file(path: str) -> ModelShape:
