@@ -80,16 +80,16 @@ class ModelConfig:
         if len(args) > len(shared):
             raise TypeError(f"ModelConfig takes at most {len(shared)} positional arguments ({len(args)} given)")
         given = {f.name: a for f, a in zip(shared, args)}
-        own = dict(kwargs.pop("family_fields", None) or {})
+        own, keywords = kwargs.pop("family_fields", None), {}
         for name, value in kwargs.items():
             if name in given:
                 raise TypeError(f"ModelConfig got multiple values for argument {name!r}")
-            (given if name in self.__dataclass_fields__ else own)[name] = value
+            (given if name in self.__dataclass_fields__ else keywords)[name] = value
         missing = [f.name for f in shared if f.name not in given and f.default is dataclasses.MISSING]
         if missing:
             raise TypeError(f"ModelConfig missing required arguments: {', '.join(missing)}")
         values = {f.name: given.get(f.name, f.default) for f in shared}
-        values, own = checked(values, own)
+        values, own = checked(values, own, keywords)
         values["rope_scaling"] = frozen(values["rope_scaling"])
         for name, value in values.items():
             object.__setattr__(self, name, value)

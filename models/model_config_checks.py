@@ -27,9 +27,14 @@ FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "qk_norm", "norm_t
 EXPERT_COUNTS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
-def checked(values: dict[str, Any], own: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``values`` (the shared fields) and ``own`` (the family's) as a ``ModelConfig`` keeps them, checked."""
+def checked(values: dict[str, Any], own: Any, keywords: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``values`` (the shared fields) and the family's (``own``, a ``family_fields`` mapping or None, and
+    ``keywords``, given as keywords of their own) as a ``ModelConfig`` keeps them, checked."""
     v = dict(values)
+    if own is not None and not isinstance(own, Mapping):
+        raise ConfigError(f"family_fields={own!r} must be a mapping of the family's own fields by name, e.g. "
+                          "{'query_pre_attn_scalar': 168.0}, or None")
+    own = {**(own or {}), **keywords}
     _types(v)
     family = registry.find(v["model_type"])
     if family is None:

@@ -4,7 +4,7 @@ A ModelShape is the planner's arithmetic on a model: it is derived from the ``Mo
 (``of_model``, the one place; a config.json or a preset is read into a ModelConfig first), and built directly only
 where the planner sizes a model that has no config.json (``sizing``'s sweeps of layer counts, tests). Its fields
 are the planner's names for the dimensions its formulas use (``num_layers``, ``num_heads``, ``num_kv_heads``);
-``config`` keeps the ModelConfig it came from. Everything the memory and cost models need about a model is here,
+``model`` keeps the ModelConfig it came from. Everything the memory and cost models need about a model is here,
 per block, in the runtime's block order: embedding, each decoder layer, head (final norm + lm_head; when embeddings are tied the
 head holds only the norm and borrows the embedding's weight, so the embedding block is loaded a second time).
 
@@ -81,9 +81,14 @@ class ModelShape(ModelFlops):
     model_type: str = registry.DEFAULT_MODEL_TYPE
     # A sparse MLP (megatrain.models.moe): its experts, how many each token runs, their width, a shared expert.
     experts: ExpertShape = ExpertShape()
+    # The family's own fields (``Family.fields``), by name: its parameter table reads them, so they are part of the
+    # shape (and of the cache key of ``table``).
+    family_fields: tuple[tuple[str, Any], ...] = ()
     # The model this shape was derived from (``of_model``): the runtime's configuration of a preset, and the
     # family's own fields, which its parameter table reads. None: a shape built directly (no config.json).
-    config: ModelConfig | None = field(default=None, compare=False)
+    model: ModelConfig | None = field(default=None, compare=False)
+    # The config.json fields this shape was read from (``from_config``: a preset's, a file's).
+    config: Mapping[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for f in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
@@ -111,8 +116,7 @@ class ModelShape(ModelFlops):
     def config_dims(self) -> dict[str, Any]:
         """The dimensions by their config.json names: what the family's parameter table (with the family's own
         fields) and the plan's shape digest read."""
-        own = {} if self.config is None else self.config.family_fields
-        return {**own,"model_type": self.model_type, "hidden_size": self.hidden_size,
+        return {**dict(self.family_fields),"model_type": self.model_type, "hidden_size": self.hidden_size,
                 "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
                 "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "vocab_size": self.vocab_size,
@@ -254,8 +258,9 @@ class ModelShape(ModelFlops):
 
 # ---- a ModelConfig's shape; config.json read by ``hf_config``, the one reader -------------------------
 
-def of_model(config: ModelConfig, name: str | None = None) -> ModelShape:
-    """The shape of ``config``'s model (``name``: the label reports use; absent: its model_type)."""
+def of_model(config: ModelConfig, name: str | None = None, source: Mapping[str, Any] | None = None) -> ModelShape:
+    """The shape of ``config``'s model (``name``: the label reports use, absent: its model_type; ``source``: the
+    config.json fields it was read from)."""
     return ModelShape(
         name=name or config.model_type,
         hidden_size=config.hidden_size,
@@ -275,7 +280,9 @@ def of_model(config: ModelConfig, name: str | None = None) -> ModelShape:
         max_position_embeddings=config.max_position_embeddings,
         model_type=config.model_type,
         experts=ExpertShape.of(config),
-        config=config,
+        family_fields=tuple(config.family_fields.items()),
+        model=config,
+        config=source,
     )
 
 
@@ -284,9 +291,10 @@ def from_config(config: Mapping[str, Any], name: str | None = None) -> ModelShap
     label = name or (str(config.get("_name_or_path") or config.get("model_type", registry.DEFAULT_MODEL_TYPE))
                      if isinstance(config, Mapping) else "config")
     try:
-        return of_model(ModelConfig(**hf_config.fields(config)), label)
+        model = ModelConfig(**hf_config.fields(config))
     except ConfigError as e:
         raise ModelShapeError(f"{label}: {e}") from None
+    return of_model(model, label, dict(config))
 
 
 def from_config_file(path: str) -> ModelShape:

@@ -112,5 +112,5 @@ def _require_weights(model: str) -> None:
 
 def _from_shape(shape: model_shapes.ModelShape) -> ModelConfig:
     """A preset's ModelConfig: its config.json fields as read into its shape (the family's rules)."""
-    assert shape.config is not None, shape.name  # every preset is read from its family's config fields
-    return shape.config
+    assert shape.model is not None, shape.name  # every preset is read from its family's config fields
+    return shape.model
