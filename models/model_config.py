@@ -144,6 +144,10 @@ class _FrozenDict(dict):
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(tuple(sorted((k, repr(v)) for k, v in self.items())))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled and copied whole (a dict's own way would set its items one by one)."""
+        return _FrozenDict, (dict(self),)
+
 
 def frozen(mapping: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     """``mapping`` as a read-only dict (None stays None)."""

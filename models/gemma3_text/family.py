@@ -5,7 +5,7 @@ head_dim on q and k; ``hidden_activation`` (absent: gelu_pytorch_tanh; ``hidden_
 MLP; attention scores scaled by ``query_pre_attn_scalar`` ** -0.5 (absent: 256); ``layer_types`` (absent: every
 ``sliding_window_pattern``-th layer, default 6, global, the others sliding) with ``sliding_window`` (absent: 4096)
 on the sliding layers; the global layers' RoPE is ``rope_theta`` (absent: 1e6) with ``rope_scaling``, the sliding
-layers' ``rope_local_base_freq`` (absent: 1e4) unscaled (both spellings: ``planner/hf_config.read_layer_ropes``);
+layers' ``rope_local_base_freq`` (absent: 1e4) unscaled (both spellings: ``hf_config.read_layer_ropes``);
 ``final_logit_softcapping`` (absent: none) caps the logits, ``attn_logit_softcapping`` must be null and
 ``use_bidirectional_attention`` false; ``tie_word_embeddings`` absent: true; ``pad_token_id`` absent: 0; ``head_dim``
 absent: 256; ``max_position_embeddings`` absent: 131072. On disk: transformers' ``model.``-prefixed names.
