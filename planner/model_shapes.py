@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from megatrain.errors import MegatrainError
@@ -84,32 +84,31 @@ class ModelShape(ModelFlops):
     # The family's own fields (``Family.fields``), by name: its parameter table reads them, so they are part of the
     # shape (and of the cache key of ``table``).
     family_fields: tuple[tuple[str, Any], ...] = ()
-    # The model this shape was derived from (``of_model``): the runtime's configuration of a preset, and the
-    # family's own fields, which its parameter table reads. None: a shape built directly (no config.json).
+    # The model this shape was derived from (``of_model``; a shape built directly: the ModelConfig of its fields,
+    # which checks them): the runtime's configuration of a preset.
     model: ModelConfig | None = field(default=None, compare=False)
     # The config.json fields this shape was read from (``from_config``: a preset's, a file's).
     config: Mapping[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        for f in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ModelShapeError(f"{self.name}: {f}={v!r} must be a positive integer; fix the config")
+        if self.model is None:  # built directly: checked as the ModelConfig of these dimensions (its checks)
+            object.__setattr__(self, "model", self._as_model())
         if self.head_dim == 0:
-            if self.hidden_size % self.num_heads:
-                raise ModelShapeError(
-                    f"{self.name}: hidden_size={self.hidden_size} is not a multiple of num_attention_heads="
-                    f"{self.num_heads}; set head_dim in the config")
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        if not isinstance(self.head_dim, int) or self.head_dim < 1:
-            raise ModelShapeError(f"{self.name}: head_dim={self.head_dim!r} must be a positive integer")
-        if registry.find(self.model_type) is None:
-            raise ModelShapeError(f"{self.name}: model_type={self.model_type!r} is not supported; supported: "
-                                  f"{', '.join(registry.model_types())}")
-        if self.num_heads % self.num_kv_heads:
-            raise ModelShapeError(
-                f"{self.name}: num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads="
-                f"{self.num_kv_heads}; fix the config")
+            object.__setattr__(self, "head_dim", self.model.head_dim)  # type: ignore[union-attr]
+
+    def _as_model(self) -> ModelConfig:
+        """The ModelConfig of a shape built directly, or ``ModelShapeError`` naming the shape and the field."""
+        try:
+            return ModelConfig(
+                model_type=self.model_type, vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+                num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim or None,
+                tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.attention_bias,
+                o_proj_bias=self.o_proj_bias, mlp_bias=self.mlp_bias, qk_norm=self.qk_norm, rope_theta=self.rope_theta,
+                rope_scaling=self.rope_scaling, max_position_embeddings=self.max_position_embeddings,
+                family_fields=dict(self.family_fields), **asdict(self.experts))
+        except ConfigError as e:
+            raise ModelShapeError(f"{self.name}: {e}") from None
 
     # ---- parameters, per block ------------------------------------------------------------
 
