@@ -1,4 +1,5 @@
-"""Model families: each supported ``model_type`` in one folder, and the registry that names them.
+"""The model: ``ModelConfig`` (``model_config``: the one description the planner and the runtime take, read from a
+config.json by ``hf_config``), and the families: each supported ``model_type`` in one folder, and the registry.
 
 A family owns its config.json rules, its parameter table (names, shapes, order, Hugging Face names), its
 presets (stdlib: ``family.py`` of its folder) and its torch blocks (``blocks.py``, or the shared Llama blocks of

@@ -2,7 +2,7 @@
 
 The torch half of the registry: the runtime asks here, the planner never does (the module it imports holds torch
 modules). A blocks module defines ``EmbeddingBlock``, ``DecoderLayer`` and ``HeadBlock``, each built from a config
-(``family.DecoderSpec``) and registering its parameters in the family's table order.
+(``model_config.ModelConfig``) and registering its parameters in the family's table order.
 """
 from __future__ import annotations
 

@@ -42,6 +42,13 @@ def optional_integer(name: str, value: Any) -> int | None:
     return None if value is None else integer(name, value)
 
 
+def optional_positive(name: str, value: Any) -> float | None:
+    """``value`` as a positive finite number (a float), or None; else one line naming ``name``."""
+    if value is not None and not 0 < number(name, value) < float("inf"):
+        raise HFConfigError(f"{name}={value!r} must be a positive finite number, or None")
+    return None if value is None else float(value)
+
+
 def layer_types(name: str, value: Any, layers: int) -> tuple[str, ...]:
     """``value`` as one of ``LAYER_TYPES`` per decoder layer, or one line naming ``name``."""
     if not isinstance(value, (list, tuple)) or len(value) != layers or any(t not in LAYER_TYPES for t in value):

@@ -1,7 +1,8 @@
 """``Family``: what one ``model_type`` is, as data the planner, the runtime and the HF I/O ask. Pure stdlib.
 
 A family says how transformers reads its config.json (``read``: the fields that differ between families, and the
-defaults that do), what its config.json holds when megatrain writes one (``write``), its parameter table and
+defaults that do), which configuration fields are its own (``fields``: ``ModelConfig`` holds them, the blocks and
+the parameter table read them), what its config.json holds when megatrain writes one (``write``), its parameter table and
 Hugging Face names (``embedding``, ``layer``, ``head``, ``hf_name``; by default the Llama-style tables of
 ``parameters.py``), its presets, and where its torch blocks are (``blocks``: a module path the runtime imports,
 never the planner). ``registry`` holds one per ``model_type``.
@@ -9,7 +10,7 @@ never the planner). ``registry`` holds one per ``model_type``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping
 
 from .parameters import EMBED, HEAD, LAYER, DiskTensor, Param, llama_embedding, llama_head, llama_hf_name, llama_layer
 
@@ -18,39 +19,19 @@ Dims = Mapping[str, Any]  # a model's dimensions by their config.json names (Mod
 LLAMA_BLOCKS = "megatrain.models.layers.decoder"
 
 
-class DecoderSpec(Protocol):
-    """What the blocks read of a model's configuration (the runtime's ``ModelConfig`` is one)."""
+@dataclass(frozen=True)
+class FamilyField:
+    """A configuration field one family reads and the others do not (Gemma 3's ``query_pre_attn_scalar``).
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int | None
-    head_dim: int | None
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: Mapping[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    o_proj_bias: bool | None
-    mlp_bias: bool
-    qk_norm: bool
-    pad_token_id: int | None
-    hidden_act: str
-    model_type: str
-    num_experts: int  # the sparse MLP's (megatrain.models.moe); 0: dense
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    norm_topk_prob: bool
-    shared_expert_intermediate_size: int
-    query_pre_attn_scalar: float | None  # attention scores scaled by its ** -0.5 (Gemma 3); None: head_dim's
+    ``ModelConfig`` holds it among its ``family_fields`` (read as ``config.<name>``), the parameter table sees it in
+    its ``dims`` and the family's blocks in their config. ``default``: its value in a ``ModelConfig`` built without
+    it; ``check(name, value)``: the value as kept, or ``ConfigError`` in one line naming ``name``. The family's
+    ``read`` returns it from a config.json (with transformers' default there) and its ``write`` writes it back.
+    """
 
-    @property
-    def q_size(self) -> int: ...
-
-    @property
-    def kv_size(self) -> int: ...
+    name: str
+    default: Any
+    check: Callable[[str, Any], Any]
 
 
 @dataclass(frozen=True)
@@ -64,8 +45,8 @@ class Preset:
 @dataclass(frozen=True)
 class Family:
     """One ``model_type``. ``read(data, num_hidden_layers)`` returns the family's fields of ``ModelConfig``
-    (``attention_bias``, ``o_proj_bias``, ``mlp_bias``, ``qk_norm``, ``sliding_window``, ``layer_types``) from a
-    config dict, refusing what transformers' class for it would not build; ``write(config)`` the family's own
+    (``attention_bias``, ``o_proj_bias``, ``mlp_bias``, ``qk_norm``, ``sliding_window``, ``layer_types``, and its own
+    ``fields``) from a config dict, refusing what transformers' class for it would not build; ``write(config)`` the family's own
     config.json fields for a ``ModelConfig``. ``defaults``: transformers' config defaults for fields a config may
     leave out (``max_position_embeddings``, ``head_dim``, ``rms_norm_eps``, ...; ``rope``: the RoPE fields of a
     config that states none)."""
@@ -75,6 +56,7 @@ class Family:
     read: Callable[[Mapping[str, Any], int], dict[str, Any]]
     write: Callable[[Any], dict[str, Any]]
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    fields: tuple[FamilyField, ...] = ()
     presets: tuple[Preset, ...] = ()
     embedding: Callable[[Dims], tuple[Param, ...]] = llama_embedding
     layer: Callable[[Dims], tuple[Param, ...]] = llama_layer

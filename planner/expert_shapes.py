@@ -29,7 +29,7 @@ class ExpertShape:
 
     @classmethod
     def of(cls, fields: Any) -> "ExpertShape":
-        """The expert fields of a config (``hf_config.DecoderConfig``, ``ModelConfig``)."""
+        """The expert fields of a ``ModelConfig``."""
         return cls(**{k: getattr(fields, k) for k in asdict(cls())})
 
     def dims(self) -> Mapping[str, int]:

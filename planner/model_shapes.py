@@ -1,8 +1,11 @@
 """Model shapes: what a decoder-only transformer costs in parameters, bytes and FLOPs.
 
-A ModelShape comes from a Hugging Face ``config.json`` (a path or a dict, read by ``hf_config``, the reader the
-runtime uses too) or a named preset. Everything the memory and cost models need about a model is here, per block, in
-the runtime's block order: embedding, each decoder layer, head (final norm + lm_head; when embeddings are tied the
+A ModelShape is the planner's arithmetic on a model: it is derived from the ``ModelConfig`` the runtime takes too
+(``of_model``, the one place; a config.json or a preset is read into a ModelConfig first), and built directly only
+where the planner sizes a model that has no config.json (``sizing``'s sweeps of layer counts, tests). Its fields
+are the planner's names for the dimensions its formulas use (``num_layers``, ``num_heads``, ``num_kv_heads``);
+``model`` keeps the ModelConfig it came from. Everything the memory and cost models need about a model is here,
+per block, in the runtime's block order: embedding, each decoder layer, head (final norm + lm_head; when embeddings are tied the
 head holds only the norm and borrows the embedding's weight, so the embedding block is loaded a second time).
 
 The parameters of each block come from the model's family (``block_parameters`` asks ``megatrain.models``), the
@@ -16,12 +19,14 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from megatrain.errors import MegatrainError
+from megatrain.models import hf_config
+from megatrain.models.errors import ConfigError
+from megatrain.models.model_config import ModelConfig
 
-from . import hf_config
 from .buffer_kinds import spill_block_bytes
 from .expert_shapes import ExpertShape
 from .model_flops import ATTENTION_BWD_FACTOR, ModelFlops, attention_flops_per_token  # noqa: F401 (their old home)
@@ -76,36 +81,41 @@ class ModelShape(ModelFlops):
     model_type: str = registry.DEFAULT_MODEL_TYPE
     # A sparse MLP (megatrain.models.moe): its experts, how many each token runs, their width, a shared expert.
     experts: ExpertShape = ExpertShape()
-    # The config.json fields this shape was read from (a preset's), for building the runtime's ModelConfig.
+    # The family's own fields (``Family.fields``), by name: its parameter table reads them, so they are part of the
+    # shape (and of the cache key of ``table``).
+    family_fields: tuple[tuple[str, Any], ...] = ()
+    # The model this shape was derived from (``of_model``; a shape built directly: the ModelConfig of its fields,
+    # which checks them): the runtime's configuration of a preset.
+    model: ModelConfig | None = field(default=None, compare=False)
+    # The config.json fields this shape was read from (``from_config``: a preset's, a file's).
     config: Mapping[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        for f in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ModelShapeError(f"{self.name}: {f}={v!r} must be a positive integer; fix the config")
+        if self.model is None:  # built directly: checked as the ModelConfig of these dimensions (its checks)
+            object.__setattr__(self, "model", self._as_model())
         if self.head_dim == 0:
-            if self.hidden_size % self.num_heads:
-                raise ModelShapeError(
-                    f"{self.name}: hidden_size={self.hidden_size} is not a multiple of num_attention_heads="
-                    f"{self.num_heads}; set head_dim in the config")
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        if not isinstance(self.head_dim, int) or self.head_dim < 1:
-            raise ModelShapeError(f"{self.name}: head_dim={self.head_dim!r} must be a positive integer")
-        if registry.find(self.model_type) is None:
-            raise ModelShapeError(f"{self.name}: model_type={self.model_type!r} is not supported; supported: "
-                                  f"{', '.join(registry.model_types())}")
-        if self.num_heads % self.num_kv_heads:
-            raise ModelShapeError(
-                f"{self.name}: num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads="
-                f"{self.num_kv_heads}; fix the config")
+            object.__setattr__(self, "head_dim", self.model.head_dim)  # type: ignore[union-attr]
+
+    def _as_model(self) -> ModelConfig:
+        """The ModelConfig of a shape built directly, or ``ModelShapeError`` naming the shape and the field."""
+        try:
+            return ModelConfig(
+                model_type=self.model_type, vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+                num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim or None,
+                tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.attention_bias,
+                o_proj_bias=self.o_proj_bias, mlp_bias=self.mlp_bias, qk_norm=self.qk_norm, rope_theta=self.rope_theta,
+                rope_scaling=self.rope_scaling, max_position_embeddings=self.max_position_embeddings,
+                family_fields=dict(self.family_fields), **asdict(self.experts))
+        except ConfigError as e:
+            raise ModelShapeError(f"{self.name}: {e}") from None
 
     # ---- parameters, per block ------------------------------------------------------------
 
     def config_dims(self) -> dict[str, Any]:
-        """The dimensions by their config.json names: what the family's parameter table and the plan's shape
-        digest read."""
-        return {"model_type": self.model_type, "hidden_size": self.hidden_size,
+        """The dimensions by their config.json names: what the family's parameter table (with the family's own
+        fields) and the plan's shape digest read."""
+        return {**dict(self.family_fields),"model_type": self.model_type, "hidden_size": self.hidden_size,
                 "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
                 "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "vocab_size": self.vocab_size,
@@ -245,37 +255,45 @@ class ModelShape(ModelFlops):
         }
 
 
-# ---- reading config.json (``hf_config`` is the one reader) ----------------------------------------
+# ---- a ModelConfig's shape; config.json read by ``hf_config``, the one reader -------------------------
+
+def of_model(config: ModelConfig, name: str | None = None, source: Mapping[str, Any] | None = None) -> ModelShape:
+    """The shape of ``config``'s model (``name``: the label reports use, absent: its model_type; ``source``: the
+    config.json fields it was read from)."""
+    return ModelShape(
+        name=name or config.model_type,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,  # type: ignore[arg-type]  (resolved by ModelConfig)
+        vocab_size=config.vocab_size,
+        head_dim=config.head_dim or 0,
+        tie_word_embeddings=config.tie_word_embeddings,
+        attention_bias=config.attention_bias,
+        o_proj_bias=bool(config.o_proj_bias),
+        mlp_bias=config.mlp_bias,
+        qk_norm=config.qk_norm,
+        rope_theta=config.rope_theta,
+        rope_scaling=config.rope_scaling,
+        max_position_embeddings=config.max_position_embeddings,
+        model_type=config.model_type,
+        experts=ExpertShape.of(config),
+        family_fields=tuple(config.family_fields.items()),
+        model=config,
+        config=source,
+    )
+
 
 def from_config(config: Mapping[str, Any], name: str | None = None) -> ModelShape:
-    """A ModelShape from a Hugging Face config dict of a supported family, read by ``hf_config``."""
+    """A ModelShape from a Hugging Face config dict of a supported family (read into a ``ModelConfig``)."""
     label = name or (str(config.get("_name_or_path") or config.get("model_type", registry.DEFAULT_MODEL_TYPE))
                      if isinstance(config, Mapping) else "config")
     try:
-        d = hf_config.parse(config)
-    except hf_config.HFConfigError as e:
+        model = ModelConfig(**hf_config.fields(config))
+    except ConfigError as e:
         raise ModelShapeError(f"{label}: {e}") from None
-    return ModelShape(
-        name=label,
-        hidden_size=d.hidden_size,
-        intermediate_size=d.intermediate_size,
-        num_layers=d.num_hidden_layers,
-        num_heads=d.num_attention_heads,
-        num_kv_heads=d.num_key_value_heads,
-        vocab_size=d.vocab_size,
-        head_dim=d.head_dim or 0,
-        tie_word_embeddings=d.tie_word_embeddings,
-        attention_bias=d.attention_bias,
-        o_proj_bias=d.o_proj_bias,
-        mlp_bias=d.mlp_bias,
-        qk_norm=d.qk_norm,
-        rope_theta=d.rope_theta,
-        rope_scaling=d.rope_scaling,
-        max_position_embeddings=d.max_position_embeddings,
-        model_type=d.model_type,
-        experts=ExpertShape.of(d),
-        config=dict(config),
-    )
+    return of_model(model, label, dict(config))
 
 
 def from_config_file(path: str) -> ModelShape:

@@ -38,10 +38,7 @@ def check(config: ModelConfig, compute_dtype: torch.dtype, clipping: bool, plan:
           rows: int, seq: int, device: torch.device) -> None:
     """Raise BatchTooLargeError when a micro-batch of this ``rows`` x ``seq`` batch needs more activation memory
     than ``device`` can hold (``micro_batch_open``: the batch is one micro-batch, the default plan's first step)."""
-    try:
-        shape = model_shapes.from_config(config.to_dict())
-    except model_shapes.ModelShapeError:
-        return  # a family the planner cannot size: nothing to price it with
+    shape = model_shapes.of_model(config)
     dtype = str(compute_dtype).removeprefix("torch.")
 
     def needs(r: int, s: int) -> int:

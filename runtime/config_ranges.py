@@ -1,8 +1,9 @@
-"""Range checks of every number and flag in ModelConfig and OptimizerConfig, run first on construction.
+"""Range checks of every number and flag in OptimizerConfig, run first on construction (ModelConfig's are
+``megatrain.models.model_config_checks``').
 
 Each field has a type and a range; a value outside it (a string, None, NaN,
 infinity, a negative learning rate, ``betas`` that are not two numbers in
-[0, 1), a zero sliding window) is refused with one line naming the field, the
+[0, 1)) is refused with one line naming the field, the
 value and what it must be. Non-finite numbers are the point: one NaN or
 infinity in a hyper-parameter silently turns every weight into NaN. So are the
 upper bounds of the optimizer's numbers (``LR_MAX``, ``WEIGHT_DECAY_MAX``,
@@ -13,10 +14,8 @@ weight decay ``lr x weight_decay >= 1``, which flips or zeroes every weight.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
-from megatrain.models import registry
 from megatrain.runtime.errors import ConfigError
 
 
@@ -28,10 +27,6 @@ EPS_MAX = 1.0
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def number(name: str, value: Any, low: float, *, strict: bool, hint: str = "", high: float | None = None) -> None:
@@ -52,53 +47,9 @@ def decay_product(lr: float, weight_decay: float) -> str | None:
     return None
 
 
-def integer(name: str, value: Any, low: int, *, optional: bool = False, hint: str = "") -> None:
-    if optional and value is None:
-        return
-    if not _is_int(value) or value < low:
-        raise ConfigError(f"{name}={value!r} must be an integer >= {low}{' or None' if optional else ''}{hint}")
-
-
 def flag(name: str, value: Any, *, optional: bool = False) -> None:
     if not (isinstance(value, bool) or (optional and value is None)):
         raise ConfigError(f"{name}={value!r} must be True or False{' (or None)' if optional else ''}")
-
-
-def check_model_ranges(c: Any) -> None:
-    """ModelConfig's fields: types and ranges (the structural checks follow in ModelConfig itself)."""
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "max_position_embeddings"):
-        integer(name, getattr(c, name), 1)
-    integer("num_key_value_heads", c.num_key_value_heads, 1, optional=True)
-    integer("head_dim", c.head_dim, 2, optional=True)
-    integer("sliding_window", c.sliding_window, 1, optional=True, hint=" (None: full attention)")
-    if c.pad_token_id is not None and not _is_int(c.pad_token_id):
-        raise ConfigError(f"pad_token_id={c.pad_token_id!r} must be an integer token id or None")
-    number("rope_theta", c.rope_theta, 0, strict=True, hint=", e.g. 10000.0")
-    number("rms_norm_eps", c.rms_norm_eps, 0, strict=True, hint=", e.g. 1e-6")
-    number("initializer_range", c.initializer_range, 0, strict=False, hint=", e.g. 0.02")
-    for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "qk_norm"):
-        flag(name, getattr(c, name))
-    if c.router_aux_loss_coef is not None:
-        number("router_aux_loss_coef", c.router_aux_loss_coef, 0, strict=False, hint=" or None (no aux loss)")
-    flag("o_proj_bias", c.o_proj_bias, optional=True)
-    if not isinstance(c.model_type, str):
-        raise ConfigError(f"model_type={c.model_type!r} must be a string such as {registry.DEFAULT_MODEL_TYPE!r}")
-    scaling = c.rope_scaling
-    if scaling is None:
-        return
-    if not isinstance(scaling, Mapping):
-        raise ConfigError(f"rope_scaling={scaling!r} must be None or a dict such as "
-                          "{'rope_type': 'linear', 'factor': 2.0}")
-    for key in ("factor", "low_freq_factor", "high_freq_factor"):
-        if key in scaling:
-            number(f"rope_scaling[{key!r}]", scaling[key], 0, strict=True)
-    if "original_max_position_embeddings" in scaling:
-        integer("rope_scaling['original_max_position_embeddings']", scaling["original_max_position_embeddings"], 1)
-    low, high = scaling.get("low_freq_factor"), scaling.get("high_freq_factor")
-    if low is not None and high is not None and not high > low:
-        raise ConfigError(f"rope_scaling has high_freq_factor={high!r} <= low_freq_factor={low!r}; "
-                          "llama3 scaling needs high > low (e.g. 4.0 and 1.0)")
 
 
 def check_optimizer_ranges(c: Any) -> None:

@@ -8,12 +8,8 @@ use ``assert`` instead. Every one derives from ``MegatrainError`` (defined in
 from __future__ import annotations
 
 from megatrain.errors import MegatrainError
-from megatrain.models.errors import AttentionBackendError
+from megatrain.models.errors import AttentionBackendError, ConfigError
 from megatrain.planner.plan import PlanError
-
-
-class ConfigError(MegatrainError):
-    """A model or optimizer configuration is invalid or unsupported."""
 
 
 class InputError(MegatrainError):

@@ -95,11 +95,8 @@ class StepInputs:
 
     def _default_kept(self, plan: Plan, batch: int, seq: int) -> tuple[int, ...]:
         """The layers the default plan keeps for batches of [batch, seq]: the planner's choice for the memory the
-        device has free now (the engine's buffers allocated); none for a family the planner cannot size."""
-        try:
-            shape = model_shapes.from_config(self.config.to_dict())
-        except model_shapes.ModelShapeError:
-            return ()
+        device has free now (the engine's buffers allocated)."""
+        shape = model_shapes.of_model(self.config)
         work = Workload(seq, batch, str(self.compute_dtype).removeprefix("torch."), self.optimizer.clipping)
         free = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
                 else psutil.virtual_memory().available)

@@ -356,7 +356,7 @@ def test_runtime_does_not_import_tools(modules: dict[str, Module]) -> None:
 
 # Every import of the planner by the runtime, as (runtime module, planner module) without "megatrain.": the
 # allowed set is the contract modules (the planner's pure-stdlib data modules both sides read: plan, buffer_kinds,
-# block_parameters, hf_config) plus the named exceptions below, as DESIGN.md section 1's runtime row lists them. An
+# block_parameters) plus the named exceptions below, as DESIGN.md section 1's runtime row lists them. An
 # edge not here fails the test: add it here and to that row, or import the contract instead.
 RUNTIME_PLANNER_EDGES = {
     # the contract
@@ -379,7 +379,6 @@ RUNTIME_PLANNER_EDGES = {
     ("runtime.model.templates", "planner.block_parameters"),
     ("runtime.pipeline.experts.expert_parts", "planner.block_parameters"),
     ("runtime.state.shards", "planner.block_parameters"),
-    ("runtime.config", "planner.hf_config"),
     # the exceptions: a plan made for another model refused, by the model's digest
     ("runtime.engine_arguments", "planner.workload_fingerprint"),
     # the default plan completed by the first batch (its micro-batch and kept layers): the planner's policy

@@ -111,6 +111,6 @@ def _require_weights(model: str) -> None:
 
 
 def _from_shape(shape: model_shapes.ModelShape) -> ModelConfig:
-    """A preset's ModelConfig: its config.json fields read as any config is (the family's rules)."""
-    assert shape.config is not None, shape.name  # every preset is read from its family's config fields
-    return ModelConfig.from_hf(shape.config)
+    """A preset's ModelConfig: its config.json fields as read into its shape (the family's rules)."""
+    assert shape.model is not None, shape.name  # every preset is read from its family's config fields
+    return shape.model

@@ -26,16 +26,12 @@ def choose(c: TrainConfig, values: dict[str, object], out: str, resumed: Plan | 
            compute_dtype: str, topology: Topology | None, replan: bool = False,
            on_cpu: bool = False) -> run_plan.RunPlan:
     """``run_plan.choose``, refused in one line naming the largest batch that fits when no plan holds the step."""
-    try:
-        shape = model_shapes.from_config(model.to_dict(), name=run_plan.planner_name(c.model))
-    except model_shapes.ModelShapeError:  # a family the planner cannot size: the plan as run_plan chooses it
-        shape = None
+    shape = model_shapes.of_model(model, name=run_plan.planner_name(c.model))
     try:
         chosen = run_plan.choose(c, values, out, resumed, model, compute_dtype, topology, replan, on_cpu)
     except search.InfeasibleError as e:
-        hint = "" if shape is None else _largest_batch(c, shape, compute_dtype, out, topology)
-        raise search.InfeasibleError(f"{e}{hint}") from None
-    if shape is not None and (topology is None or topology.world_size == 1):
+        raise search.InfeasibleError(f"{e}{_largest_batch(c, shape, compute_dtype, out, topology)}") from None
+    if topology is None or topology.world_size == 1:
         _check_fits(c, shape, chosen.plan, compute_dtype, out)
     return chosen
 

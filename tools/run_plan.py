@@ -82,7 +82,7 @@ def _search(c: TrainConfig, model: ModelConfig, compute_dtype: str, spill_root: 
             topology: Topology | None) -> RunPlan:
     hw = this_machine()
     work = workload(c, compute_dtype, spill_root)
-    shape = model_shapes.from_config(model.to_dict(), name=planner_name(c.model))
+    shape = model_shapes.of_model(model, name=planner_name(c.model))
     chosen = choose_plan(shape, PlanRequest(work, assume_disk_speed=True), hw, planner_ranks(hw, topology))
     notes = []
     if chosen.disk_speed_assumed:
@@ -107,7 +107,7 @@ def _collective_timeout(c: TrainConfig, model: ModelConfig, plan: Plan, compute_
     hw = sizing.with_disk(this_machine())[0]  # an unmeasured disk at the rate the search assumes
     work = Workload(c.seq_len, c.batch, compute_dtype=compute_dtype, clipping=c.max_grad_norm > 0,
                     optimizer_state=c.optimizer_state)
-    shape = model_shapes.from_config(model.to_dict(), name=planner_name(c.model))
+    shape = model_shapes.of_model(model, name=planner_name(c.model))
     ranks = planner_ranks(hw, topology)
     assert ranks is not None
     return data_parallel.collective_timeout_s(shape, work, plan, hw, ranks)

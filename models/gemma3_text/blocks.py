@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatrain.models.family import DecoderSpec
+from megatrain.models.model_config import ModelConfig
 from megatrain.models.layers.attention import Documents, causal_attention
 from megatrain.models.layers.decoder import MLP, Attention
 from megatrain.models.layers.decoder import DecoderLayer as SharedDecoderLayer
@@ -37,7 +37,7 @@ class RMSNorm(nn.Module):
 
 
 class EmbeddingBlock(SharedEmbeddingBlock):
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.scale = config.hidden_size ** 0.5
 
@@ -52,7 +52,7 @@ class EmbeddingBlock(SharedEmbeddingBlock):
 
 
 class GemmaAttention(Attention):
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -65,7 +65,7 @@ class GemmaAttention(Attention):
 class DecoderLayer(SharedDecoderLayer):
     """h = x + post_attention_norm(attention(input_norm(x))); out = h + post_feedforward_norm(mlp(pre_norm(h)))."""
 
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, mlp=MLP, attention=GemmaAttention)
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps)
@@ -81,6 +81,6 @@ class DecoderLayer(SharedDecoderLayer):
 
 
 class HeadBlock(SharedHeadBlock):
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -5,7 +5,7 @@ head_dim on q and k; ``hidden_activation`` (absent: gelu_pytorch_tanh; ``hidden_
 MLP; attention scores scaled by ``query_pre_attn_scalar`` ** -0.5 (absent: 256); ``layer_types`` (absent: every
 ``sliding_window_pattern``-th layer, default 6, global, the others sliding) with ``sliding_window`` (absent: 4096)
 on the sliding layers; the global layers' RoPE is ``rope_theta`` (absent: 1e6) with ``rope_scaling``, the sliding
-layers' ``rope_local_base_freq`` (absent: 1e4) unscaled (both spellings: ``planner/hf_config.read_layer_ropes``);
+layers' ``rope_local_base_freq`` (absent: 1e4) unscaled (both spellings: ``hf_config.read_layer_ropes``);
 ``final_logit_softcapping`` (absent: none) caps the logits, ``attn_logit_softcapping`` must be null and
 ``use_bidirectional_attention`` false; ``tie_word_embeddings`` absent: true; ``pad_token_id`` absent: 0; ``head_dim``
 absent: 256; ``max_position_embeddings`` absent: 131072. On disk: transformers' ``model.``-prefixed names.
@@ -15,13 +15,18 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..config_fields import (FULL_ATTENTION, SLIDING_ATTENTION, activation, attention_biases, boolean, fixed_flag,
-                             integer, layer_types, number, optional_integer)
+                             integer, layer_types, number, optional_integer, optional_positive)
 from ..errors import HFConfigError
-from ..family import Family, Preset
+from ..family import Family, FamilyField, Preset
 from ..parameters import Param, llama_layer
 
 MODEL_TYPE = "gemma3_text"
 DEFAULT_PATTERN = 6
+# Gemma 3's own fields of ModelConfig (None in a config built without them; ``read`` gives transformers' defaults):
+# the sliding layers' RoPE base, unscaled (None: the full layers'); attention scores scaled by
+# query_pre_attn_scalar ** -0.5 (None: head_dim's); logits capped to c x tanh(logits / c) (None: not capped).
+FIELDS = tuple(FamilyField(name, None, optional_positive)
+               for name in ("rope_local_base_freq", "query_pre_attn_scalar", "final_logit_softcapping"))
 
 
 def read(data: Mapping[str, Any], num_hidden_layers: int) -> dict[str, Any]:
@@ -74,7 +79,7 @@ def layer(dims: Mapping[str, Any]) -> tuple[Param, ...]:
 
 
 FAMILY = Family(
-    model_type=MODEL_TYPE, architecture="Gemma3ForCausalLM", read=read, write=write,
+    model_type=MODEL_TYPE, architecture="Gemma3ForCausalLM", read=read, write=write, fields=FIELDS,
     defaults={"max_position_embeddings": 131072, "head_dim": 256, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
               "rope_local_base_freq": 10000.0, "tie_word_embeddings": True, "pad_token_id": 0},
     layer=layer, blocks="megatrain.models.gemma3_text.blocks", unit_norm_weight=0.0,

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatrain.models.family import DecoderSpec
+from megatrain.models.model_config import ModelConfig
 from megatrain.models.layers import decoder
 from megatrain.models.layers import routing_observer
 from megatrain.models.layers.attention import Documents, sink_attention
@@ -40,7 +40,7 @@ SWIGLU_LIMIT = 7.0  # the clamp on gate (above) and up (both sides) (transformer
 class SinkAttention(decoder.Attention):
     """Llama's attention (biases from the config) with ``sinks`` [Hq] registered after o_proj."""
 
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.sinks = nn.Parameter(torch.empty(config.num_attention_heads))
 
@@ -52,7 +52,7 @@ class SinkAttention(decoder.Attention):
 class Router(nn.Module):
     """``mlp.router``: weight [E, hidden], bias [E]; tokens [T, hidden] -> top-k weights [T, k], experts [T, k]."""
 
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.bias = nn.Parameter(torch.empty(config.num_experts))
@@ -74,7 +74,7 @@ class Experts(FusedExperts):
 
     FUSED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i))
@@ -101,7 +101,7 @@ class SparseMLP(nn.Module):
 
     ROUTER = "router"  # the router's attribute (expert_group.dense routes with it); its weights in x's dtype
 
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.router = Router(config)
         self.experts = Experts(config)
@@ -114,13 +114,13 @@ class SparseMLP(nn.Module):
 
 
 class DecoderLayer(decoder.DecoderLayer):
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, mlp=SparseMLP, attention=SinkAttention)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class HeadBlock(decoder.HeadBlock):
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

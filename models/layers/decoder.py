@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatrain.models.config_fields import SUPPORTED_ACTIVATIONS
-from megatrain.models.family import DecoderSpec
+from megatrain.models.model_config import ModelConfig
 from megatrain.models.layers.attention import Documents, causal_attention
 from megatrain.models.layers.rope import apply_rotary
 
@@ -49,7 +49,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, q, kv = config.hidden_size, config.q_size, config.kv_size
         self.head_dim: int = config.head_dim  # type: ignore[assignment]
@@ -96,7 +96,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """The gated MLP: down(act(gate(x)) * up(x))."""
 
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_proj = nn.Linear(h, i, bias=bias)
@@ -113,8 +113,8 @@ class DecoderLayer(nn.Module):
     classes (a family with others passes its own; the MLP is token-local, so the sequence tiles stay exact). A
     family with other norms overrides ``attention_input``, ``attention_output`` and ``mlp_branch``."""
 
-    def __init__(self, config: DecoderSpec, mlp: Callable[[DecoderSpec], nn.Module] = MLP,
-                 attention: Callable[[DecoderSpec], Attention] = Attention) -> None:
+    def __init__(self, config: ModelConfig, mlp: Callable[[ModelConfig], nn.Module] = MLP,
+                 attention: Callable[[ModelConfig], Attention] = Attention) -> None:
         super().__init__()
         self.self_attn = attention(config)
         self.mlp = mlp(config)
@@ -208,7 +208,7 @@ def tile_projections(project: Callable[[slice], tuple[torch.Tensor, ...]], seq: 
 
 
 class EmbeddingBlock(nn.Module):
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
 
@@ -220,7 +220,7 @@ class EmbeddingBlock(nn.Module):
 class HeadBlock(nn.Module):
     """Final norm, and lm_head unless the embeddings are tied (then the embedding's weight is used)."""
 
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:

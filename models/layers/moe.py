@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatrain.models.family import DecoderSpec
+from megatrain.models.model_config import ModelConfig
 from megatrain.models.layers import routing_observer
 from megatrain.models.layers.decoder import ACTIVATIONS, MLP
 from megatrain.models.layers.sorted_experts import ExpertTensors, FusedExperts
@@ -30,7 +30,7 @@ from megatrain.models.layers.sorted_experts import ExpertTensors, FusedExperts
 class Router(nn.Module):
     """``mlp.gate``: [E, hidden]; returns the top-k weights [T, k] and expert indices [T, k] of tokens [T, hidden]."""
 
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.top_k: int = config.num_experts_per_tok
@@ -55,7 +55,7 @@ class Experts(FusedExperts):
 
     FUSED = ("gate_up_proj", "down_proj")
 
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
@@ -78,7 +78,7 @@ class SparseMLP(nn.Module):
 
     ROUTER = "gate"  # the router's attribute (expert_group.dense routes with it)
 
-    def __init__(self, config: DecoderSpec, router_first: bool = True, weights_in_compute_dtype: bool = True) -> None:
+    def __init__(self, config: ModelConfig, router_first: bool = True, weights_in_compute_dtype: bool = True) -> None:
         super().__init__()
         if router_first:
             self.gate = Router(config)
@@ -108,7 +108,7 @@ class SparseMLP(nn.Module):
 class _Width:
     """A config whose MLP width is another: the shared expert's (no bias, the model's activation)."""
 
-    def __init__(self, config: DecoderSpec, width: int) -> None:
+    def __init__(self, config: ModelConfig, width: int) -> None:
         self.hidden_size = config.hidden_size
         self.intermediate_size = width
         self.mlp_bias = False

@@ -19,10 +19,10 @@ import math
 
 import torch
 
-from megatrain.models.family import DecoderSpec
+from megatrain.models.model_config import ModelConfig
 
 
-def inverse_frequencies(config: DecoderSpec, seq_len: int | None = None) -> torch.Tensor:
+def inverse_frequencies(config: ModelConfig, seq_len: int | None = None) -> torch.Tensor:
     """[head_dim // 2] float32 on the CPU; ``seq_len`` matters only to "dynamic" (None: max_position_embeddings)."""
     dim = config.head_dim
     assert dim is not None
@@ -52,7 +52,7 @@ def inverse_frequencies(config: DecoderSpec, seq_len: int | None = None) -> torc
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
-def attention_scaling(config: DecoderSpec) -> float:
+def attention_scaling(config: ModelConfig) -> float:
     """The factor on cos and sin: YaRN's attention factor, 1.0 for every other type."""
     scaling = config.rope_scaling
     if scaling is None or scaling["rope_type"] != "yarn":

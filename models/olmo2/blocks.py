@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatrain.models.family import DecoderSpec
+from megatrain.models.model_config import ModelConfig
 from megatrain.models.layers.decoder import MLP, Attention, EmbeddingBlock
 from megatrain.models.layers.decoder import DecoderLayer as SharedDecoderLayer
 from megatrain.models.layers.decoder import HeadBlock as SharedHeadBlock
@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
 
 
 class WholeProjectionNormAttention(Attention):
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         nn.Module.__init__(self)
         h, q, kv, bias = config.hidden_size, config.q_size, config.kv_size, config.attention_bias
         self.head_dim: int = config.head_dim  # type: ignore[assignment]
@@ -56,7 +56,7 @@ class WholeProjectionNormAttention(Attention):
 class DecoderLayer(SharedDecoderLayer):
     """h = x + post_attention_norm(attention(x)); out = h + post_feedforward_norm(mlp(h))."""
 
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         nn.Module.__init__(self)
         self.self_attn = WholeProjectionNormAttention(config)
         self.mlp = MLP(config)
@@ -74,6 +74,6 @@ class DecoderLayer(SharedDecoderLayer):
 
 
 class HeadBlock(SharedHeadBlock):
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

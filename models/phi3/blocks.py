@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatrain.models.family import DecoderSpec
+from megatrain.models.model_config import ModelConfig
 from megatrain.models.layers.decoder import ACTIVATIONS, Attention, EmbeddingBlock, HeadBlock
 from megatrain.models.layers.decoder import DecoderLayer as SharedDecoderLayer
 from megatrain.models.layers.rope import apply_rotary
@@ -17,7 +17,7 @@ __all__ = ["EmbeddingBlock", "DecoderLayer", "HeadBlock"]
 
 
 class FusedAttention(Attention):
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         nn.Module.__init__(self)
         self.head_dim: int = config.head_dim  # type: ignore[assignment]
         self.q_size, self.kv_size = config.q_size, config.kv_size
@@ -35,7 +35,7 @@ class FusedAttention(Attention):
 
 
 class FusedMLP(nn.Module):
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
         self.gate_up_proj = nn.Linear(h, 2 * i, bias=False)
@@ -48,5 +48,5 @@ class FusedMLP(nn.Module):
 
 
 class DecoderLayer(SharedDecoderLayer):
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, mlp=FusedMLP, attention=FusedAttention)

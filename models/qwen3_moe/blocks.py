@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from megatrain.models.family import DecoderSpec
+from megatrain.models.model_config import ModelConfig
 from megatrain.models.layers import decoder
 from megatrain.models.layers.moe import SparseMLP
 
@@ -13,5 +13,5 @@ HeadBlock = decoder.HeadBlock
 
 
 class DecoderLayer(decoder.DecoderLayer):
-    def __init__(self, config: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, mlp=functools.partial(SparseMLP, router_first=False))

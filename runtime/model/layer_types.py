@@ -32,6 +32,6 @@ def layer_config(config: ModelConfig, kind: str | None) -> ModelConfig:
         return config
     if kind != SLIDING_ATTENTION:
         return dataclasses.replace(config, sliding_window=None, layer_types=None)
-    rope = {} if config.rope_local_base_freq is None else {"rope_theta": config.rope_local_base_freq,
-                                                           "rope_scaling": None}
+    local = config.family_field("rope_local_base_freq")  # Gemma 3's; other families have none
+    rope = {} if local is None else {"rope_theta": local, "rope_scaling": None}
     return dataclasses.replace(config, layer_types=None, **rope)

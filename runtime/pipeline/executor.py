@@ -128,7 +128,7 @@ class Executor:
         self.kept = KeptGraphs(log)  # [Note: kept layers]
         self.mlp_tile = plan.mlp_tile_tokens or 0  # [Note: sequence tiles]
         self.attention_tile = plan.attention_tile_tokens or 0
-        self.cap = self.config.final_logit_softcapping  # the head's logit soft-cap (model/head_loss.py), None: none
+        self.cap = self.config.family_field("final_logit_softcapping")  # the head's logit soft-cap (model/head_loss.py)
         self.expert_layers = ExpertLayers(templates, self.routing, self.checkpoints, self.grad_buffers, self.updates,
                                           self.attention_tile)  # layers streamed in parts: [Note: expert groups]
 

@@ -1,13 +1,13 @@
 """The one reader of a Hugging Face ``config.json``: every field the blocks depend on, honoured or refused.
 
-Both the planner (``model_shapes.from_config``) and the runtime (``ModelConfig.from_hf``)
-read a config through ``parse`` (a dict) or ``read`` (a path), so they cannot disagree on
-what a config means. The rules are those of transformers' class for the config's family
+``ModelConfig.from_hf`` (``model_config.py``) reads a config through ``fields`` (a dict) or ``read_fields`` (a
+path), and both the planner (``model_shapes.from_config``) and the runtime take that ``ModelConfig``, so they
+cannot disagree on what a config means. The rules are those of transformers' class for the config's family
 (``megatrain.models``: each family's ``read`` holds the fields in which families differ): a
 field is either honoured as transformers honours it, or refused with one line that names it and
 says how to fix it. A field of the wrong JSON type (``"rms_norm_eps": "1e-6"``, ``null`` where
 a number is needed) is refused the same way. Numeric ranges (a positive ``rope_theta``,
-...) are the consumer's to check.
+...) are ``ModelConfig``'s to check (``model_config_checks.py``).
 
 Audit of the fields (the family rules below are those of the built-in families, each in its folder of
 ``megatrain.models``):
@@ -80,18 +80,15 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-from megatrain.models import registry
-from megatrain.models.config_fields import (FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, SUPPORTED_ACTIVATIONS,
-                                            activation, boolean, integer, json_type, layer_types, number,
-                                            optional_integer)
-from megatrain.models.errors import HFConfigError
+from . import registry
+from .config_fields import (FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, SUPPORTED_ACTIVATIONS, activation,
+                            boolean, integer, json_type, number, optional_integer)
+from .errors import HFConfigError
 
-__all__ = ["HFConfigError", "DecoderConfig", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ROPE_TYPES", "SUPPORTED_ACTIVATIONS",
-           "integer", "number", "boolean", "optional_integer", "activation", "layer_types", "rope_scaling",
-           "read_rope", "read_config_json", "read", "parse"]
+__all__ = ["HFConfigError", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ROPE_TYPES", "SUPPORTED_ACTIVATIONS", "rope_scaling",
+           "read_rope", "read_config_json", "read_fields", "fields"]
 
 # The built-in families (``megatrain.models.registry``; ``registry.model_types()`` adds those registered later).
 SUPPORTED_MODEL_TYPES = registry.BUILTIN_MODEL_TYPES
@@ -111,54 +108,6 @@ ROPE_TYPE_OPTIONAL: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-
-
-@dataclass(frozen=True)
-class DecoderConfig:
-    """What the blocks of a decoder are, read from a config.json. Field names are ``ModelConfig``'s.
-
-    ``head_dim=None``: ``hidden_size // num_attention_heads``. ``sliding_window``: the window of
-    the sliding layers, ``None`` when every layer attends to the whole sequence; ``layer_types``: each
-    layer's ``full_attention`` or ``sliding_attention``, ``None`` when every layer is alike.
-    ``rope_scaling``: ``None`` (plain RoPE) or ``{"rope_type": "linear" | "llama3" | "dynamic" |
-    "yarn", ...}`` holding that type's parameters (yarn's optional ones only when given).
-    """
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int | None
-    hidden_act: str
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    tie_word_embeddings: bool
-    attention_bias: bool
-    o_proj_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    max_position_embeddings: int
-    pad_token_id: int | None
-    sliding_window: int | None
-    initializer_range: float
-    num_experts: int = 0  # the experts of a sparse MLP (megatrain.models.moe); 0: a dense MLP
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = False
-    shared_expert_intermediate_size: int = 0
-    layer_types: tuple[str, ...] | None = None
-    rope_local_base_freq: float | None = None  # the sliding layers' RoPE base, unscaled; None: the full layers'
-    query_pre_attn_scalar: float | None = None
-    final_logit_softcapping: float | None = None
-    router_aux_loss_coef: float | None = None  # the load-balancing loss's weight; None: output_router_logits false
-
-    def fields(self) -> dict[str, Any]:
-        """The fields as keyword arguments (``ModelConfig(**d.fields())``)."""
-        return asdict(self)
 
 
 # ---- RoPE ------------------------------------------------------------------------------------------
@@ -289,17 +238,18 @@ def read_config_json(source: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def read(source: str | os.PathLike) -> DecoderConfig:
-    """``parse`` of the config.json at ``source``; errors name the file."""
+def read_fields(source: str | os.PathLike) -> dict[str, Any]:
+    """``fields`` of the config.json at ``source``; errors name the file."""
     data = read_config_json(source)
     try:
-        return parse(data)
+        return fields(data)
     except HFConfigError as e:
         raise HFConfigError(f"{os.fspath(source)}: {e}") from None
 
 
-def parse(data: Mapping[str, Any]) -> DecoderConfig:
-    """The decoder a Hugging Face config dict describes, with transformers' rules for its family."""
+def fields(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``ModelConfig`` keyword arguments a Hugging Face config dict describes, with transformers' rules for its
+    family (its own fields among them, as its ``read`` returns them); ``ModelConfig.from_hf`` builds the config."""
     if not isinstance(data, Mapping):
         raise HFConfigError(f"a model config is a JSON object, got {json_type(data)}; pass a config.json")
     mtype = data.get("model_type", registry.DEFAULT_MODEL_TYPE)
@@ -328,7 +278,7 @@ def parse(data: Mapping[str, Any]) -> DecoderConfig:
                             "without attention dropout: set it to 0.0")
     own = family.read(data, sizes["num_hidden_layers"])  # may read the activation under its own name
     act = own.pop("hidden_act", None) or activation("hidden_act", data.get("hidden_act", "silu"))
-    return DecoderConfig(
+    return dict(
         model_type=mtype,
         **sizes,
         num_key_value_heads=heads if kv is None else kv,
