@@ -70,7 +70,7 @@ def figures_note(hw: HardwareProfile) -> str | None:
 
 
 def adam_memory_line(hw: HardwareProfile) -> str:
-    """CPU AdamW's memory traffic against the host's bandwidth, and AdamW with bf16 state against fp32 state's on
+    """CPU AdamW's memory traffic against the host's bandwidth, and AdamW with bf16 state against fp32 AdamW on
     the AdamW worker's threads; "not measured" for what an older profile lacks."""
     if hw.cpu_adam_gbps and hw.host_memory_gbps:
         adam = (f"AdamW moves {hw.cpu_adam_bytes_per_param} B/param: {hw.cpu_adam_gbps:.1f} GB/s of the host's "
@@ -81,7 +81,7 @@ def adam_memory_line(hw: HardwareProfile) -> str:
     if not hw.cpu_bf16_state_params_per_s:
         return adam
     return (f"{adam}; AdamW with bf16 state {hw.cpu_bf16_state_params_per_s / 1e9:.2f} Gparam/s, "
-            f"{hw.cpu_bf16_state_params_per_s / hw.adam_params_per_s:.2f}x fp32 state's on the worker's threads")
+            f"{hw.cpu_bf16_state_params_per_s / hw.adam_params_per_s:.2f}x fp32 AdamW on the worker's threads")
 
 
 def profile_text(hw: HardwareProfile, saved_to: str) -> str:
