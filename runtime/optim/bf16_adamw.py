@@ -3,8 +3,8 @@
 The update of element i (every operation an IEEE fp32 one, rounded on its own; ``Constants`` holds the scalars,
 each rounded to fp32 once):
 
-    g = grad * clip                       (clip: the clipping coefficient, 1 without clipping)
-    p = master * decay                    (decay = 1 - lr * weight_decay, 1 for parameters without decay)
+    g = grad * clip                       (clip: the clipping coefficient; skipped where it is 1)
+    p = master * decay                    (decay = 1 - lr * weight_decay; skipped where it is 1: no decay)
     m = widen(m) * beta1 + g * (1 - beta1)
     v = widen(v) * beta2 + (g * g) * (1 - beta2)
     master = p - (m * step_size) / (sqrt(v) * inv_bias2_sqrt + eps)
@@ -105,10 +105,10 @@ def torch_update(master: torch.Tensor, grads: torch.Tensor, m: torch.Tensor, v: 
     multiply, add, subtract, divide and square root, each correctly rounded; no fused multiply-add)."""
     for a in range(0, master.numel(), TORCH_CHUNK):
         z = min(a + TORCH_CHUNK, master.numel())
-        g = grads[a:z] * c.clip
-        p = master[a:z] * c.decay
+        g = grads[a:z] * c.clip if c.clip != 1.0 else grads[a:z]  # x 1 skipped, as the compiled loop skips it
+        p = master[a:z] * c.decay if c.decay != 1.0 else master[a:z].clone()
         mw = m[a:z].float().mul_(c.beta1).add_(g * c.one_minus_beta1)
-        vw = v[a:z].float().mul_(c.beta2).add_(g.mul_(g).mul_(c.one_minus_beta2))
+        vw = v[a:z].float().mul_(c.beta2).add_((g * g).mul_(c.one_minus_beta2))
         # sqrt in fp64, then rounded: torch's fp32 sqrt (MKL's) is not correctly rounded (about 1 in 140 one ULP
         # off), its fp64 sqrt within a few fp64 ULPs, and the square root of an fp32 never lies within 2^-50
         # (relative) of a midpoint between fp32 neighbours: rounded to fp32 it is the correctly rounded sqrt

@@ -45,9 +45,10 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
 void update_range(float* __restrict__ p, const float* __restrict__ g, uint16_t* __restrict__ m,
                   uint16_t* __restrict__ v, int64_t lo, int64_t hi, uint32_t base, Hyper h) {
+  const bool clip = h.clip != 1.0f, decay = h.decay != 1.0f;  // invariant: the loop is unswitched on them
   for (int64_t i = lo; i < hi; ++i) {
-    float gi = g[i] * h.clip;
-    float pi = p[i] * h.decay;
+    float gi = clip ? g[i] * h.clip : g[i];
+    float pi = decay ? p[i] * h.decay : p[i];
     float mi = float_of(uint32_t(m[i]) << 16) * h.beta1 + gi * h.one_minus_beta1;
     float vi = float_of(uint32_t(v[i]) << 16) * h.beta2 + (gi * gi) * h.one_minus_beta2;
     float denom = std::sqrt(vi) * h.inv_bias2_sqrt + h.eps;
