@@ -30,7 +30,9 @@ from megatrain.runtime.optim import native_adamw
 from megatrain.runtime.optim.adamw_kernel import AdamHyper
 from megatrain.runtime.optim.stochastic_rounding import MIX, noise, noise_base, round_stochastic
 
-# Elements the torch fallback computes at a time (its temporaries: about 40 bytes each).
+# Elements the torch fallback computes at a time (its temporaries: about 40 bytes each). It runs at about 0.03
+# Gparam/s on one thread of this project's CPU, against 0.9-1.0 for the compiled loop: its 32-bit hash in int64
+# torch ops is most of it.
 TORCH_CHUNK = 1 << 16
 
 
@@ -91,7 +93,7 @@ def update(master: torch.Tensor, grads: torch.Tensor, m: torch.Tensor, v: torch.
     if fn is None:
         if compiled and not _warned:
             _warned = True
-            warnings.warn(f"bf16 AdamW state runs in torch ops, about 4x slower than the compiled kernel ({why}); "
+            warnings.warn(f"bf16 AdamW state runs in torch ops, about 30x slower than the compiled kernel ({why}); "
                           "install a C++ compiler (g++) for the fast path: the bits are the same", stacklevel=2)
         torch_update(master, grads, m, v, base, c)
         return
