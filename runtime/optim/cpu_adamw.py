@@ -9,6 +9,8 @@ thread's chunk, differs by 1 ULP in exp_avg_sq), so only the same tensor
 boundaries as ``torch.optim.AdamW`` give the same bits. With
 clipping, the gradients are first multiplied by the clip coefficient the way
 ``torch.nn.utils.clip_grad_norm_`` does (``grad * clamp(max_norm / (norm + 1e-6), max=1)``).
+With bf16 m and v the update is bf16_adamw.py's one pass instead (the clip
+coefficient applied inside it; [Note: bf16 optimizer state]).
 
 [Note: optimizer modes]
 eager: a block's job is queued as soon as its gradient drain is queued, so the
