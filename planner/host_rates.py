@@ -36,16 +36,23 @@ def cpu_shadow_rate(numel: int) -> float:
     return numel / best_of(once, 3)
 
 
-def cpu_bf16_state_rate(numel: int, threads: int) -> float:
+def cpu_bf16_state_rate(numel: int, threads: int, fp32_rate: float | None = None) -> float:
     """Params/s of the AdamW update with bf16 m and v (the runtime's one pass: widen, update, round back,
     runtime/optim/bf16_adamw.py) over ``numel`` elements on ``threads`` threads; 0.0 where it could not run. In a
-    child process (``python -m megatrain.tools.bf16_state_probe``): the planner never imports the runtime."""
+    child process (``python -m megatrain.tools.bf16_state_probe``: the planner never imports the runtime), which
+    times it alternated with torch's fused fp32 AdamW. With ``fp32_rate`` (fp32 AdamW's params/s measured here on
+    those threads): that rate x the child's bf16 / fp32 ratio, so a profile's two figures compare as the two
+    updates did side by side, however busy the machine was between them."""
     cmd = [sys.executable, "-m", "megatrain.tools.bf16_state_probe", "--numel", str(numel), "--threads", str(threads)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        return float(json.loads(done.stdout.strip().splitlines()[-1])["params_per_s"]) if done.returncode == 0 else 0.0
+        if done.returncode != 0:
+            return 0.0
+        got = json.loads(done.stdout.strip().splitlines()[-1])
+        bf16, fp32 = float(got["params_per_s"]), float(got["fp32_params_per_s"])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError, KeyError, TypeError):
         return 0.0
+    return bf16 if fp32_rate is None else fp32_rate * bf16 / fp32
 
 
 def cpu_adam_rate(numel: int, threads: list[int]) -> list[tuple[int, float]]:

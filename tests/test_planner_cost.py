@@ -194,6 +194,23 @@ def test_the_bf16_state_probe_times_the_pass_and_leaves_the_thread_count() -> No
     assert torch.get_num_threads() == before
 
 
+def test_the_bf16_state_figure_is_fp32_adamws_rate_times_the_ratio_measured_side_by_side(monkeypatch) -> None:
+    """The probe's child process times both updates alternated; the profile's figure is its own fp32 AdamW rate x
+    their ratio (bf16 / fp32), or the child's bf16 rate where none is given; 0 where the child fails."""
+    import subprocess
+
+    from megatrain.planner import host_rates
+
+    def child(out: str, rc: int = 0):
+        return lambda cmd, **kw: subprocess.CompletedProcess(cmd, rc, stdout=out, stderr="")
+
+    monkeypatch.setattr(host_rates.subprocess, "run", child('{"params_per_s": 2e8, "fp32_params_per_s": 4e8}\n'))
+    assert host_rates.cpu_bf16_state_rate(1 << 22, 1, fp32_rate=1e9) == pytest.approx(5e8)
+    assert host_rates.cpu_bf16_state_rate(1 << 22, 1) == pytest.approx(2e8)
+    monkeypatch.setattr(host_rates.subprocess, "run", child("Traceback ...", rc=1))
+    assert host_rates.cpu_bf16_state_rate(1 << 22, 1, fp32_rate=1e9) == 0.0
+
+
 @pytest.mark.parametrize("field", ["cpu_shadow_params_per_s", "cpu_bf16_state_params_per_s"])
 def test_a_negative_cpu_pass_rate_is_refused(field) -> None:
     with pytest.raises(hardware.HardwareError, match=field):

@@ -3,8 +3,8 @@ in its own process: the planner never imports the runtime, whose pass this is).
 
 ``python -m megatrain.tools.bf16_state_probe --numel N --threads T`` prints one JSON line: the params/s of the
 runtime's bf16-state update (runtime/optim/bf16_adamw.py: the compiled loop where it builds, else its torch
-fallback) over one flat run of N elements on T intra-op threads, best of 3 after two warm-up calls (the first
-builds or loads the kernel and faults the pages in), and whether the compiled loop ran.
+fallback) and of torch's fused fp32 AdamW over one flat run of N elements on T intra-op threads, alternated in this
+one process, and whether the compiled loop ran.
 """
 from __future__ import annotations
 
@@ -15,32 +15,38 @@ import time
 
 import torch
 
-from megatrain.planner.host_rates import best_of
 from megatrain.runtime.optim import bf16_adamw
 from megatrain.runtime.optim.adamw_kernel import AdamHyper
 from megatrain.runtime.optim.stochastic_rounding import noise_base
 
 
-def rate(numel: int, threads: int) -> float:
-    """Params/s of the bf16-state update of ``numel`` elements on ``threads`` threads (torch's count restored)."""
+def rates(numel: int, threads: int, pairs: int = 7) -> tuple[float, float]:
+    """(params/s of the bf16-state update, params/s of torch's fused fp32 AdamW) over ``numel`` elements on
+    ``threads`` threads (torch's count restored): the two alternated ``pairs`` times after two warm-up pairs (the
+    first builds or loads the kernel and faults the pages in), the fastest of each, so a busy neighbour slows both
+    alike and their ratio holds."""
     before = torch.get_num_threads()
     master, grads = torch.zeros(numel), torch.randn(numel)
     m, v = torch.zeros(numel, dtype=torch.bfloat16), torch.zeros(numel, dtype=torch.bfloat16)
+    p32, m32, v32, step32 = torch.zeros(numel), torch.zeros(numel), torch.zeros(numel), torch.tensor(0.0)
     hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
-    step = [0]
-
-    def once() -> float:
-        step[0] += 1
-        c = bf16_adamw.Constants.of(hyper, step[0], True, None)
-        t0 = time.perf_counter()
-        bf16_adamw.update(master, grads, m, v, noise_base(step[0], 0, 0), c)
-        return time.perf_counter() - t0
-
+    bf16, fp32 = [], []
     try:
         torch.set_num_threads(threads)
-        for _ in range(2):
-            once()
-        return numel / best_of(once, 3)
+        for step in range(1, pairs + 3):
+            c = bf16_adamw.Constants.of(hyper, step, True, None)
+            t0 = time.perf_counter()
+            bf16_adamw.update(master, grads, m, v, noise_base(step, 0, 0), c)
+            t1 = time.perf_counter()
+            step32.add_(1)
+            torch._fused_adamw_([p32], [grads], [m32], [v32], [], [step32], lr=hyper.lr, beta1=hyper.beta1,
+                                beta2=hyper.beta2, weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=False,
+                                maximize=False)
+            t2 = time.perf_counter()
+            if step > 2:
+                bf16.append(t1 - t0)
+                fp32.append(t2 - t1)
+        return numel / min(bf16), numel / min(fp32)
     finally:
         torch.set_num_threads(before)
 
@@ -51,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--numel", type=int, default=1 << 22)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
-    params_per_s = rate(max(1, args.numel), max(1, args.threads))
-    print(json.dumps({"params_per_s": params_per_s, "compiled": bf16_adamw.uses_compiled_kernel()}))
+    bf16, fp32 = rates(max(1, args.numel), max(1, args.threads))
+    print(json.dumps({"params_per_s": bf16, "fp32_params_per_s": fp32, "compiled": bf16_adamw.uses_compiled_kernel()}))
     return 0
 
 

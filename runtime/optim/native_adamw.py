@@ -7,9 +7,11 @@ One pass per element: widen bf16 m and v, AdamW on the fp32 master, stochastic r
 depend on the instruction set, and ``bf16_adamw.torch_update`` computes the same ones op by op) and
 ``-fno-math-errno`` (lets sqrt vectorize; changes no result), with clones for x86-64-v4 (AVX-512 with BW and VL:
 the 16-bit narrowing in one instruction; a plain AVX-512F clone ran 20% slower here), x86-64-v3 (AVX2) and plain
-x86-64 picked at load (a compiler that refuses the clones builds the plain loop: the same bits). The loop is split over the calling thread's OpenMP team, torch's own intra-op threads (the
-library links the ``libgomp.so.1`` torch has already loaded): as many threads as ``torch.get_num_threads()`` on
-that thread, and the same bits on any number of them (each element is computed from its own inputs and index).
+x86-64 picked at load (a compiler that refuses the clones builds the plain loop: the same bits). The loop is split
+over the calling thread's OpenMP team, torch's own intra-op threads (the library links the ``libgomp.so.1`` torch
+has already loaded): as many threads as ``torch.get_num_threads()`` on that thread, and the same bits on any
+number of them (each element is computed from its own inputs and index). Built in about a second (0.9 s on this
+project's 2-core CPU), loaded from the cache in about 25 ms.
 
 The shared library is cached under ``$XDG_CACHE_HOME/megatrain/kernels`` (``~/.cache`` by default), named by a
 hash of the source, the flags and the compiler's version; a build writes a temporary file and renames it into
