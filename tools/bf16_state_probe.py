@@ -20,7 +20,7 @@ from megatrain.runtime.optim.adamw_kernel import AdamHyper
 from megatrain.runtime.optim.stochastic_rounding import noise_base
 
 
-def rates(numel: int, threads: int, pairs: int = 7) -> tuple[float, float]:
+def rates(numel: int, threads: int, pairs: int = 15) -> tuple[float, float]:
     """(params/s of the bf16-state update, params/s of torch's fused fp32 AdamW) over ``numel`` elements on
     ``threads`` threads (torch's count restored): the two alternated ``pairs`` times after two warm-up pairs (the
     first builds or loads the kernel and faults the pages in), the fastest of each, so a busy neighbour slows both
