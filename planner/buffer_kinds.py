@@ -36,9 +36,9 @@ Placement = Mapping[BufferKind, frozenset[int]]
 # Bytes: a spill file holds each block at an offset and length that are multiples of this (O_DIRECT).
 SPILL_ALIGN = 4096
 
-# Elements that bf16 AdamW state is widened to fp32 and rounded back in, each piece's noise keyed by its first
-# element (runtime/optim/stochastic_rounding.py, [Note: bf16 optimizer state]). A chunk of a block whose bf16
-# m or v spills starts on a multiple of it, so the chunks walk the same pieces as the block in RAM: the same bits.
+# A chunk of a block whose bf16 m or v spills starts on a multiple of these elements. bf16 state's rounding noise
+# is each element's own (runtime/optim/stochastic_rounding.py, [Note: bf16 optimizer state]), so any chunking
+# gives the block's bits in RAM; the multiple dates from noise keyed per piece of this many elements.
 WIDEN_ELEMENTS = 2**20
 
 
@@ -50,7 +50,7 @@ def element_bytes(kind: BufferKind, state_bytes: int = 4) -> int:
 
 def spill_chunk_multiple(state_bytes: int) -> int:
     """What ``Plan.spill_chunk_bytes`` must be a multiple of where m or v spill in ``state_bytes``: SPILL_ALIGN
-    for fp32 state; 4 x WIDEN_ELEMENTS (4 MiB) for bf16, so chunk edges fall on the rounding's pieces."""
+    for fp32 state; 4 x WIDEN_ELEMENTS (4 MiB) for bf16 (see WIDEN_ELEMENTS)."""
     return SPILL_ALIGN if state_bytes == 4 else 4 * WIDEN_ELEMENTS
 
 

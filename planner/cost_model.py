@@ -43,9 +43,10 @@ NONMATMUL_FACTOR = {"cpu": 1.10, "gpu": 1.78}
 # Used where the profile has no measured shadow rate; fp32 compute has no shadow pass (the master
 # is what travels) unless the master spills.
 ADAM_SHADOW_FACTOR = 1.15
-# bf16 AdamW state's pass (m and v widened, then rounded back at random) in AdamW times, where the profile has no
-# measured rate: 5.76 against 1.1 ns per parameter of AdamW in spilled steps on this project's CPU (one thread).
-BF16_STATE_FACTOR = 4.2
+# AdamW with bf16 state (one pass: m and v widened, updated, rounded back at random) in fp32 AdamW times, where the
+# profile has no measured rate: no slower (it ran at 1.06-1.11x fp32 AdamW's params/s on one thread of this
+# project's CPU, and moves 20 bytes a parameter to fp32's 28 where memory bounds it).
+BF16_STATE_FACTOR = 1.0
 
 
 @dataclass(frozen=True)
@@ -232,16 +233,20 @@ class _AdamTime:
         # one thread on a CPU device, as the bf16-state pass is measured; ``cores`` scales it to the compute thread).
         rate = hw.cpu_adam_params_per_s if plan.adam_thread == "compute" else hw.adam_params_per_s
         per_param, cores = 1.0 / rate, rate / hw.adam_params_per_s
+        # bf16 m and v: their one pass in place of fp32 state's AdamW (measured, or the factor); ``state``: its
+        # time over fp32 AdamW's
+        state = 1.0
+        if work.optimizer_state == "bf16":
+            state = (rate / (hw.cpu_bf16_state_params_per_s * cores) if hw.cpu_bf16_state_params_per_s > 0
+                     else BF16_STATE_FACTOR)
         if cal is not None and plan.adam_thread == "worker":
             # measured in the step (on the worker): the shadow pass, where there is one, is inside it
-            per_param = 1.0 / cal.adam_params_per_s
+            per_param = state / cal.adam_params_per_s
         elif has_shadow(work.compute_bytes, plan.weights_cast):  # no pass in fp32 or with the cast on the device
-            per_param = (per_param + 1.0 / hw.cpu_shadow_params_per_s if hw.cpu_shadow_params_per_s > 0
-                         else per_param * ADAM_SHADOW_FACTOR)
-        if work.optimizer_state == "bf16":  # + m and v widened and rounded back (measured, or the factor)
-            adam = 1.0 / (cal.adam_params_per_s if cal is not None and plan.adam_thread == "worker" else rate)
-            per_param += (1.0 / (hw.cpu_bf16_state_params_per_s * cores) if hw.cpu_bf16_state_params_per_s > 0
-                          else adam * BF16_STATE_FACTOR)
+            per_param = state * per_param + (1.0 / hw.cpu_shadow_params_per_s if hw.cpu_shadow_params_per_s > 0
+                                             else per_param * (ADAM_SHADOW_FACTOR - 1.0))
+        else:
+            per_param = state * per_param
         self.per_param = per_param
         if self.spilled.kinds and (hw.disk_read_gbps <= 0 or hw.disk_write_gbps <= 0):
             raise ValueError("a spill plan needs the disk's read and write GB/s in the hardware profile "

@@ -71,9 +71,12 @@ class HardwareProfile:
     # CPU rounding of fp32 masters into the bf16 shadow (params/s, all cores), the pass after AdamW
     # when compute is not fp32; 0: not measured (the cost model then assumes ADAM_SHADOW_FACTOR).
     cpu_shadow_params_per_s: float = 0.0
-    # CPU widening of bf16 AdamW m and v to fp32 and their stochastic rounding back (params/s, on the AdamW
-    # worker's threads): the pass bf16 optimizer state adds to each update; 0: not measured (the cost model then
-    # assumes BF16_STATE_FACTOR x the AdamW time).
+    # CPU AdamW with bf16 m and v (params/s, on the AdamW worker's threads): the one pass that widens them,
+    # updates the fp32 master and rounds them back, in place of fp32 state's AdamW (measured as its ratio to fp32
+    # AdamW, the two alternated in one process, by CPU time on one thread, x fp32 AdamW's rate on those threads);
+    # 0: not measured (the cost model then assumes BF16_STATE_FACTOR x the AdamW time). Profiles measured before
+    # that pass was fused hold the widening and rounding alone, a lower rate than the fused update's: plans made
+    # with them overestimate it.
     cpu_bf16_state_params_per_s: float = 0.0
     # The host's memory bandwidth: a triad (a = b + s x c over fp32 arrays far beyond the caches, 12 bytes per
     # element) in GB/s, on the thread count of cpu_adam_params_per_s; 0: not measured (older profiles).

@@ -1,10 +1,14 @@
 """The host's own rates, measured with torch on its CPU threads (``megatrain-plan profile``, via profiler.py):
-CPU AdamW, the compute-dtype shadow's rounding, bf16 AdamW state's extra pass, host memcpy.
+CPU AdamW, the compute-dtype shadow's rounding, AdamW with bf16 state (the runtime's pass, in a child process),
+host memcpy.
 
 Like profiler.py, it imports torch only inside the functions that measure.
 """
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from typing import Callable
 
@@ -32,41 +36,23 @@ def cpu_shadow_rate(numel: int) -> float:
     return numel / best_of(once, 3)
 
 
-def cpu_bf16_state_rate(numel: int, threads: int) -> float:
-    """Params/s of the pass bf16 AdamW state adds to an update, on ``threads`` threads, with the torch calls of
-    the runtime's stochastic_rounding.py: in chunks of 2^17 elements per thread, m and v widened to fp32 scratch,
-    a slice of a 2^16-entry table of 16-bit noise added to their bits (one table period repeated over the chunk),
-    the low halves masked off, both narrowed back."""
-    import torch
-    before = torch.get_num_threads()
-    period = 1 << 16
-    chunk = min(1 << 20, 2 * period * (1 << max(0, threads - 1).bit_length()))  # at most a piece
-    numel = max(chunk, numel - numel % chunk)  # whole chunks
-    m, v = torch.randn(numel).bfloat16(), torch.randn(numel).bfloat16()
-    table = torch.randint(0, period, (4 * period,), dtype=torch.int32)
-    mask = torch.tensor(-period, dtype=torch.int32)
-
-    def once() -> float:
-        scratch = torch.empty(2, chunk)
-        t0 = time.perf_counter()
-        for a in range(0, numel, chunk):
-            scratch[0].copy_(m[a:a + chunk])
-            scratch[1].copy_(v[a:a + chunk])
-            noise = table.as_strided((2, chunk // period, period), (2 * period + 77, 0, 1), 123)
-            bits = scratch.view(torch.int32)
-            bits.view(2, chunk // period, period).add_(noise)
-            bits.bitwise_and_(mask)
-            m[a:a + chunk].copy_(scratch[0])
-            v[a:a + chunk].copy_(scratch[1])
-        return time.perf_counter() - t0
-
+def cpu_bf16_state_rate(numel: int, threads: int, fp32_rate: float | None = None) -> float:
+    """Params/s of the AdamW update with bf16 m and v (the runtime's one pass: widen, update, round back,
+    runtime/optim/bf16_adamw.py) over ``numel`` elements on ``threads`` threads; 0.0 where it could not run. In a
+    child process (``python -m megatrain.tools.bf16_state_probe``: the planner never imports the runtime), which
+    times it alternated with torch's fused fp32 AdamW. With ``fp32_rate`` (fp32 AdamW's params/s measured here on
+    those threads): that rate x the child's bf16 / fp32 ratio, so a profile's two figures compare as the two
+    updates did side by side, however busy the machine was between them."""
+    cmd = [sys.executable, "-m", "megatrain.tools.bf16_state_probe", "--numel", str(numel), "--threads", str(threads)]
     try:
-        torch.set_num_threads(threads)
-        for _ in range(2):  # the first calls fault their buffers' pages in
-            once()
-        return numel / best_of(once, 3)
-    finally:
-        torch.set_num_threads(before)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            return 0.0
+        got = json.loads(done.stdout.strip().splitlines()[-1])
+        bf16, fp32 = float(got["params_per_s"]), float(got["fp32_params_per_s"])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError, KeyError, TypeError):
+        return 0.0
+    return bf16 if fp32_rate is None else fp32_rate * bf16 / fp32
 
 
 def cpu_adam_rate(numel: int, threads: list[int]) -> list[tuple[int, float]]:

@@ -239,9 +239,12 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
     memory_gbps = cpu_memory_gbps(1 << 25, adam_threads)
     log("CPU fp32 -> bf16 shadow rounding")
     shadow = cpu_shadow_rate(1 << 22 if not on_gpu else 1 << 26)
-    log("CPU bf16 AdamW state: widening and stochastic rounding")
+    log("CPU AdamW with bf16 state (one pass: m and v widened, updated, rounded back)")
     # on the AdamW worker's threads: one where the device is the CPU ([Note: helper threads]), every core on a GPU
-    bf16_state = cpu_bf16_state_rate(1 << 22, 1 if not on_gpu else cores)
+    worker = 1 if not on_gpu else cores
+    bf16_state = cpu_bf16_state_rate(1 << 22, worker, dict(adam).get(worker))  # at fp32 AdamW's rate x their ratio
+    if not bf16_state:
+        notes.append("AdamW with bf16 state not measured (python -m megatrain.tools.bf16_state_probe failed)")
     disk = measure_disk(spill_dir, cpu_matmul(), log) if spill_dir else {}
     if not spill_dir:
         notes.append(f"{NOT_MEASURED} (pass --spill-dir)")

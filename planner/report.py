@@ -52,7 +52,7 @@ def hardware_line(hw: HardwareProfile) -> str:
     return (f"{gpu}; host RAM {gib(hw.host_budget_bytes)} usable of {gib(hw.host_ram_bytes)}; {link}"
             f"AdamW {hw.cpu_adam_params_per_s / 1e9:.2f} Gparam/s"
             + (f" + bf16 shadow {hw.cpu_shadow_params_per_s / 1e9:.2f} Gparam/s" if hw.cpu_shadow_params_per_s else "")
-            + (f" (bf16 state + {hw.cpu_bf16_state_params_per_s / 1e9:.2f} Gparam/s)" if hw.cpu_bf16_state_params_per_s
+            + (f" (bf16 state {hw.cpu_bf16_state_params_per_s / 1e9:.2f} Gparam/s)" if hw.cpu_bf16_state_params_per_s
                else "")
             + f"; {hw.cores} cores" + (f"; {hw.interconnect}" if hw.interconnect not in ("none", "unknown") else ""))
 
@@ -70,8 +70,8 @@ def figures_note(hw: HardwareProfile) -> str | None:
 
 
 def adam_memory_line(hw: HardwareProfile) -> str:
-    """CPU AdamW's memory traffic against the host's bandwidth, and bf16 state's pass against fp32 AdamW on the
-    AdamW worker's threads; "not measured" for what an older profile lacks."""
+    """CPU AdamW's memory traffic against the host's bandwidth, and AdamW with bf16 state against fp32 AdamW on
+    the AdamW worker's threads; "not measured" for what an older profile lacks."""
     if hw.cpu_adam_gbps and hw.host_memory_gbps:
         adam = (f"AdamW moves {hw.cpu_adam_bytes_per_param} B/param: {hw.cpu_adam_gbps:.1f} GB/s of the host's "
                 f"{hw.host_memory_gbps:.1f} GB/s memory bandwidth (triad), "
@@ -80,7 +80,7 @@ def adam_memory_line(hw: HardwareProfile) -> str:
         adam = "AdamW's GB/s and the host's memory bandwidth: not measured"
     if not hw.cpu_bf16_state_params_per_s:
         return adam
-    return (f"{adam}; bf16 state's pass {hw.cpu_bf16_state_params_per_s / 1e9:.2f} Gparam/s, "
+    return (f"{adam}; AdamW with bf16 state {hw.cpu_bf16_state_params_per_s / 1e9:.2f} Gparam/s, "
             f"{hw.cpu_bf16_state_params_per_s / hw.adam_params_per_s:.2f}x fp32 AdamW on the worker's threads")
 
 

@@ -7,9 +7,9 @@ import torch
 from megatrain.planner import memory_model, model_shapes
 from megatrain.planner.workload import Workload, WorkloadError
 from megatrain.runtime import ConfigError, Engine, ModelConfig, OptimizerConfig, Plan
-from megatrain.runtime.optim.stochastic_rounding import (NOISE_PERIOD, WIDEN_ELEMENTS, cache_chunk, noise_at,
-                                                         noise_key, noise_table, round_stochastic,
-                                                         widened_chunks)
+from megatrain.runtime.optim import bf16_adamw
+from megatrain.runtime.optim.adamw_kernel import AdamHyper
+from megatrain.runtime.optim.stochastic_rounding import MIX, mix, noise, noise_base, noise_key, round_stochastic
 
 CONFIG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
@@ -41,26 +41,49 @@ def state(e: Engine) -> dict[str, torch.Tensor]:
             "exp_avg_sq": s.exp_avg_sq.tensor.clone(), "steps": torch.stack(s.steps)}
 
 
-def rounded(src: torch.Tensor, at: int) -> torch.Tensor:
-    """src (fp32 [n]) rounded to bf16 with the noise from ``noise_table()[at]`` on (m's half of the table)."""
-    dst = torch.empty(src.numel(), dtype=torch.bfloat16)
-    round_stochastic(src.clone().view(1, -1), [dst], (at,))
-    return dst
+def rounded(src: torch.Tensor, base: int, half: int = 0) -> torch.Tensor:
+    """src (fp32 [n]) rounded to bf16 with the noise from mix input ``base`` on (m's half: 0, v's: 1)."""
+    bits = noise(base, src.numel())
+    return round_stochastic(src.clone(), (bits >> 16) if half else (bits & 0xFFFF))
 
 
-def test_noise_table_holds_every_16_bit_value_once_per_period() -> None:
-    # exact balance: over a uniformly random offset, every element's noise is exactly uniform on [0, 2^16)
-    table = noise_table()
-    assert table.shape == (4 * NOISE_PERIOD,) and table.dtype == torch.int32
-    for half in (0, 2):
-        period = table[half * NOISE_PERIOD:(half + 1) * NOISE_PERIOD]
-        assert torch.equal(period.sort().values, torch.arange(NOISE_PERIOD, dtype=torch.int32))
-        assert torch.equal(table[(half + 1) * NOISE_PERIOD:(half + 2) * NOISE_PERIOD], period)
-    assert not torch.equal(table[:NOISE_PERIOD], table[2 * NOISE_PERIOD:3 * NOISE_PERIOD])  # m's and v's differ
-    # no visible pattern: neighbours uncorrelated, the low bit a fair coin (a plain counter would fail both)
-    x = table[:NOISE_PERIOD].double()
-    assert abs(float(torch.corrcoef(torch.stack([x[:-1], x[1:]]))[0, 1])) < 0.02
-    assert abs(float((table[:NOISE_PERIOD] & 1).double().mean()) - 0.5) < 0.01
+def unmix(x: torch.Tensor) -> torch.Tensor:
+    """mix's inverse, step by step (x ^= x >> s undone by xor-ing the shifts back in; x *= c by c's inverse
+    modulo 2^32): it exists, so mix is a bijection of the 32-bit integers."""
+    mask = 0xFFFFFFFF
+
+    def unshift(y: torch.Tensor, s: int) -> torch.Tensor:
+        out = y.clone()
+        for _ in range(32 // s + 1):
+            out = y ^ (out >> s)
+        return out
+
+    def unmul(y: torch.Tensor, c: int) -> torch.Tensor:
+        inv = pow(c, -1, 1 << 32)  # split in 16-bit halves so every product fits in an int64
+        return ((y * (inv & 0xFFFF)) + (((y * (inv >> 16)) & 0xFFFF) << 16)) & mask
+
+    x = unshift(x, 16)
+    x = unmul(x, MIX[1])
+    x = unshift(x, 15)
+    x = unmul(x, MIX[0])
+    return unshift(x, 16)
+
+
+def test_mix_is_a_bijection_so_the_noise_is_exactly_uniform_over_the_key() -> None:
+    # mix undone exactly on random and edge values: a bijection, so over a uniformly random key each element's
+    # 32 noise bits are uniform, m's 16 and v's 16 exactly uniform and independent
+    x = torch.cat([torch.randint(0, 1 << 32, (100_000,), dtype=torch.int64, generator=torch.Generator().manual_seed(3)),
+                   torch.tensor([0, 1, 0xFFFF, 0x10000, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF])])
+    assert torch.equal(unmix(mix(x.clone())), x)
+    assert int(mix(x.clone()).min()) >= 0 and int(mix(x.clone()).max()) <= 0xFFFFFFFF
+    # no visible pattern along a block: neighbours uncorrelated, low bits fair coins, m's and v's halves apart
+    bits = noise(noise_base(5, 2, 0), 1 << 16)
+    for half in (bits & 0xFFFF, bits >> 16):
+        h = half.double()
+        assert abs(float(torch.corrcoef(torch.stack([h[:-1], h[1:]]))[0, 1])) < 0.02
+        assert abs(float((half & 1).double().mean()) - 0.5) < 0.01
+        assert abs(float(h.mean()) / (1 << 16) - 0.5) < 0.01
+    assert abs(float(torch.corrcoef(torch.stack([(bits & 0xFFFF).double(), (bits >> 16).double()]))[0, 1])) < 0.02
 
 
 def test_stochastic_rounding_is_unbiased_where_nearest_is_not() -> None:
@@ -68,65 +91,66 @@ def test_stochastic_rounding_is_unbiased_where_nearest_is_not() -> None:
     # stochastic rounding gives 1 + 2^-7 a quarter of the time, 1.0 otherwise: the mean is the value itself.
     value = 1.0 + 2.0 ** -9
     draws = 200_000
-    dst = torch.empty(draws, dtype=torch.bfloat16)
-    at = noise_at(3, 1, 0)
-    round_stochastic(torch.full((2, draws), value), [dst, torch.empty_like(dst)], at)
+    dst = rounded(torch.full((draws,), value), noise_base(3, 1, 0))
     assert set(dst.float().unique().tolist()) == {1.0, 1.0 + 2.0 ** -7}
-    mean = float(dst.double().mean())
     nearest = float(torch.tensor(value).bfloat16().double())
     assert nearest == 1.0 and abs(nearest - value) == 2.0 ** -9
-    # a whole period of noise holds every 16-bit value once: each of 3 periods rounds up exactly a quarter of
-    # its 2^16 draws; the 3392-draw remainder's share up is within 5 standard errors of a quarter
-    assert abs(mean - value) < 4e-5
-    # negative values round the same way in magnitude, v's half of the table too
-    v = torch.empty_like(dst)
-    round_stochastic(torch.full((2, draws), -value), [dst, v], noise_at(4, 1, 0))
-    assert abs(float(dst.double().mean()) + value) < 4e-5 and abs(float(v.double().mean()) + value) < 4e-5
+    # the share rounded up is within 5 standard errors (2^-7 x sqrt(0.25 x 0.75 / 200000) = 7.6e-6) of a quarter
+    assert abs(float(dst.double().mean()) - value) < 4e-5
+    # negative values round the same way in magnitude, v's half of the noise too
+    for half in (0, 1):
+        got = rounded(torch.full((draws,), -value), noise_base(4, 1, 0), half)
+        assert abs(float(got.double().mean()) + value) < 4e-5
 
 
 def test_rounding_one_element_over_many_keys_is_unbiased() -> None:
     # the same element (block 2, element 70000) across 4000 AdamW steps: its noise comes from 4000 hashed
-    # offsets; the mean of its roundings converges to the value (standard error 2^-7 x sqrt(0.3 x 0.7 / 4000))
+    # keys; the mean of its roundings converges to the value (standard error 2^-7 x sqrt(0.3 x 0.7 / 4000))
     value = 1.0 + 0.3 * 2.0 ** -7
-    ups = []
-    for step in range(4000):
-        m = rounded(torch.full((1,), value), noise_at(step, 2, 70_000)[0])
-        ups.append(float(m[0]) > 1.0)
-    share = sum(ups) / len(ups)
-    assert abs(share - 0.3) < 5 * (0.3 * 0.7 / 4000) ** 0.5
+    for half in (0, 1):
+        ups = [float(rounded(torch.full((1,), value), noise_base(step, 2, 70_000), half)[0]) > 1.0
+               for step in range(4000)]
+        share = sum(ups) / len(ups)
+        assert abs(share - 0.3) < 5 * (0.3 * 0.7 / 4000) ** 0.5
 
 
 def test_stochastic_rounding_is_deterministic_for_the_same_key() -> None:
     src = torch.randn(10_000)
-    a = rounded(src, noise_at(7, 3, 1024)[0])
-    b = rounded(src, noise_at(7, 3, 1024)[0])
-    c = rounded(src, noise_at(8, 3, 1024)[0])
+    a = rounded(src, noise_base(7, 3, 1024))
+    b = rounded(src, noise_base(7, 3, 1024))
+    c = rounded(src, noise_base(8, 3, 1024))
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     assert not torch.equal(a.view(torch.int16), c.view(torch.int16))
     # every result is one of the two bf16 neighbours of its source (truncated, or that plus one ULP)
     down = (src.view(torch.int32) & -(1 << 16)).view(torch.float32)
     up = ((src.view(torch.int32) & -(1 << 16)) + (1 << 16)).view(torch.float32)
     assert bool(((a.float() == down) | (a.float() == up)).all())
-    keys = {noise_key(s, b, o, w) for s in range(3) for b in range(3) for o in (0, WIDEN_ELEMENTS) for w in (0, 1)}
-    assert len(keys) == 36  # distinct keys hash apart (2^16 offsets: a collision here would be 1 in ~100)
+    keys = {noise_key(s, b) for s in range(30) for b in range(30)}
+    assert len(keys) == 900  # distinct keys hash apart (2^32 keys: a collision here would be 1 in ~10^4)
 
 
-def test_chunked_rounding_does_not_depend_on_the_chunk_size() -> None:
-    # a piece rounded in one chunk or in chunks of 2^17 (one per thread count) gets the same bits: the noise is
-    # the piece's at each element's position, whatever the chunk that holds it
-    n = 3 * 2**17 + 5000
-    src = torch.randn(2, n)
-    whole = [torch.empty(n, dtype=torch.bfloat16) for _ in range(2)]
-    round_stochastic(src.clone(), whole, noise_at(5, 6, WIDEN_ELEMENTS))
-    parts = [torch.empty(n, dtype=torch.bfloat16) for _ in range(2)]
-    for a, k in widened_chunks(n, WIDEN_ELEMENTS, cache_chunk(1)):
-        round_stochastic(src[:, a:a + k].clone(), [parts[0][a:a + k], parts[1][a:a + k]],
-                         noise_at(5, 6, WIDEN_ELEMENTS + a))
-    assert all(torch.equal(w.view(torch.int16), p.view(torch.int16)) for w, p in zip(whole, parts))
-    # m's and v's noise differ: the same values round apart
-    same = torch.full((2, n), 1.0 + 2.0 ** -9)
-    round_stochastic(same, whole, noise_at(5, 6, 0))
-    assert not torch.equal(whole[0].view(torch.int16), whole[1].view(torch.int16))
+def test_a_block_updated_in_chunks_gets_the_bits_of_one_pass() -> None:
+    # a block's range updated whole, or in pieces at offsets (spill chunks), gets the same bits: each element's
+    # noise is its own index's, whatever the run that holds it
+    layout = engine_layout()
+    n = layout.numel
+    g = torch.Generator().manual_seed(9)
+    flats = [torch.randn(n, generator=g), torch.randn(n, generator=g), torch.randn(n, generator=g).bfloat16(),
+             torch.rand(n, generator=g).bfloat16()]
+    hyper = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    whole = [t.clone() for t in flats]
+    bf16_adamw.update_entries(hyper, layout, 0, whole, 3, 1, 0.5)
+    parts = [t.clone() for t in flats]
+    for lo, hi in ((0, 1000), (1000, 1001), (1001, n)):
+        bf16_adamw.update_entries(hyper, layout, lo, [t[lo:hi] for t in parts], 3, 1, 0.5)
+    assert all(torch.equal(w.view(torch.uint8), p.view(torch.uint8)) for w, p in zip(whole, parts))
+    assert not torch.equal(whole[0], flats[0])
+
+
+def engine_layout():
+    """A decoder layer's layout of the tiny model (entries with and without weight decay)."""
+    with engine("bf16") as e:
+        return e.templates.blocks[1].layout
 
 
 def test_bf16_state_tracks_fp32_state_losses() -> None:

@@ -371,7 +371,6 @@ RUNTIME_PLANNER_EDGES = {
     ("runtime.optim.device_adamw", "planner.buffer_kinds"), ("runtime.state.resident_state", "planner.buffer_kinds"),
     ("runtime.pipeline.experts.expert_parts", "planner.buffer_kinds"),
     ("runtime.pipeline.spilled_loads", "planner.buffer_kinds"),
-    ("runtime.optim.stochastic_rounding", "planner.buffer_kinds"),
     ("runtime.pipeline.weight_slots", "planner.buffer_kinds"), ("runtime.spill.read_ahead", "planner.buffer_kinds"),
     ("runtime.spill.spill_files", "planner.buffer_kinds"), ("runtime.spill.spill_io", "planner.buffer_kinds"),
     ("runtime.spill.staging_pool", "planner.buffer_kinds"), ("runtime.state.host_store", "planner.buffer_kinds"),

@@ -119,10 +119,11 @@ def test_cpu_device_serialises_adam_at_one_threads_rate() -> None:
     # On the compute thread (Plan.adam_thread) AdamW has every core: the all-core rate, measured one-thread or not.
     est = cost_model.estimate(m, Workload(256, 2), Plan(adam_thread="compute"), measured)
     assert est.optimizer_exposed_seconds == pytest.approx(m.numel_total * cost_model.ADAM_SHADOW_FACTOR / 1e9)
-    # bf16 AdamW state: its pass, measured on one thread (0.2e9/s), on every core there: x 1e9 / 0.6e9.
+    # AdamW with bf16 state: its pass in place of fp32 AdamW, measured on one thread (0.2e9/s), on every core
+    # there: x 1e9 / 0.6e9.
     bf16 = measured.replace(cpu_bf16_state_params_per_s=0.2e9)
     work = Workload(256, 2, compute_dtype="fp32", optimizer_state="bf16")
-    for thread, per_param in (("worker", 1 / 0.6e9 + 1 / 0.2e9), ("compute", 1 / 1e9 + 1 / (0.2e9 * 1e9 / 0.6e9))):
+    for thread, per_param in (("worker", 1 / 0.2e9), ("compute", 1 / (0.2e9 * 1e9 / 0.6e9))):
         est = cost_model.estimate(m, work, Plan(adam_thread=thread), bf16)
         assert est.optimizer_exposed_seconds == pytest.approx(m.numel_total * per_param), thread
 
@@ -163,20 +164,24 @@ def test_adamw_time_counts_the_shadow_pass_only_where_there_is_one() -> None:
     assert adam(bf16, cpu_shadow_params_per_s=2e9) == pytest.approx(n / 1e9 + n / 2e9)
 
 
-def test_bf16_state_adds_its_widening_and_rounding_pass_to_adamw() -> None:
-    """bf16 m and v: AdamW plus the pass that widens them and rounds them back, at the profile's measured rate, or
-    BF16_STATE_FACTOR x the AdamW time where it has none; fp32 state has no such pass."""
+def test_bf16_state_update_takes_the_place_of_fp32_adamw() -> None:
+    """bf16 m and v: their one pass (widen, update, round back) instead of fp32 AdamW, at the profile's measured
+    rate, or BF16_STATE_FACTOR x the AdamW time where it has none; fp32 state ignores that rate. With bf16 compute
+    the shadow pass comes on top either way."""
     n = M8.numel_total
     plan = Plan(micro_batch_size=2)
 
-    def adam(state: str, **kw: object) -> float:
-        est = cost_model.estimate(M8, Workload(1024, 4, compute_dtype="fp32", optimizer_state=state), plan,
+    def adam(state: str, compute: str = "fp32", **kw: object) -> float:
+        est = cost_model.estimate(M8, Workload(1024, 4, compute_dtype=compute, optimizer_state=state), plan,
                                   _hw(cpu_adam_params_per_s=1e9, **kw))
         return est.forward.adam_s + est.backward.adam_s
 
     assert adam("fp32", cpu_bf16_state_params_per_s=0.2e9) == pytest.approx(n / 1e9)
-    assert adam("bf16") == pytest.approx(n / 1e9 * (1 + cost_model.BF16_STATE_FACTOR))
-    assert adam("bf16", cpu_bf16_state_params_per_s=0.2e9) == pytest.approx(n / 1e9 + n / 0.2e9)
+    assert adam("bf16") == pytest.approx(n / 1e9 * cost_model.BF16_STATE_FACTOR)
+    assert adam("bf16", cpu_bf16_state_params_per_s=0.2e9) == pytest.approx(n / 0.2e9)
+    assert adam("bf16", cpu_bf16_state_params_per_s=2e9) == pytest.approx(n / 2e9)
+    assert adam("bf16", "bf16", cpu_bf16_state_params_per_s=2e9, cpu_shadow_params_per_s=4e9) == pytest.approx(
+        n / 2e9 + n / 4e9)
 
 
 def test_the_bf16_state_probe_times_the_pass_and_leaves_the_thread_count() -> None:
@@ -187,6 +192,23 @@ def test_the_bf16_state_probe_times_the_pass_and_leaves_the_thread_count() -> No
     before = torch.get_num_threads()
     assert cpu_bf16_state_rate(1 << 14, threads=1) > 0
     assert torch.get_num_threads() == before
+
+
+def test_the_bf16_state_figure_is_fp32_adamws_rate_times_the_ratio_measured_side_by_side(monkeypatch) -> None:
+    """The probe's child process times both updates alternated; the profile's figure is its own fp32 AdamW rate x
+    their ratio (bf16 / fp32), or the child's bf16 rate where none is given; 0 where the child fails."""
+    import subprocess
+
+    from megatrain.planner import host_rates
+
+    def child(out: str, rc: int = 0):
+        return lambda cmd, **kw: subprocess.CompletedProcess(cmd, rc, stdout=out, stderr="")
+
+    monkeypatch.setattr(host_rates.subprocess, "run", child('{"params_per_s": 2e8, "fp32_params_per_s": 4e8}\n'))
+    assert host_rates.cpu_bf16_state_rate(1 << 22, 1, fp32_rate=1e9) == pytest.approx(5e8)
+    assert host_rates.cpu_bf16_state_rate(1 << 22, 1) == pytest.approx(2e8)
+    monkeypatch.setattr(host_rates.subprocess, "run", child("Traceback ...", rc=1))
+    assert host_rates.cpu_bf16_state_rate(1 << 22, 1, fp32_rate=1e9) == 0.0
 
 
 @pytest.mark.parametrize("field", ["cpu_shadow_params_per_s", "cpu_bf16_state_params_per_s"])

@@ -120,6 +120,7 @@ def test_measure_on_this_machine(tmp_path, monkeypatch) -> None:
     assert asked == [str(tmp_path)] and "disk not measured" not in hw.source
     assert (hw.disk_read_gbps, hw.disk_write_gbps, hw.disk_direct_faster, hw.disk_cpu_s_per_gb) == (1.5, 2.5, True, 0.1)
     assert hw.cpu_adam_params_per_s > 0 and hw.adam_by_threads and hw.cpu_shadow_params_per_s > 0
+    assert hw.cpu_bf16_state_params_per_s > 0  # the runtime's bf16-state pass, timed in its own process
     # AdamW's memory traffic: 28 bytes/param x the best params/s, beside the triad's GB/s
     assert hw.cpu_adam_bytes_per_param == 28 and hw.host_memory_gbps > 0
     assert hw.cpu_adam_gbps == pytest.approx(28 * hw.cpu_adam_params_per_s / 1e9)

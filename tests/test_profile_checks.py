@@ -73,6 +73,7 @@ def test_profile_measures_implausible_attention_again(monkeypatch) -> None:
     monkeypatch.setattr(profiler, "matmul_tflops", lambda *a, **k: {"float32": 0.1, "bfloat16": 0.01})
     monkeypatch.setattr(profiler, "cpu_adam_rate", lambda numel, threads: [(1, 1e9)])
     monkeypatch.setattr(profiler, "cpu_shadow_rate", lambda numel: 1e9)
+    monkeypatch.setattr(profiler, "cpu_bf16_state_rate", lambda numel, threads, fp32_rate=None: 1e9)
     monkeypatch.setattr(profiler, "cpu_copy_gbps", lambda: 5.0)
     monkeypatch.setattr(profiler, "gpu_present", lambda: False)
     said: list[str] = []

@@ -9,6 +9,8 @@ thread's chunk, differs by 1 ULP in exp_avg_sq), so only the same tensor
 boundaries as ``torch.optim.AdamW`` give the same bits. With
 clipping, the gradients are first multiplied by the clip coefficient the way
 ``torch.nn.utils.clip_grad_norm_`` does (``grad * clamp(max_norm / (norm + 1e-6), max=1)``).
+With bf16 m and v the update is bf16_adamw.py's one pass instead (the clip
+coefficient applied inside it; [Note: bf16 optimizer state]).
 
 [Note: optimizer modes]
 eager: a block's job is queued as soon as its gradient drain is queued, so the
@@ -65,9 +67,8 @@ from megatrain.runtime.spill.read_ahead import ReadAhead
 from megatrain.runtime.spill.staging_pool import Staged
 from megatrain.runtime.device.streams import Event
 from megatrain.runtime.model.templates import BlockLayout
+from megatrain.runtime.optim import bf16_adamw
 from megatrain.runtime.optim.adamw_kernel import AdamHyper, fused_adamw
-from megatrain.runtime.optim.stochastic_rounding import (WIDEN_ELEMENTS, cache_chunk, noise_at, round_stochastic,
-                                                         widened_chunks)
 
 
 _WAKE = object()  # in the job queue: a transfer landed, the disk may be idle ([Note: spill read-ahead])
@@ -112,6 +113,8 @@ class AdamWorker:
         self._error: BaseException | None = None
         self._read_wait = 0.0  # cumulative: blocked on spill reads landing
         self._skipped: list[int] = []  # steps with a skipped block update, not yet taken by take_skipped()
+        if store.state_dtype == torch.bfloat16:  # built (or loaded from the cache) now, not in the first step
+            bf16_adamw.kernel()
         files = store.spill_files
         self.ahead = ReadAhead(files, order, log) if files is not None else None
         self._thread = None if inline else host_threads.start(self._run, "megatrain-adamw", one_thread)
@@ -310,31 +313,22 @@ class AdamWorker:
     def _apply(self, job: AdamJob, lo: int, n: int, grads: torch.Tensor,
                buf: Callable[[BufferKind], torch.Tensor]) -> None:
         """The update of elements [lo, lo + n) of one block: clip, fused AdamW on its views (bf16 m and v, in RAM
-        or a staging set alike: widened to fp32 a cache-sized chunk at a time and rounded back, [Note: bf16
-        optimizer state]; a spilled chunk starts on a piece's edge, so the pieces and their noise are the whole
-        block's), the
-        compute-dtype shadow. The step count advances once per block, with its first piece."""
+        or a staging set alike: one pass that widens them, updates and rounds them back, the clip coefficient
+        inside it, [Note: bf16 optimizer state]), the compute-dtype shadow. The step count advances once per
+        block, with its first piece."""
         b, store = job.block, self.store
-        if job.clip is not None:
-            grads.mul_(job.clip[0])
         master = buf(BufferKind.MASTER)
         m, v = buf(BufferKind.EXP_AVG), buf(BufferKind.EXP_AVG_SQ)
         step = store.steps[b]
         if lo == 0:
             step.add_(1)
         if m.dtype == torch.float32:
+            if job.clip is not None:
+                grads.mul_(job.clip[0])
             _fused_adamw(job, lo, n, (master, grads, m, v), step)
-        else:
-            count = int(step)
-            assert lo % WIDEN_ELEMENTS == 0, "bf16 state spill chunks start on WIDEN_ELEMENTS multiples"
-            chunk = cache_chunk(torch.get_num_threads())
-            scratch = torch.empty(2, min(chunk, n))  # fp32 m and v of one chunk, in cache from widening to rounding
-            for a, k in widened_chunks(n, lo, chunk):
-                wide = scratch[:, :k]
-                wide[0].copy_(m[a:a + k])
-                wide[1].copy_(v[a:a + k])
-                _fused_adamw(job, lo + a, k, (master[a:a + k], grads[a:a + k], wide[0], wide[1]), step)
-                round_stochastic(wide, [m[a:a + k], v[a:a + k]], noise_at(count, b, lo + a))
+        else:  # the clip coefficient: on the host already, waited for in _update
+            clip = float(job.clip[0]) if job.clip is not None else None
+            bf16_adamw.update_entries(job.hyper, job.layout, lo, (master, grads, m, v), int(step), b, clip)
         if store.shadow is not store.master and store.shadow is not None:
             with record_function(f"shadow[{b}]"):  # the compute-dtype copy that travels H2D
                 store.refresh_shadow(b, master, lo)
