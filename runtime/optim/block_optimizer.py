@@ -100,11 +100,10 @@ class BlockOptimizer:
 
     def counters(self) -> dict[str, float]:
         """The spill disk's busy seconds and AdamW's waits for it ([Note: roofline]); empty when nothing spills."""
-        files = self.store.spill_files
-        if files is None:
+        disk = self.store.disk
+        if disk is None:
             return {}
-        return {"disk_read_busy_s": files.read_clock.seconds, "disk_write_busy_s": files.write_clock.seconds,
-                "disk_busy_s": files.io_clock.seconds, "adam_disk_wait_s": self.cpu.disk_wait_seconds}
+        return {**disk.busy_seconds(), "adam_disk_wait_s": self.cpu.disk_wait_seconds}
 
     def close(self) -> None:
         self.cpu.close()

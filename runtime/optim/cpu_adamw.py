@@ -96,7 +96,7 @@ class AdamWorker:
         updated on the device); ``blocks``: the model's;
         ``one_thread``: its kernels run on one intra-op thread (the device is the CPU: [Note: helper threads]);
         ``inline``: no thread, each job runs in ``submit`` (nothing spilled)."""
-        assert not (inline and store.spill_files is not None), "refused by Plan: adam_thread='compute' with spill"
+        assert not (inline and store.disk is not None), "refused by Plan: adam_thread='compute' with spill"
         self.store = store
         self.inline = inline
         self.log = log
@@ -112,8 +112,7 @@ class AdamWorker:
         self._error: BaseException | None = None
         self._read_wait = 0.0  # cumulative: blocked on spill reads landing
         self._skipped: list[int] = []  # steps with a skipped block update, not yet taken by take_skipped()
-        files = store.spill_files
-        self.ahead = ReadAhead(files, order, log) if files is not None else None
+        self.ahead: ReadAhead | None = None if store.disk is None else store.disk.read_ahead(order, log)
         self._thread = None if inline else host_threads.start(self._run, "megatrain-adamw", one_thread)
 
     def submit(self, job: AdamJob) -> None:
