@@ -11,7 +11,8 @@ in load order, one at a time:
    it that AdamW's update writes behind from now on is copied into the slot as
    well, so that chunk need not be read back from the disk it was just written to;
 2. waits for AdamW's update of the block for the step before (``updated``:
-   compute's wait on it is exposed optimizer time), then ends the tap;
+   compute's wait on it is exposed optimizer time; the thread asks the optimizer,
+   ``BlockOptimizer.wait_updated``), then ends the tap;
 3. reads what the tap did not copy (all of it, where the update was done or under
    way before the tap), each read after the update's write of it lands, but for
    the chunks the AdamW worker read ahead for the block's next update, which it
@@ -46,18 +47,16 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import queue
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from megatrain.runtime.device import host_threads
 from megatrain.runtime.device.streams import Event, Streams
+from megatrain.runtime.optim.block_optimizer import BlockOptimizer
 from megatrain.runtime.pipeline.step_timer import StepTimer
 from megatrain.runtime.spill.spilled_state import SpilledState
 from megatrain.runtime.spill.spill_io import aligned_empty
-
-# Blocks the calling thread until AdamW has updated block b for the given step (and every step before).
-WaitUpdated = Callable[[int, int], None]  # (block, step)
 
 
 class SpilledLoad(NamedTuple):
@@ -70,11 +69,12 @@ class SpilledLoad(NamedTuple):
 class SpilledLoads:
     """The loader thread and its bounce buffers ([Note: spilled loads])."""
 
-    def __init__(self, disk: SpilledState, streams: Streams, wait_updated: WaitUpdated, timer: StepTimer,
+    def __init__(self, disk: SpilledState, streams: Streams, optim: BlockOptimizer, timer: StepTimer,
                  bounce: bool, slots: int) -> None:
-        """``disk``: the spilled state's face; ``bounce``: through pinned bounce buffers (CUDA slots), else
-        straight into the slot (CPU slots); ``slots``: how many there are (the queue's bound: see the note)."""
-        self.disk, self.streams, self.wait_updated, self.timer = disk, streams, wait_updated, timer
+        """``disk``: the spilled state's face; ``optim``: asked whether a block is updated; ``bounce``: through
+        pinned bounce buffers (CUDA slots), else straight into the slot (CPU slots); ``slots``: how many there
+        are (the queue's bound: see the note)."""
+        self.disk, self.streams, self.optim, self.timer = disk, streams, optim, timer
         self.bounce = bounce
         self._jobs: queue.Queue = queue.Queue(maxsize=slots + 1)  # (+1: the stop)
         self._thread = None
@@ -113,7 +113,7 @@ class SpilledLoads:
                 if not self.bounce:
                     self.disk.tap_master(block, out)
                 try:
-                    self.wait_updated(block, step - 1)
+                    self.optim.wait_updated(block, step - 1)
                 finally:
                     if not self.bounce:
                         copied = self.disk.untap(block)

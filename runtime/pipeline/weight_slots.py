@@ -120,7 +120,7 @@ class WeightLoader:
         self._horizon = -1  # highest load index the compute has asked for
         self._spilled: dict[int, SpilledLoad] = {}  # per slot: the loader thread's job filling it
         self.spilled_loads = None if store.disk is None else SpilledLoads(
-            store.disk, streams, optim.wait_updated, timer, bounce=slots.buffers[0].device.type != "cpu",
+            store.disk, streams, optim, timer, bounce=slots.buffers[0].device.type != "cpu",
             slots=len(slots))
 
     def start(self, step: int, sequence: Sequence[Load]) -> None:
