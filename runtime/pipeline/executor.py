@@ -114,7 +114,8 @@ class Executor:
         # What AdamW updates of each block: the whole layout, or this rank's shard of it.
         layouts = [b.layout for b in (templates.blocks if collectives is None else collectives.shards.blocks)]
         self.optim = BlockOptimizer(store, self.schedule.update_order(eager), layouts, log, self.streams,
-                                    one_thread=device.type == "cpu", inline=plan.adam_thread == "compute")
+                                    one_thread=device.type == "cpu", inline=plan.adam_thread == "compute",
+                                    device_busy=self.timer.device_adam)
         self.updates = BlockUpdates(templates, store, self.optim, self.grad_buffers, self.streams, self.timer, log,
                                     eager, max_grad_norm, device, collectives)
         self.timer.counters = self.optim.counters if store.spilled else None  # [Note: roofline]: the disk's seconds
