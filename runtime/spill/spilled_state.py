@@ -19,7 +19,7 @@ also gives the disk's busy seconds (``busy_seconds``, [Note: roofline]). What it
 from __future__ import annotations
 
 import concurrent.futures as cf
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -104,12 +104,11 @@ class SpilledState:
         """Store ``src`` ([numel]) as block b's ``kind``, waited for (a read ahead of the old bytes is stale)."""
         self._files.write_block(kind, b, src)
 
-    def write_grads(self, b: int, src: torch.Tensor, drained: "Event", then: Callable[[], None], lo: int,
-                    n: int) -> None:
+    def write_grads(self, b: int, src: torch.Tensor, drained: "Event", lo: int, n: int) -> cf.Future:
         """Block b's gradient elements [lo, lo + n) from ``src`` (fp32, 4 KiB-rounded) to the grads file once
-        ``drained`` (their D2H copy) has happened; AdamW's read of them waits for it; ``then`` runs once written
-        (the slab goes back)."""
-        self._files.write_after(BufferKind.GRADS, b, src, drained, then, lo, n)
+        ``drained`` (their D2H copy) has happened; AdamW's read of them waits for it. Done once written: ``src``
+        may be reused (its slab given back)."""
+        return self._files.write_after(BufferKind.GRADS, b, src, drained, lo, n)
 
     def flush(self) -> None:
         """Wait for every write behind (raises the first I/O error)."""

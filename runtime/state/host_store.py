@@ -382,5 +382,6 @@ def _spilled_sinks(slabs: GradSlabs, disk: SpilledState, b: int, check: Callable
         padded = slabs.slab(slab, slabs.numel)
 
         def on_drained(done: "Event", padded: torch.Tensor = padded, slab: int = slab, lo: int = lo, n: int = n) -> None:
-            disk.write_grads(b, padded, done, lambda: slabs.release(slab), lo, n)
+            written = disk.write_grads(b, padded, done, lo, n)
+            written.add_done_callback(lambda _: slabs.release(slab))  # the slab back once its bytes are on disk
         yield GradSink(padded[:n], on_drained, None, None, lo)
