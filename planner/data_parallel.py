@@ -259,7 +259,7 @@ def scaling(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, 
     single = cost_model.estimate(model, work, plan, hw)
     if W == 1:
         return Scaling(single.step_seconds, single.step_seconds, 0.0, work.tokens, 1, topo.bus_gbps)
-    rank = cost_model.estimate(model, rank_workload(work, topo), plan, hw)
+    rank = cost_model.estimate(model, rank_workload(work, topo), plan, hw, W)  # a resident block: its shard's update
     share = topo.gpus_per_node if hw.device_is_host else 1
     ring, bw = (W - 1) / W, topo.bus_gbps * 1e9
     lat = COLLECTIVE_LATENCY_S["cpu" if hw.device_is_host else "gpu"]
