@@ -122,8 +122,9 @@ def _copy_s(nbytes: float, gbps: float) -> float:
     return nbytes / (gbps * 1e9) + COPY_LATENCY_S if nbytes > 0 else 0.0
 
 
-def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile) -> CostEstimate:
-    """The step's time, phase by phase: rates, the block visits of forward and backward, AdamW, the replay."""
+def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, world: int = 1) -> CostEstimate:
+    """The step's time, phase by phase: rates, the block visits of forward and backward, AdamW, the replay.
+    ``world``: one of that many data-parallel ranks (a resident block's device update covers its shard)."""
     batch = StepBatch.of(work, plan)
     adam = _AdamTime(model, work, plan, hw)
     on_cpu = spill_timing.applies(hw, plan, adam.spilled)  # a spilled step without a GPU: spill_timing
@@ -133,7 +134,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile)
     steps = _forward_steps(model, work, plan, batch, rates, adam, slabs)
     n_fwd = len(steps)
     steps += _backward_steps(model, work, plan, batch, rates, adam, slabs)
-    resident_blocks.add_device_updates(model, plan, steps, n_fwd, hw.device_is_host, hw.cpu_adam_params_per_s)
+    resident_blocks.add_device_updates(model, plan, steps, n_fwd, hw.device_is_host, hw.cpu_adam_params_per_s, world)
     if plan.optimizer_mode != "eager" and not hw.device_is_host:
         _gate_loads_on_deferred_adam(model, steps, adam)
     total_adam = adam.arithmetic() if on_cpu else adam.total()  # on_cpu: its disk time is spill_timing's

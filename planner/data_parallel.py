@@ -13,8 +13,8 @@ the fp32 gradient reduce-scattered, AdamW run on the shard. Symbols as in memory
 
 Memory per rank: memory_model.estimate at the rank's batch (B / W), with the host state (master,
 m, v, shadow, full grad arena, spill files) at N_W instead of N, slabs and staging at Bmax_W, slots and
-gradient accumulators of whole padded blocks, and on a GPU (grad buffers + 1) fp32 gradient shards
-([Note: per-rank buffers]). Per node: G x that.
+gradient accumulators of whole padded blocks, a resident block's device state at its shard, and on a GPU
+(grad buffers + 1) fp32 gradient shards ([Note: per-rank buffers]). Per node: G x that.
 
 Time per rank: the single-process estimate at the rank's batch (cost_model), then per phase
 
@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from . import cost_model, memory_model
+from . import cost_model, memory_model, resident_blocks
 from .block_parameters import aligned
 from .spill_placement import block_numels
 from .hardware import HardwareProfile
@@ -134,12 +134,19 @@ def rank_components(model: ModelShape, plan: Plan, hw: HardwareProfile, W: int,
 
     [Note: per-rank buffers]
     What a rank holds, each the runtime's buffer (tests/test_rank_memory.py checks them one by one):
-    - host state (master, m, v, shadow, full grad arena, spill files): x N_W / N;
-    - chunk-bounded host buffers (grad slabs, spill staging): x Bmax_W / Bmax;
+    - host state (master, m, v, shadow, full grad arena, spill files): x N_W / N; with resident blocks
+      (``Plan.resident_blocks``) x Nh_W / Nh, Nh the elements of the blocks not resident (the host holds none of a
+      resident block) and Nh_W the sum of their shards;
+    - resident optimizer state: each resident block's shard, 16 x Nr_W = 16 x sum over them of align64(ceil(n_b /
+      W)): a rank's master, m, v and gradient of a resident block are its shard's (runtime/state/shards.py builds
+      the device state from the shard blocks as the host store);
+    - chunk-bounded host buffers (grad slabs, spill staging): x Bmax_W / Bmax (with resident blocks the slab is the
+      largest host block's shard: x Bh_W / Bh);
     - weight slots and grad accumulators: whole padded blocks, K x W x Bmax_W x c and G x W x Bg_W x 4 (a slot
       holds the gathered block; the accumulator the whole gradient the collectives reduce; Bg: Bmax, or with a
-      tied embedding the largest block but it, ``stream_units.grad_numel``); a tied embedding's gradient
-      W x E_W x 4;
+      tied embedding the largest block but it, ``stream_units.grad_numel``, resident blocks included: a rank's
+      resident gradient is the reduce-scatter's shard of the accumulator, copied in); a tied embedding's gradient
+      W x E_W x 4 (resident or not);
     - gradient shards: (G + 1) x Bmax_W x 4 on a GPU (NCCL reduce-scatters into them); none on CPU ranks, where
       the gradient is all-reduced in place and the shard is a view of it;
     - collective staging: none on CPU ranks (gloo's gather and reduce-scatter would each allocate a whole padded
@@ -147,25 +154,35 @@ def rank_components(model: ModelShape, plan: Plan, hw: HardwareProfile, W: int,
       NCCL's buffers are its own, in the CUDA context's term);
     - the process (Python, torch, the engine's libraries): each rank is one.
     The rest (checkpoints, activations, working sets, logits) is the memory model's at the rank's batch."""
-    N, NW = model.numel_total, sum(shard_numel(n, W) for n in block_numels(model))
+    numels, on_device = block_numels(model), frozenset(plan.resident_blocks)
+    N = sum(n for b, n in enumerate(numels) if b not in on_device)  # the host's blocks (all, without resident ones)
+    NW = sum(shard_numel(n, W) for b, n in enumerate(numels) if b not in on_device)
+    NrW = sum(shard_numel(numels[b], W) for b in on_device)
+    h = "h" if on_device else ""  # the symbols' subscript: Nh, Bh where resident blocks leave the host
     Bmax = model.numel_largest_block
     BW = shard_numel(Bmax, W)
+    Bh = resident_blocks.largest_host_block(model, plan) if on_device else Bmax  # what a slab holds
+    BhW = shard_numel(Bh, W)
     E_W = shard_numel(model.numel_embedding, W)
     K, G = plan.num_slots, plan.device_grad_buffers
     out: list[Component] = []
     for comp in components:
         if comp.name in STATE_COMPONENTS or comp.name.endswith("(spill file)"):
-            comp = dataclasses.replace(comp, nbytes=comp.nbytes * NW // N,
-                                       formula=f"{comp.formula}, sharded: x N_W / N = x {NW} / {N}")
+            comp = dataclasses.replace(comp, nbytes=comp.nbytes * NW // N if N else 0,
+                                       formula=f"{comp.formula}, sharded: x N{h}_W / N{h} = x {NW} / {N}")
         elif comp.name in ("fp32 grad slabs", "spill staging"):
-            comp = dataclasses.replace(comp, nbytes=-(-comp.nbytes * BW // Bmax),
-                                       formula=f"{comp.formula}, sharded: x Bmax_W / Bmax = x {BW} / {Bmax}")
+            comp = dataclasses.replace(comp, nbytes=-(-comp.nbytes * BhW // Bh) if Bh else 0,
+                                       formula=f"{comp.formula}, sharded: x B{h or 'max'}_W / B{h or 'max'} = "
+                                               f"x {BhW} / {Bh}")
+        elif comp.name == "resident optimizer state":
+            comp = dataclasses.replace(comp, nbytes=16 * NrW, formula=f"16 x Nr_W = 16 x {NrW} (each resident block's "
+                                                                      "shard)")
         elif comp.name == "weight slots":
             c = comp.nbytes // (K * Bmax)
             comp = dataclasses.replace(comp, nbytes=K * W * BW * c,
                                        formula=f"K x W x Bmax_W x c = {K} x {W} x {BW} x {c} (whole padded blocks)")
         elif comp.name == "grad accumulators":
-            Bg, unit = grad_numel(model, plan)
+            Bg, unit = grad_numel(model, plan.replace(resident_blocks=()))  # a rank's resident gradients pass here
             BgW = shard_numel(Bg, W)
             comp = dataclasses.replace(comp, nbytes=G * W * BgW * 4, formula=f"G x W x {unit}_W x 4 = {G} x {W} x "
                                        f"{BgW} x 4 (whole padded blocks)")
@@ -242,7 +259,7 @@ def scaling(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, 
     single = cost_model.estimate(model, work, plan, hw)
     if W == 1:
         return Scaling(single.step_seconds, single.step_seconds, 0.0, work.tokens, 1, topo.bus_gbps)
-    rank = cost_model.estimate(model, rank_workload(work, topo), plan, hw)
+    rank = cost_model.estimate(model, rank_workload(work, topo), plan, hw, W)  # a resident block: its shard's update
     share = topo.gpus_per_node if hw.device_is_host else 1
     ring, bw = (W - 1) / W, topo.bus_gbps * 1e9
     lat = COLLECTIVE_LATENCY_S["cpu" if hw.device_is_host else "gpu"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .block_parameters import aligned
 from .model_shapes import ModelShape
 from .plan import Plan
 from .workload import Workload
@@ -81,12 +82,13 @@ def crossing(plan: Plan, w: int, wc: int) -> tuple[Callable[[int], int], Callabl
 
 
 def add_device_updates(model: ModelShape, plan: Plan, steps: list, n_fwd: int, device_is_host: bool,
-                       cpu_adam_params_per_s: float) -> None:
+                       cpu_adam_params_per_s: float, world: int = 1) -> None:
     """The resident blocks' updates added to the compute of the step's visits (``step_replay.BlockVisit``): eager,
     each to its block's last visit (the head's in forward, a layer's backward, the embedding's at the end);
     deferred, all of them after backward (the last visit), in forward order on the device before the next forward.
-    Each takes ``device_adam_seconds`` on a GPU, numel / (all cores' AdamW params/s) where the device is the CPU."""
-    numels = block_numels(model)
+    Each takes ``device_adam_seconds`` on a GPU, numel / (all cores' AdamW params/s) where the device is the CPU;
+    one of ``world`` data-parallel ranks updates its shard of the block, align64(ceil(numel / world)) elements."""
+    numels = [n if world == 1 else aligned(-(-n // world)) for n in block_numels(model)]
     L = model.num_layers
 
     def seconds(b: int) -> float:

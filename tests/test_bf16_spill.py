@@ -81,7 +81,7 @@ def test_spilled_bf16_state_equals_bf16_state_in_ram(spill: str, more: dict, tmp
     with engine(plan) as e:
         store = e.store
         assert store.is_spilled(BufferKind.EXP_AVG, 0) and store.is_spilled(BufferKind.EXP_AVG_SQ, 3)
-        assert len(store.spill_files.chunks(0)) == 2 and store.spill_files.chunks(0)[1][0] == WIDEN_ELEMENTS
+        assert len(store.disk.chunks(0)) == 2 and store.disk.chunks(0)[1][0] == WIDEN_ELEMENTS
         assert store.read_block(BufferKind.EXP_AVG, 0).dtype == torch.bfloat16
         assert all(t.dtype == torch.bfloat16 for s in store.staging._sets for k, t in s.items()
                    if k in (BufferKind.EXP_AVG, BufferKind.EXP_AVG_SQ))

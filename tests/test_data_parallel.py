@@ -103,7 +103,7 @@ def _whole_block_reads(rank: int, world: int, spill_dir: str) -> int:
     plan = Plan(micro_batch_size=1, spill="all", spill_dir=spill_dir, spill_chunk_bytes=4096)
     with Engine(_config(False), OptimizerConfig(max_grad_norm=1.0), plan=plan, compute_dtype=torch.float32,
                 device="cpu", seed=3) as engine:
-        files = engine.store.spill_files
+        files = engine.store.disk
         whole = files.read_block
         calls = []
         files.read_block = lambda kind, b: calls.append((kind, b)) or whole(kind, b)

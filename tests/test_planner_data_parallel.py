@@ -39,6 +39,25 @@ def test_one_ranks_memory_by_hand() -> None:
         assert got[key] == single[key], key
 
 
+def test_a_ranks_resident_blocks_by_hand() -> None:
+    """A rank holds and updates its shard of a resident block: 16 x align64(ceil(n / W)) bytes on its GPU, and its
+    device update (deferred: after backward) takes that shard's 28 bytes a parameter at the device AdamW's rate."""
+    from megatrain.planner import cost_model, resident_blocks
+    m = PRESETS["shape:Llama-3.2-1B"]
+    work = Workload(seq_len=2048, batch=16, compute_dtype="bf16")
+    plan = PLAN.replace(resident_blocks=(0, 1, 2))
+    W = 8
+    shard = lambda n: -(-(-(-n // W)) // 64) * 64  # noqa: E731  align64(ceil(n / W))
+    numels = [m.numel_embedding, m.numel_layer, m.numel_layer]
+    got = _by_name(data_parallel.memory(m, work, plan, H100, data_parallel.topology(H100, W, 1)))
+    assert got[("device", "resident optimizer state")] == 16 * sum(shard(n) for n in numels)
+    rank = data_parallel.rank_workload(work, data_parallel.topology(H100, W, 1))
+    whole, sharded = (cost_model.estimate(m, rank, plan, H100, world) for world in (1, W))
+    rate = resident_blocks.DEVICE_ADAM_GBPS * 1e9
+    saved = sum(28 * (n - shard(n)) for n in numels) / rate
+    assert whole.backward.compute_s - sharded.backward.compute_s == pytest.approx(saved, rel=1e-9)
+
+
 def test_collectives_time_by_hand() -> None:
     """With a bandwidth far below everything else, the step is the collectives: r x bytes / bw per phase."""
     m = PRESETS["shape:Llama-3.1-8B"]

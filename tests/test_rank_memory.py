@@ -27,6 +27,11 @@ HF = {"tied": dict(model_type="qwen2", vocab_size=501, hidden_size=48, intermedi
 PLANS = {"default": Plan(micro_batch_size=1, num_slots=2, prefetch_depth=1),
          "host": Plan(micro_batch_size=2, num_slots=3, prefetch_depth=2, device_grad_buffers=3, checkpoints="host"),
          "eager": Plan(micro_batch_size=1, optimizer_mode="eager", host_grad_slabs=2)}
+# Optimizer state on the device ([Note: resident blocks]): a rank holds its shard of each resident block there, and
+# none of it on the host (deferred: the tied embedding resident; eager: the slab the largest host block's shard).
+RESIDENT = {"resident": Plan(micro_batch_size=1, num_slots=2, prefetch_depth=1, resident_blocks=(0, 2)),
+            "resident-eager": Plan(micro_batch_size=1, optimizer_mode="eager", host_grad_slabs=2,
+                                   resident_blocks=(0, 1))}
 BATCH, SEQ = 6, 8  # global batch: divides among 2 and 3 ranks
 
 
@@ -41,7 +46,7 @@ def _rank_buffers(rank: int, world: int, cases: list[tuple[str, str]]) -> list[d
 def _buffers(rank: int, world: int, name: str, plan_name: str) -> dict[str, int]:
     from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
 
-    hf, plan = HF[name], PLANS[plan_name]
+    hf, plan = HF[name], {**PLANS, **RESIDENT}[plan_name]
     clip = 1.0 if plan.optimizer_mode == "deferred" else None
     with Engine(ModelConfig.from_hf(hf), OptimizerConfig(max_grad_norm=clip), plan=plan, compute_dtype=torch.float32,
                 device="cpu") as engine:
@@ -56,17 +61,28 @@ def _buffers(rank: int, world: int, name: str, plan_name: str) -> dict[str, int]
                 "Adam m": arena(store.exp_avg), "Adam v": arena(store.exp_avg_sq),
                 "fp32 grads (full arena)": arena(store.grads),
                 "fp32 grad slabs": 0 if store.slabs is None else store.slabs.arena.nbytes, "store": store.nbytes,
+                "resident optimizer state": 0 if store.resident is None else store.resident.nbytes,
                 "host checkpoints": ex.checkpoints.host_bytes if plan.checkpoints == "host" else 0}
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_planners_rank_is_the_runtimes_rank_buffer_by_buffer(world: int, tmp_path):
+    _agree(PLANS, world, tmp_path)
+
+
+def test_a_ranks_resident_shards_are_the_planners(tmp_path):
+    """Two ranks with resident blocks: the device state of each rank's shards, its host arenas without them, the
+    accumulators that still carry the resident blocks' gradients, the planner's terms one by one."""
+    _agree(RESIDENT, 2, tmp_path)
+
+
+def _agree(plans: dict[str, Plan], world: int, tmp_path) -> None:
     hw = detect()
     assert hw.device_is_host  # CPU ranks (gloo): no gradient shards, no collective staging
-    cases = [(name, plan_name) for name in sorted(HF) for plan_name in sorted(PLANS)]
+    cases = [(name, plan_name) for name in sorted(HF) for plan_name in sorted(plans)]
     ranks = run_ranks(_rank_buffers, world, tmp_path, cases, timeout_s=600)
     for i, (name, plan_name) in enumerate(cases):
-        plan = PLANS[plan_name]
+        plan = plans[plan_name]
         work = Workload(seq_len=SEQ, batch=BATCH, compute_dtype="fp32", clipping=plan.optimizer_mode == "deferred")
         est = data_parallel.memory(model_shapes.from_config(HF[name]), work, plan, hw,
                                    data_parallel.topology(hw, world, 1))
@@ -74,7 +90,8 @@ def test_the_planners_rank_is_the_runtimes_rank_buffer_by_buffer(world: int, tmp
         assert planned["collective staging"] == 0
         for got in (r[i] for r in ranks):
             for buffer in ("weight slots", "grad accumulators", "tied embedding grad", "gradient shards",
-                           "fp32 master", "Adam m", "Adam v", "fp32 grads (full arena)", "fp32 grad slabs"):
+                           "fp32 master", "Adam m", "Adam v", "fp32 grads (full arena)", "fp32 grad slabs",
+                           "resident optimizer state"):
                 assert planned.get(buffer, 0) == got[buffer], (name, plan_name, buffer, planned.get(buffer), got)
             if plan.checkpoints == "host":
                 assert planned["activation checkpoints"] == got["host checkpoints"]

@@ -240,13 +240,14 @@ def _all_sets_back(files: SpillFiles) -> None:
         files.staging.release(index)
 
 
-def _woken_reads(ahead: ReadAhead, log: EventLog, woken: threading.Event, count: int) -> list[tuple]:
-    """Read ahead at each wake (a transfer landed, or a set came back) until ``count`` chunks are read."""
+def _woken_reads(ahead: ReadAhead, log: EventLog, landing: cf.Future | None, count: int) -> list[tuple]:
+    """Read ahead each time the landing it returned comes (a transfer landed, a set may be back) until ``count``
+    chunks are read."""
     ops: list[tuple] = []
     while len(ops) < count:
-        assert woken.wait(timeout=30), f"no wake after {ops}"
-        woken.clear()
-        ahead.read_ahead(woken.set)
+        assert landing is not None, f"nothing to wait for after {ops}"
+        landing.result(timeout=30)
+        landing = ahead.read_ahead(idle=True)
         ops += _ops(log)
     return ops
 
@@ -264,11 +265,10 @@ def test_with_a_wake_the_read_ahead_never_waits_for_a_set_being_written_back(gat
     cf.wait(first.reads)
     ahead.write_behind(2, 2, 1024, first)  # its set stays in write-back while the gate is shut
     _ops(log)
-    woken = threading.Event()
-    ahead.read_ahead(woken.set)  # room for one more chunk, but no set free: returns at once, nothing read
-    assert _ops(log) == [] and not woken.is_set()
-    io.gate.set()  # the writes land, the set is back: the worker is woken and reads the next chunk ahead
-    assert _woken_reads(ahead, log, woken, 1) == [("spill_read", 2, 1, 0, "ahead")]
+    landing = ahead.read_ahead(idle=True)  # room for one more chunk, but no set free: returns at once, nothing read
+    assert _ops(log) == [] and landing is not None and not landing.done()
+    io.gate.set()  # the writes land, the set is back: the worker's wait ends and it reads the next chunk ahead
+    assert _woken_reads(ahead, log, landing, 1) == [("spill_read", 2, 1, 0, "ahead")]
     ahead.drop()
 
 
@@ -287,11 +287,10 @@ def test_with_a_wake_the_read_ahead_reads_only_into_the_disks_idle_time(gated) -
     _all_sets_back(files)
     _ops(log)
     _two_transfers_in_flight(io, files, M, 0)  # not reads ahead (a load's reads, say)
-    woken = threading.Event()
-    ahead.read_ahead(woken.set)  # three sets free, but the disk is busy: nothing read
-    assert _ops(log) == [] and not woken.is_set()
+    landing = ahead.read_ahead(idle=True)  # three sets free, but the disk is busy: nothing read
+    assert _ops(log) == [] and landing is not None and not landing.done()
     io.gate.set()  # as transfers land, the chunks in order (two reads each: a chunk fills the disk again)
-    assert _woken_reads(ahead, log, woken, 3) == [("spill_read", 2, 2, 0, "ahead"), ("spill_read", 2, 2, 1024, "ahead"),
+    assert _woken_reads(ahead, log, landing, 3) == [("spill_read", 2, 2, 0, "ahead"), ("spill_read", 2, 2, 1024, "ahead"),
                                                   ("spill_read", 2, 2, 2048, "ahead")]
     ahead.drop()
 
@@ -308,14 +307,13 @@ def test_once_a_steps_jobs_come_its_chunks_are_read_into_free_sets_busy_disk_or_
     _all_sets_back(files)
     _ops(log)
     _two_transfers_in_flight(io, files, G, 2)  # not reads ahead (of a block not read next)
-    woken = threading.Event()
-    ahead.read_ahead(woken.set)  # the disk is busy, but these are the chunks of the jobs to come: read into the sets
+    ahead.read_ahead(idle=True)  # the disk is busy, but these are the chunks of the jobs to come: read into the sets
     assert _ops(log) == [("spill_read", 2, 1, 0, "ahead"), ("spill_read", 2, 0, 0, "ahead"),
                          ("spill_read", 2, 0, 1024, "ahead")]
     out = torch.empty(1024)  # block 0's coming load copies its master from the set read ahead
     assert files.lent.copy(2, 0, 0, out, files.version)
     assert torch.equal(out, _values(M, 0, 0.0)[:1024])
-    ahead.read_ahead(woken.set)  # every set held: nothing more, and no wait for one
+    ahead.read_ahead(idle=True)  # every set held: nothing more, and no wait for one
     assert _ops(log) == []
     io.gate.set()
     ahead.drop()
@@ -331,9 +329,8 @@ def test_the_next_steps_chunks_wait_for_the_idle_disk_even_with_sets_free(gated)
     _ops(log)
     io.gate.clear()
     files.write_async(G, 2, _values(G, 2, 0.0)[:1024], 0, 1024)  # a transfer in flight
-    woken = threading.Event()
-    ahead.read_ahead(woken.set)
-    assert _ops(log) == []
+    landing = ahead.read_ahead(idle=True)
+    assert _ops(log) == [] and landing is not None
     io.gate.set()
-    assert _woken_reads(ahead, log, woken, 1)[0] == ("spill_read", 3, 2, 0, "ahead")
+    assert _woken_reads(ahead, log, landing, 1)[0] == ("spill_read", 3, 2, 0, "ahead")
     ahead.drop()

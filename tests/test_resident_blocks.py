@@ -78,6 +78,42 @@ def test_resident_state_is_on_the_device_and_not_in_host_ram() -> None:
         assert g == max(blocks[0].layout.numel, blocks[3].layout.numel)
 
 
+@pytest.mark.parametrize("mode", ["deferred", "eager"])
+def test_the_breakdown_times_the_device_adamw(monkeypatch, mode: str) -> None:
+    """``device_adam_busy_s`` is the device AdamW's update time in the timed step: every fused AdamW call slowed
+    by 20 ms, every block resident (so every call is the device AdamW's), it holds at least the sleeps of the
+    timed step's calls; none is timed in an untimed step, and with no block resident it is 0."""
+    import time
+
+    calls: list[int] = []
+    fused = torch._fused_adamw_
+
+    def slow(*args, **kwargs):
+        calls.append(1)
+        time.sleep(0.02)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", slow)
+    ids = _batches(UNTIED, 1)[0]
+    for resident in ((0, 1, 2, 3), ()):
+        plan = HOST.replace(kept_layers=(), optimizer_mode=mode, resident_blocks=resident)
+        with Engine(UNTIED, OptimizerConfig(max_grad_norm=1.0 if mode == "deferred" else None), plan=plan,
+                    compute_dtype=torch.float32, device="cpu") as engine:
+            engine.step(ids, ids)
+            engine.synchronize()
+            calls.clear()
+            engine.time_next_step()
+            engine.step(ids, ids)
+            engine.synchronize()
+            b = engine.last_step_breakdown
+            assert b is not None
+            if resident:
+                assert b["device_adam_busy_s"] >= 0.02 * len(calls) > 0
+                assert b["roofline_s"] >= b["device_adam_busy_s"]
+            else:
+                assert b["device_adam_busy_s"] == 0.0
+
+
 def test_resident_blocks_resume_bitwise(tmp_path) -> None:
     """Two steps, a checkpoint, two more (in the same process, and resumed in a fresh engine): the bits of four
     steps straight through, and a resident checkpoint resumes into a host plan and back."""

@@ -361,7 +361,7 @@ def test_io_direct_follows_the_plan_and_the_profile_says_which_mode_it_measured(
     for direct in (True, False):
         plan = Plan(spill="all", spill_dir=str(tmp_path), io_backend="posix", io_direct=direct)
         with Engine(config, plan=plan, compute_dtype=torch.float32, device="cpu") as engine:
-            io = engine.store.spill_files.io
+            io = engine.store.disk.io
             assert not direct and not io.direct or direct  # buffered when the plan says so
     read, write, direct = disk_bandwidth(str(tmp_path), 16 * 2**20, threads=2, request=2**20, repeats=2)
     assert read > 0 and write > 0 and direct in (True, False)

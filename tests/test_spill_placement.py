@@ -56,7 +56,7 @@ def test_only_the_named_blocks_live_on_disk_and_the_planner_agrees(tmp_path):
     with Engine(CONFIG, OptimizerConfig(max_grad_norm=1.0), plan=plan, device="cpu",
                 compute_dtype=torch.bfloat16) as engine:
         store, numels = engine.store, engine.store.numels
-        files = store.spill_files
+        files = store.disk
         assert files is not None
         for kind in BufferKind:
             spilled = set(blocks.blocks(kind.value))

@@ -31,7 +31,7 @@ def _spill_log(plan: Plan, steps: int = 3, pause: float = 0.0):
             engine.step(ids, ids)
             time.sleep(pause)
         engine.synchronize()
-        files = engine.store.spill_files
+        files = engine.store.disk
         pieces = [(b, lo) for b in range(len(engine.store.numels)) if files.spilled(b) for lo, _ in files.chunks(b)]
         return list(engine.event_log.entries), pieces
 

@@ -128,14 +128,14 @@ def test_a_load_takes_the_chunks_its_update_writes_instead_of_reading_them_back(
     with Engine(CONFIG, OptimizerConfig(lr=1e-2, max_grad_norm=1.0), plan=plan, compute_dtype=torch.float32,
                 device="cpu", seed=0) as engine:
         layers = {load.block.index for load in engine.executor.schedule.layers}
-        lent = engine.store.spill_files.lent
+        disk = engine.store.disk
         reads_per_step, lent_per_step, losses = [], [], []
         for _ in range(3):
             loader_reads.clear()
-            copies = lent.copies
+            copies = disk.lent_copies
             losses.append(float(engine.step(ids, ids)))  # (no synchronize: the update runs into the next step)
             reads_per_step.append(list(loader_reads))
-            lent_per_step.append(lent.copies - copies)
+            lent_per_step.append(disk.lent_copies - copies)
         state = {k: v.clone() for k, v in engine.state_dict().items()}
     assert losses == ref_losses
     for name, value in reference.items():
@@ -159,15 +159,15 @@ def test_loads_copy_the_masters_read_ahead_for_the_update_instead_of_reading_the
         reads, copies, losses = [], [], []
         with Engine(CONFIG, OptimizerConfig(lr=1e-2, max_grad_norm=None), plan=plan, compute_dtype=torch.float32,
                     device="cpu", seed=0) as engine:
-            lent = engine.store.spill_files.lent if engine.store.spill_files else None
+            disk = engine.store.disk
             for _ in range(3):
                 engine.synchronize()
                 time.sleep(pause)  # the worker reads the next step's chunks ahead meanwhile
                 loader_reads.clear()
-                before = lent.copies if lent else 0
+                before = disk.lent_copies if disk else 0
                 losses.append(float(engine.step(ids, ids)))
                 reads.append(len(loader_reads))
-                copies.append((lent.copies if lent else 0) - before)
+                copies.append((disk.lent_copies if disk else 0) - before)
             return {k: v.clone() for k, v in engine.state_dict().items()}, losses, reads, copies
 
     loader_reads: list[int] = []

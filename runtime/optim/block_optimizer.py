@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
+from megatrain.runtime.device.busy_events import BusyEvents
 from megatrain.runtime.device.event_log import EventLog
 from megatrain.runtime.device.streams import Event, Stream, Streams
 from megatrain.runtime.model.templates import BlockLayout
@@ -37,13 +38,14 @@ class BlockOptimizer:
     """Every block's AdamW update ([Note: the optimizer's face])."""
 
     def __init__(self, store: HostStore, order: Sequence[int], layouts: Sequence[BlockLayout], log: EventLog,
-                 streams: Streams, one_thread: bool, inline: bool) -> None:
+                 streams: Streams, one_thread: bool, inline: bool, device_busy: BusyEvents | None = None) -> None:
         """``order``: the blocks in the order every step's updates come (``StepSchedule.update_order``);
         ``layouts``: what each block's update covers (its layout, or this rank's shard of it); ``one_thread`` and
-        ``inline``: the CPU worker's (cpu_adamw.py)."""
+        ``inline``: the CPU worker's (cpu_adamw.py); ``device_busy``: times the device AdamW's updates in a timed
+        step (the step timer's)."""
         self.store, self.layouts, self.log = store, list(layouts), log
         resident = store.resident
-        self.device = None if resident is None else DeviceAdamW(resident, self.layouts, streams, log)
+        self.device = None if resident is None else DeviceAdamW(resident, self.layouts, streams, log, device_busy)
         on_device = frozenset() if resident is None else resident.blocks
         self.cpu = AdamWorker(store, [b for b in order if b not in on_device], len(order), log,
                               one_thread=one_thread, inline=inline)
@@ -100,11 +102,10 @@ class BlockOptimizer:
 
     def counters(self) -> dict[str, float]:
         """The spill disk's busy seconds and AdamW's waits for it ([Note: roofline]); empty when nothing spills."""
-        files = self.store.spill_files
-        if files is None:
+        disk = self.store.disk
+        if disk is None:
             return {}
-        return {"disk_read_busy_s": files.read_clock.seconds, "disk_write_busy_s": files.write_clock.seconds,
-                "disk_busy_s": files.io_clock.seconds, "adam_disk_wait_s": self.cpu.disk_wait_seconds}
+        return {**disk.busy_seconds(), "adam_disk_wait_s": self.cpu.disk_wait_seconds}
 
     def close(self) -> None:
         self.cpu.close()

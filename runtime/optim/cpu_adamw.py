@@ -47,8 +47,8 @@ infinite loss makes every gradient non-finite, so the whole step goes either way
 from __future__ import annotations
 
 import collections
+import concurrent.futures as cf
 import math
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -69,9 +69,8 @@ from megatrain.runtime.device.streams import Event
 from megatrain.runtime.model.templates import BlockLayout
 from megatrain.runtime.optim import bf16_adamw
 from megatrain.runtime.optim.adamw_kernel import AdamHyper, fused_adamw
+from megatrain.runtime.optim.job_queue import EMPTY, JobQueue
 
-
-_WAKE = object()  # in the job queue: a transfer landed, the disk may be idle ([Note: spill read-ahead])
 
 
 @dataclass
@@ -97,14 +96,12 @@ class AdamWorker:
         updated on the device); ``blocks``: the model's;
         ``one_thread``: its kernels run on one intra-op thread (the device is the CPU: [Note: helper threads]);
         ``inline``: no thread, each job runs in ``submit`` (nothing spilled)."""
-        assert not (inline and store.spill_files is not None), "refused by Plan: adam_thread='compute' with spill"
+        assert not (inline and store.disk is not None), "refused by Plan: adam_thread='compute' with spill"
         self.store = store
         self.inline = inline
         self.log = log
-        # A job per block, the closing None, and one wake-up (``_nudge``): a job's put never waits for a wake-up.
-        self._jobs: queue.Queue[AdamJob | object | None] = queue.Queue(maxsize=len(order) + 2)
+        self._jobs: JobQueue[AdamJob | None] = JobQueue()  # a job per block of a step, and the closing None
         self._order = tuple(order)
-        self._nudged = False  # a wake-up is queued, not yet taken
         self._updated = [0] * blocks  # last step whose update of block b is complete
         self._cond = threading.Condition()
         # Per step: seconds the worker spent updating (not waiting for drains or reads), and jobs done.
@@ -115,8 +112,7 @@ class AdamWorker:
         self._skipped: list[int] = []  # steps with a skipped block update, not yet taken by take_skipped()
         if store.state_dtype == torch.bfloat16:  # built (or loaded from the cache) now, not in the first step
             bf16_adamw.kernel()
-        files = store.spill_files
-        self.ahead = ReadAhead(files, order, log) if files is not None else None
+        self.ahead: ReadAhead | None = None if store.disk is None else store.disk.read_ahead(order, log)
         self._thread = None if inline else host_threads.start(self._run, "megatrain-adamw", one_thread)
 
     def submit(self, job: AdamJob) -> None:
@@ -133,16 +129,6 @@ class AdamWorker:
                 self._cond.notify_all()
             raise
         self._done(job)
-
-    def _nudge(self) -> None:
-        """A transfer landed while the read-ahead waits for an idle disk: wake the worker (from the I/O thread
-        that ran it) if it waits for a job, so it reads ahead."""
-        if not self._nudged:
-            self._nudged = True
-            try:
-                self._jobs.put_nowait(_WAKE)
-            except queue.Full:  # cannot happen within the bound; the worker takes jobs and reads ahead anyway
-                pass
 
     def wait_updated(self, block: int, step: int) -> None:
         """Block until block's update for ``step`` (and all before it) is done."""
@@ -202,6 +188,7 @@ class AdamWorker:
         inflight: collections.deque[tuple[AdamJob, int, int, bool, Staged | None]] = collections.deque()
         pending: collections.deque[tuple[AdamJob, int, int, bool]] = collections.deque()  # pieces not yet staged
         closing = False
+        landing: cf.Future | None = None  # the disk's next landing, after which the read-ahead looks again
         try:
             while True:
                 # Take pieces ahead (up to ``depth``) and start reading their spilled state.
@@ -209,19 +196,16 @@ class AdamWorker:
                     if not pending:
                         if closing:
                             break
-                        try:
-                            job = self._jobs.get_nowait()
-                        except queue.Empty:
-                            job = _WAKE
-                        if job is _WAKE:  # the queue is dry: the next chunks in order, into the sets free now
-                            self._nudged = False
-                            if ahead is not None:
-                                ahead.read_ahead(self._nudge)
-                            if inflight:
-                                break
-                            job = self._jobs.get()
-                            if job is _WAKE:
-                                continue
+                        job = self._jobs.take()
+                        if job is EMPTY or (landing is not None and landing.done()):
+                            # the queue is dry, or a transfer landed: the next chunks in order, into the sets free now
+                            landing = ahead.read_ahead(idle=True) if ahead is not None else None
+                            if job is EMPTY:
+                                if inflight:
+                                    break
+                                job = self._jobs.wait(landing)  # the next job, or EMPTY once the landing
+                                if job is EMPTY:
+                                    continue
                         if job is None:
                             closing = True
                             continue

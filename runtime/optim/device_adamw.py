@@ -30,6 +30,7 @@ from torch.profiler import record_function
 
 from megatrain.planner.buffer_kinds import BufferKind
 
+from megatrain.runtime.device.busy_events import BusyEvents
 from megatrain.runtime.device.event_log import EventLog
 from megatrain.runtime.device.streams import Event, Stream, Streams
 from megatrain.runtime.model.templates import BlockLayout
@@ -41,8 +42,11 @@ class DeviceAdamW:
     """The resident blocks' updates on the ``optim`` stream, each leaving an event the block's next load waits on."""
 
     def __init__(self, resident: ResidentState, layouts: Sequence[BlockLayout], streams: Streams,
-                 log: EventLog) -> None:
+                 log: EventLog, busy: BusyEvents | None = None) -> None:
+        """``busy``: times each update on the ``optim`` stream in a timed step (the step breakdown's
+        ``device_adam_busy_s``)."""
         self.resident, self.layouts, self.streams, self.log = resident, layouts, streams, log
+        self.busy = busy if busy is not None else BusyEvents(streams.cuda)
         self.updated: dict[int, Event] = {b: streams.event() for b in resident.blocks}  # each block's last update
         self._flags: list[tuple[int, torch.Tensor, Event]] = []  # (step, host copy of its skip flag, the copy's)
 
@@ -54,16 +58,18 @@ class DeviceAdamW:
         self.log.record("adam_begin", step, block)
         with stream.use(), record_function(f"adam[{block}]"):
             stream.wait_event(ready)
-            grads = r.view(BufferKind.GRADS, block)
             if clip is not None:
                 stream.wait_event(clip[1])
-                grads.mul_(clip[0])
-            count = r.steps[block]
-            found = self._nonfinite(clip, grads) if hyper.skip_nonfinite else None
-            count.add_(1 if found is None else 1 - found)
-            flats = (r.view(BufferKind.MASTER, block), grads, r.view(BufferKind.EXP_AVG, block),
-                     r.view(BufferKind.EXP_AVG_SQ, block))
-            fused_adamw(hyper, self.layouts[block], 0, grads.numel(), flats, count, found)
+            with self.busy.around(stream):  # the update itself, after its waits
+                grads = r.view(BufferKind.GRADS, block)
+                if clip is not None:
+                    grads.mul_(clip[0])
+                count = r.steps[block]
+                found = self._nonfinite(clip, grads) if hyper.skip_nonfinite else None
+                count.add_(1 if found is None else 1 - found)
+                flats = (r.view(BufferKind.MASTER, block), grads, r.view(BufferKind.EXP_AVG, block),
+                         r.view(BufferKind.EXP_AVG_SQ, block))
+                fused_adamw(hyper, self.layouts[block], 0, grads.numel(), flats, count, found)
             if found is not None:
                 host = torch.empty((), dtype=torch.float32, pin_memory=self.streams.cuda)
                 host.copy_(found, non_blocking=True)

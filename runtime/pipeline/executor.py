@@ -47,7 +47,7 @@ from megatrain.runtime.pipeline.block_updates import BlockUpdates, PendingUpdate
 from megatrain.runtime.pipeline.experts.expert_layers import ExpertLayers
 from megatrain.runtime.pipeline.experts.expert_parts import streamed_parts
 from megatrain.runtime.pipeline.experts.router_balance import RouterBalance
-from megatrain.runtime.pipeline.grad_buffers import BlockGrads, GradBuffers, grad_unit
+from megatrain.runtime.pipeline.grad_buffers import BlockGrads, GradBuffers, TiedGrad, grad_unit
 from megatrain.runtime.pipeline.kept_layers import KeptGraphs
 from megatrain.runtime.pipeline.step_schedule import StepSchedule, evaluation_schedule, training_schedule
 from megatrain.runtime.pipeline.step_timer import StepTimer
@@ -99,11 +99,11 @@ class Executor:
         self.grad_buffers = GradBuffers(plan.device_grad_buffers, 0 if in_place else grad_unit(  # (tied: tied_grad's)
             templates, self.parts, self._grad_numel, self.schedule.tied, resident), device, self.streams, self.timer,
             host_grads, store.resident_grads if collectives is None else lambda b: None)
-        # Tied embeddings: lm_head's gradient lands here in forward, the embedding's in backward; one fp32 buffer of
-        # the embedding's size for the whole step (in place: its host gradients; resident: its own).
-        self.tied_grad = (None if not self.schedule.tied else host_grads(templates.embed.index) if host_grads else
-                          store.resident_grads(templates.embed.index) if templates.embed.index in resident else
-                          torch.zeros(self._grad_numel(templates.embed), dtype=torch.float32, device=device))
+        e = templates.embed  # tied: lm_head's gradient and the embedding's in one buffer for the step
+        own = host_grads(e.index) if host_grads else store.resident_grads(e.index) if e.index in resident else None
+        tied = self.schedule.tied
+        self.tied = TiedGrad(e, self._grad_numel(e), device, own, self.streams, self.timer) if tied else None
+        self.tied_grad = None if self.tied is None else self.tied.buffer
         self.checkpoints: DeviceCheckpoints | HostCheckpoints = (
             HostCheckpoints(plan.checkpoint_piece_tokens, compute_dtype, device, self.streams, device.type == "cuda",
                             self.timer, log)
@@ -114,7 +114,8 @@ class Executor:
         # What AdamW updates of each block: the whole layout, or this rank's shard of it.
         layouts = [b.layout for b in (templates.blocks if collectives is None else collectives.shards.blocks)]
         self.optim = BlockOptimizer(store, self.schedule.update_order(eager), layouts, log, self.streams,
-                                    one_thread=device.type == "cpu", inline=plan.adam_thread == "compute")
+                                    one_thread=device.type == "cpu", inline=plan.adam_thread == "compute",
+                                    device_busy=self.timer.device_adam)
         self.updates = BlockUpdates(templates, store, self.optim, self.grad_buffers, self.streams, self.timer, log,
                                     eager, max_grad_norm, device, collectives)
         self.timer.counters = self.optim.counters if store.spilled else None  # [Note: roofline]: the disk's seconds
@@ -269,13 +270,8 @@ class Executor:
 
     def _lm_grad(self, head_grads: dict[str, torch.Tensor]) -> torch.Tensor:
         """Where lm_head's gradient ([vocab, hidden] fp32) adds up: the head's own buffer, or with tied
-        embeddings the embedding's (zeroed once its previous step's drain is done)."""
-        if self.tied_grad is None:
-            return head_grads["lm_head.weight"]
-        with self.timer.stall("d2h", self.streams.compute):
-            self.streams.compute.wait_event(self.updates.tied_drained)
-        self.tied_grad.zero_()
-        return self.schedule.embed.block.layout.views(self.tied_grad)["embed_tokens.weight"]
+        embeddings the embedding's (``TiedGrad.for_head``)."""
+        return head_grads["lm_head.weight"] if self.tied is None else self.tied.for_head(self.updates.tied_drained)
 
     def _positions(self, batch: Batch) -> LayerPositions:
         return self.rotary.positions(batch.input_ids.shape[1], batch.micro, batch.position_ids, batch.documents)

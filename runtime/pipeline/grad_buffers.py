@@ -131,3 +131,22 @@ class BlockGrads:
         rest = [v for v, w in zip(self._views, self._written) if not w] + self._gaps
         if rest:
             torch._foreach_zero_(rest)
+
+
+class TiedGrad:
+    """A tied embedding's gradient: lm_head's lands in it in forward (the head), the embedding's in backward; one
+    fp32 buffer of the embedding's size ([numel]) for the whole step, its own on the device, or ``own`` (in place:
+    the embedding's host gradients; resident: its device buffer). Memory: the planner's "tied embedding grad"."""
+
+    def __init__(self, embed: Block, numel: int, device: torch.device, own: torch.Tensor | None, streams: Streams,
+                 timer: StepTimer) -> None:
+        self.embed, self.streams, self.timer = embed, streams, timer
+        self.buffer = own if own is not None else torch.zeros(numel, dtype=torch.float32, device=device)
+
+    def for_head(self, drained: Event) -> torch.Tensor:
+        """Where the head adds lm_head's gradient ([vocab, hidden] fp32): the buffer, zeroed once its previous
+        step's drain (``drained``) is done."""
+        with self.timer.stall("d2h", self.streams.compute):
+            self.streams.compute.wait_event(drained)
+        self.buffer.zero_()
+        return self.embed.layout.views(self.buffer)["embed_tokens.weight"]

@@ -7,11 +7,12 @@ issued ahead (``prefetch_depth``) hands that to the loader thread as a job and
 returns at once; compute waits for the job only when it acquires the slot. A job,
 in load order, one at a time:
 
-1. taps the block's master (CPU slots: ``SpillFiles.tap_master``): each chunk of
+1. taps the block's master (CPU slots: ``SpilledState.tap_master``): each chunk of
    it that AdamW's update writes behind from now on is copied into the slot as
    well, so that chunk need not be read back from the disk it was just written to;
 2. waits for AdamW's update of the block for the step before (``updated``:
-   compute's wait on it is exposed optimizer time), then ends the tap;
+   compute's wait on it is exposed optimizer time; the thread asks the optimizer,
+   ``BlockOptimizer.wait_updated``), then ends the tap;
 3. reads what the tap did not copy (all of it, where the update was done or under
    way before the tap), each read after the update's write of it lands, but for
    the chunks the AdamW worker read ahead for the block's next update, which it
@@ -46,20 +47,16 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import queue
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from megatrain.planner.buffer_kinds import BufferKind
-
 from megatrain.runtime.device import host_threads
 from megatrain.runtime.device.streams import Event, Streams
+from megatrain.runtime.optim.block_optimizer import BlockOptimizer
 from megatrain.runtime.pipeline.step_timer import StepTimer
-from megatrain.runtime.spill.spill_files import SpillFiles
+from megatrain.runtime.spill.spilled_state import SpilledState
 from megatrain.runtime.spill.spill_io import aligned_empty
-
-# Blocks the calling thread until AdamW has updated block b for the given step (and every step before).
-WaitUpdated = Callable[[int, int], None]  # (block, step)
 
 
 class SpilledLoad(NamedTuple):
@@ -72,11 +69,12 @@ class SpilledLoad(NamedTuple):
 class SpilledLoads:
     """The loader thread and its bounce buffers ([Note: spilled loads])."""
 
-    def __init__(self, files: SpillFiles, streams: Streams, wait_updated: WaitUpdated, timer: StepTimer,
+    def __init__(self, disk: SpilledState, streams: Streams, optim: BlockOptimizer, timer: StepTimer,
                  bounce: bool, slots: int) -> None:
-        """``bounce``: through pinned bounce buffers (CUDA slots), else straight into the slot (CPU slots);
-        ``slots``: how many there are (the queue's bound: see the note)."""
-        self.files, self.streams, self.wait_updated, self.timer = files, streams, wait_updated, timer
+        """``disk``: the spilled state's face; ``optim``: asked whether a block is updated; ``bounce``: through
+        pinned bounce buffers (CUDA slots), else straight into the slot (CPU slots); ``slots``: how many there
+        are (the queue's bound: see the note)."""
+        self.disk, self.streams, self.optim, self.timer = disk, streams, optim, timer
         self.bounce = bounce
         self._jobs: queue.Queue = queue.Queue(maxsize=slots + 1)  # (+1: the stop)
         self._thread = None
@@ -91,6 +89,10 @@ class SpilledLoads:
         load = SpilledLoad(cf.Future(), cf.Future())
         self._jobs.put((block, step, out, loaded, load))
         return load
+
+    def wait_written(self, block: int) -> None:
+        """Data parallel: block until the update's writes of ``block``'s master (issued so far) have landed."""
+        self.disk.wait_master_written(block)
 
     def read_now(self, block: int, out: torch.Tensor) -> None:
         """Data parallel: this rank's shard of the master into ``out`` on the calling thread, landed on return
@@ -109,12 +111,12 @@ class SpilledLoads:
             try:
                 copied: set[int] = set()
                 if not self.bounce:
-                    self.files.tap_master(block, out)
+                    self.disk.tap_master(block, out)
                 try:
-                    self.wait_updated(block, step - 1)
+                    self.optim.wait_updated(block, step - 1)
                 finally:
                     if not self.bounce:
-                        copied = self.files.untap(block)
+                        copied = self.disk.untap(block)
                 load.updated.set_result(None)
                 with self.streams.h2d.use():
                     load.landed.set_result(self._read(block, out, loaded, timed=self.streams.cuda, skip=copied,
@@ -132,24 +134,22 @@ class SpilledLoads:
         load for ``step`` copies the chunks read ahead for that step's update instead ([Note: lent masters]).
         ``timed``: the copies count as the h2d link's busy time (CUDA; the timer's entries of a step are all
         added before its loads are acquired, so before it ends)."""
-        files = self.files
-
-        def lent(lo: int, dst: torch.Tensor) -> bool:
-            return step is not None and files.lent.copy(step, block, lo, dst, files.version)
-
+        disk = self.disk
         if not self.bounce:
-            return [files.read_async(BufferKind.MASTER, block, out[lo:lo + n], lo, n, exact=True, first=True)
-                    for lo, n in files.chunks(block) if lo not in skip and not lent(lo, out[lo:lo + n])]
+            reads = (disk.read_master(block, out[lo:lo + n], lo, n, step) for lo, n in disk.chunks(block)
+                     if lo not in skip)
+            return [read for read in reads if read is not None]
         if not self._buffers:
-            self._buffers = [_bounce_buffer(files.chunk_numel, self.streams.cuda) for _ in range(2)]
+            self._buffers = [_bounce_buffer(disk.chunk_numel, self.streams.cuda) for _ in range(2)]
             self._copied = [None, None]
         with self.timer.copy("h2d", self.streams.h2d) if timed else contextlib.nullcontext():
-            for i, (lo, n) in enumerate(files.chunks(block)):
+            for i, (lo, n) in enumerate(disk.chunks(block)):
                 k = i % 2
                 if self._copied[k] is not None:
                     self._copied[k].synchronize()  # the H2D copy that last read this bounce buffer
-                if not lent(lo, self._buffers[k][:n]):
-                    files.read_async(BufferKind.MASTER, block, self._buffers[k], lo, n, first=True).result()
+                read = disk.read_master(block, self._buffers[k], lo, n, step, exact=False)
+                if read is not None:
+                    read.result()
                 out[lo:lo + n].copy_(self._buffers[k][:n], non_blocking=True)
                 self._copied[k] = self.streams.recorded(self.streams.h2d)
         if loaded is not None:

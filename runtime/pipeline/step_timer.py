@@ -23,6 +23,12 @@ span less its stalls, so it still holds kernel-launch gaps and other host
 time that left the GPU idle: an upper bound of kernel time (a torch.profiler trace,
 ``benchmarks/step_anatomy.py``, gives the kernels' own sum).
 
+The device AdamW (the resident blocks' updates on the ``optim`` stream) is one too:
+``device_adam_busy_s``, a pair of timing events around each update on its stream, after
+the waits that order it (``device/busy_events.py``; on a CPU device the updates run on
+the compute thread, so their host seconds, which ``compute_s`` holds as well); 0 with
+no resident block.
+
 The disk (spill files) is a resource too: ``disk_read_busy_s`` /
 ``disk_write_busy_s`` are the seconds of the timed step during which a read /
 a write was in flight (in steady state, one step's traffic, including the
@@ -52,6 +58,7 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 
+from megatrain.runtime.device.busy_events import BusyEvents
 from megatrain.runtime.device.streams import Stream
 
 KINDS = ("h2d", "d2h", "ckpt", "adam", "disk")
@@ -80,6 +87,7 @@ class StepTimer:
         self.counters: Callable[[], dict[str, float]] | None = None  # see COUNTERS
         self._counted = dict.fromkeys(COUNTERS, 0.0)
         self._forward: tuple[float, float] | None = None  # (host seconds, disk busy seconds) at the forward's end
+        self.device_adam = BusyEvents(cuda)  # the device AdamW's updates (handed to it: it times them)
 
     def arm(self) -> None:
         """Time the next training step (see [Note: opt-in timing])."""
@@ -96,6 +104,7 @@ class StepTimer:
         self._wall0 = time.perf_counter()
         self._counted = dict(self.counters()) if self.counters is not None else dict.fromkeys(COUNTERS, 0.0)
         self._forward = None
+        self.device_adam.start()
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record(compute.raw)
@@ -115,6 +124,7 @@ class StepTimer:
         now = self.counters() if self.counters is not None else self._counted
         self._counted = {k: now[k] - self._counted[k] for k in COUNTERS}
         self._active = False
+        self.device_adam.stop()
         if self.cuda and self._span is not None:
             stop = torch.cuda.Event(enable_timing=True)
             stop.record(compute.raw)
@@ -212,7 +222,7 @@ class StepTimer:
                 "d2h_exposed_s": exposed["d2h"], "ckpt_traffic_s": exposed["ckpt"],
                 "adam_exposed_s": exposed["adam"] - adam_on_disk, "disk_exposed_s": exposed["disk"] + adam_on_disk,
                 "disk_load_exposed_s": exposed["disk"], "disk_adam_exposed_s": adam_on_disk,
-                "h2d_busy_s": busy["h2d"], "d2h_busy_s": busy["d2h"],
+                "h2d_busy_s": busy["h2d"], "d2h_busy_s": busy["d2h"], "device_adam_busy_s": self.device_adam.seconds(),
                 "disk_read_busy_s": self._counted["disk_read_busy_s"],
                 "disk_write_busy_s": self._counted["disk_write_busy_s"], "disk_busy_s": self._counted["disk_busy_s"]}
         if self._forward is not None:
@@ -225,7 +235,8 @@ class StepTimer:
         """Add ``adam_busy_s`` (when known), ``roofline_s`` = max of the resources, and step / roofline. AdamW on
         the compute thread (``adam_inline``) cannot overlap compute: its busy time adds to compute's instead."""
         out = {k: v for k, v in done.items() if k not in ("adam_busy_s", "roofline_s", "roofline_ratio")}
-        resources = [out["compute_s"], out["h2d_busy_s"], out["d2h_busy_s"], out["disk_busy_s"]]
+        resources = [out["compute_s"], out["h2d_busy_s"], out["d2h_busy_s"], out["disk_busy_s"],
+                     out["device_adam_busy_s"]]
         if adam_busy is not None:
             out["adam_busy_s"] = adam_busy
             if self.adam_inline:

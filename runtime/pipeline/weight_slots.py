@@ -43,8 +43,6 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch.profiler import record_function
 
-from megatrain.planner.buffer_kinds import BufferKind
-
 from megatrain.runtime.device.event_log import EventLog
 from megatrain.runtime.optim.block_optimizer import BlockOptimizer
 from megatrain.runtime.state.host_store import HostStore
@@ -121,9 +119,9 @@ class WeightLoader:
         self._released: list[bool] = []
         self._horizon = -1  # highest load index the compute has asked for
         self._spilled: dict[int, SpilledLoad] = {}  # per slot: the loader thread's job filling it
-        files = store.spill_files
-        self.spilled_loads = None if files is None else SpilledLoads(
-            files, streams, optim.wait_updated, timer, bounce=slots.buffers[0].device.type != "cpu", slots=len(slots))
+        self.spilled_loads = None if store.disk is None else SpilledLoads(
+            store.disk, streams, optim, timer, bounce=slots.buffers[0].device.type != "cpu",
+            slots=len(slots))
 
     def start(self, step: int, sequence: Sequence[Load]) -> None:
         """Begin a sequence of loads for ``step``; nothing may be resident from the previous one."""
@@ -202,9 +200,9 @@ class WeightLoader:
             with self.timer.adam_wait(self.streams.compute):  # the previous step's update: what this load copies
                 self.optim.wait_updated(block, self.step - 1)
             if source is None:  # data parallel, a spilled master: read on this thread once AdamW's write lands
-                assert self.store.spill_files is not None
+                assert self.spilled_loads is not None
                 with self.timer.disk_wait(self.streams.compute):
-                    self.store.spill_files.wait_write(BufferKind.MASTER, block)
+                    self.spilled_loads.wait_written(block)
         self.slots.transition(slot, SlotState.FREE, SlotState.LOADING)
         self.slots.block[slot] = block
         numel = self.store.numels[block]

@@ -1,10 +1,10 @@
-"""The disk's busy time, and a wake-up when a transfer lands (the read-ahead's signal that the disk may be idle)."""
+"""The disk's busy time, and the next transfer's landing (what the read-ahead's caller waits for: the disk may be
+idle then)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
 import time
-from typing import Callable
 
 
 class BusyClock:
@@ -16,7 +16,7 @@ class BusyClock:
         self._inflight = 0
         self._since = 0.0
         self._total = 0.0
-        self._wake: Callable[[], None] | None = None  # see ``when_done``
+        self._landing: cf.Future | None = None  # see ``next_landing``
 
     def track(self, future: cf.Future) -> cf.Future:
         with self._lock:
@@ -31,18 +31,21 @@ class BusyClock:
             self._inflight -= 1
             if self._inflight == 0:
                 self._total += time.perf_counter() - self._since
-            wake, self._wake = self._wake, None
-        if wake is not None:
-            wake()
+            landing, self._landing = self._landing, None
+        if landing is not None:
+            landing.set_result(None)
 
     @property
     def inflight(self) -> int:
         return self._inflight
 
-    def when_done(self, wake: Callable[[], None]) -> None:
-        """Call ``wake`` once, from the thread that finishes it, when the next transfer lands."""
+    def next_landing(self) -> cf.Future:
+        """A future done when the next transfer lands (the same one for every caller until then): a thread that
+        waits for the disk waits on it, nothing is called back."""
         with self._lock:
-            self._wake = wake
+            if self._landing is None:
+                self._landing = cf.Future()
+            return self._landing
 
     @property
     def seconds(self) -> float:

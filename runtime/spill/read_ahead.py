@@ -27,7 +27,7 @@ job that comes takes its set and adds the gradient reads
 order changed), or after a cold-path write to the files (their ``version`` moved
 since the read), drops everything read ahead (``discard``) and is read afresh.
 
-A read ahead never makes the worker wait (``read_ahead(wake)``). The next step's
+A read ahead never makes the worker wait (``read_ahead(idle=True)``). The next step's
 chunks (read while this step's last updates write and the next forward loads) are
 read only when nothing is in flight on the disk (``_disk_idle``), so the reads of a
 load and the writes of an update queue behind one chunk's reads ahead at most, never
@@ -41,7 +41,9 @@ master from them instead of reading it ([Note: lent masters]). Only into idle ti
 a backward whose disk never idled read nothing ahead after the first layers: the
 3.2B shape with every layer kept read 59 GB a step with 24 sets (53.5 with 64, which
 the forward's idle moments fill further). When no set is free, or the disk is busy
-for the next step's chunks, ``wake`` runs once a transfer lands.
+for the next step's chunks, ``read_ahead`` returns the disk's next landing (a future):
+the worker waits for it or for its next job, whichever comes first, and looks again.
+Nothing is called back into the worker.
 
 Bound: the plan's ``spill_staging`` staging sets, the chunks read ahead and those in
 flight together: at most ``spill_staging`` x spilled kinds x one chunk
@@ -53,8 +55,9 @@ chunk).
 from __future__ import annotations
 
 import collections
+import concurrent.futures as cf
 import time
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 from megatrain.planner.buffer_kinds import BufferKind
 
@@ -112,40 +115,43 @@ class ReadAhead:
             self._next = collections.deque(
                 Piece(step + 1, b, lo, n) for b in self.order if files.spilled(b) for lo, n in files.chunks(b))
 
-    def read_ahead(self, wake: Callable[[], None] | None = None) -> None:
+    def read_ahead(self, idle: bool = False) -> cf.Future | None:
         """Read the next step's first chunks' master, m and v ahead into the sets the worker does not hold (up to
         ``depth`` held in all); a chunk whose block still has a chunk held for the step before waits its turn.
-        With ``wake`` (called when a transfer lands) it reads the next step's chunks only into the disk's idle
-        time (``_disk_idle``), so the reads of loads and the writes of updates never queue behind a step's worth
-        of reads ahead, and the chunks of the step whose jobs are coming into the sets free now, busy disk or
-        not; without, it reads as far as the sets allow, waiting for those being written back."""
+        ``idle``: it reads the next step's chunks only into the disk's idle time (``_disk_busy``), so the reads
+        of loads and the writes of updates never queue behind a step's worth of reads ahead, and the chunks of
+        the step whose jobs are coming into the sets free now, busy disk or not; and where it stopped for the
+        busy disk (or, busy, for a set still being written back) it returns the disk's next landing, after which
+        to look again. Without ``idle`` it reads as far as the sets allow, waiting for those being written back,
+        and returns None."""
         while self._next and len(self._ahead) + len(self._held) < self.depth:
             piece = self._next[0]
             if any(b == piece.block and s != piece.step for s, b in self._held):
-                return
-            busy = wake is not None and not self._disk_idle(wake)
-            if busy and piece.step != self._step:  # the next step's chunks: only into the disk's idle time
-                return
+                return None
+            landing = self._disk_busy() if idle else None
+            if landing is not None and piece.step != self._step:  # the next step's chunks: only into idle time
+                return landing
             kinds = [k for k in self.files.spilled(piece.block) if k is not BufferKind.GRADS]
             t0 = time.perf_counter()
             version = self.files.version
-            staged = self.files.stage(piece.block, piece.lo, piece.n, kinds, wait=not busy)
+            staged = self.files.stage(piece.block, piece.lo, piece.n, kinds, wait=landing is None)
             self.wait_seconds += time.perf_counter() - t0
-            if staged is None:  # busy, and every set in use or being written back: a landing wakes the worker
-                return
+            if staged is None:  # busy, and every set in use or being written back: look again once one lands
+                return landing
             self._next.popleft()
             self._ahead.append((piece, version, staged))
             if BufferKind.MASTER in kinds:  # a load of the block for this step may copy it ([Note: lent masters])
                 self.files.lent.offer(*piece[:3], staged.buffers[BufferKind.MASTER],
                                       staged.reads[kinds.index(BufferKind.MASTER)], version)
             self.log.record("spill_read", piece.step, piece.block, lo=piece.lo, phase="ahead")
+        return None
 
-    def _disk_idle(self, wake: Callable[[], None]) -> bool:
-        """Nothing in flight on the disk: what a load or an update asks for next waits behind one chunk's reads
-        ahead at most. ``wake`` is called once the next transfer lands (registered before the look, so one that
-        lands meanwhile is not missed; a wake-up after a look that found the disk idle costs one more look)."""
-        self.files.io_clock.when_done(wake)
-        return self.files.io_clock.inflight == 0
+    def _disk_busy(self) -> cf.Future | None:
+        """None when nothing is in flight on the disk (what a load or an update asks for next then waits behind one
+        chunk's reads ahead at most); else the disk's next landing (taken before the look, so one that lands
+        meanwhile is not missed: its future is done already)."""
+        landing = self.files.io_clock.next_landing()
+        return None if self.files.io_clock.inflight == 0 else landing
 
     def stage(self, step: int, block: int, lo: int, n: int, grads: bool) -> Staged | None:
         """Block ``block``'s spilled kinds, elements [lo, lo + n), on their way into a staging set for ``step``'s

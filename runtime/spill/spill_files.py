@@ -43,7 +43,7 @@ import concurrent.futures as cf
 import os
 import shutil
 import threading
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -172,11 +172,12 @@ class SpillFiles:
             pending.append(future)
             self._writes[(kind, b)] = pending
 
-    def write_after(self, kind: BufferKind, b: int, src: torch.Tensor, ready: "Event",
-                    then: Callable[[], None], lo: int = 0, n: int | None = None) -> None:
+    def write_after(self, kind: BufferKind, b: int, src: torch.Tensor, ready: "Event", lo: int = 0,
+                    n: int | None = None) -> cf.Future:
         """Write ``src`` as block b's ``kind`` elements [lo, lo + n) once ``ready`` (a D2H drain) has happened.
 
-        Registered at once, so a later read of the block waits for it; ``then`` runs when it is done.
+        Registered at once, so a later read of the block waits for it; the future is done when it is written (or
+        failed): the caller decides what follows (``src`` free to reuse).
         """
         n = self.numels[b] - lo if n is None else n
         placeholder: cf.Future = cf.Future()
@@ -194,9 +195,8 @@ class SpillFiles:
                 placeholder.set_result(None)
             except BaseException as e:
                 placeholder.set_exception(e)
-            finally:
-                then()
         self._after_pool.submit(run)
+        return placeholder
 
     def wait_write(self, kind: BufferKind, b: int) -> None:
         with self._writes_lock:

@@ -22,7 +22,8 @@ it from the master file (``load_source``).
 
 With a spill plan the blocks and kinds ``buffer_kinds.placement`` names live in
 spill files instead (``spill_files.py``, [Note: spill]), each (block, kind) in
-RAM or on disk independently; ``read_block`` /
+RAM or on disk independently, reached only through their one face (``disk``: ``spilled_state.py``, [Note: one
+face of spilled state]); ``read_block`` /
 ``write_block`` are the one way to a block's bytes either way, and
 ``grad_sink`` says where a block's gradient lands on the host.
 
@@ -41,7 +42,7 @@ from megatrain.planner.buffer_kinds import (MOMENT_KINDS, BufferKind, Placement,
                                             spill_chunk_multiple, spill_chunk_numel, spilled_kinds)
 
 from megatrain.runtime.errors import ConfigError
-from megatrain.runtime.spill.spill_files import SpillFiles
+from megatrain.runtime.spill.spilled_state import SpilledState
 from megatrain.runtime.spill.staging_pool import StagingPool
 from megatrain.runtime.spill.spill_io import FileIO
 from megatrain.runtime.state.resident_state import ResidentState
@@ -194,12 +195,11 @@ class HostStore:
         # (a resident block's on the device, as the fused kernel there takes it).
         self.steps = [resident.steps[b] if b in self._on_device else torch.zeros((), dtype=torch.float32)  # type: ignore[union-attr]
                       for b in range(len(blocks))]
-        self.spill_files: SpillFiles | None = None
+        self.disk: SpilledState | None = None  # the spill files' one face: [Note: one face of spilled state]
         if self.spilled:
             assert io is not None and spill_dir is not None
             try:
-                self.spill_files = SpillFiles(self.numels, self.placement, spill_dir, io, staging, chunk_bytes,
-                                              state_dtype)
+                self.disk = SpilledState(self.numels, self.placement, spill_dir, io, staging, chunk_bytes, state_dtype)
             except BaseException:
                 self.close()
                 raise
@@ -224,20 +224,20 @@ class HostStore:
     # ---- spill files ------------------------------------------------------------------
     @property
     def nvme_bytes(self) -> int:
-        return 0 if self.spill_files is None else self.spill_files.nbytes
+        return 0 if self.disk is None else self.disk.nbytes
 
     @property
     def spill_root(self) -> str | None:
-        return None if self.spill_files is None else self.spill_files.root
+        return None if self.disk is None else self.disk.root
 
     @property
     def staging(self) -> StagingPool | None:
-        return None if self.spill_files is None else self.spill_files.staging
+        return None if self.disk is None else self.disk.staging
 
     def flush(self) -> None:
         """Wait for every write behind to the spill files (raises the first I/O error)."""
-        if self.spill_files is not None:
-            self.spill_files.flush()
+        if self.disk is not None:
+            self.disk.flush()
 
     # ---- block access -------------------------------------------------------------------
     def ram_arena(self, kind: BufferKind) -> HostArena | None:
@@ -267,8 +267,8 @@ class HostStore:
             assert self.resident is not None
             return self.resident.read(kind, b)
         if self.is_spilled(kind, b):
-            assert self.spill_files is not None
-            return self.spill_files.read_block(kind, b)
+            assert self.disk is not None
+            return self.disk.read_block(kind, b)
         return self._view(kind, b)
 
     def write_block(self, kind: BufferKind, b: int, src: torch.Tensor) -> None:
@@ -278,8 +278,8 @@ class HostStore:
             assert self.resident is not None
             self.resident.write(kind, b, src)
         elif self.is_spilled(kind, b):
-            assert self.spill_files is not None
-            self.spill_files.write_block(kind, b, src)
+            assert self.disk is not None
+            self.disk.write_block(kind, b, src)
         else:
             self._view(kind, b).copy_(src)
 
@@ -322,8 +322,8 @@ class HostStore:
             slabs, slab = self.slabs, self.slabs.acquire_checked(check)
             host = slabs.slab(slab, self.numels[b])
             return [GradSink(host, lambda done: None, host, lambda: slabs.release(slab))]
-        assert self.spill_files is not None
-        return _spilled_sinks(self.slabs, self.spill_files, b, check)
+        assert self.disk is not None
+        return _spilled_sinks(self.slabs, self.disk, b, check)
 
     def resident_grads(self, b: int) -> torch.Tensor | None:
         """A resident block's gradient buffer on the device, where its gradients add up; None for another block."""
@@ -360,9 +360,9 @@ class HostStore:
                       self.slabs.arena if self.slabs else None):
             if arena is not None:
                 arena.close()
-        if self.spill_files is not None:
-            self.spill_files.close()
-            self.spill_files = None
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
 
 
 def _offsets(numels: Sequence[int], skip: frozenset[int]) -> tuple[dict[int, int], int]:
@@ -374,13 +374,14 @@ def _offsets(numels: Sequence[int], skip: frozenset[int]) -> tuple[dict[int, int
     return out, at
 
 
-def _spilled_sinks(slabs: GradSlabs, files: SpillFiles, b: int, check: Callable[[], None]) -> Iterator[GradSink]:
+def _spilled_sinks(slabs: GradSlabs, disk: SpilledState, b: int, check: Callable[[], None]) -> Iterator[GradSink]:
     """Block b's spilled-gradient sinks, one per chunk, each slab acquired only when the drain reaches it
-    (so a block larger than every slab together still drains)."""
-    for lo, n in files.chunks(b):
+    (so a block larger than every slab together still drains), written to the grads file behind its drain."""
+    for lo, n in disk.chunks(b):
         slab = slabs.acquire_checked(check)
         padded = slabs.slab(slab, slabs.numel)
 
         def on_drained(done: "Event", padded: torch.Tensor = padded, slab: int = slab, lo: int = lo, n: int = n) -> None:
-            files.write_after(BufferKind.GRADS, b, padded, done, then=lambda: slabs.release(slab), lo=lo, n=n)
+            written = disk.write_grads(b, padded, done, lo, n)
+            written.add_done_callback(lambda _: slabs.release(slab))  # the slab back once its bytes are on disk
         yield GradSink(padded[:n], on_drained, None, None, lo)
