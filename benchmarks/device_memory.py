@@ -67,7 +67,7 @@ def _runs(path: str) -> list[dict]:
 def priced(run: dict, hw) -> dict:
     """The planner's figures for one recorded run (see the module docstring)."""
     from megatrain.planner import kept_layers, memory_model, model_shapes
-    from megatrain.planner.plan import Plan
+    from megatrain.plan.plan import Plan
     from megatrain.planner.workload import Workload
 
     shape = model_shapes.from_config(model_config(run["model"], run["layers"], run["seq"]))

@@ -59,7 +59,7 @@ def main() -> int:
         print(f"wrote {stem}.md; plot: {plot(saved['results'], stem + '.png')}", file=sys.stderr)
         return 0
     from megatrain.planner import cost_model, memory_model, model_shapes, profiler, search
-    from megatrain.planner.plan import Plan
+    from megatrain.plan.plan import Plan
     from megatrain.planner.workload import Workload
     from megatrain.tools.calibrate import run_model
 

@@ -103,7 +103,7 @@ def measure(args: argparse.Namespace, world: int, rank_batch: int) -> dict:
 
 def predict(args: argparse.Namespace, world: int, rank_batch: int) -> dict:
     from megatrain.planner import data_parallel, model_shapes
-    from megatrain.planner.plan import Plan
+    from megatrain.plan.plan import Plan
     from megatrain.planner.profiler import this_machine
     from megatrain.planner.workload import Workload
 

@@ -56,7 +56,7 @@ def main() -> int:
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     args = p.parse_args()
     from megatrain.planner import cost_model, model_shapes, search, sizing
-    from megatrain.planner.plan import Plan
+    from megatrain.plan.plan import Plan
     from megatrain.planner.profiler import this_machine
     from megatrain.planner.workload import Workload
 

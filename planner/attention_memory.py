@@ -4,7 +4,7 @@ one call's backward adds to a layer's working set (``memory_model``'s "attention
 from __future__ import annotations
 
 from .model_shapes import ModelShape
-from .plan import Plan
+from megatrain.plan.plan import Plan
 from .workload import Workload
 
 

@@ -21,10 +21,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from . import kept_layers, resident_blocks, spill_placement, spill_timing, step_replay, step_traffic
-from .buffer_kinds import BufferKind, has_shadow, load_bytes
+from megatrain.plan.buffer_kinds import BufferKind, has_shadow, load_bytes
 from .hardware import HardwareProfile
 from .model_shapes import ModelShape
-from .plan import Plan
+from megatrain.plan.plan import Plan
 from .step_replay import BlockVisit
 from .workload import StepBatch, Workload
 

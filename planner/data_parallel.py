@@ -46,12 +46,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from . import cost_model, memory_model
-from .block_parameters import aligned
+from megatrain.plan.block_parameters import aligned
 from .spill_placement import block_numels
 from .hardware import HardwareProfile
 from .memory_model import Component, MemoryEstimate, Overrun
 from .model_shapes import ModelShape
-from .plan import Plan
+from megatrain.plan.plan import Plan
 from .stream_units import grad_numel
 from .workload import Workload, WorkloadError
 

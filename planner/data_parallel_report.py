@@ -14,7 +14,7 @@ from typing import Any
 from . import data_parallel, report
 from .hardware import HardwareProfile
 from .model_shapes import ModelShape
-from .plan import Plan
+from megatrain.plan.plan import Plan
 from .workload import Workload
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-from .block_parameters import aligned
+from megatrain.plan.block_parameters import aligned
 
 
 @dataclass(frozen=True)

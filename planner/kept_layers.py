@@ -14,7 +14,7 @@ from typing import Callable
 
 from . import moe_memory
 from .model_shapes import ModelShape, dtype_bytes
-from .plan import Plan
+from megatrain.plan.plan import Plan
 from .workload import Workload
 
 # Without a plan (``Engine(config)``), the share of the memory free at the first step that kept activations,

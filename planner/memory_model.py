@@ -28,13 +28,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import buffer_kinds, kept_layers, resident_blocks, sparse_working_set, spill_placement
+from megatrain.plan import buffer_kinds
+from . import kept_layers, resident_blocks, sparse_working_set, spill_placement
 from .allocator_retention import allocator_retention
 from .attention_memory import attention_working_set
-from .buffer_kinds import BufferKind, crosses_pcie, has_shadow, load_bytes, spill_block_bytes, spill_chunk_numel
+from megatrain.plan.buffer_kinds import (BufferKind, crosses_pcie, has_shadow, load_bytes, spill_block_bytes,
+                                         spill_chunk_numel)
 from .hardware import GiB, HardwareProfile
 from .model_shapes import ModelShape
-from .plan import Plan
+from megatrain.plan.plan import Plan
 from .stream_units import grad_numel, grouped, slot_numel
 from .workload import Workload
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 
-from .block_parameters import LAYER
+from megatrain.plan.block_parameters import LAYER
 
 # Causal attention backward over its forward as the device runs it (flash backward: QK^T again, dV, dP, dQ, dK):
 # the hardware term, what the cost model and the profiler's attention rate count.

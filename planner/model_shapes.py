@@ -21,13 +21,13 @@ from typing import Any, Mapping
 
 from megatrain.errors import MegatrainError
 
-from . import hf_config
-from .buffer_kinds import spill_block_bytes
+from megatrain.models import hf_config
+from megatrain.plan.buffer_kinds import spill_block_bytes
 from .expert_shapes import ExpertShape
 from .model_flops import ATTENTION_BWD_FACTOR, ModelFlops, attention_flops_per_token  # noqa: F401 (their old home)
 from megatrain.models import registry
 
-from .block_parameters import ALIGN_ELEMENTS, EMBED, HEAD, LAYER, aligned, block_table
+from megatrain.plan.block_parameters import ALIGN_ELEMENTS, EMBED, HEAD, LAYER, aligned, block_table
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_ALIASES: dict[str, str] = {

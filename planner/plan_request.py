@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from . import search, sizing
 from .hardware import HardwareProfile
 from .model_shapes import ModelShape
-from .plan import Plan
+from megatrain.plan.plan import Plan
 from .search import InfeasibleError, PlanChoice, Ranks
 from .workload import Workload
 

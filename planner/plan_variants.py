@@ -18,7 +18,7 @@ from typing import Callable
 
 from . import kept_layers, resident_blocks
 from .model_shapes import ModelShape
-from .plan import Plan
+from megatrain.plan.plan import Plan
 from .workload import Workload
 
 

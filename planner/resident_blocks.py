@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .model_shapes import ModelShape
-from .plan import Plan
+from megatrain.plan.plan import Plan
 from .workload import Workload
 from .spill_placement import block_numels
 

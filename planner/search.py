@@ -30,8 +30,8 @@ from .cost_model import CostEstimate
 from .hardware import HardwareProfile
 from .memory_model import MemoryEstimate, Overrun
 from .model_shapes import ModelShape
-from .plan import Plan, host_device_choices
-from .plan_checks import master_spills
+from megatrain.plan.plan import Plan, host_device_choices
+from megatrain.plan.plan_checks import master_spills
 from .sequence_pieces import checkpoint_piece_tokens, sequence_tile_tokens
 from .spill_choices import most_staging, spill_chunk_bytes, spill_io_choices, spill_staging_choices
 from .workload import Workload

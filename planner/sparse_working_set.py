@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from . import kept_layers, moe_memory
 from .model_shapes import ModelShape
-from .plan import Plan
+from megatrain.plan.plan import Plan
 from .workload import Workload
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Callable
 
 from . import spill_placement
-from .buffer_kinds import spill_chunk_multiple, spill_chunks
+from megatrain.plan.buffer_kinds import spill_chunk_multiple, spill_chunks
 from .hardware import HardwareProfile
 from .model_shapes import ModelShape
-from .plan import Plan
+from megatrain.plan.plan import Plan
 
 # Staging sets between disk and AdamW: 1 (least RAM, no read-ahead), 3 (reads ahead, writes behind), and deeper
 # read-ahead into the backward's idle disk time (spill_timing): the cost model times what they buy, the memory

@@ -25,9 +25,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .buffer_kinds import BufferKind, element_bytes, placement, spill_block_bytes
+from megatrain.plan.buffer_kinds import BufferKind, element_bytes, placement, spill_block_bytes
 from .model_shapes import ModelShape
-from .plan import Plan, SpillBlocks, host_device_choices
+from megatrain.plan.plan import Plan, SpillBlocks, host_device_choices
 
 # The groups of kinds the fill moves to disk, in order (see [Note: fill order]).
 FILL_GROUPS = ((BufferKind.EXP_AVG, BufferKind.EXP_AVG_SQ), (BufferKind.MASTER,), (BufferKind.GRADS,))

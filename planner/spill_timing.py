@@ -58,9 +58,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from . import spill_placement
-from .buffer_kinds import BufferKind, spill_chunks
+from megatrain.plan.buffer_kinds import BufferKind, spill_chunks
 from .hardware import HardwareProfile
-from .plan import Plan
+from megatrain.plan.plan import Plan
 from .step_replay import BlockVisit
 
 UPDATED = (BufferKind.MASTER, BufferKind.EXP_AVG, BufferKind.EXP_AVG_SQ)  # what AdamW reads ahead and writes back

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .hardware import HardwareProfile
-from .plan import Plan
+from megatrain.plan.plan import Plan
 
 
 @dataclass

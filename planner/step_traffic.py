@@ -4,9 +4,9 @@ device, the bytes it reads and writes on the spill disk, and the attention FLOPs
 from __future__ import annotations
 
 from . import kept_layers, spill_placement
-from .buffer_kinds import BufferKind, load_bytes
+from megatrain.plan.buffer_kinds import BufferKind, load_bytes
 from .model_shapes import ModelShape
-from .plan import Plan
+from megatrain.plan.plan import Plan
 from .workload import Workload
 
 

@@ -3,9 +3,9 @@ gradient accumulator (the memory model's Bu and Bg; the runtime sizes its slots 
 way: expert_parts.slot_numel, the executor's gradient unit). Pure stdlib."""
 from __future__ import annotations
 
-from .block_parameters import LAYER
+from megatrain.plan.block_parameters import LAYER
 from .model_shapes import ModelShape
-from .plan import Plan
+from megatrain.plan.plan import Plan
 
 
 def grouped(model: ModelShape, plan: Plan) -> bool:

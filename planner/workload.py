@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from megatrain.errors import MegatrainError
 
 from .model_shapes import DTYPE_ALIASES, ModelShape, dtype_bytes
-from .plan import Plan
-from .workload_fingerprint import WorkloadFingerprint, shape_digest
+from megatrain.plan.plan import Plan
+from megatrain.plan.workload_fingerprint import WorkloadFingerprint, shape_digest
 
 
 class WorkloadError(MegatrainError):

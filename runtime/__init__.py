@@ -1,5 +1,5 @@
 """megatrain.runtime: stream a model's blocks through a few device slots; weights and AdamW state in host memory."""
-from megatrain.planner.plan import Plan, PlanError, SpillBlocks
+from megatrain.plan.plan import Plan, PlanError, SpillBlocks
 
 from megatrain.runtime.config import ModelConfig, OptimizerConfig
 from megatrain.runtime.device.host_heap import keep_freed_heap

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, TypeVar
 
 from megatrain.models import registry
-from megatrain.planner import hf_config
-from megatrain.planner.hf_config import SUPPORTED_ACTIVATIONS, SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES
+from megatrain.models import hf_config
+from megatrain.models.hf_config import SUPPORTED_ACTIVATIONS, SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES
 
 from megatrain.runtime.config_ranges import check_model_ranges, check_optimizer_ranges
 from megatrain.runtime.errors import ConfigError
@@ -180,7 +180,7 @@ class ModelConfig:
     def from_hf(cls, source: str | os.PathLike | Mapping[str, Any]) -> "ModelConfig":
         """Read a Hugging Face ``config.json`` (a path to it, its directory, or the parsed dict).
 
-        The rules for each field are ``megatrain.planner.hf_config``'s (transformers' for the family).
+        The rules for each field are ``megatrain.models.hf_config``'s (transformers' for the family).
         """
         reader = hf_config.parse if isinstance(source, Mapping) else hf_config.read
         return cls(**_field(reader, source).fields())

@@ -12,7 +12,7 @@ import torch
 
 from megatrain.planner import (memory_model, model_shapes, search, spill_choices, spill_placement, spill_timing,
                                step_traffic)
-from megatrain.planner.buffer_kinds import WIDEN_ELEMENTS, BufferKind
+from megatrain.plan.buffer_kinds import WIDEN_ELEMENTS, BufferKind
 from megatrain.planner.hardware import GiB, HardwareProfile
 from megatrain.planner.workload import Workload
 from megatrain.runtime import ConfigError, Engine, ModelConfig, OptimizerConfig, Plan

@@ -13,7 +13,7 @@ from megatrain.planner import cost_model, memory_model, model_shapes, step_traff
 from megatrain.planner.calibration import (SPREAD_WARN, Calibration, CalibrationError, RunSample, fit, fit_line,
                                            fit_t_half, robust)
 from megatrain.planner.hardware import HardwareError, HardwareProfile
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 from megatrain.planner.workload import Workload
 
 MB = 1e6

@@ -13,7 +13,7 @@ import pickle
 import torch.multiprocessing as mp
 
 from megatrain.planner import memory_model, model_shapes
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 from megatrain.planner.profiler import detect
 from megatrain.planner.workload import Workload
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from megatrain.planner import hardware, memory_model, model_shapes
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 from megatrain.planner.workload import Workload
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

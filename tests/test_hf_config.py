@@ -13,7 +13,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megatrain.planner import hf_config, model_shapes
+from megatrain.models import hf_config
+from megatrain.planner import model_shapes
 from megatrain.models.parameters import embedding_parameters, head_parameters, layer_parameters
 from megatrain.planner.model_shapes import ModelShapeError
 from megatrain.runtime import ConfigError, ModelConfig

@@ -10,7 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megatrain.planner import model_shapes, search
-from megatrain.planner.plan import Plan, PlanError
+from megatrain.plan.plan import Plan, PlanError
 from megatrain.planner.workload import Workload
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
 from megatrain.runtime.pipeline.activation_checkpoints import pieces

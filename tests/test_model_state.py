@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatrain.planner import memory_model
-from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.plan.buffer_kinds import BufferKind
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
 from megatrain.runtime.device.streams import Event
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from megatrain.planner import memory_model, model_shapes, search
-from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.plan.buffer_kinds import BufferKind
 from megatrain.planner.hardware import HardwareProfile, preset
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 from megatrain.planner.profiler import detect
 from megatrain.planner.workload import Workload
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatrain.planner import memory_model, model_shapes, moe_memory, sparse_working_set
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 from megatrain.planner.workload import Workload
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
 from megatrain.runtime.pipeline import expert_layers

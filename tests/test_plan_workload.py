@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatrain.planner import hardware, model_shapes, search
-from megatrain.planner.plan import Plan, PlanError
-from megatrain.planner.workload_fingerprint import WorkloadFingerprint, shape_digest
+from megatrain.plan.plan import Plan, PlanError
+from megatrain.plan.workload_fingerprint import WorkloadFingerprint, shape_digest
 from megatrain.planner.workload import Workload
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
 

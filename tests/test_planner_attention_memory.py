@@ -5,7 +5,7 @@ import pytest
 
 from megatrain.planner import attention_memory, memory_model
 from megatrain.planner.model_shapes import PRESETS, from_config
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 from megatrain.planner.workload import Workload
 from megatrain.models.layers.attention import head_groups
 

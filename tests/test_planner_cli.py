@@ -15,7 +15,7 @@ from megatrain.planner.commands import plan as plan_command
 from megatrain.planner.plan_request import PlanRequest, choose_plan
 from megatrain.planner.search import PlanChoice
 from megatrain.planner.workload import Workload
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 
 KEYS = {"params", "gpu_bytes", "host_ram_bytes", "nvme_bytes", "step_seconds", "tokens_per_second"}
 

@@ -8,7 +8,7 @@ import pytest
 from megatrain.planner import cost_model, hardware
 from megatrain.planner.cost_model import COPY_LATENCY_S, LAUNCH_BWD_S, LAUNCH_FWD_S, NONMATMUL_FACTOR, T_HALF_TOKENS
 from megatrain.planner.model_shapes import PRESETS
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 from megatrain.planner.workload import Workload
 
 M8 = PRESETS["shape:Llama-3.1-8B"]

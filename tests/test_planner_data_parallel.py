@@ -7,7 +7,7 @@ import torch
 
 from megatrain.planner import cli, data_parallel, hardware, memory_model, search
 from megatrain.planner.model_shapes import PRESETS, from_config
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 from megatrain.planner.workload import Workload, WorkloadError
 from megatrain.runtime import Engine, ModelConfig
 from rank_processes import run_ranks

@@ -8,7 +8,7 @@ import pytest
 
 from megatrain.planner import cost_model, hardware, kept_layers, memory_model, search
 from megatrain.planner.model_shapes import ModelShape
-from megatrain.planner.plan import Plan, PlanError
+from megatrain.plan.plan import Plan, PlanError
 from megatrain.planner.workload import Workload
 
 # h 48, intermediate 80, 6 heads of 8 (q width 48), 2 kv heads (kv width 16).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatrain.planner import hardware, memory_model, model_shapes, search
-from megatrain.planner.plan import Plan, PlanError
+from megatrain.plan.plan import Plan, PlanError
 from megatrain.planner.search import InfeasibleError
 from megatrain.planner.workload import Workload
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from megatrain.planner import hardware, memory_model
 from megatrain.planner.memory_model import CUDA_CONTEXT_BYTES, HOST_PROCESS_BYTES
 from megatrain.planner.model_shapes import PRESETS
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 from megatrain.planner.workload import Workload
 
 H100 = hardware.preset("H100-SXM")

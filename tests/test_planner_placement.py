@@ -8,10 +8,10 @@ import json
 import pytest
 
 from megatrain.planner import cost_model, memory_model, search, sizing, spill_placement, step_traffic
-from megatrain.planner.buffer_kinds import spill_block_bytes, spill_chunk_numel
+from megatrain.plan.buffer_kinds import spill_block_bytes, spill_chunk_numel
 from megatrain.planner.hardware import GiB
 from megatrain.planner.model_shapes import PRESETS
-from megatrain.planner.plan import Plan, SpillBlocks
+from megatrain.plan.plan import Plan, SpillBlocks
 from megatrain.planner.workload import Workload
 from test_planner_answers import CPU_24G
 

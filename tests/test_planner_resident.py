@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from megatrain.planner import cli, cost_model, hardware, memory_model, model_shapes, plan_variants, search
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 from megatrain.planner.workload import Workload
 
 LLAMA_1B = model_shapes.resolve("shape:Llama-3.2-1B")

@@ -5,11 +5,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatrain.planner import (buffer_kinds, data_parallel, hardware, memory_model, model_shapes, search,
-                               spill_choices, spill_placement)
+from megatrain.plan import buffer_kinds
+from megatrain.planner import (data_parallel, hardware, memory_model, model_shapes, search, spill_choices,
+                               spill_placement)
 from megatrain.planner.hardware import GiB, HardwareProfile
 from megatrain.planner.model_shapes import PRESETS, ModelShape
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 from megatrain.planner.workload import Workload, WorkloadError
 from hypothesis_budget import examples
 

@@ -15,7 +15,7 @@ import torch
 
 from rank_processes import run_ranks
 from megatrain.planner import data_parallel, model_shapes
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 from megatrain.planner.profiler import detect
 from megatrain.planner.workload import Workload
 

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig, Plan, PlanError
-from megatrain.planner.buffer_kinds import SPILL_ALIGN as DIRECT_ALIGN
-from megatrain.planner.plan import SpillBlocks
+from megatrain.plan.buffer_kinds import SPILL_ALIGN as DIRECT_ALIGN
+from megatrain.plan.plan import SpillBlocks
 from megatrain.runtime.spill.spill_io import PosixIO, SpillError, aligned_empty
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from megatrain.planner import memory_model, model_shapes
-from megatrain.planner.buffer_kinds import BufferKind, spill_block_bytes
-from megatrain.planner.plan import SpillBlocks
+from megatrain.plan.buffer_kinds import BufferKind, spill_block_bytes
+from megatrain.plan.plan import SpillBlocks
 from megatrain.planner.workload import Workload
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan, PlanError
 from test_equivalence import run_case

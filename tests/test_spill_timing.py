@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 
 from megatrain.planner import cost_model, model_shapes, spill_placement, spill_timing
-from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.plan.buffer_kinds import BufferKind
 from megatrain.planner.hardware import HardwareProfile
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 from megatrain.planner.spill_placement import Spilled
 from megatrain.planner.step_replay import BlockVisit
 from megatrain.planner.workload import Workload

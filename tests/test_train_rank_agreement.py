@@ -11,7 +11,7 @@ import time
 import pytest
 
 from megatrain.planner import data_parallel
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 from megatrain.runtime.distributed.process_group import DEFAULT_TIMEOUT_S
 from megatrain.tools import ranks, train
 from rank_processes import run_ranks

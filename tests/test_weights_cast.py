@@ -8,8 +8,8 @@ import torch
 
 from megatrain.planner import cost_model, memory_model, model_shapes, search, step_traffic
 from megatrain.planner.hardware import preset
-from megatrain.planner.plan import Plan
-from megatrain.planner.plan_checks import PlanError
+from megatrain.plan.plan import Plan
+from megatrain.plan.plan_checks import PlanError
 from megatrain.planner.workload import Workload
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
 from rank_processes import run_ranks

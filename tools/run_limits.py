@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from megatrain.planner import memory_model, model_shapes, search, sizing
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 from megatrain.planner.profiler import this_machine
 from megatrain.planner.workload import Workload
 from megatrain.runtime import ModelConfig

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from megatrain.planner import data_parallel, disk_space, model_shapes, sizing, spill_placement
 from megatrain.planner.hardware import HardwareProfile
-from megatrain.planner.plan import Plan, PlanError, host_device_choices
+from megatrain.plan.plan import Plan, PlanError, host_device_choices
 from megatrain.planner.plan_request import PlanRequest, choose_plan
 from megatrain.planner.profiler import this_machine
 from megatrain.planner.workload import Workload

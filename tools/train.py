@@ -31,7 +31,7 @@ with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) ==
 
     from megatrain.planner import model_shapes, search
     from megatrain.planner.hardware import HardwareError
-    from megatrain.planner.plan import Plan, PlanError
+    from megatrain.plan.plan import Plan, PlanError
     from megatrain.planner.workload import WorkloadError
     from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig, keep_freed_heap
     from megatrain.runtime.distributed.process_group import exit_process

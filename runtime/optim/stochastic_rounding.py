@@ -42,7 +42,7 @@ import torch
 
 # WIDEN_ELEMENTS: the elements of a piece, one noise key each (a multiple of 1024). Spill chunks of bf16 m and v
 # start on its multiples (buffer_kinds.spill_chunk_multiple), so a spilled block walks the same pieces as in RAM.
-from megatrain.planner.buffer_kinds import WIDEN_ELEMENTS
+from megatrain.plan.buffer_kinds import WIDEN_ELEMENTS
 
 __all__ = ["WIDEN_ELEMENTS", "STATE_DTYPES", "CHUNK_PER_THREAD", "NOISE_PERIOD", "noise_key", "noise_at",
            "noise_table", "round_stochastic", "cache_chunk", "widened_chunks"]

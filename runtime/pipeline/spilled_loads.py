@@ -50,7 +50,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.plan.buffer_kinds import BufferKind
 
 from megatrain.runtime.device import host_threads
 from megatrain.runtime.device.streams import Event, Streams

@@ -43,7 +43,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch.profiler import record_function
 
-from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.plan.buffer_kinds import BufferKind
 
 from megatrain.runtime.device.event_log import EventLog
 from megatrain.runtime.optim.block_optimizer import BlockOptimizer

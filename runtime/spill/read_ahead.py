@@ -56,7 +56,7 @@ import collections
 import time
 from typing import Callable, NamedTuple, Sequence
 
-from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.plan.buffer_kinds import BufferKind
 
 from megatrain.runtime.device.event_log import EventLog
 from megatrain.runtime.spill.spill_files import SpillFiles

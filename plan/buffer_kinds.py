@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from typing import Mapping
 
-from .plan import Plan
+from megatrain.plan.plan import Plan
 
 
 class BufferKind(enum.StrEnum):

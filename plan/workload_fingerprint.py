@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .plan_checks import PlanError, at_least, one_of
+from megatrain.plan.plan_checks import PlanError, at_least, one_of
 
 
 # The dimensions that decide every parameter's shape, by their Hugging Face config.json names.
