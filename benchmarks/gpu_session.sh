@@ -154,7 +154,7 @@ case $part in
     # A ~7B mixture of experts: Qwen3-30B-A3B's shape with 12 of its 48 layers (128 experts, 8 active), grouped
     # expert matmuls; tokens/s, model TFLOP/s with 6 x active N_matmul, the expert load in metrics.jsonl
     mkdir -p "$out/qwen3-moe-12l"
-    run 30 python3 -c "import json, sys; from megatrain.planner.model_shapes import PRESETS
+    run 30 python3 -c "import json, sys; from megatrain.planner.shapes.model_shapes import PRESETS
 cfg = dict(PRESETS['shape:Qwen3-30B-A3B'].config, num_hidden_layers=12)
 json.dump(cfg, open(sys.argv[1], 'w'), indent=1)" "$out/qwen3-moe-12l/config.json"
     run 400 megatrain-train --model "$out/qwen3-moe-12l/config.json" --seq-len 4096 --batch 8 --steps 6 \

@@ -23,9 +23,10 @@ from typing import Any, Callable, Mapping
 
 from megatrain.plan.plan import Plan
 
-from . import memory_model, model_shapes
-from .kept_layers import default_kept_layers
-from .workload import Workload
+from .costs import memory_model
+from .shapes import model_shapes
+from .costs.kept_layers import default_kept_layers
+from .shapes.workload import Workload
 
 # The bytes a micro-batch of (rows, tokens per row) needs for its activations under a plan.
 ActivationPricer = Callable[[int, int, Plan], int]

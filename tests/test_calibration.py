@@ -9,12 +9,13 @@ import sys
 
 import pytest
 
-from megatrain.planner import cost_model, memory_model, model_shapes, step_traffic
-from megatrain.planner.calibration import (SPREAD_WARN, Calibration, CalibrationError, RunSample, fit, fit_line,
-                                           fit_t_half, robust)
-from megatrain.planner.hardware import HardwareError, HardwareProfile
+from megatrain.planner.costs import cost_model, memory_model, step_traffic
+from megatrain.planner.shapes import model_shapes
+from megatrain.planner.profiling.calibration import (SPREAD_WARN, Calibration, CalibrationError, RunSample, fit,
+                                                     fit_line, fit_t_half, robust)
+from megatrain.planner.profiling.hardware import HardwareError, HardwareProfile
 from megatrain.plan.plan import Plan
-from megatrain.planner.workload import Workload
+from megatrain.planner.shapes.workload import Workload
 
 MB = 1e6
 SMALL = model_shapes.from_config(dict(model_type="llama", vocab_size=1000, hidden_size=512, intermediate_size=1024,
@@ -315,7 +316,7 @@ def test_calibrate_refuses_bad_input_in_one_line(tmp_path) -> None:
     for args, needle in ((["--dtype", "fp8"], "--dtype"), (["--out", str(tmp_path)], "directory"),
                          (["--steps", "0"], "--steps"), (["--rounds", "0"], "--rounds"),
                          (["--out", str(notes)], "not a hardware profile")):
-        p = subprocess.run([sys.executable, "-m", "megatrain.planner.cli", "calibrate", *args],
+        p = subprocess.run([sys.executable, "-m", "megatrain.planner.commands.cli", "calibrate", *args],
                            capture_output=True, text=True)
         assert p.returncode == 2, p.stderr
         assert needle in p.stderr and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import megatrain.errors
-from megatrain.planner.hardware import HardwareError
+from megatrain.planner.profiling.hardware import HardwareError
 from megatrain.plan.plan import PlanError
-from megatrain.planner.workload import WorkloadError
+from megatrain.planner.shapes.workload import WorkloadError
 from megatrain.runtime import (CheckpointError, ClosedError, ConfigError, Engine, InputError, MegatrainError,
                                ModelConfig, OptimizerConfig, Plan)
 from megatrain.runtime.io import hf_io
@@ -65,7 +65,7 @@ def test_every_error_class_in_the_product_is_a_megatrain_error() -> None:
 
 
 def test_the_planner_still_imports_no_runtime() -> None:
-    code = ("import sys, megatrain.plan.plan, megatrain.planner.workload, megatrain.planner.hardware; "
+    code = ("import sys, megatrain.plan.plan, megatrain.planner.shapes.workload, megatrain.planner.profiling.hardware; "
             "bad = [m for m in sys.modules if m.startswith('megatrain.runtime') or m == 'torch']; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

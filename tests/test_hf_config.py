@@ -1,7 +1,7 @@
 """The one config.json reader: every field honoured as transformers honours it, or refused in one line.
 
 The runtime (``ModelConfig.from_hf``) and the planner (``model_shapes.from_config``) read through
-``planner/hf_config.py``; the families' parameter tables (``megatrain.models``) are checked here against
+``models/hf_config.py``; the families' parameter tables (``megatrain.models``) are checked here against
 the parameters transformers' own modules and megatrain's templates register.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from megatrain.models import hf_config
-from megatrain.planner import model_shapes
+from megatrain.planner.shapes import model_shapes
 from megatrain.models.parameters import embedding_parameters, head_parameters, layer_parameters
-from megatrain.planner.model_shapes import ModelShapeError
+from megatrain.planner.shapes.model_shapes import ModelShapeError
 from megatrain.runtime import ConfigError, ModelConfig
 from megatrain.runtime.model.templates import BlockKind, Templates
 

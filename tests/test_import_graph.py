@@ -34,7 +34,7 @@ PACKAGES = {"megatrain": "megatrain", "runtime": "megatrain.runtime", "planner":
 TOP_FLOORS = ["megatrain", "megatrain.models", "megatrain.plan", "megatrain.planner", "megatrain.runtime",
               "megatrain.tools"]
 # The planner modules allowed to import torch (inside the functions that measure a device).
-PLANNER_TORCH_OK = {"megatrain.planner.profiler", "megatrain.planner.host_rates"}
+PLANNER_TORCH_OK = {"megatrain.planner.profiling.profiler", "megatrain.planner.profiling.host_rates"}
 # Private-looking names that are public API of the standard library (namedtuple's methods).
 STDLIB_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
 
@@ -177,7 +177,7 @@ def test_the_graph_sees_every_module(modules: dict[str, Module]) -> None:
     assert "megatrain.plan.plan" in modules["megatrain.runtime.engine"].imports
     assert "megatrain.errors" in modules["megatrain.plan.plan_checks"].imports
     assert "megatrain.runtime" in modules["megatrain.tools.train"].imports
-    assert "torch" in modules["megatrain.planner.profiler"].external  # imported inside functions only
+    assert "torch" in modules["megatrain.planner.profiling.profiler"].external  # imported inside functions only
     assert "megatrain.models.registry" in modules["megatrain.plan.block_parameters"].imports
     assert "megatrain.models.qwen3.family" in modules["megatrain.models.registry"].imports
     assert _torch_half("megatrain.models.layers.decoder") and not _torch_half("megatrain.models.llama.family")
@@ -222,13 +222,14 @@ def test_the_top_floor_check_finds_an_upward_import() -> None:
     def fake(name: str, *imports: str) -> Module:
         return Module(name, ROOT / "x.py", ast.parse(""), False, {i: 1 for i in imports})
 
-    graph = {m.name: m for m in (fake("megatrain.plan.plan", "megatrain.planner.search", "megatrain.errors"),
-                                 fake("megatrain.models.registry", "megatrain.plan.buffer_kinds"),
-                                 fake("megatrain.planner.search", "megatrain.plan.plan", "megatrain.models.registry"),
-                                 fake("megatrain.errors"), fake("megatrain.plan.buffer_kinds"))}
+    graph = {m.name: m for m in (
+        fake("megatrain.plan.plan", "megatrain.planner.choice.search", "megatrain.errors"),
+        fake("megatrain.models.registry", "megatrain.plan.buffer_kinds"),
+        fake("megatrain.planner.choice.search", "megatrain.plan.plan", "megatrain.models.registry"),
+        fake("megatrain.errors"), fake("megatrain.plan.buffer_kinds"))}
     found = sorted(line.split(": ", 1)[1] for line in _top_floor_violations(graph))
     assert found == ["megatrain.models imports megatrain.plan.buffer_kinds",
-                     "megatrain.plan imports megatrain.planner.search"]
+                     "megatrain.plan imports megatrain.planner.choice.search"]
 
 
 def test_the_plan_contract_stands_on_the_stdlib(modules: dict[str, Module]) -> None:
@@ -258,6 +259,54 @@ def test_planner_imports_neither_runtime_nor_tools_nor_torch(modules: dict[str, 
         if "torch" in mod.external and mod.name not in PLANNER_TORCH_OK:
             bad.append(f"{mod.where(mod.external['torch'])}: imports torch")
     assert not bad, "the planner must stay free of the runtime, the tools and torch:\n" + "\n".join(bad)
+
+
+# The planner's sub-folders, lowest first (planner/__init__.py): each imports only its own and those before it; the
+# modules of the planner's top (the runtime's entry point, the Plan's former import path) import any of them, and
+# none of them imports those.
+PLANNER_GROUPS = ["shapes", "profiling", "costs", "choice", "commands"]
+
+
+def _planner_group(name: str) -> int | None:
+    """The floor of a planner module: its sub-folder's place in PLANNER_GROUPS (the top: past the last)."""
+    if name != "megatrain.planner" and not name.startswith("megatrain.planner."):
+        return None
+    parts = name.split(".")
+    return PLANNER_GROUPS.index(parts[2]) if len(parts) > 2 and parts[2] in PLANNER_GROUPS else len(PLANNER_GROUPS)
+
+
+def _planner_group_violations(modules: dict[str, Module]) -> list[str]:
+    bad = []
+    for mod in modules.values():
+        here = _planner_group(mod.name)
+        if here is None:
+            continue
+        for target, line in mod.imports.items():
+            there = _planner_group(target)
+            if there is not None and there > here:
+                bad.append(f"{mod.where(line)}: {mod.name} imports {target}")
+    return bad
+
+
+def test_planner_groups_import_only_downwards(modules: dict[str, Module]) -> None:
+    assert {p.name for p in (ROOT / "planner").iterdir() if (p / "__init__.py").exists()} == set(PLANNER_GROUPS)
+    bad = _planner_group_violations(modules)
+    assert not bad, ("a planner sub-folder imports one after it (shapes -> profiling -> costs -> choice -> commands, "
+                     "planner/__init__.py) or the planner's top:\n" + "\n".join(bad))
+
+
+def test_the_planner_group_check_finds_an_upward_import() -> None:
+    def fake(name: str, *imports: str) -> Module:
+        return Module(name, ROOT / "x.py", ast.parse(""), False, {i: 1 for i in imports})
+
+    graph = {m.name: m for m in (
+        fake("megatrain.planner.shapes.model_shapes", "megatrain.planner.costs.memory_model", "megatrain.plan.plan"),
+        fake("megatrain.planner.costs.memory_model", "megatrain.planner.shapes.model_shapes",
+             "megatrain.planner.first_batch"),
+        fake("megatrain.planner.first_batch", "megatrain.planner.costs.memory_model"))}
+    found = sorted(line.split(": ", 1)[1] for line in _planner_group_violations(graph))
+    assert found == ["megatrain.planner.costs.memory_model imports megatrain.planner.first_batch",
+                     "megatrain.planner.shapes.model_shapes imports megatrain.planner.costs.memory_model"]
 
 
 def _torch_half(name: str) -> bool:
@@ -399,7 +448,7 @@ def test_the_entry_point_check_sees_a_new_runtime_import_of_the_planner() -> Non
 def test_the_documented_plan_path_still_imports() -> None:
     """docs/how-it-works.md names the Plan's module by its former path: it still gives the same class."""
     from megatrain.plan.plan import Plan
-    from megatrain.planner.plan import Plan as FormerPath
+    from megatrain.plan.plan import Plan as FormerPath
     assert FormerPath is Plan
 
 

@@ -5,11 +5,13 @@ import dataclasses
 
 import pytest
 
-from megatrain.planner import cost_model, hardware
-from megatrain.planner.cost_model import COPY_LATENCY_S, LAUNCH_BWD_S, LAUNCH_FWD_S, NONMATMUL_FACTOR, T_HALF_TOKENS
-from megatrain.planner.model_shapes import PRESETS
+from megatrain.planner.costs import cost_model
+from megatrain.planner.profiling import hardware
+from megatrain.planner.costs.cost_model import (COPY_LATENCY_S, LAUNCH_BWD_S, LAUNCH_FWD_S, NONMATMUL_FACTOR,
+                                                T_HALF_TOKENS)
+from megatrain.planner.shapes.model_shapes import PRESETS
 from megatrain.plan.plan import Plan
-from megatrain.planner.workload import Workload
+from megatrain.planner.shapes.workload import Workload
 
 M8 = PRESETS["shape:Llama-3.1-8B"]
 
@@ -182,7 +184,7 @@ def test_bf16_state_adds_its_widening_and_rounding_pass_to_adamw() -> None:
 def test_the_bf16_state_probe_times_the_pass_and_leaves_the_thread_count() -> None:
     import torch
 
-    from megatrain.planner.host_rates import cpu_bf16_state_rate
+    from megatrain.planner.profiling.host_rates import cpu_bf16_state_rate
 
     before = torch.get_num_threads()
     assert cpu_bf16_state_rate(1 << 14, threads=1) > 0

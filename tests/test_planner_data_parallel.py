@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain.planner import cli, data_parallel, hardware, memory_model, search
-from megatrain.planner.model_shapes import PRESETS, from_config
+from megatrain.planner.commands import cli
+from megatrain.planner.costs import data_parallel, memory_model
+from megatrain.planner.profiling import hardware
+from megatrain.planner.choice import search
+from megatrain.planner.shapes.model_shapes import PRESETS, from_config
 from megatrain.plan.plan import Plan
-from megatrain.planner.workload import Workload, WorkloadError
+from megatrain.planner.shapes.workload import Workload, WorkloadError
 from megatrain.runtime import Engine, ModelConfig
 from rank_processes import run_ranks
 
