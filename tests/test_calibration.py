@@ -371,7 +371,8 @@ def test_a_measured_run_reduces_to_a_sample() -> None:
 
 
 def test_the_planner_reads_fitted_terms_without_the_runtime() -> None:
-    code = ("import sys; from megatrain.planner import calibration, cli, cost_model, hardware, memory_model; "
+    code = ("import sys; from megatrain.planner.profiling import calibration, hardware; "
+            "from megatrain.planner.commands import cli; from megatrain.planner.costs import cost_model, memory_model; "
             "print(sorted(m for m in sys.modules if m.startswith(('megatrain.runtime', 'megatrain.tools', 'torch'))))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert p.stdout.strip() == "[]"
