@@ -1,4 +1,9 @@
-"""What the device offers the step: CUDA streams and events with their no-op CPU stand-ins (``streams``), and the
-log of issued operations the schedule tests read (``event_log``).
+"""What the device offers the step: CUDA streams and events with their no-op CPU stand-ins, the log of issued
+operations the schedule tests read, and the host threads and heap the step runs on.
 
-May import: the standard library and torch; nothing else of megatrain."""
+Modules: ``streams.py`` (streams and events, the same interface on CUDA and on CPU), ``event_log.py`` (the step's
+operations in the order the host issued them), ``host_threads.py`` (a helper thread's intra-op threads),
+``host_heap.py`` (``keep_freed_heap``: the memory a step frees kept for the next one).
+
+May import: the standard library and torch; nothing else of megatrain.
+"""
