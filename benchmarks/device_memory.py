@@ -66,9 +66,10 @@ def _runs(path: str) -> list[dict]:
 
 def priced(run: dict, hw) -> dict:
     """The planner's figures for one recorded run (see the module docstring)."""
-    from megatrain.planner import kept_layers, memory_model, model_shapes
-    from megatrain.planner.plan import Plan
-    from megatrain.planner.workload import Workload
+    from megatrain.planner.costs import kept_layers, memory_model
+    from megatrain.planner.shapes import model_shapes
+    from megatrain.plan.plan import Plan
+    from megatrain.planner.shapes.workload import Workload
 
     shape = model_shapes.from_config(model_config(run["model"], run["layers"], run["seq"]))
     plan = Plan.from_dict(run["plan"])
@@ -98,7 +99,7 @@ def main() -> int:
     p.add_argument("--device", default="H200", help="the GPU preset and the results' device label (H200)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     args = p.parse_args()
-    from megatrain.planner import hardware
+    from megatrain.planner.profiling import hardware
 
     try:
         hw = hardware.preset(args.device)

@@ -33,7 +33,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from megatrain.planner.host_probe import _disk_pass, io_buffers, stamp_pages  # noqa: E402
+from megatrain.planner.profiling.host_probe import _disk_pass, io_buffers, stamp_pages  # noqa: E402
 from result_files import machine, write_report  # noqa: E402
 
 REQUEST = 64 << 20

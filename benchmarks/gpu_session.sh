@@ -202,7 +202,7 @@ for part in "${parts[@]}"; do
     # fp32 state needs 122.7 GiB of host RAM), grouped expert matmuls; tokens/s, model TFLOP/s with 6 x active
     # N_matmul, the expert load: metrics.jsonl
     [ -z "$dry" ] && mkdir -p "$keep/qwen3-moe-10l"
-    run 30 python3 -c "import json, sys; from megatrain.planner.model_shapes import PRESETS
+    run 30 python3 -c "import json, sys; from megatrain.planner.shapes.model_shapes import PRESETS
 cfg = dict(PRESETS['shape:Qwen3-30B-A3B'].config, num_hidden_layers=10)
 json.dump(cfg, open(sys.argv[1], 'w'), indent=1)" "$keep/qwen3-moe-10l/config.json"
     plan_json moe --model "$keep/qwen3-moe-10l/config.json" --seq-len 4096 --batch 8

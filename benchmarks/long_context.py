@@ -58,9 +58,12 @@ def main() -> int:
         print(text, end="")
         print(f"wrote {stem}.md; plot: {plot(saved['results'], stem + '.png')}", file=sys.stderr)
         return 0
-    from megatrain.planner import cost_model, memory_model, model_shapes, profiler, search
-    from megatrain.planner.plan import Plan
-    from megatrain.planner.workload import Workload
+    from megatrain.planner.costs import cost_model, memory_model
+    from megatrain.planner.shapes import model_shapes
+    from megatrain.planner.profiling import profiler
+    from megatrain.planner.choice import search
+    from megatrain.plan.plan import Plan
+    from megatrain.planner.shapes.workload import Workload
     from megatrain.tools.calibrate import run_model
 
     hf = dict(model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden,

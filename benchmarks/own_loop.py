@@ -98,10 +98,10 @@ def trainers(cfg: dict, device: torch.device, seq: int, batch: int, systems: tup
     """A step function per system of ``systems``, each from the same initial weights: ``step(ids) -> loss``; the
     default plan, the planner's plan and the parameter count. Only the systems asked for are built (at ~100M each
     trainer holds ~1.6 GB of weights and AdamW state)."""
-    from megatrain.planner import model_shapes
-    from megatrain.planner.plan_request import PlanRequest, choose_plan
-    from megatrain.planner.profiler import this_machine
-    from megatrain.planner.workload import Workload
+    from megatrain.planner.shapes import model_shapes
+    from megatrain.planner.choice.plan_request import PlanRequest, choose_plan
+    from megatrain.planner.profiling.profiler import this_machine
+    from megatrain.planner.shapes.workload import Workload
     from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
 
     config = ModelConfig(**cfg)

@@ -110,9 +110,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="print each config's plan and the planner's prediction; run nothing, write nothing")
     args = p.parse_args(argv)
 
-    from megatrain.planner import cost_model, memory_model, model_shapes, profiler, search
-    from megatrain.planner.calibration import SPREAD_WARN, robust
-    from megatrain.planner.workload import Workload
+    from megatrain.planner.costs import cost_model, memory_model
+    from megatrain.planner.shapes import model_shapes
+    from megatrain.planner.profiling import profiler
+    from megatrain.planner.choice import search
+    from megatrain.planner.profiling.calibration import SPREAD_WARN, robust
+    from megatrain.planner.shapes.workload import Workload
     from megatrain.tools.calibrate import run_in_rounds
 
     hw = profiler.this_machine()

@@ -102,10 +102,11 @@ def measure(args: argparse.Namespace, world: int, rank_batch: int) -> dict:
 
 
 def predict(args: argparse.Namespace, world: int, rank_batch: int) -> dict:
-    from megatrain.planner import data_parallel, model_shapes
-    from megatrain.planner.plan import Plan
-    from megatrain.planner.profiler import this_machine
-    from megatrain.planner.workload import Workload
+    from megatrain.planner.costs import data_parallel
+    from megatrain.planner.shapes import model_shapes
+    from megatrain.plan.plan import Plan
+    from megatrain.planner.profiling.profiler import this_machine
+    from megatrain.planner.shapes.workload import Workload
 
     hw = this_machine()
     cuda = torch.cuda.is_available() and not args.cpu

@@ -55,10 +55,12 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     args = p.parse_args()
-    from megatrain.planner import cost_model, model_shapes, search, sizing
-    from megatrain.planner.plan import Plan
-    from megatrain.planner.profiler import this_machine
-    from megatrain.planner.workload import Workload
+    from megatrain.planner.costs import cost_model
+    from megatrain.planner.shapes import model_shapes
+    from megatrain.planner.choice import search, sizing
+    from megatrain.plan.plan import Plan
+    from megatrain.planner.profiling.profiler import this_machine
+    from megatrain.planner.shapes.workload import Workload
 
     hw, _ = sizing.with_disk(this_machine())
     shape = model_shapes.from_config(CONFIG)

@@ -50,7 +50,7 @@ def model_config(name: str) -> dict:
     (``sizing.LLAMA_WIDTHS``), as ``megatrain-plan``'s largest-model line names it."""
     if name in MODELS:
         return MODELS[name]
-    from megatrain.planner.sizing import LLAMA_WIDTHS
+    from megatrain.planner.choice.sizing import LLAMA_WIDTHS
 
     hidden, layers = (int(x) for x in name.removeprefix("llama-").split("x"))
     width = next(w for w in LLAMA_WIDTHS if w[0] == hidden)
@@ -70,9 +70,10 @@ def _io() -> tuple[int, int]:
 
 
 def child(args) -> dict:
-    from megatrain.planner import cost_model, memory_model, model_shapes, spill_placement
-    from megatrain.planner.profiler import this_machine
-    from megatrain.planner.workload import Workload
+    from megatrain.planner.costs import cost_model, memory_model, spill_placement
+    from megatrain.planner.shapes import model_shapes
+    from megatrain.planner.profiling.profiler import this_machine
+    from megatrain.planner.shapes.workload import Workload
     from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
 
     cfg = model_config(args.model)
@@ -81,7 +82,7 @@ def child(args) -> dict:
     clipping = not args.no_clip
     work = Workload(seq_len=args.seq, batch=args.batch, compute_dtype="fp32", clipping=clipping, optimizer_state=state)
     spill, blocks = args.spill, None
-    from megatrain.planner import search, sizing
+    from megatrain.planner.choice import search, sizing
 
     hw, _ = sizing.with_disk(this_machine())
     if spill == "planner":  # the search's plan: RAM (up to --ram-gib) first, the disk with the rest
@@ -160,9 +161,9 @@ def child(args) -> dict:
 def _probe(directory: str, shape, work, plan) -> dict:
     """The disk as ``megatrain-plan profile`` measures it, now, and the planner's step for ``plan`` at those
     figures (the rest of the saved profile unchanged)."""
-    from megatrain.planner import cost_model
-    from megatrain.planner.host_probe import disk_bandwidth
-    from megatrain.planner.profiler import this_machine
+    from megatrain.planner.costs import cost_model
+    from megatrain.planner.profiling.host_probe import disk_bandwidth
+    from megatrain.planner.profiling.profiler import this_machine
 
     read, write, _ = disk_bandwidth(directory)
     hw = this_machine().replace(disk_read_gbps=read, disk_write_gbps=write)
@@ -269,7 +270,7 @@ def main() -> int:
         p.error("--eager needs --no-clip: with clipping an update waits for the whole backward's norm")
     if args.spill != "none" and not args.dir:
         p.error("--dir names the spill directory (a local disk with room for the spill files)")
-    from megatrain.planner.profiler import this_machine
+    from megatrain.planner.profiling.profiler import this_machine
 
     hw = this_machine()  # $MEGATRAIN_HARDWARE or the saved profile: the disk's measured GB/s
     info = {"date": datetime.date.today().isoformat(),

@@ -54,8 +54,9 @@ VARIANTS = {  # plan changes tried beside the planner's own choice
 
 def predict(spec: RunSpec, plan: Any, clipping: bool, hw: Any) -> dict[str, Any]:
     """The planner's cost model for exactly this plan: step seconds and each resource's busy seconds."""
-    from megatrain.planner import cost_model, memory_model, model_shapes
-    from megatrain.planner.workload import Workload
+    from megatrain.planner.costs import cost_model, memory_model
+    from megatrain.planner.shapes import model_shapes
+    from megatrain.planner.shapes.workload import Workload
 
     work = Workload(spec.seq, spec.batch, compute_dtype="bf16" if spec.device == "cuda" else "fp32",
                     clipping=clipping, spill="none")
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import_megatrain()
     echo = lambda text: print(text, flush=True)  # noqa: E731
-    from megatrain.planner.profiler import detect
+    from megatrain.planner.profiling.profiler import detect
 
     hw = detect()
     args.matmul_peak_tflops = machine["matmul_peak"]["tflops"]

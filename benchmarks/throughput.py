@@ -94,7 +94,7 @@ def run_pytorch(args, cfg, device) -> dict:
     init.close()
     model.to(device)
     # activation checkpointing only where the model does not fit without it (peers' estimate, peer_runners/fits.py)
-    from megatrain.planner import model_shapes
+    from megatrain.planner.shapes import model_shapes
     from peer_runners import fits
 
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
@@ -183,7 +183,7 @@ def main() -> int:
         child(args)
         return 0
 
-    from megatrain.planner import model_shapes
+    from megatrain.planner.shapes import model_shapes
 
     tokens = args.batch * args.seq
     shape = model_shapes.from_config(dict(MODELS[args.model], model_type="llama"))

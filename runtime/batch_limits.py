@@ -14,9 +14,8 @@ from typing import Callable
 import psutil
 import torch
 
-from megatrain.planner import memory_model, model_shapes
-from megatrain.planner.plan import Plan
-from megatrain.planner.workload import Workload
+from megatrain.plan.plan import Plan
+from megatrain.planner import first_batch
 from megatrain.runtime.config import ModelConfig
 from megatrain.runtime.errors import InputError
 
@@ -38,13 +37,11 @@ def check(config: ModelConfig, compute_dtype: torch.dtype, clipping: bool, plan:
           rows: int, seq: int, device: torch.device) -> None:
     """Raise BatchTooLargeError when a micro-batch of this ``rows`` x ``seq`` batch needs more activation memory
     than ``device`` can hold (``micro_batch_open``: the batch is one micro-batch, the default plan's first step)."""
-    shape = model_shapes.of_model(config)
-    dtype = str(compute_dtype).removeprefix("torch.")
+    price = first_batch.activation_pricer(config, str(compute_dtype).removeprefix("torch."), clipping)
 
     def needs(r: int, s: int) -> int:
         micro = r if micro_batch_open else min(plan.micro_batch_size, r)
-        return memory_model.activation_bytes(shape, Workload(s, r, dtype, clipping),
-                                             plan.replace(micro_batch_size=micro))
+        return price(r, s, plan.replace(micro_batch_size=micro))
 
     room = capacity_bytes(device)
     need = needs(rows, seq)

@@ -21,8 +21,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from megatrain.planner.buffer_kinds import placement
-from megatrain.planner.plan import Plan
+from megatrain.plan.buffer_kinds import placement
+from megatrain.plan.plan import Plan
 
 from megatrain.runtime import state_io
 from megatrain.runtime.config import ModelConfig, OptimizerConfig

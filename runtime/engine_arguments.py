@@ -11,9 +11,9 @@ from typing import NamedTuple
 
 import torch
 
-from megatrain.planner.plan import Plan, PlanError, default_plan, host_device_choices
-from megatrain.planner.plan_checks import check_resident_blocks
-from megatrain.planner.workload_fingerprint import shape_digest
+from megatrain.plan.plan import Plan, PlanError, default_plan, host_device_choices
+from megatrain.plan.plan_checks import check_resident_blocks
+from megatrain.plan.workload_fingerprint import shape_digest
 
 from megatrain.runtime.config import ModelConfig, OptimizerConfig
 from megatrain.runtime.distributed.process_group import Topology, join as join_ranks, rank_device

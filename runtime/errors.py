@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from megatrain.errors import MegatrainError
 from megatrain.models.errors import AttentionBackendError, ConfigError
-from megatrain.planner.plan import PlanError
+from megatrain.plan.plan import PlanError
 
 
 class InputError(MegatrainError):

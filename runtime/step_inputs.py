@@ -14,17 +14,14 @@ batch as one micro-batch. The same first step sets the layers it keeps ([Note: k
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import psutil
 import torch
 
 from megatrain.models.layers.attention import Documents
-from megatrain.planner import memory_model, model_shapes
-from megatrain.planner.kept_layers import default_kept_layers
-from megatrain.planner.plan import Plan
-from megatrain.planner.workload import Workload
+from megatrain.plan.plan import Plan
+from megatrain.planner import first_batch
 
 from megatrain.runtime import batch_limits, config_ranges
 from megatrain.runtime.config import ModelConfig
@@ -96,12 +93,10 @@ class StepInputs:
     def _default_kept(self, plan: Plan, batch: int, seq: int) -> tuple[int, ...]:
         """The layers the default plan keeps for batches of [batch, seq]: the planner's choice for the memory the
         device has free now (the engine's buffers allocated)."""
-        shape = model_shapes.of_model(self.config)
-        work = Workload(seq, batch, str(self.compute_dtype).removeprefix("torch."), self.optimizer.clipping)
         free = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
                 else psutil.virtual_memory().available)
-        needs = functools.partial(memory_model.activation_bytes, shape, work)
-        return default_kept_layers(shape, work, plan, free, needs)
+        return first_batch.kept_layers_for(self.config, str(self.compute_dtype).removeprefix("torch."),
+                                           self.optimizer.clipping, plan, batch, seq, free)
 
     def evaluation_batch(self, input_ids: torch.Tensor, labels: torch.Tensor,
                          position_ids: torch.Tensor | None) -> Batch:

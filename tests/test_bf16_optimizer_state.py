@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain.planner import memory_model, model_shapes
-from megatrain.planner.workload import Workload, WorkloadError
+from megatrain.planner.costs import memory_model
+from megatrain.planner.shapes import model_shapes
+from megatrain.planner.shapes.workload import Workload, WorkloadError
 from megatrain.runtime import ConfigError, Engine, ModelConfig, OptimizerConfig, Plan
 from megatrain.runtime.optim import bf16_adamw
 from megatrain.runtime.optim.adamw_kernel import AdamHyper

@@ -10,11 +10,12 @@ import sys
 import pytest
 import torch
 
-from megatrain.planner import (memory_model, model_shapes, search, spill_choices, spill_placement, spill_timing,
-                               step_traffic)
-from megatrain.planner.buffer_kinds import WIDEN_ELEMENTS, BufferKind
-from megatrain.planner.hardware import GiB, HardwareProfile
-from megatrain.planner.workload import Workload
+from megatrain.planner.costs import memory_model, spill_placement, spill_timing, step_traffic
+from megatrain.planner.shapes import model_shapes
+from megatrain.planner.choice import search, spill_choices
+from megatrain.plan.buffer_kinds import WIDEN_ELEMENTS, BufferKind
+from megatrain.planner.profiling.hardware import GiB, HardwareProfile
+from megatrain.planner.shapes.workload import Workload
 from megatrain.runtime import ConfigError, Engine, ModelConfig, OptimizerConfig, Plan
 from megatrain.tools import train as train_cli
 
@@ -165,8 +166,8 @@ def test_megatrain_plan_size_needs_4_bytes_per_parameter_less_disk_with_bf16_sta
     path.write_text(json.dumps(SHAPE))
     out = {}
     for state in ("fp32", "bf16"):
-        r = subprocess.run([sys.executable, "-m", "megatrain.planner.cli", "size", "--model", str(path), "--seq-len",
-                            "512", "--batch", "2", "--spill", "optimizer", "--spill-dir", str(tmp_path),
+        r = subprocess.run([sys.executable, "-m", "megatrain.planner.commands.cli", "size", "--model", str(path),
+                            "--seq-len", "512", "--batch", "2", "--spill", "optimizer", "--spill-dir", str(tmp_path),
                             "--optimizer-state", state, "--json"], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         out[state] = json.loads(r.stdout)

@@ -9,12 +9,13 @@ import sys
 
 import pytest
 
-from megatrain.planner import cost_model, memory_model, model_shapes, step_traffic
-from megatrain.planner.calibration import (SPREAD_WARN, Calibration, CalibrationError, RunSample, fit, fit_line,
-                                           fit_t_half, robust)
-from megatrain.planner.hardware import HardwareError, HardwareProfile
-from megatrain.planner.plan import Plan
-from megatrain.planner.workload import Workload
+from megatrain.planner.costs import cost_model, memory_model, step_traffic
+from megatrain.planner.shapes import model_shapes
+from megatrain.planner.profiling.calibration import (SPREAD_WARN, Calibration, CalibrationError, RunSample, fit,
+                                                     fit_line, fit_t_half, robust)
+from megatrain.planner.profiling.hardware import HardwareError, HardwareProfile
+from megatrain.plan.plan import Plan
+from megatrain.planner.shapes.workload import Workload
 
 MB = 1e6
 SMALL = model_shapes.from_config(dict(model_type="llama", vocab_size=1000, hidden_size=512, intermediate_size=1024,
@@ -315,7 +316,7 @@ def test_calibrate_refuses_bad_input_in_one_line(tmp_path) -> None:
     for args, needle in ((["--dtype", "fp8"], "--dtype"), (["--out", str(tmp_path)], "directory"),
                          (["--steps", "0"], "--steps"), (["--rounds", "0"], "--rounds"),
                          (["--out", str(notes)], "not a hardware profile")):
-        p = subprocess.run([sys.executable, "-m", "megatrain.planner.cli", "calibrate", *args],
+        p = subprocess.run([sys.executable, "-m", "megatrain.planner.commands.cli", "calibrate", *args],
                            capture_output=True, text=True)
         assert p.returncode == 2, p.stderr
         assert needle in p.stderr and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
@@ -370,7 +371,8 @@ def test_a_measured_run_reduces_to_a_sample() -> None:
 
 
 def test_the_planner_reads_fitted_terms_without_the_runtime() -> None:
-    code = ("import sys; from megatrain.planner import calibration, cli, cost_model, hardware, memory_model; "
+    code = ("import sys; from megatrain.planner.profiling import calibration, hardware; "
+            "from megatrain.planner.commands import cli; from megatrain.planner.costs import cost_model, memory_model; "
             "print(sorted(m for m in sys.modules if m.startswith(('megatrain.runtime', 'megatrain.tools', 'torch'))))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert p.stdout.strip() == "[]"

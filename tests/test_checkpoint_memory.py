@@ -12,10 +12,11 @@ import pickle
 
 import torch.multiprocessing as mp
 
-from megatrain.planner import memory_model, model_shapes
-from megatrain.planner.plan import Plan
-from megatrain.planner.profiler import detect
-from megatrain.planner.workload import Workload
+from megatrain.planner.costs import memory_model
+from megatrain.planner.shapes import model_shapes
+from megatrain.plan.plan import Plan
+from megatrain.planner.profiling.profiler import detect
+from megatrain.planner.shapes.workload import Workload
 
 HF = dict(model_type="llama", vocab_size=32768, hidden_size=256, intermediate_size=64, num_hidden_layers=1,
           num_attention_heads=4, num_key_value_heads=4)
@@ -82,8 +83,8 @@ def test_a_run_that_saves_while_training_is_planned_with_the_snapshot() -> None:
     import json
     import subprocess
     import sys
-    args = [sys.executable, "-m", "megatrain.planner.cli", "plan", "--model", "shape:Llama-3.2-1B", "--seq-len",
-            "1024", "--batch", "8", "--hardware", "H100-SXM", "--ram", "512G", "--json"]
+    args = [sys.executable, "-m", "megatrain.planner.commands.cli", "plan", "--model", "shape:Llama-3.2-1B",
+            "--seq-len", "1024", "--batch", "8", "--hardware", "H100-SXM", "--ram", "512G", "--json"]
     rows = {}
     for extra in ([], ["--save-every", "100"]):
         r = subprocess.run(args + extra, capture_output=True, text=True, timeout=300)

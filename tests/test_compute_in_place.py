@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from megatrain.planner.plan import Plan, PlanError
+from megatrain.plan.plan import Plan, PlanError
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
 
 CONFIG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=56, num_hidden_layers=3, num_attention_heads=4,

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from megatrain.planner.plan import SpillBlocks
+from megatrain.plan.plan import SpillBlocks
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
 from numerics import assert_update_close
 from rank_processes import run_ranks

@@ -7,9 +7,11 @@ import pathlib
 import subprocess
 import sys
 
-from megatrain.planner import hardware, memory_model, model_shapes
-from megatrain.planner.plan import Plan
-from megatrain.planner.workload import Workload
+from megatrain.planner.profiling import hardware
+from megatrain.planner.costs import memory_model
+from megatrain.planner.shapes import model_shapes
+from megatrain.plan.plan import Plan
+from megatrain.planner.shapes.workload import Workload
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))

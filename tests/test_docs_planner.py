@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from doc_pages import commands
-from megatrain.planner import cli, profiler
+from megatrain.planner.commands import cli
+from megatrain.planner.profiling import profiler
 
 PLAN_COMMANDS = [argv for _, argv in commands("megatrain-plan")]
 

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from doc_pages import ROOT
-from megatrain.planner import cli
+from megatrain.planner.commands import cli
 
 SIZING = ROOT / "docs" / "sizing.md"
 COMMAND = ["size", "--hardware", "H200", "--ram", "1.5T", "--seq-len", "4096", "--batch", "16"]

@@ -203,9 +203,10 @@ def test_without_a_plan_the_first_step_keeps_what_memory_allows(monkeypatch):
     bits whichever are kept."""
     import psutil
 
-    from megatrain.planner import memory_model, model_shapes
-    from megatrain.planner.kept_layers import DEFAULT_KEEP_SHARE
-    from megatrain.planner.workload import Workload
+    from megatrain.planner.costs import memory_model
+    from megatrain.planner.shapes import model_shapes
+    from megatrain.planner.costs.kept_layers import DEFAULT_KEEP_SHARE
+    from megatrain.planner.shapes.workload import Workload
 
     config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2)

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import megatrain.errors
-from megatrain.planner.hardware import HardwareError
-from megatrain.planner.plan import PlanError
-from megatrain.planner.workload import WorkloadError
+from megatrain.planner.profiling.hardware import HardwareError
+from megatrain.plan.plan import PlanError
+from megatrain.planner.shapes.workload import WorkloadError
 from megatrain.runtime import (CheckpointError, ClosedError, ConfigError, Engine, InputError, MegatrainError,
                                ModelConfig, OptimizerConfig, Plan)
 from megatrain.runtime.io import hf_io
@@ -45,11 +45,11 @@ def test_every_error_type_is_a_megatrain_error() -> None:
 
 
 def test_every_error_class_in_the_product_is_a_megatrain_error() -> None:
-    """Every ``class ...Error`` in megatrain/, models/, planner/, runtime/ and tools/ (found in the source, so a new
-    one is checked without being listed here) belongs to the one family a CLI prints as one line."""
+    """Every ``class ...Error`` in megatrain/, models/, plan/, planner/, runtime/ and tools/ (found in the source, so
+    a new one is checked without being listed here) belongs to the one family a CLI prints as one line."""
     root = pathlib.Path(__file__).resolve().parent.parent
-    packages = {"megatrain": "megatrain", "models": "megatrain.models", "planner": "megatrain.planner",
-                "runtime": "megatrain.runtime", "tools": "megatrain.tools"}
+    packages = {"megatrain": "megatrain", "models": "megatrain.models", "plan": "megatrain.plan",
+                "planner": "megatrain.planner", "runtime": "megatrain.runtime", "tools": "megatrain.tools"}
     found = []
     for folder, package in packages.items():
         for path in sorted((root / folder).rglob("*.py")):
@@ -65,7 +65,7 @@ def test_every_error_class_in_the_product_is_a_megatrain_error() -> None:
 
 
 def test_the_planner_still_imports_no_runtime() -> None:
-    code = ("import sys, megatrain.planner.plan, megatrain.planner.workload, megatrain.planner.hardware; "
+    code = ("import sys, megatrain.plan.plan, megatrain.planner.shapes.workload, megatrain.planner.profiling.hardware; "
             "bad = [m for m in sys.modules if m.startswith('megatrain.runtime') or m == 'torch']; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

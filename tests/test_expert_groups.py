@@ -16,10 +16,12 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from megatrain.planner import memory_model, model_shapes, search
-from megatrain.planner.hardware import preset
-from megatrain.planner.memory_model import CUDA_CONTEXT_BYTES
-from megatrain.planner.workload import Workload
+from megatrain.planner.costs import memory_model
+from megatrain.planner.shapes import model_shapes
+from megatrain.planner.choice import search
+from megatrain.planner.profiling.hardware import preset
+from megatrain.planner.costs.memory_model import CUDA_CONTEXT_BYTES
+from megatrain.planner.shapes.workload import Workload
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
 from megatrain.runtime.errors import ConfigError
 from hypothesis_budget import examples
@@ -220,7 +222,7 @@ def test_slot_formula_by_hand_for_qwen3_235b() -> None:
 
 
 def test_megatrain_plan_shows_the_group_size(capsys) -> None:
-    from megatrain.planner import cli
+    from megatrain.planner.commands import cli
     argv = ["plan", "--model", "shape:Qwen3-235B-A22B", "--hardware", "H100-SXM", "--host", "server-2t", "--seq-len",
             "4096", "--batch", "8", "--spill", "none", "--ram", "8T"]
     assert cli.main(argv + ["--gpu-mem", "24G"]) == 0

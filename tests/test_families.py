@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from hf_reference import (assert_matches_transformers, assert_saved_trains_and_exports, batch,  # noqa: E402
                           randomize_norms_and_biases)
 from megatrain.models import registry  # noqa: E402
-from megatrain.planner import model_shapes  # noqa: E402
+from megatrain.planner.shapes import model_shapes  # noqa: E402
 from megatrain.runtime import Engine, ModelConfig  # noqa: E402
 
 # head_dim 12 differs from hidden / heads, so that a family reading it wrong shows.

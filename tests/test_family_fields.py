@@ -23,7 +23,7 @@ from megatrain.models.layers.decoder import DecoderLayer as LlamaDecoderLayer
 from megatrain.models.layers.decoder import EmbeddingBlock, HeadBlock, RMSNorm  # noqa: F401 (the toy's blocks)
 from megatrain.models.layers.rope import inverse_frequencies, rotary_tables
 from megatrain.models.parameters import Param, llama_layer
-from megatrain.planner import model_shapes
+from megatrain.planner.shapes import model_shapes
 from megatrain.runtime import ModelConfig
 from megatrain.runtime.model.templates import Templates
 

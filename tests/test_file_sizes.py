@@ -1,7 +1,7 @@
 """Size as guidance, not a squeeze (style.md: past a size, split by responsibility; DESIGN.md names the file that
-owns each stage). Files of runtime/, planner/, tools/, models/ and benchmarks/ past 400 lines, and classes past 250,
-are named in a warning in the test's output: the place to look for a second responsibility. Past 500 lines, or
-350 for a class, the test fails. A docstring is never trimmed to stay under either: it says what the code cannot.
+owns each stage). Files of runtime/, planner/, plan/, tools/, models/ and benchmarks/ past 400 lines, and classes
+past 250, are named in a warning in the test's output: the place to look for a second responsibility. Past 500
+lines, or 350 for a class, the test fails. A docstring is never trimmed to stay under either: it says what the code cannot.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("runtime", "planner", "tools", "models", "benchmarks")
+FOLDERS = ("runtime", "planner", "plan", "tools", "models", "benchmarks")
 SOFT_LINES, HARD_LINES = 400, 500
 SOFT_CLASS_LINES, HARD_CLASS_LINES = 250, 350
 ENGINE_LINES = 250  # the Engine is a thin facade over its collaborators, held to the soft class limit

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from hf_reference import (assert_matches_transformers, assert_packed_documents_match_transformers, batch,  # noqa: E402
                           randomize_norms_and_biases)
-from megatrain.planner import model_shapes  # noqa: E402
+from megatrain.planner.shapes import model_shapes  # noqa: E402
 from megatrain.runtime import ConfigError, Engine, ModelConfig, Plan  # noqa: E402
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,

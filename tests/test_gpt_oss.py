@@ -23,7 +23,7 @@ safetensors = pytest.importorskip("safetensors.torch")
 from hf_reference import (assert_packed_documents_match_transformers, assert_saved_trains_and_exports, batch,  # noqa: E402
                           randomize_norms_and_biases)
 from megatrain.models.layers.attention import Documents, sink_attention  # noqa: E402
-from megatrain.planner import model_shapes  # noqa: E402
+from megatrain.planner.shapes import model_shapes  # noqa: E402
 from megatrain.runtime import Engine, ModelConfig, Plan  # noqa: E402
 from megatrain.runtime.errors import ConfigError  # noqa: E402
 from megatrain.runtime.io import mxfp4  # noqa: E402
@@ -234,8 +234,9 @@ def test_presets_have_the_published_total_and_active_parameters(name: str, total
 
 def test_plan_size_on_an_h200_answers_with_ram_and_nvme() -> None:
     """The sizing question as a user asks it: no step named, 16 x 4096 tokens by default."""
-    r = subprocess.run([sys.executable, "-m", "megatrain.planner.cli", "size", "--model", "shape:gpt-oss-120b",
-                        "--hardware", "H200", "--json"], capture_output=True, text=True, timeout=300, env={**os.environ})
+    r = subprocess.run([sys.executable, "-m", "megatrain.planner.commands.cli", "size", "--model",
+                        "shape:gpt-oss-120b", "--hardware", "H200", "--json"], capture_output=True, text=True,
+                       timeout=300, env={**os.environ})
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert [e["hardware"] for e in data["hardware"]] == ["H200"]

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain.planner import memory_model, model_shapes
+from megatrain.planner.costs import memory_model
+from megatrain.planner.shapes import model_shapes
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
 
 transformers = pytest.importorskip("transformers")

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from megatrain.models import hf_config
 from megatrain.models.parameters import embedding_parameters, head_parameters, layer_parameters
-from megatrain.planner import model_shapes
-from megatrain.planner.model_shapes import ModelShapeError
+from megatrain.planner.shapes import model_shapes
+from megatrain.planner.shapes.model_shapes import ModelShapeError
 from megatrain.runtime import ConfigError, ModelConfig
 from megatrain.runtime.model.templates import BlockKind, Templates
 

@@ -9,9 +9,10 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from megatrain.planner import model_shapes, search
-from megatrain.planner.plan import Plan, PlanError
-from megatrain.planner.workload import Workload
+from megatrain.planner.shapes import model_shapes
+from megatrain.planner.choice import search
+from megatrain.plan.plan import Plan, PlanError
+from megatrain.planner.shapes.workload import Workload
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
 from megatrain.runtime.pipeline.activation_checkpoints import pieces
 

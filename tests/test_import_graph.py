@@ -1,12 +1,16 @@
 """The import graph of ``megatrain.*``, read from the source with ``ast`` (nothing is imported).
 
-DESIGN.md's layering, checked on every module of runtime/, planner/, tools/, models/ and megatrain/:
+DESIGN.md's layering, checked on every module of runtime/, planner/, plan/, tools/, models/ and megatrain/:
 
 - no import cycle: every import counts, at module level, inside a function or under ``TYPE_CHECKING``
   (a cycle through a lazy import is still two modules that cannot be understood apart);
-- planner/ never imports the runtime, the tools, or torch (except ``planner/profiler.py`` and ``host_rates.py``, which
-  measure the machine); the runtime never imports the tools, and imports the planner only through the edges
-  ``RUNTIME_PLANNER_EDGES`` lists (the contract modules and named exceptions);
+- the top-level packages are floors, lowest first: ``megatrain.errors``, ``models``, ``plan`` (the contract the
+  planner writes and the runtime reads), ``planner``, ``runtime``, ``tools``; a module imports its own floor and the
+  ones below, never one above;
+- plan/ (the contract) stands on the standard library, ``megatrain.errors`` and the stdlib halves of models/;
+- planner/ never imports the runtime, the tools, or torch (except ``planner/profiling/profiler.py`` and
+  ``host_rates.py``, which measure the machine); the runtime never imports the tools, and reaches the planner's
+  policy through one module only, its entry point ``RUNTIME_ENTRY_POINT`` (the default plan for a first batch);
 - models/ (the model families) never imports the runtime, the planner or the tools; its stdlib halves (the
   registry, each family's config rules, parameter table and presets) import no torch and none of its torch
   halves (``models/layers/``, ``block_classes``, a family's ``blocks``); the planner imports only stdlib halves;
@@ -16,6 +20,7 @@ DESIGN.md's layering, checked on every module of runtime/, planner/, tools/, mod
 from __future__ import annotations
 
 import ast
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,9 +29,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # folder -> import name (pyproject.toml's package-dir)
 PACKAGES = {"megatrain": "megatrain", "runtime": "megatrain.runtime", "planner": "megatrain.planner",
-            "tools": "megatrain.tools", "models": "megatrain.models"}
+            "plan": "megatrain.plan", "tools": "megatrain.tools", "models": "megatrain.models"}
+# The top-level packages, lowest first (DESIGN.md section 1): each imports its own floor and those below.
+TOP_FLOORS = ["megatrain", "megatrain.models", "megatrain.plan", "megatrain.planner", "megatrain.runtime",
+              "megatrain.tools"]
 # The planner modules allowed to import torch (inside the functions that measure a device).
-PLANNER_TORCH_OK = {"megatrain.planner.profiler", "megatrain.planner.host_rates"}
+PLANNER_TORCH_OK = {"megatrain.planner.profiling.profiler", "megatrain.planner.profiling.host_rates"}
 # Private-looking names that are public API of the standard library (namedtuple's methods).
 STDLIB_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
 
@@ -165,12 +173,12 @@ def _describe(modules: dict[str, Module], cycle: list[str], members: set[str]) -
 
 def test_the_graph_sees_every_module(modules: dict[str, Module]) -> None:
     # The reader itself must work: known edges are found, lazy and TYPE_CHECKING imports included.
-    assert "megatrain.runtime.engine" in modules and "megatrain.planner.plan" in modules
-    assert "megatrain.planner.plan" in modules["megatrain.runtime.engine"].imports
-    assert "megatrain.errors" in modules["megatrain.planner.plan_checks"].imports
+    assert "megatrain.runtime.engine" in modules and "megatrain.plan.plan" in modules
+    assert "megatrain.plan.plan" in modules["megatrain.runtime.engine"].imports
+    assert "megatrain.errors" in modules["megatrain.plan.plan_checks"].imports
     assert "megatrain.runtime" in modules["megatrain.tools.train"].imports
-    assert "torch" in modules["megatrain.planner.profiler"].external  # imported inside functions only
-    assert "megatrain.models.registry" in modules["megatrain.planner.block_parameters"].imports
+    assert "torch" in modules["megatrain.planner.profiling.profiler"].external  # imported inside functions only
+    assert "megatrain.models.registry" in modules["megatrain.plan.block_parameters"].imports
     assert "megatrain.models.qwen3.family" in modules["megatrain.models.registry"].imports
     assert _torch_half("megatrain.models.layers.decoder") and not _torch_half("megatrain.models.llama.family")
     assert len(modules) > 50
@@ -191,6 +199,55 @@ def test_no_import_cycle(modules: dict[str, Module]) -> None:
     assert not cycles, "import cycles in megatrain.*:\n" + "\n".join(cycles)
 
 
+def _top(name: str) -> str:
+    """The top-level package a module of ours belongs to (``megatrain`` for ``megatrain.errors``)."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 and ".".join(parts[:2]) in TOP_FLOORS else "megatrain"
+
+
+def _top_floor_violations(modules: dict[str, Module]) -> list[str]:
+    return [f"{mod.where(line)}: {_top(mod.name)} imports {target}" for mod in modules.values()
+            for target, line in mod.imports.items()
+            if TOP_FLOORS.index(_top(target)) > TOP_FLOORS.index(_top(mod.name))]
+
+
+def test_top_level_packages_import_only_downwards(modules: dict[str, Module]) -> None:
+    assert {_top(m) for m in modules} == set(TOP_FLOORS)
+    bad = _top_floor_violations(modules)
+    assert not bad, ("a package imports one above it (errors -> models -> plan -> planner -> runtime -> tools, "
+                     "DESIGN.md section 1):\n" + "\n".join(bad))
+
+
+def test_the_top_floor_check_finds_an_upward_import() -> None:
+    def fake(name: str, *imports: str) -> Module:
+        return Module(name, ROOT / "x.py", ast.parse(""), False, {i: 1 for i in imports})
+
+    graph = {m.name: m for m in (
+        fake("megatrain.plan.plan", "megatrain.planner.choice.search", "megatrain.errors"),
+        fake("megatrain.models.registry", "megatrain.plan.buffer_kinds"),
+        fake("megatrain.planner.choice.search", "megatrain.plan.plan", "megatrain.models.registry"),
+        fake("megatrain.errors"), fake("megatrain.plan.buffer_kinds"))}
+    found = sorted(line.split(": ", 1)[1] for line in _top_floor_violations(graph))
+    assert found == ["megatrain.models imports megatrain.plan.buffer_kinds",
+                     "megatrain.plan imports megatrain.planner.choice.search"]
+
+
+def test_the_plan_contract_stands_on_the_stdlib(modules: dict[str, Module]) -> None:
+    """What the planner writes and the runtime reads imports no torch, numpy or psutil, and of ours only the
+    errors, itself and the stdlib halves of models/."""
+    contract = [mod for mod in modules.values() if _top(mod.name) == "megatrain.plan"]
+    assert {"megatrain.plan.plan", "megatrain.plan.buffer_kinds", "megatrain.plan.plan_checks",
+            "megatrain.plan.workload_fingerprint"} <= {mod.name for mod in contract}
+    bad = []
+    for mod in contract:
+        bad += [f"{mod.where(line)}: imports {name}" for name, line in mod.external.items()
+                if name not in sys.stdlib_module_names]
+        bad += [f"{mod.where(line)}: imports {target}" for target, line in mod.imports.items()
+                if not (target == "megatrain.errors" or _top(target) == "megatrain.plan" or _stdlib_half(target))]
+    assert not bad, "the plan contract imports beyond the stdlib, the errors and models' stdlib halves:\n" + \
+        "\n".join(bad)
+
+
 def test_planner_imports_neither_runtime_nor_tools_nor_torch(modules: dict[str, Module]) -> None:
     bad = []
     for mod in modules.values():
@@ -202,6 +259,54 @@ def test_planner_imports_neither_runtime_nor_tools_nor_torch(modules: dict[str, 
         if "torch" in mod.external and mod.name not in PLANNER_TORCH_OK:
             bad.append(f"{mod.where(mod.external['torch'])}: imports torch")
     assert not bad, "the planner must stay free of the runtime, the tools and torch:\n" + "\n".join(bad)
+
+
+# The planner's sub-folders, lowest first (planner/__init__.py): each imports only its own and those before it; the
+# modules of the planner's top (the runtime's entry point, the Plan's former import path) import any of them, and
+# none of them imports those.
+PLANNER_GROUPS = ["shapes", "profiling", "costs", "choice", "commands"]
+
+
+def _planner_group(name: str) -> int | None:
+    """The floor of a planner module: its sub-folder's place in PLANNER_GROUPS (the top: past the last)."""
+    if name != "megatrain.planner" and not name.startswith("megatrain.planner."):
+        return None
+    parts = name.split(".")
+    return PLANNER_GROUPS.index(parts[2]) if len(parts) > 2 and parts[2] in PLANNER_GROUPS else len(PLANNER_GROUPS)
+
+
+def _planner_group_violations(modules: dict[str, Module]) -> list[str]:
+    bad = []
+    for mod in modules.values():
+        here = _planner_group(mod.name)
+        if here is None:
+            continue
+        for target, line in mod.imports.items():
+            there = _planner_group(target)
+            if there is not None and there > here:
+                bad.append(f"{mod.where(line)}: {mod.name} imports {target}")
+    return bad
+
+
+def test_planner_groups_import_only_downwards(modules: dict[str, Module]) -> None:
+    assert {p.name for p in (ROOT / "planner").iterdir() if (p / "__init__.py").exists()} == set(PLANNER_GROUPS)
+    bad = _planner_group_violations(modules)
+    assert not bad, ("a planner sub-folder imports one after it (shapes -> profiling -> costs -> choice -> commands, "
+                     "planner/__init__.py) or the planner's top:\n" + "\n".join(bad))
+
+
+def test_the_planner_group_check_finds_an_upward_import() -> None:
+    def fake(name: str, *imports: str) -> Module:
+        return Module(name, ROOT / "x.py", ast.parse(""), False, {i: 1 for i in imports})
+
+    graph = {m.name: m for m in (
+        fake("megatrain.planner.shapes.model_shapes", "megatrain.planner.costs.memory_model", "megatrain.plan.plan"),
+        fake("megatrain.planner.costs.memory_model", "megatrain.planner.shapes.model_shapes",
+             "megatrain.planner.first_batch"),
+        fake("megatrain.planner.first_batch", "megatrain.planner.costs.memory_model"))}
+    found = sorted(line.split(": ", 1)[1] for line in _planner_group_violations(graph))
+    assert found == ["megatrain.planner.costs.memory_model imports megatrain.planner.first_batch",
+                     "megatrain.planner.shapes.model_shapes imports megatrain.planner.costs.memory_model"]
 
 
 def _torch_half(name: str) -> bool:
@@ -354,64 +459,46 @@ def test_runtime_does_not_import_tools(modules: dict[str, Module]) -> None:
     assert not bad, "\n".join(bad)
 
 
-# Every import of the planner by the runtime, as (runtime module, planner module) without "megatrain.": the
-# allowed set is the contract modules (the planner's pure-stdlib data modules both sides read: plan, buffer_kinds,
-# block_parameters) plus the named exceptions below, as DESIGN.md section 1's runtime row lists them. An
-# edge not here fails the test: add it here and to that row, or import the contract instead.
-RUNTIME_PLANNER_EDGES = {
-    # the contract
-    ("runtime", "planner.plan"), ("runtime.engine", "planner.plan"), ("runtime.engine_arguments", "planner.plan"),
-    ("runtime.errors", "planner.plan"), ("runtime.io.training_checkpoint", "planner.plan"),
-    ("runtime.pipeline.executor", "planner.plan"), ("runtime.pipeline.experts.expert_parts", "planner.plan"),
-    ("runtime.step_inputs", "planner.plan"), ("runtime.batch_limits", "planner.plan"),
-    ("runtime.engine_arguments", "planner.plan_checks"),
-    ("runtime.distributed.sharded_state", "planner.buffer_kinds"), ("runtime.engine", "planner.buffer_kinds"),
-    ("runtime.io.checkpoint_format", "planner.buffer_kinds"), ("runtime.io.hf_io", "planner.buffer_kinds"),
-    ("runtime.io.sharded_checkpoint", "planner.buffer_kinds"), ("runtime.optim.cpu_adamw", "planner.buffer_kinds"),
-    ("runtime.optim.device_adamw", "planner.buffer_kinds"), ("runtime.state.resident_state", "planner.buffer_kinds"),
-    ("runtime.pipeline.experts.expert_parts", "planner.buffer_kinds"),
-    ("runtime.spill.spilled_state", "planner.buffer_kinds"), ("runtime.spill.read_ahead", "planner.buffer_kinds"),
-    ("runtime.spill.spill_files", "planner.buffer_kinds"), ("runtime.spill.spill_io", "planner.buffer_kinds"),
-    ("runtime.spill.staging_pool", "planner.buffer_kinds"), ("runtime.state.host_store", "planner.buffer_kinds"),
-    ("runtime.state.model_state", "planner.buffer_kinds"),
-    ("runtime.model.templates", "planner.block_parameters"),
-    ("runtime.pipeline.experts.expert_parts", "planner.block_parameters"),
-    ("runtime.state.shards", "planner.block_parameters"),
-    # the exceptions: a plan made for another model refused, by the model's digest
-    ("runtime.engine_arguments", "planner.workload_fingerprint"),
-    # the default plan completed by the first batch (its micro-batch and kept layers): the planner's policy
-    ("runtime.step_inputs", "planner.kept_layers"), ("runtime.step_inputs", "planner.memory_model"),
-    ("runtime.step_inputs", "planner.model_shapes"), ("runtime.step_inputs", "planner.workload"),
-    # a batch the plan cannot hold refused before anything is allocated: priced by the planner's memory model
-    ("runtime.batch_limits", "planner.memory_model"), ("runtime.batch_limits", "planner.model_shapes"),
-    ("runtime.batch_limits", "planner.workload"),
-}
+# The runtime reaches the planner's policy through this module alone (DESIGN.md section 1): the default plan for a
+# first batch (its kept layers) and what a batch's activations need (to refuse one that cannot fit). The contract
+# the runtime reads is megatrain.plan, below the planner.
+RUNTIME_ENTRY_POINT = "megatrain.planner.first_batch"
 
 
 def _runtime_planner_edges(modules: dict[str, Module]) -> dict[tuple[str, str], str]:
-    """Each import of a planner module by a runtime module, without "megatrain.", with where it is."""
-    return {(mod.name.removeprefix("megatrain."), target.removeprefix("megatrain.")): mod.where(line)
+    """Each import of a planner module by a runtime module, with where it is."""
+    return {(mod.name, target): mod.where(line)
             for mod in modules.values() if mod.name.startswith("megatrain.runtime")
             for target, line in mod.imports.items() if target.startswith("megatrain.planner")}
 
 
-def test_runtime_imports_the_planner_only_through_the_allowed_edges(modules: dict[str, Module]) -> None:
-    edges = _runtime_planner_edges(modules)
-    new = sorted(f"{where}: {a} imports {b}" for (a, b), where in edges.items() if (a, b) not in RUNTIME_PLANNER_EDGES)
-    assert not new, ("the runtime imports the planner beyond its contract and the named exceptions (DESIGN.md "
-                     "section 1; RUNTIME_PLANNER_EDGES):\n" + "\n".join(new))
-    gone = sorted(f"{a} -> {b}" for a, b in RUNTIME_PLANNER_EDGES - set(edges))
-    assert not gone, "allowed in RUNTIME_PLANNER_EDGES but no longer in the code; remove them:\n" + "\n".join(gone)
+def _beyond_the_entry_point(modules: dict[str, Module]) -> list[str]:
+    return sorted(f"{where}: {a} imports {b}" for (a, b), where in _runtime_planner_edges(modules).items()
+                  if b != RUNTIME_ENTRY_POINT)
 
 
-def test_the_edge_check_sees_a_new_runtime_import_of_the_planner() -> None:
+def test_runtime_reaches_the_planner_only_through_its_entry_point(modules: dict[str, Module]) -> None:
+    bad = _beyond_the_entry_point(modules)
+    assert not bad, (f"the runtime imports the planner beyond its entry point {RUNTIME_ENTRY_POINT} (DESIGN.md "
+                     "section 1): import the contract (megatrain.plan) or ask the entry point:\n" + "\n".join(bad))
+    assert {b for a, b in _runtime_planner_edges(modules)} == {RUNTIME_ENTRY_POINT}  # the entry point is there
+
+
+def test_the_entry_point_check_sees_a_new_runtime_import_of_the_planner() -> None:
     graph = {m.name: m for m in (
         Module("megatrain.runtime.pipeline.executor", ROOT / "x.py", ast.parse(""), False,
-               {"megatrain.planner.plan": 1, "megatrain.planner.search": 2, "megatrain.runtime.errors": 3}),
+               {"megatrain.plan.plan": 1, "megatrain.planner.choice.search": 2, RUNTIME_ENTRY_POINT: 3,
+                "megatrain.runtime.errors": 4}),
         Module("megatrain.runtime.errors", ROOT / "y.py", ast.parse(""), False))}
-    assert set(_runtime_planner_edges(graph)) == {("runtime.pipeline.executor", "planner.plan"),
-                                                  ("runtime.pipeline.executor", "planner.search")}
-    assert ("runtime.pipeline.executor", "planner.search") not in RUNTIME_PLANNER_EDGES
+    assert [line.split(": ", 1)[1] for line in _beyond_the_entry_point(graph)] == [
+        "megatrain.runtime.pipeline.executor imports megatrain.planner.choice.search"]
+
+
+def test_the_documented_plan_path_still_imports() -> None:
+    """docs/how-it-works.md names the Plan's module by its former path: it still gives the same class."""
+    from megatrain.plan.plan import Plan
+    from megatrain.plan.plan import Plan as FormerPath
+    assert FormerPath is Plan
 
 
 def _private(name: str) -> bool:

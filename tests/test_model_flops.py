@@ -1,4 +1,4 @@
-"""The FLOP conventions (benchmarks/README.md, planner/model_flops.py) checked by hand: model TFLOP/s = 6 x N_matmul
+"""The FLOP conventions (benchmarks/README.md, planner/shapes/model_flops.py) checked by hand: model TFLOP/s = 6 x N_matmul
 (lm_head in, the input embedding out, a mixture of experts' routed experts only), attention by the model convention
 (backward 2x forward), hardware FLOPs apart; and the figures of a real run's metrics."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from megatrain.planner import model_shapes
+from megatrain.planner.shapes import model_shapes
 from megatrain.tools import metrics, progress, train
 
 TINY = dict(model_type="llama", vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

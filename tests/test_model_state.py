@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 
-from megatrain.planner import memory_model
-from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.planner.costs import memory_model
+from megatrain.plan.buffer_kinds import BufferKind
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
 from megatrain.runtime.device.streams import Event
 

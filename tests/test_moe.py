@@ -16,7 +16,7 @@ from safetensors import safe_open
 transformers = pytest.importorskip("transformers")
 
 from hf_reference import assert_saved_trains_and_exports, batch, randomize_norms_and_biases  # noqa: E402
-from megatrain.planner import model_shapes  # noqa: E402
+from megatrain.planner.shapes import model_shapes  # noqa: E402
 from megatrain.runtime import Engine, ModelConfig  # noqa: E402
 from megatrain.runtime.errors import ConfigError  # noqa: E402
 from test_families import MOE, TINY  # noqa: E402

@@ -14,7 +14,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from megatrain.planner import cli
+from megatrain.planner.commands import cli
 from hypothesis_budget import examples
 
 COMMANDS = [[], ["plan"], ["size"], ["ram"]]

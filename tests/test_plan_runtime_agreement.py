@@ -12,12 +12,14 @@ import weakref
 import pytest
 import torch
 
-from megatrain.planner import memory_model, model_shapes, search
-from megatrain.planner.buffer_kinds import BufferKind
-from megatrain.planner.hardware import HardwareProfile, preset
-from megatrain.planner.plan import Plan
-from megatrain.planner.profiler import detect
-from megatrain.planner.workload import Workload
+from megatrain.planner.costs import memory_model
+from megatrain.planner.shapes import model_shapes
+from megatrain.planner.choice import search
+from megatrain.plan.buffer_kinds import BufferKind
+from megatrain.planner.profiling.hardware import HardwareProfile, preset
+from megatrain.plan.plan import Plan
+from megatrain.planner.profiling.profiler import detect
+from megatrain.planner.shapes.workload import Workload
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
 
 CONFIGS = {

@@ -1,7 +1,7 @@
 """The planner's memory model against what the runtime allocates for mixture-of-experts layers, buffer by buffer:
 what a kept sparse layer's graph holds, what a recomputed one's backward saves whole or in expert groups, what a
-layer in groups holds between its loads, and the step's routing statistics (planner/moe_memory.py,
-planner/sparse_working_set.py), for Qwen3-MoE, Mixtral, Qwen2-MoE (its shared expert) and gpt-oss (its sinks and
+layer in groups holds between its loads, and the step's routing statistics (planner/costs/moe_memory.py,
+planner/costs/sparse_working_set.py), for Qwen3-MoE, Mixtral, Qwen2-MoE (its shared expert) and gpt-oss (its sinks and
 biases). As ``test_plan_runtime_agreement.py`` does for dense layers; the planner never imports the runtime, so
 nothing but this test keeps the two in step.
 """
@@ -12,9 +12,10 @@ import weakref
 import pytest
 import torch
 
-from megatrain.planner import memory_model, model_shapes, moe_memory, sparse_working_set
-from megatrain.planner.plan import Plan
-from megatrain.planner.workload import Workload
+from megatrain.planner.costs import memory_model, moe_memory, sparse_working_set
+from megatrain.planner.shapes import model_shapes
+from megatrain.plan.plan import Plan
+from megatrain.planner.shapes.workload import Workload
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
 from megatrain.runtime.pipeline.experts import expert_layers
 

@@ -6,7 +6,7 @@ import importlib.util
 import os
 import sys
 
-from megatrain.planner import model_shapes
+from megatrain.planner.shapes import model_shapes
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 H200 = os.path.join(ROOT, "benchmarks", "results", "2026-11-28_H200_hardware.json")

@@ -6,10 +6,12 @@ import json
 import pytest
 import torch
 
-from megatrain.planner import hardware, model_shapes, search
-from megatrain.planner.plan import Plan, PlanError
-from megatrain.planner.workload_fingerprint import WorkloadFingerprint, shape_digest
-from megatrain.planner.workload import Workload
+from megatrain.planner.profiling import hardware
+from megatrain.planner.shapes import model_shapes
+from megatrain.planner.choice import search
+from megatrain.plan.plan import Plan, PlanError
+from megatrain.plan.workload_fingerprint import WorkloadFingerprint, shape_digest
+from megatrain.planner.shapes.workload import Workload
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
 
 HF = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

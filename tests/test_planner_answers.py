@@ -7,9 +7,11 @@ import shutil
 
 import pytest
 
-from megatrain.planner import cli, model_shapes, search, sizing
-from megatrain.planner.hardware import GiB, HardwareProfile
-from megatrain.planner.workload import Workload
+from megatrain.planner.commands import cli
+from megatrain.planner.shapes import model_shapes
+from megatrain.planner.choice import search, sizing
+from megatrain.planner.profiling.hardware import GiB, HardwareProfile
+from megatrain.planner.shapes.workload import Workload
 
 # A 24 GiB, 2-core CPU machine as `megatrain-plan profile` measures one: fp32 matmul far faster than bf16,
 # disk not measured.

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from megatrain.planner import attention_memory, memory_model
-from megatrain.planner.model_shapes import PRESETS, from_config
-from megatrain.planner.plan import Plan
-from megatrain.planner.workload import Workload
+from megatrain.planner.costs import attention_memory, memory_model
+from megatrain.planner.shapes.model_shapes import PRESETS, from_config
+from megatrain.plan.plan import Plan
+from megatrain.planner.shapes.workload import Workload
 from megatrain.models.layers.attention import head_groups
 
 

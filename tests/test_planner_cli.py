@@ -10,19 +10,21 @@ import sys
 
 import pytest
 
-from megatrain.planner import cost_model, hardware, memory_model, model_shapes
+from megatrain.planner.costs import cost_model, memory_model
+from megatrain.planner.profiling import hardware
+from megatrain.planner.shapes import model_shapes
 from megatrain.planner.commands import plan as plan_command
-from megatrain.planner.plan_request import PlanRequest, choose_plan
-from megatrain.planner.search import PlanChoice
-from megatrain.planner.workload import Workload
-from megatrain.planner.plan import Plan
+from megatrain.planner.choice.plan_request import PlanRequest, choose_plan
+from megatrain.planner.choice.search import PlanChoice
+from megatrain.planner.shapes.workload import Workload
+from megatrain.plan.plan import Plan
 
 KEYS = {"params", "gpu_bytes", "host_ram_bytes", "nvme_bytes", "step_seconds", "tokens_per_second"}
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "megatrain.planner.cli", *args], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, **(env or {})})
+    return subprocess.run([sys.executable, "-m", "megatrain.planner.commands.cli", *args], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
 def test_plan_json_and_out(tmp_path) -> None:
@@ -170,9 +172,9 @@ def test_profile_disk_only_measures_the_disk_into_the_saved_profile_and_keeps_th
     """--disk-only: the saved profile's disk figures measured again, its source saying where and when (once, however
     often it runs), every other figure and the calibration as they were; without a saved profile or a disk to
     measure, one line naming the fix, and the file untouched."""
-    from megatrain.planner import disk_profile
-    from megatrain.planner.calibration import Calibration
-    from megatrain.planner.hardware import HardwareProfile
+    from megatrain.planner.profiling import disk_profile
+    from megatrain.planner.profiling.calibration import Calibration
+    from megatrain.planner.profiling.hardware import HardwareProfile
 
     cal = Calibration(compute_dtype="fp32", tflops_by_width=((256, 0.02),), block_overhead_s=0.001,
                       adam_params_per_s=1e9, h2d_gbps=5.0, d2h_gbps=5.0, process_bytes=300_000_000,

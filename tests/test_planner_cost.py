@@ -5,11 +5,13 @@ import dataclasses
 
 import pytest
 
-from megatrain.planner import cost_model, hardware
-from megatrain.planner.cost_model import COPY_LATENCY_S, LAUNCH_BWD_S, LAUNCH_FWD_S, NONMATMUL_FACTOR, T_HALF_TOKENS
-from megatrain.planner.model_shapes import PRESETS
-from megatrain.planner.plan import Plan
-from megatrain.planner.workload import Workload
+from megatrain.planner.costs import cost_model
+from megatrain.planner.profiling import hardware
+from megatrain.planner.costs.cost_model import (COPY_LATENCY_S, LAUNCH_BWD_S, LAUNCH_FWD_S, NONMATMUL_FACTOR,
+                                                T_HALF_TOKENS)
+from megatrain.planner.shapes.model_shapes import PRESETS
+from megatrain.plan.plan import Plan
+from megatrain.planner.shapes.workload import Workload
 
 M8 = PRESETS["shape:Llama-3.1-8B"]
 
@@ -187,7 +189,7 @@ def test_bf16_state_update_takes_the_place_of_fp32_adamw() -> None:
 def test_the_bf16_state_probe_times_the_pass_and_leaves_the_thread_count() -> None:
     import torch
 
-    from megatrain.planner.host_rates import cpu_bf16_state_rate
+    from megatrain.planner.profiling.host_rates import cpu_bf16_state_rate
 
     before = torch.get_num_threads()
     assert cpu_bf16_state_rate(1 << 14, threads=1) > 0
@@ -199,7 +201,7 @@ def test_the_bf16_state_figure_is_fp32_adamws_rate_times_the_ratio_measured_side
     their ratio (bf16 / fp32), or the child's bf16 rate where none is given; 0 where the child fails."""
     import subprocess
 
-    from megatrain.planner import host_rates
+    from megatrain.planner.profiling import host_rates
 
     def child(out: str, rc: int = 0):
         return lambda cmd, **kw: subprocess.CompletedProcess(cmd, rc, stdout=out, stderr="")

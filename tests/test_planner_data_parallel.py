@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain.planner import cli, data_parallel, hardware, memory_model, search
-from megatrain.planner.model_shapes import PRESETS, from_config
-from megatrain.planner.plan import Plan
-from megatrain.planner.workload import Workload, WorkloadError
+from megatrain.planner.commands import cli
+from megatrain.planner.costs import data_parallel, memory_model
+from megatrain.planner.profiling import hardware
+from megatrain.planner.choice import search
+from megatrain.planner.shapes.model_shapes import PRESETS, from_config
+from megatrain.plan.plan import Plan
+from megatrain.planner.shapes.workload import Workload, WorkloadError
 from megatrain.runtime import Engine, ModelConfig
 from rank_processes import run_ranks
 
@@ -42,7 +45,7 @@ def test_one_ranks_memory_by_hand() -> None:
 def test_a_ranks_resident_blocks_by_hand() -> None:
     """A rank holds and updates its shard of a resident block: 16 x align64(ceil(n / W)) bytes on its GPU, and its
     device update (deferred: after backward) takes that shard's 28 bytes a parameter at the device AdamW's rate."""
-    from megatrain.planner import cost_model, resident_blocks
+    from megatrain.planner.costs import cost_model, resident_blocks
     m = PRESETS["shape:Llama-3.2-1B"]
     work = Workload(seq_len=2048, batch=16, compute_dtype="bf16")
     plan = PLAN.replace(resident_blocks=(0, 1, 2))

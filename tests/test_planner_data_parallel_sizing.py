@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from megatrain.planner import cli, data_parallel
-from megatrain.planner.hardware import GiB
-from megatrain.planner.model_shapes import PRESETS
+from megatrain.planner.commands import cli
+from megatrain.planner.costs import data_parallel
+from megatrain.planner.profiling.hardware import GiB
+from megatrain.planner.shapes.model_shapes import PRESETS
 
 
 def _json(argv: list[str], capsys) -> dict:

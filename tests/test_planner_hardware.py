@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from megatrain.planner import hardware, host_probe, profiler
-from megatrain.planner.hardware import GiB, HardwareError, HardwareProfile
+from megatrain.planner.profiling import hardware, host_probe, profiler
+from megatrain.planner.profiling.hardware import GiB, HardwareError, HardwareProfile
 
 GPUS = ("H100-SXM", "H100-PCIe", "H200", "GH200", "A100-40GB", "A100-80GB", "L40S", "RTX-4090", "RTX-3090")
 
@@ -48,7 +48,7 @@ def test_cgroup_limit_caps_the_host_budget_and_a_plan_leaves_headroom_below_it()
 def test_a_plan_within_the_headroom_of_the_available_ram_does_not_fit() -> None:
     """Peak RSS ran 3-6.5% above the memory model on large spilled runs: a plan filling 97% of what is available
     is refused, one at 94% fits."""
-    from megatrain.planner.memory_model import Component, MemoryEstimate
+    from megatrain.planner.costs.memory_model import Component, MemoryEstimate
 
     hw = hardware.preset("H100-SXM").replace(host_available_bytes=100 * GiB, cgroup_limit_bytes=0)
     for share, fits in ((0.97, False), (0.94, True)):
@@ -137,7 +137,7 @@ def test_attention_rate_counts_the_planners_flops(monkeypatch) -> None:
     """The measured rate is the planner's FLOPs for the call over its seconds: with the clock stubbed to
     advance 0.5 s per reading pair, rate = seq x a_fwd x 3.5 / 0.5 s."""
     pytest.importorskip("torch")
-    from megatrain.planner.model_shapes import attention_flops_per_token
+    from megatrain.planner.shapes.model_shapes import attention_flops_per_token
 
     ticks = iter(range(1000))
     monkeypatch.setattr(profiler.time, "perf_counter", lambda: next(ticks) * 0.5)
@@ -185,7 +185,7 @@ def test_the_disks_cpu_time_is_a_number_at_least_zero() -> None:
 
 
 def test_adams_bytes_per_parameter_by_hand() -> None:
-    from megatrain.planner.host_rates import adam_bytes_per_param
+    from megatrain.planner.profiling.host_rates import adam_bytes_per_param
 
     # master read + write (4 + 4), gradient read (4), m and v read + written (2 x 2 x state bytes)
     assert adam_bytes_per_param(4) == 4 + 4 + 4 + 2 * 2 * 4 == 28
@@ -195,7 +195,7 @@ def test_adams_bytes_per_parameter_by_hand() -> None:
 def test_a_profile_without_the_memory_figures_loads_and_says_so(tmp_path) -> None:
     """Profiles written before AdamW's GB/s and the host's bandwidth were measured load with them unknown (0); the
     profile text says "not measured" for them, and gives them where measured."""
-    from megatrain.planner import report
+    from megatrain.planner.commands import report
 
     data = json.loads(hardware.preset("H200").replace(cpu_bf16_state_params_per_s=2e9).to_json())
     for f in ("host_memory_gbps", "cpu_adam_bytes_per_param", "cpu_adam_gbps"):

@@ -6,10 +6,12 @@ import dataclasses
 
 import pytest
 
-from megatrain.planner import cost_model, hardware, kept_layers, memory_model, search
-from megatrain.planner.model_shapes import ModelShape
-from megatrain.planner.plan import Plan, PlanError
-from megatrain.planner.workload import Workload
+from megatrain.planner.costs import cost_model, kept_layers, memory_model
+from megatrain.planner.profiling import hardware
+from megatrain.planner.choice import search
+from megatrain.planner.shapes.model_shapes import ModelShape
+from megatrain.plan.plan import Plan, PlanError
+from megatrain.planner.shapes.workload import Workload
 
 # h 48, intermediate 80, 6 heads of 8 (q width 48), 2 kv heads (kv width 16).
 MODEL = ModelShape(name="small", hidden_size=48, intermediate_size=80, num_layers=3, num_heads=6, num_kv_heads=2,

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from megatrain.planner import hardware, memory_model, model_shapes, search
-from megatrain.planner.plan import Plan, PlanError
-from megatrain.planner.search import InfeasibleError
-from megatrain.planner.workload import Workload
+from megatrain.planner.profiling import hardware
+from megatrain.planner.costs import memory_model
+from megatrain.planner.shapes import model_shapes
+from megatrain.planner.choice import search
+from megatrain.plan.plan import Plan, PlanError
+from megatrain.planner.choice.search import InfeasibleError
+from megatrain.planner.shapes.workload import Workload
 
 
 def test_tiled_layer_working_set_by_hand() -> None:

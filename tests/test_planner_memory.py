@@ -1,11 +1,12 @@
 """Memory model: each component against a hand computation, for Llama-3.1-8B and Qwen2.5-7B."""
 from __future__ import annotations
 
-from megatrain.planner import hardware, memory_model
-from megatrain.planner.memory_model import CUDA_CONTEXT_BYTES, HOST_PROCESS_BYTES
-from megatrain.planner.model_shapes import PRESETS
-from megatrain.planner.plan import Plan
-from megatrain.planner.workload import Workload
+from megatrain.planner.profiling import hardware
+from megatrain.planner.costs import memory_model
+from megatrain.planner.costs.memory_model import CUDA_CONTEXT_BYTES, HOST_PROCESS_BYTES
+from megatrain.planner.shapes.model_shapes import PRESETS
+from megatrain.plan.plan import Plan
+from megatrain.planner.shapes.workload import Workload
 
 H100 = hardware.preset("H100-SXM")
 

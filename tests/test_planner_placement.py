@@ -7,12 +7,13 @@ import json
 
 import pytest
 
-from megatrain.planner import cost_model, memory_model, search, sizing, spill_placement, step_traffic
-from megatrain.planner.buffer_kinds import spill_block_bytes, spill_chunk_numel
-from megatrain.planner.hardware import GiB
-from megatrain.planner.model_shapes import PRESETS
-from megatrain.planner.plan import Plan, SpillBlocks
-from megatrain.planner.workload import Workload
+from megatrain.planner.costs import cost_model, memory_model, spill_placement, step_traffic
+from megatrain.planner.choice import search, sizing
+from megatrain.plan.buffer_kinds import spill_block_bytes, spill_chunk_numel
+from megatrain.planner.profiling.hardware import GiB
+from megatrain.planner.shapes.model_shapes import PRESETS
+from megatrain.plan.plan import Plan, SpillBlocks
+from megatrain.planner.shapes.workload import Workload
 from test_planner_answers import CPU_24G
 
 HW, _ = sizing.with_disk(CPU_24G)  # 1 GB/s read and write
@@ -169,7 +170,7 @@ def test_fill_finds_the_least_level_that_fits(ram_gib) -> None:
 
 
 def test_overview_names_the_largest_llama_for_ram_and_disk(capsys, monkeypatch, tmp_path) -> None:
-    from megatrain.planner import cli
+    from megatrain.planner.commands import cli
     from test_planner_answers import FREE, _free_disk
 
     profile = tmp_path / "hw.json"

@@ -1,13 +1,17 @@
-"""The planner's optimizer state on the device ([Note: resident trade] in planner/plan_variants.py): the memory
+"""The planner's optimizer state on the device ([Note: resident trade] in planner/choice/plan_variants.py): the memory
 model's 16 bytes a resident parameter by hand, the cost model's traffic and CPU AdamW without those blocks, the
 search's trade against kept layers on the H200 preset, and ``megatrain-plan plan``'s account of it."""
 from __future__ import annotations
 
 import json
 
-from megatrain.planner import cli, cost_model, hardware, memory_model, model_shapes, plan_variants, search
-from megatrain.planner.plan import Plan
-from megatrain.planner.workload import Workload
+from megatrain.planner.commands import cli
+from megatrain.planner.costs import cost_model, memory_model
+from megatrain.planner.profiling import hardware
+from megatrain.planner.shapes import model_shapes
+from megatrain.planner.choice import plan_variants, search
+from megatrain.plan.plan import Plan
+from megatrain.planner.shapes.workload import Workload
 
 LLAMA_1B = model_shapes.resolve("shape:Llama-3.2-1B")
 H200 = hardware.resolve("H200")

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from megatrain.planner import cli, profiler
+from megatrain.planner.commands import cli
+from megatrain.planner.profiling import profiler
 from megatrain.tools import train
 
 TINY = dict(model_type="llama", vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -5,12 +5,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatrain.planner import (buffer_kinds, data_parallel, hardware, memory_model, model_shapes, search,
-                               spill_choices, spill_placement)
-from megatrain.planner.hardware import GiB, HardwareProfile
-from megatrain.planner.model_shapes import PRESETS, ModelShape
-from megatrain.planner.plan import Plan
-from megatrain.planner.workload import Workload, WorkloadError
+from megatrain.plan import buffer_kinds
+from megatrain.planner.costs import data_parallel, memory_model, spill_placement
+from megatrain.planner.profiling import hardware
+from megatrain.planner.shapes import model_shapes
+from megatrain.planner.choice import search, spill_choices
+from megatrain.planner.profiling.hardware import GiB, HardwareProfile
+from megatrain.planner.shapes.model_shapes import PRESETS, ModelShape
+from megatrain.plan.plan import Plan
+from megatrain.planner.shapes.workload import Workload, WorkloadError
 from hypothesis_budget import examples
 
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from megatrain.planner import model_shapes as ms
-from megatrain.planner.model_shapes import ModelShapeError
+from megatrain.planner.shapes import model_shapes as ms
+from megatrain.planner.shapes.model_shapes import ModelShapeError
 
 
 def test_llama_3_1_8b_params_by_hand() -> None:

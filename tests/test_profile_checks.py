@@ -7,11 +7,11 @@ import itertools
 
 import pytest
 
-from megatrain.planner import profile_checks, profiler
-from megatrain.planner.calibration import CalibrationError, ProfileFigureError, RunSample, fit
-from megatrain.planner.hardware import HardwareProfile
-from megatrain.planner.profile_checks import (ATTENTION_BELOW_MATMUL_MAX, REMEASURE_TRIES, SAMPLE_SPREAD_MAX,
-                                              attention_findings, steady_minimum)
+from megatrain.planner.profiling import profile_checks, profiler
+from megatrain.planner.profiling.calibration import CalibrationError, ProfileFigureError, RunSample, fit
+from megatrain.planner.profiling.hardware import HardwareProfile
+from megatrain.planner.profiling.profile_checks import (ATTENTION_BELOW_MATMUL_MAX, REMEASURE_TRIES, SAMPLE_SPREAD_MAX,
+                                                        attention_findings, steady_minimum)
 
 GOOD = {"float32": ((256, 0.02), (1024, 0.03), (4096, 0.035))}
 BAD = {"float32": ((256, 0.0016), (1024, 0.03), (4096, 0.035))}      # one length 62x below the matmul rate
@@ -188,7 +188,7 @@ def test_calibrate_end_to_end_with_a_bad_saved_profile(monkeypatch, tmp_path) ->
 def test_the_disk_probe_measures_a_spread_round_again_and_keeps_a_steady_ones_best(monkeypatch, tmp_path) -> None:
     """disk_bandwidth: a round of passes (each timed as its read plus its write) spread beyond SAMPLE_SPREAD_MAX is
     measured again and said; the steady round's best read and best write are the figures."""
-    from megatrain.planner import host_probe
+    from megatrain.planner.profiling import host_probe
 
     passes = iter([(1.0, 2.0), (4.0, 8.0), (1.0, 2.0),        # 1.5 s and 0.375 s per GB: 300% spread
                    (2.0, 4.0), (2.2, 4.1), (2.1, 4.4)])       # within 10%

@@ -1,8 +1,8 @@
 """One data-parallel rank's memory: the planner's per-rank figure against the rank's real buffers, buffer by buffer
-([Note: per-rank buffers] in planner/data_parallel.py), and the collectives of a CPU rank allocating nothing the
+([Note: per-rank buffers] in planner/costs/data_parallel.py), and the collectives of a CPU rank allocating nothing the
 size of a block ([Note: collectives in place on gloo] in runtime/distributed/collectives.py); the CPU device's
 allocator-retention term by hand, and the glibc behaviour it stands on ([Note: allocator retention] in
-planner/allocator_retention.py).
+planner/costs/allocator_retention.py).
 
 Peak RSS against the planner's figure is a benchmark row (benchmarks/scaling.py): the machine is shared."""
 from __future__ import annotations
@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from rank_processes import run_ranks
-from megatrain.planner import data_parallel, model_shapes
-from megatrain.planner.plan import Plan
-from megatrain.planner.profiler import detect
-from megatrain.planner.workload import Workload
+from megatrain.planner.costs import data_parallel
+from megatrain.planner.shapes import model_shapes
+from megatrain.plan.plan import Plan
+from megatrain.planner.profiling.profiler import detect
+from megatrain.planner.shapes.workload import Workload
 
 # "tied": its embedding (24,064 elements) the largest block; the gradient accumulators a layer's (17,600)
 HF = {"tied": dict(model_type="qwen2", vocab_size=501, hidden_size=48, intermediate_size=72, num_hidden_layers=2,
@@ -166,7 +167,7 @@ def _resident_after_frees(rank: int, world: int) -> dict[str, int]:
                                                              for k in os.environ),
                     reason="glibc's malloc with its default thresholds")
 def test_the_allocator_retention_term_is_glibcs_heap_top_by_hand(tmp_path):
-    """[Note: allocator retention] in planner/allocator_retention.py: 4 x min(max(V, I) x h x c, 32 MiB) on a CPU device,
+    """[Note: allocator retention] in planner/costs/allocator_retention.py: 4 x min(max(V, I) x h x c, 32 MiB) on a CPU device,
     the same at every W; and the glibc behaviour it stands on, in a fresh process."""
     hw = detect()
     model = model_shapes.from_config(HF["untied"])

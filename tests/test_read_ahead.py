@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.plan.buffer_kinds import BufferKind
 from megatrain.runtime.device.event_log import EventLog
 from megatrain.runtime.spill.read_ahead import ReadAhead
 from megatrain.runtime.spill.spill_files import SpillFiles

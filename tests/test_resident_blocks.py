@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain.planner.plan import Plan, PlanError
+from megatrain.plan.plan import Plan, PlanError
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
 from megatrain.runtime.errors import ConfigError
 

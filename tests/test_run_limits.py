@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 from megatrain.runtime import Engine, ModelConfig
 from megatrain.runtime.batch_limits import BatchTooLargeError
 from megatrain.tools import data_order, train

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig, Plan, PlanError
-from megatrain.planner.buffer_kinds import SPILL_ALIGN as DIRECT_ALIGN
-from megatrain.planner.plan import SpillBlocks
+from megatrain.plan.buffer_kinds import SPILL_ALIGN as DIRECT_ALIGN
+from megatrain.plan.plan import SpillBlocks
 from megatrain.runtime.spill.spill_io import PosixIO, SpillError, aligned_empty
 
 
@@ -309,7 +309,7 @@ def test_disk_probe_times_a_rewrite_with_o_direct_where_the_filesystem_takes_it(
     where it is refused, and the third figure says which. Each request moves its own buffer, as each spill chunk
     has its own, and no two pages it writes are alike, as no two pages of a model's state are (on this project's
     virtual disk pages alike moved at half the speed)."""
-    from megatrain.planner import host_probe
+    from megatrain.planner.profiling import host_probe
 
     writes: collections.Counter = collections.Counter()
     reads: collections.Counter = collections.Counter()
@@ -353,9 +353,9 @@ def test_io_direct_follows_the_plan_and_the_profile_says_which_mode_it_measured(
     """Plan.io_direct=False keeps the POSIX backend buffered; the profile's disk pass returns both directions'
     figures and whether they are O_DIRECT's, and the search's plans follow it (reads apart only when a plan says
     so)."""
-    from megatrain.planner import spill_choices
-    from megatrain.planner.hardware import preset
-    from megatrain.planner.host_probe import disk_bandwidth
+    from megatrain.planner.choice import spill_choices
+    from megatrain.planner.profiling.hardware import preset
+    from megatrain.planner.profiling.host_probe import disk_bandwidth
 
     config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
     for direct in (True, False):
@@ -401,7 +401,7 @@ def test_the_disk_contention_probe_streams_through_a_buffer_each_with_no_two_pag
     """disk_contention moves its I/O as the disk probe does (``host_probe.io_buffers``: a buffer per stream, no two
     pages alike; pages alike moved at half the speed on this project's disk), and gives a CPU cost per GB that is
     a number >= 0."""
-    from megatrain.planner import disk_contention, host_probe
+    from megatrain.planner.profiling import disk_contention, host_probe
 
     bufs = host_probe.io_buffers(3, 4 * 4096)
     heads = [bytes(b[p:p + 8]) for b in bufs for p in range(0, 4 * 4096, 4096)]

@@ -12,10 +12,11 @@ import os
 import pytest
 import torch
 
-from megatrain.planner import memory_model, model_shapes
-from megatrain.planner.buffer_kinds import BufferKind, spill_block_bytes
-from megatrain.planner.plan import SpillBlocks
-from megatrain.planner.workload import Workload
+from megatrain.planner.costs import memory_model
+from megatrain.planner.shapes import model_shapes
+from megatrain.plan.buffer_kinds import BufferKind, spill_block_bytes
+from megatrain.plan.plan import SpillBlocks
+from megatrain.planner.shapes.workload import Workload
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan, PlanError
 from test_equivalence import run_case
 

@@ -1,4 +1,4 @@
-"""The spilled step on a CPU (planner/spill_timing.py): the disk beside the CPU in each half of the step, the
+"""The spilled step on a CPU (planner/costs/spill_timing.py): the disk beside the CPU in each half of the step, the
 read-ahead the staging sets and the backward's idle disk allow, checked by hand; the cost model uses it."""
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ import dataclasses
 
 import pytest
 
-from megatrain.planner import cost_model, model_shapes, spill_placement, spill_timing
-from megatrain.planner.buffer_kinds import BufferKind
-from megatrain.planner.hardware import HardwareProfile
-from megatrain.planner.plan import Plan
-from megatrain.planner.spill_placement import Spilled
-from megatrain.planner.step_replay import BlockVisit
-from megatrain.planner.workload import Workload
+from megatrain.planner.costs import cost_model, spill_placement, spill_timing
+from megatrain.planner.shapes import model_shapes
+from megatrain.plan.buffer_kinds import BufferKind
+from megatrain.planner.profiling.hardware import HardwareProfile
+from megatrain.plan.plan import Plan
+from megatrain.planner.costs.spill_placement import Spilled
+from megatrain.planner.costs.step_replay import BlockVisit
+from megatrain.planner.shapes.workload import Workload
 
 CHUNK = 262144                 # elements of one 1 MiB chunk
 U = CHUNK * 4 / 1e9            # seconds of one block's kind (a chunk) at 1 GB/s

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.plan.buffer_kinds import BufferKind
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig, Plan
 from megatrain.runtime.pipeline import spilled_loads
 from megatrain.runtime.spill.spill_files import SpillFiles

@@ -23,7 +23,7 @@ from megatrain.models.family import Family
 from megatrain.models.layers.decoder import DecoderLayer as LlamaDecoderLayer
 from megatrain.models.layers.decoder import EmbeddingBlock, HeadBlock  # noqa: F401 (the toy's blocks, as they are)
 from megatrain.models.parameters import Param, llama_layer
-from megatrain.planner import model_shapes
+from megatrain.planner.shapes import model_shapes
 from megatrain.runtime import ConfigError, Engine, ModelConfig, OptimizerConfig, Plan
 from numerics import assert_update_close
 

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from megatrain.planner import data_parallel
-from megatrain.planner.plan import Plan
+from megatrain.planner.costs import data_parallel
+from megatrain.plan.plan import Plan
 from megatrain.runtime.distributed.process_group import DEFAULT_TIMEOUT_S
 from megatrain.tools import ranks, train
 from rank_processes import run_ranks
@@ -95,7 +95,7 @@ def _timeout_after(rank: int, world: int, argv: list[str]) -> tuple[int, float, 
 
 def test_without_collective_timeout_the_plans_bound_applies(tmp_path):
     """The group was made with 60 s (rank_processes); training sets the plan's bound on every rank: the floor, for the
-    demo's steps of milliseconds (planner/data_parallel.py, [Note: collective timeout])."""
+    demo's steps of milliseconds (planner/costs/data_parallel.py, [Note: collective timeout])."""
     out = str(tmp_path / "run")
     for status, timeout, err in run_ranks(_timeout_after, 2, tmp_path, ["--out", out, *FAST, "--steps", "1"]):
         assert status == 0, err

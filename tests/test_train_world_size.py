@@ -8,7 +8,7 @@ import os
 import pytest
 
 from cli_ranks import TORCHRUN, close, losses, ok, torchrun, train
-from megatrain.planner.plan import default_plan
+from megatrain.plan.plan import default_plan
 from megatrain.tools import world_change
 
 pytestmark = pytest.mark.skipif(TORCHRUN is None, reason="torchrun not on PATH")

@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain.planner import cost_model, memory_model, model_shapes, search, step_traffic
-from megatrain.planner.hardware import preset
-from megatrain.planner.plan import Plan
-from megatrain.planner.plan_checks import PlanError
-from megatrain.planner.workload import Workload
+from megatrain.planner.costs import cost_model, memory_model, step_traffic
+from megatrain.planner.shapes import model_shapes
+from megatrain.planner.choice import search
+from megatrain.planner.profiling.hardware import preset
+from megatrain.plan.plan import Plan
+from megatrain.plan.plan_checks import PlanError
+from megatrain.planner.shapes.workload import Workload
 from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
 from rank_processes import run_ranks
 

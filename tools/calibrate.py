@@ -8,7 +8,7 @@ steps through the runtime with the plan the planner chooses; the step breakdown 
 The models run in ``--rounds`` rounds (all once, then all again), so a burst of
 other work slows one round of a model rather than all its samples; each figure
 keeps the best sample of all rounds (or ``--percentile``) and records the spread;
-the planner's fitting arithmetic (planner/calibration.py) turns them into the
+the planner's fitting arithmetic (planner/profiling/calibration.py) turns them into the
 terms the hardware profile stores with their source. The planner reads them
 from the profile; it never imports this module or the runtime.
 """
@@ -183,9 +183,10 @@ def reduce_run(name: str, config: dict[str, Any], seq: int, batch: int, dtype: s
                measured: dict[str, Any], hw: Any, percentile: float) -> Any:
     """Measured steps -> a RunSample: each figure at ``percentile`` of its samples, with the planner's
     FLOPs, overhead units, traffic and listed buffers for the same model and plan."""
-    from megatrain.planner import cost_model, memory_model, model_shapes, step_traffic
-    from megatrain.planner.calibration import RunSample, robust
-    from megatrain.planner.workload import Workload
+    from megatrain.planner.costs import cost_model, memory_model, step_traffic
+    from megatrain.planner.shapes import model_shapes
+    from megatrain.planner.profiling.calibration import RunSample, robust
+    from megatrain.planner.shapes.workload import Workload
 
     shape = model_shapes.from_config(config)
     work = Workload(seq_len=seq, batch=batch, compute_dtype=dtype, clipping=True)
@@ -233,8 +234,8 @@ def base_profile(out: str | None, log: Callable[[str], None]) -> tuple[Any, str]
     """The profile to calibrate and where it goes: ``out``, else the saved profile the planner reads; measured
     first (megatrain-plan profile's figures) when that file does not exist yet. An existing file that is not
     a hardware profile is refused, never overwritten."""
-    from megatrain.planner import profiler
-    from megatrain.planner.hardware import HardwareError, HardwareProfile
+    from megatrain.planner.profiling import profiler
+    from megatrain.planner.profiling.hardware import HardwareError, HardwareProfile
 
     path = out or os.environ.get("MEGATRAIN_HARDWARE") or profiler.CACHE_PATH
     if os.path.isdir(path):
@@ -252,9 +253,10 @@ def base_profile(out: str | None, log: Callable[[str], None]) -> tuple[Any, str]
 def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: str, out: str | None,
               log: Callable[[str], None], rounds: int = 2) -> tuple[Any, str, list[str]]:
     """Run the calibration models, fit, and return (profile with the calibration, its path, warnings)."""
-    from megatrain.planner import model_shapes, search
-    from megatrain.planner.calibration import HEAD_SHARE_MAX, SPREAD_WARN, fit
-    from megatrain.planner.workload import Workload
+    from megatrain.planner.shapes import model_shapes
+    from megatrain.planner.choice import search
+    from megatrain.planner.profiling.calibration import HEAD_SHARE_MAX, SPREAD_WARN, fit
+    from megatrain.planner.shapes.workload import Workload
     from megatrain.tools.profile_repair import checked_profile, fit_checked
 
     hw, path = base_profile(out, log)

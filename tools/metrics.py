@@ -1,6 +1,6 @@
 """What a run measured: one JSON line per step in ``metrics.jsonl``, and the end-of-run summary.
 
-Model FLOPs follow the benchmark protocol (benchmarks/README.md; ``planner/model_flops.py``): 6 x N_matmul x
+Model FLOPs follow the benchmark protocol (benchmarks/README.md; ``planner/shapes/model_flops.py``): 6 x N_matmul x
 (positions processed) per step, N_matmul the parameters of the matrix multiplies a token runs through (lm_head
 included, the input embedding a lookup, a mixture of experts' routed experts only), recompute not counted, attention
 FLOPs not included (``model_tflops``, ``mfu``); the same with causal attention's forward and backward FLOPs by the
@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
-from megatrain.planner import model_shapes
+from megatrain.planner.shapes import model_shapes
 
 from . import metrics_routing
 from .progress import format_bytes
@@ -77,7 +77,7 @@ def matmul_peak_tflops(device: torch.device, compute_dtype: str) -> tuple[float 
     On a CPU the planner only guesses the peak, so MFU is reported only from a measured profile.
     """
     try:
-        from megatrain.planner.profiler import this_machine
+        from megatrain.planner.profiling.profiler import this_machine
 
         hw = this_machine()
         measured = hw.source.startswith("measured")

@@ -10,7 +10,7 @@ import glob
 import os
 from dataclasses import dataclass
 
-from megatrain.planner import model_shapes
+from megatrain.planner.shapes import model_shapes
 from megatrain.runtime import ModelConfig
 from megatrain.runtime.io import hf_io
 

@@ -3,7 +3,7 @@
 ``megatrain-plan calibrate`` reads the hardware profile ``megatrain-plan profile`` saved: one figure of it
 taken while another process ran through its samples (causal attention 44x below the matmul rate, say)
 would turn every run's fit absurd. Before the runs, each figure the fit uses that is implausible against
-the others (``planner/profile_checks.py``) is measured again on this machine; after them, a figure the
+the others (``planner/profiling/profile_checks.py``) is measured again on this machine; after them, a figure the
 runs contradict (``ProfileFigureError``: a run's attention at the profile's rate longer than its whole
 compute) is measured again and the fit repeated once. A figure still off after that is left out (the fit
 then holds the attention inside the layers' rate) and a warning names it with the command that measures it:
@@ -19,7 +19,7 @@ T = TypeVar("T")
 def checked_profile(hw: Any, dtype: str, log: Callable[[str], None]) -> Any:
     """``hw`` with its causal-attention rate for ``dtype`` (fp32, bf16) measured again where it is implausible
     against the matmul rate, ``log`` saying so; unchanged when plausible or not measured."""
-    from megatrain.planner.profile_checks import attention_findings
+    from megatrain.planner.profiling.profile_checks import attention_findings
 
     name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)
     mine = {name: hw.attention_tflops[name]} if name in hw.attention_tflops else {}
@@ -32,7 +32,7 @@ def checked_profile(hw: Any, dtype: str, log: Callable[[str], None]) -> Any:
 def remeasured(hw: Any, dtype: str, log: Callable[[str], None]) -> Any:
     """``hw`` with the causal-attention rate of ``dtype`` (the profile's name: float32) measured again on this
     machine, itself checked against the matmul rate and measured again while implausible (``profiler``)."""
-    from megatrain.planner import profiler
+    from megatrain.planner.profiling import profiler
 
     on_gpu = hw.gpu_mem_bytes > 0
     fresh = {**hw.attention_tflops, **profiler.attention_rates(on_gpu, (dtype,), log)}
@@ -44,7 +44,7 @@ def fit_checked(fit_once: Callable[[Any], T], hw: Any, log: Callable[[str], None
     """``fit_once(hw)``, the profile it used, and warnings. A figure the runs contradict is measured again and
     the fit repeated; still contradicted, the figure is left out (the attention then counts with the layers'
     rate, which the fit is then of) and a warning names it and the command that measures it."""
-    from megatrain.planner.calibration import ProfileFigureError
+    from megatrain.planner.profiling.calibration import ProfileFigureError
 
     try:
         return fit_once(hw), hw, []

@@ -54,7 +54,7 @@ class Ranks:
 
     def set_timeout(self, seconds: float | None) -> None:
         """Every later collective waits at most ``seconds`` for the other ranks (--collective-timeout, else the
-        planner's bound for the run's plan: planner/data_parallel.py, [Note: collective timeout]); None: as now."""
+        planner's bound for the run's plan: planner/costs/data_parallel.py, [Note: collective timeout]); None: as now."""
         if self.topology is not None and seconds and collectives.set_timeout(seconds):
             _timeout_s[0] = seconds
 

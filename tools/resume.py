@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 from megatrain.runtime import ModelConfig
 from megatrain.runtime.io import training_checkpoint
 

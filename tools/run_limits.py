@@ -5,16 +5,18 @@ plan can hold is refused in one line (the planner's ``InfeasibleError``: each bu
 sequence that fits) with the largest batch that fits added, instead of a batch of a billion rows being packed
 first or a billion-token row allocated. A plan given (--plan) or resumed is not searched: its memory is
 priced by the planner's memory model for this run's step and this machine, and refused the same way when it
-does not fit. The memory figures are the planner's (planner/memory_model.py, planner/search.py); nothing here
+does not fit. The memory figures are the planner's (planner/costs/memory_model.py, planner/choice/search.py); nothing here
 estimates memory itself.
 """
 from __future__ import annotations
 
 import dataclasses
-from megatrain.planner import memory_model, model_shapes, search, sizing
-from megatrain.planner.plan import Plan
-from megatrain.planner.profiler import this_machine
-from megatrain.planner.workload import Workload
+from megatrain.planner.costs import memory_model
+from megatrain.planner.shapes import model_shapes
+from megatrain.planner.choice import search, sizing
+from megatrain.plan.plan import Plan
+from megatrain.planner.profiling.profiler import this_machine
+from megatrain.planner.shapes.workload import Workload
 from megatrain.runtime import ModelConfig
 from megatrain.runtime.distributed.process_group import Topology
 

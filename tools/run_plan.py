@@ -7,12 +7,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from megatrain.planner import data_parallel, disk_space, model_shapes, sizing, spill_placement
-from megatrain.planner.hardware import HardwareProfile
-from megatrain.planner.plan import Plan, PlanError, host_device_choices
-from megatrain.planner.plan_request import PlanRequest, choose_plan
-from megatrain.planner.profiler import this_machine
-from megatrain.planner.workload import Workload
+from megatrain.planner.costs import data_parallel, spill_placement
+from megatrain.planner.profiling import disk_space
+from megatrain.planner.shapes import model_shapes
+from megatrain.planner.choice import sizing
+from megatrain.planner.profiling.hardware import HardwareProfile
+from megatrain.plan.plan import Plan, PlanError, host_device_choices
+from megatrain.planner.choice.plan_request import PlanRequest, choose_plan
+from megatrain.planner.profiling.profiler import this_machine
+from megatrain.planner.shapes.workload import Workload
 from megatrain.runtime import ModelConfig
 from megatrain.runtime.distributed.process_group import Topology
 
@@ -99,7 +102,7 @@ def _search(c: TrainConfig, model: ModelConfig, compute_dtype: str, spill_root: 
 def _collective_timeout(c: TrainConfig, model: ModelConfig, plan: Plan, compute_dtype: str,
                         topology: Topology | None) -> float | None:
     """Under torchrun, --collective-timeout, else the planner's bound on a collective's wait for this plan
-    (planner/data_parallel.py, [Note: collective timeout]); None for one process."""
+    (planner/costs/data_parallel.py, [Note: collective timeout]); None for one process."""
     if topology is None or topology.world_size == 1:
         return None
     if c.collective_timeout:

@@ -29,10 +29,11 @@ from .interrupt import EXIT_INTERRUPTED, INTERRUPTED_AT_START, start_up
 with start_up(command=__name__ == "__main__" or os.path.basename(sys.argv[0]) == "megatrain-train"):
     import torch
 
-    from megatrain.planner import model_shapes, search
-    from megatrain.planner.hardware import HardwareError
-    from megatrain.planner.plan import Plan, PlanError
-    from megatrain.planner.workload import WorkloadError
+    from megatrain.planner.shapes import model_shapes
+    from megatrain.planner.choice import search
+    from megatrain.planner.profiling.hardware import HardwareError
+    from megatrain.plan.plan import Plan, PlanError
+    from megatrain.planner.shapes.workload import WorkloadError
     from megatrain.runtime import Engine, MegatrainError, ModelConfig, OptimizerConfig, keep_freed_heap
     from megatrain.runtime.distributed.process_group import exit_process
 

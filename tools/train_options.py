@@ -12,7 +12,7 @@ import argparse
 import os
 from typing import Any, Mapping, Sequence
 
-from megatrain.planner.cli_args import RenamedOption
+from megatrain.planner.commands.cli_args import RenamedOption
 
 from .train_config import COMPUTE_DTYPES, DEVICES, EXPORT_DTYPES, FIELDS, INIT_CHOICES, \
     OPTIMIZER_STATES, PACKING_CHOICES, PROGRESS_STYLES, SPILL_CHOICES, TOKEN_DTYPES, TRAIN_ON_CHOICES, TrainConfig, TrainConfigError, \

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 
 WORLD_SIZE_KEY = "world_size"
 

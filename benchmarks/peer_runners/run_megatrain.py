@@ -52,9 +52,10 @@ def planner_plan(config: dict[str, Any], seq: int, batch: int, device: str, fall
                  clipping: bool = True) -> tuple[Any, dict[str, Any]]:
     """The planner's plan for ``batch`` sequences of ``seq`` tokens of ``config`` on this machine (bf16 on
     CUDA, fp32 on a CPU), and what it said; ``Plan(micro_batch_size=fallback_micro_batch)`` where none fits."""
-    from megatrain.planner import model_shapes, search
-    from megatrain.planner.profiler import detect
-    from megatrain.planner.workload import Workload
+    from megatrain.planner.shapes import model_shapes
+    from megatrain.planner.choice import search
+    from megatrain.planner.profiling.profiler import detect
+    from megatrain.planner.shapes.workload import Workload
     from megatrain.runtime import Plan
 
     work = Workload(seq, batch, compute_dtype="bf16" if device == "cuda" else "fp32", clipping=clipping,

@@ -76,7 +76,7 @@ class Comparison:
                 self.done = {report.run_key(r) for r in keep}
                 echo(f"resuming {self.stem}.json: {len(keep)} runs kept")
         import_megatrain()
-        from megatrain.planner import model_shapes
+        from megatrain.planner.shapes import model_shapes
 
         self._shape = model_shapes.from_config
 

@@ -110,7 +110,7 @@ def model_shape(spec: RunSpec) -> Any:
     from .run_megatrain import import_megatrain
 
     import_megatrain()
-    from megatrain.planner import model_shapes
+    from megatrain.planner.shapes import model_shapes
 
     return model_shapes.from_config(spec.config)
 

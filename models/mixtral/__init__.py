@@ -1,1 +1,7 @@
-"""The mixtral family: its config rules, parameter table and presets (family.py), its blocks (blocks.py)."""
+"""Mixtral (transformers' ``MixtralForCausalLM``): Mistral's attention, and a sparse MLP on every layer.
+
+Modules: ``family.py`` (its config rules, parameter table and presets; stdlib), ``blocks.py`` (its torch blocks).
+
+May import: ``family``: the standard library, ``megatrain.errors`` and the stdlib half of ``megatrain.models``;
+``blocks``: torch and ``megatrain.models`` (its ``layers``).
+"""

@@ -1,1 +1,7 @@
-"""OLMo 2: post-norms and q/k norms over the whole projection (``family.py``, ``blocks.py``)."""
+"""OLMo 2: post-norms and q/k norms over the whole projection.
+
+Modules: ``family.py`` (its config rules, parameter table and presets; stdlib), ``blocks.py`` (its torch blocks).
+
+May import: ``family``: the standard library, ``megatrain.errors`` and the stdlib half of ``megatrain.models``;
+``blocks``: torch and ``megatrain.models`` (its ``layers``).
+"""

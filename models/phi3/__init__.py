@@ -1,1 +1,7 @@
-"""Phi-3: fused qkv and gate/up projections (``family.py``, ``blocks.py``)."""
+"""Phi-3: fused qkv and gate/up projections.
+
+Modules: ``family.py`` (its config rules, parameter table and presets; stdlib), ``blocks.py`` (its torch blocks).
+
+May import: ``family``: the standard library, ``megatrain.errors`` and the stdlib half of ``megatrain.models``;
+``blocks``: torch and ``megatrain.models`` (its ``layers``).
+"""

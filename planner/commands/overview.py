@@ -5,9 +5,12 @@ import argparse
 import dataclasses
 import os
 
-from .. import cli_args, disk_space, model_shapes, report, report_overview, sizing
-from ..cli_args import CliError
-from ..workload import Workload
+from . import cli_args, report, report_overview
+from ..profiling import disk_space
+from ..shapes import model_shapes
+from ..choice import sizing
+from .cli_args import CliError
+from ..shapes.workload import Workload
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -6,12 +6,15 @@ import dataclasses
 import os
 from typing import Any
 
-from .. import cli_args, data_parallel_report, disk_space, model_shapes, report, report_plan, search
-from ..cost_model import CostEstimate
-from ..model_shapes import ModelShape
-from ..plan_request import ChosenPlan, PlanRequest, choose_plan
-from ..search import TIME_TOLERANCE, InfeasibleError, Ranks
-from ..workload import Workload
+from . import cli_args, data_parallel_report, report, report_plan
+from ..profiling import disk_space
+from ..shapes import model_shapes
+from ..choice import search
+from ..costs.cost_model import CostEstimate
+from ..shapes.model_shapes import ModelShape
+from ..choice.plan_request import ChosenPlan, PlanRequest, choose_plan
+from ..choice.search import TIME_TOLERANCE, InfeasibleError, Ranks
+from ..shapes.workload import Workload
 
 
 def add_parser(sub: Any) -> None:

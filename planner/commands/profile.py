@@ -9,9 +9,10 @@ import sys
 import tempfile
 from typing import Any
 
-from .. import cli_args, disk_profile, profiler, report
-from ..cli_args import CliError
-from ..hardware import HardwareError, HardwareProfile
+from . import cli_args, report
+from ..profiling import disk_profile, profiler
+from .cli_args import CliError
+from ..profiling.hardware import HardwareError, HardwareProfile
 
 
 def add_parser(sub: Any) -> None:

@@ -6,9 +6,11 @@ import argparse
 import dataclasses
 from typing import Any
 
-from .. import cli_args, data_parallel_report, model_shapes, report, report_ram, sizing
-from ..cli_args import NVME_DIR, parse_size
-from ..workload import Workload
+from . import cli_args, data_parallel_report, report, report_ram
+from ..shapes import model_shapes
+from ..choice import sizing
+from .cli_args import NVME_DIR, parse_size
+from ..shapes.workload import Workload
 
 # NVMe size the purchase table assumes when --nvme-size is not given.
 DEFAULT_NVME_SIZE = "4T"

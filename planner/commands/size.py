@@ -4,9 +4,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .. import cli_args, data_parallel_report, model_shapes, report, report_size, search
-from .. import hardware as hwmod
-from ..cli_args import NVME_DIR, parse_size
+from . import cli_args, data_parallel_report, report, report_size
+from ..shapes import model_shapes
+from ..choice import search
+from ..profiling import hardware as hwmod
+from .cli_args import NVME_DIR, parse_size
 
 # A sizing question without a step named: 16 sequences of 4096 tokens (65k tokens per step).
 SIZE_BATCH = 16

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.plan.buffer_kinds import BufferKind
 
 from megatrain.runtime.distributed.collectives import Collectives
 from megatrain.runtime.errors import CheckpointError

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 import torch
 
-from megatrain.planner.buffer_kinds import STATE_KINDS, BufferKind
+from megatrain.plan.buffer_kinds import STATE_KINDS, BufferKind
 
 from megatrain.runtime.errors import InputError
 from megatrain.runtime.paths import confined

@@ -31,7 +31,7 @@ import torch
 
 from megatrain.models import registry
 from megatrain.models.parameters import DiskTensor, Param
-from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.plan.buffer_kinds import BufferKind
 
 from megatrain.runtime.config import ModelConfig, read_config_json
 from megatrain.runtime.errors import CheckpointError, ConfigError, InputError

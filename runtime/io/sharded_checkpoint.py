@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 import torch.distributed as dist
 
-from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.plan.buffer_kinds import BufferKind
 
 from megatrain.runtime.io import checkpoint_format
 from megatrain.runtime.io.checkpoint_format import ARRAYS, CRC_CHUNK_BYTES, Crc32s

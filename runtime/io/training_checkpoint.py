@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
 
 import torch
 
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 
 from megatrain.runtime.io import checkpoint_directory, checkpoint_format
 from megatrain.runtime.io.checkpoint_directory import resolve

@@ -13,7 +13,7 @@ Decoder layers of different types (``layer_types.py``: full or sliding attention
 and RoPE) have one template per type; each layer ``Block`` names its type and ``run`` picks its template.
 
 The templates are the model family's blocks and the layout its parameter table
-(``megatrain.models``, asked through ``megatrain.planner.block_parameters``, the one
+(``megatrain.models``, asked through ``megatrain.plan.block_parameters``, the one
 the planner sizes blocks from), which is the templates' registration order (that
 of Hugging Face; checked when the templates are built), each offset aligned to
 ``block_parameters.ALIGN_ELEMENTS`` elements; padding stays zero. Hugging Face
@@ -32,8 +32,8 @@ from torch.func import functional_call
 
 from megatrain.models import registry
 from megatrain.models.block_classes import block_classes
-from megatrain.planner import block_parameters
-from megatrain.planner.block_parameters import Param
+from megatrain.plan import block_parameters
+from megatrain.plan.block_parameters import Param
 
 from megatrain.runtime.config import ModelConfig
 from megatrain.runtime.model.layer_types import distinct_layer_types, layer_config, layer_type

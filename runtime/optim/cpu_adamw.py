@@ -60,7 +60,7 @@ from torch.profiler import record_function
 from megatrain.runtime.errors import MegatrainError
 from megatrain.runtime.device import host_threads
 from megatrain.runtime.device.event_log import EventLog
-from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.plan.buffer_kinds import BufferKind
 
 from megatrain.runtime.state.host_store import HostStore
 from megatrain.runtime.spill.read_ahead import ReadAhead

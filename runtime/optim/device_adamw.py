@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 from torch.profiler import record_function
 
-from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.plan.buffer_kinds import BufferKind
 
 from megatrain.runtime.device.busy_events import BusyEvents
 from megatrain.runtime.device.event_log import EventLog

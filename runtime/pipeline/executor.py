@@ -28,7 +28,7 @@ from typing import Callable, ContextManager
 import torch
 from torch.profiler import record_function
 
-from megatrain.planner.plan import Plan
+from megatrain.plan.plan import Plan
 
 from megatrain.models.layers.attention import Documents
 

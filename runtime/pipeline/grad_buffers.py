@@ -30,7 +30,7 @@ def grad_unit(templates: Templates, parts: Mapping[int, Sequence[Part]], numel: 
               tied: bool, resident: frozenset[int] = frozenset()) -> int:
     """Elements of one gradient buffer: the largest block's gradient (``numel``: padded to whole shards in data
     parallel) or streamed part's, leaving out a ``tied`` embedding's, which adds up in a buffer of its own: the
-    planner's Bg (planner/stream_units.py, ``grad_numel``); the ``resident`` blocks' add up in their own buffers."""
+    planner's Bg (planner/costs/stream_units.py, ``grad_numel``); the ``resident`` blocks' add up in their own buffers."""
     return max((max(p.numel for p in parts[b.index]) if b.index in parts else numel(b)
                 for b in templates.blocks if not (tied and b.index == templates.embed.index) and b.index not in resident),
                default=0)

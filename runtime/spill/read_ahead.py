@@ -59,7 +59,7 @@ import concurrent.futures as cf
 import time
 from typing import NamedTuple, Sequence
 
-from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.plan.buffer_kinds import BufferKind
 
 from megatrain.runtime.device.event_log import EventLog
 from megatrain.runtime.spill.spill_files import SpillFiles

@@ -47,8 +47,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from megatrain.planner.buffer_kinds import (MOMENT_KINDS, STATE_KINDS, BufferKind, Placement, spill_block_bytes,
-                                            spill_chunk_numel, spill_chunks)
+from megatrain.plan.buffer_kinds import (MOMENT_KINDS, STATE_KINDS, BufferKind, Placement, spill_block_bytes,
+                                         spill_chunk_numel, spill_chunks)
 
 from megatrain.runtime.spill import spill_dirs
 from megatrain.runtime.spill.busy_clock import BusyClock

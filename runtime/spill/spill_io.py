@@ -30,7 +30,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from megatrain.planner.buffer_kinds import SPILL_ALIGN
+from megatrain.plan.buffer_kinds import SPILL_ALIGN
 
 from megatrain.runtime.errors import MegatrainError
 

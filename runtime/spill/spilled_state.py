@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from megatrain.planner.buffer_kinds import BufferKind, Placement
+from megatrain.plan.buffer_kinds import BufferKind, Placement
 
 from megatrain.runtime.device.event_log import EventLog
 from megatrain.runtime.spill.read_ahead import ReadAhead

@@ -7,7 +7,7 @@ from typing import Mapping, NamedTuple
 
 import torch
 
-from megatrain.planner.buffer_kinds import BufferKind, spill_block_bytes
+from megatrain.plan.buffer_kinds import BufferKind, spill_block_bytes
 
 from megatrain.runtime.spill.spill_io import aligned_empty
 

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NamedTuple, Sequ
 
 import torch
 
-from megatrain.planner.buffer_kinds import (MOMENT_KINDS, BufferKind, Placement, crosses_pcie, load_bytes,
-                                            spill_chunk_multiple, spill_chunk_numel, spilled_kinds)
+from megatrain.plan.buffer_kinds import (MOMENT_KINDS, BufferKind, Placement, crosses_pcie, load_bytes,
+                                         spill_chunk_multiple, spill_chunk_numel, spilled_kinds)
 
 from megatrain.runtime.errors import ConfigError
 from megatrain.runtime.spill.spilled_state import SpilledState

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from megatrain.models import registry
-from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.plan.buffer_kinds import BufferKind
 
 from megatrain.runtime.config import ModelConfig
 from megatrain.runtime.errors import InputError

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from megatrain.planner.buffer_kinds import BufferKind
+from megatrain.plan.buffer_kinds import BufferKind
 
 from megatrain.runtime.model.templates import Block
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatrain.planner.block_parameters import aligned
+from megatrain.plan.block_parameters import aligned
 
 from megatrain.runtime.model.templates import Block, BlockLayout, ParamEntry
 

@@ -42,9 +42,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megatrain.planner.block_parameters import aligned
-from megatrain.planner.buffer_kinds import BufferKind
-from megatrain.planner.plan import Plan
+from megatrain.plan.block_parameters import aligned
+from megatrain.plan.buffer_kinds import BufferKind
+from megatrain.plan.plan import Plan
 
 from megatrain.models.layers.expert_group import expert_names, splits
 from megatrain.runtime.errors import ConfigError

@@ -1,0 +1,400 @@
+"""Plan search: the fastest Plan that fits every budget, or the budget that no plan fits.
+
+The space (DESIGN.md section 5): micro-batch size (hence the micro-batch count
+M = ceil(batch / size)), slots and prefetch depth (K = depth + 1: the runtime
+never loads more than ``depth`` ahead, so a further slot would only cost
+memory), checkpoint placement, eager vs deferred optimizer (deferred when
+clipping), host grad slabs for eager mode, and the loss chunk (the largest that
+fits: it costs memory, hardly time), and what spills to disk unless the workload
+forces a shorthand ("none", "optimizer", "all"): RAM is filled first and the rest
+goes to disk, block by block and kind by kind (``fill``; spill_placement.py,
+[Note: fill order]), so the largest model that trains is set by RAM and disk
+together.
+
+With ``ranks`` (a data-parallel Topology) the workload is the global step and the plan is one rank's:
+candidates and time at the rank's share of the batch, memory as data_parallel.memory (host state
+sharded 1/W), and the budgets per node: each rank's GPU memory against one GPU, and the G ranks of a
+node together (their shards and each one's buffers) against the node's host RAM and spill disk.
+
+Memory is checked first (cheap); only plans that fit are timed. Pure stdlib.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatrain.errors import MegatrainError
+from megatrain.models import registry
+
+from megatrain.planner.costs import cost_model, data_parallel, kept_layers, memory_model, spill_placement
+from megatrain.planner.choice import plan_variants
+from megatrain.planner.costs.cost_model import CostEstimate
+from megatrain.planner.profiling.hardware import HardwareProfile
+from megatrain.planner.costs.memory_model import MemoryEstimate, Overrun
+from megatrain.planner.shapes.model_shapes import ModelShape
+from megatrain.plan.plan import Plan, host_device_choices
+from megatrain.plan.plan_checks import master_spills
+from megatrain.planner.choice.sequence_pieces import checkpoint_piece_tokens, sequence_tile_tokens
+from megatrain.planner.choice.spill_choices import (most_staging, spill_chunk_bytes, spill_io_choices,
+                                                    spill_staging_choices)
+from megatrain.planner.shapes.workload import Workload
+
+Ranks = data_parallel.Topology | None
+
+PREFETCH_DEPTHS = (1, 2, 3)
+HOST_GRAD_SLABS = (2, 4)
+# Plans this close to the fastest count as equally fast (the cost model is not more precise than that).
+TIME_TOLERANCE = 0.01
+LOSS_CHUNKS = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
+
+
+class InfeasibleError(MegatrainError):
+    """No plan fits. The message names each budget exceeded and by how much."""
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    plan: Plan
+    memory: MemoryEstimate
+    cost: CostEstimate | None     # None when the plan does not fit (not timed)
+    overruns: tuple[Overrun, ...] = ()
+
+    @property
+    def feasible(self) -> bool:
+        return not self.overruns
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The best feasible plan, or (``best`` None) the overruns that every plan has."""
+
+    best: PlanChoice | None
+    considered: int
+    # When infeasible: for each budget, the least any plan needs of it, when that is too much;
+    # otherwise the overruns of the plan closest to fitting.
+    overruns: tuple[Overrun, ...] = field(default=())
+
+    @property
+    def feasible(self) -> bool:
+        return self.best is not None
+
+    def reason(self) -> str:
+        if self.best is not None:
+            return "feasible"
+        return "; ".join(o.message() for o in self.overruns)
+
+    def require(self) -> PlanChoice:
+        if self.best is None:
+            raise InfeasibleError(f"no plan fits: {self.reason()}; use a smaller model, batch or sequence, "
+                                  f"or more memory (--ram / --gpu-mem / --hardware)")
+        return self.best
+
+
+def micro_batch_sizes(batch: int) -> list[int]:
+    """Powers of two up to the batch, the batch itself, and ceil(batch / M) for M = 1..8."""
+    sizes = {batch}
+    p = 1
+    while p < batch:
+        sizes.add(p)
+        p *= 2
+    sizes.update(-(-batch // m) for m in range(1, 9))
+    return sorted(sizes)
+
+
+def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = None,
+               one_process: bool = True) -> list[Plan]:
+    """Every plan the search considers, before the loss chunk is chosen (chunk = micro-batch tokens).
+
+    On a GPU in bf16 / fp16 each comes twice, with the weights rounded on the host and on the device (``casts``).
+    Spill plans only where the workload names a spill directory (the search never picks one) and ``hw``
+    has the disk's figures to time them with; a forced spill without those figures is refused. A CPU device
+    (``hw``) in ``one_process`` gets ``host_device_choices``; data-parallel ranks copy and gather as on a GPU.
+    """
+    host = hw is not None and hw.device_is_host and one_process
+    modes = ("deferred",) if work.clipping else ("eager", "deferred")
+    disk = hw is not None and hw.disk_read_gbps > 0 and hw.disk_write_gbps > 0
+    if work.spill in ("optimizer", "all") and not disk:
+        raise InfeasibleError(f"spill={work.spill!r} needs the disk's read and write speed, which this hardware "
+                              f"profile lacks: pass --nvme GBPS, or measure it with megatrain-plan profile "
+                              f"--spill-dir {work.spill_dir}")
+    spills = [s for s in work.spill_choices() if s == "none" or disk]
+    chunk = spill_chunk_bytes(model, work.state_bytes)
+    stagings = spill_staging_choices(model, chunk)
+    out = []
+    for mbs in micro_batch_sizes(work.batch):
+        for depth in PREFETCH_DEPTHS:
+            if depth + 1 > model.num_layers + 2:
+                continue
+            for ckpt in ("device", "host"):
+                for mode in modes:
+                    for slabs in (HOST_GRAD_SLABS if mode == "eager" else (2,)):
+                        for spill in spills:
+                            for staging in ((1,) if spill == "none" else stagings):
+                                out.append(Plan(num_slots=depth + 1, prefetch_depth=depth, micro_batch_size=mbs,
+                                                checkpoints=ckpt, optimizer_mode=mode, host_grad_slabs=slabs,
+                                                loss_chunk_tokens=mbs * work.seq_len, spill=spill,
+                                                mlp_tile_tokens=sequence_tile_tokens(work.seq_len),
+                                                attention_tile_tokens=sequence_tile_tokens(work.seq_len),
+                                                checkpoint_piece_tokens=checkpoint_piece_tokens(model, work, mbs)
+                                                if ckpt == "host" else None,
+                                                spill_dir=None if spill == "none" else work.spill_dir,
+                                                spill_staging=staging, **spill_io_choices(hw),
+                                                **host_device_choices(host, mode, spill),
+                                                **({} if spill == "none" else {"spill_chunk_bytes": chunk})))
+    return [p for plan in out for p in casts(plan, work, hw)]
+
+
+def _chunks(tokens: int) -> list[int]:
+    return [tokens] + [c for c in LOSS_CHUNKS if c < tokens]
+
+
+def overruns(mem: MemoryEstimate, work: Workload, hw: HardwareProfile, ranks: Ranks = None) -> list[Overrun]:
+    """The budgets ``mem`` (one rank's with ``ranks``) exceeds: GPU memory and host RAM on ``hw`` (per node:
+    G ranks share it), and the free space of the spill disk when the workload knows it (G ranks' files)."""
+    out = mem.overruns(hw) if ranks is None else data_parallel.node_overruns(mem, hw, ranks)
+    nvme = mem.nvme_bytes * (1 if ranks is None else ranks.gpus_per_node)
+    if work.spill_free_bytes is not None and nvme > work.spill_free_bytes:
+        out.append(Overrun("NVMe", nvme, work.spill_free_bytes))
+    return out
+
+
+def _rank(work: Workload, ranks: Ranks) -> Workload:
+    """The workload one rank plans for: all of it alone, its share among ``ranks``."""
+    return work if ranks is None else data_parallel.rank_workload(work, ranks)
+
+
+def _memory(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks) -> MemoryEstimate:
+    """One process's memory, or one rank's among ``ranks`` (``work`` the global step)."""
+    if ranks is None:
+        return memory_model.estimate(model, work, plan, hw)
+    return data_parallel.memory(model, work, plan, hw, ranks)
+
+
+def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None,
+         chunk: int | None = None) -> Plan:
+    """RAM first, the rest on disk: for a candidate of an "auto" workload that spills (``plan.spill`` "all"), the
+    plan at the least fill level (spill_placement.at_level, from 1) whose memory fits the GPU and host RAM with
+    loss chunk ``chunk`` (default: the smallest); the plan unchanged (spilling everything) when none does. The
+    least such level also puts the least on disk, so if its files overrun the disk's free space, every level
+    that fits RAM does. Other plans: unchanged.
+
+    Within one group of the fill (m and v, masters, grads: levels g x nb + 1 .. (g + 1) x nb) host RAM falls
+    level by level, each level moving one more block of the group's kinds to disk; only the group's first level
+    adds the staging of its newly spilled kinds (P x Ck x s_k each; the grads also their S x Ck x 4 slabs) back.
+    So the first group whose last level fits holds the least level that fits, and within it a binary search
+    finds it: at most 3 + log2(nb) memory estimates."""
+    if work.spill != "auto" or plan.spill != "all":
+        return plan
+    host = hw.device_is_host and ranks is None  # a CPU device in one process: plan.host_device_choices
+    chunk = _chunks(plan.micro_batch_size * work.seq_len)[-1] if chunk is None else chunk
+
+    def ok(level: int) -> bool:
+        p = spill_placement.at_level(plan, model, level, host).replace(loss_chunk_tokens=chunk)
+        return all(o.budget == "NVMe" for o in overruns(_memory(model, work, p, hw, ranks), work, hw, ranks))
+
+    nb = model.num_layers + 2
+    ends = range(nb, spill_placement.fill_levels(model, plan.optimizer_mode == "deferred") + 1, nb)
+    hi = next((end for end in ends if ok(end)), None)
+    if hi is None:
+        return plan
+    lo = hi - nb + 1  # ok(hi); the least level that fits lies in [lo, hi], where RAM falls level by level
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+    return spill_placement.at_level(plan, model, hi, host)
+
+
+def expert_groups(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None) -> Plan:
+    """The plan with the fewest expert groups (whole layers first: ``ExpertShape.group_sizes``) whose device
+    memory fits the GPU with the smallest loss chunk; the smallest groups when none does (with groups, no MLP
+    tiles: their layers ignore them). Whole layers for a dense model, on a CPU device, with data-parallel ranks
+    (the runtime streams groups on one process) and for a family whose blocks do not compute in groups."""
+    if (hw.device_is_host or ranks is not None or not model.experts.num_experts
+            or not registry.family(model.model_type).expert_groups):
+        return plan
+    chunk = _chunks(plan.micro_batch_size * work.seq_len)[-1]
+    for g in model.experts.group_sizes():
+        p = plan.replace(expert_group_size=g, mlp_tile_tokens=plan.mlp_tile_tokens if g is None else None)
+        mem = _memory(model, work, p.replace(loss_chunk_tokens=chunk), hw, ranks)
+        if mem.device_bytes <= hw.gpu_mem_bytes:
+            return p
+    return p
+
+
+def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None) -> PlanChoice:
+    """The plan in the fewest expert groups whose device memory fits (``expert_groups``), keeping the most layers
+    that fit with the smallest loss chunk (kept_layers.keep_most: a kept layer saves a recompute, a larger chunk
+    hardly any time), then the largest loss chunk that fits (spilling
+    the least that lets it: ``fill``); else the smallest chunk, with its overruns."""
+    plan = fill(model, work, expert_groups(model, work, plan, hw, ranks), hw, ranks)
+    smallest = plan.replace(loss_chunk_tokens=_chunks(plan.micro_batch_size * work.seq_len)[-1])
+    plan = kept_layers.keep_most(model, _rank(work, ranks), plan, lambda p: not overruns(
+        _memory(model, work, p.replace(loss_chunk_tokens=smallest.loss_chunk_tokens), hw, ranks), work, hw, ranks))
+    choice = None
+    for chunk in _chunks(plan.micro_batch_size * work.seq_len):
+        p = plan.replace(loss_chunk_tokens=chunk)
+        mem = _memory(model, work, p, hw, ranks)
+        over = tuple(overruns(mem, work, hw, ranks))
+        choice = PlanChoice(p, mem, None, over)
+        if not over:
+            return choice
+    assert choice is not None
+    return choice
+
+
+def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile,
+                     ranks: Ranks = None) -> tuple[list[PlanChoice], list[PlanChoice]]:
+    """(timed plans that fit, plans that do not fit with their overruns), over every candidate; with
+    ``ranks``, one rank's plans, timed at its share of the batch."""
+    fit, misfit = [], []
+    rank = _rank(work, ranks)
+    for plan in candidates(model, rank, hw, ranks is None):
+        choice = _fit_chunk(model, work, plan, hw, ranks)
+        if not choice.feasible:
+            misfit.append(choice)
+            continue
+        fit.append(PlanChoice(choice.plan, choice.memory, cost_model.estimate(model, rank, choice.plan, hw)))
+        # every layer recomputed (as fast where recompute is off the critical path, and then less memory wins the
+        # tie); optimizer state on the device traded against kept layers ([Note: resident trade])
+        for p in plan_variants.variants(model, rank, choice.plan, lambda q: not overruns(
+                _memory(model, work, q, hw, ranks), work, hw, ranks), ranks is None and not hw.device_is_host):
+            fit.append(PlanChoice(p, _memory(model, work, p, hw, ranks), cost_model.estimate(model, rank, p, hw)))
+    return fit, misfit
+
+
+def traded(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks, fit: list[PlanChoice]) -> list[PlanChoice]:
+    """``plan_variants.traded`` of the fastest of ``fit``, timed."""
+    if not fit:
+        return []
+    best, rank = min(fit, key=lambda c: c.cost.step_seconds if c.cost else 0.0), _rank(work, ranks)
+    return [PlanChoice(p, _memory(model, work, p, hw, ranks), cost_model.estimate(model, rank, p, hw))
+            for p in plan_variants.traded(model, rank, best.plan, lambda q: not overruns(
+                _memory(model, work, q, hw, ranks), work, hw, ranks), ranks is None and not hw.device_is_host)]
+
+
+def casts(plan: Plan, work: Workload, hw: HardwareProfile | None) -> tuple[Plan, ...]:
+    """A candidate, and on a GPU in bf16 / fp16 the same with the weights rounded on the device
+    (``Plan.weights_cast``: no rounding pass in the CPU AdamW and no shadow in RAM, 4 bytes a weight over PCIe
+    instead of 2), a candidate of its own; not where a master spills."""
+    if hw is None or hw.device_is_host or work.compute_bytes == 4 or master_spills(plan):
+        return (plan,)
+    return plan, plan.replace(weights_cast="device")
+
+
+def least_memory(close: list[PlanChoice], device_is_host: bool) -> PlanChoice:
+    """Of plans within TIME_TOLERANCE of the fastest, one with nothing on disk if there is one (the disk's figures
+    are the model's least certain, and a 7B model with 243 GiB of RAM had spilled 4 GiB at no predicted cost),
+    then the least GPU memory, then host RAM: the same speed with more headroom for what the memory model does
+    not see. Where the device is the CPU its buffers are RAM too: the least of both together (a spilled 3.2B had
+    taken 7.5 GiB more staging for 0.56 GiB fewer "device" bytes)."""
+    if device_is_host:
+        return min(close, key=lambda c: (c.memory.nvme_bytes > 0, c.memory.device_bytes + c.memory.host_bytes))
+    return min(close, key=lambda c: (c.memory.nvme_bytes > 0, c.memory.device_bytes, c.memory.host_bytes))
+
+
+def search(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks = None) -> SearchResult:
+    """The fastest plan that fits ``hw``; near-ties go to less GPU memory, then less host RAM (a CPU device: less
+    RAM, the two together), and a spilled plan takes the most staging sets that fit if they cost no time
+    (``spill_choices.most_staging``). With ``ranks``: one rank's plan for ``work`` (the global step), per node."""
+    fit, misfit = feasible_choices(model, work, hw, ranks)
+    fit += traded(model, work, hw, ranks, fit)  # the fastest's kept layers for resident blocks ([Note: resident trade])
+    considered = len(fit) + len(misfit)
+    if fit:
+        fastest = min(c.cost.step_seconds for c in fit if c.cost is not None)
+        close = [c for c in fit if c.cost is not None and c.cost.step_seconds <= fastest * (1 + TIME_TOLERANCE)]
+        best = least_memory(close, hw.device_is_host)
+        if best.plan.spill != "none":  # the most staging sets that fit, where they cost no time (spill_choices)
+            deeper = best.plan.replace(spill_staging=most_staging(model, best.plan, lambda n: not overruns(
+                _memory(model, work, best.plan.replace(spill_staging=n), hw, ranks), work, hw, ranks)))
+            cost = cost_model.estimate(model, _rank(work, ranks), deeper, hw)
+            if cost.step_seconds <= fastest * (1 + TIME_TOLERANCE):
+                best = PlanChoice(deeper, _memory(model, work, deeper, hw, ranks), cost)
+        # The plan records the workload it was made for; the runtime refuses another one.
+        best = PlanChoice(best.plan.replace(workload=_rank(work, ranks).fingerprint(model)), best.memory, best.cost)
+        return SearchResult(best, considered)
+    return SearchResult(None, considered, _explain(misfit, hw))
+
+
+def fits(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks = None) -> bool:
+    """Whether any plan fits every budget (memory only; nothing is timed). Memory grows with the loss
+    chunk, so each candidate is tried with its smallest chunk only."""
+    for plan in candidates(model, _rank(work, ranks), hw, ranks is None):
+        p = fill(model, work, plan, hw, ranks).replace(
+            loss_chunk_tokens=_chunks(plan.micro_batch_size * work.seq_len)[-1])
+        if not overruns(_memory(model, work, p, hw, ranks), work, hw, ranks):
+            return True
+    return False
+
+
+def longest_context(model: ModelShape, hw: HardwareProfile, batch: int = 1, compute_dtype: str = "bfloat16",
+                    clipping: bool = True, limit: int = 1 << 22, spill_dir: str | None = None,
+                    spill_free_bytes: int | None = None) -> int:
+    """The longest sequence (a multiple of 1024, at most ``limit``) with a plan that fits; 0 if none.
+    With ``spill_dir``, plans may spill there (within ``spill_free_bytes`` when known)."""
+    def ok(seq: int) -> bool:
+        return fits(model, Workload(seq, batch, compute_dtype, clipping, spill_dir=spill_dir,
+                                    spill_free_bytes=spill_free_bytes), hw)
+
+    if not ok(1024):
+        return 0
+    lo = 1024
+    while lo * 2 <= limit and ok(lo * 2):
+        lo *= 2
+    hi = min(lo * 2, limit + 1024)          # lo fits; hi does not (or is past the limit)
+    while hi - lo > 1024:
+        mid = (lo + hi) // 2 // 1024 * 1024
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def _explain(choices: list[PlanChoice], hw: HardwareProfile) -> tuple[Overrun, ...]:
+    """Why nothing fits: each budget that even its most frugal plan exceeds; if each budget alone can be
+    met but never both at once, the overruns of the plan closest to fitting."""
+    out = []
+    for budget in ("gpu memory", "host RAM", "NVMe"):
+        needs = [min((o.needed for o in c.overruns if o.budget == budget), default=None) for c in choices]
+        if all(n is not None for n in needs):
+            # Every plan exceeds this budget; say by how little the most frugal one does.
+            least = min(n for n in needs if n is not None)
+            avail = next(o.available for o in choices[0].overruns if o.budget == budget)
+            out.append(Overrun(budget, least, avail))
+    if out:
+        return tuple(out)
+
+    def rel_excess(c: PlanChoice) -> float:
+        return sum(o.excess / max(o.available, 1) for o in c.overruns)
+
+    return min(choices, key=rel_excess).overruns
+
+
+def minimum_memory(model: ModelShape, work: Workload, hw: HardwareProfile,
+                   ranks: Ranks = None) -> dict[str, PlanChoice]:
+    """The plans needing the least GPU memory ("gpu"), the least host RAM ("host", spilling where the
+    workload allows it) and the least host RAM with nothing on disk ("host_no_spill"), budgets ignored,
+    with the smallest loss chunk: what ``megatrain-plan size`` reports as the minimum to buy. With
+    ``ranks``, one rank's memory (a node holds G of it)."""
+    best: dict[str, PlanChoice] = {}
+    for plan in candidates(model, _rank(work, ranks), hw, ranks is None):
+        p = plan.replace(loss_chunk_tokens=min(LOSS_CHUNKS[-1], plan.loss_chunk_tokens))
+        mem = _memory(model, work, p, hw, ranks)
+        keys = [("gpu", mem.device_bytes), ("host", mem.host_bytes)]
+        if p.spill == "none":
+            keys.append(("host_no_spill", mem.host_bytes))
+        for key, value in keys:
+            if key not in best or value < (best[key].memory.device_bytes if key == "gpu"
+                                           else best[key].memory.host_bytes):
+                best[key] = PlanChoice(p, mem, None)
+    return best
+
+
+def disk_traffic_bytes(mem: MemoryEstimate) -> int:
+    """Bytes the spill disk moves per step: every spilled kind is read once and written once per step
+    (master, m and v around AdamW; deferred gradients written in backward, read by AdamW)."""
+    return 2 * mem.nvme_bytes
+
+
+def preferred_compute_dtype(hw: HardwareProfile) -> str:
+    """What ``megatrain-train --compute-dtype auto`` computes in there: fp32 where the device is the CPU; on a GPU
+    bf16 unless it multiplies fp32 faster."""
+    rates = hw.matmul_tflops
+    bf16, fp32 = rates.get("bfloat16", 0.0), rates.get("float32", 0.0)
+    return "float32" if hw.device_is_host or fp32 > bf16 else "bfloat16"

@@ -1,0 +1,396 @@
+"""Cost model: the time of one training step for a Plan, and which resource bounds each phase.
+
+The runtime runs three streams (H2D copies, compute, D2H copies) plus CPU AdamW
+workers. A step is one pass over the block sequence
+
+    forward:  embedding, layer 0 .. layer L-1, head (the head's loss and its backward run here)
+    backward: layer L-1 .. layer 0, embedding (no weights needed: a scatter-add of dy)
+
+and each block is a (load, compute, drain) triple on those streams. Rather than
+add per-block maxima, the model replays the pipeline as a small event simulation
+with the plan's bounds (slots, prefetch depth, grad buffers, checkpoint staging),
+which is the design's per-block max(compute, H2D, D2H) in steady state and also
+gets the pipeline's fill, drain and uneven blocks right (a 1 GB embedding next to
+small layers). Every term's formula is written beside its code.
+
+Pure stdlib.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megatrain.planner.costs import (kept_layers, resident_blocks, spill_placement, spill_timing, step_replay,
+                                     step_traffic)
+from megatrain.plan.buffer_kinds import BufferKind, has_shadow, load_bytes
+from megatrain.planner.profiling.hardware import HardwareProfile
+from megatrain.planner.shapes.model_shapes import ModelShape
+from megatrain.plan.plan import Plan
+from megatrain.planner.costs.step_replay import BlockVisit
+from megatrain.planner.shapes.workload import StepBatch, Workload
+
+# Fixed cost of one copy on a stream (launch + DMA setup), seconds.
+COPY_LATENCY_S = 10e-6
+# Kernel launches per block per micro-batch: forward ~30 kernels, recompute + backward ~80, ~8 us each.
+LAUNCH_FWD_S = 0.25e-3
+LAUNCH_BWD_S = 0.65e-3
+# Matmul efficiency against the profile's peak falls for small micro-batches:
+# eff(t) = t / (t + T_HALF) with t tokens per micro-batch (fitted later).
+T_HALF_TOKENS = 128
+# Uncalibrated, the layers run at peak / factor. CPU: elementwise work (norms, RoPE, SiLU) on the matmuls. GPU: the
+# two H200 runs' compute at -8% / +9% (1B / 8B shapes, benchmarks/results/2026-11-26_H200_step_anatomy_*).
+NONMATMUL_FACTOR = {"cpu": 1.10, "gpu": 1.78}
+# AdamW also writes the compute-dtype shadow the next H2D sends: ~6 more bytes per param on ~28.
+# Used where the profile has no measured shadow rate; fp32 compute has no shadow pass (the master
+# is what travels) unless the master spills.
+ADAM_SHADOW_FACTOR = 1.15
+# AdamW with bf16 state (one pass: m and v widened, updated, rounded back at random) in fp32 AdamW times, where the
+# profile has no measured rate: no slower (it ran at 1.06-1.11x fp32 AdamW's params/s on one thread of this
+# project's CPU, and moves 20 bytes a parameter to fp32's 28 where memory bounds it).
+BF16_STATE_FACTOR = 1.0
+
+
+@dataclass(frozen=True)
+class PhaseTime:
+    """One phase of the step: its wall time and how busy each resource was in it."""
+
+    seconds: float
+    compute_s: float
+    h2d_s: float
+    d2h_s: float
+    adam_s: float
+
+    @property
+    def bottleneck(self) -> str:
+        busy = {"compute": self.compute_s, "H2D": self.h2d_s, "D2H": self.d2h_s, "CPU AdamW": self.adam_s}
+        name = max(busy, key=lambda k: busy[k])  # no resource busy most of the phase: waits between them dominate
+        return name if busy[name] >= 0.7 * self.seconds else f"pipeline stalls ({name} busiest)"
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    step_seconds: float
+    forward: PhaseTime
+    backward: PhaseTime
+    # CPU AdamW time the step waits for (eager: what outlasts backward; deferred: what delays forward).
+    optimizer_exposed_seconds: float
+    tokens: int
+    model_flops: float        # 6 x N_matmul x tokens (model_flops.py, DESIGN.md section 7)
+    hardware_flops: float     # what the GPU runs: forward + recompute + backward + head, attention included
+    attention_flops: float    # attention forward + backward per step, stated separately
+    peak_tflops: float
+    h2d_bytes: float = 0.0    # what one step copies host -> device (weights, host checkpoints)
+    d2h_bytes: float = 0.0    # and device -> host (fp32 grads, host checkpoints)
+    disk_read_bytes: float = 0.0   # what one step reads from the spill files (disk_traffic)
+    disk_write_bytes: float = 0.0  # and writes to them
+    disk_seconds: float = 0.0      # read / read GB/s + write / write GB/s: the disk's share of the roofline
+    constants: str = "defaults"  # where the efficiency terms came from (hw.constants)
+    recompute_flops: float = 0.0   # the recomputed layers' forwards in backward (inside hardware_flops)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.step_seconds
+
+    @property
+    def model_tflops(self) -> float:
+        return self.model_flops / self.step_seconds / 1e12
+
+    @property
+    def mfu(self) -> float:
+        """Model TFLOP/s over the profile's measured matmul peak for the compute dtype."""
+        return self.model_tflops / self.peak_tflops
+
+    @property
+    def bottleneck(self) -> str:
+        slow = self.forward if self.forward.seconds >= self.backward.seconds else self.backward
+        return slow.bottleneck
+
+    def to_dict(self) -> dict[str, object]:
+        phase = lambda p: {"seconds": p.seconds, "compute_s": p.compute_s, "h2d_s": p.h2d_s,  # noqa: E731
+                           "d2h_s": p.d2h_s, "adam_s": p.adam_s, "bottleneck": p.bottleneck}
+        return {"step_seconds": self.step_seconds, "tokens_per_second": self.tokens_per_second,
+                "model_tflops": self.model_tflops, "mfu": self.mfu, "forward": phase(self.forward),
+                "backward": phase(self.backward), "optimizer_exposed_seconds": self.optimizer_exposed_seconds,
+                "attention_tflops": self.attention_flops / self.step_seconds / 1e12,
+                "hardware_tflops": self.hardware_flops / self.step_seconds / 1e12, "bottleneck": self.bottleneck,
+                "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes, "disk_read_bytes": self.disk_read_bytes,
+                "disk_write_bytes": self.disk_write_bytes, "disk_seconds": self.disk_seconds,
+                "recompute_flops": self.recompute_flops, "constants": self.constants}
+
+
+def _copy_s(nbytes: float, gbps: float) -> float:
+    """t = bytes / bandwidth + latency (0 when nothing moves)."""
+    return nbytes / (gbps * 1e9) + COPY_LATENCY_S if nbytes > 0 else 0.0
+
+
+def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, world: int = 1) -> CostEstimate:
+    """The step's time, phase by phase: rates, the block visits of forward and backward, AdamW, the replay.
+    ``world``: one of that many data-parallel ranks (a resident block's device update covers its shard)."""
+    batch = StepBatch.of(work, plan)
+    adam = _AdamTime(model, work, plan, hw)
+    on_cpu = spill_timing.applies(hw, plan, adam.spilled)  # a spilled step without a GPU: spill_timing
+    rates = _Rates.of(model, work, batch, hw)
+    rates = rates if on_cpu else _with_disk_loads(rates, model, work, plan, hw)
+    slabs = step_replay.HostSlabs(plan)
+    steps = _forward_steps(model, work, plan, batch, rates, adam, slabs)
+    n_fwd = len(steps)
+    steps += _backward_steps(model, work, plan, batch, rates, adam, slabs)
+    resident_blocks.add_device_updates(model, plan, steps, n_fwd, hw.device_is_host, hw.cpu_adam_params_per_s, world)
+    if plan.optimizer_mode != "eager" and not hw.device_is_host:
+        _gate_loads_on_deferred_adam(model, steps, adam)
+    total_adam = adam.arithmetic() if on_cpu else adam.total()  # on_cpu: its disk time is spill_timing's
+    if on_cpu:
+        cpu = spill_timing.cpu_step(adam.spilled, plan, hw, steps, n_fwd, total_adam, model.tie_word_embeddings,
+                                    work.compute_bytes)
+        fwd_end, step, exposed = cpu.forward_s, cpu.step_s, total_adam + cpu.update_exposed_s
+    else:
+        fwd_end, step, exposed = step_replay.step_time(steps, n_fwd, plan, hw, total_adam)
+    eager = plan.optimizer_mode == "eager"
+    fwd = PhaseTime(fwd_end, *step_replay.busy(steps[:n_fwd]),
+                    adam_s=(0.0 if eager or hw.device_is_host else total_adam))
+    bwd = PhaseTime(step - fwd_end, *step_replay.busy(steps[n_fwd:]),
+                    adam_s=(total_adam if eager or hw.device_is_host else 0.0))
+    T, seq = batch.tokens, batch.seq
+    attn = T * model.attention_model_flops_per_token(seq)
+    h2d_bytes, d2h_bytes = step_traffic.traffic(model, work, plan)
+    # less the masters loads take from their update's writes ([Note: spilled loads]) or copy from the staging sets
+    disk_read, disk_write = step_traffic.disk_traffic(model, work, plan, tapped=spill_timing.tapped(hw, plan))
+    disk_read -= cpu.lent_bytes if on_cpu else 0.0  # ([Note: lent masters])
+    disk_s = (disk_read / (hw.disk_read_gbps * 1e9) + disk_write / (hw.disk_write_gbps * 1e9)) if disk_read else 0.0
+    step = max(step, disk_s)  # the disk is a resource of the step like the others: never faster than it
+    # recompute = (L - k) x T x layer_flops_recompute(seq); hardware FLOPs count every layer's recompute, less the
+    # kept layers' k x T x layer_flops_recompute(seq)
+    per_layer = T * model.layer_flops_recompute(seq)
+    recompute = kept_layers.recomputed_layers(model, plan) * per_layer
+    hardware = model.hardware_flops_per_token(seq) * T - (model.num_layers * per_layer - recompute)
+    return CostEstimate(step_seconds=step, forward=fwd, backward=bwd, optimizer_exposed_seconds=exposed,
+                        tokens=T, model_flops=model.model_flops_per_token() * T, recompute_flops=recompute,
+                        hardware_flops=hardware, attention_flops=attn,
+                        peak_tflops=rates.peak_tflops, h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes,
+                        disk_read_bytes=disk_read, disk_write_bytes=disk_write, disk_seconds=disk_s,
+                        constants=hw.constants(work.compute_dtype))
+
+
+@dataclass(frozen=True)
+class _Rates:
+    """What work costs on this machine: compute FLOP/s, launches per block visit, copy bandwidths."""
+
+    flops_per_s: float         # the decoder layers' achieved rate at this width and micro-batch
+    attention_flops_per_s: float  # their causal attention's, measured by sequence length (0: at flops_per_s)
+    head_flops_per_s: float    # the head's, when fitted apart (0: the layers' rate plus launches)
+    launch_fwd_s: float        # per block per micro-batch, forward
+    launch_bwd_s: float        # per block per micro-batch, recompute + backward
+    h2d_gbps: float
+    d2h_gbps: float
+    duplex_scale: float        # each direction's share of the link when both run
+    peak_tflops: float
+
+    @classmethod
+    def of(cls, model: ModelShape, work: Workload, batch: StepBatch, hw: HardwareProfile) -> "_Rates":
+        h, t = model.hidden_size, batch.micro_tokens
+        peak = hw.tflops(work.compute_dtype)
+        cal = hw.fitted(work.compute_dtype)
+        if cal is not None:
+            # Fitted: rate = r(h) x eff(t), the layers' achieved TFLOP/s at this width and micro-batch (elementwise
+            # work and small-shape efficiency included); launches = o split between forward and backward visits
+            # as the defaults are; copies at the rates measured inside the step.
+            rate = cal.rate_tflops(h, t) * 1e12            # r(h) x t / (t + t_half)
+            launch_fwd = cal.block_overhead_s * LAUNCH_FWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
+            launch_bwd = cal.block_overhead_s * LAUNCH_BWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
+            h2d_gbps, d2h_gbps = cal.h2d_gbps, cal.d2h_gbps
+            head_rate = cal.head_tflops(h) * 1e12 if cal.head_tflops_by_width else 0.0
+        else:
+            rate = peak * 1e12 * t / (t + T_HALF_TOKENS) / NONMATMUL_FACTOR["cpu" if hw.device_is_host else "gpu"]
+            launch_fwd, launch_bwd = LAUNCH_FWD_S, LAUNCH_BWD_S
+            h2d_gbps, d2h_gbps = hw.h2d_gbps, hw.d2h_gbps
+            head_rate = 0.0
+        # Without a GPU the copies are memcpys on the host, one after another; with one, H2D and D2H at once
+        # share the link: each direction runs at scale x its own rate, scale = min(1, duplex / (h2d + d2h)).
+        # Rates fitted in the step already hold that sharing: scale = 1.
+        duplex = 1.0 if hw.device_is_host or cal is not None else min(1.0, hw.duplex_gbps / (h2d_gbps + d2h_gbps))
+        # Causal attention at the profile's measured rate for this sequence length, apart from the layers' other
+        # FLOPs; a calibration that fitted r(h) with attention inside keeps it there.
+        attention = hw.attention_rate_tflops(work.compute_dtype, batch.seq)
+        attention_rate = attention * 1e12 if attention and (cal is None or cal.attention_apart) else 0.0
+        return cls(rate, attention_rate, head_rate, launch_fwd, launch_bwd, h2d_gbps, d2h_gbps, duplex, peak)
+
+    def layer_seconds(self, flops: float, attention: float) -> float:
+        """A layer visit's FLOP time: (flops - attention) / layer rate + attention / attention rate, where
+        ``attention`` is the causal attention inside ``flops``; all of it at the layer rate when no attention
+        rate applies."""
+        if not self.attention_flops_per_s:
+            return flops / self.flops_per_s
+        return (flops - attention) / self.flops_per_s + attention / self.attention_flops_per_s
+
+
+class _AdamTime:
+    """Seconds of CPU AdamW per block, spill traffic included."""
+
+    def __init__(self, model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile) -> None:
+        cal = hw.fitted(work.compute_dtype)
+        self.spilled = spill_placement.Spilled.of(model, plan, work.state_bytes)
+        self.resident = frozenset(plan.resident_blocks)  # updated on the device: resident_blocks.add_device_updates
+        # Seconds per parameter: AdamW, then the shadow pass where there is one (measured, or the factor). Rates
+        # where it runs: every core on the compute thread, else as the worker runs (HardwareProfile.adam_params_per_s:
+        # one thread on a CPU device, as the bf16-state pass is measured; ``cores`` scales it to the compute thread).
+        rate = hw.cpu_adam_params_per_s if plan.adam_thread == "compute" else hw.adam_params_per_s
+        per_param, cores = 1.0 / rate, rate / hw.adam_params_per_s
+        # bf16 m and v: their one pass in place of fp32 state's AdamW (measured, or the factor); ``state``: its
+        # time over fp32 AdamW's
+        state = 1.0
+        if work.optimizer_state == "bf16":
+            state = (rate / (hw.cpu_bf16_state_params_per_s * cores) if hw.cpu_bf16_state_params_per_s > 0
+                     else BF16_STATE_FACTOR)
+        if cal is not None and plan.adam_thread == "worker":
+            # measured in the step (on the worker): the shadow pass, where there is one, is inside it
+            per_param = state / cal.adam_params_per_s
+        elif has_shadow(work.compute_bytes, plan.weights_cast):  # no pass in fp32 or with the cast on the device
+            per_param = state * per_param + (1.0 / hw.cpu_shadow_params_per_s if hw.cpu_shadow_params_per_s > 0
+                                             else per_param * (ADAM_SHADOW_FACTOR - 1.0))
+        else:
+            per_param = state * per_param
+        self.per_param = per_param
+        if self.spilled.kinds and (hw.disk_read_gbps <= 0 or hw.disk_write_gbps <= 0):
+            raise ValueError("a spill plan needs the disk's read and write GB/s in the hardware profile "
+                             "(megatrain-plan profile --spill-dir DIR, or --nvme GBPS)")
+        self.read_gbps, self.write_gbps = hw.disk_read_gbps, hw.disk_write_gbps
+
+    def block(self, b: int) -> float:
+        """Block b's update: t = numel x (1 / AdamW params/s + 1 / shadow params/s); with k_b of its kinds
+        spilled the disk runs beside it (reads ahead, writes behind; a spilled kind is read once and written
+        once: master, m and v by AdamW, grads in backward): t = max(that, numel x sum of s_k over its spilled
+        kinds x (1 / read GB/s + 1 / write GB/s) / 1e9) (s_k 4, or 2 for bf16 m and v)."""
+        numel = 0 if b in self.resident else self.spilled.numels[b]
+        compute = numel * self.per_param
+        if not self.spilled.block_kinds(b):
+            return compute
+        return max(compute, self.spilled.block_disk_bytes(b) * (1 / self.read_gbps + 1 / self.write_gbps) / 1e9)
+
+    def total(self) -> float:
+        """Every block's update, one after another: the sum of ``block``."""
+        return sum(self.block(b) for b in range(len(self.spilled.numels)))
+
+    def arithmetic(self) -> float:
+        """Every block's update without its disk time: (N - Nr) x seconds per parameter."""
+        return sum(n for b, n in enumerate(self.spilled.numels) if b not in self.resident) * self.per_param
+
+
+def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBatch, rates: _Rates, adam: _AdamTime,
+                   slabs: step_replay.HostSlabs) -> list[BlockVisit]:
+    """Embedding, the layers, and the head (whose loss and backward run in the forward pass)."""
+    c, M, T = work.compute_bytes, batch.micro_batches, batch.tokens
+    host_ckpt = plan.checkpoints == "host"
+    ckpt_bytes = T * model.hidden_size * c                   # one block boundary: T x h x c
+    E, Lw, H = model.numel_embedding, model.numel_layer, model.numel_head
+    scale = rates.duplex_scale if host_ckpt else 1.0
+    h2d, d2h = rates.h2d_gbps * scale, rates.d2h_gbps * scale
+    # weights and grads copied (w 1; wc bytes a weight: c, or 4 cast on the device), or used in place (0)
+    w, wc = (0, 0) if plan.compute_in_place else (1, load_bytes(c, plan.weights_cast))
+    wb, wcb = resident_blocks.crossing(plan, w, wc)  # per block: none for a resident one
+    steps = [BlockVisit(_copy_s(wcb(0) * E, h2d), M * rates.launch_fwd_s, 0.0)]  # the embedding: a gather
+    kept = set(plan.kept_layers)
+    for layer in range(model.num_layers):
+        # compute_fwd(M) = T x flops_fwd(seq) / rate (attention at its own rate) + M x launch
+        comp = (rates.layer_seconds(T * model.layer_flops_fwd(batch.seq), T * model.attention_flops_fwd(batch.seq))
+                + M * rates.launch_fwd_s)
+        # host checkpoints: D2H of the block's input (T x h x c), read in place; the layer's compute waits for
+        # the previous layer's drain (the runtime lets each micro-batch's drained input go before it saves the
+        # next layer's: [Note: host checkpoints in pieces]).
+        # A kept layer drains no checkpoint ([Note: kept layers]).
+        drain = _copy_s(ckpt_bytes, d2h) if host_ckpt and layer not in kept else 0.0
+        wait = len(steps) - 1 if drain and len(steps) >= 2 else None
+        steps.append(BlockVisit(_copy_s(wcb(1 + layer) * Lw, h2d), comp, drain, d2h_at_start=True, wait_d2h_of=wait))
+    # Head: load (norm [+ lm_head]) x wc, plus the embedding again when tied; compute its forward and
+    # backward: T x (2 + 4) x V x h / rate + M x chunks x launch; untied head drains its fp32 grads.
+    head_load = H * wcb(model.num_layers + 1) + (E * wcb(0) if model.tie_word_embeddings else 0)
+    head_flops = T * (model.head_flops_fwd() + model.head_flops_bwd())
+    head_comp = head_flops / rates.flops_per_s + M * batch.loss_chunks * rates.launch_bwd_s
+    if rates.head_flops_per_s:
+        # Fitted head class, timed alone with its chunk loop: T x (2 + 4) x V x h / r_head(h)
+        head_comp = head_flops / rates.head_flops_per_s
+    head_untied = not model.tie_word_embeddings
+    head_d2h = _copy_s(wb(model.num_layers + 1) * H * 4, d2h) if head_untied else 0.0
+    steps.append(BlockVisit(_copy_s(head_load, h2d), head_comp, head_d2h,
+                       adam_s=adam.block(model.num_layers + 1) if slabs.eager and head_untied else 0.0,
+                       wait_adam_of=slabs.take(len(steps)) if head_untied else None))
+    return steps
+
+
+def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBatch, rates: _Rates, adam: _AdamTime,
+                    slabs: step_replay.HostSlabs) -> list[BlockVisit]:
+    """The layers in reverse, then the embedding; indices continue after the forward's steps."""
+    c, G, M, T = work.compute_bytes, plan.device_grad_buffers, batch.micro_batches, batch.tokens
+    first = model.num_layers + 2                              # the forward's visits come first
+    ckpt_bytes = T * model.hidden_size * c if plan.checkpoints == "host" else 0
+    Lw = model.numel_layer
+    h2d, d2h = rates.h2d_gbps * rates.duplex_scale, rates.d2h_gbps * rates.duplex_scale
+    w, wc = (0, 0) if plan.compute_in_place else (1, load_bytes(c, plan.weights_cast))  # as in _forward_steps
+    wb, wcb = resident_blocks.crossing(plan, w, wc)
+    steps: list[BlockVisit] = []
+    grad_users: list[int] = []
+    for layer in reversed(range(model.num_layers)):
+        # load = layer x wc (+ its checkpoint T x h x c when on the host); compute = (recompute + bwd)
+        # = T x (flops_fwd + flops_bwd)(seq) / rate + M x launch; drain = layer x 4 (fp32 grads).
+        # A kept layer ([Note: kept layers]): no checkpoint, no recompute, and its forward's launches not
+        # repeated: T x flops_bwd(seq) / rate + M x (launch_bwd - launch_fwd).
+        kept = layer in plan.kept_layers
+        load = _copy_s(wcb(1 + layer) * Lw + (0 if kept else ckpt_bytes), h2d)
+        flops = T * ((0.0 if kept else model.layer_flops_recompute(batch.seq)) + model.layer_flops_bwd(batch.seq))
+        attention = T * ((0.0 if kept else model.attention_flops_fwd(batch.seq)) + model.attention_flops_bwd(batch.seq))
+        comp = rates.layer_seconds(flops, attention) + M * (rates.launch_bwd_s - (rates.launch_fwd_s if kept else 0.0))
+        wait = grad_users[-G] if len(grad_users) >= G else None   # a grad buffer frees when its drain ends
+        index = first + len(steps)
+        grad_users.append(index)
+        steps.append(BlockVisit(load, comp, _copy_s(wb(1 + layer) * Lw * 4, d2h), wait_d2h_of=wait, backward=True,
+                           adam_s=adam.block(1 + layer) if slabs.eager else 0.0, wait_adam_of=slabs.take(index)))
+    # Embedding backward: no weights; scatter-add dy (launches only); drain E x 4.
+    wait = grad_users[-G] if len(grad_users) >= G else None
+    # Tied: the head's update (its norm) is queued here too, with the shared weight's.
+    adam_e = adam.block(0) + (adam.block(model.num_layers + 1) if model.tie_word_embeddings else 0.0)
+    steps.append(BlockVisit(0.0, M * rates.launch_bwd_s, _copy_s(wb(0) * model.numel_embedding * 4, d2h), wait_d2h_of=wait,
+                       backward=True, adam_s=adam_e if slabs.eager else 0.0,
+                       wait_adam_of=slabs.take(first + len(steps))))
+    return steps
+
+
+def _gate_loads_on_deferred_adam(model: ModelShape, steps: list[BlockVisit], adam: _AdamTime) -> None:
+    """Deferred mode: AdamW runs in forward order after the previous backward (t = 0 here), one block after
+    another; the next forward's load of block i waits for adam_done(i) = sum_{j<=i} adam(j)."""
+    done = 0.0
+    for i in range(model.num_layers + 2):
+        done += adam.block(i)
+        steps[i].earliest_load = done
+
+
+def _with_disk_loads(rates: "_Rates", model: ModelShape, work: Workload, plan: Plan,
+                     hw: HardwareProfile) -> "_Rates":
+    """In fp32 a block whose master spills is loaded from its spill file: with every block's master spilled,
+    loads run at min(H2D, disk read) GB/s; with some, at the harmonic mix by bytes:
+    1 / rate = (1 - s) / H2D + s / min(H2D, disk read), s the spilled share of the master's elements."""
+    spilled = spill_placement.Spilled.of(model, plan)
+    Ns = spilled.numel(BufferKind.MASTER)
+    if work.compute_bytes != 4 or not Ns or hw.disk_read_gbps <= 0:
+        return rates
+    share = Ns / model.numel_total
+    slow = min(rates.h2d_gbps, hw.disk_read_gbps)
+    return dataclasses.replace(rates, h2d_gbps=1.0 / ((1 - share) / rates.h2d_gbps + share / slow))
+
+
+def overhead_units(model: ModelShape, work: Workload, plan: Plan) -> float:
+    """The step's fixed per-block costs counted in decoder-layer visits (forward + recompute + backward
+    of one layer for one micro-batch = 1), the unit of a fitted ``block_overhead_s``:
+    units = (M (embedding) + L M) x f + (M x chunks (head) + L M + M (embedding backward)) x b - k M f,
+    f = LAUNCH_FWD / (LAUNCH_FWD + LAUNCH_BWD), b = 1 - f, k kept layers (no recompute's launches)."""
+    batch = StepBatch.of(work, plan)
+    M, L, chunks = batch.micro_batches, model.num_layers, batch.loss_chunks
+    k = L - kept_layers.recomputed_layers(model, plan)
+    f = LAUNCH_FWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
+    return (M + L * M) * f + (M * chunks + L * M + M) * (1 - f) - k * M * f
+
+
+def head_overhead_units(model: ModelShape, work: Workload, plan: Plan) -> float:
+    """The head's share of ``overhead_units``: M x chunks x b."""
+    batch = StepBatch.of(work, plan)
+    return batch.micro_batches * batch.loss_chunks * LAUNCH_BWD_S / (LAUNCH_FWD_S + LAUNCH_BWD_S)
+
+

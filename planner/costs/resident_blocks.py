@@ -1,0 +1,104 @@
+"""Optimizer state on the device: which blocks a plan keeps there (``Plan.resident_blocks``), what that costs in
+device memory and saves in host RAM and PCIe traffic, and the choices the search times. Pure stdlib.
+
+A resident block's fp32 master, AdamW m and v and gradient live in device memory, 16 bytes a parameter
+(the runtime's [Note: resident blocks]); none of its state is in host RAM, its loads cross no link (its master is
+cast on the device), its gradient drains nowhere, and torch's fused AdamW updates it on the device, reading and
+writing 28 bytes a parameter (master, gradient, m, v read; master, m, v written) where the CPU AdamW would take
+1 / (AdamW params/s). The search tries them in forward order (the embedding, the layers, the head): deferred
+updates run in forward order, so the blocks the next forward needs first are the ones whose updates leave the CPU;
+eager ones in backward order, so the updates left after backward are the same blocks.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from megatrain.plan.block_parameters import aligned
+from megatrain.planner.shapes.model_shapes import ModelShape
+from megatrain.plan.plan import Plan
+from megatrain.planner.shapes.workload import Workload
+from megatrain.planner.costs.spill_placement import block_numels
+
+# Device bytes a resident parameter holds: fp32 master, m, v, gradient.
+RESIDENT_BYTES_PER_PARAM = 16
+# Device memory traffic of one fused AdamW update of a parameter: master, gradient, m, v read (16), master, m, v
+# written (12).
+DEVICE_ADAM_BYTES_PER_PARAM = 28
+# The device memory bandwidth the fused AdamW reaches, GB/s: a constant until the profile measures it (an H100's
+# HBM3 is 3350 GB/s on its datasheet, an H200's HBM3e 4800; an elementwise kernel reaches most of it).
+DEVICE_ADAM_GBPS = 2500.0
+
+
+def resident_numel(model: ModelShape, plan: Plan) -> int:
+    """Nr: the elements of the plan's resident blocks."""
+    numels = block_numels(model)
+    return sum(numels[b] for b in plan.resident_blocks)
+
+
+def largest_host_block(model: ModelShape, plan: Plan) -> int:
+    """Bh: the largest block not resident (0 when every block is): what an eager host slab holds."""
+    resident = set(plan.resident_blocks)
+    return max((n for b, n in enumerate(block_numels(model)) if b not in resident), default=0)
+
+
+def device_adam_seconds(numel: int) -> float:
+    """One resident update on a GPU: numel x 28 B / device GB/s (``DEVICE_ADAM_GBPS``)."""
+    return numel * DEVICE_ADAM_BYTES_PER_PARAM / (DEVICE_ADAM_GBPS * 1e9)
+
+
+def first_blocks(model: ModelShape, r: int) -> tuple[int, ...]:
+    """The first r blocks in forward order: 0 the embedding, 1..L the layers, L + 1 the head."""
+    return tuple(range(min(r, model.num_layers + 2)))
+
+
+def may_hold(plan: Plan, work: Workload) -> bool:
+    """Whether a candidate may keep blocks on the device: nothing spilled, whole layers, weights not computed on in
+    place (the plan's own checks), fp32 AdamW state (the runtime's device AdamW keeps no bf16 state); the search also
+    asks for a GPU and one process."""
+    return (plan.spill == "none" and not plan.expert_group_size and not plan.compute_in_place
+            and work.optimizer_state == "fp32")
+
+
+def most_resident(model: ModelShape, plan: Plan, fits: Callable[[Plan], bool]) -> Plan:
+    """``plan`` with the most first blocks resident that still ``fits`` (binary search: each block more adds
+    device memory), ``plan`` itself when not even one does."""
+    lo, hi = 0, model.num_layers + 2  # lo fits (the plan as given), the answer lies in [lo, hi]
+    if fits(plan.replace(resident_blocks=first_blocks(model, hi))):
+        return plan.replace(resident_blocks=first_blocks(model, hi))
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(plan.replace(resident_blocks=first_blocks(model, mid))):
+            lo = mid
+        else:
+            hi = mid
+    return plan.replace(resident_blocks=first_blocks(model, lo))
+
+
+def crossing(plan: Plan, w: int, wc: int) -> tuple[Callable[[int], int], Callable[[int], int]]:
+    """Per block b, (w_b, wc_b): whether its gradient drains (``w``: 1, 0 computing in place) and the bytes a weight
+    of it loads in (``wc``), both 0 for a resident block: it crosses no link."""
+    resident = frozenset(plan.resident_blocks)
+    return (lambda b: 0 if b in resident else w), (lambda b: 0 if b in resident else wc)
+
+
+def add_device_updates(model: ModelShape, plan: Plan, steps: list, n_fwd: int, device_is_host: bool,
+                       cpu_adam_params_per_s: float, world: int = 1) -> None:
+    """The resident blocks' updates added to the compute of the step's visits (``step_replay.BlockVisit``): eager,
+    each to its block's last visit (the head's in forward, a layer's backward, the embedding's at the end);
+    deferred, all of them after backward (the last visit), in forward order on the device before the next forward.
+    Each takes ``device_adam_seconds`` on a GPU, numel / (all cores' AdamW params/s) where the device is the CPU;
+    one of ``world`` data-parallel ranks updates its shard of the block, align64(ceil(numel / world)) elements."""
+    numels = [n if world == 1 else aligned(-(-n // world)) for n in block_numels(model)]
+    L = model.num_layers
+
+    def seconds(b: int) -> float:
+        return numels[b] / cpu_adam_params_per_s if device_is_host else device_adam_seconds(numels[b])
+
+    for b in plan.resident_blocks:
+        if plan.optimizer_mode != "eager":
+            at = len(steps) - 1
+        elif b == L + 1 and not model.tie_word_embeddings:
+            at = n_fwd - 1  # the head's visit in forward computes its gradient whole
+        else:  # a layer's backward visit (layers in reverse after the forward), or the embedding's (last, with a
+            at = len(steps) - 1 if b in (0, L + 1) else n_fwd + (L - b)  # tied head's norm)
+        steps[at].compute_s += seconds(b)
