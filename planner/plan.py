@@ -268,7 +268,17 @@ class Plan:
             self.workload.check_batch(batch, seq_len)
 
     def replace(self, **changes: Any) -> "Plan":
-        return dataclasses.replace(self, **changes)
+        """This plan with ``changes``, checked as a new one is (``__post_init__``). As ``dataclasses.replace``, without
+        its call of ``__init__`` by keyword: the search makes tens of thousands of plans."""
+        unknown = changes.keys() - _FIELDS
+        if unknown:
+            raise TypeError(f"Plan has no field(s) {', '.join(sorted(unknown))}")
+        new = object.__new__(type(self))
+        values = new.__dict__
+        for name in _FIELDS:
+            values[name] = changes[name] if name in changes else self.__dict__[name]
+        new.__post_init__()
+        return new
 
     @property
     def direct_reads(self) -> bool:
@@ -314,6 +324,10 @@ class Plan:
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
             f.write(self.to_json() + "\n")
+
+
+# Plan's fields, what Plan.replace copies.
+_FIELDS = frozenset(f.name for f in dataclasses.fields(Plan))
 
 
 def _check_spill_blocks(self: "Plan") -> None:

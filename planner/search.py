@@ -160,11 +160,23 @@ def _rank(work: Workload, ranks: Ranks) -> Workload:
     return work if ranks is None else data_parallel.rank_workload(work, ranks)
 
 
+# _memory's estimates by everything they read (never the RAM size: sizing asks one plan at many), up to ESTIMATES_KEPT.
+ESTIMATES_KEPT = 1 << 15
+_ESTIMATES: dict[tuple, MemoryEstimate] = {}
+
+
 def _memory(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks) -> MemoryEstimate:
-    """One process's memory, or one rank's among ``ranks`` (``work`` the global step)."""
-    if ranks is None:
-        return memory_model.estimate(model, work, plan, hw)
-    return data_parallel.memory(model, work, plan, hw, ranks)
+    """One process's memory, or one rank's among ``ranks`` (``work`` the global step). The same object for the same
+    model, workload, plan, ranks and what the memory model reads of ``hw`` (whether the device is the host, the
+    compute dtype's calibration): ``fits``, the search and sizing's RAM ladder price one plan several times."""
+    key = (model, work, plan, ranks, hw.device_is_host, hw.fitted(work.compute_dtype))
+    found = _ESTIMATES.get(key)
+    if found is None:
+        if len(_ESTIMATES) >= ESTIMATES_KEPT:
+            _ESTIMATES.clear()
+        found = _ESTIMATES[key] = (memory_model.estimate(model, work, plan, hw) if ranks is None
+                                   else data_parallel.memory(model, work, plan, hw, ranks))
+    return found
 
 
 def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None,
@@ -185,13 +197,22 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
     host = hw.device_is_host and ranks is None  # a CPU device in one process: plan.host_device_choices
     chunk = _chunks(plan.micro_batch_size * work.seq_len)[-1] if chunk is None else chunk
 
-    def ok(level: int) -> bool:
+    def over(level: int) -> list[Overrun]:
         p = spill_placement.at_level(plan, model, level, host).replace(loss_chunk_tokens=chunk)
-        return all(o.budget == "NVMe" for o in overruns(_memory(model, work, p, hw, ranks), work, hw, ranks))
+        return [o for o in overruns(_memory(model, work, p, hw, ranks), work, hw, ranks) if o.budget != "NVMe"]
+
+    def ok(level: int) -> bool:
+        return not over(level)
 
     nb = model.num_layers + 2
-    ends = range(nb, spill_placement.fill_levels(model, plan.optimizer_mode == "deferred") + 1, nb)
-    hi = next((end for end in ends if ok(end)), None)
+    hi = None
+    for end in range(nb, spill_placement.fill_levels(model, plan.optimizer_mode == "deferred") + 1, nb):
+        missing = over(end)
+        if not missing:
+            hi = end
+            break
+        if not host and any(o.budget == "gpu memory" for o in missing):
+            break  # unless compute runs in place, the placement moves no device byte: no level fits the GPU
     if hi is None:
         return plan
     lo = hi - nb + 1  # ok(hi); the least level that fits lies in [lo, hi], where RAM falls level by level
@@ -225,8 +246,19 @@ def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfil
     the least that lets it: ``fill``); else the smallest chunk, with its overruns."""
     plan = fill(model, work, expert_groups(model, work, plan, hw, ranks), hw, ranks)
     smallest = plan.replace(loss_chunk_tokens=_chunks(plan.micro_batch_size * work.seq_len)[-1])
-    plan = kept_layers.keep_most(model, _rank(work, ranks), plan, lambda p: not overruns(
-        _memory(model, work, p.replace(loss_chunk_tokens=smallest.loss_chunk_tokens), hw, ranks), work, hw, ranks))
+    bare: list[PlanChoice] = []  # the plan keeping no layer at the smallest chunk, once keep_most has tried it
+
+    def fits_smallest(p: Plan) -> bool:
+        q = p.replace(loss_chunk_tokens=smallest.loss_chunk_tokens)
+        mem = _memory(model, work, q, hw, ranks)
+        over = tuple(overruns(mem, work, hw, ranks))
+        if not p.kept_layers:
+            bare[:] = [PlanChoice(q, mem, None, over)]
+        return not over
+
+    plan = kept_layers.keep_most(model, _rank(work, ranks), plan, fits_smallest)
+    if not plan.kept_layers and bare and bare[0].overruns:
+        return bare[0]  # memory grows with the chunk: no larger one fits either, and the loop's last misfit is this
     choice = None
     for chunk in _chunks(plan.micro_batch_size * work.seq_len):
         p = plan.replace(loss_chunk_tokens=chunk)
