@@ -161,15 +161,15 @@ def _rank(work: Workload, ranks: Ranks) -> Workload:
 
 
 # _memory's estimates by everything they read (never the RAM size: sizing asks one plan at many), up to ESTIMATES_KEPT.
-ESTIMATES_KEPT = 1 << 15
+ESTIMATES_KEPT = 4096
 _ESTIMATES: dict[tuple, MemoryEstimate] = {}
 
 
 def _memory(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks) -> MemoryEstimate:
     """One process's memory, or one rank's among ``ranks`` (``work`` the global step). The same object for the same
-    model, workload, plan, ranks and what the memory model reads of ``hw`` (whether the device is the host, the
-    compute dtype's calibration): ``fits``, the search and sizing's RAM ladder price one plan several times."""
-    key = (model, work, plan, ranks, hw.device_is_host, hw.fitted(work.compute_dtype))
+    model, workload, plan, ranks and what the memory model reads of ``hw`` (whether the device is the host, its
+    calibrations): ``fits``, the search and sizing's RAM ladder price one plan several times."""
+    key = (model, work, plan, ranks, hw.device_is_host, hw.calibrations)
     found = _ESTIMATES.get(key)
     if found is None:
         if len(_ESTIMATES) >= ESTIMATES_KEPT:
