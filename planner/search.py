@@ -231,9 +231,14 @@ def expert_groups(model: ModelShape, work: Workload, plan: Plan, hw: HardwarePro
             or not registry.family(model.model_type).expert_groups):
         return plan
     chunk = _chunks(plan.micro_batch_size * work.seq_len)[-1]
+    # On a GPU what spills moves no device byte: the device is priced with nothing spilled, so the candidates that
+    # differ only in their spill settings share these estimates (_memory keeps them).
+    unspilled = plan.replace(spill="none", spill_blocks=None, spill_dir=None, spill_staging=1,
+                             spill_chunk_bytes=Plan.spill_chunk_bytes, loss_chunk_tokens=chunk)
     for g in model.experts.group_sizes():
         p = plan.replace(expert_group_size=g, mlp_tile_tokens=plan.mlp_tile_tokens if g is None else None)
-        mem = _memory(model, work, p.replace(loss_chunk_tokens=chunk), hw, ranks)
+        mem = _memory(model, work, unspilled.replace(expert_group_size=g, mlp_tile_tokens=p.mlp_tile_tokens), hw,
+                      ranks)
         if mem.device_bytes <= hw.gpu_mem_bytes:
             return p
     return p
@@ -257,7 +262,9 @@ def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfil
         return not over
 
     plan = kept_layers.keep_most(model, _rank(work, ranks), plan, fits_smallest)
-    if not plan.kept_layers and bare and bare[0].overruns:
+    if not plan.kept_layers and not bare:  # keep_most kept none without trying (sequence tiles, expert groups)
+        fits_smallest(plan)
+    if not plan.kept_layers and bare[0].overruns:
         return bare[0]  # memory grows with the chunk: no larger one fits either, and the loop's last misfit is this
     choice = None
     for chunk in _chunks(plan.micro_batch_size * work.seq_len):

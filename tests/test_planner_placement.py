@@ -180,7 +180,9 @@ def test_fill_level_moves_no_device_byte_on_a_gpu(gpu_gib) -> None:
     base = Plan(spill="all", spill_dir="/d", micro_batch_size=8, loss_chunk_tokens=64)
     estimates = [memory_model.estimate(m, work, spill_placement.at_level(base, m, level), hw)
                  for level in range(spill_placement.fill_levels(m, True) + 1)]
-    assert len({e.device_bytes for e in estimates}) == 1
+    staged = [memory_model.estimate(m, work, base.replace(spill_staging=n, spill_chunk_bytes=c), hw)
+              for n in (1, 8, 64) for c in (1 << 20, 1 << 26)]
+    assert len({e.device_bytes for e in estimates + staged}) == 1  # so expert_groups prices it unspilled
     assert len({e.host_bytes for e in estimates}) > 1
     fits = [not search.overruns(e, work, hw) for e in estimates]
     filled = search.fill(m, work, base, hw, chunk=64)
