@@ -268,17 +268,8 @@ class Plan:
             self.workload.check_batch(batch, seq_len)
 
     def replace(self, **changes: Any) -> "Plan":
-        """This plan with ``changes``, checked as a new one is (``__post_init__``). As ``dataclasses.replace``, without
-        its call of ``__init__`` by keyword: the search makes tens of thousands of plans."""
-        unknown = changes.keys() - _FIELDS
-        if unknown:
-            raise TypeError(f"Plan has no field(s) {', '.join(sorted(unknown))}")
-        new = object.__new__(type(self))
-        values = new.__dict__
-        for name in _FIELDS:
-            values[name] = changes[name] if name in changes else self.__dict__[name]
-        new.__post_init__()
-        return new
+        """This plan with ``changes``, checked as a new one is (``_replaced``)."""
+        return _replaced(self, changes)
 
     @property
     def direct_reads(self) -> bool:
@@ -328,6 +319,20 @@ class Plan:
 
 # Plan's fields, what Plan.replace copies.
 _FIELDS = frozenset(f.name for f in dataclasses.fields(Plan))
+
+
+def _replaced(plan: Plan, changes: dict[str, Any]) -> Plan:
+    """``plan`` with ``changes``, checked as a new one is (``Plan.__post_init__``). As ``dataclasses.replace``, without
+    its call of ``__init__`` by keyword: the search makes tens of thousands of plans."""
+    unknown = changes.keys() - _FIELDS
+    if unknown:
+        raise TypeError(f"Plan has no field(s) {', '.join(sorted(unknown))}")
+    new = object.__new__(type(plan))
+    values = new.__dict__
+    for name in _FIELDS:
+        values[name] = changes[name] if name in changes else plan.__dict__[name]
+    new.__post_init__()
+    return new
 
 
 def _check_spill_blocks(self: "Plan") -> None:

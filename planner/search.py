@@ -25,13 +25,14 @@ from dataclasses import dataclass, field
 from megatrain.errors import MegatrainError
 from megatrain.models import registry
 
-from . import cost_model, data_parallel, kept_layers, memory_model, plan_variants, spill_placement
+from . import cost_model, data_parallel, kept_layers, plan_variants, spill_placement
 from .cost_model import CostEstimate
 from .hardware import HardwareProfile
 from .memory_model import MemoryEstimate, Overrun
 from .model_shapes import ModelShape
 from .plan import Plan, host_device_choices
 from .plan_checks import master_spills
+from .plan_memory import memory as _memory, overruns
 from .sequence_pieces import checkpoint_piece_tokens, sequence_tile_tokens
 from .spill_choices import most_staging, spill_chunk_bytes, spill_io_choices, spill_staging_choices
 from .workload import Workload
@@ -145,38 +146,9 @@ def _chunks(tokens: int) -> list[int]:
     return [tokens] + [c for c in LOSS_CHUNKS if c < tokens]
 
 
-def overruns(mem: MemoryEstimate, work: Workload, hw: HardwareProfile, ranks: Ranks = None) -> list[Overrun]:
-    """The budgets ``mem`` (one rank's with ``ranks``) exceeds: GPU memory and host RAM on ``hw`` (per node:
-    G ranks share it), and the free space of the spill disk when the workload knows it (G ranks' files)."""
-    out = mem.overruns(hw) if ranks is None else data_parallel.node_overruns(mem, hw, ranks)
-    nvme = mem.nvme_bytes * (1 if ranks is None else ranks.gpus_per_node)
-    if work.spill_free_bytes is not None and nvme > work.spill_free_bytes:
-        out.append(Overrun("NVMe", nvme, work.spill_free_bytes))
-    return out
-
-
 def _rank(work: Workload, ranks: Ranks) -> Workload:
     """The workload one rank plans for: all of it alone, its share among ``ranks``."""
     return work if ranks is None else data_parallel.rank_workload(work, ranks)
-
-
-# _memory's estimates by everything they read (never the RAM size: sizing asks one plan at many), up to ESTIMATES_KEPT.
-ESTIMATES_KEPT = 4096
-_ESTIMATES: dict[tuple, MemoryEstimate] = {}
-
-
-def _memory(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks) -> MemoryEstimate:
-    """One process's memory, or one rank's among ``ranks`` (``work`` the global step). The same object for the same
-    model, workload, plan, ranks and what the memory model reads of ``hw`` (whether the device is the host, its
-    calibrations): ``fits``, the search and sizing's RAM ladder price one plan several times."""
-    key = (model, work, plan, ranks, hw.device_is_host, hw.calibrations)
-    found = _ESTIMATES.get(key)
-    if found is None:
-        if len(_ESTIMATES) >= ESTIMATES_KEPT:
-            _ESTIMATES.clear()
-        found = _ESTIMATES[key] = (memory_model.estimate(model, work, plan, hw) if ranks is None
-                                   else data_parallel.memory(model, work, plan, hw, ranks))
-    return found
 
 
 def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None,
@@ -201,9 +173,6 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
         p = spill_placement.at_level(plan, model, level, host).replace(loss_chunk_tokens=chunk)
         return [o for o in overruns(_memory(model, work, p, hw, ranks), work, hw, ranks) if o.budget != "NVMe"]
 
-    def ok(level: int) -> bool:
-        return not over(level)
-
     nb = model.num_layers + 2
     hi = None
     for end in range(nb, spill_placement.fill_levels(model, plan.optimizer_mode == "deferred") + 1, nb):
@@ -215,10 +184,10 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
             break  # unless compute runs in place, the placement moves no device byte: no level fits the GPU
     if hi is None:
         return plan
-    lo = hi - nb + 1  # ok(hi); the least level that fits lies in [lo, hi], where RAM falls level by level
+    lo = hi - nb + 1  # hi fits; the least level that fits lies in [lo, hi], where RAM falls level by level
     while lo < hi:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+        lo, hi = (lo, mid) if not over(mid) else (mid + 1, hi)
     return spill_placement.at_level(plan, model, hi, host)
 
 
@@ -251,21 +220,13 @@ def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfil
     the least that lets it: ``fill``); else the smallest chunk, with its overruns."""
     plan = fill(model, work, expert_groups(model, work, plan, hw, ranks), hw, ranks)
     smallest = plan.replace(loss_chunk_tokens=_chunks(plan.micro_batch_size * work.seq_len)[-1])
-    bare: list[PlanChoice] = []  # the plan keeping no layer at the smallest chunk, once keep_most has tried it
-
-    def fits_smallest(p: Plan) -> bool:
-        q = p.replace(loss_chunk_tokens=smallest.loss_chunk_tokens)
-        mem = _memory(model, work, q, hw, ranks)
-        over = tuple(overruns(mem, work, hw, ranks))
-        if not p.kept_layers:
-            bare[:] = [PlanChoice(q, mem, None, over)]
-        return not over
-
-    plan = kept_layers.keep_most(model, _rank(work, ranks), plan, fits_smallest)
-    if not plan.kept_layers and not bare:  # keep_most kept none without trying (sequence tiles, expert groups)
-        fits_smallest(plan)
-    if not plan.kept_layers and bare[0].overruns:
-        return bare[0]  # memory grows with the chunk: no larger one fits either, and the loop's last misfit is this
+    plan = kept_layers.keep_most(model, _rank(work, ranks), plan, lambda p: not overruns(
+        _memory(model, work, p.replace(loss_chunk_tokens=smallest.loss_chunk_tokens), hw, ranks), work, hw, ranks))
+    if not plan.kept_layers:  # memory grows with the chunk: where the smallest overruns, the loop's last misfit
+        p = plan.replace(loss_chunk_tokens=smallest.loss_chunk_tokens)
+        mem = _memory(model, work, p, hw, ranks)  # keep_most's, kept
+        if over := tuple(overruns(mem, work, hw, ranks)):
+            return PlanChoice(p, mem, None, over)
     choice = None
     for chunk in _chunks(plan.micro_batch_size * work.seq_len):
         p = plan.replace(loss_chunk_tokens=chunk)
