@@ -172,6 +172,35 @@ def test_ram_answers_the_least_ram_of_its_ladder_and_size_agrees(capsys) -> None
     assert out.splitlines()[1].startswith("RTX-4090: fits with ") and " on NVMe: the run needs " in out
 
 
+def _size_rate(capsys, common: tuple[str, ...], *more: str) -> float:
+    """size's predicted tokens/s for one GPU preset (0 when nothing fits)."""
+    rc, out, err = _main(capsys, "size", *common, *more, "--json")
+    assert rc == 0, err
+    (row,) = json.loads(out)["hardware"]
+    return row["tokens_per_second"] if row["feasible"] else 0.0
+
+
+def test_ram_answers_are_the_least_that_size_finds_meeting_the_target(capsys) -> None:
+    # The least RAM ram names meets the target when size is asked with it and the same batch, and one step less
+    # does not: with the NVMe one RAM size of its table less (it answers at the table's sizes), without it 32 GiB
+    # less with nothing spilled.
+    common = ("--model", "shape:Llama-3.1-8B", "--hardware", "RTX-4090", "--seq-len", "1024")
+    target = 300
+    rc, out, err = _main(capsys, "ram", *common, "--tokens-per-second", str(target), "--max-batch", "8", "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    nvme, plain = data["with_nvme"], data["without_nvme"]
+    rungs = sorted({e["ram_bytes"] for e in data["ladder"]})
+    assert nvme["ram_to_buy_bytes"] in rungs and rungs.index(nvme["ram_to_buy_bytes"]) > 0
+    below = rungs[rungs.index(nvme["ram_to_buy_bytes"]) - 1]
+    batch = ("--batch", str(nvme["batch"]))
+    assert _size_rate(capsys, common, *batch, "--ram", f"{nvme['ram_to_buy_bytes'] // GiB}G") >= target
+    assert 0 < _size_rate(capsys, common, *batch, "--ram", f"{below // GiB}G") < target
+    batch = ("--batch", str(plain["batch"]), "--spill", "none")
+    assert _size_rate(capsys, common, *batch, "--ram", f"{plain['ram_to_buy_bytes'] // GiB}G") >= target
+    assert _size_rate(capsys, common, *batch, "--ram", f"{plain['ram_to_buy_bytes'] // GiB - 32}G") < target
+
+
 def test_size_says_what_does_not_fit_and_what_would(capsys) -> None:
     rc, out, err = _main(capsys, "size", "--model", "shape:Llama-3.1-70B", "--hardware", "RTX-4090", "--ram", "64G")
     assert rc == 0, err

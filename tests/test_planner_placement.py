@@ -169,6 +169,30 @@ def test_fill_finds_the_least_level_that_fits(ram_gib) -> None:
         assert _level(m, filled) == fits.index(True, 1), (ram_gib, fits)
 
 
+@pytest.mark.parametrize("gpu_gib", [2, 80])
+def test_fill_level_moves_no_device_byte_on_a_gpu(gpu_gib) -> None:
+    """The fill stops at the first level that overruns the GPU: on a GPU the placement moves host state only, so
+    every level needs the same device memory; with the GPU too small, the plan comes back unchanged, as a scan of
+    every level finds none that fits."""
+    m = ONE_B
+    hw = HW.replace(gpu_name="gpu", gpu_mem_bytes=gpu_gib * GiB, host_available_bytes=22 * GiB, cgroup_limit_bytes=0)
+    assert not hw.device_is_host
+    work = Workload(4096, 8, "bfloat16", spill_dir="/d")
+    base = Plan(spill="all", spill_dir="/d", micro_batch_size=8, loss_chunk_tokens=64)
+    estimates = [memory_model.estimate(m, work, spill_placement.at_level(base, m, level), hw)
+                 for level in range(spill_placement.fill_levels(m, True) + 1)]
+    staged = [memory_model.estimate(m, work, base.replace(spill_staging=n, spill_chunk_bytes=c), hw)
+              for n in (1, 8, 64) for c in (1 << 20, 1 << 26)]
+    assert len({e.device_bytes for e in estimates + staged}) == 1  # so expert_groups prices it unspilled
+    assert len({e.host_bytes for e in estimates}) > 1
+    fits = [not search.overruns(e, work, hw) for e in estimates]
+    filled = search.fill(m, work, base, hw, chunk=64)
+    if not any(fits[1:]):
+        assert filled == base
+    else:
+        assert _level(m, filled) == fits.index(True, 1), (gpu_gib, fits)
+
+
 def test_overview_names_the_largest_llama_for_ram_and_disk(capsys, monkeypatch, tmp_path) -> None:
     from megatrain.planner.commands import cli
     from test_planner_answers import FREE, _free_disk

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from megatrain.errors import MegatrainError
 from megatrain.models import registry
 
-from megatrain.planner.costs import cost_model, data_parallel, kept_layers, memory_model, spill_placement
+from megatrain.planner.costs import cost_model, data_parallel, kept_layers, spill_placement
 from megatrain.planner.choice import plan_variants
 from megatrain.planner.costs.cost_model import CostEstimate
 from megatrain.planner.profiling.hardware import HardwareProfile
@@ -33,6 +33,7 @@ from megatrain.planner.costs.memory_model import MemoryEstimate, Overrun
 from megatrain.planner.shapes.model_shapes import ModelShape
 from megatrain.plan.plan import Plan, host_device_choices
 from megatrain.plan.plan_checks import master_spills
+from megatrain.planner.costs.plan_memory import memory as _memory, overruns
 from megatrain.planner.choice.sequence_pieces import checkpoint_piece_tokens, sequence_tile_tokens
 from megatrain.planner.choice.spill_choices import (most_staging, spill_chunk_bytes, spill_io_choices,
                                                     spill_staging_choices)
@@ -147,26 +148,9 @@ def _chunks(tokens: int) -> list[int]:
     return [tokens] + [c for c in LOSS_CHUNKS if c < tokens]
 
 
-def overruns(mem: MemoryEstimate, work: Workload, hw: HardwareProfile, ranks: Ranks = None) -> list[Overrun]:
-    """The budgets ``mem`` (one rank's with ``ranks``) exceeds: GPU memory and host RAM on ``hw`` (per node:
-    G ranks share it), and the free space of the spill disk when the workload knows it (G ranks' files)."""
-    out = mem.overruns(hw) if ranks is None else data_parallel.node_overruns(mem, hw, ranks)
-    nvme = mem.nvme_bytes * (1 if ranks is None else ranks.gpus_per_node)
-    if work.spill_free_bytes is not None and nvme > work.spill_free_bytes:
-        out.append(Overrun("NVMe", nvme, work.spill_free_bytes))
-    return out
-
-
 def _rank(work: Workload, ranks: Ranks) -> Workload:
     """The workload one rank plans for: all of it alone, its share among ``ranks``."""
     return work if ranks is None else data_parallel.rank_workload(work, ranks)
-
-
-def _memory(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks) -> MemoryEstimate:
-    """One process's memory, or one rank's among ``ranks`` (``work`` the global step)."""
-    if ranks is None:
-        return memory_model.estimate(model, work, plan, hw)
-    return data_parallel.memory(model, work, plan, hw, ranks)
 
 
 def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None,
@@ -187,19 +171,25 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
     host = hw.device_is_host and ranks is None  # a CPU device in one process: plan.host_device_choices
     chunk = _chunks(plan.micro_batch_size * work.seq_len)[-1] if chunk is None else chunk
 
-    def ok(level: int) -> bool:
+    def over(level: int) -> list[Overrun]:
         p = spill_placement.at_level(plan, model, level, host).replace(loss_chunk_tokens=chunk)
-        return all(o.budget == "NVMe" for o in overruns(_memory(model, work, p, hw, ranks), work, hw, ranks))
+        return [o for o in overruns(_memory(model, work, p, hw, ranks), work, hw, ranks) if o.budget != "NVMe"]
 
     nb = model.num_layers + 2
-    ends = range(nb, spill_placement.fill_levels(model, plan.optimizer_mode == "deferred") + 1, nb)
-    hi = next((end for end in ends if ok(end)), None)
+    hi = None
+    for end in range(nb, spill_placement.fill_levels(model, plan.optimizer_mode == "deferred") + 1, nb):
+        missing = over(end)
+        if not missing:
+            hi = end
+            break
+        if not host and any(o.budget == "gpu memory" for o in missing):
+            break  # unless compute runs in place, the placement moves no device byte: no level fits the GPU
     if hi is None:
         return plan
-    lo = hi - nb + 1  # ok(hi); the least level that fits lies in [lo, hi], where RAM falls level by level
+    lo = hi - nb + 1  # hi fits; the least level that fits lies in [lo, hi], where RAM falls level by level
     while lo < hi:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+        lo, hi = (lo, mid) if not over(mid) else (mid + 1, hi)
     return spill_placement.at_level(plan, model, hi, host)
 
 
@@ -212,9 +202,14 @@ def expert_groups(model: ModelShape, work: Workload, plan: Plan, hw: HardwarePro
             or not registry.family(model.model_type).expert_groups):
         return plan
     chunk = _chunks(plan.micro_batch_size * work.seq_len)[-1]
+    # On a GPU what spills moves no device byte: the device is priced with nothing spilled, so the candidates that
+    # differ only in their spill settings share these estimates (_memory keeps them).
+    unspilled = plan.replace(spill="none", spill_blocks=None, spill_dir=None, spill_staging=1,
+                             spill_chunk_bytes=Plan.spill_chunk_bytes, loss_chunk_tokens=chunk)
     for g in model.experts.group_sizes():
         p = plan.replace(expert_group_size=g, mlp_tile_tokens=plan.mlp_tile_tokens if g is None else None)
-        mem = _memory(model, work, p.replace(loss_chunk_tokens=chunk), hw, ranks)
+        mem = _memory(model, work, unspilled.replace(expert_group_size=g, mlp_tile_tokens=p.mlp_tile_tokens), hw,
+                      ranks)
         if mem.device_bytes <= hw.gpu_mem_bytes:
             return p
     return p
@@ -229,6 +224,11 @@ def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfil
     smallest = plan.replace(loss_chunk_tokens=_chunks(plan.micro_batch_size * work.seq_len)[-1])
     plan = kept_layers.keep_most(model, _rank(work, ranks), plan, lambda p: not overruns(
         _memory(model, work, p.replace(loss_chunk_tokens=smallest.loss_chunk_tokens), hw, ranks), work, hw, ranks))
+    if not plan.kept_layers:  # memory grows with the chunk: where the smallest overruns, the loop's last misfit
+        p = plan.replace(loss_chunk_tokens=smallest.loss_chunk_tokens)
+        mem = _memory(model, work, p, hw, ranks)  # keep_most's, kept
+        if over := tuple(overruns(mem, work, hw, ranks)):
+            return PlanChoice(p, mem, None, over)
     choice = None
     for chunk in _chunks(plan.micro_batch_size * work.seq_len):
         p = plan.replace(loss_chunk_tokens=chunk)

@@ -26,6 +26,7 @@ Pure stdlib.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from megatrain.plan import buffer_kinds
@@ -93,7 +94,15 @@ class MemoryEstimate:
     components: tuple[Component, ...]
 
     def total(self, where: str) -> int:
-        return sum(c.nbytes for c in self.components if c.where == where)
+        return self._totals.get(where, 0)
+
+    @functools.cached_property
+    def _totals(self) -> dict[str, int]:
+        """Bytes per place, summed once (the search asks an estimate's totals against every budget)."""
+        out: dict[str, int] = {}
+        for c in self.components:
+            out[c.where] = out.get(c.where, 0) + c.nbytes
+        return out
 
     @property
     def device_bytes(self) -> int:

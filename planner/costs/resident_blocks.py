@@ -37,6 +37,8 @@ def resident_numel(model: ModelShape, plan: Plan) -> int:
 
 def largest_host_block(model: ModelShape, plan: Plan) -> int:
     """Bh: the largest block not resident (0 when every block is): what an eager host slab holds."""
+    if not plan.resident_blocks:
+        return max(block_numels(model))
     resident = set(plan.resident_blocks)
     return max((n for b, n in enumerate(block_numels(model)) if b not in resident), default=0)
 

@@ -125,12 +125,20 @@ def at_level(plan: Plan, model: ModelShape, level: int, host: bool = False) -> P
         return plan.replace(spill="optimizer", spill_blocks=None, **choices)
     if level == fill_levels(model, deferred):
         return plan.replace(spill="all", spill_blocks=None, **choices)
+    return plan.replace(spill="blocks", spill_blocks=_level_blocks(nb, level), **choices)
+
+
+@functools.lru_cache(maxsize=1024)
+def _level_blocks(nb: int, level: int) -> SpillBlocks:
+    """The blocks of fill level ``level`` (0 < level, below the last) on a model of ``nb`` blocks, per kind: the
+    last blocks of each group's kinds. One object per level (a SpillBlocks is never changed; the fill asks each
+    level of each candidate)."""
     named: dict[str, tuple[int, ...]] = {}
     for g, kinds in enumerate(FILL_GROUPS):
         count = max(0, min(nb, level - g * nb))
         for kind in kinds:
             named[kind.value] = tuple(range(nb - count, nb))  # the last ``count`` blocks
-    return plan.replace(spill="blocks", spill_blocks=SpillBlocks(**named), **choices)
+    return SpillBlocks(**named)
 
 
 _LABELS = {"none": "nothing", "optimizer": "AdamW m, v", "all": "fp32 master, m, v, grads"}
