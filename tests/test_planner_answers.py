@@ -12,6 +12,7 @@ from megatrain.planner.shapes import model_shapes
 from megatrain.planner.choice import search, sizing
 from megatrain.planner.profiling.hardware import GiB, HardwareProfile
 from megatrain.planner.shapes.workload import Workload
+from plan_pages import pages
 
 # A 24 GiB, 2-core CPU machine as `megatrain-plan profile` measures one: fp32 matmul far faster than bf16,
 # disk not measured.
@@ -28,10 +29,11 @@ def _main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str
     return rc, out.out, out.err
 
 
-def test_size_reports_the_nvme_of_every_answer(capsys) -> None:
-    rc, out, err = _main(capsys, "size", "--model", "shape:Llama-3.1-8B", "--seq-len", "4096", "--batch", "8", "--json")
-    assert rc == 0, err
-    data = json.loads(out)
+def test_size_reports_the_nvme_of_every_answer(capsys, monkeypatch) -> None:
+    r = pages(monkeypatch, capsys, "size", "--model", "shape:Llama-3.1-8B", "--seq-len", "4096", "--batch", "8",
+              "--json")
+    assert r.rc == 0, r.err
+    data = r.data
     n = data["params"]
     # fp32 master + AdamW m, v take 12 bytes/param; they live in RAM or on the NVMe, never nowhere.
     assert data["host_ram_bytes"] + data["nvme_bytes"] >= 12 * n
@@ -44,8 +46,7 @@ def test_size_reports_the_nvme_of_every_answer(capsys) -> None:
         assert e["host_ram_bytes"] + e["nvme_bytes"] >= 12 * n, e["hardware"]
         assert e["host_ram_bytes"] <= e["host_ram_available_bytes"]
     assert any(e["nvme_bytes"] > 0 for e in rows)     # a 128 GiB workstation spills
-    rc, out, err = _main(capsys, "size", "--model", "shape:Llama-3.1-8B", "--seq-len", "4096", "--batch", "8")
-    assert rc == 0 and "on NVMe" in out and "without NVMe" in out and "issue #" not in out
+    assert "on NVMe" in r.text and "without NVMe" in r.text and "issue #" not in r.text
 
 
 def test_overview_on_a_24g_cpu_machine_trains_with_spill(capsys, monkeypatch, tmp_path) -> None:
@@ -53,9 +54,9 @@ def test_overview_on_a_24g_cpu_machine_trains_with_spill(capsys, monkeypatch, tm
     CPU_24G.save(str(profile))
     _free_disk(monkeypatch, FREE)
     monkeypatch.chdir(tmp_path)
-    rc, out, err = _main(capsys, "--hardware", str(profile), "--json")
-    assert rc == 0, err
-    data = json.loads(out)
+    r = pages(monkeypatch, capsys, "--hardware", str(profile), "--json")
+    assert r.rc == 0, r.err
+    data = r.data
     assert data["compute_dtype"] == "float32"         # bf16 matmul is 100x slower on this CPU
     assert data["disk"] == {"spill_dir": str(tmp_path), "free_bytes": FREE, "read_gbps": sizing.ASSUMED_DISK_GBPS,
                             "write_gbps": sizing.ASSUMED_DISK_GBPS, "speed_measured": False}
@@ -76,8 +77,7 @@ def test_overview_on_a_24g_cpu_machine_trains_with_spill(capsys, monkeypatch, tm
         if not fits:  # spill buffers are chunk-bounded: RAM or the disk's free space is what runs out
             assert "host RAM" in models[name]["reason"] or "NVMe" in models[name]["reason"]
     assert data["largest_model"] in models and models[data["largest_model"]]["feasible"]
-    rc, out, err = _main(capsys, "--hardware", str(profile))
-    assert rc == 0, err
+    out = r.text
     assert "with spill" in out and "60.0 GiB free" in out and "assumed" in out and "float32" in out
     # No GPU: no PCIe figures, no bare "none"; figures not measured say so and name the command that measures them.
     first = out.splitlines()[0]
@@ -149,7 +149,7 @@ def test_profile_refuses_an_unwritable_destination_before_measuring(capsys, tmp_
     assert rc == 2 and "is a directory" in err
 
 
-def test_ram_answers_the_least_ram_of_its_ladder_and_size_agrees(capsys) -> None:
+def test_ram_answers_the_least_ram_of_its_ladder_and_size_agrees(capsys, monkeypatch) -> None:
     # An 8B model at 8 x 1024 on an RTX 4090: without NVMe it needs over 120 GiB; with the NVMe 128 GiB reaches
     # the target. ram's answer is never more than the smallest RAM size of its own table that reaches the target,
     # and size, given that RAM and batch, finds a plan as fast.
@@ -163,12 +163,12 @@ def test_ram_answers_the_least_ram_of_its_ladder_and_size_agrees(capsys) -> None
     assert data["with_nvme"]["ram_to_buy_bytes"] < data["without_nvme"]["ram_to_buy_bytes"]  # the NVMe saves RAM
     assert data["nvme_bytes"] > 0 and data["tokens_per_second"] >= 300
     ram = f"{data['ram_to_buy_bytes'] // GiB}G"
-    rc, out, err = _main(capsys, "size", *common, "--batch", str(data["batch"]), "--ram", ram, "--json")
-    assert rc == 0, err
-    (row,) = json.loads(out)["hardware"]
+    r = pages(monkeypatch, capsys, "size", *common, "--batch", str(data["batch"]), "--ram", ram, "--json")
+    assert r.rc == 0, r.err
+    (row,) = r.data["hardware"]
     assert row["feasible"] and row["tokens_per_second"] >= 300 and row["host_ram_bytes"] <= data["ram_to_buy_bytes"]
-    rc, out, err = _main(capsys, "size", *common, "--batch", str(data["batch"]), "--ram", ram)
-    assert rc == 0 and "<nvme>" not in out
+    out = r.text
+    assert "<nvme>" not in out
     assert out.splitlines()[1].startswith("RTX-4090: fits with ") and " on NVMe: the run needs " in out
 
 
@@ -201,12 +201,11 @@ def test_ram_answers_are_the_least_that_size_finds_meeting_the_target(capsys) ->
     assert _size_rate(capsys, common, *batch, "--ram", f"{plain['ram_to_buy_bytes'] // GiB - 32}G") < target
 
 
-def test_size_says_what_does_not_fit_and_what_would(capsys) -> None:
-    rc, out, err = _main(capsys, "size", "--model", "shape:Llama-3.1-70B", "--hardware", "RTX-4090", "--ram", "64G")
-    assert rc == 0, err
-    verdict = out.splitlines()[1]
+def test_size_says_what_does_not_fit_and_what_would(capsys, monkeypatch) -> None:
+    r = pages(monkeypatch, capsys, "size", "--model", "shape:Llama-3.1-70B", "--hardware", "RTX-4090", "--ram", "64G")
+    assert r.rc == 0, r.err
+    verdict = r.text.splitlines()[1]
     assert verdict.startswith("RTX-4090: does not fit (host RAM") and "it would fit with at least " in verdict
-    need = json.loads(_main(capsys, "size", "--model", "shape:Llama-3.1-70B", "--hardware", "RTX-4090", "--ram",
-                            "64G", "--json")[1])["host_ram_bytes"]
+    need = r.data["host_ram_bytes"]
     named = float(verdict.split("it would fit with at least ")[1].split(" GiB")[0].replace(",", ""))
     assert named * GiB >= need / 0.94  # the RAM to install covers what the run needs at the usable share

@@ -18,6 +18,7 @@ from megatrain.planner.choice.plan_request import PlanRequest, choose_plan
 from megatrain.planner.choice.search import PlanChoice
 from megatrain.planner.shapes.workload import Workload
 from megatrain.plan.plan import Plan
+from plan_pages import pages
 
 KEYS = {"params", "gpu_bytes", "host_ram_bytes", "nvme_bytes", "step_seconds", "tokens_per_second"}
 
@@ -84,15 +85,14 @@ def test_plan_with_config_json(tmp_path) -> None:
     assert KEYS <= set(json.loads(r.stdout))
 
 
-def test_size_json() -> None:
-    r = run("size", "--model", "shape:Llama-3.1-8B", "--seq-len", "4096", "--batch", "16", "--json", "--spill", "none")
-    assert r.returncode == 0, r.stderr
-    data = json.loads(r.stdout)
-    assert KEYS <= set(data)
-    assert {e["hardware"] for e in data["hardware"]} >= {"H100-SXM", "RTX-3090"}
-    assert any(not e["feasible"] and "host RAM" in e["reason"] for e in data["hardware"])
-    r = run("size", "--model", "shape:Llama-3.1-8B", "--seq-len", "4096", "--batch", "16")
-    assert r.returncode == 0 and "minimum GPU memory" in r.stdout and "H200" in r.stdout
+def test_size_json(monkeypatch, capsys) -> None:
+    r = pages(monkeypatch, capsys, "size", "--model", "shape:Llama-3.1-8B", "--seq-len", "4096", "--batch", "16",
+              "--json", "--spill", "none")
+    assert r.rc == 0, r.err
+    assert KEYS <= set(r.data)
+    assert {e["hardware"] for e in r.data["hardware"]} >= {"H100-SXM", "RTX-3090"}
+    assert any(not e["feasible"] and "host RAM" in e["reason"] for e in r.data["hardware"])
+    assert "minimum GPU memory" in r.text and "H200" in r.text
 
 
 def test_ram_json_and_table() -> None:
@@ -122,23 +122,21 @@ def test_ram_json_and_table() -> None:
     assert not data["price_assumed"] and data["price_per_gb"] == 3
 
 
-def test_ram_out_of_reach_names_the_best_and_its_bound() -> None:
-    r = run("ram", "--model", "shape:Qwen2.5-7B", "--tokens-per-second", "1e9", "--hardware", "RTX-3090",
-            "--max-batch", "16", "--json")
-    assert r.returncode == 0, r.stderr
-    data = json.loads(r.stdout)
-    assert not data["reachable"] and 0 < data["best_tokens_per_second"] < 1e9
-    assert data["bound_by"]
-    r = run("ram", "--model", "shape:Qwen2.5-7B", "--tokens-per-second", "1e9", "--hardware", "RTX-3090",
-            "--max-batch", "16")
-    assert r.returncode == 0 and "out of reach" in r.stdout and "the best is" in r.stdout and "bound by" in r.stdout
-    assert not re.search(r"at most [0-9,]+ tok/s", r.stdout)
+def test_ram_out_of_reach_names_the_best_and_its_bound(monkeypatch, capsys) -> None:
+    r = pages(monkeypatch, capsys, "ram", "--model", "shape:Qwen2.5-7B", "--tokens-per-second", "1e9", "--hardware",
+              "RTX-3090", "--max-batch", "16", "--json")
+    assert r.rc == 0, r.err
+    assert not r.data["reachable"] and 0 < r.data["best_tokens_per_second"] < 1e9
+    assert r.data["bound_by"]
+    assert "out of reach" in r.text and "the best is" in r.text and "bound by" in r.text
+    assert not re.search(r"at most [0-9,]+ tok/s", r.text)
 
 
-def test_overview_with_a_preset_and_json() -> None:
-    r = run("--hardware", "H200", "--json")
-    assert r.returncode == 0, r.stderr
-    data = json.loads(r.stdout)
+def test_overview_with_a_preset_and_json(monkeypatch, capsys) -> None:
+    """Every preset model on a 24 GB GPU: some train from RAM, some spill, some do not fit at all."""
+    r = pages(monkeypatch, capsys, "--hardware", "RTX-4090", "--json")
+    assert r.rc == 0, r.err
+    data = r.data
     assert sorted(e["model"] for e in data["models"]) == sorted(model_shapes.PRESETS)  # every preset, once each
     assert data["largest_model"] is not None and data["longest_context"]["seq_len"] > 0
     assert data["compute_dtype"] == "bfloat16"
@@ -146,8 +144,8 @@ def test_overview_with_a_preset_and_json() -> None:
         assert e["fits"] in ("ram", "spill", "no") and (e["fits"] == "no") == (not e["feasible"])
         if e["feasible"]:
             assert (e["nvme_bytes"] > 0) == (e["fits"] == "spill") and e["batch"] in (1, 2, 4, 8, 16)
-    r = run("--hardware", "RTX-4090")
-    assert r.returncode == 0 and "largest model it can train" in r.stdout
+    assert {e["fits"] for e in data["models"]} == {"ram", "spill", "no"}
+    assert "largest model it can train" in r.text
 
 
 def test_overview_detects_this_machine(tmp_path) -> None:
@@ -168,10 +166,29 @@ def test_profile_writes_a_profile(tmp_path) -> None:
     assert r.returncode == 0, r.stderr
 
 
-def test_profile_disk_only_measures_the_disk_into_the_saved_profile_and_keeps_the_rest(tmp_path) -> None:
+def _small_disk_probe(monkeypatch) -> None:
+    """The disk probe's own code at a test's size: 32 MiB a pass in 4 MiB requests, and the CPU it costs in 0.2 s
+    phases (the command: 1 GiB in 64 MiB requests and 2 s phases, most of the 23 s this test took as a subprocess)."""
+    from megatrain.planner.profiling import disk_contention, disk_profile
+    from megatrain.planner.profiling.hardware import GiB
+
+    bandwidth, contention, request = disk_profile.disk_bandwidth, disk_contention.cpu_seconds_per_gb, 4 << 20
+
+    def small_bandwidth(directory, nbytes, **kw):
+        assert nbytes == 1 * GiB  # what the command measures
+        return bandwidth(directory, 32 << 20, request=request, **kw)
+
+    monkeypatch.setattr(disk_profile, "disk_bandwidth", small_bandwidth)
+    monkeypatch.setattr(disk_contention, "cpu_seconds_per_gb", lambda directory, direct, work: contention(
+        directory, direct, work, seconds=0.2, request=request, file_bytes=8 * request))
+
+
+def test_profile_disk_only_measures_the_disk_into_the_saved_profile_and_keeps_the_rest(tmp_path, monkeypatch,
+                                                                                      capsys) -> None:
     """--disk-only: the saved profile's disk figures measured again, its source saying where and when (once, however
     often it runs), every other figure and the calibration as they were; without a saved profile or a disk to
-    measure, one line naming the fix, and the file untouched."""
+    measure, one line naming the fix, and the file untouched. The measuring run in-process, at a small size."""
+    from megatrain.planner.commands import cli
     from megatrain.planner.profiling import disk_profile
     from megatrain.planner.profiling.calibration import Calibration
     from megatrain.planner.profiling.hardware import HardwareProfile
@@ -188,8 +205,9 @@ def test_profile_disk_only_measures_the_disk_into_the_saved_profile_and_keeps_th
     out.chmod(0o640)
     spill = tmp_path / "spill"
     spill.mkdir()
-    r = run("profile", "--disk-only", "--spill-dir", str(spill), "--out", str(out), "--json")
-    assert r.returncode == 0, r.stderr
+    _small_disk_probe(monkeypatch)
+    assert cli.main(["profile", "--disk-only", "--spill-dir", str(spill), "--out", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["saved_to"] == str(out)
     now = HardwareProfile.load(str(out))
     again = disk_profile.with_disk_measured(now, {"disk_read_gbps": 1.0}, "/elsewhere")
     assert again.source.count("disk re-measured") == 1 and again.source.startswith("measured by a test; ")
