@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 from megatrain.errors import MegatrainError
 
 from . import hardware as hwmod
-from . import model_shapes, profiler, search
+from . import model_shapes, profiler
 from .hardware import GiB, HardwareProfile
 from .workload import Workload
 
@@ -151,7 +151,7 @@ def is_preset(args: argparse.Namespace) -> bool:
 
 def compute_dtype(args: argparse.Namespace, hw: HardwareProfile) -> str:
     """--dtype, or for auto the planner's choice for this hardware."""
-    return search.preferred_compute_dtype(hw) if args.dtype == "auto" else args.dtype
+    return hwmod.preferred_compute_dtype(hw) if args.dtype == "auto" else args.dtype
 
 
 def workload(args: argparse.Namespace, dtype: str, batch: int | None = None, spill_dir: str | None = None,

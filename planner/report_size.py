@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import model_shapes, report_ram, search, spill_placement
+from . import model_shapes, report_ram, spill_placement
 from .cli_args import NVME_DIR
 from .hardware import HardwareProfile
 from .model_shapes import ModelShape
@@ -45,7 +45,7 @@ def page(model: ModelShape, work: Workload, least: dict[str, PlanChoice], preset
                 step, speed, last = dp["step_seconds"], dp["tokens_per_second"], f"{dp['efficiency']:.0%}"
                 bound = "collectives" if dp["collectives_bound"] else bound
             rows.append((p.name, gib(hw.host_budget_bytes), gib(G * m.host_bytes),
-                         gib(G * m.nvme_bytes), gib(G * search.disk_traffic_bytes(m)))
+                         gib(G * m.nvme_bytes), gib(G * spill_placement.disk_traffic_bytes(m.nvme_bytes)))
                         + ((gib(m.device_bytes),) if many else ())
                         + (seconds(step), rate(speed), last, bound))
         else:
@@ -76,7 +76,7 @@ def page(model: ModelShape, work: Workload, least: dict[str, PlanChoice], preset
     least_line = (f"minimum host RAM {gib(G * host.memory.host_bytes)}{' per node' if ranks_line else ''} with "
                   + ("nothing on disk" if host.plan.spill == "none" else
                      f"{gib(G * host.memory.nvme_bytes)} on NVMe ({spill_placement.label(host.plan)} spilled, "
-                     f"{gib(G * search.disk_traffic_bytes(host.memory))} disk traffic per step)"))
+                     f"{gib(G * spill_placement.disk_traffic_bytes(host.memory.nvme_bytes))} disk traffic per step)"))
     if resident is not None and resident is not host:
         least_line += f"; without NVMe {gib(G * resident.memory.host_bytes)}"
     node = " per node" if ranks_line else ""
