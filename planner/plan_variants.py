@@ -46,11 +46,12 @@ def variants(model: ModelShape, work: Workload, plan: Plan, fits: Callable[[Plan
 
 def host_relief(model: ModelShape, work: Workload, plan: Plan, over: Callable[[Plan], list[Overrun]],
                 on_gpu: bool) -> Plan:
-    """``plan`` with the fewest first blocks resident that bring host RAM within its budget, where host RAM is what it
-    overruns (``over``: its overruns; ``on_gpu`` as in ``variants``) and it then fits every budget with what it keeps;
-    else ``plan`` unchanged. Each block more moves its state from RAM to the device, so host RAM falls block by block
-    and the fewest is found by bisection: at most log2(L + 2) + 2 calls of ``over``."""
-    if not (on_gpu and resident_blocks.may_hold(plan, work) and _short_of_ram(over(plan))):
+    """``plan`` with the fewest first blocks resident that bring host RAM within its budget, where host RAM is all it
+    overruns (``over``: its overruns; ``on_gpu`` as in ``variants``) and it then fits every budget; else ``plan``
+    unchanged. Each block more moves its state from RAM to the device: host RAM falls and device memory grows block
+    by block, so the fewest is found by bisection, at most log2(L + 2) + 2 calls of ``over``, and a count short of
+    RAM that also overruns another budget ends it (fewer blocks are short of RAM, more overrun the device too)."""
+    if not (on_gpu and resident_blocks.may_hold(plan, work)) or not _only_ram(over(plan)):
         return plan
 
     def with_count(r: int) -> Plan:
@@ -61,12 +62,20 @@ def host_relief(model: ModelShape, work: Workload, plan: Plan, over: Callable[[P
         return plan
     while hi - lo > 1:  # with_count(hi) is not short of RAM
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if _short_of_ram(over(with_count(mid))) else (lo, mid)
+        overruns = over(with_count(mid))
+        if _short_of_ram(overruns) and not _only_ram(overruns):
+            return plan
+        lo, hi = (mid, hi) if _short_of_ram(overruns) else (lo, mid)
     return plan if over(with_count(hi)) else with_count(hi)
 
 
 def _short_of_ram(overruns: list[Overrun]) -> bool:
     return any(o.budget == "host RAM" for o in overruns)
+
+
+def _only_ram(overruns: list[Overrun]) -> bool:
+    """Short of host RAM and within every other budget."""
+    return _short_of_ram(overruns) and all(o.budget == "host RAM" for o in overruns)
 
 
 def traded(model: ModelShape, work: Workload, plan: Plan, fits: Callable[[Plan], bool], on_gpu: bool) -> list[Plan]:
