@@ -237,13 +237,13 @@ def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfil
     plan = fill(model, work, expert_groups(model, work, plan, hw, ranks), hw, ranks)
     plan = plan_variants.host_relief(model, _rank(work, ranks), plan, over, ranks is None and not hw.device_is_host)
     plan = kept_layers.keep_most(model, _rank(work, ranks), plan, lambda p: not over(p))
-    choice = None
-    for chunk in _chunks(plan.micro_batch_size * work.seq_len):
+    choice, chunks = None, _chunks(plan.micro_batch_size * work.seq_len)
+    for chunk in chunks if not over(plan) else chunks[-1:]:  # memory grows with the chunk
         p = plan.replace(loss_chunk_tokens=chunk)
         mem = _memory(model, work, p, hw, ranks)
-        over = tuple(overruns(mem, work, hw, ranks))
-        choice = PlanChoice(p, mem, None, over)
-        if not over:
+        short = tuple(overruns(mem, work, hw, ranks))
+        choice = PlanChoice(p, mem, None, short)
+        if not short:
             return choice
     assert choice is not None
     return choice
