@@ -5,7 +5,9 @@ The re-save test kills a writer (SIGKILL) just before each rename of the protoco
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -73,6 +75,20 @@ def test_failed_save_is_raised_once_and_later_saves_work(tmp_path, monkeypatch) 
             assert handle.wait() == str(tmp_path / f"step-{engine.step_count:08d}")
             with Engine.load_checkpoint(tmp_path) as resumed:
                 assert resumed.step_count == engine.step_count and same(weights(resumed), weights(engine))
+
+
+def test_disk_full_counts_the_bytes_of_bf16_state(tmp_path, monkeypatch) -> None:
+    """With bf16 m and v the checkpoint holds 4 + 2 + 2 bytes a parameter, and the disk-full line says so."""
+    config = dataclasses.replace(CONFIG, vocab_size=1024, hidden_size=64)  # ~160k parameters: 8 and 12 bytes
+    optimizer = OptimizerConfig(lr=1e-3, state_dtype="bf16")               # a parameter 0.6 MiB apart
+    with Engine(config, optimizer, compute_dtype=torch.float32, device="cpu", seed=3) as engine:
+        engine.step(*batch(0))
+        _fail_writes(monkeypatch)
+        with pytest.raises(CheckpointError) as err:
+            engine.save_checkpoint(tmp_path, blocking=True)
+        need = (4 + 2 + 2) * engine.num_parameters / 2**20  # fp32 master, bf16 exp_avg and exp_avg_sq, MiB
+        said = re.search(r"needs ([0-9.]+) MiB", str(err.value))
+        assert said and abs(float(said.group(1)) - need) < 0.1, (str(err.value), need)  # within arena padding
 
 
 def test_unwaited_failure_is_warned_by_the_next_save_which_goes_ahead(tmp_path, monkeypatch) -> None:

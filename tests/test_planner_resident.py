@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from megatrain.planner.commands import cli
-from megatrain.planner.costs import cost_model, memory_model
+from megatrain.planner.costs import cost_model, memory_model, resident_blocks
 from megatrain.planner.profiling import hardware
 from megatrain.planner.shapes import model_shapes
 from megatrain.planner.choice import plan_variants, search
@@ -79,3 +79,18 @@ def test_megatrain_plan_says_how_many_blocks_and_the_timed_alternatives(capsys) 
     chosen = len(data["plan"].get("resident_blocks", []))
     fastest = min(rows, key=lambda r: r["step_seconds"])
     assert fastest["resident_blocks"] == chosen or fastest["step_seconds"] >= data["time"]["step_seconds"] * 0.99
+
+
+def test_more_resident_blocks_start_from_the_plans_own() -> None:
+    """``most_resident`` and ``traded`` from a plan whose first blocks host RAM needs resident: a count below it
+    does not fit (RAM), one above a ceiling neither (the GPU); the answer is the ceiling, never fewer than the plan's
+    own (a bisection from none had walked down into the RAM-short counts and answered none)."""
+    m = LLAMA_1B  # 18 blocks
+    fits = lambda p: 5 <= len(p.resident_blocks) <= 8  # noqa: E731
+    five = Plan(resident_blocks=resident_blocks.first_blocks(m, 5))
+    assert resident_blocks.most_resident(m, five, fits).resident_blocks == tuple(range(8))
+    assert resident_blocks.most_resident(m, five, lambda p: len(p.resident_blocks) == 5) == five
+    kept = five.replace(kept_layers=(15, 14, 13, 12))  # fewer kept layers: room for more blocks, from the five
+    traded = plan_variants.traded(m, WORK, kept, lambda p: 5 <= len(p.resident_blocks) <= 8 + 4 - len(p.kept_layers),
+                                  True)
+    assert traded and all(len(p.resident_blocks) == 12 - len(p.kept_layers) for p in traded)

@@ -1,15 +1,17 @@
 """Plan search: a returned plan never exceeds a budget; an infeasible answer names one really exceeded."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from megatrain.plan import buffer_kinds
-from megatrain.planner.costs import data_parallel, memory_model, spill_placement
+from megatrain.plan import buffer_kinds, plan_checks
+from megatrain.planner.costs import data_parallel, memory_model, resident_blocks, spill_placement
 from megatrain.planner.profiling import hardware
 from megatrain.planner.shapes import model_shapes
-from megatrain.planner.choice import search, spill_choices
+from megatrain.planner.choice import plan_variants, search, spill_choices
 from megatrain.planner.profiling.hardware import GiB, HardwareProfile
 from megatrain.planner.shapes.model_shapes import PRESETS, ModelShape
 from megatrain.plan.plan import Plan
@@ -115,9 +117,10 @@ def test_infeasible_names_the_budget() -> None:
 
 
 def test_clipping_forces_deferred_and_no_clip_may_choose_eager() -> None:
-    m, hw = PRESETS["shape:Llama-3.1-8B"], hardware.preset("RTX-4090")
+    # 116 GiB of RAM: with 128, the embedding's state on the GPU (16 bytes a parameter there) lets 8B fit with clipping
+    m, hw = PRESETS["shape:Llama-3.1-8B"], hardware.preset("RTX-4090").with_overrides(ram_bytes=116 * GiB)
     clip = search.search(m, Workload(4096, 4, clipping=True, spill="none"), hw)
-    assert not clip.feasible                      # 18 B/param do not fit 128 GiB of RAM...
+    assert not clip.feasible                      # 18 B/param do not fit 116 GiB of RAM...
     eager = search.search(m, Workload(4096, 4, clipping=False, spill="none"), hw)
     assert eager.feasible                         # ...14 B/param plus slabs do
     assert eager.require().plan.optimizer_mode == "eager"
@@ -129,7 +132,7 @@ def test_clipping_forces_deferred_and_no_clip_may_choose_eager() -> None:
 
 
 def test_spill_needs_a_directory_and_disk_figures() -> None:
-    m, hw = PRESETS["shape:Llama-3.1-8B"], hardware.preset("RTX-4090")
+    m, hw = PRESETS["shape:Llama-3.1-8B"], hardware.preset("RTX-4090").with_overrides(ram_bytes=116 * GiB)
     # auto without a directory: the search never invents one, so nothing spills and 8B does not fit.
     r = search.search(m, Workload(4096, 4), hw)
     assert not r.feasible and all(p.spill == "none" for p in search.candidates(m, Workload(4096, 4), hw))
@@ -146,7 +149,7 @@ def test_spill_needs_a_directory_and_disk_figures() -> None:
 
 
 def test_spill_respects_free_disk_space() -> None:
-    m, hw = PRESETS["shape:Llama-3.1-8B"], hardware.preset("RTX-4090")
+    m, hw = PRESETS["shape:Llama-3.1-8B"], hardware.preset("RTX-4090").with_overrides(ram_bytes=116 * GiB)
     roomy = search.search(m, Workload(4096, 4, spill_dir="/nvme", spill_free_bytes=1 << 40), hw).require()
     nvme = roomy.memory.nvme_bytes
     assert nvme > 0
@@ -166,9 +169,9 @@ def test_search_records_the_workload() -> None:
 
 
 def test_preferred_compute_dtype_follows_the_profile() -> None:
-    assert search.preferred_compute_dtype(hardware.preset("H100-SXM")) == "bfloat16"
+    assert hardware.preferred_compute_dtype(hardware.preset("H100-SXM")) == "bfloat16"
     cpu = hardware.preset("H100-SXM").replace(gpu_mem_bytes=0, matmul_tflops={"float32": 0.06, "bfloat16": 0.0005})
-    assert search.preferred_compute_dtype(cpu) == "float32"
+    assert hardware.preferred_compute_dtype(cpu) == "float32"
 
 
 def test_plan_is_valid_and_bounds_follow_each_other() -> None:
@@ -328,3 +331,106 @@ def test_a_spilled_plan_takes_the_most_staging_sets_its_ram_allows() -> None:
         m, work, plan.replace(spill_staging=n), tight).overruns(tight)
     assert fits(plan.spill_staging) and not fits(plan.spill_staging + 1)
     assert 24 < plan.spill_staging < 64 and plan.spill_staging not in spill_choices.SPILL_STAGING
+
+
+# The H200 machine of the GPU sessions as measured: 139.8 GiB of GPU memory, 118.08 GiB of host RAM usable.
+H200_MEASURED = str(Path(__file__).resolve().parent.parent / "benchmarks/results/2026-11-28_H200_hardware.json")
+
+
+def _short_of_ram(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile) -> bool:
+    return any(o.budget == "host RAM" for o in memory_model.estimate(model, work, plan, hw).overruns(hw))
+
+
+QWEN3_MOE_12 = model_shapes.from_config(dict(PRESETS["shape:Qwen3-30B-A3B"].config, num_hidden_layers=12))
+
+
+@pytest.mark.parametrize("model", [PRESETS["shape:Llama-3.1-8B"],  # 16 x 4096: 121.66 GiB of RAM with none
+                                   QWEN3_MOE_12])                     # 12 of 48 layers, 8.1B, 8 x 4096: 122.70
+def test_where_host_ram_binds_the_plan_keeps_the_fewest_blocks_state_on_the_gpu_that_lets_it_fit(
+        model: ModelShape) -> None:
+    """Clipping on, on the measured H200 machine: with every block's fp32 state in host RAM no plan fits (every
+    candidate overruns host RAM, the GPU having room), and the search had answered "no plan"; the state of the
+    first blocks on the GPU frees RAM 18 bytes a parameter, so a plan fits, and the search finds it, as does
+    ``fits``. Each candidate takes the fewest first blocks resident that host RAM needs (``host_relief``)."""
+    hw = HardwareProfile.load(H200_MEASURED)
+    work = Workload(4096, 8 if model is QWEN3_MOE_12 else 16)
+    plans = [search.fill(model, work, search.expert_groups(model, work, p, hw), hw) for p in
+             search.candidates(model, work, hw)]
+    assert all(_short_of_ram(model, work, p.replace(loss_chunk_tokens=64), hw) for p in plans)
+    best = search.search(model, work, hw).require()
+    r = len(best.plan.resident_blocks)
+    assert r and best.plan.resident_blocks == resident_blocks.first_blocks(model, r)
+    assert memory_model.estimate(model, work, best.plan, hw).overruns(hw) == []  # recomputed, not the search's
+    assert _short_of_ram(model, work, best.plan.replace(resident_blocks=()), hw)
+    assert search.fits(model, work, hw)
+    over = search._over(model, work, hw, None)
+    for p in plans[:4]:  # the fewest: one block fewer is short of RAM
+        fewest = plan_variants.host_relief(model, work, p, over, True)
+        if fewest.resident_blocks:
+            n = len(fewest.resident_blocks)
+            assert not over(fewest) and _short_of_ram(model, work, fewest.replace(
+                resident_blocks=resident_blocks.first_blocks(model, n - 1), loss_chunk_tokens=64), hw)
+
+
+def test_host_relief_takes_the_fewest_first_blocks_that_ram_needs_and_only_a_plan_that_then_fits() -> None:
+    """Against a hand-made budget: RAM needs ``need`` blocks resident, the GPU holds at most ``most``."""
+    m, work = PRESETS["shape:Llama-3.2-1B"], Workload(2048, 8)  # 18 blocks
+
+    def budget(need: int, most: int):
+        def over(p: Plan) -> list[memory_model.Overrun]:
+            r = len(p.resident_blocks)
+            return ([memory_model.Overrun("host RAM", 10 + need - r, 10)] if r < need else []) + \
+                ([memory_model.Overrun("gpu memory", 10 + r, 10)] if r > most else [])
+        return over
+
+    for need in range(1, 19):
+        assert plan_variants.host_relief(m, work, Plan(), budget(need, 18), True).resident_blocks == tuple(range(need))
+    assert plan_variants.host_relief(m, work, Plan(), budget(0, 18), True) == Plan()   # RAM does not bind
+    assert plan_variants.host_relief(m, work, Plan(), budget(5, 4), True) == Plan()    # the GPU cannot take them
+    assert plan_variants.host_relief(m, work, Plan(), budget(19, 18), True) == Plan()  # not even every block
+    assert plan_variants.host_relief(m, work, Plan(), budget(5, 18), False) == Plan()  # a CPU device, or ranks
+    bf16 = Workload(2048, 8, optimizer_state="bf16")  # the device AdamW keeps fp32 state only
+    assert plan_variants.host_relief(m, bf16, Plan(), budget(5, 18), True) == Plan()
+
+
+def test_spill_auto_finds_every_plan_an_explicit_spill_finds() -> None:
+    """Qwen2.5-14B's shape, 8 x 4096, bf16 AdamW state, on the measured H200 machine with a 64 GiB disk:
+    "optimizer" fits (m and v on disk, 55.02 GiB; masters in RAM, the weights cast from them on the device: no
+    bf16 shadow in RAM, host 118.05 GiB). Auto had filled only candidates whose weights are rounded on the host,
+    whose shadow pushed masters to disk as well (77.41 GiB, more than the disk): no plan. Its candidate spilling
+    everything now has a twin cast on the device, filled within m and v."""
+    hw = HardwareProfile.load(H200_MEASURED).with_overrides(nvme_gbps=3.0)
+    m = PRESETS["shape:Qwen2.5-14B"]
+
+    def best(spill: str) -> search.SearchResult:
+        return search.search(m, Workload(4096, 8, spill=spill, spill_dir="/nvme", spill_free_bytes=64 * GiB,
+                                         optimizer_state="bf16"), hw)
+
+    optimizer, auto = best("optimizer").require(), best("auto").require()
+    assert optimizer.plan.weights_cast == "device" and optimizer.memory.nvme_bytes <= 64 * GiB
+    assert auto.memory.nvme_bytes <= 64 * GiB and not plan_checks.master_spills(auto.plan)
+    assert auto.cost.step_seconds <= optimizer.cost.step_seconds * (1 + search.TIME_TOLERANCE)
+    assert not best("all").feasible and not best("none").feasible
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(ram=st.integers(8, 20), state=st.sampled_from(["fp32", "bf16"]), clipping=st.booleans(),
+       free=st.sampled_from([6, 10, 1024]))
+@example(ram=12, state="fp32", clipping=True, free=10)   # auto had found no plan where "optimizer" took 6.74 s
+@example(ram=13, state="bf16", clipping=True, free=1024)  # auto had taken 4.40 s where "optimizer" took 3.44 s
+def test_spill_auto_is_never_beaten_by_an_explicit_spill(ram: int, state: str, clipping: bool, free: int) -> None:
+    """Whatever "none", "optimizer" or "all" finds, "auto" finds too, at most the search's tolerance slower: the
+    1.24B shape, 2 x 512, with RAM about its fp32 masters and gradients (the weights cast on the device, no shadow
+    in RAM, where m and v spill) and a disk that holds m and v or more."""
+    model, hw = PRESETS["shape:Llama-3.2-1B"], hardware.preset("H100-SXM").with_overrides(ram_bytes=ram * GiB,
+                                                                                          nvme_gbps=3.0)
+
+    def step(spill: str) -> float | None:
+        r = search.search(model, Workload(512, 2, clipping=clipping, spill=spill, spill_dir="/nvme",
+                                          spill_free_bytes=free * GiB, optimizer_state=state), hw)
+        return r.best.cost.step_seconds if r.best is not None and r.best.cost is not None else None
+
+    auto = step("auto")
+    for spill in ("none", "optimizer", "all"):
+        explicit = step(spill)
+        assert explicit is None or (auto is not None and auto <= explicit * (1 + search.TIME_TOLERANCE)), spill

@@ -11,12 +11,19 @@ layers that fit beside that; then, for the fastest of all, the points between: t
 1/2 and 1/4 of its kept layers (``traded``; only there, the search's time being the overview's). The step each
 variant takes is the cost model's, and ``megatrain-plan plan`` prints
 them (``commands/plan.py``).
+
+Where host RAM is the binding limit (the fp32 state of every block does not fit it), resident blocks are what makes
+a plan at all: the candidate first takes the fewest first blocks resident that let host RAM hold the rest
+(``host_relief``), then the most kept layers that fit beside them, and the trade above runs from there: more resident
+blocks for fewer kept layers, never fewer than host RAM needs (``resident_blocks.most_resident`` starts from the
+plan's own).
 """
 from __future__ import annotations
 
 from typing import Callable
 
 from megatrain.planner.costs import kept_layers, resident_blocks
+from megatrain.planner.costs.memory_model import Overrun
 from megatrain.planner.shapes.model_shapes import ModelShape
 from megatrain.plan.plan import Plan
 from megatrain.planner.shapes.workload import Workload
@@ -37,14 +44,49 @@ def variants(model: ModelShape, work: Workload, plan: Plan, fits: Callable[[Plan
     return [p for p in out if fits(p)]
 
 
+def host_relief(model: ModelShape, work: Workload, plan: Plan, over: Callable[[Plan], list[Overrun]],
+                on_gpu: bool) -> Plan:
+    """``plan`` with the fewest first blocks resident that bring host RAM within its budget, where host RAM is all it
+    overruns (``over``: its overruns; ``on_gpu`` as in ``variants``) and it then fits every budget; else ``plan``
+    unchanged. Each block more moves its state from RAM to the device: host RAM falls and device memory grows block
+    by block, so the fewest is found by bisection, at most log2(L + 2) + 2 calls of ``over``, and a count short of
+    RAM that also overruns another budget ends it (fewer blocks are short of RAM, more overrun the device too)."""
+    if not (on_gpu and resident_blocks.may_hold(plan, work)) or not _only_ram(over(plan)):
+        return plan
+
+    def with_count(r: int) -> Plan:
+        return plan.replace(resident_blocks=resident_blocks.first_blocks(model, r))
+
+    lo, hi = len(plan.resident_blocks), model.num_layers + 2  # with_count(lo) is short of RAM
+    if _short_of_ram(over(with_count(hi))):
+        return plan
+    while hi - lo > 1:  # with_count(hi) is not short of RAM
+        mid = (lo + hi) // 2
+        overruns = over(with_count(mid))
+        if _short_of_ram(overruns) and not _only_ram(overruns):
+            return plan
+        lo, hi = (mid, hi) if _short_of_ram(overruns) else (lo, mid)
+    return plan if over(with_count(hi)) else with_count(hi)
+
+
+def _short_of_ram(overruns: list[Overrun]) -> bool:
+    return any(o.budget == "host RAM" for o in overruns)
+
+
+def _only_ram(overruns: list[Overrun]) -> bool:
+    """Short of host RAM and within every other budget."""
+    return _short_of_ram(overruns) and all(o.budget == "host RAM" for o in overruns)
+
+
 def traded(model: ModelShape, work: Workload, plan: Plan, fits: Callable[[Plan], bool], on_gpu: bool) -> list[Plan]:
     """The fastest candidate's kept layers traded for resident blocks: the most first blocks resident beside 3/4,
-    1/2 and 1/4 of its kept layers (the first in ``kept_layers.keep_order``), each that fits and holds one."""
+    1/2 and 1/4 of its kept layers (the first in ``kept_layers.keep_order``), each that fits and holds one; at
+    least the candidate's own resident blocks, which fit beside more kept layers (and may be what host RAM needs)."""
     if not (on_gpu and resident_blocks.may_hold(plan, work) and plan.kept_layers):
         return []
     order, k, out = kept_layers.keep_order(model, work), len(plan.kept_layers), []
     for fewer in sorted({k * 3 // 4, k // 2, k // 4} - {0, k}, reverse=True):
-        some = resident_blocks.most_resident(model, plan.replace(kept_layers=tuple(order[:fewer]), resident_blocks=()),
+        some = resident_blocks.most_resident(model, plan.replace(kept_layers=tuple(order[:fewer])),
                                              fits)
         if some.resident_blocks and fits(some):
             out.append(some)

@@ -21,6 +21,7 @@ Memory is checked first (cheap); only plans that fit are timed. Pure stdlib.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from megatrain.errors import MegatrainError
 from megatrain.models import registry
@@ -155,9 +156,10 @@ def _rank(work: Workload, ranks: Ranks) -> Workload:
 
 def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None,
          chunk: int | None = None) -> Plan:
-    """RAM first, the rest on disk: for a candidate of an "auto" workload that spills (``plan.spill`` "all"), the
+    """RAM first, the rest on disk: for a candidate of an "auto" workload that spills (``plan.spill`` "all", or
+    "optimizer": its weights cast on the device from masters that stay in RAM, levels 1..nb only), the
     plan at the least fill level (spill_placement.at_level, from 1) whose memory fits the GPU and host RAM with
-    loss chunk ``chunk`` (default: the smallest); the plan unchanged (spilling everything) when none does. The
+    loss chunk ``chunk`` (default: the smallest); the plan unchanged (at its top level) when none does. The
     least such level also puts the least on disk, so if its files overrun the disk's free space, every level
     that fits RAM does. Other plans: unchanged.
 
@@ -166,7 +168,7 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
     adds the staging of its newly spilled kinds (P x Ck x s_k each; the grads also their S x Ck x 4 slabs) back.
     So the first group whose last level fits holds the least level that fits, and within it a binary search
     finds it: at most 3 + log2(nb) memory estimates."""
-    if work.spill != "auto" or plan.spill != "all":
+    if work.spill != "auto" or plan.spill not in ("optimizer", "all"):
         return plan
     host = hw.device_is_host and ranks is None  # a CPU device in one process: plan.host_device_choices
     chunk = _chunks(plan.micro_batch_size * work.seq_len)[-1] if chunk is None else chunk
@@ -176,8 +178,9 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
         return [o for o in overruns(_memory(model, work, p, hw, ranks), work, hw, ranks) if o.budget != "NVMe"]
 
     nb = model.num_layers + 2
+    top = nb if plan.spill == "optimizer" else spill_placement.fill_levels(model, plan.optimizer_mode == "deferred")
     hi = None
-    for end in range(nb, spill_placement.fill_levels(model, plan.optimizer_mode == "deferred") + 1, nb):
+    for end in range(nb, top + 1, nb):
         missing = over(end)
         if not missing:
             hi = end
@@ -215,27 +218,29 @@ def expert_groups(model: ModelShape, work: Workload, plan: Plan, hw: HardwarePro
     return p
 
 
+def _over(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks) -> Callable[[Plan], list[Overrun]]:
+    """A plan's overruns with its smallest loss chunk (the least memory it can take)."""
+    return lambda p: overruns(_memory(model, work, p.replace(loss_chunk_tokens=_chunks(
+        p.micro_batch_size * work.seq_len)[-1]), hw, ranks), work, hw, ranks)
+
+
 def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None) -> PlanChoice:
-    """The plan in the fewest expert groups whose device memory fits (``expert_groups``), keeping the most layers
-    that fit with the smallest loss chunk (kept_layers.keep_most: a kept layer saves a recompute, a larger chunk
-    hardly any time), then the largest loss chunk that fits (spilling
+    """The plan in the fewest expert groups whose device memory fits (``expert_groups``), with the fewest blocks'
+    optimizer state on the GPU that lets host RAM hold the rest where it binds (``plan_variants.host_relief``),
+    keeping the most layers that fit with the smallest loss chunk (kept_layers.keep_most: a kept layer saves a
+    recompute, a larger chunk hardly any time), then the largest loss chunk that fits (spilling
     the least that lets it: ``fill``); else the smallest chunk, with its overruns."""
+    over = _over(model, work, hw, ranks)
     plan = fill(model, work, expert_groups(model, work, plan, hw, ranks), hw, ranks)
-    smallest = plan.replace(loss_chunk_tokens=_chunks(plan.micro_batch_size * work.seq_len)[-1])
-    plan = kept_layers.keep_most(model, _rank(work, ranks), plan, lambda p: not overruns(
-        _memory(model, work, p.replace(loss_chunk_tokens=smallest.loss_chunk_tokens), hw, ranks), work, hw, ranks))
-    if not plan.kept_layers:  # memory grows with the chunk: where the smallest overruns, the loop's last misfit
-        p = plan.replace(loss_chunk_tokens=smallest.loss_chunk_tokens)
-        mem = _memory(model, work, p, hw, ranks)  # keep_most's, kept
-        if over := tuple(overruns(mem, work, hw, ranks)):
-            return PlanChoice(p, mem, None, over)
-    choice = None
-    for chunk in _chunks(plan.micro_batch_size * work.seq_len):
+    plan = plan_variants.host_relief(model, _rank(work, ranks), plan, over, ranks is None and not hw.device_is_host)
+    plan = kept_layers.keep_most(model, _rank(work, ranks), plan, lambda p: not over(p))
+    choice, chunks = None, _chunks(plan.micro_batch_size * work.seq_len)
+    for chunk in chunks if not over(plan) else chunks[-1:]:  # memory grows with the chunk
         p = plan.replace(loss_chunk_tokens=chunk)
         mem = _memory(model, work, p, hw, ranks)
-        over = tuple(overruns(mem, work, hw, ranks))
-        choice = PlanChoice(p, mem, None, over)
-        if not over:
+        short = tuple(overruns(mem, work, hw, ranks))
+        choice = PlanChoice(p, mem, None, short)
+        if not short:
             return choice
     assert choice is not None
     return choice
@@ -274,9 +279,12 @@ def traded(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks,
 def casts(plan: Plan, work: Workload, hw: HardwareProfile | None) -> tuple[Plan, ...]:
     """A candidate, and on a GPU in bf16 / fp16 the same with the weights rounded on the device
     (``Plan.weights_cast``: no rounding pass in the CPU AdamW and no shadow in RAM, 4 bytes a weight over PCIe
-    instead of 2), a candidate of its own; not where a master spills."""
-    if hw is None or hw.device_is_host or work.compute_bytes == 4 or master_spills(plan):
+    instead of 2), a candidate of its own; not where a master spills, but an "auto" workload's candidate spilling
+    everything has its twin at "optimizer", which ``fill`` fills within m and v, where no master spills."""
+    if hw is None or hw.device_is_host or work.compute_bytes == 4:
         return (plan,)
+    if master_spills(plan):
+        return (plan, plan.replace(spill="optimizer", weights_cast="device")) if work.spill == "auto" else (plan,)
     return plan, plan.replace(weights_cast="device")
 
 
@@ -316,11 +324,12 @@ def search(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks 
 
 def fits(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks = None) -> bool:
     """Whether any plan fits every budget (memory only; nothing is timed). Memory grows with the loss
-    chunk, so each candidate is tried with its smallest chunk only."""
+    chunk, so each candidate is tried with its smallest chunk only, filled (``fill``) and with the fewest resident
+    blocks that host RAM needs (``plan_variants.host_relief``), as the search fits it."""
+    over, gpu = _over(model, work, hw, ranks), ranks is None and not hw.device_is_host
     for plan in candidates(model, _rank(work, ranks), hw, ranks is None):
-        p = fill(model, work, plan, hw, ranks).replace(
-            loss_chunk_tokens=_chunks(plan.micro_batch_size * work.seq_len)[-1])
-        if not overruns(_memory(model, work, p, hw, ranks), work, hw, ranks):
+        filled = fill(model, work, plan, hw, ranks)
+        if not over(plan_variants.host_relief(model, _rank(work, ranks), filled, over, gpu)):
             return True
     return False
 
@@ -385,16 +394,3 @@ def minimum_memory(model: ModelShape, work: Workload, hw: HardwareProfile,
                 best[key] = PlanChoice(p, mem, None)
     return best
 
-
-def disk_traffic_bytes(mem: MemoryEstimate) -> int:
-    """Bytes the spill disk moves per step: every spilled kind is read once and written once per step
-    (master, m and v around AdamW; deferred gradients written in backward, read by AdamW)."""
-    return 2 * mem.nvme_bytes
-
-
-def preferred_compute_dtype(hw: HardwareProfile) -> str:
-    """What ``megatrain-train --compute-dtype auto`` computes in there: fp32 where the device is the CPU; on a GPU
-    bf16 unless it multiplies fp32 faster."""
-    rates = hw.matmul_tflops
-    bf16, fp32 = rates.get("bfloat16", 0.0), rates.get("float32", 0.0)
-    return "float32" if hw.device_is_host or fp32 > bf16 else "bfloat16"

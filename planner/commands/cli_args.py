@@ -12,7 +12,6 @@ from megatrain.errors import MegatrainError
 from megatrain.planner.profiling import hardware as hwmod
 from megatrain.planner.shapes import model_shapes
 from megatrain.planner.profiling import profiler
-from megatrain.planner.choice import search
 from megatrain.planner.profiling.hardware import GiB, HardwareProfile
 from megatrain.planner.shapes.workload import Workload
 
@@ -153,7 +152,7 @@ def is_preset(args: argparse.Namespace) -> bool:
 
 def compute_dtype(args: argparse.Namespace, hw: HardwareProfile) -> str:
     """--dtype, or for auto the planner's choice for this hardware."""
-    return search.preferred_compute_dtype(hw) if args.dtype == "auto" else args.dtype
+    return hwmod.preferred_compute_dtype(hw) if args.dtype == "auto" else args.dtype
 
 
 def workload(args: argparse.Namespace, dtype: str, batch: int | None = None, spill_dir: str | None = None,

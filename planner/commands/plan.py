@@ -65,7 +65,8 @@ def clipping_cost(model: ModelShape, work: Workload, chosen: ChosenPlan, ranks: 
 
 def resident_alternatives(model: ModelShape, work: Workload, chosen: ChosenPlan) -> tuple[list[dict[str, Any]], str]:
     """How many blocks keep their optimizer state on the GPU and why ([Note: resident trade]): the fastest plan the
-    search timed with none, with some and with every block resident, each with its kept layers."""
+    search timed with none, with some and with every block resident, each with its kept layers; where none fits
+    (host RAM too small for every block's state), the fewest that do and the host RAM the plans with none need."""
     fit, _ = search.feasible_choices(model, work, chosen.hardware)
     fit += search.traded(model, work, chosen.hardware, None, fit)
     blocks = model.num_layers + 2
@@ -85,6 +86,12 @@ def resident_alternatives(model: ModelShape, work: Workload, chosen: ChosenPlan)
                         f"{r['kept_layers']} of {model.num_layers} layers kept, AdamW exposed "
                         f"{report.seconds(r['optimizer_exposed_seconds'])}"
                         for r in sorted(rows, key=lambda r: r["resident_blocks"])))
+    if "none" not in best and best:  # every plan that fits keeps some: host RAM does not hold all of the state
+        fewest = min(len(c.plan.resident_blocks) for c in fit)
+        least = search.minimum_memory(model, dataclasses.replace(work, spill="none"), chosen.hardware)["host"]
+        fewer = "none" if fewest == 1 else f"fewer than {fewest} blocks"
+        text += (f"; with {fewer}, no plan fits (the least host RAM with none, nothing on disk: "
+                 f"{report.gib(least.memory.host_bytes)} of {report.gib(chosen.hardware.host_budget_bytes)} usable)")
     return rows, text
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-from megatrain.planner.choice import search
 from megatrain.planner.costs import spill_placement
 from megatrain.planner.costs.cost_model import CostEstimate
 from megatrain.planner.profiling.hardware import GiB, HardwareProfile
@@ -134,7 +133,8 @@ def memory_json(c: PlanChoice) -> dict[str, Any]:
     """The memory side of a plan (timed or not)."""
     return {"gpu_bytes": c.memory.device_bytes, "host_ram_bytes": c.memory.host_bytes,
             "pinned_host_bytes": c.memory.pinned_host_bytes, "nvme_bytes": c.memory.nvme_bytes,
-            "disk_traffic_bytes_per_step": search.disk_traffic_bytes(c.memory), "spill": c.plan.spill}
+            "disk_traffic_bytes_per_step": spill_placement.disk_traffic_bytes(c.memory.nvme_bytes),
+            "spill": c.plan.spill}
 
 
 def spill_text(c: PlanChoice) -> str:
@@ -142,7 +142,7 @@ def spill_text(c: PlanChoice) -> str:
     if c.plan.spill == "none":
         return "nothing on disk"
     return (f"spills {spill_placement.label(c.plan)}: {gib(c.memory.nvme_bytes)} on disk, "
-            f"{gib(search.disk_traffic_bytes(c.memory))} disk traffic per step")
+            f"{gib(spill_placement.disk_traffic_bytes(c.memory.nvme_bytes))} disk traffic per step")
 
 
 def disk_text(hw: HardwareProfile, measured: bool) -> str:

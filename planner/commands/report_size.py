@@ -7,7 +7,6 @@ from typing import Any
 
 from megatrain.planner.shapes import model_shapes
 from megatrain.planner.commands import report_ram
-from megatrain.planner.choice import search
 from megatrain.planner.costs import spill_placement
 from megatrain.planner.commands.cli_args import NVME_DIR
 from megatrain.planner.profiling.hardware import HardwareProfile
@@ -48,7 +47,7 @@ def page(model: ModelShape, work: Workload, least: dict[str, PlanChoice], preset
                 step, speed, last = dp["step_seconds"], dp["tokens_per_second"], f"{dp['efficiency']:.0%}"
                 bound = "collectives" if dp["collectives_bound"] else bound
             rows.append((p.name, gib(hw.host_budget_bytes), gib(G * m.host_bytes),
-                         gib(G * m.nvme_bytes), gib(G * search.disk_traffic_bytes(m)))
+                         gib(G * m.nvme_bytes), gib(G * spill_placement.disk_traffic_bytes(m.nvme_bytes)))
                         + ((gib(m.device_bytes),) if many else ())
                         + (seconds(step), rate(speed), last, bound))
         else:
@@ -79,7 +78,7 @@ def page(model: ModelShape, work: Workload, least: dict[str, PlanChoice], preset
     least_line = (f"minimum host RAM {gib(G * host.memory.host_bytes)}{' per node' if ranks_line else ''} with "
                   + ("nothing on disk" if host.plan.spill == "none" else
                      f"{gib(G * host.memory.nvme_bytes)} on NVMe ({spill_placement.label(host.plan)} spilled, "
-                     f"{gib(G * search.disk_traffic_bytes(host.memory))} disk traffic per step)"))
+                     f"{gib(G * spill_placement.disk_traffic_bytes(host.memory.nvme_bytes))} disk traffic per step)"))
     if resident is not None and resident is not host:
         least_line += f"; without NVMe {gib(G * resident.memory.host_bytes)}"
     node = " per node" if ranks_line else ""

@@ -63,8 +63,9 @@ def may_hold(plan: Plan, work: Workload) -> bool:
 
 def most_resident(model: ModelShape, plan: Plan, fits: Callable[[Plan], bool]) -> Plan:
     """``plan`` with the most first blocks resident that still ``fits`` (binary search: each block more adds
-    device memory), ``plan`` itself when not even one does."""
-    lo, hi = 0, model.num_layers + 2  # lo fits (the plan as given), the answer lies in [lo, hi]
+    device memory), at least its own (its first blocks: what host RAM may need), ``plan`` itself when not even
+    one more does."""
+    lo, hi = len(plan.resident_blocks), model.num_layers + 2  # lo fits (the plan as given), the answer in [lo, hi]
     if fits(plan.replace(resident_blocks=first_blocks(model, hi))):
         return plan.replace(resident_blocks=first_blocks(model, hi))
     while hi - lo > 1:

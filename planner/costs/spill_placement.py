@@ -157,3 +157,9 @@ def label(plan: Plan) -> str:
         if n:
             by_count.setdefault(n, []).append(name)
     return ", ".join(f"{', '.join(names)} of {n} block{'s' if n > 1 else ''}" for n, names in by_count.items())
+
+
+def disk_traffic_bytes(nvme_bytes: int) -> int:
+    """Bytes the spill disk moves per step, for ``nvme_bytes`` of spill files: every spilled kind is read once and
+    written once per step (master, m and v around AdamW; deferred gradients written in backward, read by AdamW)."""
+    return 2 * nvme_bytes

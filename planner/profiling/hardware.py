@@ -330,3 +330,11 @@ def resolve(hardware: str | HardwareProfile, host: str | None = None) -> Hardwar
                                 f"--ram to change its host RAM")
         return HardwareProfile.load(hardware)
     return preset(hardware, host)  # raises the error listing valid names
+
+
+def preferred_compute_dtype(hw: HardwareProfile) -> str:
+    """What ``megatrain-train --compute-dtype auto`` computes in there: fp32 where the device is the CPU; on a GPU
+    bf16 unless it multiplies fp32 faster."""
+    rates = hw.matmul_tflops
+    bf16, fp32 = rates.get("bfloat16", 0.0), rates.get("float32", 0.0)
+    return "float32" if hw.device_is_host or fp32 > bf16 else "bfloat16"

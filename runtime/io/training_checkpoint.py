@@ -282,7 +282,7 @@ def _write_error(err: Exception, directory: str, final: str, arrays: Mapping[str
         "RESOURCE_EXHAUSTED" in text or "No space left" in text or "Disk quota exceeded" in text
     where = getattr(err, "filename", None) or final
     if full:
-        need = sum(t.numel() for t in arrays.values()) * 4
+        need = sum(t.numel() * t.dtype.itemsize for t in arrays.values())  # bf16 m and v: 2 bytes each
         try:
             free = f"{_size(shutil.disk_usage(directory).free)} free"
         except OSError:
