@@ -9,8 +9,8 @@
 # The parts that finish the benchmark protocol (benchmarks/README.md), in priority order, with the seconds each
 # takes as estimated from the recorded H200 runs (benchmarks/results/2026-11-2[678]_H200_*; "~" where no run of
 # that kind was recorded):
-#   flagship    230  8B, 16 x 4096, clipping, 1 + 5 timed steps, 1 traced (kernel categories); ~20 s where the
-#                    planner finds no plan (with clipping the 8B's fp32 state needs 121.7 GiB of host RAM of 118.1)
+#   flagship    230  8B, 16 x 4096, clipping, 1 + 5 timed steps, 1 traced (kernel categories); with clipping the
+#                    8B's fp32 state needs 121.7 GiB of host RAM of 118.1: the plan keeps 9 blocks' state on the GPU
 #   peers1b     490  the 1B peers at their best: megatrain, PyTorch, ZeRO-Offload, ZeRO-3 at micro-batch 4/8/16,
 #                    FSDP2 last (its 7 steps ~160 s); the DeepSpeed build 47 s of it; cut by its time budget
 #   peers3b     880  the same at 3B (~500 without FSDP2's ~380: the budget cuts it and says so)
@@ -213,7 +213,7 @@ json.dump(cfg, open(sys.argv[1], 'w'), indent=1)" "$keep/qwen3-moe-10l/config.js
   largest)
     # Qwen2.5-14B's shape on this machine (128 GiB RAM, 64 GiB disk): fp32 masters and gradients in RAM, bf16 m and
     # v (55.0 GiB) in spill files, 6 steps; peak host, GPU (metrics.jsonl) and disk (largest_watch.json) against
-    # largest_plan.json. --spill optimizer: auto finds no plan (it asks 77.4 GiB of disk)
+    # largest_plan.json. --spill optimizer (auto finds the same plan)
     [ -z "$dry" ] && mkdir -p "$spill-probe"
     [ -n "${HARDWARE:-}" ] || run 90 megatrain-plan profile --spill-dir "$spill-probe" --out "$keep/hardware.json"
     rm -rf "$spill-probe"
