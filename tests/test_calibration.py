@@ -376,3 +376,21 @@ def test_the_planner_reads_fitted_terms_without_the_runtime() -> None:
             "print(sorted(m for m in sys.modules if m.startswith(('megatrain.runtime', 'megatrain.tools', 'torch'))))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert p.stdout.strip() == "[]"
+
+
+def test_the_search_plans_with_a_calibration_that_kept_its_runs() -> None:
+    """A profile `megatrain-plan calibrate` wrote keeps its runs (dicts): the search, which prices a plan once per
+    model, workload, plan and calibration, plans with it, and with the calibration's memory terms: two profiles
+    alike but for the calibration's process bytes give estimates that differ by exactly that."""
+    from megatrain.planner.choice import search
+    from megatrain.planner.costs import plan_memory
+
+    runs = ({"name": "h256", "hidden_size": 256, "step_s": 0.3},)
+    small, large = (_cpu(calibrations=(_cal(runs=runs, process_bytes=b),)) for b in (300_000_000, 400_000_000))
+    work = Workload(128, 2, "float32", True)
+    result = search.search(SMALL, work, small)
+    assert result.best is not None
+    plan = result.best.plan
+    a, b = (plan_memory.memory(SMALL, work, plan, hw, None) for hw in (small, large))
+    assert b.host_bytes - a.host_bytes == 100_000_000
+    assert plan_memory.memory(SMALL, work, plan, small, None) is a  # priced once

@@ -17,11 +17,27 @@ ESTIMATES_KEPT = 4096
 _ESTIMATES: dict[tuple, MemoryEstimate] = {}
 
 
+class _Same:
+    """A key part equal only to itself: a profile's calibration (its runs are dicts, not hashable) by identity;
+    the key holds the object, so its id is never reused while the entry lives."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+
 def memory(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks) -> MemoryEstimate:
     """One process's memory, or one rank's among ``ranks`` (``work`` the global step). The same object for the same
     model, workload, plan, ranks and what the memory model reads of ``hw`` (whether the device is the host, its
     calibrations): ``fits``, the search and sizing's RAM ladder price one plan several times."""
-    key = (model, work, plan, ranks, hw.device_is_host, hw.calibrations)
+    key = (model, work, plan, ranks, hw.device_is_host, tuple(_Same(c) for c in hw.calibrations))
     found = _ESTIMATES.get(key)
     if found is None:
         if len(_ESTIMATES) >= ESTIMATES_KEPT:
