@@ -73,20 +73,21 @@ def ram_ladder(model: ModelShape, work: Workload, hw: HardwareProfile, max_batch
                ladder: tuple[int, ...] = RAM_LADDER, ranks: search.Ranks = None) -> list[LadderRow]:
     """For each RAM size (a node's, with ``ranks``), with nothing spilled (``nvme`` False) and with spill
     allowed to ``work.spill_dir`` within ``work.spill_free_bytes`` (True): the largest batch and its plan."""
-    rows = []
-    world = 1 if ranks is None else ranks.world
-    for nvme in (False, True):
-        w = work if nvme else dataclasses.replace(work, spill="none")
-        start = world
-        for ram in ladder:
-            h = with_ram(hw, ram)
-            b = largest_batch(model, w, h, max_batch, start, ranks)
-            choice = search.search(model, dataclasses.replace(w, batch=b), h, ranks).best if b else None
-            if choice is not None and ranks is not None:
-                choice = as_node(model, dataclasses.replace(w, batch=b), choice, h, ranks)
-            rows.append(LadderRow(ram, nvme, b, choice))
-            start = max(start, b)     # more RAM never fits less
-    return rows
+    return [ladder_row(model, work, hw, max_batch, nvme, ram, ranks) for nvme in (False, True) for ram in ladder]
+
+
+def ladder_row(model: ModelShape, work: Workload, hw: HardwareProfile, max_batch: int, nvme: bool, ram: int,
+               ranks: search.Ranks = None) -> LadderRow:
+    """One row of ``ram_ladder``: with ``ram`` bytes of host RAM, without the NVMe (``nvme`` False) or with it,
+    the largest batch that fits and the fastest plan at that batch. Each row is its own searches (no row reads
+    another's), so rows can be searched side by side (``ram_answers``)."""
+    w = work if nvme else dataclasses.replace(work, spill="none")
+    h = with_ram(hw, ram)
+    b = largest_batch(model, w, h, max_batch, 1 if ranks is None else ranks.world, ranks)
+    choice = search.search(model, dataclasses.replace(w, batch=b), h, ranks).best if b else None
+    if choice is not None and ranks is not None:
+        choice = as_node(model, dataclasses.replace(w, batch=b), choice, h, ranks)
+    return LadderRow(ram, nvme, b, choice)
 
 
 @dataclass(frozen=True)
@@ -117,12 +118,29 @@ def least_ram_for(model: ModelShape, work: Workload, hw: HardwareProfile, target
                   max_batch: int, ranks: search.Ranks = None, ladder: list[LadderRow] | tuple = ()) -> TargetAnswer:
     """The least host RAM reaching ``target`` tokens/s (all ranks', with the collectives).
 
-    Nothing spilled: plan with unlimited host RAM at batches 1, 2, 4, ... (W, 2W, 4W, ... with ``ranks``; until
-    ``max_batch``, or until doubling the batch twice in a row no longer raises the throughput) and keep the plan
-    needing the least host RAM among those reaching the target. Spill allowed: the plans of ``ladder``
+    Nothing spilled: plan with unlimited host RAM at batches 1, 2, 4, ... (``in_ram_sweep``), and the ladder's
+    rows without the NVMe, and keep the plan needing the least host RAM among those reaching the target. Spill
+    allowed: the plans of ``ladder``
     (``ram_ladder``'s rows with the NVMe, each searched with that much RAM: with unlimited RAM a search spills
     nothing, so only a RAM size finds the plans that trade RAM for the disk) reaching the target, the one
     needing the least host RAM; so the answer is never more than the smallest ladder row reaching the target."""
+    return answer_from(target, in_ram_sweep(model, work, hw, target, max_batch, ranks), ladder)
+
+
+@dataclass(frozen=True)
+class InRamSweep:
+    """``in_ram_sweep``'s findings: the plan reaching the target with the least host RAM, the fastest plan, and
+    whether doubling the batch stopped helping."""
+
+    in_ram: tuple[int, PlanChoice] | None
+    fastest: tuple[int, PlanChoice] | None
+    saturated: bool
+
+
+def in_ram_sweep(model: ModelShape, work: Workload, hw: HardwareProfile, target: float, max_batch: int,
+                 ranks: search.Ranks = None) -> InRamSweep:
+    """Nothing spilled, unlimited host RAM, batches 1, 2, 4, ... (W, 2W, 4W, ... with ``ranks``; until
+    ``max_batch``, or until doubling the batch twice in a row no longer raises the throughput)."""
     unlimited = hw.replace(host_ram_bytes=1 << 60, host_available_bytes=1 << 60, cgroup_limit_bytes=0)
     in_ram: tuple[int, PlanChoice] | None = None
     fastest: tuple[int, PlanChoice] | None = None
@@ -143,12 +161,27 @@ def least_ram_for(model: ModelShape, work: Workload, hw: HardwareProfile, target
         if least is not None and (in_ram is None or least.memory.host_bytes < in_ram[1].memory.host_bytes):
             in_ram = (batch, least)
         batch *= 2
-    spilled = [(r.batch, r.choice) for r in ladder if r.nvme and r.choice is not None and r.choice.cost is not None]
-    with_nvme = min(((b, c) for b, c in spilled if _rate(c) >= target), key=lambda bc: bc[1].memory.host_bytes,
-                    default=None)
-    if spilled and (fastest is None or max(_rate(c) for _, c in spilled) > _rate(fastest[1])):
-        fastest = max(spilled, key=lambda bc: _rate(bc[1]))
-    return TargetAnswer(target, in_ram, with_nvme, fastest, saturated=flat >= 2)
+    return InRamSweep(in_ram, fastest, flat >= 2)
+
+
+def answer_from(target: float, sweep: InRamSweep, ladder: list[LadderRow] | tuple) -> TargetAnswer:
+    """The answer from the in-RAM sweep and the ladder's rows (``least_ram_for``): without the NVMe, the plan
+    needing the least host RAM among the sweep's and the rows without the NVMe that reach the target (a row searched
+    with its RAM size may keep blocks' optimizer state on the GPU to fit it, which unlimited RAM never asks for);
+    with the NVMe, among the rows with it."""
+    def least(rows: list[tuple[int, PlanChoice]]) -> tuple[int, PlanChoice] | None:
+        return min((bc for bc in rows if _rate(bc[1]) >= target), key=lambda bc: bc[1].memory.host_bytes, default=None)
+
+    def searched(nvme: bool) -> list[tuple[int, PlanChoice]]:
+        return [(r.batch, r.choice) for r in ladder if r.nvme == nvme and r.choice is not None
+                and r.choice.cost is not None]
+
+    spilled, plain = searched(True), searched(False)
+    without_nvme = least(plain + ([sweep.in_ram] if sweep.in_ram is not None else []))
+    fastest = sweep.fastest
+    if spilled + plain and (fastest is None or max(_rate(c) for _, c in spilled + plain) > _rate(fastest[1])):
+        fastest = max(spilled + plain, key=lambda bc: _rate(bc[1]))
+    return TargetAnswer(target, without_nvme, least(spilled), fastest, saturated=sweep.saturated)
 
 
 def as_node(model: ModelShape, work: Workload, choice: PlanChoice, hw: HardwareProfile,

@@ -9,6 +9,7 @@ from typing import Any
 from . import cli_args, data_parallel_report, report, report_ram
 from ..shapes import model_shapes
 from ..choice import sizing
+from ..choice.ram_answers import ram_answers
 from .cli_args import NVME_DIR, parse_size
 from ..shapes.workload import Workload
 
@@ -41,12 +42,11 @@ def run(args: argparse.Namespace) -> None:
                     optimizer_state=args.optimizer_state, nonblocking_saves=bool(args.save_every))
     ranks = data_parallel_report.checked_topology(
         args, dataclasses.replace(work, batch=args.gpus_per_node * args.nodes), hw)
-    ladder = sizing.ram_ladder(model, work, hw, args.max_batch, ranks=ranks)
+    target = args.tokens_per_second
+    ladder, answer = ram_answers(model, work, hw, args.max_batch, target, ranks)
     scaling = [None if ranks is None or r.choice is None else data_parallel_report.figures(
         model, dataclasses.replace(work, batch=r.batch), r.choice.plan, sizing.with_ram(hw, r.ram_bytes), ranks)
         for r in ladder]
-    target = args.tokens_per_second
-    answer = None if target is None else sizing.least_ram_for(model, work, hw, target, args.max_batch, ranks, ladder)
     data, text = report_ram.page(report_ram.RamQuestion(
         model, work, hw, measured, nvme_size, args.price_per_gb, args.max_batch, ranks, target),
         ladder, scaling, answer)
