@@ -370,6 +370,23 @@ def test_a_measured_run_reduces_to_a_sample() -> None:
     assert math.isfinite(s.spread)
 
 
+def test_the_sparse_run_reduces_with_its_routed_experts_flops() -> None:
+    """The sparse run's sample counts its routed experts' matmuls (forward, recompute, backward: 4 x forward) by
+    hand: L x 4 x 2 x top-k x 3 x h x I x tokens; the dense runs count none."""
+    from megatrain.tools import calibrate
+
+    name, config, seq, batch, mbs = calibrate.SPARSE_RUN
+    step = {"step_s": 2.0, "compute_s": 1.5, "h2d_busy_s": 0.1, "d2h_busy_s": 0.1, "adam_busy_s": 0.2}
+    measured = {"steps": [step], "baseline_rss_bytes": 1, "peak_rss_growth_bytes": 1, "cuda": False}
+    s = calibrate.reduce_run(name, config, seq, batch, "fp32", Plan(micro_batch_size=mbs), measured, _cpu(), 0.0)
+    h, i, k, layers = (config[f] for f in ("hidden_size", "moe_intermediate_size", "num_experts_per_tok",
+                                           "num_hidden_layers"))
+    assert s.expert_flops == layers * 4 * 2 * k * 3 * h * i * seq * batch > 0
+    name, config, seq, batch, mbs = calibrate.RUNS[0]
+    dense = calibrate.reduce_run(name, config, seq, batch, "fp32", Plan(micro_batch_size=mbs), measured, _cpu(), 0.0)
+    assert dense.expert_flops == 0.0
+
+
 def test_the_planner_reads_fitted_terms_without_the_runtime() -> None:
     code = ("import sys; from megatrain.planner.profiling import calibration, hardware; "
             "from megatrain.planner.commands import cli; from megatrain.planner.costs import cost_model, memory_model; "
