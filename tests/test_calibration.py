@@ -12,7 +12,7 @@ import pytest
 from megatrain.planner.costs import cost_model, memory_model, step_traffic
 from megatrain.planner.shapes import model_shapes
 from megatrain.planner.profiling.calibration import (SPREAD_WARN, Calibration, CalibrationError, RunSample, fit,
-                                                     fit_line, fit_t_half, robust)
+                                                     fit_line, fit_sparse_factor, fit_t_half, robust)
 from megatrain.planner.profiling.hardware import HardwareError, HardwareProfile
 from megatrain.plan.plan import Plan
 from megatrain.planner.shapes.workload import Workload
@@ -370,6 +370,23 @@ def test_a_measured_run_reduces_to_a_sample() -> None:
     assert math.isfinite(s.spread)
 
 
+def test_the_sparse_run_reduces_with_its_routed_experts_flops() -> None:
+    """The sparse run's sample counts its routed experts' matmuls (forward, recompute, backward: 4 x forward) by
+    hand: L x 4 x 2 x top-k x 3 x h x I x tokens; the dense runs count none."""
+    from megatrain.tools import calibrate
+
+    name, config, seq, batch, mbs = calibrate.SPARSE_RUN
+    step = {"step_s": 2.0, "compute_s": 1.5, "h2d_busy_s": 0.1, "d2h_busy_s": 0.1, "adam_busy_s": 0.2}
+    measured = {"steps": [step], "baseline_rss_bytes": 1, "peak_rss_growth_bytes": 1, "cuda": False}
+    s = calibrate.reduce_run(name, config, seq, batch, "fp32", Plan(micro_batch_size=mbs), measured, _cpu(), 0.0)
+    h, i, k, layers = (config[f] for f in ("hidden_size", "moe_intermediate_size", "num_experts_per_tok",
+                                           "num_hidden_layers"))
+    assert s.expert_flops == layers * 4 * 2 * k * 3 * h * i * seq * batch > 0
+    name, config, seq, batch, mbs = calibrate.RUNS[0]
+    dense = calibrate.reduce_run(name, config, seq, batch, "fp32", Plan(micro_batch_size=mbs), measured, _cpu(), 0.0)
+    assert dense.expert_flops == 0.0
+
+
 def test_the_planner_reads_fitted_terms_without_the_runtime() -> None:
     code = ("import sys; from megatrain.planner.profiling import calibration, hardware; "
             "from megatrain.planner.commands import cli; from megatrain.planner.costs import cost_model, memory_model; "
@@ -394,3 +411,75 @@ def test_the_search_plans_with_a_calibration_that_kept_its_runs() -> None:
     a, b = (plan_memory.memory(SMALL, work, plan, hw, None) for hw in (small, large))
     assert b.host_bytes - a.host_bytes == 100_000_000
     assert plan_memory.memory(SMALL, work, plan, small, None) is a  # priced once
+
+
+# ---- the sparse factor: routed experts against the dense fit --------------------------------------
+
+MOE = model_shapes.from_config(dict(model_type="qwen3_moe", vocab_size=1000, hidden_size=256, intermediate_size=512,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128))
+
+
+def test_sparse_factor_fit_by_hand() -> None:
+    dense = _run("a", 256, 1e12, 100, 10.0)                         # o = 0: r(256) = 1e12 / 10 s = 0.1 TFLOP/s
+    # 3e12 FLOPs, 2e12 of them the routed experts', in 40 s: dense part 1e12 / 1e11 = 10 s, so the experts' 2e12
+    # took 30 s against 20 s at r(256): s = 30 / 20 = 1.5
+    moe = _run("moe", 256, 3e12, 100, 40.0, expert_flops=2e12, spread=0.3)
+    cal = fit([dense], "fp32", source="hand", sparse_run=moe)
+    assert cal.sparse_factor == pytest.approx(1.5)
+    # the sparse run enters no other term: the dense fit without it is the same but for s, spread and its row
+    plain = fit([dense], "fp32", source="hand")
+    assert plain.sparse_factor == 1.0 and cal.tflops_by_width == plain.tflops_by_width
+    assert (cal.adam_params_per_s, cal.temporaries_bytes, cal.process_bytes) == (
+        plain.adam_params_per_s, plain.temporaries_bytes, plain.process_bytes)
+    assert cal.spread == 0.3 and [r["name"] for r in cal.runs] == ["a", "moe"]
+    # with a per-block overhead and eff(t): s = ((compute - o x units) x r(h) x eff(t) - dense FLOPs) / experts
+    fitted = _cal(t_half_tokens=1024.0)                            # r(256) = 0.1, o = 2 ms
+    run = _run("moe", 256, 3e12, 100, 50.0, expert_flops=2e12, tokens_per_micro_batch=1024)
+    rate = 0.1e12 * 1024 / (1024 + 1024)
+    assert fit_sparse_factor(run, fitted) == pytest.approx(((50.0 - 2e-3 * 100) * rate - 1e12) / 2e12)
+
+
+def test_a_sparse_run_without_experts_or_faster_than_its_dense_part_is_refused() -> None:
+    dense = _run("a", 256, 1e12, 100, 10.0)
+    with pytest.raises(CalibrationError, match="no expert FLOPs"):
+        fit([dense], "fp32", sparse_run=_run("moe", 256, 3e12, 100, 40.0))
+    with pytest.raises(CalibrationError, match="less than its dense terms") as e:
+        fit([dense], "fp32", sparse_run=_run("moe", 256, 3e12, 100, 9.0, expert_flops=2e12))
+    assert "\n" not in str(e.value)
+
+
+def test_profile_round_trips_the_sparse_factor_and_old_profiles_read_one(tmp_path) -> None:
+    hw = _cpu(calibrations=(_cal(sparse_factor=1.7),))
+    path = tmp_path / "hw.json"
+    hw.save(str(path))
+    assert HardwareProfile.load(str(path)).fitted("fp32").sparse_factor == 1.7
+    data = hw.to_dict()
+    del data["calibrations"][0]["sparse_factor"]                     # calibrated before the factor existed
+    assert HardwareProfile.from_dict(data).fitted("fp32").sparse_factor == 1.0
+    data["calibrations"][0]["sparse_factor"] = 0
+    with pytest.raises(HardwareError, match="sparse_factor"):
+        HardwareProfile.from_dict(data)
+
+
+def test_the_sparse_factor_leaves_a_dense_estimate_unchanged() -> None:
+    work = Workload(seq_len=128, batch=4, compute_dtype="fp32")
+    plan = Plan(micro_batch_size=2)
+    one = cost_model.estimate(SMALL, work, plan, _cpu(calibrations=(_cal(),)))
+    three = cost_model.estimate(SMALL, work, plan, _cpu(calibrations=(_cal(sparse_factor=3.0),)))
+    assert three.step_seconds == one.step_seconds and SMALL.expert_flops_fwd() == 0.0
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_the_sparse_factor_scales_the_routed_experts_time_by_hand(kept: bool) -> None:
+    work = Workload(seq_len=128, batch=4, compute_dtype="fp32")
+    L = MOE.num_layers
+    plan = Plan(micro_batch_size=2, kept_layers=tuple(range(L)) if kept else ())
+    one = cost_model.estimate(MOE, work, plan, _cpu(calibrations=(_cal(),)))
+    two = cost_model.estimate(MOE, work, plan, _cpu(calibrations=(_cal(sparse_factor=2.5),)))
+    # the routed experts: 2 x top-k x 3 x h x I per token per layer forward; kept: forward + backward (2x) = 3x,
+    # recomputed: 4x; at r(256) = 0.1 TFLOP/s, 1.5 x more of them
+    per_token = 2 * 2 * 3 * 256 * 128
+    assert MOE.expert_flops_fwd() == per_token
+    visits = 3 if kept else 4
+    assert two.step_seconds - one.step_seconds == pytest.approx(work.tokens * L * per_token * visits * 1.5 / 0.1e12)

@@ -27,29 +27,11 @@ import time
 from typing import Any, Callable, Sequence
 
 from megatrain.errors import MegatrainError
+from megatrain.tools.calibration_runs import OVERHEAD_RUN, RUNS, SPARSE_RUN
 
 PROG = "megatrain-plan calibrate"
 FITTED_NOTE = "cost and memory constants fitted by megatrain-plan calibrate"
 DTYPES = ("fp32", "bf16")
-
-# (name, config.json fields, seq, batch, micro-batch size): widths 256 .. 1024, sizes ~6M .. ~110M parameters;
-# h512 twice, at 1024 and 256 tokens per micro-batch, for the rate's dependence on t.
-# The overhead run is so small that per-block costs, not FLOPs, make its step.
-OVERHEAD_RUN = ("overhead", dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
-                                 num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1), 16, 4, 1)
-RUNS = (
-    ("h256", dict(model_type="llama", vocab_size=8192, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2), 256, 4, 4),
-    ("h512", dict(model_type="llama", vocab_size=16384, hidden_size=512, intermediate_size=1408,
-                  num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4), 256, 4, 4),
-    ("h512-mb1", dict(model_type="llama", vocab_size=16384, hidden_size=512, intermediate_size=1408,
-                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4), 256, 4, 1),
-    ("h768", dict(model_type="qwen2", vocab_size=24576, hidden_size=768, intermediate_size=2048,
-                  num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=4), 256, 2, 2),
-    ("h1024", dict(model_type="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                   num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8), 256, 2, 2),
-)
-
 
 class CalibrateError(MegatrainError):
     """Bad input or a failed run: one line, with the fix."""
@@ -227,7 +209,8 @@ def reduce_run(name: str, config: dict[str, Any], seq: int, batch: int, dtype: s
         head_flops=(shape.head_flops_fwd() + shape.head_flops_bwd()) * work.tokens if head else 0.0,
         head_s=head.value if head else 0.0, head_units=cost_model.head_overhead_units(shape, work, plan),
         attention_flops=attention_flops if attention_rate else 0.0,
-        attention_s=attention_flops / (attention_rate * 1e12) if attention_rate else 0.0)
+        attention_s=attention_flops / (attention_rate * 1e12) if attention_rate else 0.0,
+        expert_flops=shape.num_layers * 4.0 * shape.expert_flops_fwd() * work.tokens)  # fwd + recompute + 2 x
 
 
 def base_profile(out: str | None, log: Callable[[str], None]) -> tuple[Any, str]:
@@ -262,7 +245,7 @@ def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: s
     hw, path = base_profile(out, log)
     hw = checked_profile(hw, dtype, log)  # a figure of the profile that is off is measured again first
     plain = hw.replace(calibrations=())
-    todo = [OVERHEAD_RUN, *(RUNS[:3] if quick else RUNS)]
+    todo = [OVERHEAD_RUN, *(RUNS[:3] if quick else RUNS), SPARSE_RUN]
     plans, measurements = [], []
     for name, config, seq, batch, mbs in todo:
         shape = model_shapes.from_config(config)
@@ -288,10 +271,10 @@ def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: s
     def reduce_all(h: Any) -> tuple[list[Any], Any]:
         samples = [reduce_run(name, config, seq, batch, dtype, plan, m, h, percentile)
                    for (name, config, seq, batch, _), plan, m in zip(todo, plans, measured)]
-        return samples[1:], samples[0]  # the layers' runs, the overhead run (todo's first)
+        return samples[1:-1], samples[0], samples[-1]  # the layers' runs, the overhead run, the sparse run
 
-    (runs, overhead), warnings = reduce_all(plain), []
-    for r in [overhead, *runs]:
+    (runs, overhead, sparse), warnings = reduce_all(plain), []
+    for r in [overhead, *runs, sparse]:
         if r.spread > SPREAD_WARN:
             warnings.append(f"{r.name}: step times spread {r.spread:.0%} across its samples (a busy machine?); "
                             f"the fit keeps the {'fastest' if percentile == 0 else f'p{percentile:g}'} sample; "
@@ -304,11 +287,11 @@ def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: s
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     kept = "best" if percentile == 0 else f"p{percentile:g}"
     source = (f"`{command}` on {when}: {len(todo)} runs x {rounds} rounds x {steps} steps, {kept} of each kept, "
-              f"spread up to {max(r.spread for r in [*runs, overhead]):.0%}")
+              f"spread up to {max(r.spread for r in [*runs, overhead, sparse]):.0%}")
 
     def fit_once(h: Any) -> Any:  # the fit with the profile's figures ``h`` (measured again when one is off)
-        layers, small = reduce_all(h.replace(calibrations=()))
-        return fit(layers, dtype, overhead_run=small, source=source, samples=steps * rounds)
+        layers, small, moe = reduce_all(h.replace(calibrations=()))
+        return fit(layers, dtype, overhead_run=small, source=source, samples=steps * rounds, sparse_run=moe)
 
     cal, hw, more = fit_checked(fit_once, hw, log)
     warnings += more
@@ -341,7 +324,8 @@ def summary(hw: Any, dtype: str, path: str) -> str:
         f"achieved TFLOP/s ({cal.compute_dtype}) of the layers by width: {widths}",
         f"times t / (t + {cal.t_half_tokens:.0f}) at t tokens per micro-batch; head: "
         + (", ".join(f"h={w}: {r:.3f}" for w, r in cal.head_tflops_by_width) or "with the layers"),
-        f"per-block overhead: {cal.block_overhead_s * 1e3:.3f} ms per layer per micro-batch",
+        f"per-block overhead: {cal.block_overhead_s * 1e3:.3f} ms per layer per micro-batch; routed experts at "
+        f"{cal.sparse_factor:.2f} x their FLOPs' time at the layers' rate",
         f"AdamW in the step: {cal.adam_params_per_s / 1e9:.3f} Gparam/s; copies: H2D {cal.h2d_gbps:.1f} GB/s, "
         f"D2H {cal.d2h_gbps:.1f} GB/s",
         f"process baseline: {cal.process_bytes / 2**30:.3f} GiB; temporaries: {cal.temporaries_bytes / 2**30:.3f} GiB "

@@ -184,6 +184,7 @@ class _Rates:
     d2h_gbps: float
     duplex_scale: float        # each direction's share of the link when both run
     peak_tflops: float
+    sparse_factor: float       # the routed experts' seconds over their FLOPs at flops_per_s (fitted; else 1)
 
     @classmethod
     def of(cls, model: ModelShape, work: Workload, batch: StepBatch, hw: HardwareProfile) -> "_Rates":
@@ -212,15 +213,17 @@ class _Rates:
         # FLOPs; a calibration that fitted r(h) with attention inside keeps it there.
         attention = hw.attention_rate_tflops(work.compute_dtype, batch.seq)
         attention_rate = attention * 1e12 if attention and (cal is None or cal.attention_apart) else 0.0
-        return cls(rate, attention_rate, head_rate, launch_fwd, launch_bwd, h2d_gbps, d2h_gbps, duplex, peak)
+        sparse = cal.sparse_factor if cal is not None else 1.0
+        return cls(rate, attention_rate, head_rate, launch_fwd, launch_bwd, h2d_gbps, d2h_gbps, duplex, peak, sparse)
 
-    def layer_seconds(self, flops: float, attention: float) -> float:
-        """A layer visit's FLOP time: (flops - attention) / layer rate + attention / attention rate, where
-        ``attention`` is the causal attention inside ``flops``; all of it at the layer rate when no attention
-        rate applies."""
+    def layer_seconds(self, flops: float, attention: float, experts: float = 0.0) -> float:
+        """A layer visit's FLOP time: (flops - attention - experts) / layer rate + attention / attention rate +
+        s x experts / layer rate, with ``attention`` and ``experts`` (the routed experts' matmuls) inside ``flops``,
+        s the fitted sparse factor; the attention at the layer rate when no attention rate applies."""
+        rest, sparse = flops - experts, self.sparse_factor * experts / self.flops_per_s
         if not self.attention_flops_per_s:
-            return flops / self.flops_per_s
-        return (flops - attention) / self.flops_per_s + attention / self.attention_flops_per_s
+            return rest / self.flops_per_s + sparse
+        return (rest - attention) / self.flops_per_s + attention / self.attention_flops_per_s + sparse
 
 
 class _AdamTime:
@@ -291,8 +294,8 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBat
     kept = set(plan.kept_layers)
     for layer in range(model.num_layers):
         # compute_fwd(M) = T x flops_fwd(seq) / rate (attention at its own rate) + M x launch
-        comp = (rates.layer_seconds(T * model.layer_flops_fwd(batch.seq), T * model.attention_flops_fwd(batch.seq))
-                + M * rates.launch_fwd_s)
+        comp = (rates.layer_seconds(T * model.layer_flops_fwd(batch.seq), T * model.attention_flops_fwd(batch.seq),
+                                    T * model.expert_flops_fwd()) + M * rates.launch_fwd_s)
         # host checkpoints: D2H of the block's input (T x h x c), read in place; the layer's compute waits for
         # the previous layer's drain (the runtime lets each micro-batch's drained input go before it saves the
         # next layer's: [Note: host checkpoints in pieces]).
@@ -337,7 +340,8 @@ def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBa
         load = _copy_s(wcb(1 + layer) * Lw + (0 if kept else ckpt_bytes), h2d)
         flops = T * ((0.0 if kept else model.layer_flops_recompute(batch.seq)) + model.layer_flops_bwd(batch.seq))
         attention = T * ((0.0 if kept else model.attention_flops_fwd(batch.seq)) + model.attention_flops_bwd(batch.seq))
-        comp = rates.layer_seconds(flops, attention) + M * (rates.launch_bwd_s - (rates.launch_fwd_s if kept else 0.0))
+        experts = T * model.expert_flops_fwd() * (2.0 if kept else 3.0)   # backward 2 x forward, recompute 1 x
+        comp = rates.layer_seconds(flops, attention, experts) + M * (rates.launch_bwd_s - (rates.launch_fwd_s if kept else 0.0))
         wait = grad_users[-G] if len(grad_users) >= G else None   # a grad buffer frees when its drain ends
         index = first + len(steps)
         grad_users.append(index)

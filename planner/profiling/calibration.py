@@ -18,6 +18,9 @@ default constants where a profile carries them:
   process baseline               P     resident bytes of the process before the engine exists
   activation temporaries         a, b  what the buffers the model lists miss: peak RSS growth - listed bytes
                                        = a + b x (layer working set + logits chunk), allocator slack included
+  sparse factor                  s     the routed experts' seconds over what their matmul FLOPs take at r(h)
+                                       (routing, gathers and scatters, small per-expert matmuls, the weighted
+                                       sum), from one mixture-of-experts run against the dense fit; 1 unfitted
 
 Measurements are robust to a busy machine: each figure is the best of several
 samples (the minimum time: what the machine does when nothing else runs), and
@@ -27,6 +30,7 @@ Pure stdlib.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -120,6 +124,7 @@ class RunSample:
     attention_flops: float = 0.0             # the layers' causal-attention FLOPs in the step, and their seconds
     attention_s: float = 0.0                 # at the profile's measured attention rate (0: not measured; the
                                              # attention then counts with the layers)
+    expert_flops: float = 0.0                # the routed experts' matmul FLOPs in the step (0: a dense model)
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,9 @@ class Calibration:
     # True: r(h) was fitted without the layers' causal attention, which the cost model then times at the
     # profile's measured attention rate; False: attention is inside r(h).
     attention_apart: bool = False
+    # s: the routed experts' time over their matmul FLOPs at the layers' rate (``fit_sparse_factor``); a dense
+    # model never reads it; 1.0: not fitted (profiles calibrated before it).
+    sparse_factor: float = 1.0
     # where they came from: command, date, runs, samples per figure, the largest spread
     source: str = "unspecified"
     samples: int = 0
@@ -163,7 +171,7 @@ class Calibration:
         if not self.tflops_by_width or any(w <= 0 or r <= 0 for w, r in self.tflops_by_width):
             raise CalibrationError(f"tflops_by_width={self.tflops_by_width!r} needs positive (width, TFLOP/s) "
                                    "pairs; run megatrain-plan calibrate again")
-        for f in ("adam_params_per_s", "h2d_gbps", "d2h_gbps"):
+        for f in ("adam_params_per_s", "h2d_gbps", "d2h_gbps", "sparse_factor"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise CalibrationError(f"calibration {f}={v!r} must be a positive number; run megatrain-plan "
@@ -210,7 +218,7 @@ class Calibration:
                 "temporaries_bytes": self.temporaries_bytes, "temporaries_factor": self.temporaries_factor,
                 "t_half_tokens": self.t_half_tokens,
                 "head_tflops_by_width": [list(p) for p in self.head_tflops_by_width],
-                "attention_apart": self.attention_apart, "source": self.source,
+                "attention_apart": self.attention_apart, "sparse_factor": self.sparse_factor, "source": self.source,
                 "samples": self.samples, "spread": self.spread,
                 "runs": [dict(r) for r in self.runs]}
 
@@ -265,8 +273,37 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return a, b
 
 
+def _head_timed(r: RunSample) -> bool:
+    """Whether the run's head was timed alone usably: one as long as the whole step was on a busy machine."""
+    return 0 < r.head_s < HEAD_SHARE_MAX * r.compute_s
+
+
+def _body(r: RunSample) -> tuple[float, float, float]:
+    """(FLOPs, seconds, overhead units) of the run without its head where the head was timed alone, and
+    without its attention where the profile measured the attention rate."""
+    flops, seconds = r.flops - r.attention_flops, r.compute_s - r.attention_s
+    if _head_timed(r):
+        return flops - r.head_flops, seconds - r.head_s, r.overhead_units - r.head_units
+    return flops, seconds, r.overhead_units
+
+
+def fit_sparse_factor(run: RunSample, cal: Calibration) -> float:
+    """s from a mixture-of-experts run and the dense fit ``cal``: the run's compute (less head, attention and
+    o x units, as ``fit`` takes them off) = (flops - expert flops) / r + s x expert flops / r, r = r(h) x eff(t)
+    -> s = (pure x r - (flops - expert flops)) / expert flops."""
+    if run.expert_flops <= 0:
+        raise CalibrationError(f"run {run.name} has no expert FLOPs; the sparse run needs a mixture-of-experts model")
+    flops, seconds, units = _body(run)
+    pure, rate = seconds - cal.block_overhead_s * units, cal.rate_tflops(run.hidden_size, run.tokens_per_micro_batch)
+    s = (pure * rate * 1e12 - (flops - run.expert_flops)) / run.expert_flops
+    if s <= 0:
+        raise CalibrationError(f"run {run.name}: its compute ({run.compute_s:.3f} s) is less than its dense terms "
+                               "alone (a busy machine during the dense runs?); run megatrain-plan calibrate again")
+    return s
+
+
 def fit(runs: Sequence[RunSample], compute_dtype: str, overhead_run: RunSample | None = None,
-        source: str = "unspecified", samples: int = 0) -> Calibration:
+        source: str = "unspecified", samples: int = 0, sparse_run: RunSample | None = None) -> Calibration:
     """Fit every term from the runs (see the module docstring for the model).
 
     attention where the profile measured causal attention, its seconds at that rate come off each run's compute
@@ -280,38 +317,27 @@ def fit(runs: Sequence[RunSample], compute_dtype: str, overhead_run: RunSample |
     AdamW     sum(params) / sum(adam_s); copies: sum(bytes) / sum(s) / 1e9 per direction
     process   P = the median baseline RSS (imports done, no engine yet: the same in every run)
     temps     growth - listed = a + b x transient, by ``fit_line``
+    sparse    s by ``fit_sparse_factor`` from ``sparse_run`` (a mixture of experts, in no other term), else 1
     """
     if not runs:
         raise CalibrationError("no runs to fit; run megatrain-plan calibrate with at least one model")
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(compute_dtype, compute_dtype)
-    for r in [*runs, *([overhead_run] if overhead_run is not None else [])]:
+    for r in [*runs, *(x for x in (overhead_run, sparse_run) if x is not None)]:
         if (off := attention_overrun(r.name, dtype, r.attention_flops, r.attention_s, r.compute_s)) is not None:
             raise ProfileFigureError(off)
 
-    def head_timed(r: RunSample) -> bool:
-        # a head timed alone as long as the whole step was measured on a busy machine: not usable
-        return 0 < r.head_s < HEAD_SHARE_MAX * r.compute_s
-
-    def body(r: RunSample) -> tuple[float, float, float]:
-        """(FLOPs, seconds, overhead units) of the run without its head where the head was timed alone, and
-        without its attention where the profile measured the attention rate."""
-        flops, seconds = r.flops - r.attention_flops, r.compute_s - r.attention_s
-        if head_timed(r):
-            return flops - r.head_flops, seconds - r.head_s, r.overhead_units - r.head_units
-        return flops, seconds, r.overhead_units
-
     o = 0.0
-    if overhead_run is not None and body(overhead_run)[2] > 0:
-        nf, ns, _ = body(min(runs, key=lambda r: r.hidden_size))
+    if overhead_run is not None and _body(overhead_run)[2] > 0:
+        nf, ns, _ = _body(min(runs, key=lambda r: r.hidden_size))
         r0 = nf / ns                                           # FLOP/s with the overhead still inside
-        of, os_, ou = body(overhead_run)
+        of, os_, ou = _body(overhead_run)
         o = max(0.0, (os_ - of / r0) / ou)
     by_width: dict[int, list[tuple[int, float]]] = {}     # width -> [(t, TFLOP/s)]
     heads: dict[int, list[float]] = {}                    # width -> [head TFLOP/s]
     for r in runs:
-        if head_timed(r):
+        if _head_timed(r):
             heads.setdefault(r.hidden_size, []).append(r.head_flops / r.head_s / 1e12)
-        flops, seconds, units = body(r)
+        flops, seconds, units = _body(r)
         pure = seconds - o * units
         if pure <= 0:
             raise CalibrationError(f"run {r.name}: the per-block overhead fitted from the overhead run ({o * 1e3:.2f} "
@@ -337,7 +363,7 @@ def fit(runs: Sequence[RunSample], compute_dtype: str, overhead_run: RunSample |
     process = statistics.median(r.baseline_rss_bytes for r in all_runs)
     a, b = fit_line([r.transient_bytes for r in all_runs],
                     [r.peak_rss_growth_bytes - r.listed_bytes for r in all_runs])
-    return Calibration(
+    cal = Calibration(
         compute_dtype=compute_dtype, tflops_by_width=rates, block_overhead_s=o, adam_params_per_s=adam,
         h2d_gbps=h2d, d2h_gbps=d2h, process_bytes=int(process), temporaries_bytes=int(round(a)),
         temporaries_factor=b, t_half_tokens=t_half,
@@ -345,6 +371,10 @@ def fit(runs: Sequence[RunSample], compute_dtype: str, overhead_run: RunSample |
         attention_apart=any(r.attention_s > 0 for r in runs), source=source,
         samples=samples, spread=max(r.spread for r in all_runs),
         runs=tuple(_run_row(r) for r in all_runs))
+    if sparse_run is None:
+        return cal
+    return dataclasses.replace(cal, sparse_factor=fit_sparse_factor(sparse_run, cal),
+                               spread=max(cal.spread, sparse_run.spread), runs=(*cal.runs, _run_row(sparse_run)))
 
 
 def fit_t_half(points: Sequence[tuple[int, float]]) -> float:

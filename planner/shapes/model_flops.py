@@ -82,6 +82,12 @@ class ModelFlops:
         """One decoder layer, forward, per token: 2 x matmul weights + causal attention."""
         return 2.0 * self.matmul_weights_layer + self.attention_flops_fwd(seq)
 
+    def expert_flops_fwd(self) -> float:
+        """The routed experts' matmul FLOPs per token in one layer's forward, inside ``layer_flops_fwd``:
+        2 x num_experts_per_tok x expert_params (the shared expert and the router are not in it: they run as a
+        dense MLP does); 0 when dense. Backward is twice this, recompute once more (as for the layer's)."""
+        return 2.0 * self.experts.num_experts_per_tok * self.experts.expert_params(self.hidden_size)
+
     def layer_flops_bwd(self, seq: int) -> float:
         """One decoder layer, backward (without recompute), per token: 4 x matmul weights (dX, dW) + attention's
         (hardware: flash's real backward)."""
