@@ -67,11 +67,21 @@ def test_bad_lr(engine):
     (dict(device_grad_buffers=1), ["device_grad_buffers=1"]),
     (dict(loss_chunk_tokens=0), ["loss_chunk_tokens=0"]),
     (dict(version=99), ["version 99", "megatrain-plan"]),
+    (dict(kept_layers=(2, 2)), ["kept_layers=[2, 2]", "twice"]),
+    (dict(kept_layers=(-1,)), ["kept_layers=(-1,)", "layer numbers"]),
 ])
 def test_bad_plans(kwargs, words):
     with pytest.raises(PlanError) as e:
         Plan(**kwargs)
     _one_line(e, *words)
+    with pytest.raises(PlanError) as e:  # a replace checks what it changes as a new plan would be checked
+        Plan().replace(**kwargs)
+    _one_line(e, *words)
+
+
+def test_a_replace_normalizes_as_a_new_plan_does():
+    assert Plan().replace(kept_layers=[3, 1]).kept_layers == (1, 3) == Plan(kept_layers=[3, 1]).kept_layers
+    assert Plan().replace(kept_layers=[3, 1]) == Plan(kept_layers=(1, 3))
 
 
 def test_plan_json_round_trip_and_errors(tmp_path):

@@ -216,7 +216,7 @@ def test_size_says_what_does_not_fit_and_what_would(capsys, monkeypatch) -> None
 
 SIDE_BY_SIDE = """
 import concurrent.futures, dataclasses, json, os, sys
-from megatrain.planner.choice import ram_answers, sizing
+from megatrain.planner.choice import ram_answers, side_by_side, sizing
 from megatrain.planner.profiling import hardware
 from megatrain.planner.shapes import model_shapes
 from megatrain.planner.shapes.workload import Workload
@@ -226,14 +226,15 @@ class Counted(concurrent.futures.ProcessPoolExecutor):
     def __init__(self, *a, **k):
         pools.append(a[0] if a else k.get("max_workers"))
         super().__init__(*a, **k)
-ram_answers.concurrent.futures.ProcessPoolExecutor = Counted
+side_by_side.concurrent.futures.ProcessPoolExecutor = Counted
 os.sched_getaffinity = lambda pid: {0, 1}  # two cores, whatever this machine has
 model, hw = model_shapes.resolve("shape:Llama-3.2-1B"), hardware.resolve("RTX-4090")
 work = Workload(1024, 1, "bfloat16", clipping=True, spill="auto", spill_dir="/nvme", spill_free_bytes=2 << 40)
 ladder, answer = ram_answers.ram_answers(model, work, hw, 8, 9000.0)
+ram_pools = list(pools)  # the rows' one pool: a search inside a row's worker runs its candidates in turn
 in_turn = sizing.ram_ladder(model, work, hw, 8)
 expected = sizing.least_ram_for(model, work, hw, 9000.0, 8, None, in_turn)
-print(json.dumps({"pools": pools, "same_ladder": ladder == in_turn, "same_answer": answer == expected,
+print(json.dumps({"pools": ram_pools, "same_ladder": ladder == in_turn, "same_answer": answer == expected,
                   "rows": len(ladder), "reachable": answer.reachable}))
 """
 

@@ -6,7 +6,8 @@ every layer recomputed, optimizer state on the device), ``spill_choices.py`` (th
 the chunk, the staging depths, O_DIRECT or not), ``sequence_pieces.py`` (how the search cuts a micro-batch's
 tokens: sequence tiles, the pieces of a host checkpoint copy), ``plan_request.py`` (``choose_plan``: the one way a
 plan is chosen), ``sizing.py`` (what a machine can train, and what RAM and NVMe to buy), ``ram_answers.py`` (``megatrain-plan
-ram``'s independent searches run side by side).
+ram``'s independent searches run side by side), ``side_by_side.py`` (independent work in forked processes, one a
+core: the search's candidates, ``ram``'s rows).
 
 May import: the standard library, ``megatrain.errors``, the plan contract, the stdlib halves of
 ``megatrain.models``, ``shapes/``, ``profiling/`` and ``costs/``.

@@ -2,19 +2,16 @@
 
 Its answer is independent searches: each row of the RAM ladder, without the NVMe and with it
 (``sizing.ladder_row``), and the sweep of batches with unlimited RAM and nothing spilled (``sizing.in_ram_sweep``).
-Where the machine has more than one core and can fork a process without threads, they run in as many processes as
-it has cores, the rows with the NVMe (the longest) first; elsewhere they run one after another. Either way the rows and the answer are
+They run side by side (``side_by_side.run_apart``: forked processes, as many as the cores, where this process can
+fork), the rows with the NVMe (the longest) first. Either way the rows and the answer are
 the ones ``sizing.ram_ladder`` and ``sizing.least_ram_for`` give: the same searches, only run apart. Pure stdlib.
 """
 from __future__ import annotations
 
-import concurrent.futures
-import multiprocessing
-import os
-import threading
 from typing import Any, Callable
 
 from megatrain.planner.choice import search, sizing
+from megatrain.planner.choice.side_by_side import run_apart
 from megatrain.planner.choice.sizing import LadderRow, TargetAnswer
 from megatrain.planner.profiling.hardware import HardwareProfile
 from megatrain.planner.shapes.model_shapes import ModelShape
@@ -33,16 +30,3 @@ def ram_answers(model: ModelShape, work: Workload, hw: HardwareProfile, max_batc
     rows = results[:len(rungs)]
     ladder = [r for r in rows if not r.nvme] + [r for r in rows if r.nvme]  # ram_ladder's order
     return ladder, None if target is None else sizing.answer_from(target, results[-1], ladder)
-
-
-def run_apart(jobs: list[tuple[Callable[..., Any], tuple]]) -> list[Any]:
-    """Each ``(function, arguments)``'s result, in order: in forked processes, as many as the cores this process
-    may run on allow (at most one a job), where that is more than one and this process has no other thread (a
-    fork copies only the calling thread, so a lock another thread holds would stay held); else in turn."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    workers = min(len(jobs), cores)
-    if workers < 2 or threading.active_count() > 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return [function(*arguments) for function, arguments in jobs]
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        futures = [pool.submit(function, *arguments) for function, arguments in jobs]
-        return [f.result() for f in futures]

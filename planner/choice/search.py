@@ -27,7 +27,7 @@ from megatrain.errors import MegatrainError
 from megatrain.models import registry
 
 from megatrain.planner.costs import cost_model, data_parallel, kept_layers, spill_placement
-from megatrain.planner.choice import plan_variants
+from megatrain.planner.choice import plan_variants, side_by_side
 from megatrain.planner.costs.cost_model import CostEstimate
 from megatrain.planner.profiling.hardware import HardwareProfile
 from megatrain.planner.costs.memory_model import MemoryEstimate, Overrun
@@ -47,6 +47,9 @@ HOST_GRAD_SLABS = (2, 4)
 # Plans this close to the fastest count as equally fast (the cost model is not more precise than that).
 TIME_TOLERANCE = 0.01
 LOSS_CHUNKS = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
+# The fewest candidates a forked process takes (``feasible_choices``): about 1 ms of arithmetic each, against
+# about 50 ms to start a process; a search with fewer runs here.
+CANDIDATES_APART = 64
 
 
 class InfeasibleError(MegatrainError):
@@ -248,22 +251,35 @@ def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfil
 
 def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile,
                      ranks: Ranks = None) -> tuple[list[PlanChoice], list[PlanChoice]]:
-    """(timed plans that fit, plans that do not fit with their overruns), over every candidate; with
-    ``ranks``, one rank's plans, timed at its share of the batch."""
-    fit, misfit = [], []
+    """(timed plans that fit, plans that do not fit with their overruns), over every candidate in order; with
+    ``ranks``, one rank's plans, timed at its share of the batch. Each candidate is fitted and timed alone, so they
+    are dealt to the cores side by side (``side_by_side``), at least ``CANDIDATES_APART`` to a process."""
+    hands = side_by_side.dealt(candidates(model, _rank(work, ranks), hw, ranks is None), CANDIDATES_APART)
+    parts = side_by_side.run_apart([(_fitted, (model, work, hw, ranks, hand)) for hand in hands])
+    fitted = sorted((c for part in parts for c in part), key=lambda c: c[0])  # the candidates' order
+    fit = [choice for _, choices, _ in fitted for choice in choices]
+    return fit, [miss for _, _, miss in fitted if miss is not None]
+
+
+def _fitted(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks,
+            hand: list[tuple[int, Plan]]) -> list[tuple[int, list[PlanChoice], PlanChoice | None]]:
+    """Each (index, candidate) of ``hand`` fitted (``_fit_chunk``): (index, its timed plans that fit: the candidate
+    and its variants, the plan that does not fit or None)."""
+    out = []
     rank = _rank(work, ranks)
-    for plan in candidates(model, rank, hw, ranks is None):
+    for index, plan in hand:
         choice = _fit_chunk(model, work, plan, hw, ranks)
         if not choice.feasible:
-            misfit.append(choice)
+            out.append((index, [], choice))
             continue
-        fit.append(PlanChoice(choice.plan, choice.memory, cost_model.estimate(model, rank, choice.plan, hw)))
+        fit = [PlanChoice(choice.plan, choice.memory, cost_model.estimate(model, rank, choice.plan, hw))]
         # every layer recomputed (as fast where recompute is off the critical path, and then less memory wins the
         # tie); optimizer state on the device traded against kept layers ([Note: resident trade])
         for p in plan_variants.variants(model, rank, choice.plan, lambda q: not overruns(
                 _memory(model, work, q, hw, ranks), work, hw, ranks), ranks is None and not hw.device_is_host):
             fit.append(PlanChoice(p, _memory(model, work, p, hw, ranks), cost_model.estimate(model, rank, p, hw)))
-    return fit, misfit
+        out.append((index, fit, None))
+    return out
 
 
 def traded(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks, fit: list[PlanChoice]) -> list[PlanChoice]:

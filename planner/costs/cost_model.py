@@ -18,6 +18,7 @@ Pure stdlib.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from megatrain.planner.costs import (kept_layers, resident_blocks, spill_placement, spill_timing, step_replay,
@@ -259,6 +260,14 @@ class _AdamTime:
         self.read_gbps, self.write_gbps = hw.disk_read_gbps, hw.disk_write_gbps
 
     def block(self, b: int) -> float:
+        """Block b's update (``_block``), priced once per block: the replay asks each block's several times."""
+        return self._blocks[b]
+
+    @functools.cached_property
+    def _blocks(self) -> list[float]:
+        return [self._block(b) for b in range(len(self.spilled.numels))]
+
+    def _block(self, b: int) -> float:
         """Block b's update: t = numel x (1 / AdamW params/s + 1 / shadow params/s); with k_b of its kinds
         spilled the disk runs beside it (reads ahead, writes behind; a spilled kind is read once and written
         once: master, m and v by AdamW, grads in backward): t = max(that, numel x sum of s_k over its spilled
@@ -292,10 +301,10 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBat
     wb, wcb = resident_blocks.crossing(plan, w, wc)  # per block: none for a resident one
     steps = [BlockVisit(_copy_s(wcb(0) * E, h2d), M * rates.launch_fwd_s, 0.0)]  # the embedding: a gather
     kept = set(plan.kept_layers)
+    # compute_fwd(M) = T x flops_fwd(seq) / rate (attention at its own rate) + M x launch: every layer alike
+    comp = (rates.layer_seconds(T * model.layer_flops_fwd(batch.seq), T * model.attention_flops_fwd(batch.seq),
+                                T * model.expert_flops_fwd()) + M * rates.launch_fwd_s)
     for layer in range(model.num_layers):
-        # compute_fwd(M) = T x flops_fwd(seq) / rate (attention at its own rate) + M x launch
-        comp = (rates.layer_seconds(T * model.layer_flops_fwd(batch.seq), T * model.attention_flops_fwd(batch.seq),
-                                    T * model.expert_flops_fwd()) + M * rates.launch_fwd_s)
         # host checkpoints: D2H of the block's input (T x h x c), read in place; the layer's compute waits for
         # the previous layer's drain (the runtime lets each micro-batch's drained input go before it saves the
         # next layer's: [Note: host checkpoints in pieces]).
@@ -331,17 +340,20 @@ def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBa
     wb, wcb = resident_blocks.crossing(plan, w, wc)
     steps: list[BlockVisit] = []
     grad_users: list[int] = []
+    # compute = (recompute + bwd) = T x (flops_fwd + flops_bwd)(seq) / rate + M x launch, every layer alike.
+    # A kept layer ([Note: kept layers]): no checkpoint, no recompute, and its forward's launches not
+    # repeated: T x flops_bwd(seq) / rate + M x (launch_bwd - launch_fwd).
+    comp_of = {kept: rates.layer_seconds(
+        T * ((0.0 if kept else model.layer_flops_recompute(batch.seq)) + model.layer_flops_bwd(batch.seq)),
+        T * ((0.0 if kept else model.attention_flops_fwd(batch.seq)) + model.attention_flops_bwd(batch.seq)),
+        T * model.expert_flops_fwd() * (2.0 if kept else 3.0))   # experts: backward 2 x forward, recompute 1 x
+        + M * (rates.launch_bwd_s - (rates.launch_fwd_s if kept else 0.0)) for kept in (False, True)}
+    kept_set = frozenset(plan.kept_layers)
     for layer in reversed(range(model.num_layers)):
-        # load = layer x wc (+ its checkpoint T x h x c when on the host); compute = (recompute + bwd)
-        # = T x (flops_fwd + flops_bwd)(seq) / rate + M x launch; drain = layer x 4 (fp32 grads).
-        # A kept layer ([Note: kept layers]): no checkpoint, no recompute, and its forward's launches not
-        # repeated: T x flops_bwd(seq) / rate + M x (launch_bwd - launch_fwd).
-        kept = layer in plan.kept_layers
+        # load = layer x wc (+ its checkpoint T x h x c when on the host); drain = layer x 4 (fp32 grads).
+        kept = layer in kept_set
         load = _copy_s(wcb(1 + layer) * Lw + (0 if kept else ckpt_bytes), h2d)
-        flops = T * ((0.0 if kept else model.layer_flops_recompute(batch.seq)) + model.layer_flops_bwd(batch.seq))
-        attention = T * ((0.0 if kept else model.attention_flops_fwd(batch.seq)) + model.attention_flops_bwd(batch.seq))
-        experts = T * model.expert_flops_fwd() * (2.0 if kept else 3.0)   # backward 2 x forward, recompute 1 x
-        comp = rates.layer_seconds(flops, attention, experts) + M * (rates.launch_bwd_s - (rates.launch_fwd_s if kept else 0.0))
+        comp = comp_of[kept]
         wait = grad_users[-G] if len(grad_users) >= G else None   # a grad buffer frees when its drain ends
         index = first + len(steps)
         grad_users.append(index)

@@ -1,0 +1,56 @@
+"""Independent planner work side by side: jobs in forked processes, as many as the cores this process may run on.
+
+The search prices a few hundred candidates, and ``megatrain-plan ram`` runs a search per row of its RAM ladder; each
+is independent of the others and pure arithmetic in one thread, so on a machine with more than one core they run
+apart, in processes forked from this one (no re-import, nothing to send but the arguments and the results). The
+results are the ones the jobs give one after another: only where they run changes.
+
+A fork copies only the calling thread, so a lock another thread holds would stay held in the child: where this
+process has another thread, or cannot fork, or a job runs inside a worker already (a search inside a ``ram`` row),
+the jobs run in turn. Pure stdlib.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import threading
+from typing import Any, Callable, Sequence, TypeVar
+
+T = TypeVar("T")
+
+_in_worker = False  # True in a forked worker: its jobs' own jobs run in turn there
+
+
+def _mark_worker() -> None:
+    global _in_worker
+    _in_worker = True
+
+
+def workers(jobs: int) -> int:
+    """How many processes ``jobs`` jobs would run in: the cores this process may run on (at most one a job) where
+    forking is safe here, else 1."""
+    if _in_worker or threading.active_count() > 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(jobs, cores))
+
+
+def run_apart(jobs: Sequence[tuple[Callable[..., Any], tuple]]) -> list[Any]:
+    """Each ``(function, arguments)``'s result, in order: in ``workers(len(jobs))`` forked processes where that is
+    more than one, else one after another here."""
+    n = workers(len(jobs))
+    if n < 2:
+        return [function(*arguments) for function, arguments in jobs]
+    with concurrent.futures.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"),
+                                                initializer=_mark_worker) as pool:
+        futures = [pool.submit(function, *arguments) for function, arguments in jobs]
+        return [f.result() for f in futures]
+
+
+def dealt(items: Sequence[T], least: int) -> list[list[tuple[int, T]]]:
+    """``items`` with their indices, dealt round-robin into one hand per worker (neighbouring items cost alike, so
+    each hand gets its share of the dear ones), each hand at least ``least`` items; one hand where there are fewer
+    items than two hands need, or one worker."""
+    hands = min(workers(len(items)), max(1, len(items) // max(1, least)))
+    return [list(enumerate(items))[k::hands] for k in range(hands)]
