@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatrain.planner.costs import data_parallel, resident_blocks
+from megatrain.planner.costs import cost_model, data_parallel, resident_blocks
 from megatrain.planner.costs.spill_placement import block_numels
 from megatrain.planner.choice import search
 from megatrain.planner.profiling.hardware import GiB, HardwareProfile
@@ -72,7 +72,10 @@ def test_a_ranks_resident_blocks_save_its_shards_copies_and_cpu_update_by_hand(g
     assert every.h2d_bytes == 0 == every.d2h_bytes
     cpu_update = m.numel_total * G / (W * GPU.cpu_adam_params_per_s)
     assert host.forward.adam_s == pytest.approx(cpu_update, rel=1e-12)  # deferred: before the next forward
-    assert every.forward.adam_s == 0 == every.backward.adam_s
+    assert every.forward.adam_s == 0 == every.backward.adam_s == every.optimizer_exposed_seconds
+    single = cost_model.estimate(m, data_parallel.rank_workload(WORK, topo), plan.replace(resident_blocks=()), GPU)
+    shed = m.numel_total / GPU.cpu_adam_params_per_s - cpu_update  # the rank's shard of the update
+    assert host.optimizer_exposed_seconds == pytest.approx(single.optimizer_exposed_seconds - shed, rel=1e-9)
     device_update = 28 * sum(_shard(n, W) for n in block_numels(m)) / (resident_blocks.DEVICE_ADAM_GBPS * 1e9)
     assert every.backward.compute_s - host.backward.compute_s == pytest.approx(device_update, rel=1e-9)
     assert host.step_seconds - every.step_seconds == pytest.approx(cpu_update - device_update, rel=0.02)

@@ -22,6 +22,7 @@ rank's batch with each resident block's device update at its shard (cost_model.e
   on a GPU: phase_W = max(compute, H2D / W, D2H / W, AdamW x G / W, comm) + stall
   on a CPU: phase_W = compute x G + H2D / W + D2H / W + AdamW x G / W + comm + rest
   step_W   = phase_W(forward) + phase_W(backward)   (the AdamW a phase waits for is inside it)
+  exposed_W = max(0, exposed - (AdamW - AdamW x G / W))   (the AdamW the step waits for, less what sharding sheds)
   comm_fwd = blocks x lat + r x c x (N + tied E) / bw        (all-gathers of the forward loads)
   comm_bwd = blocks x lat + r x (c x L x layer + 4 x N) / bw  (backward all-gathers + fp32 reduce-scatter)
   stall    = the single-process phase's time beyond its busiest resource (fill and drain)
@@ -303,26 +304,26 @@ def _rank_step(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfil
     rank = cost_model.estimate(model, rank_workload(work, topo), plan, hw, W)  # a resident block: its shard's update
     comm_fwd, comm_bwd = collective_seconds(model, work, hw, topo)
 
-    def phase(p: PhaseTime, comm: float) -> tuple[PhaseTime, float, bool]:
-        """The rank's phase, the AdamW it leaves exposed, whether the collectives are its busiest resource."""
+    def phase(p: PhaseTime, comm: float) -> tuple[PhaseTime, bool]:
+        """The rank's phase, and whether the collectives are its busiest resource."""
         mine = PhaseTime(0.0, p.compute_s * (G if hw.device_is_host else 1), p.h2d_s / W, p.d2h_s / W,
                          p.adam_s * G / W)
         if hw.device_is_host:  # one after another on the node's shared cores
             rest = max(0.0, p.seconds - (p.compute_s + p.h2d_s + p.d2h_s + p.adam_s))
             seconds = mine.compute_s + mine.h2d_s + mine.d2h_s + mine.adam_s + comm + rest
-            return dataclasses.replace(mine, seconds=seconds), mine.adam_s, False
+            return dataclasses.replace(mine, seconds=seconds), False
         stall = max(0.0, p.seconds - max(p.compute_s, p.h2d_s, p.d2h_s, p.adam_s))
         others = max(mine.compute_s, mine.h2d_s, mine.d2h_s)
         seconds = max(others, mine.adam_s, comm) + stall
-        exposed = max(0.0, mine.adam_s - max(others, comm))
-        return dataclasses.replace(mine, seconds=seconds), exposed, comm > max(others, mine.adam_s)
+        return dataclasses.replace(mine, seconds=seconds), comm > max(others, mine.adam_s)
 
-    (fwd, fwd_exposed, fwd_comm), (bwd, bwd_exposed, bwd_comm) = (phase(rank.forward, comm_fwd),
-                                                                  phase(rank.backward, comm_bwd))
+    (fwd, fwd_comm), (bwd, bwd_comm) = phase(rank.forward, comm_fwd), phase(rank.backward, comm_bwd)
+    # the single process's exposed AdamW, less what the rank's shard takes off the update
+    shed = rank.forward.adam_s + rank.backward.adam_s - fwd.adam_s - bwd.adam_s
     disk = rank.disk_seconds * G / W
     cost = dataclasses.replace(
         rank, step_seconds=max(fwd.seconds + bwd.seconds, disk), forward=fwd, backward=bwd,
-        optimizer_exposed_seconds=fwd_exposed + bwd_exposed, h2d_bytes=rank.h2d_bytes / W,
+        optimizer_exposed_seconds=max(0.0, rank.optimizer_exposed_seconds - shed), h2d_bytes=rank.h2d_bytes / W,
         d2h_bytes=rank.d2h_bytes / W, disk_read_bytes=rank.disk_read_bytes / W,
         disk_write_bytes=rank.disk_write_bytes / W, disk_seconds=disk)
     return cost, comm_fwd + comm_bwd, fwd_comm if fwd.seconds >= bwd.seconds else bwd_comm
