@@ -235,3 +235,14 @@ def test_a_profile_without_the_device_adamw_rate_loads_with_the_assumed_one(tmp_
     assert "none (no GPU" in report.device_adam_line(new.replace(gpu_mem_bytes=0))
     with pytest.raises(HardwareError, match="device_adam_gbps"):
         old.replace(device_adam_gbps=-1.0)
+
+
+@pytest.mark.gpu
+def test_the_device_adamw_rate_on_cuda() -> None:
+    """On a GPU the profile's fused AdamW figure is 28 bytes a parameter x params/s over device buffers: within what
+    device memory can move (a unit slip, bytes for GB or MB, lands outside)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gbps = profiler.device_adam_gbps(1 << 24)
+    assert 100.0 < gbps < 10_000.0, gbps  # an H100's HBM3 3350 GB/s, an H200's 4800; a PCIe card's GDDR ~1000
