@@ -44,7 +44,8 @@ def test_one_ranks_memory_by_hand() -> None:
 
 def test_a_ranks_resident_blocks_by_hand() -> None:
     """A rank holds and updates its shard of a resident block: 16 x align64(ceil(n / W)) bytes on its GPU, and its
-    device update (deferred: after backward) takes that shard's 28 bytes a parameter at the device AdamW's rate."""
+    device update (deferred: after backward) takes that shard's 28 bytes a parameter at the device AdamW's rate, and 8
+    more with clipping (the gradient multiplied by the clip coefficient)."""
     from megatrain.planner.costs import cost_model, resident_blocks
     m = PRESETS["shape:Llama-3.2-1B"]
     work = Workload(seq_len=2048, batch=16, compute_dtype="bf16")
@@ -57,7 +58,7 @@ def test_a_ranks_resident_blocks_by_hand() -> None:
     rank = data_parallel.rank_workload(work, data_parallel.topology(H100, W, 1))
     whole, sharded = (cost_model.estimate(m, rank, plan, H100, world) for world in (1, W))
     rate = resident_blocks.DEVICE_ADAM_GBPS * 1e9
-    saved = sum(28 * (n - shard(n)) for n in numels) / rate
+    saved = sum((28 + 8) * (n - shard(n)) for n in numels) / rate  # clipping: the gradient's multiply too
     assert whole.backward.compute_s - sharded.backward.compute_s == pytest.approx(saved, rel=1e-9)
 
 

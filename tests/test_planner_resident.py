@@ -100,13 +100,19 @@ def test_more_resident_blocks_start_from_the_plans_own() -> None:
 
 def test_the_device_adamw_runs_at_the_profiles_measured_rate_by_hand() -> None:
     """A profile that measured the GPU's fused AdamW (``device_adam_gbps``) times a resident block's update at its
-    figure, 28 bytes a parameter; one without it (a preset, an older profile) at DEVICE_ADAM_GBPS."""
+    figure, 28 bytes a parameter and 8 more with clipping (the gradient multiplied by the clip coefficient first);
+    one without it (a preset, an older profile) at DEVICE_ADAM_GBPS."""
     m = LLAMA_1B
     plan = Plan(resident_blocks=(0, 1, 2), optimizer_mode="deferred")  # the updates after backward, on the compute
     assert H200.device_adam_gbps == 0 and resident_blocks.device_adam_gbps(H200) == resident_blocks.DEVICE_ADAM_GBPS
     assumed = cost_model.estimate(m, WORK, plan, H200)
     measured = cost_model.estimate(m, WORK, plan, H200.replace(device_adam_gbps=800.0))
     Nr = m.numel_embedding + 2 * m.numel_layer
-    slower = Nr * 28 * (1 / 800e9 - 1 / (resident_blocks.DEVICE_ADAM_GBPS * 1e9))
+    slower = Nr * (28 + 8) * (1 / 800e9 - 1 / (resident_blocks.DEVICE_ADAM_GBPS * 1e9))  # clipping: 8 B more
+    eager = Plan(resident_blocks=(0, 1, 2), optimizer_mode="eager")  # without clipping: 28 B a parameter
+    unclipped = Workload(2048, 16, clipping=False)
+    assert (cost_model.estimate(m, unclipped, eager, H200.replace(device_adam_gbps=800.0)).backward.compute_s
+            - cost_model.estimate(m, unclipped, eager, H200).backward.compute_s) == pytest.approx(
+        Nr * 28 * (1 / 800e9 - 1 / (resident_blocks.DEVICE_ADAM_GBPS * 1e9)), rel=1e-9)
     assert measured.backward.compute_s - assumed.backward.compute_s == pytest.approx(slower, rel=1e-9)
     assert measured.forward == assumed.forward
