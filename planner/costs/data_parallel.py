@@ -21,7 +21,7 @@ rank's batch with each resident block's device update at its shard (cost_model.e
 
   on a GPU: phase_W = max(compute, H2D / W, D2H / W, AdamW x G / W, comm) + stall
   on a CPU: phase_W = compute x G + H2D / W + D2H / W + AdamW x G / W + comm + rest
-  step_W   = phase_W(forward) + phase_W(backward)   (the AdamW a phase waits for is inside it)
+  step_W   = max(phase_W(forward) + phase_W(backward), disk x G / W)   (the AdamW a phase waits for is inside it)
   exposed_W = max(0, exposed - (AdamW - AdamW x G / W))   (the AdamW the step waits for, less what sharding sheds)
   comm_fwd = blocks x lat + r x c x (N + tied E) / bw        (all-gathers of the forward loads)
   comm_bwd = blocks x lat + r x (c x L x layer + 4 x N) / bw  (backward all-gathers + fp32 reduce-scatter)
@@ -32,10 +32,10 @@ rank's batch with each resident block's device update at its shard (cost_model.e
 A rank copies its shard of each block (H2D, D2H: / W) and updates its shard (AdamW: / W) on the CPU cores its
 node's G ranks share (x G; the profile's AdamW rate is all cores'); on a CPU the ranks share the cores for compute
 too (x G). A resident block (``Plan.resident_blocks``) has no H2D, D2H or CPU update, its device update is its
-shard's (28 bytes a parameter of align64(ceil(n_b / W))), and it is all-gathered and reduce-scattered like any
+shard's (28 bytes a parameter of align64(ceil(n_b / W)), 36 with clipping), and it is all-gathered and reduce-scattered like any
 other block (the runtime's [Note: collectives]: its shard cast into its place in the slot on the device, its
 gradient's shard copied from the reduce-scatter into its device buffer). The disk: a node's G ranks each read and
-write their shards' spill files, G / W of one process's bytes. Scaling efficiency = t_1 / (W x t_W) with t_1 one
+write their shards' spill files, G / W of one process's bytes and seconds. Scaling efficiency = t_1 / (W x t_W) with t_1 one
 process's step on the whole global batch. First-order: the collectives are assumed to overlap compute fully
 within a phase on a GPU (the runtime runs them on their own stream, prefetched like the loads); unverified on GPUs.
 
