@@ -124,6 +124,7 @@ def test_measure_on_this_machine(tmp_path, monkeypatch) -> None:
     # AdamW's memory traffic: 28 bytes/param x the best params/s, beside the triad's GB/s
     assert hw.cpu_adam_bytes_per_param == 28 and hw.host_memory_gbps > 0
     assert hw.cpu_adam_gbps == pytest.approx(28 * hw.cpu_adam_params_per_s / 1e9)
+    assert (hw.device_adam_gbps == 0) == hw.device_is_host  # the GPU's fused AdamW, where there is a GPU
     assert all(v > 0 for v in hw.matmul_tflops.values())
     seqs = profiler.ATTENTION_SEQS_CPU if hw.device_is_host else profiler.ATTENTION_SEQS_GPU
     assert [n for n, _ in hw.attention_tflops["float32"]] == list(seqs)
@@ -210,3 +211,38 @@ def test_a_profile_without_the_memory_figures_loads_and_says_so(tmp_path) -> Non
     assert "150.0 GB/s of the host's 200.0 GB/s memory bandwidth (triad), 75%" in report.adam_memory_line(new)
     with pytest.raises(HardwareError, match="host_memory_gbps"):
         old.replace(host_memory_gbps=-1.0)
+
+
+def test_a_profile_without_the_device_adamw_rate_loads_with_the_assumed_one(tmp_path) -> None:
+    """Profiles written before the GPU's fused AdamW was measured load with it unknown (0): the cost model then
+    times a resident block's update at resident_blocks.DEVICE_ADAM_GBPS, and the profile text says so; a measured
+    figure is the one used and printed; a CPU-only profile has none."""
+    from megatrain.planner.commands import report
+    from megatrain.planner.costs import resident_blocks
+
+    data = json.loads(hardware.preset("H100-SXM").to_json())
+    del data["device_adam_gbps"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    old = HardwareProfile.load(str(path))
+    assert old.device_adam_gbps == 0.0 and resident_blocks.device_adam_gbps(old) == resident_blocks.DEVICE_ADAM_GBPS
+    assert f"not measured (the planner assumes {resident_blocks.DEVICE_ADAM_GBPS:.0f} GB/s)" in \
+        report.device_adam_line(old)
+    new = old.replace(device_adam_gbps=2800.0)
+    assert resident_blocks.device_adam_gbps(new) == 2800.0
+    assert "2800 GB/s at 28 B/param, 100.0 Gparam/s" in report.device_adam_line(new)
+    assert HardwareProfile.from_json(new.to_json()) == new
+    assert "none (no GPU" in report.device_adam_line(new.replace(gpu_mem_bytes=0))
+    with pytest.raises(HardwareError, match="device_adam_gbps"):
+        old.replace(device_adam_gbps=-1.0)
+
+
+@pytest.mark.gpu
+def test_the_device_adamw_rate_on_cuda() -> None:
+    """On a GPU the profile's fused AdamW figure is 28 bytes a parameter x params/s over device buffers: within what
+    device memory can move (a unit slip, bytes for GB or MB, lands outside)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gbps = profiler.device_adam_gbps(1 << 24)
+    assert 100.0 < gbps < 10_000.0, gbps  # an H100's HBM3 3350 GB/s, an H200's 4800; a PCIe card's GDDR ~1000

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from megatrain.planner.commands import cli
 from megatrain.planner.costs import cost_model, memory_model, resident_blocks
 from megatrain.planner.profiling import hardware
@@ -61,7 +63,7 @@ def test_the_search_trades_resident_blocks_against_kept_layers_on_the_h200() -> 
     assert best.cost.step_seconds < none
     assert any(len(c.plan.resident_blocks) == LLAMA_1B.num_layers + 2 for c in fit)
     on_cpu = plan_variants.variants(LLAMA_1B, WORK, best.plan.replace(resident_blocks=()), lambda p: True, False)
-    assert not any(p.resident_blocks for p in on_cpu)  # a CPU device or data-parallel ranks: none tried
+    assert not any(p.resident_blocks for p in on_cpu)  # a CPU device: none tried
     bf16_state = Workload(2048, 16, optimizer_state="bf16")  # the device AdamW keeps fp32 state only
     assert not search.search(LLAMA_1B, bf16_state, H200).best.plan.resident_blocks
 
@@ -94,3 +96,23 @@ def test_more_resident_blocks_start_from_the_plans_own() -> None:
     traded = plan_variants.traded(m, WORK, kept, lambda p: 5 <= len(p.resident_blocks) <= 8 + 4 - len(p.kept_layers),
                                   True)
     assert traded and all(len(p.resident_blocks) == 12 - len(p.kept_layers) for p in traded)
+
+
+def test_the_device_adamw_runs_at_the_profiles_measured_rate_by_hand() -> None:
+    """A profile that measured the GPU's fused AdamW (``device_adam_gbps``) times a resident block's update at its
+    figure, 28 bytes a parameter and 8 more with clipping (the gradient multiplied by the clip coefficient first);
+    one without it (a preset, an older profile) at DEVICE_ADAM_GBPS."""
+    m = LLAMA_1B
+    plan = Plan(resident_blocks=(0, 1, 2), optimizer_mode="deferred")  # the updates after backward, on the compute
+    assert H200.device_adam_gbps == 0 and resident_blocks.device_adam_gbps(H200) == resident_blocks.DEVICE_ADAM_GBPS
+    assumed = cost_model.estimate(m, WORK, plan, H200)
+    measured = cost_model.estimate(m, WORK, plan, H200.replace(device_adam_gbps=800.0))
+    Nr = m.numel_embedding + 2 * m.numel_layer
+    slower = Nr * (28 + 8) * (1 / 800e9 - 1 / (resident_blocks.DEVICE_ADAM_GBPS * 1e9))  # clipping: 8 B more
+    eager = Plan(resident_blocks=(0, 1, 2), optimizer_mode="eager")  # without clipping: 28 B a parameter
+    unclipped = Workload(2048, 16, clipping=False)
+    assert (cost_model.estimate(m, unclipped, eager, H200.replace(device_adam_gbps=800.0)).backward.compute_s
+            - cost_model.estimate(m, unclipped, eager, H200).backward.compute_s) == pytest.approx(
+        Nr * 28 * (1 / 800e9 - 1 / (resident_blocks.DEVICE_ADAM_GBPS * 1e9)), rel=1e-9)
+    assert measured.backward.compute_s - assumed.backward.compute_s == pytest.approx(slower, rel=1e-9)
+    assert measured.forward == assumed.forward

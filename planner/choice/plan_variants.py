@@ -1,6 +1,6 @@
 """The variants of a fitted candidate the search times beside it: the same plan with every layer recomputed, and
-on a GPU the plans that keep optimizer state on the device (``Plan.resident_blocks``), traded against kept layers.
-Pure stdlib.
+on a GPU (one process, or each data-parallel rank: its shard of a block's state) the plans that keep optimizer
+state on the device (``Plan.resident_blocks``), traded against kept layers. Pure stdlib.
 
 [Note: resident trade]
 Device memory holds either kept layers' activations (a recompute saved per layer) or resident blocks' state (16
@@ -17,6 +17,10 @@ a plan at all: the candidate first takes the fewest first blocks resident that l
 (``host_relief``), then the most kept layers that fit beside them, and the trade above runs from there: more resident
 blocks for fewer kept layers, never fewer than host RAM needs (``resident_blocks.most_resident`` starts from the
 plan's own).
+
+Data-parallel ranks on GPUs trade the same way, each rank's plan at its shard: a resident block costs it 16 bytes a
+parameter of its shard (``data_parallel.rank_components``) and saves its shard's H2D, D2H and CPU update, while
+the block's all-gathers and reduce-scatter run as for any other block (``data_parallel.rank_cost``).
 """
 from __future__ import annotations
 
@@ -29,12 +33,14 @@ from megatrain.plan.plan import Plan
 from megatrain.planner.shapes.workload import Workload
 
 
-def variants(model: ModelShape, work: Workload, plan: Plan, fits: Callable[[Plan], bool], on_gpu: bool) -> list[Plan]:
-    """The fitted ``plan``'s variants that ``fits`` (``on_gpu``: one process on a GPU, where state may be resident):
-    every layer recomputed (where it keeps some); the kept layers with the most resident blocks beside them; every
-    block resident with the most kept layers beside it ([Note: resident trade])."""
+def variants(model: ModelShape, work: Workload, plan: Plan, fits: Callable[[Plan], bool],
+             device_is_gpu: bool) -> list[Plan]:
+    """The fitted ``plan``'s variants that ``fits`` (``device_is_gpu``: the device is a GPU, where state may be
+    resident, one process's or each data-parallel rank's shard of it): every layer recomputed (where it keeps some);
+    the kept layers with the most resident blocks beside them; every block resident with the most kept layers beside
+    it ([Note: resident trade])."""
     out = [plan.replace(kept_layers=())] if plan.kept_layers else []
-    if on_gpu and resident_blocks.may_hold(plan, work):
+    if device_is_gpu and resident_blocks.may_hold(plan, work):
         most = resident_blocks.most_resident(model, plan, fits)
         if most.resident_blocks:
             out.append(most)
@@ -45,13 +51,13 @@ def variants(model: ModelShape, work: Workload, plan: Plan, fits: Callable[[Plan
 
 
 def host_relief(model: ModelShape, work: Workload, plan: Plan, over: Callable[[Plan], list[Overrun]],
-                on_gpu: bool) -> Plan:
+                device_is_gpu: bool) -> Plan:
     """``plan`` with the fewest first blocks resident that bring host RAM within its budget, where host RAM is all it
-    overruns (``over``: its overruns; ``on_gpu`` as in ``variants``) and it then fits every budget; else ``plan``
-    unchanged. Each block more moves its state from RAM to the device: host RAM falls and device memory grows block
-    by block, so the fewest is found by bisection, at most log2(L + 2) + 2 calls of ``over``, and a count short of
+    overruns (``over``: its overruns; ``device_is_gpu`` as in ``variants``) and it then fits every budget; else
+    ``plan`` unchanged. Each block more moves its state (a rank's: its shard) from RAM to the device: host RAM falls
+    and device memory grows block by block, so the fewest is found by bisection, at most log2(L + 2) + 2 calls of ``over``, and a count short of
     RAM that also overruns another budget ends it (fewer blocks are short of RAM, more overrun the device too)."""
-    if not (on_gpu and resident_blocks.may_hold(plan, work)) or not _only_ram(over(plan)):
+    if not (device_is_gpu and resident_blocks.may_hold(plan, work)) or not _only_ram(over(plan)):
         return plan
 
     def with_count(r: int) -> Plan:
@@ -78,11 +84,12 @@ def _only_ram(overruns: list[Overrun]) -> bool:
     return _short_of_ram(overruns) and all(o.budget == "host RAM" for o in overruns)
 
 
-def traded(model: ModelShape, work: Workload, plan: Plan, fits: Callable[[Plan], bool], on_gpu: bool) -> list[Plan]:
+def traded(model: ModelShape, work: Workload, plan: Plan, fits: Callable[[Plan], bool],
+           device_is_gpu: bool) -> list[Plan]:
     """The fastest candidate's kept layers traded for resident blocks: the most first blocks resident beside 3/4,
     1/2 and 1/4 of its kept layers (the first in ``kept_layers.keep_order``), each that fits and holds one; at
     least the candidate's own resident blocks, which fit beside more kept layers (and may be what host RAM needs)."""
-    if not (on_gpu and resident_blocks.may_hold(plan, work) and plan.kept_layers):
+    if not (device_is_gpu and resident_blocks.may_hold(plan, work) and plan.kept_layers):
         return []
     order, k, out = kept_layers.keep_order(model, work), len(plan.kept_layers), []
     for fewer in sorted({k * 3 // 4, k // 2, k // 4} - {0, k}, reverse=True):

@@ -12,9 +12,12 @@ goes to disk, block by block and kind by kind (``fill``; spill_placement.py,
 together.
 
 With ``ranks`` (a data-parallel Topology) the workload is the global step and the plan is one rank's:
-candidates and time at the rank's share of the batch, memory as data_parallel.memory (host state
-sharded 1/W), and the budgets per node: each rank's GPU memory against one GPU, and the G ranks of a
-node together (their shards and each one's buffers) against the node's host RAM and spill disk.
+candidates at the rank's share of the batch, time as data_parallel.rank_cost (the rank's step with its
+shards' copies and updates and the collectives), memory as data_parallel.memory (host state sharded 1/W,
+a resident block's device state at its shard), and the budgets per node: each rank's GPU memory against
+one GPU, and the G ranks of a node together (their shards and each one's buffers) against the node's host
+RAM and spill disk. On GPUs a rank's plans keep optimizer state on the device as one process's do
+([Note: resident trade] in plan_variants.py).
 
 Memory is checked first (cheap); only plans that fit are timed. Pure stdlib.
 """
@@ -26,9 +29,10 @@ from typing import Callable
 from megatrain.errors import MegatrainError
 from megatrain.models import registry
 
-from megatrain.planner.costs import cost_model, data_parallel, kept_layers, spill_placement
+from megatrain.planner.costs import data_parallel, kept_layers, spill_placement
 from megatrain.planner.choice import plan_variants, side_by_side
 from megatrain.planner.costs.cost_model import CostEstimate
+from megatrain.planner.costs.data_parallel import rank_cost  # a rank's step; with no ranks, one process's
 from megatrain.planner.profiling.hardware import HardwareProfile
 from megatrain.planner.costs.memory_model import MemoryEstimate, Overrun
 from megatrain.planner.shapes.model_shapes import ModelShape
@@ -235,7 +239,7 @@ def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfil
     the least that lets it: ``fill``); else the smallest chunk, with its overruns."""
     over = _over(model, work, hw, ranks)
     plan = fill(model, work, expert_groups(model, work, plan, hw, ranks), hw, ranks)
-    plan = plan_variants.host_relief(model, _rank(work, ranks), plan, over, ranks is None and not hw.device_is_host)
+    plan = plan_variants.host_relief(model, _rank(work, ranks), plan, over, not hw.device_is_host)
     plan = kept_layers.keep_most(model, _rank(work, ranks), plan, lambda p: not over(p))
     choice, chunks = None, _chunks(plan.micro_batch_size * work.seq_len)
     for chunk in chunks if not over(plan) else chunks[-1:]:  # memory grows with the chunk
@@ -272,12 +276,12 @@ def _fitted(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks
         if not choice.feasible:
             out.append((index, [], choice))
             continue
-        fit = [PlanChoice(choice.plan, choice.memory, cost_model.estimate(model, rank, choice.plan, hw))]
+        fit = [PlanChoice(choice.plan, choice.memory, rank_cost(model, work, choice.plan, hw, ranks))]
         # every layer recomputed (as fast where recompute is off the critical path, and then less memory wins the
         # tie); optimizer state on the device traded against kept layers ([Note: resident trade])
         for p in plan_variants.variants(model, rank, choice.plan, lambda q: not overruns(
-                _memory(model, work, q, hw, ranks), work, hw, ranks), ranks is None and not hw.device_is_host):
-            fit.append(PlanChoice(p, _memory(model, work, p, hw, ranks), cost_model.estimate(model, rank, p, hw)))
+                _memory(model, work, q, hw, ranks), work, hw, ranks), not hw.device_is_host):
+            fit.append(PlanChoice(p, _memory(model, work, p, hw, ranks), rank_cost(model, work, p, hw, ranks)))
         out.append((index, fit, None))
     return out
 
@@ -287,9 +291,9 @@ def traded(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks,
     if not fit:
         return []
     best, rank = min(fit, key=lambda c: c.cost.step_seconds if c.cost else 0.0), _rank(work, ranks)
-    return [PlanChoice(p, _memory(model, work, p, hw, ranks), cost_model.estimate(model, rank, p, hw))
+    return [PlanChoice(p, _memory(model, work, p, hw, ranks), rank_cost(model, work, p, hw, ranks))
             for p in plan_variants.traded(model, rank, best.plan, lambda q: not overruns(
-                _memory(model, work, q, hw, ranks), work, hw, ranks), ranks is None and not hw.device_is_host)]
+                _memory(model, work, q, hw, ranks), work, hw, ranks), not hw.device_is_host)]
 
 
 def casts(plan: Plan, work: Workload, hw: HardwareProfile | None) -> tuple[Plan, ...]:
@@ -329,7 +333,7 @@ def search(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks 
         if best.plan.spill != "none":  # the most staging sets that fit, where they cost no time (spill_choices)
             deeper = best.plan.replace(spill_staging=most_staging(model, best.plan, lambda n: not overruns(
                 _memory(model, work, best.plan.replace(spill_staging=n), hw, ranks), work, hw, ranks)))
-            cost = cost_model.estimate(model, _rank(work, ranks), deeper, hw)
+            cost = rank_cost(model, work, deeper, hw, ranks)
             if cost.step_seconds <= fastest * (1 + TIME_TOLERANCE):
                 best = PlanChoice(deeper, _memory(model, work, deeper, hw, ranks), cost)
         # The plan records the workload it was made for; the runtime refuses another one.
@@ -342,7 +346,7 @@ def fits(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks = 
     """Whether any plan fits every budget (memory only; nothing is timed). Memory grows with the loss
     chunk, so each candidate is tried with its smallest chunk only, filled (``fill``) and with the fewest resident
     blocks that host RAM needs (``plan_variants.host_relief``), as the search fits it."""
-    over, gpu = _over(model, work, hw, ranks), ranks is None and not hw.device_is_host
+    over, gpu = _over(model, work, hw, ranks), not hw.device_is_host
     for plan in candidates(model, _rank(work, ranks), hw, ranks is None):
         filled = fill(model, work, plan, hw, ranks)
         if not over(plan_variants.host_relief(model, _rank(work, ranks), filled, over, gpu)):

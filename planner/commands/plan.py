@@ -43,8 +43,8 @@ def run(args: argparse.Namespace) -> None:
         text += (f"\nclipping keeps every update until backward ends, and the CPU AdamW bounds the step; without "
                  f"clipping (--no-clip) the updates overlap backward: step {report.seconds(unclipped.step_seconds)}, "
                  f"{report.rate(unclipped.tokens_per_second)}")
-    if ranks is None and not chosen.hardware.device_is_host:
-        data["resident_alternatives"], more = resident_alternatives(model, work, chosen)
+    if not chosen.hardware.device_is_host:
+        data["resident_alternatives"], more = resident_alternatives(model, work, chosen, ranks)
         text += "\n" + more
     report.emit(args.json, data, text)
 
@@ -63,12 +63,14 @@ def clipping_cost(model: ModelShape, work: Workload, chosen: ChosenPlan, ranks: 
     return other.choice.cost if faster else None
 
 
-def resident_alternatives(model: ModelShape, work: Workload, chosen: ChosenPlan) -> tuple[list[dict[str, Any]], str]:
+def resident_alternatives(model: ModelShape, work: Workload, chosen: ChosenPlan,
+                          ranks: Ranks = None) -> tuple[list[dict[str, Any]], str]:
     """How many blocks keep their optimizer state on the GPU and why ([Note: resident trade]): the fastest plan the
     search timed with none, with some and with every block resident, each with its kept layers; where none fits
-    (host RAM too small for every block's state), the fewest that do and the host RAM the plans with none need."""
-    fit, _ = search.feasible_choices(model, work, chosen.hardware)
-    fit += search.traded(model, work, chosen.hardware, None, fit)
+    (host RAM too small for every block's state), the fewest that do and the host RAM the plans with none need.
+    With ``ranks``: one rank's plans (its shard of each block's state), the host RAM a node's."""
+    fit, _ = search.feasible_choices(model, work, chosen.hardware, ranks)
+    fit += search.traded(model, work, chosen.hardware, ranks, fit)
     blocks = model.num_layers + 2
     best: dict[str, search.PlanChoice] = {}
     for c in fit:
@@ -80,18 +82,21 @@ def resident_alternatives(model: ModelShape, work: Workload, chosen: ChosenPlan)
              "step_seconds": c.cost.step_seconds, "optimizer_exposed_seconds": c.cost.optimizer_exposed_seconds,
              "device_bytes": c.memory.device_bytes} for c in best.values() if c.cost is not None]
     p = chosen.plan
-    text = (f"optimizer state on the GPU: {len(p.resident_blocks)} of {blocks} blocks (16 bytes a parameter there: no "
-            f"CPU AdamW, weight H2D or gradient D2H for them); the fastest timed with "
+    shard = "" if ranks is None else " of each rank's shard"
+    text = (f"optimizer state on the GPU: {len(p.resident_blocks)} of {blocks} blocks (16 bytes a parameter{shard} "
+            f"there: no CPU AdamW, weight H2D or gradient D2H for them); the fastest timed with "
             + "; ".join(f"{r['resident_blocks']} blocks: step {report.seconds(r['step_seconds'])} with "
                         f"{r['kept_layers']} of {model.num_layers} layers kept, AdamW exposed "
                         f"{report.seconds(r['optimizer_exposed_seconds'])}"
                         for r in sorted(rows, key=lambda r: r["resident_blocks"])))
     if "none" not in best and best:  # every plan that fits keeps some: host RAM does not hold all of the state
         fewest = min(len(c.plan.resident_blocks) for c in fit)
-        least = search.minimum_memory(model, dataclasses.replace(work, spill="none"), chosen.hardware)["host"]
+        least = search.minimum_memory(model, dataclasses.replace(work, spill="none"), chosen.hardware, ranks)["host"]
         fewer = "none" if fewest == 1 else f"fewer than {fewest} blocks"
-        text += (f"; with {fewer}, no plan fits (the least host RAM with none, nothing on disk: "
-                 f"{report.gib(least.memory.host_bytes)} of {report.gib(chosen.hardware.host_budget_bytes)} usable)")
+        G, node = (1, "") if ranks is None else (ranks.gpus_per_node, f" per node ({ranks.gpus_per_node} ranks)")
+        text += (f"; with {fewer}, no plan fits (the least host RAM{node} with none, nothing on disk: "
+                 f"{report.gib(G * least.memory.host_bytes)} of {report.gib(chosen.hardware.host_budget_bytes)} "
+                 f"usable)")
     return rows, text
 
 

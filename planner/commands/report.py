@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-from megatrain.planner.costs import spill_placement
+from megatrain.planner.costs import resident_blocks, spill_placement
 from megatrain.planner.costs.cost_model import CostEstimate
 from megatrain.planner.profiling.hardware import GiB, HardwareProfile
 from megatrain.planner.costs.memory_model import MemoryEstimate
@@ -84,6 +84,17 @@ def adam_memory_line(hw: HardwareProfile) -> str:
             f"{hw.cpu_bf16_state_params_per_s / hw.adam_params_per_s:.2f}x fp32 AdamW on the worker's threads")
 
 
+def device_adam_line(hw: HardwareProfile) -> str:
+    """The GPU's fused AdamW (the resident blocks' update): measured, assumed, or none without a GPU."""
+    if hw.device_is_host:
+        return "GPU AdamW: none (no GPU; blocks' optimizer state stays in host RAM)"
+    if not hw.device_adam_gbps:
+        return f"GPU AdamW: not measured (the planner assumes {resident_blocks.DEVICE_ADAM_GBPS:.0f} GB/s)"
+    per_param = resident_blocks.DEVICE_ADAM_BYTES_PER_PARAM
+    return (f"GPU AdamW (fused, fp32 device buffers): {hw.device_adam_gbps:.0f} GB/s at {per_param} B/param, "
+            f"{hw.device_adam_gbps / per_param:.1f} Gparam/s")
+
+
 def profile_text(hw: HardwareProfile, saved_to: str) -> str:
     """What ``megatrain-plan profile`` measured, a line per resource."""
     attention = "; ".join(f"{k} " + ", ".join(f"{r:.2f} at {n:,} tokens" for n, r in pts)
@@ -92,7 +103,7 @@ def profile_text(hw: HardwareProfile, saved_to: str) -> str:
         hardware_line(hw), "matmul TFLOP/s: " + ", ".join(f"{k} {v:.2f}" for k, v in hw.matmul_tflops.items()),
         "causal attention TFLOP/s (forward + backward): " + (attention or "not measured"),
         "AdamW by threads: " + ", ".join(f"{n}: {r / 1e9:.2f} Gparam/s" for n, r in hw.adam_by_threads),
-        adam_memory_line(hw),
+        adam_memory_line(hw), device_adam_line(hw),
         f"disk: read {hw.disk_read_gbps:.2f} / write {hw.disk_write_gbps:.2f} GB/s", f"source: {hw.source}",
         f"saved to {saved_to}"])
 

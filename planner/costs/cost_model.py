@@ -136,7 +136,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile,
     steps = _forward_steps(model, work, plan, batch, rates, adam, slabs)
     n_fwd = len(steps)
     steps += _backward_steps(model, work, plan, batch, rates, adam, slabs)
-    resident_blocks.add_device_updates(model, plan, steps, n_fwd, hw.device_is_host, hw.cpu_adam_params_per_s, world)
+    resident_blocks.add_device_updates(model, plan, steps, n_fwd, hw, world, work.clipping)
     if plan.optimizer_mode != "eager" and not hw.device_is_host:
         _gate_loads_on_deferred_adam(model, steps, adam)
     total_adam = adam.arithmetic() if on_cpu else adam.total()  # on_cpu: its disk time is spill_timing's

@@ -16,17 +16,28 @@ m, v, shadow, full grad arena, spill files) at N_W instead of N, slabs and stagi
 gradient accumulators of whole padded blocks, a resident block's device state at its shard, and on a GPU
 (grad buffers + 1) fp32 gradient shards ([Note: per-rank buffers]). Per node: G x that.
 
-Time per rank: the single-process estimate at the rank's batch (cost_model), then per phase
+Time per rank (``rank_cost``, what the search times a rank's plans by): the single-process estimate at the
+rank's batch with each resident block's device update at its shard (cost_model.estimate(..., W)), then per phase
 
-  phase_W = max(compute x s, H2D / W, D2H / W, AdamW x s / W, comm) + stall
+  on a GPU: phase_W = max(compute, H2D / W, D2H / W, AdamW x G / W, comm) + stall
+  on a CPU: phase_W = compute x G + H2D / W + D2H / W + AdamW x G / W + comm + rest
+  step_W   = max(phase_W(forward) + phase_W(backward), disk x G / W)   (the AdamW a phase waits for is inside it)
+  exposed_W = max(0, exposed - (AdamW - AdamW x G / W))   (the AdamW the step waits for, less what sharding sheds)
   comm_fwd = blocks x lat + r x c x (N + tied E) / bw        (all-gathers of the forward loads)
   comm_bwd = blocks x lat + r x (c x L x layer + 4 x N) / bw  (backward all-gathers + fp32 reduce-scatter)
   stall    = the single-process phase's time beyond its busiest resource (fill and drain)
+  rest     = the single-process phase's time beyond the sum of its resources (a CPU runs them one after another;
+             what is left is waiting for the disk)
 
-where s = G when the device is the CPU (the node's ranks share its cores), else 1. Scaling
-efficiency = t_1 / (W x t_W) with t_1 one process's step on the whole global batch.
-First-order: the collectives are assumed to overlap compute fully within a phase (the runtime runs
-them on their own stream, prefetched like the loads); unverified on GPUs.
+A rank copies its shard of each block (H2D, D2H: / W) and updates its shard (AdamW: / W) on the CPU cores its
+node's G ranks share (x G; the profile's AdamW rate is all cores'); on a CPU the ranks share the cores for compute
+too (x G). A resident block (``Plan.resident_blocks``) has no H2D, D2H or CPU update, its device update is its
+shard's (28 bytes a parameter of align64(ceil(n_b / W)), 36 with clipping), and it is all-gathered and reduce-scattered like any
+other block (the runtime's [Note: collectives]: its shard cast into its place in the slot on the device, its
+gradient's shard copied from the reduce-scatter into its device buffer). The disk: a node's G ranks each read and
+write their shards' spill files, G / W of one process's bytes and seconds. Scaling efficiency = t_1 / (W x t_W) with t_1 one
+process's step on the whole global batch. First-order: the collectives are assumed to overlap compute fully
+within a phase on a GPU (the runtime runs them on their own stream, prefetched like the loads); unverified on GPUs.
 
 Collective timeout ([Note: collective timeout]): how long a rank's collective waits for the others before
 every rank stops, when --collective-timeout is not given:
@@ -49,6 +60,7 @@ from megatrain.planner.costs import cost_model, memory_model, resident_blocks
 from megatrain.plan.block_parameters import aligned
 from megatrain.planner.costs.spill_placement import block_numels
 from megatrain.planner.profiling.hardware import HardwareProfile
+from megatrain.planner.costs.cost_model import CostEstimate, PhaseTime
 from megatrain.planner.costs.memory_model import Component, MemoryEstimate, Overrun
 from megatrain.planner.shapes.model_shapes import ModelShape
 from megatrain.plan.plan import Plan
@@ -254,29 +266,67 @@ class Scaling:
 
 
 def scaling(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, topo: Topology) -> Scaling:
-    """The step of W ranks on ``work`` (global) with the rank's ``plan``, and of one process on all of it."""
-    W, c = topo.world, work.compute_bytes
+    """The step of W ranks on ``work`` (global) with the rank's ``plan`` (``rank_cost``), and of one process on all
+    of it."""
     single = cost_model.estimate(model, work, plan, hw)
-    if W == 1:
+    if topo.world == 1:
         return Scaling(single.step_seconds, single.step_seconds, 0.0, work.tokens, 1, topo.bus_gbps)
-    rank = cost_model.estimate(model, rank_workload(work, topo), plan, hw, W)  # a resident block: its shard's update
-    share = topo.gpus_per_node if hw.device_is_host else 1
-    ring, bw = (W - 1) / W, topo.bus_gbps * 1e9
-    lat = COLLECTIVE_LATENCY_S["cpu" if hw.device_is_host else "gpu"]
-    blocks = model.num_layers + 2
-    tied = model.numel_embedding if model.tie_word_embeddings else 0
-    comm_fwd = blocks * lat + ring * c * (model.numel_total + tied) / bw
-    comm_bwd = blocks * lat + ring * (c * model.num_layers * model.numel_layer + 4 * model.numel_total) / bw
+    rank, comm, bound = _rank_step(model, work, plan, hw, topo)
+    return Scaling(rank.step_seconds, single.step_seconds, comm, work.tokens, topo.world, topo.bus_gbps, bound)
 
-    def phase(p: cost_model.PhaseTime, comm: float) -> tuple[float, bool]:
+
+def rank_cost(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile,
+              topo: Topology | None) -> CostEstimate:
+    """One rank's step for ``work`` (the global step) with ``plan`` (the rank's): the cost model's estimate at the
+    rank's batch, its phases the rank's with the collectives (the module's formulas), its bytes the rank's shard
+    of them; with one rank (``topo`` None: one process), the single process's estimate."""
+    if topo is None or topo.world == 1:
+        return cost_model.estimate(model, work, plan, hw)
+    return _rank_step(model, work, plan, hw, topo)[0]
+
+
+def collective_seconds(model: ModelShape, work: Workload, hw: HardwareProfile, topo: Topology) -> tuple[float, float]:
+    """(comm_fwd, comm_bwd): the all-gathers of the forward's loads; the backward's all-gathers and fp32
+    reduce-scatters (every block's, resident ones too), a latency per block and phase."""
+    c, ring, bw = work.compute_bytes, (topo.world - 1) / topo.world, topo.bus_gbps * 1e9
+    lat = (model.num_layers + 2) * COLLECTIVE_LATENCY_S["cpu" if hw.device_is_host else "gpu"]
+    tied = model.numel_embedding if model.tie_word_embeddings else 0
+    comm_fwd = lat + ring * c * (model.numel_total + tied) / bw
+    comm_bwd = lat + ring * (c * model.num_layers * model.numel_layer + 4 * model.numel_total) / bw
+    return comm_fwd, comm_bwd
+
+
+def _rank_step(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile,
+               topo: Topology) -> tuple[CostEstimate, float, bool]:
+    """(the rank's estimate, the step's collectives were they not overlapped, whether they are the busiest
+    resource of the longer phase), W > 1."""
+    W, G = topo.world, topo.gpus_per_node
+    rank = cost_model.estimate(model, rank_workload(work, topo), plan, hw, W)  # a resident block: its shard's update
+    comm_fwd, comm_bwd = collective_seconds(model, work, hw, topo)
+
+    def phase(p: PhaseTime, comm: float) -> tuple[PhaseTime, bool]:
+        """The rank's phase, and whether the collectives are its busiest resource."""
+        mine = PhaseTime(0.0, p.compute_s * (G if hw.device_is_host else 1), p.h2d_s / W, p.d2h_s / W,
+                         p.adam_s * G / W)
+        if hw.device_is_host:  # one after another on the node's shared cores
+            rest = max(0.0, p.seconds - (p.compute_s + p.h2d_s + p.d2h_s + p.adam_s))
+            seconds = mine.compute_s + mine.h2d_s + mine.d2h_s + mine.adam_s + comm + rest
+            return dataclasses.replace(mine, seconds=seconds), False
         stall = max(0.0, p.seconds - max(p.compute_s, p.h2d_s, p.d2h_s, p.adam_s))
-        busiest = max(p.compute_s * share, p.h2d_s / W, p.d2h_s / W, p.adam_s * share / W)
-        return max(busiest, comm) + stall, comm > busiest
+        others = max(mine.compute_s, mine.h2d_s, mine.d2h_s)
+        seconds = max(others, mine.adam_s, comm) + stall
+        return dataclasses.replace(mine, seconds=seconds), comm > max(others, mine.adam_s)
 
     (fwd, fwd_comm), (bwd, bwd_comm) = phase(rank.forward, comm_fwd), phase(rank.backward, comm_bwd)
-    step = fwd + bwd + rank.optimizer_exposed_seconds * share / W
-    return Scaling(step, single.step_seconds, comm_fwd + comm_bwd, work.tokens, W, topo.bus_gbps,
-                   fwd_comm if fwd >= bwd else bwd_comm)
+    # the single process's exposed AdamW, less what the rank's shard takes off the update
+    shed = rank.forward.adam_s + rank.backward.adam_s - fwd.adam_s - bwd.adam_s
+    disk = rank.disk_seconds * G / W
+    cost = dataclasses.replace(
+        rank, step_seconds=max(fwd.seconds + bwd.seconds, disk), forward=fwd, backward=bwd,
+        optimizer_exposed_seconds=max(0.0, rank.optimizer_exposed_seconds - shed), h2d_bytes=rank.h2d_bytes / W,
+        d2h_bytes=rank.d2h_bytes / W, disk_read_bytes=rank.disk_read_bytes / W,
+        disk_write_bytes=rank.disk_write_bytes / W, disk_seconds=disk)
+    return cost, comm_fwd + comm_bwd, fwd_comm if fwd.seconds >= bwd.seconds else bwd_comm
 
 
 def collective_timeout_s(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, topo: Topology) -> float:

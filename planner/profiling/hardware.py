@@ -23,6 +23,9 @@ PROFILE_VERSION = 1
 # Share of the available host RAM a plan leaves unfilled, for what the memory model does not see: spilled runs of
 # 1-5B parameters on a CPU peaked 3-6.5% (0.6-0.8 GiB) above it, and a run killed for memory loses its work.
 HOST_HEADROOM = 0.05
+# Device memory traffic of one fused AdamW update of an fp32 parameter on the device (a resident block's: master,
+# gradient, m, v read, 16; master, m, v written, 12): what ``device_adam_gbps`` counts per parameter.
+DEVICE_ADAM_BYTES_PER_PARAM = 28
 # Fields earlier releases wrote and nothing read (RLIMIT_MEMLOCK: CUDA pins through the driver); dropped on load.
 RETIRED_FIELDS = frozenset({"memlock_bytes"})
 
@@ -86,6 +89,10 @@ class HardwareProfile:
     # reaches at cpu_adam_params_per_s (bytes/param x params/s), to compare with host_memory_gbps; 0: not measured.
     cpu_adam_bytes_per_param: int = 0
     cpu_adam_gbps: float = 0.0
+    # torch's fused AdamW on the GPU over fp32 device buffers (the resident blocks' update), GB/s at
+    # DEVICE_ADAM_BYTES_PER_PARAM bytes a parameter; 0: not measured (no GPU, a preset, an older profile: the cost
+    # model then assumes resident_blocks.DEVICE_ADAM_GBPS).
+    device_adam_gbps: float = 0.0
     # Causal attention (scaled_dot_product_attention with is_causal, forward + backward) TFLOP/s per compute
     # dtype by sequence length, FLOPs counted as the planner counts them (model_flops.attention_flops_per_token):
     # {"float32": ((seq, TFLOP/s), ...)}. Empty for a dtype: not measured (attention runs at the layers' rate).
@@ -273,7 +280,7 @@ def _check_figures(hw: HardwareProfile) -> None:
         raise HardwareError(f"host_ram_bytes={hw.host_ram_bytes}, cores={hw.cores} must be > 0; "
                             f"pass --ram or fix the profile")
     for f in ("cpu_shadow_params_per_s", "cpu_bf16_state_params_per_s", "disk_cpu_s_per_gb", "host_memory_gbps",
-              "cpu_adam_gbps"):
+              "cpu_adam_gbps", "device_adam_gbps"):
         v = getattr(hw, f)
         if not isinstance(v, (int, float)) or v < 0:
             raise HardwareError(f"{f}={v!r} must be a number >= 0 (0: not measured); run megatrain-plan "

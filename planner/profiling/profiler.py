@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 from megatrain.planner.profiling import profile_checks
 from megatrain.planner.profiling.disk_profile import NOT_MEASURED, measure_disk
-from megatrain.planner.profiling.hardware import HOST_PRESETS, MiB, HardwareProfile, preset
+from megatrain.planner.profiling.hardware import (DEVICE_ADAM_BYTES_PER_PARAM, HOST_PRESETS, MiB, HardwareProfile,
+                                                  preset)
 from megatrain.planner.profiling.host_probe import gpu_present, host_memory
 from megatrain.planner.profiling.host_rates import (adam_bytes_per_param, cpu_adam_rate, cpu_bf16_state_rate,
                                                     cpu_copy_gbps, cpu_memory_gbps, cpu_shadow_rate)
@@ -32,6 +33,9 @@ DTYPES_GPU = ("bfloat16", "float16", "tf32", "float32")
 ATTENTION_SEQS_GPU = (1024, 4096, 16384, 65536)
 ATTENTION_SEQS_CPU = (256, 1024, 4096)
 ATTENTION_DTYPES_GPU = ("bfloat16", "float16", "float32")
+# Parameters of the device AdamW measurement: four fp32 buffers of 2^27 elements, 2 GiB on the GPU (far beyond its
+# caches, as a resident block's buffers are).
+DEVICE_ADAM_NUMEL = 1 << 27
 
 
 # ---- torch measurements ------------------------------------------------------------------------
@@ -196,6 +200,35 @@ def gpu_transfers(sizes: tuple[int, ...]) -> list[tuple[int, float, float, float
     return out
 
 
+def device_adam_gbps(numel: int = DEVICE_ADAM_NUMEL, log: Callable[[str], None] = _quiet) -> float:
+    """GB/s of torch's fused AdamW on the GPU, as the runtime's device AdamW updates a resident block: one
+    ``torch._fused_adamw_`` over flat fp32 master, gradient, m and v buffers of ``numel`` elements on the device,
+    its step count a float32 device scalar; DEVICE_ADAM_BYTES_PER_PARAM bytes a parameter x params/s, timed with
+    CUDA events over 4 updates."""
+    import torch
+    p, g, m, v = (torch.rand(numel, device="cuda") for _ in range(4))
+    step = torch.zeros((), dtype=torch.float32, device="cuda")
+
+    def once() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(4):
+            step.add_(1)
+            torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01,
+                                eps=1e-8, amsgrad=False, maximize=False)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / 4
+
+    try:
+        once()
+        seconds = _best_of(once, 3, "device AdamW", log)
+    finally:
+        del p, g, m, v
+        torch.cuda.empty_cache()
+    return numel * DEVICE_ADAM_BYTES_PER_PARAM / seconds / 1e9
+
+
 def interconnect_label(name: str) -> str:
     """NVLink-C2C for Grace Hopper, else PCIe generation and width from NVML when it is installed."""
     if "GH200" in name or "GB200" in name:
@@ -257,12 +290,14 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
         h2d, d2h, duplex = big[1], big[2], big[3]
         log("GPU matmul TFLOP/s")
         tflops = matmul_tflops("cuda", DTYPES_GPU, 8192, log=log)
+        log("GPU fused AdamW (fp32 device buffers: the resident blocks' update)")
+        device_adam = device_adam_gbps(log=log)
         log("GPU causal attention TFLOP/s (forward + backward), 1k .. 64k tokens")
         link = interconnect_label(name)
     else:
         notes.append("no GPU: the device is the CPU; transfers are host memcpy, matmul is CPU; "
-                     "H2D/D2H over PCIe not measured")
-        name, mem, table = "cpu", 0, []
+                     "H2D/D2H over PCIe and the GPU's AdamW not measured")
+        name, mem, table, device_adam = "cpu", 0, [], 0.0
         log("host memcpy and CPU matmul (no GPU)")
         h2d = d2h = cpu_copy_gbps()
         duplex = h2d
@@ -280,7 +315,7 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
         transfer_by_size=tuple(table), adam_by_threads=tuple(adam), cpu_shadow_params_per_s=shadow,
         cpu_bf16_state_params_per_s=bf16_state, host_memory_gbps=memory_gbps,
         cpu_adam_bytes_per_param=adam_bytes_per_param(), cpu_adam_gbps=adam_bytes_per_param() * adam_rate / 1e9,
-        attention_tflops=attention)
+        device_adam_gbps=device_adam, attention_tflops=attention)
 
 
 def cpu_matmul() -> Callable[[], Any]:
