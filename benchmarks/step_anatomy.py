@@ -49,6 +49,8 @@ VARIANTS = {  # plan changes tried beside the planner's own choice
     "keep-all": {"kept_layers": "all"},  # every layer's activations kept for backward
     "host-cast": {"weights_cast": "host"},  # bf16 weights rounded by AdamW into a shadow in RAM
     "device-cast": {"weights_cast": "device"},  # the fp32 master copied and rounded on the device
+    "uncompiled": {"compiled_layers": False},  # the decoder layers' forward eager (the default)
+    "compiled": {"compiled_layers": True},  # through torch.compile ([Note: compiled layers]; warm-up compiles)
 }
 
 
@@ -87,7 +89,11 @@ def measure(spec: RunSpec, variant: str, args: argparse.Namespace, hw: Any, echo
     if changes.get("optimizer_mode") == "eager":
         changes["host_grad_slabs"] = max(plan.host_grad_slabs, 2)
         changes["compute_in_place"] = False  # eager updates take gradients from slabs
-    plan = plan.replace(**changes) if changes else plan
+    try:
+        plan = plan.replace(**changes) if changes else plan
+    except ValueError as e:  # a PlanError: e.g. compiled layers with the sequence tiles the planner chose
+        return {"model": spec.model, "seq": spec.seq, "batch": spec.batch, "variant": variant,
+                "status": f"not run: {e}"}
     clip = None if plan.optimizer_mode == "eager" or args.no_clip else spec.max_grad_norm  # eager cannot clip
     cuda = spec.device == "cuda"
     row: dict[str, Any] = {"model": spec.model, "seq": spec.seq, "batch": spec.batch, "variant": variant,
@@ -209,7 +215,8 @@ def markdown(rep: dict[str, Any]) -> str:
         lines.append(
             f"| {r['model']} | {r['seq']} | {r['variant']} | mb {p['micro_batch_size']}, {p['num_slots']} slots, "
             f"ckpt {p['checkpoints']}, {p['optimizer_mode']}"
-            f"{', cast on device' if p.get('weights_cast') == 'device' else ''} | {r['median_step_seconds']:.3f} "
+            f"{', cast on device' if p.get('weights_cast') == 'device' else ''}"
+            f"{', compiled layers' if p.get('compiled_layers') else ''} | {r['median_step_seconds']:.3f} "
             f"({r['min_step_seconds']:.3f}-{r['max_step_seconds']:.3f}, {r['timed_steps']} timed) "
             f"| {r['tokens_per_second']:,.0f} | {r['model_tflops']:.1f} ({r['mfu']:.1%} / "
             f"{'-' if r['mfu_datasheet'] is None else format(r['mfu_datasheet'], '.1%')}; "

@@ -9,7 +9,7 @@ fits: it costs memory, hardly time), and what spills to disk unless the workload
 forces a shorthand ("none", "optimizer", "all"): RAM is filled first and the rest
 goes to disk, block by block and kind by kind (``fill``; spill_placement.py,
 [Note: fill order]), so the largest model that trains is set by RAM and disk
-together.
+together; and compiled layers where the profile measured them faster (``plan_variants.compiled``).
 
 With ``ranks`` (a data-parallel Topology) the workload is the global step and the plan is one rank's:
 candidates and time at the rank's share of the batch, memory as data_parallel.memory (host state
@@ -257,12 +257,15 @@ def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile,
         if not choice.feasible:
             misfit.append(choice)
             continue
-        fit.append(PlanChoice(choice.plan, choice.memory, cost_model.estimate(model, rank, choice.plan, hw)))
+        timed = [PlanChoice(choice.plan, choice.memory, cost_model.estimate(model, rank, choice.plan, hw))]
         # every layer recomputed (as fast where recompute is off the critical path, and then less memory wins the
         # tie); optimizer state on the device traded against kept layers ([Note: resident trade])
         for p in plan_variants.variants(model, rank, choice.plan, lambda q: not overruns(
                 _memory(model, work, q, hw, ranks), work, hw, ranks), ranks is None and not hw.device_is_host):
-            fit.append(PlanChoice(p, _memory(model, work, p, hw, ranks), cost_model.estimate(model, rank, p, hw)))
+            timed.append(PlanChoice(p, _memory(model, work, p, hw, ranks), cost_model.estimate(model, rank, p, hw)))
+        # each with compiled layers where the profile measured them faster (after it: a tie keeps eager)
+        fit += timed + [PlanChoice(p, c.memory, cost_model.estimate(model, rank, p, hw))
+                        for c in timed for p in plan_variants.compiled(model, rank, c.plan, hw)]
     return fit, misfit
 
 
