@@ -180,8 +180,7 @@ class Plan:
     # The same for reads alone (None: as io_direct; the planner leaves it so): a disk can read faster buffered
     # (the kernel's read-ahead, 3.2 against 1.7 GB/s here) and write faster with O_DIRECT (2.5 against 0.5).
     io_direct_reads: bool | None = None
-    # The dense decoder layers' forward through torch.compile (their norms, RoPE, SwiGLU and residual adds fused;
-    # attention the same SDPA kernel), whole layers only: no sequence tiles, no expert groups. False: eager.
+    # The dense decoder layers' forward through torch.compile (elementwise work fused; attention the same kernel).
     compiled_layers: bool = False
     # The workload the planner chose this plan for (None: a hand-made plan, not checked).
     workload: WorkloadFingerprint | None = None
@@ -286,10 +285,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         out = {**dataclasses.asdict(self), "kept_layers": list(self.kept_layers)}  # as JSON has it
         out["resident_blocks"] = list(self.resident_blocks)
-        # written only when set (resident blocks: when there are some): a plan without them reads as before
-        unset = ({"resident_blocks"} if not self.resident_blocks else set()) | (
-            {"compiled_layers"} if not self.compiled_layers else set())
-        return {k: v for k, v in out.items() if k not in unset}
+        # these two written only when set (some resident blocks; compiled layers): a plan without them reads as before
+        return {k: v for k, v in out.items() if v or k not in ("resident_blocks", "compiled_layers")}
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)

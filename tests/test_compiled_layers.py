@@ -52,30 +52,54 @@ def _train(config: ModelConfig, plan: Plan, steps: int = 2, rows: int = 5) -> tu
         return losses, initial, engine.state_dict(), engine.executor.run_layer.compiled_calls
 
 
-@pytest.mark.parametrize("family,rows", [("llama", 5), ("qwen3", 4),
-                                         pytest.param("gemma3", 5, marks=pytest.mark.slow)])
-def test_compiled_layers_train_as_eager(family: str, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+# A CPU device's own choices: computing on the host's weights (every layer's views at another offset of one arena)
+IN_PLACE = PLAN.replace(compute_in_place=True, adam_thread="compute")
+
+
+def _assert_trains_as_eager(family: str, rows: int, plan: Plan) -> None:
     """Two clipped steps over micro-batches of 2 rows (with 5 rows, a short last one), a kept and a recomputed
     layer: the losses within 1e-5 of the eager plan's, every weight within 1e-3 of the mean update (numerics.py:
     99.9% of elements, none beyond 5%). Every layer call of the step ran compiled: per step each layer's forward
     for each micro-batch, and the recomputed layer's once more each in backward; no graph break; one graph per
     layer type, grad mode and micro-batch shape: without grad the recomputed layers' forwards, with it the kept
     layer's forward and the recompute."""
-    monkeypatch.setenv(BACKEND_VARIABLE, "aot_eager")
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     config = ModelConfig.from_hf(FAMILIES[family])
-    losses, initial, weights, calls = _train(config, PLAN, rows=rows)
-    got_losses, got_initial, got, compiled_calls = _train(config, PLAN.replace(compiled_layers=True), rows=rows)
+    losses, initial, weights, calls = _train(config, plan, rows=rows)
+    got_losses, got_initial, got, compiled_calls = _train(config, plan.replace(compiled_layers=True), rows=rows)
     assert calls == 0 and all(torch.equal(got_initial[k], v) for k, v in initial.items())
     assert got_losses == pytest.approx(losses, rel=1e-5)
     assert_update_close(got, weights, initial)
-    micro, layers, recomputed = -(-rows // 2), config.num_hidden_layers, config.num_hidden_layers - len(PLAN.kept_layers)
-    assert compiled_calls == 2 * micro * (layers + recomputed)
+    micro, layers = -(-rows // 2), config.num_hidden_layers
+    assert compiled_calls == 2 * micro * (layers + layers - len(plan.kept_layers))
     assert not torch._dynamo.utils.counters["graph_break"]
     types = [config.layer_types[i] if config.layer_types else None for i in range(layers)]
-    no_grad = {t for i, t in enumerate(types) if i not in PLAN.kept_layers}
+    no_grad = {t for i, t in enumerate(types) if i not in plan.kept_layers}
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == (1 + rows % 2) * (len(no_grad) + len(set(types)))
+
+
+@pytest.mark.parametrize("family", ["llama", pytest.param("gemma3", marks=pytest.mark.slow)])
+def test_compiled_layers_train_as_eager(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_assert_trains_as_eager`` with the weights copied into slots, over 5 rows (2 + 2 + 1); Gemma 3: its
+    sliding and global layers, two templates through the one compiled function."""
+    monkeypatch.setenv(BACKEND_VARIABLE, "aot_eager")
+    _assert_trains_as_eager(family, 5, PLAN)
+
+
+def test_a_checkpoint_resumes_compiled(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checkpoint records the plan with its field, and the resumed engine's step is the bits the first engine's
+    next step computes (both compiled)."""
+    monkeypatch.setenv(BACKEND_VARIABLE, "aot_eager")
+    config = ModelConfig.from_hf(LLAMA)
+    ids = torch.randint(0, config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    with Engine(config, plan=Plan(compiled_layers=True), compute_dtype=torch.float32, device="cpu") as first:
+        first.step(ids, ids)
+        first.save_checkpoint(tmp_path, blocking=True)
+        expected = first.step(ids, ids).item()
+    with Engine.load_checkpoint(tmp_path, device="cpu") as resumed:
+        assert resumed.plan.compiled_layers and resumed.executor.run_layer.compiled
+        assert resumed.step(ids, ids).item() == expected and resumed.executor.run_layer.compiled_calls > 0
 
 
 def test_packed_documents_run_the_layers_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,6 +142,13 @@ def test_inductor_trains_as_eager_and_keeps_attention(monkeypatch: pytest.Monkey
     assert_update_close(got, weights, initial)
     probe = compiled_layer_probe.measure("tiny", "cpu", "float32", backend="inductor", pairs=1)
     assert probe["same_attention"], probe["attention_ops"]
+
+
+def test_compiled_layers_computing_in_place_train_as_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_assert_trains_as_eager`` for Qwen 3 (q/k norms, a tied head) computing on the host's weights in place (each
+    layer's views at another offset of one arena: still one graph per grad mode), over 4 rows (2 + 2)."""
+    monkeypatch.setenv(BACKEND_VARIABLE, "aot_eager")
+    _assert_trains_as_eager("qwen3", 4, IN_PLACE)
 
 
 def test_what_cannot_compile_is_refused_in_one_line() -> None:

@@ -30,7 +30,7 @@ from megatrain.runtime.model.templates import Templates
 SHAPES: dict[str, dict[str, int]] = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, rows=4,
                seq=4096),
-    "tiny": dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, rows=2, seq=32),
+    "tiny": dict(hidden_size=32, intermediate_size=56, num_attention_heads=4, num_key_value_heads=2, rows=2, seq=12),
 }
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
