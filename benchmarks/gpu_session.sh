@@ -13,8 +13,8 @@
 #                    8B's fp32 state needs 121.7 GiB of host RAM of 118.1: the plan keeps 9 blocks' state on the GPU
 #   compiled    510  Plan.compiled_layers: one 8B decoder layer eager against torch.compile (the profile's probe,
 #                    ~120: the speedup, the attention operators each ran, the compile's seconds), then the
-#                    flagship's run with the layers eager and compiled, 1 + 5 timed steps each (~2 x 150, the
-#                    compile ~90 in the compiled run's warm-up)
+#                    flagship's run with the layers eager and compiled, 1 + 5 timed steps each, in two processes
+#                    (~2 x 150, the compile ~90 in the compiled run's warm-up)
 #   peers1b     490  the 1B peers at their best: megatrain, PyTorch, ZeRO-Offload, ZeRO-3 at micro-batch 4/8/16,
 #                    FSDP2 last (its 7 steps ~160 s); the DeepSpeed build 47 s of it; cut by its time budget
 #   peers3b     880  the same at 3B (~500 without FSDP2's ~380: the budget cuts it and says so)
@@ -184,11 +184,14 @@ for part in "${parts[@]}"; do
   compiled)
     # Plan.compiled_layers against eager: first one Llama-3.1-8B decoder layer at 4 x 4096 tokens, the step's forward,
     # recompute and backward, eager and compiled alternated (what megatrain-plan profile --compiled-layers stores);
-    # then the flagship's shape and plan with the layers eager, then compiled (its warm-up step compiles)
+    # then the flagship's shape and plan with the layers eager, then compiled (its warm-up step compiles), each in a
+    # process of its own (the 8B's host state fills the RAM: one engine at a time)
     run 240 sh -c 'python3 -m megatrain.tools.compiled_layer_probe --shape 8b --device cuda --dtype bfloat16 >"$1"' \
       sh "$keep/compiled_layer_probe.json"
-    run 480 python3 benchmarks/step_anatomy.py --model 8b --seq 4096 --batch 16 --planner-only \
-      --variant uncompiled,compiled --warmup 1 --steps 5 --traced 0
+    for variant in uncompiled compiled; do
+      run 300 python3 benchmarks/step_anatomy.py --model 8b --seq 4096 --batch 16 --planner-only \
+        --variant "$variant" --warmup 1 --steps 5 --traced 0
+    done
     ;;
   peers1b|peers3b)
     # megatrain, in-VRAM PyTorch, ZeRO-Offload, ZeRO-3 at micro-batches 4, 8, 16, then FSDP2 (the slowest) in

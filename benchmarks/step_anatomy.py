@@ -8,7 +8,8 @@ runs --warmup steps, then --steps timed steps reading ``engine.last_step_breakdo
 timing: compute, exposed H2D / D2H / checkpoint traffic / AdamW, and each resource's busy
 time), then --traced steps under torch.profiler, whose trace gives the kernels' own time and
 the copies' device time (tools/trace_anatomy.py), and the kernels' time by category: GEMM, attention, norms,
-RoPE, SwiGLU, cross-entropy, copies, other elementwise, the optimizer (tools/kernel_categories.py). The
+RoPE, SwiGLU, cross-entropy, copies, other elementwise, torch.compile's fused kernels (the ``compiled`` variant's),
+the optimizer (tools/kernel_categories.py). The
 timed steps' figures are written before the trace starts: a trace cut short by a time limit leaves them. The roofline is max(compute, H2D, D2H,
 CPU AdamW) for the plan that ran (AdamW on the compute thread: max(compute + AdamW, H2D, D2H));
 the ratio is step / roofline (the target: within 1.10). Both readings are reported: the event timer's compute still holds launch gaps, the
