@@ -11,6 +11,10 @@
 # that kind was recorded):
 #   flagship    230  8B, 16 x 4096, clipping, 1 + 5 timed steps, 1 traced (kernel categories); with clipping the
 #                    8B's fp32 state needs 121.7 GiB of host RAM of 118.1: the plan keeps 9 blocks' state on the GPU
+#   compiled    510  Plan.compiled_layers: one 8B decoder layer eager against torch.compile (the profile's probe,
+#                    ~120: the speedup, the attention operators each ran, the compile's seconds), then the
+#                    flagship's run with the layers eager and compiled, 1 + 5 timed steps each, in two processes
+#                    (~2 x 150, the compile ~90 in the compiled run's warm-up)
 #   peers1b     490  the 1B peers at their best: megatrain, PyTorch, ZeRO-Offload, ZeRO-3 at micro-batch 4/8/16,
 #                    FSDP2 last (its 7 steps ~160 s); the DeepSpeed build 47 s of it; cut by its time budget
 #   peers3b     880  the same at 3B (~500 without FSDP2's ~380: the budget cuts it and says so)
@@ -21,13 +25,14 @@
 #   seq8192     155  1B (against PyTorch, losses) and 3B (megatrain and PyTorch) at 8192 tokens
 #   racecheck   300  compute-sanitizer racecheck on two tiny steps (over 120 s under it)
 # (planner = calibrate validation.) Each call also spends ~12 s on its set-up (the venv, the project).
-# About 3,050 s in all: four sessions of two calls, in this order (results-*.tgz of each unpacked into
+# About 3,560 s in all: five sessions, in this order (results-*.tgz of each unpacked into
 # benchmarks/results/ before the next; session 3's calibrated session/hardware.json carried into session 4 as
 # HARDWARE=path, which also spares largest its own profile):
 #   1: DEADLINE=540 ... flagship peers1b;              DEADLINE=150 ... moe
 #   2: DEADLINE=540 ... peers3b;                       DEADLINE=150 ... seq8192 (its 3B pair may be cut)
 #   3: DEADLINE=540 ... calibrate validation racecheck (racecheck gets the ~200 s left)
 #   4: DEADLINE=540 HARDWARE=... ... largest
+#   5: DEADLINE=540 ... compiled
 #
 # Earlier parts, kept to reproduce the recorded results they made (2026-11-26..28; no clipping, 2-3 timed steps):
 #   checks (CUDA tests, 1B against PyTorch, 8B), anatomy (1B variants, sanitizers), long (8B at 32k..512k),
@@ -58,9 +63,9 @@
 #     typing-extensions==4.16.0 kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 nvidia-cufile==1.20.0.107 \
 #     rapids-logger==0.3.0 cuda-pathfinder==1.9.1
 set -uo pipefail
-usage="usage: gpu_session.sh PART [PART ...]: flagship peers1b peers3b calibrate validation moe largest seq8192
-racecheck (planner = calibrate validation); earlier: checks anatomy long large first offload, peers [ARGS] last"
-declare -A estimate=([flagship]=230 [peers1b]=490 [peers3b]=880 [calibrate]=120 [validation]=200 [moe]=100
+usage="usage: gpu_session.sh PART [PART ...]: flagship compiled peers1b peers3b calibrate validation moe largest
+seq8192 racecheck (planner = calibrate validation); earlier: checks anatomy long large first offload, peers [ARGS] last"
+declare -A estimate=([flagship]=230 [compiled]=510 [peers1b]=490 [peers3b]=880 [calibrate]=120 [validation]=200 [moe]=100
   [largest]=525 [seq8192]=155 [racecheck]=300 [checks]=340 [anatomy]=585 [long]=600 [large]=800 [first]=523
   [offload]=481 [peers]=500)
 parts=()
@@ -69,7 +74,7 @@ while [ $# -gt 0 ]; do
   case $1 in
     planner) parts+=(calibrate validation) ;;
     peers) parts+=(peers); shift; peer_args=("$@"); break ;;
-    flagship|peers1b|peers3b|calibrate|validation|moe|largest|seq8192|racecheck|checks|anatomy|long|large|first|offload)
+    flagship|compiled|peers1b|peers3b|calibrate|validation|moe|largest|seq8192|racecheck|checks|anatomy|long|large|first|offload)
       parts+=("$1") ;;
     *) echo "gpu_session.sh: unknown part ${1@Q}; $usage" >&2; exit 2 ;;
   esac
@@ -175,6 +180,18 @@ for part in "${parts[@]}"; do
     # and 5 timed steps (written before the trace), then 1 traced step: the kernels by category
     run 330 python3 benchmarks/step_anatomy.py --model 8b --seq 4096 --batch 16 --planner-only \
       --warmup 1 --steps 5 --traced 1
+    ;;
+  compiled)
+    # Plan.compiled_layers against eager: first one Llama-3.1-8B decoder layer at 4 x 4096 tokens, the step's forward,
+    # recompute and backward, eager and compiled alternated (what megatrain-plan profile --compiled-layers stores);
+    # then the flagship's shape and plan with the layers eager, then compiled (its warm-up step compiles), each in a
+    # process of its own (the 8B's host state fills the RAM: one engine at a time)
+    run 240 sh -c 'python3 -m megatrain.tools.compiled_layer_probe --shape 8b --device cuda --dtype bfloat16 >"$1"' \
+      sh "$keep/compiled_layer_probe.json"
+    for variant in uncompiled compiled; do
+      run 300 python3 benchmarks/step_anatomy.py --model 8b --seq 4096 --batch 16 --planner-only \
+        --variant "$variant" --warmup 1 --steps 5 --traced 0
+    done
     ;;
   peers1b|peers3b)
     # megatrain, in-VRAM PyTorch, ZeRO-Offload, ZeRO-3 at micro-batches 4, 8, 16, then FSDP2 (the slowest) in

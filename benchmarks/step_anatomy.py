@@ -8,7 +8,8 @@ runs --warmup steps, then --steps timed steps reading ``engine.last_step_breakdo
 timing: compute, exposed H2D / D2H / checkpoint traffic / AdamW, and each resource's busy
 time), then --traced steps under torch.profiler, whose trace gives the kernels' own time and
 the copies' device time (tools/trace_anatomy.py), and the kernels' time by category: GEMM, attention, norms,
-RoPE, SwiGLU, cross-entropy, copies, other elementwise, the optimizer (tools/kernel_categories.py). The
+RoPE, SwiGLU, cross-entropy, copies, other elementwise, torch.compile's fused kernels (the ``compiled`` variant's),
+the optimizer (tools/kernel_categories.py). The
 timed steps' figures are written before the trace starts: a trace cut short by a time limit leaves them. The roofline is max(compute, H2D, D2H,
 CPU AdamW) for the plan that ran (AdamW on the compute thread: max(compute + AdamW, H2D, D2H));
 the ratio is step / roofline (the target: within 1.10). Both readings are reported: the event timer's compute still holds launch gaps, the
@@ -49,6 +50,8 @@ VARIANTS = {  # plan changes tried beside the planner's own choice
     "keep-all": {"kept_layers": "all"},  # every layer's activations kept for backward
     "host-cast": {"weights_cast": "host"},  # bf16 weights rounded by AdamW into a shadow in RAM
     "device-cast": {"weights_cast": "device"},  # the fp32 master copied and rounded on the device
+    "uncompiled": {"compiled_layers": False},  # the decoder layers' forward eager (the default)
+    "compiled": {"compiled_layers": True},  # through torch.compile ([Note: compiled layers]; warm-up compiles)
 }
 
 
@@ -87,7 +90,11 @@ def measure(spec: RunSpec, variant: str, args: argparse.Namespace, hw: Any, echo
     if changes.get("optimizer_mode") == "eager":
         changes["host_grad_slabs"] = max(plan.host_grad_slabs, 2)
         changes["compute_in_place"] = False  # eager updates take gradients from slabs
-    plan = plan.replace(**changes) if changes else plan
+    try:
+        plan = plan.replace(**changes) if changes else plan
+    except ValueError as e:  # a PlanError: e.g. compiled layers with the sequence tiles the planner chose
+        return {"model": spec.model, "seq": spec.seq, "batch": spec.batch, "variant": variant,
+                "status": f"not run: {e}"}
     clip = None if plan.optimizer_mode == "eager" or args.no_clip else spec.max_grad_norm  # eager cannot clip
     cuda = spec.device == "cuda"
     row: dict[str, Any] = {"model": spec.model, "seq": spec.seq, "batch": spec.batch, "variant": variant,
@@ -209,7 +216,8 @@ def markdown(rep: dict[str, Any]) -> str:
         lines.append(
             f"| {r['model']} | {r['seq']} | {r['variant']} | mb {p['micro_batch_size']}, {p['num_slots']} slots, "
             f"ckpt {p['checkpoints']}, {p['optimizer_mode']}"
-            f"{', cast on device' if p.get('weights_cast') == 'device' else ''} | {r['median_step_seconds']:.3f} "
+            f"{', cast on device' if p.get('weights_cast') == 'device' else ''}"
+            f"{', compiled layers' if p.get('compiled_layers') else ''} | {r['median_step_seconds']:.3f} "
             f"({r['min_step_seconds']:.3f}-{r['max_step_seconds']:.3f}, {r['timed_steps']} timed) "
             f"| {r['tokens_per_second']:,.0f} | {r['model_tflops']:.1f} ({r['mfu']:.1%} / "
             f"{'-' if r['mfu_datasheet'] is None else format(r['mfu_datasheet'], '.1%')}; "

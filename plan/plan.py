@@ -15,8 +15,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from megatrain.plan.plan_checks import (PlanError, at_least, check_host_device, check_resident, kept_layer_numbers,
-                                        one_of, resident_block_numbers)
+from megatrain.plan.plan_checks import (PlanError, at_least, check_compiled, check_host_device, check_resident,
+                                        kept_layer_numbers, one_of, resident_block_numbers)
 from megatrain.plan.workload_fingerprint import WorkloadFingerprint, fingerprint_from_dict
 
 PLAN_VERSION = 1
@@ -112,6 +112,9 @@ class Plan:
                           gradient buffers hold the largest part, not the layer (None / 0: whole layers)
       spill_chunk_bytes   with spill: the I/O and AdamW unit; a larger block (the embedding, lm_head) is read,
                           updated and written in pieces of this many bytes: every spill buffer is bounded by it
+      compiled_layers     the dense decoder layers' forward (so their recompute and backward) through torch.compile,
+                          its elementwise work fused: no buffer of its own; the fused kernels' intermediates stand in
+                          for eager's ([Note: compiled layers] in runtime/model/compiled_layers.py)
     """
 
     version: int = PLAN_VERSION
@@ -177,6 +180,8 @@ class Plan:
     # The same for reads alone (None: as io_direct; the planner leaves it so): a disk can read faster buffered
     # (the kernel's read-ahead, 3.2 against 1.7 GB/s here) and write faster with O_DIRECT (2.5 against 0.5).
     io_direct_reads: bool | None = None
+    # The dense decoder layers' forward through torch.compile (elementwise work fused; attention the same kernel).
+    compiled_layers: bool = False
     # The workload the planner chose this plan for (None: a hand-made plan, not checked).
     workload: WorkloadFingerprint | None = None
 
@@ -229,6 +234,7 @@ class Plan:
                             "(the spill files' alignment); round it to one")
         check_host_device(self)
         check_resident(self)
+        check_compiled(self)
         if self.spill != "none" and not self.spill_dir:
             raise PlanError(f"spill={self.spill!r} needs spill_dir: name a directory on a fast local disk (--spill-dir)")
         if self.spill_dir is not None and not isinstance(self.spill_dir, str):
@@ -278,8 +284,9 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         out = {**dataclasses.asdict(self), "kept_layers": list(self.kept_layers)}  # as JSON has it
-        out["resident_blocks"] = list(self.resident_blocks)  # written only when there are some: as before without
-        return out if self.resident_blocks else {k: v for k, v in out.items() if k != "resident_blocks"}
+        out["resident_blocks"] = list(self.resident_blocks)
+        # these two written only when set (some resident blocks; compiled layers): a plan without them reads as before
+        return {k: v for k, v in out.items() if v or k not in ("resident_blocks", "compiled_layers")}
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)

@@ -99,3 +99,16 @@ def check_resident_blocks(plan: Any, num_blocks: int) -> None:
     if bad:
         raise PlanError(f"resident_blocks names block {bad[0]}, but this model has {num_blocks} blocks "
                         f"(0 .. {num_blocks - 1}); plan again for this model with megatrain-plan plan")
+
+
+def check_compiled(plan: Any) -> None:
+    """A ``Plan``'s ``compiled_layers`` (the decoder layers' forward through torch.compile) against what it compiles:
+    whole layers, so no sequence tiles (their tiled backward calls the layer in parts) and no expert groups (a
+    sparse layer's routing reads host counts and changes its shapes every step)."""
+    if not isinstance(plan.compiled_layers, bool):
+        raise PlanError(f"compiled_layers={plan.compiled_layers!r} must be true or false")
+    why = ("mlp_tile_tokens tiles the MLP" if plan.mlp_tile_tokens else
+           "attention_tile_tokens tiles the attention's projections" if plan.attention_tile_tokens else
+           "layers stream in expert groups" if plan.expert_group_size else None)
+    if plan.compiled_layers and why:
+        raise PlanError(f"compiled_layers compiles whole layers, but {why}; set compiled_layers to false")

@@ -55,6 +55,10 @@ def check_arguments(model_config: object, optimizer: object, plan: object, compu
         )
     plan.check_kept_layers(model_config.num_hidden_layers)
     check_resident_blocks(plan, model_config.num_hidden_layers + 2)  # the embedding, the layers, the head
+    if plan.compiled_layers and model_config.num_experts:
+        raise PlanError(f"compiled_layers compiles dense decoder layers, but this model's MLPs are sparse "
+                        f"(num_experts={model_config.num_experts}: the routing changes their shapes every step); "
+                        "set compiled_layers to false")
     if plan.workload is not None:  # a plan's memory bounds hold only for the model and dtype it was made for
         plan.workload.check_model(shape_digest(model_config.to_dict()), str(compute_dtype).removeprefix("torch."))
     # Several ranks (a process group, or torchrun's environment): this rank's shards ([Note: collectives]).

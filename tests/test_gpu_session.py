@@ -14,7 +14,7 @@ from megatrain.tools.train_options import build_parser
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_session.sh")
-PRIORITY = ["flagship", "peers1b", "peers3b", "calibrate", "validation", "moe", "largest", "seq8192", "racecheck"]
+PRIORITY = ["flagship", "compiled", "peers1b", "peers3b", "calibrate", "validation", "moe", "largest", "seq8192", "racecheck"]
 
 
 def dry(*parts: str, tmp_path) -> subprocess.CompletedProcess:
@@ -79,3 +79,20 @@ def test_training_parts_stop_before_the_final_checkpoint(part, tmp_path):
     assert words[words.index("--stop-after") + 1] == words[words.index("--steps") + 1] == "6"
     run_dir = words[words.index("--run-dir") + 1]
     assert run_dir == words[words.index("--out") + 1] and run_dir.startswith(str(tmp_path / "keep"))
+
+
+def test_the_compiled_part_times_the_probe_and_the_flagship_both_ways(tmp_path):
+    """``compiled``: the profile's probe of one 8B layer (its JSON into KEEP), then the flagship's run as two
+    step-anatomy variants that differ in ``Plan.compiled_layers`` alone, the same command otherwise."""
+    out = dry("compiled", tmp_path=tmp_path).stdout
+    (probe,) = [x for x in out.splitlines() if "compiled_layer_probe" in x]
+    words = shlex.split(probe[2:])  # sh -c 'python3 -m ... >"$1"' sh FILE, as the dry run prints it (unquoted)
+    assert words[:5] == ["sh", "-c", "python3", "-m", "megatrain.tools.compiled_layer_probe"]
+    source = open(os.path.join(ROOT, "tools", "compiled_layer_probe.py")).read()
+    assert all(f'"{flag}"' in source for flag in words if flag.startswith("--"))
+    assert words[-1] == str(tmp_path / "keep" / "compiled_layer_probe.json")
+    runs = [shlex.split(x[2:]) for x in out.splitlines() if "step_anatomy.py" in x]  # one process each
+    assert [w[w.index("--variant") + 1] for w in runs] == ["uncompiled", "compiled"]
+    assert all(w[:w.index("--variant")] == runs[0][:runs[0].index("--variant")] for w in runs)
+    text = open(os.path.join(ROOT, "benchmarks", "step_anatomy.py")).read()
+    assert '"uncompiled": {"compiled_layers": False}' in text and '"compiled": {"compiled_layers": True}' in text

@@ -3,8 +3,9 @@ checkpoints, metrics), ``megatrain-export`` (a run as a Hugging Face directory) 
 (the planner's constants fitted from real steps), with trace summaries.
 
 Modules: ``bf16_state_probe.py`` (the bf16-state AdamW update timed against fp32 AdamW, for ``megatrain-plan
-profile``), ``calibration_runs.py`` (the models ``megatrain-plan calibrate`` runs), ``kernel_categories.py`` (a
-trace's kernels by category: gemm, attention, norm, copy, ...), the training command: ``train.py`` (``megatrain-train``), ``train_options.py`` (its options and ``--config``),
+profile``), ``compiled_layer_probe.py`` (a decoder layer timed eager against compiled, for ``megatrain-plan
+profile --compiled-layers``), ``calibration_runs.py`` (the models ``megatrain-plan calibrate`` runs),
+``kernel_categories.py`` (a trace's kernels by category: gemm, attention, norm, copy, ...), the training command: ``train.py`` (``megatrain-train``), ``train_options.py`` (its options and ``--config``),
 ``train_config.py`` (its configuration, one frozen dataclass), ``training_loop.py`` (the steps of one run),
 ``run_plan.py`` (the plan a run executes), ``run_limits.py`` (a run's sizes checked against the machine),
 ``run_dir.py`` (the run directory), ``run_inputs.py`` (what a run reads kept out of what ``--overwrite`` deletes),

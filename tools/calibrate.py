@@ -254,9 +254,11 @@ def calibrate(dtype: str, steps: int, percentile: float, quick: bool, command: s
         if result.best is None:
             raise CalibrateError(f"calibration model {name} does not fit this machine ({result.reason()}); "
                                  "free memory and run again")
-        # every layer recomputed (the fit's FLOPs), weights copied (bf16: rounded by AdamW), AdamW on its worker
+        # every layer recomputed (the fit's FLOPs), weights copied (bf16: rounded by AdamW), AdamW on its worker;
+        # layers eager (the fit's rate is eager's: a compiled plan's layers are timed at it / compiled_layer_speedup)
         plans.append(plan := result.best.plan.replace(micro_batch_size=mbs, kept_layers=(), compute_in_place=False,
-                                                      adam_thread="worker", weights_cast="host"))
+                                                      adam_thread="worker", weights_cast="host",
+                                                      compiled_layers=False))
         # the overhead run's steps take milliseconds: three times the samples cost next to nothing
         n = 3 * steps if name == OVERHEAD_RUN[0] else steps
         measurements.append((config, seq, batch, dtype, plan.to_json(indent=None), n, steps))

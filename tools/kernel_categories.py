@@ -21,8 +21,11 @@ What is counted, per step (``kernel_breakdown``):
 Norms, RoPE and SwiGLU run as plain elementwise and reduction kernels in eager PyTorch (``pow``, ``mean``,
 ``rsqrt``, ``mul``, ``silu``): their kernels' names do not say which layer part launched them, so they are
 "elementwise" together; a fused kernel (Liger's ``_rms_norm_forward_kernel``, ``_rope_forward_kernel``,
-``_swiglu_forward_kernel``) falls in its own row. ``top`` lists the kernels with the most time, so a name
-that the table puts in "other" shows there.
+``_swiglu_forward_kernel``) falls in its own row. torch.compile's generated kernels (``Plan.compiled_layers``:
+inductor's ``triton_poi_fused_*``, ``triton_red_fused_*``, ``triton_per_fused_*`` on CUDA; on a CPU its C++ runs
+inside the ``## Call CompiledFxGraph`` range) are named after the operators they fuse, a cast's ``_to_copy`` among
+them: "compiled", before copy takes them. ``top`` lists the kernels with the most time, so a name that the table
+puts in "other" shows there.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("optimizer", ("adam", "lpnorm", "_foreach")),  # AdamW; the gradient norm clipping takes
     ("gemm", ("gemm", "matmul", "nvjet", "xmma", "cublas", "cutlass", "aten::mm", "aten::addmm", "aten::bmm",
               "aten::baddbmm", "aten::linear", "grouped_mm")),
+    ("compiled", ("triton_poi_", "triton_red_", "triton_per_", "cpp_fused_", "compiledfxgraph")),  # inductor's
     ("norm", ("rms_norm", "layer_norm", "rmsnorm", "layernorm")),
     ("rope", ("_rope", "rope_", "rotary")),  # not bare "rope": "property" holds it
     ("swiglu", ("swiglu", "geglu")),

@@ -95,7 +95,8 @@ def _search(c: TrainConfig, model: ModelConfig, compute_dtype: str, spill_root: 
     description = (f"planner (hardware: {hw.source}): micro-batch {plan.micro_batch_size}, {plan.num_slots} slots, "
                    f"checkpoints on {plan.checkpoints}, {plan.optimizer_mode} optimizer"
                    f"{' on the compute thread' if plan.adam_thread == 'compute' else ''}"
-                   f"{', computing in place' if plan.compute_in_place else ''}")
+                   f"{', computing in place' if plan.compute_in_place else ''}"
+                   f"{', layers compiled' if plan.compiled_layers else ''}")
     return RunPlan(plan, description, notes)
 
 

@@ -1,6 +1,7 @@
 """The variants of a fitted candidate the search times beside it: the same plan with every layer recomputed, and
 on a GPU (one process, or each data-parallel rank: its shard of a block's state) the plans that keep optimizer
-state on the device (``Plan.resident_blocks``), traded against kept layers. Pure stdlib.
+state on the device (``Plan.resident_blocks``), traded against kept layers; each of those with its layers compiled
+where the profile measured that faster (``compiled``). Pure stdlib.
 
 [Note: resident trade]
 Device memory holds either kept layers' activations (a recompute saved per layer) or resident blocks' state (16
@@ -28,6 +29,7 @@ from typing import Callable
 
 from megatrain.planner.costs import kept_layers, resident_blocks
 from megatrain.planner.costs.memory_model import Overrun
+from megatrain.planner.profiling.hardware import HardwareProfile
 from megatrain.planner.shapes.model_shapes import ModelShape
 from megatrain.plan.plan import Plan
 from megatrain.planner.shapes.workload import Workload
@@ -98,3 +100,16 @@ def traded(model: ModelShape, work: Workload, plan: Plan, fits: Callable[[Plan],
         if some.resident_blocks and fits(some):
             out.append(some)
     return out
+
+
+def compiled(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile) -> list[Plan]:
+    """``plan`` with ``compiled_layers``, where ``hw`` measured a decoder layer faster compiled than eager in the
+    workload's compute dtype (``HardwareProfile.compiled_speedup`` > 1: never on a profile that did not measure it),
+    for a dense model's whole layers (the runtime compiles no sparse layer, sequence tile or expert group); else
+    none. The memory model prices both alike (the compiled kernels' intermediates stand in for eager's), so it fits
+    where ``plan`` does; the cost model times its layers' work at the measured speedup."""
+    speedup = hw.compiled_speedup(work.compute_dtype)
+    whole = not (plan.mlp_tile_tokens or plan.attention_tile_tokens or plan.expert_group_size)
+    if plan.compiled_layers or speedup is None or speedup <= 1.0 or model.experts.num_experts or not whole:
+        return []
+    return [plan.replace(compiled_layers=True)]

@@ -9,7 +9,7 @@ fits: it costs memory, hardly time), and what spills to disk unless the workload
 forces a shorthand ("none", "optimizer", "all"): RAM is filled first and the rest
 goes to disk, block by block and kind by kind (``fill``; spill_placement.py,
 [Note: fill order]), so the largest model that trains is set by RAM and disk
-together.
+together; and compiled layers where the profile measured them faster (``plan_variants.compiled``).
 
 With ``ranks`` (a data-parallel Topology) the workload is the global step and the plan is one rank's:
 candidates at the rank's share of the batch, time as data_parallel.rank_cost (the rank's step with its
@@ -276,13 +276,16 @@ def _fitted(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks
         if not choice.feasible:
             out.append((index, [], choice))
             continue
-        fit = [PlanChoice(choice.plan, choice.memory, rank_cost(model, work, choice.plan, hw, ranks))]
+        timed = [PlanChoice(choice.plan, choice.memory, rank_cost(model, work, choice.plan, hw, ranks))]
         # every layer recomputed (as fast where recompute is off the critical path, and then less memory wins the
         # tie); optimizer state on the device traded against kept layers ([Note: resident trade])
         for p in plan_variants.variants(model, rank, choice.plan, lambda q: not overruns(
                 _memory(model, work, q, hw, ranks), work, hw, ranks), not hw.device_is_host):
-            fit.append(PlanChoice(p, _memory(model, work, p, hw, ranks), rank_cost(model, work, p, hw, ranks)))
-        out.append((index, fit, None))
+            timed.append(PlanChoice(p, _memory(model, work, p, hw, ranks), rank_cost(model, work, p, hw, ranks)))
+        # each with compiled layers where the profile measured them faster (after it: a tie keeps eager)
+        timed += [PlanChoice(p, c.memory, rank_cost(model, work, p, hw, ranks))
+                  for c in timed for p in plan_variants.compiled(model, rank, c.plan, hw)]
+        out.append((index, timed, None))
     return out
 
 

@@ -22,6 +22,9 @@ def add_parser(sub: Any) -> None:
     sp.add_argument("--disk-only", action="store_true",
                     help="with --spill-dir: measure only the disk, into the saved profile (--out or the default), "
                          "keeping its other figures and calibration (a disk's speed can move between runs)")
+    sp.add_argument("--compiled-layers", action="store_true",
+                    help="on a GPU, also time a decoder layer through torch.compile against eager (a minute or two "
+                         "more, compiling): plans then compile their layers where that measured faster")
     cli_args.json_arg(sp)
 
 
@@ -36,7 +39,7 @@ def run(args: argparse.Namespace) -> None:
         hw = disk_profile.with_disk_measured(saved, disk_profile.measure_disk(args.spill_dir, profiler.cpu_matmul(),
                                                                               log), args.spill_dir)
     else:
-        hw = profiler.measure(args.spill_dir, log=log)
+        hw = profiler.measure(args.spill_dir, log=log, compiled_layers=args.compiled_layers)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     _save(hw, out)
     report.emit(args.json, {**hw.to_dict(), "saved_to": out}, report.profile_text(hw, out))

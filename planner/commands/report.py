@@ -104,6 +104,8 @@ def profile_text(hw: HardwareProfile, saved_to: str) -> str:
         "causal attention TFLOP/s (forward + backward): " + (attention or "not measured"),
         "AdamW by threads: " + ", ".join(f"{n}: {r / 1e9:.2f} Gparam/s" for n, r in hw.adam_by_threads),
         adam_memory_line(hw), device_adam_line(hw),
+        *(["decoder layer compiled: " + ", ".join(f"{k} {r:.2f}x eager" for k, r in hw.compiled_layer_speedup.items())]
+          if hw.compiled_layer_speedup else []),
         f"disk: read {hw.disk_read_gbps:.2f} / write {hw.disk_write_gbps:.2f} GB/s", f"source: {hw.source}",
         f"saved to {saved_to}"])
 

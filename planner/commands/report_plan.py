@@ -53,6 +53,8 @@ def page(model: ModelShape, work: Workload, chosen: ChosenPlan, ranks: Ranks,
         + (f", {len(p.kept_layers)} of {model.num_layers} layers kept (no recompute)" if p.kept_layers else "")
         + (", weights rounded from the fp32 master on the device" if p.weights_cast == "device"
            and work.compute_bytes != 4 else "")
+        + (f", layers compiled ({hw.compiled_speedup(work.compute_dtype) or 1.0:.2f}x eager as profiled)"
+           if p.compiled_layers else "")
         + (f", saved to {saved_to}" if saved_to else ""), spill, "",
         memory_table(best.memory), "",
         time_table(c), "",

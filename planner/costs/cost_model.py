@@ -130,7 +130,7 @@ def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile,
     batch = StepBatch.of(work, plan)
     adam = _AdamTime(model, work, plan, hw)
     on_cpu = spill_timing.applies(hw, plan, adam.spilled)  # a spilled step without a GPU: spill_timing
-    rates = _Rates.of(model, work, batch, hw)
+    rates = _Rates.of(model, work, batch, hw, plan.compiled_layers)
     rates = rates if on_cpu else _with_disk_loads(rates, model, work, plan, hw)
     slabs = step_replay.HostSlabs(plan)
     steps = _forward_steps(model, work, plan, batch, rates, adam, slabs)
@@ -186,9 +186,11 @@ class _Rates:
     duplex_scale: float        # each direction's share of the link when both run
     peak_tflops: float
     sparse_factor: float       # the routed experts' seconds over their FLOPs at flops_per_s (fitted; else 1)
+    compiled_speedup: float = 1.0  # Plan.compiled_layers: the profile's eager / compiled layer time (else 1)
 
     @classmethod
-    def of(cls, model: ModelShape, work: Workload, batch: StepBatch, hw: HardwareProfile) -> "_Rates":
+    def of(cls, model: ModelShape, work: Workload, batch: StepBatch, hw: HardwareProfile,
+           compiled: bool = False) -> "_Rates":
         h, t = model.hidden_size, batch.micro_tokens
         peak = hw.tflops(work.compute_dtype)
         cal = hw.fitted(work.compute_dtype)
@@ -215,16 +217,21 @@ class _Rates:
         attention = hw.attention_rate_tflops(work.compute_dtype, batch.seq)
         attention_rate = attention * 1e12 if attention and (cal is None or cal.attention_apart) else 0.0
         sparse = cal.sparse_factor if cal is not None else 1.0
-        return cls(rate, attention_rate, head_rate, launch_fwd, launch_bwd, h2d_gbps, d2h_gbps, duplex, peak, sparse)
+        speedup = (hw.compiled_speedup(work.compute_dtype) or 1.0) if compiled else 1.0
+        return cls(rate, attention_rate, head_rate, launch_fwd, launch_bwd, h2d_gbps, d2h_gbps, duplex, peak, sparse,
+                   speedup)
 
     def layer_seconds(self, flops: float, attention: float, experts: float = 0.0) -> float:
-        """A layer visit's FLOP time: (flops - attention - experts) / layer rate + attention / attention rate +
+        """A layer visit's FLOP time: (flops - attention - experts) / (layer rate x c) + attention / attention rate +
         s x experts / layer rate, with ``attention`` and ``experts`` (the routed experts' matmuls) inside ``flops``,
-        s the fitted sparse factor; the attention at the layer rate when no attention rate applies."""
+        s the fitted sparse factor; the attention at the layer rate (and sped up by c too) when no attention rate
+        applies. c: ``compiled_speedup``, the whole layer's eager / compiled time as the profile measured it
+        (attention inside, which compiling leaves alone: the rest's own speedup is at least c)."""
         rest, sparse = flops - experts, self.sparse_factor * experts / self.flops_per_s
         if not self.attention_flops_per_s:
-            return rest / self.flops_per_s + sparse
-        return (rest - attention) / self.flops_per_s + attention / self.attention_flops_per_s + sparse
+            return rest / (self.flops_per_s * self.compiled_speedup) + sparse
+        return ((rest - attention) / (self.flops_per_s * self.compiled_speedup) + attention / self.attention_flops_per_s
+                + sparse)
 
 
 class _AdamTime:

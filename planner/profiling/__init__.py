@@ -4,7 +4,8 @@ and the constants fitted from real training steps.
 Modules: ``hardware.py`` (``HardwareProfile``: the measured or preset figures), ``hardware_presets.py`` (GPUs and
 hosts by name, with their figures' sources), ``profiler.py`` (this machine measured into a profile, or detected
 quickly), ``host_rates.py`` (the CPU's own rates, measured with torch: AdamW, the shadow and bf16-state passes,
-memory bandwidth), ``host_probe.py`` (the host's figures read without torch: memory and its limits, the spill
+memory bandwidth), ``compiled_speedup.py`` (a decoder layer compiled against eager, timed by the runtime's probe in
+a child process), ``host_probe.py`` (the host's figures read without torch: memory and its limits, the spill
 disk's speed, a GPU driver), ``disk_profile.py`` (the spill disk's figures in a profile, measured in a folder),
 ``disk_contention.py`` (the compute the cores lose for each GB the disk moves), ``disk_space.py`` (the free space
 of the disk spill files go to), ``profile_checks.py`` (whether a measured figure is plausible against the others,

@@ -97,6 +97,11 @@ class HardwareProfile:
     # dtype by sequence length, FLOPs counted as the planner counts them (model_flops.attention_flops_per_token):
     # {"float32": ((seq, TFLOP/s), ...)}. Empty for a dtype: not measured (attention runs at the layers' rate).
     attention_tflops: Mapping[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    # A dense decoder layer's forward, recompute and backward eager over the same through torch.compile (the
+    # runtime's Plan.compiled_layers), per compute dtype, at one representative shape (``megatrain-plan profile
+    # --compiled-layers`` on a GPU: compiled_speedup.py): {"bfloat16": 1.15}. Empty for a dtype: not measured (older
+    # profiles, a CPU), and the search never offers compiled layers there.
+    compiled_layer_speedup: Mapping[str, float] = field(default_factory=dict)
     # Cost and memory constants fitted from real training steps on this machine (megatrain-plan calibrate),
     # one per compute dtype, with their source; for a dtype without one the models use their defaults.
     calibrations: tuple[Calibration, ...] = ()
@@ -122,6 +127,12 @@ class HardwareProfile:
             raise HardwareError(f"attention_tflops={self.attention_tflops!r} needs positive [seq, TFLOP/s] pairs "
                                 "per dtype; run megatrain-plan profile again")
         object.__setattr__(self, "attention_tflops", attention)
+        speedups = self.compiled_layer_speedup
+        if not isinstance(speedups, Mapping) or any(
+                not isinstance(r, (int, float)) or isinstance(r, bool) or not r > 0 for r in speedups.values()):
+            raise HardwareError(f"compiled_layer_speedup={speedups!r} must map a dtype to a positive ratio (eager / "
+                                "compiled seconds); run megatrain-plan profile --compiled-layers again")
+        object.__setattr__(self, "compiled_layer_speedup", {str(k): float(r) for k, r in speedups.items()})
         if not isinstance(self.calibrations, (list, tuple)):
             raise HardwareError(f"calibrations={self.calibrations!r} must be the list megatrain-plan calibrate "
                                 "writes, or absent")
@@ -193,6 +204,10 @@ class HardwareProfile:
         log2(seq) between measured lengths, the end figures outside; None when not measured for the dtype."""
         pts = self.attention_tflops.get(_dtype_name(compute_dtype))
         return log2_interpolate(pts, seq) if pts else None
+
+    def compiled_speedup(self, compute_dtype: str) -> float | None:
+        """A decoder layer's eager / compiled time for ``compute_dtype`` as measured; None when not measured."""
+        return self.compiled_layer_speedup.get(_dtype_name(compute_dtype))
 
     def replace(self, **changes: Any) -> "HardwareProfile":
         return dataclasses.replace(self, **changes)

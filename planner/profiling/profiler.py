@@ -17,7 +17,7 @@ import os
 import time
 from typing import Any, Callable
 
-from megatrain.planner.profiling import profile_checks
+from megatrain.planner.profiling import compiled_speedup, profile_checks
 from megatrain.planner.profiling.disk_profile import NOT_MEASURED, measure_disk
 from megatrain.planner.profiling.hardware import (DEVICE_ADAM_BYTES_PER_PARAM, HOST_PRESETS, MiB, HardwareProfile,
                                                   preset)
@@ -257,8 +257,11 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s: None) -> HardwareProfile:
-    """Benchmark this machine. A few seconds without a GPU; about a minute with one."""
+def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s: None,
+            compiled_layers: bool = False) -> HardwareProfile:
+    """Benchmark this machine. A few seconds without a GPU; about a minute with one, one or two more with
+    ``compiled_layers`` (a decoder layer compiled and timed against eager in bf16: compiled_speedup.py; a GPU's
+    only)."""
     import torch
     total, avail, cg = host_memory()
     cores = os.cpu_count() or 1
@@ -307,6 +310,13 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
     attention, off = plausible_attention(tflops, attention_rates(on_gpu, ATTENTION_DTYPES_GPU if on_gpu else
                                                                  ("float32",), log), on_gpu, log)
     notes += [f"{f.line()} (kept after {profile_checks.REMEASURE_TRIES} measurements)" for f in off]
+    speedups: dict[str, float] = {}
+    if compiled_layers and on_gpu:
+        log("a decoder layer eager against torch.compile (bf16, Llama-3.1-8B's shape; compiling takes a while)")
+        speedups, why = compiled_speedup.measure("cuda", "bfloat16", log)
+        notes += [why] if why else []
+    elif compiled_layers:
+        notes.append("compiled layers not measured: a GPU's only")
     return HardwareProfile(
         gpu_name=name, gpu_mem_bytes=mem, h2d_gbps=h2d, d2h_gbps=d2h, duplex_gbps=duplex, matmul_tflops=tflops,
         cpu_adam_params_per_s=adam_rate, host_ram_bytes=total, host_available_bytes=avail,
@@ -315,7 +325,7 @@ def measure(spill_dir: str | None = None, log: Callable[[str], None] = lambda s:
         transfer_by_size=tuple(table), adam_by_threads=tuple(adam), cpu_shadow_params_per_s=shadow,
         cpu_bf16_state_params_per_s=bf16_state, host_memory_gbps=memory_gbps,
         cpu_adam_bytes_per_param=adam_bytes_per_param(), cpu_adam_gbps=adam_bytes_per_param() * adam_rate / 1e9,
-        device_adam_gbps=device_adam, attention_tflops=attention)
+        device_adam_gbps=device_adam, attention_tflops=attention, compiled_layer_speedup=speedups)
 
 
 def cpu_matmul() -> Callable[[], Any]:

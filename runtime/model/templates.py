@@ -162,12 +162,14 @@ class Templates:
         pad = -1 if self.config.pad_token_id is None else self.config.pad_token_id
         return torch.ops.aten.embedding_dense_backward(rows, input_ids, self.config.vocab_size, pad, False)
 
-    def run(self, block: BlockKind | Block, params: dict[str, torch.Tensor], *args: object) -> torch.Tensor:
-        """Run the template of ``block`` (a decoder layer's: its type's) with ``params`` bound (views of a slot).
-        A kind alone names the embedding's, the head's, or the layers' when they are all alike."""
+    def module(self, block: BlockKind | Block) -> nn.Module:
+        """The template of ``block`` (a decoder layer's: its type's). A kind alone names the embedding's, the head's,
+        or the layers' when they are all alike."""
         if isinstance(block, Block):
-            module = self.layer_modules[block.layer_type] if block.kind is BlockKind.LAYER else self.modules[block.kind]
-        else:
-            assert block is not BlockKind.LAYER or len(self.layer_modules) == 1, "a layer of which type?"
-            module = self.modules[block]
-        return functional_call(module, params, args, strict=True)
+            return self.layer_modules[block.layer_type] if block.kind is BlockKind.LAYER else self.modules[block.kind]
+        assert block is not BlockKind.LAYER or len(self.layer_modules) == 1, "a layer of which type?"
+        return self.modules[block]
+
+    def run(self, block: BlockKind | Block, params: dict[str, torch.Tensor], *args: object) -> torch.Tensor:
+        """Run the template of ``block`` (``module``) with ``params`` bound (views of a slot)."""
+        return functional_call(self.module(block), params, args, strict=True)

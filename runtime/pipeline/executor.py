@@ -35,6 +35,7 @@ from megatrain.models.layers.attention import Documents
 from megatrain.runtime.device.event_log import EventLog
 from megatrain.runtime.device.streams import Streams
 from megatrain.runtime.distributed.collectives import Collectives
+from megatrain.runtime.model.compiled_layers import LayerRunner
 from megatrain.runtime.model.head_loss import chunked_logits, head_forward_backward, head_loss
 from megatrain.runtime.model.layer_backward import recompute_backward
 from megatrain.runtime.model.rotary_positions import LayerPositions, Positions, RotaryPositions
@@ -127,6 +128,7 @@ class Executor:
         # Predicted tokens of the last step's (or evaluation's) rows whose argmax is their label: [] int64.
         self.correct = torch.zeros((), dtype=torch.int64, device=self.device)
         self.kept = KeptGraphs(log)  # [Note: kept layers]
+        self.run_layer = LayerRunner(templates, plan.compiled_layers)  # eager, or [Note: compiled layers]
         self.mlp_tile = plan.mlp_tile_tokens or 0  # [Note: sequence tiles]
         self.attention_tile = plan.attention_tile_tokens or 0
         self.cap = self.config.family_field("final_logit_softcapping")  # the head's logit soft-cap (model/head_loss.py)
@@ -255,13 +257,13 @@ class Executor:
     def _layer_forward(self, layer: Block, params: dict[str, torch.Tensor], x: torch.Tensor,
                        positions: Positions) -> torch.Tensor:
         """A decoder layer's forward ([b, S, hidden] -> same) with the plan's sequence tiles."""
-        return self.templates.run(layer, params, x, *positions, self.mlp_tile, "layer", self.attention_tile)
+        return self.run_layer(layer, params, x, *positions, self.mlp_tile, "layer", self.attention_tile)
 
     def _layer_backward(self, layer: Block, params: dict[str, torch.Tensor], x_in: torch.Tensor, dy: torch.Tensor,
                         positions: Positions, add_grads: AddGrads) -> torch.Tensor:
         """One micro-batch through ``layer`` again from its checkpoint x_in: model/layer_backward.py."""
         self.log.record("recompute", self.step_no, layer.index)
-        return recompute_backward(functools.partial(self.templates.run, layer), params, x_in, dy, positions,
+        return recompute_backward(functools.partial(self.run_layer, layer), params, x_in, dy, positions,
                                   add_grads, self.mlp_tile, self.attention_tile)
 
     def _grad_numel(self, block: Block) -> int:
