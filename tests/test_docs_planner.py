@@ -20,7 +20,7 @@ def test_documented_planner_command_runs(argv: list[str], monkeypatch, tmp_path,
     monkeypatch.chdir(tmp_path)                                   # profile --out, plan --out write here
     monkeypatch.setenv("MEGATRAIN_HARDWARE", str(tmp_path / "no-profile.json"))  # this machine, detected
     # profile's benchmarks run in test_planner_cli; here its command line, checks and output file.
-    monkeypatch.setattr(profiler, "measure", lambda spill_dir=None, log=None: profiler.detect())
+    monkeypatch.setattr(profiler, "measure", lambda spill_dir=None, log=None, compiled_layers=False: profiler.detect())
     rc = cli.main(argv)
     out = capsys.readouterr()
     assert rc == 0, out.err
