@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cli_ranks import ENV, TINY, TORCHRUN, TRAIN, close, here, losses, ok, ok_here
+from cli_ranks import ENV, TINY, TORCHRUN, TRAIN, close, here, losses, ok_here
 from megatrain.tools import restart
 
 RUN = ["--batch", "4", "--save-every", "2", "--resume-or-start"]
