@@ -2,7 +2,9 @@
 
 ``train(out, *args)`` runs the command in one process, ``torchrun(nproc, out, *args)`` under
 ``torchrun --standalone --nproc-per-node nproc`` (one thread per rank: the CPU is shared); both return the
-finished process. ``losses(out)`` is the run's metrics, step -> loss.
+finished process. ``here(capsys, *args)`` runs the one-process command's ``main`` in the test's own process (no
+interpreter to start, torch imported once), for a run whose process is not what the test is about; its status
+and stderr. ``losses(out)`` is the run's metrics, step -> loss.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import subprocess
 import sys
 
 from megatrain.tools import metrics
+from megatrain.tools.train import main as train_main
 
 TINY = ["--seq-len", "32", "--progress", "none", "--no-plot", "--warmup-steps", "1"]
 TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
@@ -30,6 +33,20 @@ def train(*args: str) -> subprocess.CompletedProcess:
 def torchrun(nproc: int, *args: str, extra: list[str] | None = None) -> subprocess.CompletedProcess:
     assert TORCHRUN is not None
     return command(*TINY, *args, launcher=[TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), *(extra or [])])
+
+
+def here(capsys, *args: str) -> tuple[int, str]:
+    """``train(*args)`` in this process: its status and what it wrote to stderr."""
+    capsys.readouterr()
+    status = train_main([*TINY, *args])
+    return status, capsys.readouterr().err
+
+
+def ok_here(capsys, *args: str) -> str:
+    """``here``, which must succeed: its stderr."""
+    status, err = here(capsys, *args)
+    assert status == 0, err[-3000:]
+    return err
 
 
 def ok(done: subprocess.CompletedProcess) -> str:

@@ -25,8 +25,10 @@ import torch.multiprocessing as mp
 
 COLLECTIVE_TIMEOUT_S = 60.0
 # What the fork server imports before it forks a rank: what every rank's function imports, the costly part of
-# a rank's start.
-PRELOAD = ["torch", "torch.distributed", "megatrain.runtime", "megatrain.tools.train", "rank_processes"]
+# a rank's start; and what torch imports at a rank's first backward with explicit gradients (autograd's shape
+# checks import torch.fx.experimental.symbolic_shapes and sympy: about a second of CPU a rank).
+PRELOAD = ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "megatrain.runtime",
+           "megatrain.tools.train", "rank_processes"]
 
 
 def _child(rank: int, world: int, root: str, fn, args, collective_timeout_s: float,

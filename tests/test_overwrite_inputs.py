@@ -1,24 +1,21 @@
 """``megatrain-train --overwrite`` never deletes what the run reads: every input that lies in the earlier run's
 files (``run_dir.RUN_FILES``) is refused in one line, exit 2, before anything is deleted.
 
-Each case runs the installed ``megatrain-train`` command and checks every file under the test's directory
-byte for byte afterwards.
+Each case runs the command in-process (``train.main``: the refusal is the command's, its status the process's exit
+status; tests/test_train_fuzz.py runs the installed command) and checks every file under the test's directory byte
+for byte afterwards.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from megatrain.tools import train
 
 from test_train_runs import FAST, snapshot, tiny_config
-
-COMMAND = shutil.which("megatrain-train", path=os.path.dirname(sys.executable)) or shutil.which("megatrain-train")
 
 
 def earlier_run(root) -> str:
@@ -29,16 +26,17 @@ def earlier_run(root) -> str:
     return str(run)
 
 
-def refused(tmp_path, args: list[str]) -> str:
+def refused(tmp_path, capsys, args: list[str]) -> str:
     """Run the command, check it refused in one line with status 2 and changed no file; the line."""
     before = snapshot(tmp_path)
-    done = subprocess.run([COMMAND, *FAST, "--steps", "2", "--overwrite", *args], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.count("\n") == 1 and done.stderr.startswith("megatrain-train: error: overwrite: "), done.stderr
-    assert "Traceback" not in done.stderr
+    capsys.readouterr()
+    status = train.main([*FAST, "--steps", "2", "--overwrite", *args])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert err.count("\n") == 1 and err.startswith("megatrain-train: error: overwrite: "), err
+    assert "Traceback" not in err
     assert snapshot(tmp_path) == before  # every input (and the earlier run) byte for byte as it was
-    return done.stderr
+    return err
 
 
 def data_file(path) -> str:
@@ -47,9 +45,8 @@ def data_file(path) -> str:
     return str(path)
 
 
-@pytest.mark.skipif(COMMAND is None, reason="megatrain-train is not installed")
 @pytest.mark.parametrize("flag", ["--data", "--eval-data", "--model", "--tokenizer", "--plan", "--config"])
-def test_an_input_inside_the_runs_files_is_refused_and_kept(tmp_path, flag):
+def test_an_input_inside_the_runs_files_is_refused_and_kept(tmp_path, capsys, flag):
     run = earlier_run(tmp_path)
     inside = os.path.join(run, "checkpoints")
     outside_data = data_file(tmp_path / "corpus.txt")
@@ -81,31 +78,29 @@ def test_an_input_inside_the_runs_files_is_refused_and_kept(tmp_path, flag):
         with open(target, "w") as f:
             f.write('steps = 2\n')
         args += ["--config", target]
-    line = refused(tmp_path, args)
+    line = refused(tmp_path, capsys, args)
     assert f"{flag} {target} is inside {inside}" in line and "choose another --out" in line
 
 
-@pytest.mark.skipif(COMMAND is None, reason="megatrain-train is not installed")
-def test_a_resumed_checkpoint_inside_the_runs_files_is_refused_and_kept(tmp_path):
+def test_a_resumed_checkpoint_inside_the_runs_files_is_refused_and_kept(tmp_path, capsys):
     first = tmp_path / "first"
     assert train.main(["--out", str(first), *FAST, "--steps", "2", "--save-every", "2"]) == 0
     run = earlier_run(tmp_path)
     kept = os.path.join(run, "checkpoints", "old")  # not the run's own checkpoints: --overwrite would delete it
     shutil.copytree(first / "checkpoints", kept)
-    line = refused(tmp_path, ["--out", run, "--resume", kept, "--steps", "4"])
+    line = refused(tmp_path, capsys, ["--out", run, "--resume", kept, "--steps", "4"])
     assert f"--resume {os.path.join(kept, 'step-00000002')} is inside" in line
 
 
-@pytest.mark.skipif(COMMAND is None, reason="megatrain-train is not installed")
-def test_an_input_through_a_symlink_or_holding_the_run_is_refused(tmp_path):
+def test_an_input_through_a_symlink_or_holding_the_run_is_refused(tmp_path, capsys):
     run = earlier_run(tmp_path)
     data_file(tmp_path / "run" / "checkpoints" / "mydata.txt")
     os.symlink(os.path.join(run, "checkpoints", "mydata.txt"), tmp_path / "link.txt")
-    line = refused(tmp_path, ["--out", run, "--data", str(tmp_path / "link.txt")])
+    line = refused(tmp_path, capsys, ["--out", run, "--data", str(tmp_path / "link.txt")])
     assert "link.txt is inside" in line
     with open(os.path.join(run, "config.json"), "w") as f:  # the model directory is the run directory itself
         json.dump(tiny_config(), f)
-    line = refused(tmp_path, ["--out", run, "--model", run, "--init", "random"])
+    line = refused(tmp_path, capsys, ["--out", run, "--model", run, "--init", "random"])
     assert f"--model {run} holds" in line
 
 

@@ -6,6 +6,7 @@ the command refuses first, the run directory and the input files stay byte for b
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import signal
@@ -137,9 +138,24 @@ def test_ctrl_c_during_start_up_exits_130_and_leaves_nothing(tmp_path, capsys, m
     assert os.listdir(tmp_path) == []  # the run directory it made (and its spill directory) are gone again
 
 
-@pytest.mark.parametrize("delay", [0.3, 6.0])
-def test_ctrl_c_while_starting_is_one_line_130(tmp_path, delay):
-    """Whether it lands while modules load or while the data is read (a FIFO nobody writes: start-up never ends)."""
+def _reader_waiting(fifo, proc: subprocess.Popen, timeout: float = 120) -> int:
+    """Once the command has the FIFO open to read its data: a write end, held open (nothing written: the read
+    waits on), so that a signal lands while the data is read."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO until a reader has it open
+        except OSError as e:
+            if e.errno != errno.ENXIO:
+                raise
+        time.sleep(0.05)
+    raise AssertionError(f"the command never opened its data (status {proc.poll()})")
+
+
+@pytest.mark.parametrize("when", ["modules load", "data is read"])
+def test_ctrl_c_while_starting_is_one_line_130(tmp_path, when):
+    """Whether it lands while modules load (0.3 s in) or while the data is read (a FIFO nobody writes: start-up
+    never ends)."""
     fifo = tmp_path / "stalled.txt"
     os.mkfifo(fifo)
     # Ctrl-C's default action in the child, as at a terminal, even where the suite runs as a background job without
@@ -147,9 +163,17 @@ def test_ctrl_c_while_starting_is_one_line_130(tmp_path, delay):
     proc = subprocess.Popen([sys.executable, "-m", "megatrain.tools.train", "--data", str(fifo), "--out",
                              str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    time.sleep(delay)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    writer = None
+    if when == "modules load":
+        time.sleep(0.3)
+    else:
+        writer = _reader_waiting(fifo, proc)
+    try:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if writer is not None:
+            os.close(writer)
     assert proc.returncode == 130 and err.strip() == "megatrain-train: interrupted before training started", err
     assert sorted(os.listdir(tmp_path)) == ["stalled.txt"]
 

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from cli_ranks import ENV, TINY, TORCHRUN, TRAIN, close, losses, ok, train
+from cli_ranks import ENV, TINY, TORCHRUN, TRAIN, close, losses, ok, ok_here, train
 
 
 def _free_port() -> int:
@@ -18,10 +18,10 @@ def _free_port() -> int:
 
 
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not on PATH")
-def test_two_nodes_on_localhost_train_checkpoint_and_export(tmp_path):
+def test_two_nodes_on_localhost_train_checkpoint_and_export(tmp_path, capsys):
     one, out, export = str(tmp_path / "one"), str(tmp_path / "shared-out"), str(tmp_path / "export")
     run = ["--batch", "4", "--steps", "3"]
-    ok(train("--out", one, *run))
+    ok_here(capsys, "--out", one, *run)  # the one-process run in this process (cli_ranks.here)
     port = _free_port()
     nodes = []
     for node in range(2):

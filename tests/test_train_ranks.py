@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -29,7 +30,12 @@ def _main(rank: int, world: int, argv: list[str], bad_on: int | None) -> tuple[i
 
 def test_two_ranks_train_the_same_curve_as_one_process(tmp_path):
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    held_out = ["--eval-fraction", "0.01"]  # every rank evaluates the whole eval set, in step with the others
+    # Every rank evaluates the whole eval set, in step with the others: a few documents of a small corpus (one
+    # document of the demo's is hundreds of eval rows).
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i}: " + "lorem ipsum dolor sit amet " * (2 + i % 5)})
+                            + "\n" for i in range(40)))
+    held_out = ["--data", str(data), "--eval-fraction", "0.1"]
     assert train.main(["--out", one, *FAST, *held_out, "--steps", "3"]) == 0
     (status0, err0), (status1, err1) = run_ranks(_main, 2, tmp_path, ["--out", two, *FAST, *held_out, "--steps", "3"],
                                                  None)

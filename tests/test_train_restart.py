@@ -10,53 +10,54 @@ import time
 
 import pytest
 
-from cli_ranks import ENV, TINY, TORCHRUN, TRAIN, close, losses, ok, torchrun, train
+from cli_ranks import ENV, TINY, TORCHRUN, TRAIN, close, here, losses, ok_here
 from megatrain.tools import restart
 
 RUN = ["--batch", "4", "--save-every", "2", "--resume-or-start"]
 
 
-def test_start_then_continue_then_refuse_another_run(tmp_path):
+# The command's decisions (start, continue, refuse, done) run in-process (cli_ranks.here): their status is the
+# process's exit status. The killed rank's restart is torchrun's, in processes.
+def test_start_then_continue_then_refuse_another_run(tmp_path, capsys):
     out = str(tmp_path / "run")
-    ok(train("--out", out, *RUN, "--steps", "2"))
-    err = ok(train("--out", out, *RUN, "--steps", "3"))
+    ok_here(capsys, "--out", out, *RUN, "--steps", "2")
+    err = ok_here(capsys, "--out", out, *RUN, "--steps", "3")
     assert "resumed from" in err and "step-00000002" in err, err
     assert sorted(losses(out)) == [1, 2, 3]
-    other = train("--out", out, *RUN, "--steps", "4", "--seed", "1")
-    assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr
-    assert "holds another run (seed 0, not 1)" in other.stderr
+    status, err = here(capsys, "--out", out, *RUN, "--steps", "4", "--seed", "1")
+    assert status == 2 and err.count("\n") == 1, err
+    assert "holds another run (seed 0, not 1)" in err
     assert sorted(losses(out)) == [1, 2, 3]  # untouched
 
 
-def test_a_requeued_run_that_had_finished_exits_0_saying_so(tmp_path):
+def test_a_requeued_run_that_had_finished_exits_0_saying_so(tmp_path, capsys):
     out = str(tmp_path / "run")
-    ok(train("--out", out, *RUN, "--steps", "2"))
+    ok_here(capsys, "--out", out, *RUN, "--steps", "2")
     before = {name: os.path.getmtime(os.path.join(out, name)) for name in os.listdir(out)}
-    again = train("--out", out, *RUN, "--steps", "2")
-    assert again.returncode == 0, again.stderr
-    assert again.stderr.count("\n") == 1 and "already done" in again.stderr and "step 2 of 2" in again.stderr, \
-        again.stderr
+    status, err = here(capsys, "--out", out, *RUN, "--steps", "2")
+    assert status == 0, err
+    assert err.count("\n") == 1 and "already done" in err and "step 2 of 2" in err, err
     assert {name: os.path.getmtime(os.path.join(out, name)) for name in os.listdir(out)} == before  # untouched
     assert sorted(losses(out)) == [1, 2]
-    plain = train("--resume", out, "--steps", "2", *RUN[:4])  # an explicit --resume still asks for more steps
-    assert plain.returncode == 2 and "raise --steps" in plain.stderr, plain.stderr
+    status, err = here(capsys, "--resume", out, "--steps", "2", *RUN[:4])  # an explicit --resume still asks for more
+    assert status == 2 and "raise --steps" in err, err
 
 
-def test_a_run_that_stopped_before_its_first_checkpoint_starts_over(tmp_path):
+def test_a_run_that_stopped_before_its_first_checkpoint_starts_over(tmp_path, capsys):
     out = str(tmp_path / "run")
-    ok(train("--out", out, *RUN, "--steps", "1", "--save-every", "0"))
+    ok_here(capsys, "--out", out, *RUN, "--steps", "1", "--save-every", "0")
     for name in ("checkpoints", "summary.json"):  # as if it had died after its first step
         path = os.path.join(out, name)
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     assert restart.latest_checkpoint(out) is None
-    err = ok(train("--out", out, *RUN, "--steps", "2"))
+    err = ok_here(capsys, "--out", out, *RUN, "--steps", "2")
     assert "trained steps 1-2" in err, err
     assert sorted(losses(out)) == [1, 2]
     foreign = str(tmp_path / "foreign")
     os.makedirs(foreign)
     open(os.path.join(foreign, "notes.txt"), "w").close()
-    refused = train("--out", foreign, *RUN, "--steps", "2")
-    assert refused.returncode == 2 and "already holds" in refused.stderr, refused.stderr
+    status, err = here(capsys, "--out", foreign, *RUN, "--steps", "2")
+    assert status == 2 and "already holds" in err, err
 
 
 def _rank_pid(parent: int, rank: int) -> int | None:
@@ -76,9 +77,10 @@ def _rank_pid(parent: int, rank: int) -> int | None:
 
 
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not on PATH")
-def test_a_killed_rank_restarts_and_the_run_finishes_as_if_uninterrupted(tmp_path):
+def test_a_killed_rank_restarts_and_the_run_finishes_as_if_uninterrupted(tmp_path, capsys):
     whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
-    ok(torchrun(2, "--out", whole, *RUN, "--steps", "6"))
+    # The uninterrupted run in one process: two ranks train its losses (test_train_ranks.py), within the same bound.
+    ok_here(capsys, "--out", whole, *RUN, "--steps", "6")
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", TRAIN, *TINY, "--out", killed,
            *RUN, "--steps", "6"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from cli_ranks import TORCHRUN, close, losses, ok, torchrun, train
+from cli_ranks import TORCHRUN, close, losses, ok, ok_here, torchrun
 from megatrain.plan.plan import default_plan
 from megatrain.tools import world_change
 
@@ -24,11 +24,11 @@ def test_the_world_size_a_checkpoint_was_written_at():
     assert world_change.replan({}, plan, 6, 3) is None  # neither the extra nor a fingerprint says: keep the plan
 
 
-def test_resume_two_ranks_in_one_process_and_back(tmp_path):
+def test_resume_two_ranks_in_one_process_and_back(tmp_path, capsys):
     one, two, r21, r12 = (str(tmp_path / n) for n in ("one", "two", "r21", "r12"))
-    ok(train("--out", one, *RUN))
+    ok_here(capsys, "--out", one, *RUN)  # the one-process runs in this process (cli_ranks.here)
     ok(torchrun(2, "--out", two, *RUN))
-    err = ok(train("--resume", os.path.join(two, STEP_2), "--out", r21))
+    err = ok_here(capsys, "--resume", os.path.join(two, STEP_2), "--out", r21)
     assert "megatrain-train: resume: world size 2 -> 1: planned again for 6 sequences per rank" in err, err
     close(losses(r21), losses(one), [3, 4])
     assert sorted(losses(r21)) == [3, 4]

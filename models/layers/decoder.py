@@ -210,7 +210,10 @@ def tile_projections(project: Callable[[slice], tuple[torch.Tensor, ...]], seq: 
 class EmbeddingBlock(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        # Built only as a meta-device template: the weights come from the host store, so no init runs (on the meta
+        # device, nn.Embedding's normal_ imports torch._dynamo: seconds of CPU in each new process).
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [B, S] int64 -> [B, S, hidden]."""
