@@ -61,24 +61,29 @@ class Engine:
                  *, _skip_init: bool = False) -> None:
         """``_skip_init``: from_pretrained and load_checkpoint overwrite every weight anyway."""
         self._closed = False  # close() releases whatever of the engine was built; then every method refuses
-        args = check_arguments(model_config, optimizer, plan, compute_dtype, device, seed)
-        self.config, self.optimizer, plan = model_config, args.optimizer, args.plan
-        self.compute_dtype, self.topology, self.device, self.seed = compute_dtype, args.topology, args.device, seed
-        self.event_log = EventLog()
-        self.templates = Templates(model_config, self.optimizer.decays)
-        self.collectives = (None if self.topology is None else Collectives(
-            self.topology, self.templates.blocks, self.device, plan.device_grad_buffers))
-        store_blocks = self.templates.blocks if self.collectives is None else self.collectives.shards.blocks
-        self.store = _host_store(plan, store_blocks, compute_dtype, self.optimizer, self.device)
-        # Whole-state reads and writes (state dicts, Hugging Face files, checkpoints) first settle: see synchronize.
-        self.state, self.state_io = state_io.open_state(self.templates, self.store, self.synchronize, self.collectives)
-        if not _skip_init:
-            self.state.initialize(seed)
-        self.checkpoint_extra: dict | None = None  # the caller's ``extra`` of the checkpoint this engine resumed
-        self.skipped_steps: list[int] = []  # steps whose update was skipped for a non-finite gradient
-        self.inputs = StepInputs(model_config, args, compute_dtype)
-        self.executor = Executor(self.templates, self.store, plan, compute_dtype, self.device,
-                                 self.optimizer.max_grad_norm, self.event_log, self.collectives)
+        try:
+            args = check_arguments(model_config, optimizer, plan, compute_dtype, device, seed)
+            self.config, self.optimizer, plan = model_config, args.optimizer, args.plan
+            self.compute_dtype, self.topology, self.device, self.seed = compute_dtype, args.topology, args.device, seed
+            self.event_log = EventLog()
+            self.templates = Templates(model_config, self.optimizer.decays)
+            self.collectives = (None if self.topology is None else Collectives(
+                self.topology, self.templates.blocks, self.device, plan.device_grad_buffers))
+            store_blocks = self.templates.blocks if self.collectives is None else self.collectives.shards.blocks
+            self.store = _host_store(plan, store_blocks, compute_dtype, self.optimizer, self.device)
+            # Whole-state reads and writes (state dicts, Hugging Face files, checkpoints) first settle: see synchronize.
+            self.state, self.state_io = state_io.open_state(self.templates, self.store, self.synchronize,
+                                                            self.collectives)
+            if not _skip_init:
+                self.state.initialize(seed)
+            self.checkpoint_extra: dict | None = None  # the caller's ``extra`` of the checkpoint this engine resumed
+            self.skipped_steps: list[int] = []  # steps whose update was skipped for a non-finite gradient
+            self.inputs = StepInputs(model_config, args, compute_dtype)
+            self.executor = Executor(self.templates, self.store, plan, compute_dtype, self.device,
+                                     self.optimizer.max_grad_norm, self.event_log, self.collectives)
+        except BaseException:  # a refusal after some parts were built (I/O threads, pinned memory) leaves none behind
+            self.close()
+            raise
         _OPEN_ENGINES.add(self)
 
     # ------------------------------------------------------------------ training
@@ -302,8 +307,13 @@ def _host_store(plan: Plan, blocks: Sequence[Block], compute_dtype: torch.dtype,
     the device state of its resident blocks."""
     spilled = placement(plan, len(blocks))  # per kind, the blocks in spill files
     io = make_io(plan.io_backend, plan.io_threads, plan.io_direct, plan.direct_reads) if spilled else None
-    return HostStore(blocks, compute_dtype, full_grads=plan.optimizer_mode == "deferred", io=io,
-                     grad_slabs=plan.host_grad_slabs, pin=device.type == "cuda", placement=spilled,
-                     spill_dir=plan.spill_dir, staging=plan.spill_staging, chunk_bytes=plan.spill_chunk_bytes,
-                     state_dtype=STATE_DTYPES[optimizer.state_dtype], weights_cast=plan.weights_cast,
-                     resident=ResidentState.of(plan.resident_blocks, blocks, device))
+    try:
+        return HostStore(blocks, compute_dtype, full_grads=plan.optimizer_mode == "deferred", io=io,
+                         grad_slabs=plan.host_grad_slabs, pin=device.type == "cuda", placement=spilled,
+                         spill_dir=plan.spill_dir, staging=plan.spill_staging, chunk_bytes=plan.spill_chunk_bytes,
+                         state_dtype=STATE_DTYPES[optimizer.state_dtype], weights_cast=plan.weights_cast,
+                         resident=ResidentState.of(plan.resident_blocks, blocks, device))
+    except BaseException:
+        if io is not None:  # a store refused (or out of memory) leaves no I/O threads behind in the caller's process
+            io.close()
+        raise

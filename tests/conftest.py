@@ -17,3 +17,12 @@ settings.register_profile("fast", max_examples=100, deadline=None, derandomize=T
 settings.register_profile("thorough", max_examples=100, deadline=None)
 settings.register_profile("slow", max_examples=1000, deadline=None)
 settings.load_profile(PROFILE)
+
+# tqdm's monitor thread outlives the bars of the in-process megatrain-train runs. The planner forks its search only
+# from a process with no other thread (planner/choice/side_by_side.py), as megatrain-plan runs: without the monitor,
+# the planner tests after those runs plan side by side as the command does.
+try:
+    import tqdm
+    tqdm.tqdm.monitor_interval = 0
+except ImportError:
+    pass

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -178,6 +179,7 @@ def test_megatrain_plan_size_needs_4_bytes_per_parameter_less_disk_with_bf16_sta
 def test_bf16_spill_refuses_chunks_off_the_rounding_pieces(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"spill_chunk_bytes=8192 must be a multiple of 4194304 \(4 MiB\)"):
         engine(spilled("optimizer", str(tmp_path)).replace(spill_chunk_bytes=8192))
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("megatrain-io")]  # the refusal's I/O stopped
     # fp32 state, or bf16 state with only the master and grads on disk, take any chunk
     with engine(spilled("optimizer", str(tmp_path)).replace(spill_chunk_bytes=8192), "fp32"):
         pass

@@ -12,6 +12,8 @@ float32 rounding (``assert_update_close``), as it does with sequence tiles (the 
 """
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -190,6 +192,7 @@ def test_spilled_gradients_are_refused_in_one_line(tmp_path) -> None:
         Engine(ModelConfig.from_hf(_config()), OptimizerConfig(max_grad_norm=1.0), plan=plan,
                compute_dtype=torch.float32, device="cpu")
     assert "\n" not in str(err.value)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("megatrain-io")]  # its I/O stopped
 
 
 def test_a_dense_model_ignores_the_group_size() -> None:
