@@ -8,7 +8,7 @@ import os
 from . import cli_args, report, report_overview
 from ..profiling import disk_space
 from ..shapes import model_shapes
-from ..choice import sizing
+from ..choice import side_by_side, sizing
 from .cli_args import CliError
 from ..shapes.workload import Workload
 
@@ -39,7 +39,9 @@ def run(args: argparse.Namespace) -> None:
     batches = (args.batch,) if args.batch else sizing.OVERVIEW_BATCHES
     work = Workload(args.seq_len, max(batches), dtype, clipping=not args.no_clip, spill_dir=spill_dir,
                     spill_free_bytes=free)
-    answers = {name: sizing.what_fits(model, work, hw, batches) for name, model in model_shapes.PRESETS.items()}
+    # Each model's answer is its own searches: side by side on the cores (the same answers as in turn).
+    answers = dict(zip(model_shapes.PRESETS, side_by_side.run_apart(
+        [(sizing.what_fits, (model, work, hw, batches)) for model in model_shapes.PRESETS.values()])))
     # The largest Llama-shaped model for the RAM and the disk's free space together (a preset's disk: any size).
     big = None if free is None else sizing.largest_llama(dataclasses.replace(work, batch=1), hw)
     data, text = report_overview.page(report_overview.Overview(

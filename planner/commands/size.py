@@ -6,7 +6,7 @@ from typing import Any
 
 from . import cli_args, data_parallel_report, report, report_size
 from ..shapes import model_shapes
-from ..choice import search
+from ..choice import search, side_by_side
 from ..profiling import hardware as hwmod
 from .cli_args import NVME_DIR, parse_size
 
@@ -31,12 +31,15 @@ def run(args: argparse.Namespace) -> None:
     probe = hwmod.preset("H100-SXM")
     work = cli_args.workload(args, cli_args.compute_dtype(args, probe), spill_dir=args.spill_dir or NVME_DIR)
     least = search.minimum_memory(model, work, probe, data_parallel_report.checked_topology(args, work, probe))
-    presets = []
+    machines = []
     for name in _presets(args.hardware):
         hw = hwmod.preset(name, args.host).with_overrides(
             ram_bytes=parse_size(args.ram, "--ram") if args.ram else None, nvme_gbps=args.nvme)
-        ranks = data_parallel_report.checked_topology(args, work, hw)
-        result = search.search(model, work, hw, ranks)
+        machines.append((name, hw, data_parallel_report.checked_topology(args, work, hw)))
+    # Each preset's search is its own: side by side on the cores (the same results as in turn).
+    results = side_by_side.run_apart([(search.search, (model, work, hw, ranks)) for _, hw, ranks in machines])
+    presets = []
+    for (name, hw, ranks), result in zip(machines, results):
         dp = (data_parallel_report.figures(model, work, result.best.plan, hw, ranks)
               if result.best is not None and ranks is not None else None)
         presets.append(report_size.Preset(name, hw, result, dp))
