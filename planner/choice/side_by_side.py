@@ -53,4 +53,5 @@ def dealt(items: Sequence[T], least: int) -> list[list[tuple[int, T]]]:
     each hand gets its share of the dear ones), each hand at least ``least`` items; one hand where there are fewer
     items than two hands need, or one worker."""
     hands = min(workers(len(items)), max(1, len(items) // max(1, least)))
-    return [list(enumerate(items))[k::hands] for k in range(hands)]
+    indexed = list(enumerate(items))
+    return [indexed[k::hands] for k in range(hands)]
