@@ -69,19 +69,19 @@ def test_cost_model_kept_layers_run_no_recompute() -> None:
         pytest.approx(units - 3 * f)
 
 
-def test_keep_most_bisects_to_the_largest_count_that_fits() -> None:
+def test_keep_most_finds_the_largest_count_that_fits() -> None:
     work = Workload(seq_len=16, batch=4, compute_dtype="bf16")
     assert kept_layers.keep_order(MODEL, work) == [2, 1, 0]  # alike layers: the later first
     calls = []
 
-    def fits(p: Plan) -> bool:
+    def excess(p: Plan) -> tuple[int]:  # 100 bytes a kept layer, 250 free
         calls.append(p.kept_layers)
-        return len(p.kept_layers) <= 2
-    assert kept_layers.keep_most(MODEL, work, Plan(), fits).kept_layers == (1, 2)
-    assert len(calls) <= 4  # all, none, then the bisection of 1..2
-    assert kept_layers.keep_most(MODEL, work, Plan(), lambda p: False).kept_layers == ()
+        return (100 * len(p.kept_layers) - 250,)
+    assert kept_layers.keep_most(MODEL, work, Plan(), excess).kept_layers == (1, 2)
+    assert len(calls) <= 4  # all, none, then the guess's two sides
+    assert kept_layers.keep_most(MODEL, work, Plan(), lambda p: (1,)).kept_layers == ()
     tiled = Plan(mlp_tile_tokens=4)
-    assert kept_layers.keep_most(MODEL, work, tiled, lambda p: True).kept_layers == ()
+    assert kept_layers.keep_most(MODEL, work, tiled, lambda p: (0,)).kept_layers == ()
 
 
 def test_search_keeps_what_the_gpu_memory_allows() -> None:

@@ -62,7 +62,7 @@ def test_the_search_trades_resident_blocks_against_kept_layers_on_the_h200() -> 
     none = min(c.cost.step_seconds for c in fit if not c.plan.resident_blocks)
     assert best.cost.step_seconds < none
     assert any(len(c.plan.resident_blocks) == LLAMA_1B.num_layers + 2 for c in fit)
-    on_cpu = plan_variants.variants(LLAMA_1B, WORK, best.plan.replace(resident_blocks=()), lambda p: True, False)
+    on_cpu = plan_variants.variants(LLAMA_1B, WORK, best.plan.replace(resident_blocks=()), lambda p: (0,), False)
     assert not any(p.resident_blocks for p in on_cpu)  # a CPU device: none tried
     bf16_state = Workload(2048, 16, optimizer_state="bf16")  # the device AdamW keeps fp32 state only
     assert not search.search(LLAMA_1B, bf16_state, H200).best.plan.resident_blocks
@@ -88,13 +88,14 @@ def test_more_resident_blocks_start_from_the_plans_own() -> None:
     does not fit (RAM), one above a ceiling neither (the GPU); the answer is the ceiling, never fewer than the plan's
     own (a bisection from none had walked down into the RAM-short counts and answered none)."""
     m = LLAMA_1B  # 18 blocks
-    fits = lambda p: 5 <= len(p.resident_blocks) <= 8  # noqa: E731
+    # (host RAM, GPU memory) beyond their budgets, in blocks: fits from 5 to 8 resident blocks
+    excess = lambda p: (5 - len(p.resident_blocks), len(p.resident_blocks) - 8)  # noqa: E731
     five = Plan(resident_blocks=resident_blocks.first_blocks(m, 5))
-    assert resident_blocks.most_resident(m, five, fits).resident_blocks == tuple(range(8))
-    assert resident_blocks.most_resident(m, five, lambda p: len(p.resident_blocks) == 5) == five
+    assert resident_blocks.most_resident(m, five, excess).resident_blocks == tuple(range(8))
+    assert resident_blocks.most_resident(m, five, lambda p: (len(p.resident_blocks) - 5,)) == five
     kept = five.replace(kept_layers=(15, 14, 13, 12))  # fewer kept layers: room for more blocks, from the five
-    traded = plan_variants.traded(m, WORK, kept, lambda p: 5 <= len(p.resident_blocks) <= 8 + 4 - len(p.kept_layers),
-                                  True)
+    traded = plan_variants.traded(m, WORK, kept, lambda p: (5 - len(p.resident_blocks),
+                                                            len(p.resident_blocks) - 12 + len(p.kept_layers)), True)
     assert traded and all(len(p.resident_blocks) == 12 - len(p.kept_layers) for p in traded)
 
 

@@ -25,9 +25,9 @@ the block's all-gathers and reduce-scatter run as for any other block (``data_pa
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
-from megatrain.planner.costs import kept_layers, resident_blocks
+from megatrain.planner.costs import budget_boundary, kept_layers, resident_blocks
 from megatrain.planner.costs.memory_model import Overrun
 from megatrain.planner.profiling.hardware import HardwareProfile
 from megatrain.planner.shapes.model_shapes import ModelShape
@@ -35,20 +35,22 @@ from megatrain.plan.plan import Plan
 from megatrain.planner.shapes.workload import Workload
 
 
-def variants(model: ModelShape, work: Workload, plan: Plan, fits: Callable[[Plan], bool],
+def variants(model: ModelShape, work: Workload, plan: Plan, excess: Callable[[Plan], Sequence[int]],
              device_is_gpu: bool) -> list[Plan]:
-    """The fitted ``plan``'s variants that ``fits`` (``device_is_gpu``: the device is a GPU, where state may be
+    """The fitted ``plan``'s variants that fit (``excess``: a plan's bytes needed beyond each budget, at most 0
+    where it fits; ``device_is_gpu``: the device is a GPU, where state may be
     resident, one process's or each data-parallel rank's shard of it): every layer recomputed (where it keeps some);
     the kept layers with the most resident blocks beside them; every block resident with the most kept layers beside
     it ([Note: resident trade])."""
     out = [plan.replace(kept_layers=())] if plan.kept_layers else []
+    fits = budget_boundary.fitting(excess)
     if device_is_gpu and resident_blocks.may_hold(plan, work):
-        most = resident_blocks.most_resident(model, plan, fits)
+        most = resident_blocks.most_resident(model, plan, excess)
         if most.resident_blocks:
             out.append(most)
         every = plan.replace(resident_blocks=resident_blocks.first_blocks(model, model.num_layers + 2), kept_layers=())
         if len(most.resident_blocks) < model.num_layers + 2 and fits(every):
-            out.append(kept_layers.keep_most(model, work, every, fits))
+            out.append(kept_layers.keep_most(model, work, every, excess))
     return [p for p in out if fits(p)]
 
 
@@ -86,18 +88,18 @@ def _only_ram(overruns: list[Overrun]) -> bool:
     return _short_of_ram(overruns) and all(o.budget == "host RAM" for o in overruns)
 
 
-def traded(model: ModelShape, work: Workload, plan: Plan, fits: Callable[[Plan], bool],
+def traded(model: ModelShape, work: Workload, plan: Plan, excess: Callable[[Plan], Sequence[int]],
            device_is_gpu: bool) -> list[Plan]:
     """The fastest candidate's kept layers traded for resident blocks: the most first blocks resident beside 3/4,
-    1/2 and 1/4 of its kept layers (the first in ``kept_layers.keep_order``), each that fits and holds one; at
-    least the candidate's own resident blocks, which fit beside more kept layers (and may be what host RAM needs)."""
+    1/2 and 1/4 of its kept layers (the first in ``kept_layers.keep_order``), each that fits (``excess`` as in
+    ``variants``) and holds one; at least the candidate's own resident blocks, which fit beside more kept layers
+    (and may be what host RAM needs)."""
     if not (device_is_gpu and resident_blocks.may_hold(plan, work) and plan.kept_layers):
         return []
     order, k, out = kept_layers.keep_order(model, work), len(plan.kept_layers), []
     for fewer in sorted({k * 3 // 4, k // 2, k // 4} - {0, k}, reverse=True):
-        some = resident_blocks.most_resident(model, plan.replace(kept_layers=tuple(order[:fewer])),
-                                             fits)
-        if some.resident_blocks and fits(some):
+        some = resident_blocks.most_resident(model, plan.replace(kept_layers=tuple(order[:fewer])), excess)
+        if some.resident_blocks and budget_boundary.fits(excess(some)):
             out.append(some)
     return out
 

@@ -29,7 +29,7 @@ from typing import Callable
 from megatrain.errors import MegatrainError
 from megatrain.models import registry
 
-from megatrain.planner.costs import data_parallel, kept_layers, spill_placement
+from megatrain.planner.costs import budget_boundary, data_parallel, kept_layers, plan_memory, spill_placement
 from megatrain.planner.choice import plan_variants, side_by_side
 from megatrain.planner.costs.cost_model import CostEstimate
 from megatrain.planner.costs.data_parallel import rank_cost  # a rank's step; with no ranks, one process's
@@ -174,21 +174,22 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
     level by level, each level moving one more block of the group's kinds to disk; only the group's first level
     adds the staging of its newly spilled kinds (P x Ck x s_k each; the grads also their S x Ck x 4 slabs) back.
     So the first group whose last level fits holds the least level that fits, and within it a binary search
-    finds it: at most 3 + log2(nb) memory estimates."""
+    finds it: ``budget_boundary.last_fitting``, about 4 memory estimates (bisection: 3 + log2(nb))."""
     if work.spill != "auto" or plan.spill not in ("optimizer", "all"):
         return plan
     host = hw.device_is_host and ranks is None  # a CPU device in one process: plan.host_device_choices
     chunk = _chunks(plan.micro_batch_size * work.seq_len)[-1] if chunk is None else chunk
 
-    def over(level: int) -> list[Overrun]:
+    def demands(level: int) -> list[Overrun]:  # GPU memory and host RAM: the disk's space is checked after
         p = spill_placement.at_level(plan, model, level, host).replace(loss_chunk_tokens=chunk)
-        return [o for o in overruns(_memory(model, work, p, hw, ranks), work, hw, ranks) if o.budget != "NVMe"]
+        return [d for d in plan_memory.demands(_memory(model, work, p, hw, ranks), work, hw, ranks)
+                if d.budget != "NVMe"]
 
     nb = model.num_layers + 2
     top = nb if plan.spill == "optimizer" else spill_placement.fill_levels(model, plan.optimizer_mode == "deferred")
     hi = None
     for end in range(nb, top + 1, nb):
-        missing = over(end)
+        missing = [d for d in demands(end) if d.excess > 0]
         if not missing:
             hi = end
             break
@@ -196,11 +197,10 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
             break  # unless compute runs in place, the placement moves no device byte: no level fits the GPU
     if hi is None:
         return plan
-    lo = hi - nb + 1  # hi fits; the least level that fits lies in [lo, hi], where RAM falls level by level
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if not over(mid) else (mid + 1, hi)
-    return spill_placement.at_level(plan, model, hi, host)
+    # hi fits; the least level that fits lies in [hi - nb + 1, hi], where RAM falls level by level by about one
+    # block's state: the last that fits counting down from hi (budget_boundary.last_fitting, on -level)
+    least = budget_boundary.last_fitting(range(-hi, -hi + nb), lambda x: [d.excess for d in demands(-x)])
+    return spill_placement.at_level(plan, model, -least, host)
 
 
 def expert_groups(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None) -> Plan:
@@ -227,8 +227,16 @@ def expert_groups(model: ModelShape, work: Workload, plan: Plan, hw: HardwarePro
 
 def _over(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks) -> Callable[[Plan], list[Overrun]]:
     """A plan's overruns with its smallest loss chunk (the least memory it can take)."""
-    return lambda p: overruns(_memory(model, work, p.replace(loss_chunk_tokens=_chunks(
-        p.micro_batch_size * work.seq_len)[-1]), hw, ranks), work, hw, ranks)
+    return lambda p: overruns(_memory(model, work, _smallest_chunk(p, work), hw, ranks), work, hw, ranks)
+
+
+def _excess(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks) -> Callable[[Plan], tuple[int, ...]]:
+    """A plan's bytes beyond each budget with its smallest loss chunk (``plan_memory.excess``)."""
+    return lambda p: plan_memory.excess(_memory(model, work, _smallest_chunk(p, work), hw, ranks), work, hw, ranks)
+
+
+def _smallest_chunk(plan: Plan, work: Workload) -> Plan:
+    return plan.replace(loss_chunk_tokens=_chunks(plan.micro_batch_size * work.seq_len)[-1])
 
 
 def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None) -> PlanChoice:
@@ -236,21 +244,21 @@ def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfil
     optimizer state on the GPU that lets host RAM hold the rest where it binds (``plan_variants.host_relief``),
     keeping the most layers that fit with the smallest loss chunk (kept_layers.keep_most: a kept layer saves a
     recompute, a larger chunk hardly any time), then the largest loss chunk that fits (spilling
-    the least that lets it: ``fill``); else the smallest chunk, with its overruns."""
+    the least that lets it: ``fill``; memory grows with the chunk, by chunk x V x (c + 12) bytes and the allocator's
+    slack on them: ``budget_boundary.last_fitting``); else the smallest chunk, with its overruns."""
     over = _over(model, work, hw, ranks)
     plan = fill(model, work, expert_groups(model, work, plan, hw, ranks), hw, ranks)
     plan = plan_variants.host_relief(model, _rank(work, ranks), plan, over, not hw.device_is_host)
-    plan = kept_layers.keep_most(model, _rank(work, ranks), plan, lambda p: not over(p))
-    choice, chunks = None, _chunks(plan.micro_batch_size * work.seq_len)
-    for chunk in chunks if not over(plan) else chunks[-1:]:  # memory grows with the chunk
+    plan = kept_layers.keep_most(model, _rank(work, ranks), plan, _excess(model, work, hw, ranks))
+
+    def at(chunk: int) -> tuple[PlanChoice, tuple[int, ...]]:
         p = plan.replace(loss_chunk_tokens=chunk)
         mem = _memory(model, work, p, hw, ranks)
-        short = tuple(overruns(mem, work, hw, ranks))
-        choice = PlanChoice(p, mem, None, short)
-        if not short:
-            return choice
-    assert choice is not None
-    return choice
+        return PlanChoice(p, mem, None, tuple(overruns(mem, work, hw, ranks))), plan_memory.excess(mem, work, hw, ranks)
+
+    chunks = _chunks(plan.micro_batch_size * work.seq_len)[::-1]  # ascending
+    largest = budget_boundary.last_fitting(chunks, lambda chunk: at(chunk)[1])
+    return at(chunks[0] if largest is None else largest)[0]
 
 
 def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile,
@@ -279,7 +287,7 @@ def _fitted(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks
         timed = [PlanChoice(choice.plan, choice.memory, rank_cost(model, work, choice.plan, hw, ranks))]
         # every layer recomputed (as fast where recompute is off the critical path, and then less memory wins the
         # tie); optimizer state on the device traded against kept layers ([Note: resident trade])
-        for p in plan_variants.variants(model, rank, choice.plan, lambda q: not overruns(
+        for p in plan_variants.variants(model, rank, choice.plan, lambda q: plan_memory.excess(
                 _memory(model, work, q, hw, ranks), work, hw, ranks), not hw.device_is_host):
             timed.append(PlanChoice(p, _memory(model, work, p, hw, ranks), rank_cost(model, work, p, hw, ranks)))
         # each with compiled layers where the profile measured them faster (after it: a tie keeps eager)
@@ -295,7 +303,7 @@ def traded(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks,
         return []
     best, rank = min(fit, key=lambda c: c.cost.step_seconds if c.cost else 0.0), _rank(work, ranks)
     return [PlanChoice(p, _memory(model, work, p, hw, ranks), rank_cost(model, work, p, hw, ranks))
-            for p in plan_variants.traded(model, rank, best.plan, lambda q: not overruns(
+            for p in plan_variants.traded(model, rank, best.plan, lambda q: plan_memory.excess(
                 _memory(model, work, q, hw, ranks), work, hw, ranks), not hw.device_is_host)]
 
 

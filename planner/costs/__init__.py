@@ -2,7 +2,8 @@
 model, phase by phase), on one GPU or per rank of several.
 
 Modules: ``memory_model.py`` (every buffer of a plan with its formula, summed), ``plan_memory.py`` (a plan's memory
-priced once, cached, and the budgets it overruns), ``allocator_retention.py`` (what
+priced once, cached, and the budgets it overruns), ``budget_boundary.py`` (the last of a row of settings that fits
+its budgets: the most kept layers, the least fill level, the largest loss chunk), ``allocator_retention.py`` (what
 glibc's heap keeps of a CPU step's freed temporaries), ``attention_memory.py`` (the attention call's memory: the
 runtime's head groups and what one call's backward adds), ``moe_memory.py`` (a mixture-of-experts layer's memory,
 term by term), ``sparse_working_set.py`` (a sparse layer's working set, and the state a layer in expert groups

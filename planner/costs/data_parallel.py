@@ -221,17 +221,14 @@ def node_memory(mem: MemoryEstimate, hw: HardwareProfile, topo: Topology) -> Mem
         for c in mem.components))
 
 
-def node_overruns(mem: MemoryEstimate, hw: HardwareProfile, topo: Topology) -> list[Overrun]:
-    """The budgets one rank's ``mem`` exceeds where G ranks share a node: its device buffers against one
-    GPU; G x its host bytes (its shards and its own buffers; without a GPU, its device buffers too)
-    against the node's host RAM."""
-    G, out = topo.gpus_per_node, []
-    if not hw.device_is_host and mem.device_bytes > hw.gpu_mem_bytes:
-        out.append(Overrun("gpu memory", mem.device_bytes, hw.gpu_mem_bytes))
+def node_demands(mem: MemoryEstimate, hw: HardwareProfile, topo: Topology) -> list[Overrun]:
+    """What one rank's ``mem`` needs of each budget where G ranks share a node: its device buffers of one GPU;
+    G x its host bytes (its shards and its own buffers; without a GPU, its device buffers too) of the node's host
+    RAM."""
+    G = topo.gpus_per_node
     node = G * (mem.host_bytes + (mem.device_bytes if hw.device_is_host else 0))
-    if node > hw.host_budget_bytes:
-        out.append(Overrun("host RAM", node, hw.host_budget_bytes))
-    return out
+    gpu = [] if hw.device_is_host else [Overrun("gpu memory", mem.device_bytes, hw.gpu_mem_bytes)]
+    return gpu + [Overrun("host RAM", node, hw.host_budget_bytes)]
 
 
 @dataclass(frozen=True)

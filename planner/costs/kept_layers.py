@@ -3,16 +3,17 @@
 A kept layer ([Note: kept layers] in runtime/pipeline/kept_layers.py) holds what autograd saved in its
 forward until its backward, instead of one boundary checkpoint, and its backward runs no recompute: one
 layer forward less per step. The planner keeps as many layers as the memory left after everything else
-allows (``keep_most``: memory grows with every kept layer, so the most that fit is found by bisection),
+allows (``keep_most``: memory grows with every kept layer, by the same bytes each, so the most that fit is where a
+line crosses the budget: ``budget_boundary.last_fitting``),
 in ``keep_order``: the layers whose recompute costs most per byte kept first.
 
 Pure stdlib.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
-from megatrain.planner.costs import moe_memory
+from megatrain.planner.costs import budget_boundary, moe_memory
 from megatrain.planner.shapes.model_shapes import ModelShape, dtype_bytes
 from megatrain.plan.plan import Plan
 from megatrain.planner.shapes.workload import Workload
@@ -88,11 +89,13 @@ def keep_order(model: ModelShape, work: Workload) -> list[int]:
     return sorted(cost, key=lambda layer: (-cost[layer], -layer))
 
 
-def keep_most(model: ModelShape, work: Workload, plan: Plan, fits: Callable[[Plan], bool]) -> Plan:
-    """``plan`` keeping the first k layers of ``keep_order`` for the largest k with ``fits`` (k = 0: none kept,
-    whether or not it fits). Memory grows with k, so a bisection: at most log2(L) + 1 calls of ``fits``.
-    Sequence tiles keep nothing: they are chosen for sequences whose whole activations would not fit; nor do
-    expert groups: they are chosen for layers too large for the device, and a layer in parts is recomputed."""
+def keep_most(model: ModelShape, work: Workload, plan: Plan, excess: Callable[[Plan], Sequence[int]]) -> Plan:
+    """``plan`` keeping the first k layers of ``keep_order`` for the largest k that fits (``excess``: a plan's bytes
+    needed beyond each budget, at most 0 where it fits; k = 0: none kept, whether or not it fits). Memory grows
+    with k, by the same bytes per layer: ``budget_boundary.last_fitting`` finds it in about 4 calls of ``excess``
+    (bisection: log2(L) + 2). Sequence tiles keep nothing: they are chosen for sequences whose whole activations
+    would not fit; nor do expert groups: they are chosen for layers too large for the device, and a layer in parts
+    is recomputed."""
     if plan.mlp_tile_tokens is not None or plan.attention_tile_tokens is not None or plan.expert_group_size:
         return plan.replace(kept_layers=())
     order = keep_order(model, work)
@@ -100,15 +103,8 @@ def keep_most(model: ModelShape, work: Workload, plan: Plan, fits: Callable[[Pla
     def with_count(k: int) -> Plan:
         return plan.replace(kept_layers=tuple(order[:k]))
 
-    if fits(with_count(len(order))):
-        return with_count(len(order))
-    if not fits(with_count(0)):  # nothing fits, kept or not: no bisection (the search's misfits are many)
-        return with_count(0)
-    lo, hi = 0, len(order)  # with_count(hi) does not fit; lo is the most known to fit (or 0)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(with_count(mid)) else (lo, mid)
-    return with_count(lo)
+    k = budget_boundary.last_fitting(range(len(order) + 1), lambda k: excess(with_count(k)))
+    return with_count(k or 0)
 
 
 def default_kept_layers(model: ModelShape, work: Workload, plan: Plan, free_bytes: int,
@@ -117,4 +113,4 @@ def default_kept_layers(model: ModelShape, work: Workload, plan: Plan, free_byte
     activations (``activation_bytes``: ``memory_model.activation_bytes`` of the plan) take at most
     ``DEFAULT_KEEP_SHARE`` of the ``free_bytes`` the device has once the engine is built."""
     budget = DEFAULT_KEEP_SHARE * free_bytes
-    return keep_most(model, work, plan, lambda p: activation_bytes(p) <= budget).kept_layers
+    return keep_most(model, work, plan, lambda p: (activation_bytes(p) - budget,)).kept_layers

@@ -74,7 +74,8 @@ class Component:
 
 @dataclass(frozen=True)
 class Overrun:
-    """A budget a plan exceeds: which one, what it needs, what there is."""
+    """A budget and what a plan needs of it: which one, what it needs, what there is; an overrun where the need is
+    the larger (``excess`` > 0). ``MemoryEstimate.demands`` lists every budget, ``overruns`` those exceeded."""
 
     budget: str         # "gpu memory", "host RAM", "NVMe"
     needed: int
@@ -120,19 +121,17 @@ class MemoryEstimate:
     def nvme_bytes(self) -> int:
         return self.total("nvme")
 
-    def overruns(self, hw: HardwareProfile) -> list[Overrun]:
-        """Budgets this estimate exceeds on ``hw``. Without a GPU, device buffers live in host RAM."""
-        out = []
+    def demands(self, hw: HardwareProfile) -> list[Overrun]:
+        """What this estimate needs of each budget on ``hw``, exceeded or not. Without a GPU, device buffers live in
+        host RAM."""
         if hw.device_is_host:
-            needed = self.device_bytes + self.host_bytes
-            if needed > hw.host_budget_bytes:
-                out.append(Overrun("host RAM", needed, hw.host_budget_bytes))
-            return out
-        if self.device_bytes > hw.gpu_mem_bytes:
-            out.append(Overrun("gpu memory", self.device_bytes, hw.gpu_mem_bytes))
-        if self.host_bytes > hw.host_budget_bytes:
-            out.append(Overrun("host RAM", self.host_bytes, hw.host_budget_bytes))
-        return out
+            return [Overrun("host RAM", self.device_bytes + self.host_bytes, hw.host_budget_bytes)]
+        return [Overrun("gpu memory", self.device_bytes, hw.gpu_mem_bytes),
+                Overrun("host RAM", self.host_bytes, hw.host_budget_bytes)]
+
+    def overruns(self, hw: HardwareProfile) -> list[Overrun]:
+        """Budgets this estimate exceeds on ``hw``."""
+        return [d for d in self.demands(hw) if d.excess > 0]
 
     def rows(self) -> list[dict[str, object]]:
         return [{"name": c.name, "where": c.where, "bytes": c.nbytes, "pinned": c.pinned, "formula": c.formula}

@@ -47,11 +47,23 @@ def memory(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, r
     return found
 
 
-def overruns(mem: MemoryEstimate, work: Workload, hw: HardwareProfile, ranks: Ranks = None) -> list[Overrun]:
-    """The budgets ``mem`` (one rank's with ``ranks``) exceeds: GPU memory and host RAM on ``hw`` (per node:
-    G ranks share it), and the free space of the spill disk when the workload knows it (G ranks' files)."""
-    out = mem.overruns(hw) if ranks is None else data_parallel.node_overruns(mem, hw, ranks)
-    nvme = mem.nvme_bytes * (1 if ranks is None else ranks.gpus_per_node)
-    if work.spill_free_bytes is not None and nvme > work.spill_free_bytes:
-        out.append(Overrun("NVMe", nvme, work.spill_free_bytes))
+def demands(mem: MemoryEstimate, work: Workload, hw: HardwareProfile, ranks: Ranks = None) -> list[Overrun]:
+    """What ``mem`` (one rank's with ``ranks``) needs of each budget, exceeded or not: GPU memory and host RAM on
+    ``hw`` (per node: G ranks share it), and the free space of the spill disk when the workload knows it (G ranks'
+    files)."""
+    out = mem.demands(hw) if ranks is None else data_parallel.node_demands(mem, hw, ranks)
+    if work.spill_free_bytes is not None:
+        out.append(Overrun("NVMe", mem.nvme_bytes * (1 if ranks is None else ranks.gpus_per_node),
+                           work.spill_free_bytes))
     return out
+
+
+def overruns(mem: MemoryEstimate, work: Workload, hw: HardwareProfile, ranks: Ranks = None) -> list[Overrun]:
+    """The budgets ``mem`` exceeds (``demands`` whose need is the larger)."""
+    return [d for d in demands(mem, work, hw, ranks) if d.excess > 0]
+
+
+def excess(mem: MemoryEstimate, work: Workload, hw: HardwareProfile, ranks: Ranks = None) -> tuple[int, ...]:
+    """Bytes ``mem`` needs beyond each budget (at most 0 where it fits): how far a plan is from fitting, as
+    ``budget_boundary.last_fitting`` reads it."""
+    return tuple(d.excess for d in demands(mem, work, hw, ranks))

@@ -12,13 +12,14 @@ eager ones in backward order, so the updates left after backward are the same bl
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from megatrain.plan.block_parameters import aligned
 from megatrain.planner.profiling.hardware import DEVICE_ADAM_BYTES_PER_PARAM, HardwareProfile
 from megatrain.planner.shapes.model_shapes import ModelShape
 from megatrain.plan.plan import Plan
 from megatrain.planner.shapes.workload import Workload
+from megatrain.planner.costs import budget_boundary
 from megatrain.planner.costs.spill_placement import block_numels
 
 # Device bytes a resident parameter holds: fp32 master, m, v, gradient.
@@ -72,20 +73,18 @@ def may_hold(plan: Plan, work: Workload) -> bool:
             and work.optimizer_state == "fp32")
 
 
-def most_resident(model: ModelShape, plan: Plan, fits: Callable[[Plan], bool]) -> Plan:
-    """``plan`` with the most first blocks resident that still ``fits`` (binary search: each block more adds
-    device memory), at least its own (its first blocks: what host RAM may need), ``plan`` itself when not even
-    one more does."""
-    lo, hi = len(plan.resident_blocks), model.num_layers + 2  # lo fits (the plan as given), the answer in [lo, hi]
-    if fits(plan.replace(resident_blocks=first_blocks(model, hi))):
-        return plan.replace(resident_blocks=first_blocks(model, hi))
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(plan.replace(resident_blocks=first_blocks(model, mid))):
-            lo = mid
-        else:
-            hi = mid
-    return plan.replace(resident_blocks=first_blocks(model, lo))
+def most_resident(model: ModelShape, plan: Plan, excess: Callable[[Plan], Sequence[int]]) -> Plan:
+    """``plan`` with the most first blocks resident that still fit (``excess``: a plan's bytes needed beyond each
+    budget, at most 0 where it fits; each block more adds device memory, a layer's as much as the next:
+    ``budget_boundary.last_fitting``), at least its own (its first blocks: what host RAM may need), ``plan`` itself
+    when not even one more fits."""
+    def with_count(r: int) -> Plan:
+        return plan.replace(resident_blocks=first_blocks(model, r))
+
+    # the plan as given fits: the answer lies in [its own, every block]
+    r = budget_boundary.last_fitting(range(len(plan.resident_blocks), model.num_layers + 3),
+                                     lambda r: excess(with_count(r)))
+    return with_count(len(plan.resident_blocks) if r is None else r)
 
 
 def crossing(plan: Plan, w: int, wc: int) -> tuple[Callable[[int], int], Callable[[int], int]]:
