@@ -20,7 +20,7 @@ from hypothesis import given, settings, strategies as st
 
 from megatrain.planner.costs import memory_model
 from megatrain.planner.shapes import model_shapes
-from megatrain.planner.choice import search
+from megatrain.planner.choice import candidate_fit
 from megatrain.planner.profiling.hardware import preset
 from megatrain.planner.costs.memory_model import CUDA_CONTEXT_BYTES
 from megatrain.planner.shapes.workload import Workload
@@ -104,7 +104,7 @@ def test_a_layer_larger_than_the_device_budget_trains_in_groups_like_the_whole_l
     hw = preset("H100-SXM", "server-512g").replace(gpu_mem_bytes=_budget_between(shape, work, base))
     # the budget beyond the CUDA context holds less than one whole layer's weights, slots and gradient buffers
     assert shape.numel_layer * 4 * (base.num_slots + base.device_grad_buffers) > hw.gpu_mem_bytes - CUDA_CONTEXT_BYTES
-    plan = search.expert_groups(shape, work, base, hw)
+    plan = candidate_fit.expert_groups(shape, work, base, hw)
     assert plan.expert_group_size in shape.experts.group_sizes()[1:]
     bu, _ = memory_model.slot_numel(shape, plan)
     assert bu < shape.numel_layer

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from megatrain.planner.costs import cost_model, memory_model, spill_placement, step_traffic
-from megatrain.planner.choice import search, sizing
+from megatrain.planner.choice import candidate_fit, search, sizing
 from megatrain.plan.buffer_kinds import spill_block_bytes, spill_chunk_numel
 from megatrain.planner.profiling.hardware import GiB
 from megatrain.planner.shapes.model_shapes import PRESETS
@@ -162,7 +162,7 @@ def test_fill_finds_the_least_level_that_fits(ram_gib) -> None:
     fits = [not search.overruns(memory_model.estimate(m, work, spill_placement.at_level(base, m, level, hw.device_is_host),
                                                       hw), work, hw)
             for level in range(spill_placement.fill_levels(m, True) + 1)]
-    filled = search.fill(m, work, base, hw, chunk=64)
+    filled = candidate_fit.fill(m, work, base, hw, chunk=64)
     if not any(fits[1:]):
         assert filled == base
     else:
@@ -186,7 +186,7 @@ def test_fill_level_moves_no_device_byte_on_a_gpu(gpu_gib) -> None:
     assert len({e.device_bytes for e in estimates + staged}) == 1  # so expert_groups prices it unspilled
     assert len({e.host_bytes for e in estimates}) > 1
     fits = [not search.overruns(e, work, hw) for e in estimates]
-    filled = search.fill(m, work, base, hw, chunk=64)
+    filled = candidate_fit.fill(m, work, base, hw, chunk=64)
     if not any(fits[1:]):
         assert filled == base
     else:

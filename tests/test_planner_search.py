@@ -11,7 +11,7 @@ from megatrain.plan import buffer_kinds, plan_checks
 from megatrain.planner.costs import data_parallel, memory_model, resident_blocks, spill_placement
 from megatrain.planner.profiling import hardware
 from megatrain.planner.shapes import model_shapes
-from megatrain.planner.choice import plan_variants, search, spill_choices
+from megatrain.planner.choice import candidate_fit, plan_variants, search, spill_choices
 from megatrain.planner.profiling.hardware import GiB, HardwareProfile
 from megatrain.planner.shapes.model_shapes import PRESETS, ModelShape
 from megatrain.plan.plan import Plan
@@ -56,7 +56,7 @@ workloads = st.builds(Workload, seq_len=st.sampled_from([128, 1000, 2048, 4096, 
 
 def _grouped_candidates(model: ModelShape, work: Workload, hw: HardwareProfile) -> list[Plan]:
     """Every candidate in the expert groups the search gives it (a sparse model's layers may stream in parts)."""
-    return [search.expert_groups(model, work, plan, hw) for plan in search.candidates(model, work, hw)]
+    return [candidate_fit.expert_groups(model, work, plan, hw) for plan in search.candidates(model, work, hw)]
 
 
 @settings(max_examples=examples(100))
@@ -354,7 +354,7 @@ def test_where_host_ram_binds_the_plan_keeps_the_fewest_blocks_state_on_the_gpu_
     ``fits``. Each candidate takes the fewest first blocks resident that host RAM needs (``host_relief``)."""
     hw = HardwareProfile.load(H200_MEASURED)
     work = Workload(4096, 8 if model is QWEN3_MOE_12 else 16)
-    plans = [search.fill(model, work, search.expert_groups(model, work, p, hw), hw) for p in
+    plans = [candidate_fit.fill(model, work, candidate_fit.expert_groups(model, work, p, hw), hw) for p in
              search.candidates(model, work, hw)]
     assert all(_short_of_ram(model, work, p.replace(loss_chunk_tokens=64), hw) for p in plans)
     best = search.search(model, work, hw).require()
@@ -363,7 +363,7 @@ def test_where_host_ram_binds_the_plan_keeps_the_fewest_blocks_state_on_the_gpu_
     assert memory_model.estimate(model, work, best.plan, hw).overruns(hw) == []  # recomputed, not the search's
     assert _short_of_ram(model, work, best.plan.replace(resident_blocks=()), hw)
     assert search.fits(model, work, hw)
-    over = search._over(model, work, hw, None)
+    over = candidate_fit.over(model, work, hw, None)
     for p in plans[:4]:  # the fewest: one block fewer is short of RAM
         fewest = plan_variants.host_relief(model, work, p, over, True)
         if fewest.resident_blocks:

@@ -7,7 +7,7 @@ memory), checkpoint placement, eager vs deferred optimizer (deferred when
 clipping), host grad slabs for eager mode, and the loss chunk (the largest that
 fits: it costs memory, hardly time), and what spills to disk unless the workload
 forces a shorthand ("none", "optimizer", "all"): RAM is filled first and the rest
-goes to disk, block by block and kind by kind (``fill``; spill_placement.py,
+goes to disk, block by block and kind by kind (``candidate_fit.fill``; spill_placement.py,
 [Note: fill order]), so the largest model that trains is set by RAM and disk
 together; and compiled layers where the profile measured them faster (``plan_variants.compiled``).
 
@@ -24,17 +24,15 @@ Memory is checked first (cheap); only plans that fit are timed. Pure stdlib.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 from megatrain.errors import MegatrainError
-from megatrain.models import registry
 
-from megatrain.planner.costs import budget_boundary, data_parallel, kept_layers, plan_memory, spill_placement
-from megatrain.planner.choice import plan_variants, side_by_side
-from megatrain.planner.costs.cost_model import CostEstimate
+from megatrain.planner.costs import data_parallel, plan_memory
+from megatrain.planner.choice import candidate_fit, plan_variants, side_by_side
+from megatrain.planner.choice.candidate_fit import LOSS_CHUNKS, PlanChoice, fill, fit, rank_work
 from megatrain.planner.costs.data_parallel import rank_cost  # a rank's step; with no ranks, one process's
 from megatrain.planner.profiling.hardware import HardwareProfile
-from megatrain.planner.costs.memory_model import MemoryEstimate, Overrun
+from megatrain.planner.costs.memory_model import Overrun
 from megatrain.planner.shapes.model_shapes import ModelShape
 from megatrain.plan.plan import Plan, host_device_choices
 from megatrain.plan.plan_checks import master_spills
@@ -50,7 +48,6 @@ PREFETCH_DEPTHS = (1, 2, 3)
 HOST_GRAD_SLABS = (2, 4)
 # Plans this close to the fastest count as equally fast (the cost model is not more precise than that).
 TIME_TOLERANCE = 0.01
-LOSS_CHUNKS = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
 # The fewest candidates a forked process takes (``feasible_choices``): about 1 ms of arithmetic each, against
 # about 50 ms to start a process; a search with fewer runs here.
 CANDIDATES_APART = 64
@@ -58,18 +55,6 @@ CANDIDATES_APART = 64
 
 class InfeasibleError(MegatrainError):
     """No plan fits. The message names each budget exceeded and by how much."""
-
-
-@dataclass(frozen=True)
-class PlanChoice:
-    plan: Plan
-    memory: MemoryEstimate
-    cost: CostEstimate | None     # None when the plan does not fit (not timed)
-    overruns: tuple[Overrun, ...] = ()
-
-    @property
-    def feasible(self) -> bool:
-        return not self.overruns
 
 
 @dataclass(frozen=True)
@@ -152,121 +137,12 @@ def candidates(model: ModelShape, work: Workload, hw: HardwareProfile | None = N
     return [p for plan in out for p in casts(plan, work, hw)]
 
 
-def _chunks(tokens: int) -> list[int]:
-    return [tokens] + [c for c in LOSS_CHUNKS if c < tokens]
-
-
-def _rank(work: Workload, ranks: Ranks) -> Workload:
-    """The workload one rank plans for: all of it alone, its share among ``ranks``."""
-    return work if ranks is None else data_parallel.rank_workload(work, ranks)
-
-
-def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None,
-         chunk: int | None = None) -> Plan:
-    """RAM first, the rest on disk: for a candidate of an "auto" workload that spills (``plan.spill`` "all", or
-    "optimizer": its weights cast on the device from masters that stay in RAM, levels 1..nb only), the
-    plan at the least fill level (spill_placement.at_level, from 1) whose memory fits the GPU and host RAM with
-    loss chunk ``chunk`` (default: the smallest); the plan unchanged (at its top level) when none does. The
-    least such level also puts the least on disk, so if its files overrun the disk's free space, every level
-    that fits RAM does. Other plans: unchanged.
-
-    Within one group of the fill (m and v, masters, grads: levels g x nb + 1 .. (g + 1) x nb) host RAM falls
-    level by level, each level moving one more block of the group's kinds to disk; only the group's first level
-    adds the staging of its newly spilled kinds (P x Ck x s_k each; the grads also their S x Ck x 4 slabs) back.
-    So the first group whose last level fits holds the least level that fits, and within it a binary search
-    finds it: ``budget_boundary.last_fitting``, about 4 memory estimates (bisection: 3 + log2(nb))."""
-    if work.spill != "auto" or plan.spill not in ("optimizer", "all"):
-        return plan
-    host = hw.device_is_host and ranks is None  # a CPU device in one process: plan.host_device_choices
-    chunk = _chunks(plan.micro_batch_size * work.seq_len)[-1] if chunk is None else chunk
-
-    def demands(level: int) -> list[Overrun]:  # GPU memory and host RAM: the disk's space is checked after
-        p = spill_placement.at_level(plan, model, level, host).replace(loss_chunk_tokens=chunk)
-        return [d for d in plan_memory.demands(_memory(model, work, p, hw, ranks), work, hw, ranks)
-                if d.budget != "NVMe"]
-
-    nb = model.num_layers + 2
-    top = nb if plan.spill == "optimizer" else spill_placement.fill_levels(model, plan.optimizer_mode == "deferred")
-    hi = None
-    for end in range(nb, top + 1, nb):
-        missing = [d for d in demands(end) if d.excess > 0]
-        if not missing:
-            hi = end
-            break
-        if not host and any(o.budget == "gpu memory" for o in missing):
-            break  # unless compute runs in place, the placement moves no device byte: no level fits the GPU
-    if hi is None:
-        return plan
-    # hi fits; the least level that fits lies in [hi - nb + 1, hi], where RAM falls level by level by about one
-    # block's state: the last that fits counting down from hi (budget_boundary.last_fitting, on -level)
-    least = budget_boundary.last_fitting(range(-hi, -hi + nb), lambda x: [d.excess for d in demands(-x)])
-    return spill_placement.at_level(plan, model, -least, host)
-
-
-def expert_groups(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None) -> Plan:
-    """The plan with the fewest expert groups (whole layers first: ``ExpertShape.group_sizes``) whose device
-    memory fits the GPU with the smallest loss chunk; the smallest groups when none does (with groups, no MLP
-    tiles: their layers ignore them). Whole layers for a dense model, on a CPU device, with data-parallel ranks
-    (the runtime streams groups on one process) and for a family whose blocks do not compute in groups."""
-    if (hw.device_is_host or ranks is not None or not model.experts.num_experts
-            or not registry.family(model.model_type).expert_groups):
-        return plan
-    chunk = _chunks(plan.micro_batch_size * work.seq_len)[-1]
-    # On a GPU what spills moves no device byte: the device is priced with nothing spilled, so the candidates that
-    # differ only in their spill settings share these estimates (_memory keeps them).
-    unspilled = plan.replace(spill="none", spill_blocks=None, spill_dir=None, spill_staging=1,
-                             spill_chunk_bytes=Plan.spill_chunk_bytes, loss_chunk_tokens=chunk)
-    for g in model.experts.group_sizes():
-        p = plan.replace(expert_group_size=g, mlp_tile_tokens=plan.mlp_tile_tokens if g is None else None)
-        mem = _memory(model, work, unspilled.replace(expert_group_size=g, mlp_tile_tokens=p.mlp_tile_tokens), hw,
-                      ranks)
-        if mem.device_bytes <= hw.gpu_mem_bytes:
-            return p
-    return p
-
-
-def _over(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks) -> Callable[[Plan], list[Overrun]]:
-    """A plan's overruns with its smallest loss chunk (the least memory it can take)."""
-    return lambda p: overruns(_memory(model, work, _smallest_chunk(p, work), hw, ranks), work, hw, ranks)
-
-
-def _excess(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks) -> Callable[[Plan], tuple[int, ...]]:
-    """A plan's bytes beyond each budget with its smallest loss chunk (``plan_memory.excess``)."""
-    return lambda p: plan_memory.excess(_memory(model, work, _smallest_chunk(p, work), hw, ranks), work, hw, ranks)
-
-
-def _smallest_chunk(plan: Plan, work: Workload) -> Plan:
-    return plan.replace(loss_chunk_tokens=_chunks(plan.micro_batch_size * work.seq_len)[-1])
-
-
-def _fit_chunk(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ranks: Ranks = None) -> PlanChoice:
-    """The plan in the fewest expert groups whose device memory fits (``expert_groups``), with the fewest blocks'
-    optimizer state on the GPU that lets host RAM hold the rest where it binds (``plan_variants.host_relief``),
-    keeping the most layers that fit with the smallest loss chunk (kept_layers.keep_most: a kept layer saves a
-    recompute, a larger chunk hardly any time), then the largest loss chunk that fits (spilling
-    the least that lets it: ``fill``; memory grows with the chunk, by chunk x V x (c + 12) bytes and the allocator's
-    slack on them: ``budget_boundary.last_fitting``); else the smallest chunk, with its overruns."""
-    over = _over(model, work, hw, ranks)
-    plan = fill(model, work, expert_groups(model, work, plan, hw, ranks), hw, ranks)
-    plan = plan_variants.host_relief(model, _rank(work, ranks), plan, over, not hw.device_is_host)
-    plan = kept_layers.keep_most(model, _rank(work, ranks), plan, _excess(model, work, hw, ranks))
-
-    def at(chunk: int) -> tuple[PlanChoice, tuple[int, ...]]:
-        p = plan.replace(loss_chunk_tokens=chunk)
-        mem = _memory(model, work, p, hw, ranks)
-        return PlanChoice(p, mem, None, tuple(overruns(mem, work, hw, ranks))), plan_memory.excess(mem, work, hw, ranks)
-
-    chunks = _chunks(plan.micro_batch_size * work.seq_len)[::-1]  # ascending
-    largest = budget_boundary.last_fitting(chunks, lambda chunk: at(chunk)[1])
-    return at(chunks[0] if largest is None else largest)[0]
-
-
 def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile,
                      ranks: Ranks = None) -> tuple[list[PlanChoice], list[PlanChoice]]:
     """(timed plans that fit, plans that do not fit with their overruns), over every candidate in order; with
     ``ranks``, one rank's plans, timed at its share of the batch. Each candidate is fitted and timed alone, so they
     are dealt to the cores side by side (``side_by_side``), at least ``CANDIDATES_APART`` to a process."""
-    hands = side_by_side.dealt(candidates(model, _rank(work, ranks), hw, ranks is None), CANDIDATES_APART)
+    hands = side_by_side.dealt(candidates(model, rank_work(work, ranks), hw, ranks is None), CANDIDATES_APART)
     parts = side_by_side.run_apart([(_fitted, (model, work, hw, ranks, hand)) for hand in hands])
     fitted = sorted((c for part in parts for c in part), key=lambda c: c[0])  # the candidates' order
     fit = [choice for _, choices, _ in fitted for choice in choices]
@@ -275,12 +151,12 @@ def feasible_choices(model: ModelShape, work: Workload, hw: HardwareProfile,
 
 def _fitted(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks,
             hand: list[tuple[int, Plan]]) -> list[tuple[int, list[PlanChoice], PlanChoice | None]]:
-    """Each (index, candidate) of ``hand`` fitted (``_fit_chunk``): (index, its timed plans that fit: the candidate
+    """Each (index, candidate) of ``hand`` fitted (``candidate_fit.fit``): (index, its timed plans that fit: the candidate
     and its variants, the plan that does not fit or None)."""
     out = []
-    rank = _rank(work, ranks)
+    rank = rank_work(work, ranks)
     for index, plan in hand:
-        choice = _fit_chunk(model, work, plan, hw, ranks)
+        choice = fit(model, work, plan, hw, ranks)
         if not choice.feasible:
             out.append((index, [], choice))
             continue
@@ -301,7 +177,7 @@ def traded(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks,
     """``plan_variants.traded`` of the fastest of ``fit``, timed."""
     if not fit:
         return []
-    best, rank = min(fit, key=lambda c: c.cost.step_seconds if c.cost else 0.0), _rank(work, ranks)
+    best, rank = min(fit, key=lambda c: c.cost.step_seconds if c.cost else 0.0), rank_work(work, ranks)
     return [PlanChoice(p, _memory(model, work, p, hw, ranks), rank_cost(model, work, p, hw, ranks))
             for p in plan_variants.traded(model, rank, best.plan, lambda q: plan_memory.excess(
                 _memory(model, work, q, hw, ranks), work, hw, ranks), not hw.device_is_host)]
@@ -348,7 +224,7 @@ def search(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks 
             if cost.step_seconds <= fastest * (1 + TIME_TOLERANCE):
                 best = PlanChoice(deeper, _memory(model, work, deeper, hw, ranks), cost)
         # The plan records the workload it was made for; the runtime refuses another one.
-        best = PlanChoice(best.plan.replace(workload=_rank(work, ranks).fingerprint(model)), best.memory, best.cost)
+        best = PlanChoice(best.plan.replace(workload=rank_work(work, ranks).fingerprint(model)), best.memory, best.cost)
         return SearchResult(best, considered)
     return SearchResult(None, considered, _explain(misfit, hw))
 
@@ -357,10 +233,10 @@ def fits(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks = 
     """Whether any plan fits every budget (memory only; nothing is timed). Memory grows with the loss
     chunk, so each candidate is tried with its smallest chunk only, filled (``fill``) and with the fewest resident
     blocks that host RAM needs (``plan_variants.host_relief``), as the search fits it."""
-    over, gpu = _over(model, work, hw, ranks), not hw.device_is_host
-    for plan in candidates(model, _rank(work, ranks), hw, ranks is None):
+    over, gpu = candidate_fit.over(model, work, hw, ranks), not hw.device_is_host
+    for plan in candidates(model, rank_work(work, ranks), hw, ranks is None):
         filled = fill(model, work, plan, hw, ranks)
-        if not over(plan_variants.host_relief(model, _rank(work, ranks), filled, over, gpu)):
+        if not over(plan_variants.host_relief(model, rank_work(work, ranks), filled, over, gpu)):
             return True
     return False
 
@@ -413,7 +289,7 @@ def minimum_memory(model: ModelShape, work: Workload, hw: HardwareProfile,
     with the smallest loss chunk: what ``megatrain-plan size`` reports as the minimum to buy. With
     ``ranks``, one rank's memory (a node holds G of it)."""
     best: dict[str, PlanChoice] = {}
-    for plan in candidates(model, _rank(work, ranks), hw, ranks is None):
+    for plan in candidates(model, rank_work(work, ranks), hw, ranks is None):
         p = plan.replace(loss_chunk_tokens=min(LOSS_CHUNKS[-1], plan.loss_chunk_tokens))
         mem = _memory(model, work, p, hw, ranks)
         keys = [("gpu", mem.device_bytes), ("host", mem.host_bytes)]
