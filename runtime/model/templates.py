@@ -114,10 +114,9 @@ class TemplateBinding:
     def bound(self, params: dict[str, torch.Tensor]) -> Iterator[nn.Module]:
         """The template with ``params`` (every parameter's tensor, by local name) in place of its meta parameters
         until the ``with`` ends (nested bindings restore in turn)."""
-        if params.keys() != self.places.keys():
-            missing, unexpected = self.places.keys() - params.keys(), params.keys() - self.places.keys()
-            raise RuntimeError(f"binding {type(self.module).__name__}: missing {sorted(missing)}, "
-                               f"unexpected {sorted(unexpected)}")
+        assert params.keys() == self.places.keys(), (type(self.module).__name__, "missing",
+                                                     sorted(self.places.keys() - params.keys()), "unexpected",
+                                                     sorted(params.keys() - self.places.keys()))
         originals = [(owner, attr, owner._parameters[attr]) for owner, attr in self.places.values()]
         try:
             for name, (owner, attr) in self.places.items():
