@@ -69,7 +69,8 @@ def _tiled(layer: DecoderLayer, x: torch.Tensor, dy: torch.Tensor, rotary, tile:
 
     with torch.no_grad():
         out = run(leaves, x, *rotary, tile, "layer", attention_tile)
-    dx = tiled_layer_backward(run, leaves, x.clone().requires_grad_(), dy, rotary, tile, add, attention_tile)
+    dx = tiled_layer_backward(lambda *args: run(leaves, *args), leaves, x.clone().requires_grad_(), dy, rotary, tile,
+                              add, attention_tile)
     return out, dx, acc
 
 

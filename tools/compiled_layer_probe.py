@@ -64,7 +64,7 @@ def measure(shape: str, device: str, dtype: str, backend: str | None = None, pai
         def once() -> None:
             with torch.no_grad():
                 run(layer, params, x, *positions)
-            recompute_backward(lambda p, *a: run(layer, p, *a), params, x, dy, positions, lambda grads: None, 0, 0)
+            recompute_backward(run, layer, params, x, dy, positions, lambda grads: None, 0, 0)
         return once
 
     def timed(fn: Callable[[], None]) -> float:

@@ -77,7 +77,7 @@ class MegatrainTrainer:
     def __init__(self, spec: RunSpec) -> None:
         import torch
 
-        from .weights import InitialWeights, parameter_shapes
+        from .weights import InitialWeights
 
         how = import_megatrain()
         from megatrain.runtime import Engine, ModelConfig, OptimizerConfig
@@ -90,7 +90,11 @@ class MegatrainTrainer:
         # _skip_init: every weight is loaded next (what from_pretrained does); saves a full random init.
         self.engine = Engine(ModelConfig.from_hf(spec.config), optimizer=optimizer, plan=plan, compute_dtype=dtype,
                              device=spec.device, seed=spec.seed, _skip_init=True)
-        self.engine.load_state_dict(InitialWeights(parameter_shapes(spec), spec))
+        # The initial weights by the Hugging Face names and shapes of megatrain's own block table (the names the
+        # other systems draw theirs by, from transformers' model; a name that differed would draw other numbers
+        # and the first losses would disagree): no transformers import, its time and memory, in this run.
+        shapes = {e.hf_name: e.shape for block in self.engine.templates.blocks for e in block.layout.entries}
+        self.engine.load_state_dict(InitialWeights(shapes, spec))
         self.params = self.engine.num_parameters
         self.details = {"compute_dtype": str(dtype).replace("torch.", ""), "plan": plan.to_dict(), **said,
                         "megatrain": how,

@@ -59,15 +59,6 @@ def hf_config(spec: RunSpec):
     return LlamaConfig(**spec.config)
 
 
-def parameter_shapes(spec: RunSpec) -> dict[str, tuple[int, ...]]:
-    """Distinct parameter names and shapes of the Hugging Face model (built on the meta device: no memory)."""
-    from transformers import LlamaForCausalLM
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config(spec))
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
-
-
 @contextlib.contextmanager
 def _no_init() -> Iterator[None]:
     """Skip transformers' own random init (every weight is overwritten): its home moved in 5.x."""

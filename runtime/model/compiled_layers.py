@@ -43,6 +43,7 @@ the planner's.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Callable
 
@@ -84,6 +85,11 @@ class LayerRunner:
     @property
     def compiled(self) -> bool:
         return self._compiled is not None
+
+    def bound(self, layer: Block, params: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager[nn.Module]:
+        """The template of ``layer`` with ``params`` bound for many calls (``Templates.bound``): a tiled backward's
+        parts, which run eagerly."""
+        return self.templates.bound(layer, params)
 
     def __call__(self, layer: Block, params: dict[str, torch.Tensor], *args: Any) -> torch.Tensor:
         """``Templates.run(layer, params, *args)``: args as a layer's forward takes them (x, cos, sin, documents,

@@ -40,28 +40,30 @@ import torch
 from megatrain.models.layers.decoder import rope_rows, tile_projections
 
 
-RunLayer = Callable[..., torch.Tensor]  # run(params, x, cos, sin, documents, mlp_tile_tokens, part)
+Layer = Callable[..., torch.Tensor]  # layer(x, cos, sin, documents, mlp_tile_tokens, part), its leaves bound
 AddGrads = Callable[[dict[str, torch.Tensor]], None]  # adds gradients (by parameter name) into fp32
-Finish = Callable[[torch.Tensor], torch.Tensor]        # dh -> gradient w.r.t. the layer's input
+Finish = Callable[[torch.Tensor], torch.Tensor]       # dh -> gradient w.r.t. the layer's input
 
 
-def tiled_layer_backward(run: RunLayer, leaves: dict[str, torch.Tensor], x_in: torch.Tensor, dy: torch.Tensor,
+def tiled_layer_backward(layer: Layer, leaves: dict[str, torch.Tensor], x_in: torch.Tensor, dy: torch.Tensor,
                          rotary: tuple, tile: int, add_grads: AddGrads, attention_tile: int = 0) -> torch.Tensor:
     """Gradient w.r.t. x_in ([B, S, hidden], requires grad); parameter gradients go to ``add_grads``.
+    ``layer``: the layer's template with ``leaves`` bound once for all its calls here (``Templates.bound``: a
+    one-token tile's work is small, binding the parameters on each call would cost more).
     ``rotary``: what the layer takes after x (cos, sin and the documents, see rotary_positions.Positions); ``tile``:
     tokens per MLP tile (the whole sequence: one tile); ``attention_tile`` > 0: the attention half's
     token-local work in tiles of that many tokens too."""
     if 0 < attention_tile < x_in.shape[1]:
-        h, finish = _attention_half_in_tiles(run, leaves, x_in, rotary, attention_tile, add_grads)
+        h, finish = _attention_half_in_tiles(layer, leaves, x_in, rotary, attention_tile, add_grads)
     else:
-        h, finish = _attention_half(run, leaves, x_in, rotary, add_grads)
+        h, finish = _attention_half(layer, leaves, x_in, rotary, add_grads)
     dh = dy.clone()
     h_const = h.detach()
     for start in range(0, h.shape[1], tile):
         rows = slice(start, start + tile)
         h_tile = h_const[:, rows].requires_grad_()
         with torch.enable_grad():
-            out = run(leaves, h_tile, *rotary, 0, "mlp")
+            out = layer(h_tile, *rotary, 0, "mlp")
         grads = torch.autograd.grad(out, (h_tile, *leaves.values()), dy[:, rows], allow_unused=True)
         dh[:, rows] += grads[0]
         _add_used(add_grads, leaves, grads[1:])
@@ -70,11 +72,11 @@ def tiled_layer_backward(run: RunLayer, leaves: dict[str, torch.Tensor], x_in: t
     return finish(dh)
 
 
-def _attention_half(run: RunLayer, leaves: dict[str, torch.Tensor], x_in: torch.Tensor, rotary: tuple,
+def _attention_half(layer: Layer, leaves: dict[str, torch.Tensor], x_in: torch.Tensor, rotary: tuple,
                     add_grads: AddGrads) -> tuple[torch.Tensor, Finish]:
     """h = x + attention(x) with one autograd graph, and the backward through it."""
     with torch.enable_grad():
-        h = run(leaves, x_in, *rotary, 0, "attention")
+        h = layer(x_in, *rotary, 0, "attention")
 
     def finish(dh: torch.Tensor) -> torch.Tensor:
         grads = torch.autograd.grad(h, (x_in, *leaves.values()), dh, allow_unused=True)
@@ -83,7 +85,7 @@ def _attention_half(run: RunLayer, leaves: dict[str, torch.Tensor], x_in: torch.
     return h, finish
 
 
-def _attention_half_in_tiles(run: RunLayer, leaves: dict[str, torch.Tensor], x_in: torch.Tensor, rotary: tuple,
+def _attention_half_in_tiles(layer: Layer, leaves: dict[str, torch.Tensor], x_in: torch.Tensor, rotary: tuple,
                              tile: int, add_grads: AddGrads) -> tuple[torch.Tensor, Finish]:
     """h = x + attention(x) with the token-local work in tiles (see the note), and the backward through it."""
     cos, sin, documents = rotary
@@ -91,23 +93,23 @@ def _attention_half_in_tiles(run: RunLayer, leaves: dict[str, torch.Tensor], x_i
     x = x_in.detach()
     tiles = [slice(start, start + tile) for start in range(0, seq, tile)]
     with torch.no_grad():
-        q, k, v = tile_projections(lambda rows: run(leaves, x[:, rows], *rope_rows(cos, sin, rows), None, 0,
-                                                    "project"), seq, tile)
+        q, k, v = tile_projections(lambda rows: layer(x[:, rows], *rope_rows(cos, sin, rows), None, 0, "project"),
+                                   seq, tile)
     qkv = tuple(t.requires_grad_() for t in (q, k, v))
     with torch.enable_grad():
-        out = run(leaves, qkv, cos, sin, documents, 0, "core")
+        out = layer(qkv, cos, sin, documents, 0, "core")
     o = out.detach()
     with torch.no_grad():
         h = torch.empty_like(x)
         for rows in tiles:
-            h[:, rows] = x[:, rows] + run(leaves, o[:, :, rows], cos, sin, None, 0, "output")
+            h[:, rows] = x[:, rows] + layer(o[:, :, rows], cos, sin, None, 0, "output")
 
     def finish(dh: torch.Tensor) -> torch.Tensor:
         d_out = torch.empty_like(o)
         for rows in tiles:  # o_proj, tile by tile, into attention's output gradient
             o_tile = o[:, :, rows].requires_grad_()
             with torch.enable_grad():
-                y = run(leaves, o_tile, cos, sin, None, 0, "output")
+                y = layer(o_tile, cos, sin, None, 0, "output")
             grads = torch.autograd.grad(y, (o_tile, *leaves.values()), dh[:, rows], allow_unused=True)
             d_out[:, :, rows] = grads[0]
             _add_used(add_grads, leaves, grads[1:])
@@ -120,7 +122,7 @@ def _attention_half_in_tiles(run: RunLayer, leaves: dict[str, torch.Tensor], x_i
         for rows in tiles:
             x_tile = x[:, rows].requires_grad_()
             with torch.enable_grad():
-                parts = run(leaves, x_tile, *rope_rows(cos, sin, rows), None, 0, "project")
+                parts = layer(x_tile, *rope_rows(cos, sin, rows), None, 0, "project")
             grads = torch.autograd.grad(parts, (x_tile, *leaves.values()),
                                         (dq[:, :, rows], dk[:, :, rows], dv[:, :, rows]), allow_unused=True)
             dx[:, rows] += grads[0]

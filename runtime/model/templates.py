@@ -5,9 +5,16 @@ One ``nn.Module`` per block structure (embedding, decoder layer, head) is built
 once on the meta device and holds no weights. Every block owns one flat buffer
 (in the host store, and in a device slot while resident); a static layout table
 maps each parameter name to (offset, shape) inside it. Running a block binds
-views of the slot's flat buffer into the template with
-``torch.func.functional_call``: no per-layer copy into module parameters, no
+views of the slot's flat buffer into the template (as ``torch.func.functional_call``
+does) and calls it: no per-layer copy into module parameters, no
 autograd graph across blocks, no persistent per-layer modules on the device.
+
+Binding writes each view into its owning submodule's parameter table, found once per template
+(``TemplateBinding``), and puts the meta parameters back after; ``functional_call`` walks the module tree again on
+every call, which a tiled layer's backward pays thousands of times a step in one-token tiles. ``bound`` keeps a
+block's views bound across many calls: a layer's tiled backward binds once per visit (``sequence_tiles.py``).
+A compiled layer (``compiled_layers.py``) binds inside the compiled function with ``functional_call``, which
+``torch.compile`` traces.
 
 Decoder layers of different types (``layer_types.py``: full or sliding attention, each type with its own window
 and RoPE) have one template per type; each layer ``Block`` names its type and ``run`` picks its template.
@@ -21,14 +28,14 @@ names are the family's too.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from megatrain.models import registry
 from megatrain.models.block_classes import block_classes
@@ -92,6 +99,34 @@ class Block:
         return f"layer{self.layer}" if self.kind is BlockKind.LAYER else self.kind.value
 
 
+class TemplateBinding:
+    """Where each parameter of a template lives (its owning submodule and attribute), found once: binding a
+    block's views is then one write per parameter, with ``functional_call``'s strict check of the names."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.places: dict[str, tuple[nn.Module, str]] = {}
+        for name, _ in module.named_parameters():
+            owner, _, attr = name.rpartition(".")
+            self.places[name] = (module.get_submodule(owner), attr)
+
+    @contextlib.contextmanager
+    def bound(self, params: dict[str, torch.Tensor]) -> Iterator[nn.Module]:
+        """The template with ``params`` (every parameter's tensor, by local name) in place of its meta parameters
+        until the ``with`` ends (nested bindings restore in turn)."""
+        assert params.keys() == self.places.keys(), (type(self.module).__name__, "missing",
+                                                     sorted(self.places.keys() - params.keys()), "unexpected",
+                                                     sorted(params.keys() - self.places.keys()))
+        originals = [(owner, attr, owner._parameters[attr]) for owner, attr in self.places.values()]
+        try:
+            for name, (owner, attr) in self.places.items():
+                owner._parameters[attr] = params[name]
+            yield self.module
+        finally:
+            for owner, attr, original in originals:
+                owner._parameters[attr] = original
+
+
 def _align(n: int) -> int:
     return block_parameters.aligned(n)
 
@@ -118,6 +153,8 @@ class Templates:
                 BlockKind.HEAD: classes.head(config),
             }
         self.tables = {kind: parameter_table(config, kind) for kind in BlockKind}
+        self.bindings = {module: TemplateBinding(module)
+                         for module in (*self.modules.values(), *self.layer_modules.values())}
         for kind, module in [*self.modules.items(), *((BlockKind.LAYER, m) for m in self.layer_modules.values())]:
             registered = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
             assert registered == [(p.name, p.shape) for p in self.tables[kind]], (kind, registered)
@@ -170,6 +207,13 @@ class Templates:
         assert block is not BlockKind.LAYER or len(self.layer_modules) == 1, "a layer of which type?"
         return self.modules[block]
 
+    def bound(self, block: BlockKind | Block, params: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager[
+            nn.Module]:
+        """The template of ``block`` (``module``) with ``params`` (views of a slot) bound until the ``with`` ends:
+        for many calls of one block (a tiled backward's), each then a plain call of the module."""
+        return self.bindings[self.module(block)].bound(params)
+
     def run(self, block: BlockKind | Block, params: dict[str, torch.Tensor], *args: object) -> torch.Tensor:
         """Run the template of ``block`` (``module``) with ``params`` bound (views of a slot)."""
-        return functional_call(self.module(block), params, args, strict=True)
+        with self.bound(block, params) as module:
+            return module(*args)

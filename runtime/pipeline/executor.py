@@ -263,8 +263,8 @@ class Executor:
                         positions: Positions, add_grads: AddGrads) -> torch.Tensor:
         """One micro-batch through ``layer`` again from its checkpoint x_in: model/layer_backward.py."""
         self.log.record("recompute", self.step_no, layer.index)
-        return recompute_backward(functools.partial(self.run_layer, layer), params, x_in, dy, positions,
-                                  add_grads, self.mlp_tile, self.attention_tile)
+        return recompute_backward(self.run_layer, layer, params, x_in, dy, positions, add_grads, self.mlp_tile,
+                                  self.attention_tile)
 
     def _grad_numel(self, block: Block) -> int:
         """Elements of block's device gradient buffer: its layout, padded to whole shards in data parallel."""
