@@ -119,6 +119,8 @@ class HostSlabs:
 
     def take(self, step_index: int) -> int | None:
         """The step whose AdamW must end before step ``step_index``'s drain has a slab (eager mode)."""
-        wait_for = self.users[-self.count] if self.eager and len(self.users) >= self.count else None
+        if not self.eager:  # deferred: the drains land in the gradient arena, no slab to wait for
+            return None
+        wait_for = self.users[-self.count] if len(self.users) >= self.count else None
         self.users.append(step_index)
         return wait_for
