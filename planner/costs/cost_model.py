@@ -116,7 +116,38 @@ def _copy_s(nbytes: float, gbps: float) -> float:
     return nbytes / (gbps * 1e9) + COPY_LATENCY_S if nbytes > 0 else 0.0
 
 
+# [Note: priced steps]
+# The search prices each fitted candidate's variants, many of which differ only in what a step's time never reads:
+# how the runtime tiles its work and pieces its checkpoint copies, its I/O settings, the expert groups (the memory
+# model's), and, with a GPU, the spill staging sets and chunks (only a CPU step's disk, spill_timing, reads those).
+# ``estimate`` keeps its answers by everything else (up to ESTIMATES_KEPT; the model and hardware by identity, each
+# kept alive beside its answer), so such a variant costs a lookup: on Qwen2.5-32B on an H200 723 prices a search
+# become 243. tests/test_priced_steps.py checks that a step's time reads none of these fields.
+UNTIMED_FIELDS = frozenset({"mlp_tile_tokens", "attention_tile_tokens", "checkpoint_piece_tokens", "expert_group_size",
+                            "spill_dir", "io_backend", "io_threads", "io_direct", "io_direct_reads", "workload"})
+UNTIMED_WITH_GPU = UNTIMED_FIELDS | {"spill_staging", "spill_chunk_bytes"}
+ESTIMATES_KEPT = 4096
+# the names of the Plan fields a step's time reads, without a GPU and with one (a new field counts until listed)
+_TIMED = {host: tuple(f.name for f in dataclasses.fields(Plan) if f.name not in (UNTIMED_FIELDS if host else
+                                                                                 UNTIMED_WITH_GPU))
+          for host in (True, False)}
+_ESTIMATES: dict[tuple, tuple[ModelShape, HardwareProfile, "CostEstimate"]] = {}
+
+
 def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, world: int = 1) -> CostEstimate:
+    """``price``'s estimate, kept for the plans that differ only in fields it does not read ([Note: priced steps])."""
+    key = (id(model), id(hw), work, world, tuple([getattr(plan, name) for name in _TIMED[hw.device_is_host]]))
+    found = _ESTIMATES.get(key)
+    if found is not None and found[0] is model and found[1] is hw:
+        return found[2]
+    cost = price(model, work, plan, hw, world)
+    if len(_ESTIMATES) >= ESTIMATES_KEPT:
+        _ESTIMATES.clear()
+    _ESTIMATES[key] = (model, hw, cost)
+    return cost
+
+
+def price(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, world: int = 1) -> CostEstimate:
     """The step's time, phase by phase: rates, the block visits of forward and backward, AdamW, the replay.
     ``world``: one of that many data-parallel ranks (a resident block's device update covers its shard)."""
     batch = StepBatch.of(work, plan)
@@ -252,8 +283,8 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBat
     for layer in range(model.num_layers):
         drain = 0.0 if layer in kept else ckpt_drain  # a kept layer drains no checkpoint ([Note: kept layers])
         wait = layer if drain and layer >= 1 else None  # the previous layer's visit, steps[layer]
-        steps.append(BlockVisit(0.0 if 1 + layer in resident else load, comp, drain, d2h_at_start=True,
-                                wait_d2h_of=wait))
+        # (load, compute, drain, d2h_at_start, wait_d2h_of): positional, a third cheaper than by keyword
+        steps.append(BlockVisit(0.0 if 1 + layer in resident else load, comp, drain, True, wait))
     # Head: load (norm [+ lm_head]) x wc, plus the embedding again when tied; compute its forward and
     # backward: T x (2 + 4) x V x h / rate + M x chunks x launch; untied head drains its fp32 grads.
     head_load = H * wcb(model.num_layers + 1) + (E * wcb(0) if model.tie_word_embeddings else 0)
@@ -299,9 +330,10 @@ def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBa
         kept, res = layer in kept_set, 1 + layer in resident
         index = first + k
         wait = index - G if k >= G else None   # a grad buffer frees when its drain ends, G backward visits back
-        steps.append(BlockVisit(load_of[res, kept], comp_of[kept], drain_of[res], wait_d2h_of=wait, backward=True,
-                                adam_s=adam.blocks[1 + layer] if slabs.eager else 0.0,
-                                wait_adam_of=slabs.take(index)))
+        # (load, compute, drain, d2h_at_start, wait_d2h_of, earliest_load, adam_s, wait_adam_of, backward):
+        # positional, half the cost of by keyword (the search builds thousands of these visits a second)
+        steps.append(BlockVisit(load_of[res, kept], comp_of[kept], drain_of[res], False, wait, 0.0,
+                                adam.blocks[1 + layer] if slabs.eager else 0.0, slabs.take(index), True))
     # Embedding backward: no weights; scatter-add dy (launches only); drain E x 4.
     wait = first + model.num_layers - G if model.num_layers >= G else None
     # Tied: the head's update (its norm) is queued here too, with the shared weight's.
