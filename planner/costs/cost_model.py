@@ -20,13 +20,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megatrain.planner.costs.adam_time import AdamTime
 from megatrain.planner.costs import (kept_layers, resident_blocks, spill_placement, spill_timing, step_replay,
                                      step_traffic)
-from megatrain.plan.buffer_kinds import BufferKind, has_shadow, load_bytes
+from megatrain.plan.buffer_kinds import BufferKind, load_bytes
 from megatrain.planner.profiling.hardware import HardwareProfile
 from megatrain.planner.shapes.model_shapes import ModelShape
 from megatrain.plan.plan import Plan
+from megatrain.planner.costs.adam_time import AdamTime
 from megatrain.planner.costs.step_replay import BlockVisit
 from megatrain.planner.shapes.workload import StepBatch, Workload
 
