@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from megatrain.planner.costs import cost_model
+from megatrain.planner.costs import adam_time, cost_model
 from megatrain.planner.profiling import hardware
 from megatrain.planner.costs.cost_model import (COPY_LATENCY_S, LAUNCH_BWD_S, LAUNCH_FWD_S, NONMATMUL_FACTOR,
                                                 T_HALF_TOKENS)
@@ -72,7 +72,7 @@ def test_eager_hides_adam_and_deferred_exposes_it() -> None:
     work = Workload(4096, 16, clipping=False)
     eager = cost_model.estimate(M8, work, Plan(optimizer_mode="eager", micro_batch_size=4), slow_cpu)
     deferred = cost_model.estimate(M8, work, Plan(optimizer_mode="deferred", micro_batch_size=4), slow_cpu)
-    adam_total = M8.numel_total * cost_model.ADAM_SHADOW_FACTOR / 1e9          # ~9.2 s
+    adam_total = M8.numel_total * adam_time.ADAM_SHADOW_FACTOR / 1e9          # ~9.2 s
     assert deferred.forward.adam_s == pytest.approx(adam_total)
     assert eager.backward.adam_s == pytest.approx(adam_total)
     assert eager.optimizer_exposed_seconds >= 0 and deferred.optimizer_exposed_seconds >= 0
@@ -112,15 +112,15 @@ def test_cpu_device_serialises_adam_at_one_threads_rate() -> None:
                                    host_ram_bytes=64 << 30, host_available_bytes=60 << 30, cores=2)
     m = PRESETS["shape:Qwen2.5-0.5B"]
     est = cost_model.estimate(m, Workload(256, 2), Plan(), cpu)
-    assert est.optimizer_exposed_seconds == pytest.approx(m.numel_total * cost_model.ADAM_SHADOW_FACTOR / 0.5e9)
+    assert est.optimizer_exposed_seconds == pytest.approx(m.numel_total * adam_time.ADAM_SHADOW_FACTOR / 0.5e9)
     measured = cpu.replace(adam_by_threads=((1, 0.6e9), (2, 1e9)))
     est = cost_model.estimate(m, Workload(256, 2), Plan(), measured)
-    assert est.optimizer_exposed_seconds == pytest.approx(m.numel_total * cost_model.ADAM_SHADOW_FACTOR / 0.6e9)
+    assert est.optimizer_exposed_seconds == pytest.approx(m.numel_total * adam_time.ADAM_SHADOW_FACTOR / 0.6e9)
     gpu = measured.replace(gpu_mem_bytes=80 << 30)  # a GPU machine's worker has every core
     assert gpu.adam_params_per_s == 1e9
     # On the compute thread (Plan.adam_thread) AdamW has every core: the all-core rate, measured one-thread or not.
     est = cost_model.estimate(m, Workload(256, 2), Plan(adam_thread="compute"), measured)
-    assert est.optimizer_exposed_seconds == pytest.approx(m.numel_total * cost_model.ADAM_SHADOW_FACTOR / 1e9)
+    assert est.optimizer_exposed_seconds == pytest.approx(m.numel_total * adam_time.ADAM_SHADOW_FACTOR / 1e9)
     # AdamW with bf16 state: its pass in place of fp32 AdamW, measured on one thread (0.2e9/s), on every core
     # there: x 1e9 / 0.6e9.
     bf16 = measured.replace(cpu_bf16_state_params_per_s=0.2e9)
@@ -162,7 +162,7 @@ def test_adamw_time_counts_the_shadow_pass_only_where_there_is_one() -> None:
     fp32, bf16 = Workload(1024, 4, compute_dtype="fp32"), Workload(1024, 4, compute_dtype="bf16")
     assert adam(fp32) == pytest.approx(n / 1e9)
     assert adam(fp32, cpu_shadow_params_per_s=2e9) == pytest.approx(n / 1e9)
-    assert adam(bf16) == pytest.approx(n / 1e9 * cost_model.ADAM_SHADOW_FACTOR)
+    assert adam(bf16) == pytest.approx(n / 1e9 * adam_time.ADAM_SHADOW_FACTOR)
     assert adam(bf16, cpu_shadow_params_per_s=2e9) == pytest.approx(n / 1e9 + n / 2e9)
 
 
@@ -179,7 +179,7 @@ def test_bf16_state_update_takes_the_place_of_fp32_adamw() -> None:
         return est.forward.adam_s + est.backward.adam_s
 
     assert adam("fp32", cpu_bf16_state_params_per_s=0.2e9) == pytest.approx(n / 1e9)
-    assert adam("bf16") == pytest.approx(n / 1e9 * cost_model.BF16_STATE_FACTOR)
+    assert adam("bf16") == pytest.approx(n / 1e9 * adam_time.BF16_STATE_FACTOR)
     assert adam("bf16", cpu_bf16_state_params_per_s=0.2e9) == pytest.approx(n / 0.2e9)
     assert adam("bf16", cpu_bf16_state_params_per_s=2e9) == pytest.approx(n / 2e9)
     assert adam("bf16", "bf16", cpu_bf16_state_params_per_s=2e9, cpu_shadow_params_per_s=4e9) == pytest.approx(

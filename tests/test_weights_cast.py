@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain.planner.costs import cost_model, memory_model, step_traffic
+from megatrain.planner.costs import adam_time, cost_model, memory_model, step_traffic
 from megatrain.planner.shapes import model_shapes
 from megatrain.planner.choice import search
 from megatrain.planner.profiling.hardware import preset
@@ -158,7 +158,7 @@ def test_no_rounding_pass_on_the_cpu() -> None:
         c = cost_model.estimate(model, work, p, hw)
         return c.forward.adam_s + c.backward.adam_s
 
-    assert adam(plan) == pytest.approx(adam(plan.replace(weights_cast="device")) * cost_model.ADAM_SHADOW_FACTOR)
+    assert adam(plan) == pytest.approx(adam(plan.replace(weights_cast="device")) * adam_time.ADAM_SHADOW_FACTOR)
 
 
 def test_search_rounds_on_the_device_where_adamw_bounds_the_step() -> None:

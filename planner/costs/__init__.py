@@ -11,7 +11,8 @@ holds between its loads), ``kept_layers.py`` (selective recompute: which layers 
 that costs), ``resident_blocks.py`` (optimizer state on the device: which blocks, what it costs and saves),
 ``stream_units.py`` (what one weight slot and one device gradient accumulator hold), ``spill_placement.py`` (which
 blocks of which kinds a plan keeps on disk: their sizes, the order the search fills the disk in),
-``cost_model.py`` (the step's time, phase by phase, and the resource that bounds each), ``step_replay.py`` (a
+``cost_model.py`` (the step's time, phase by phase, and the resource that bounds each), ``adam_time.py`` (the
+CPU AdamW's seconds per block), ``step_replay.py`` (a
 step's block visits replayed on the three streams and the AdamW workers), ``step_traffic.py`` (the bytes a step
 copies and moves on disk, and the attention FLOPs the device runs), ``spill_timing.py`` (a spilled step without a
 GPU: the disk beside the CPU in each half of the step), ``data_parallel.py`` (one rank's memory, the collectives'

@@ -18,15 +18,15 @@ Pure stdlib.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 from megatrain.planner.costs import (kept_layers, resident_blocks, spill_placement, spill_timing, step_replay,
                                      step_traffic)
-from megatrain.plan.buffer_kinds import BufferKind, has_shadow, load_bytes
+from megatrain.plan.buffer_kinds import BufferKind, load_bytes
 from megatrain.planner.profiling.hardware import HardwareProfile
 from megatrain.planner.shapes.model_shapes import ModelShape
 from megatrain.plan.plan import Plan
+from megatrain.planner.costs.adam_time import AdamTime
 from megatrain.planner.costs.step_replay import BlockVisit
 from megatrain.planner.shapes.workload import StepBatch, Workload
 
@@ -41,14 +41,6 @@ T_HALF_TOKENS = 128
 # Uncalibrated, the layers run at peak / factor. CPU: elementwise work (norms, RoPE, SiLU) on the matmuls. GPU: the
 # two H200 runs' compute at -8% / +9% (1B / 8B shapes, benchmarks/results/2026-11-26_H200_step_anatomy_*).
 NONMATMUL_FACTOR = {"cpu": 1.10, "gpu": 1.78}
-# AdamW also writes the compute-dtype shadow the next H2D sends: ~6 more bytes per param on ~28.
-# Used where the profile has no measured shadow rate; fp32 compute has no shadow pass (the master
-# is what travels) unless the master spills.
-ADAM_SHADOW_FACTOR = 1.15
-# AdamW with bf16 state (one pass: m and v widened, updated, rounded back at random) in fp32 AdamW times, where the
-# profile has no measured rate: no slower (it ran at 1.06-1.11x fp32 AdamW's params/s on one thread of this
-# project's CPU, and moves 20 bytes a parameter to fp32's 28 where memory bounds it).
-BF16_STATE_FACTOR = 1.0
 
 
 @dataclass(frozen=True)
@@ -124,11 +116,42 @@ def _copy_s(nbytes: float, gbps: float) -> float:
     return nbytes / (gbps * 1e9) + COPY_LATENCY_S if nbytes > 0 else 0.0
 
 
+# [Note: priced steps]
+# The search prices each fitted candidate's variants, many of which differ only in what a step's time never reads:
+# how the runtime tiles its work and pieces its checkpoint copies, its I/O settings, the expert groups (the memory
+# model's), and, with a GPU, the spill staging sets and chunks (only a CPU step's disk, spill_timing, reads those).
+# ``estimate`` keeps its answers by everything else (up to ESTIMATES_KEPT; the model and hardware by identity, each
+# kept alive beside its answer), so such a variant costs a lookup: on Qwen2.5-32B on an H200 723 prices a search
+# become 243. tests/test_priced_steps.py checks that a step's time reads none of these fields.
+UNTIMED_FIELDS = frozenset({"mlp_tile_tokens", "attention_tile_tokens", "checkpoint_piece_tokens", "expert_group_size",
+                            "spill_dir", "io_backend", "io_threads", "io_direct", "io_direct_reads", "workload"})
+UNTIMED_WITH_GPU = UNTIMED_FIELDS | {"spill_staging", "spill_chunk_bytes"}
+ESTIMATES_KEPT = 4096
+# the names of the Plan fields a step's time reads, without a GPU and with one (a new field counts until listed)
+_TIMED = {host: tuple(f.name for f in dataclasses.fields(Plan) if f.name not in (UNTIMED_FIELDS if host else
+                                                                                 UNTIMED_WITH_GPU))
+          for host in (True, False)}
+_ESTIMATES: dict[tuple, tuple[ModelShape, HardwareProfile, "CostEstimate"]] = {}
+
+
 def estimate(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, world: int = 1) -> CostEstimate:
+    """``price``'s estimate, kept for the plans that differ only in fields it does not read ([Note: priced steps])."""
+    key = (id(model), id(hw), work, world, tuple([getattr(plan, name) for name in _TIMED[hw.device_is_host]]))
+    found = _ESTIMATES.get(key)
+    if found is not None and found[0] is model and found[1] is hw:
+        return found[2]
+    cost = price(model, work, plan, hw, world)
+    if len(_ESTIMATES) >= ESTIMATES_KEPT:
+        _ESTIMATES.clear()
+    _ESTIMATES[key] = (model, hw, cost)
+    return cost
+
+
+def price(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, world: int = 1) -> CostEstimate:
     """The step's time, phase by phase: rates, the block visits of forward and backward, AdamW, the replay.
     ``world``: one of that many data-parallel ranks (a resident block's device update covers its shard)."""
     batch = StepBatch.of(work, plan)
-    adam = _AdamTime(model, work, plan, hw)
+    adam = AdamTime(model, work, plan, hw)
     on_cpu = spill_timing.applies(hw, plan, adam.spilled)  # a spilled step without a GPU: spill_timing
     rates = _Rates.of(model, work, batch, hw, plan.compiled_layers)
     rates = rates if on_cpu else _with_disk_loads(rates, model, work, plan, hw)
@@ -234,67 +257,7 @@ class _Rates:
                 + sparse)
 
 
-class _AdamTime:
-    """Seconds of CPU AdamW per block, spill traffic included."""
-
-    def __init__(self, model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile) -> None:
-        cal = hw.fitted(work.compute_dtype)
-        self.spilled = spill_placement.Spilled.of(model, plan, work.state_bytes)
-        self.resident = frozenset(plan.resident_blocks)  # updated on the device: resident_blocks.add_device_updates
-        # Seconds per parameter: AdamW, then the shadow pass where there is one (measured, or the factor). Rates
-        # where it runs: every core on the compute thread, else as the worker runs (HardwareProfile.adam_params_per_s:
-        # one thread on a CPU device, as the bf16-state pass is measured; ``cores`` scales it to the compute thread).
-        rate = hw.cpu_adam_params_per_s if plan.adam_thread == "compute" else hw.adam_params_per_s
-        per_param, cores = 1.0 / rate, rate / hw.adam_params_per_s
-        # bf16 m and v: their one pass in place of fp32 state's AdamW (measured, or the factor); ``state``: its
-        # time over fp32 AdamW's
-        state = 1.0
-        if work.optimizer_state == "bf16":
-            state = (rate / (hw.cpu_bf16_state_params_per_s * cores) if hw.cpu_bf16_state_params_per_s > 0
-                     else BF16_STATE_FACTOR)
-        if cal is not None and plan.adam_thread == "worker":
-            # measured in the step (on the worker): the shadow pass, where there is one, is inside it
-            per_param = state / cal.adam_params_per_s
-        elif has_shadow(work.compute_bytes, plan.weights_cast):  # no pass in fp32 or with the cast on the device
-            per_param = state * per_param + (1.0 / hw.cpu_shadow_params_per_s if hw.cpu_shadow_params_per_s > 0
-                                             else per_param * (ADAM_SHADOW_FACTOR - 1.0))
-        else:
-            per_param = state * per_param
-        self.per_param = per_param
-        if self.spilled.kinds and (hw.disk_read_gbps <= 0 or hw.disk_write_gbps <= 0):
-            raise ValueError("a spill plan needs the disk's read and write GB/s in the hardware profile "
-                             "(megatrain-plan profile --spill-dir DIR, or --nvme GBPS)")
-        self.read_gbps, self.write_gbps = hw.disk_read_gbps, hw.disk_write_gbps
-
-    def block(self, b: int) -> float:
-        """Block b's update (``_block``), priced once per block: the replay asks each block's several times."""
-        return self._blocks[b]
-
-    @functools.cached_property
-    def _blocks(self) -> list[float]:
-        return [self._block(b) for b in range(len(self.spilled.numels))]
-
-    def _block(self, b: int) -> float:
-        """Block b's update: t = numel x (1 / AdamW params/s + 1 / shadow params/s); with k_b of its kinds
-        spilled the disk runs beside it (reads ahead, writes behind; a spilled kind is read once and written
-        once: master, m and v by AdamW, grads in backward): t = max(that, numel x sum of s_k over its spilled
-        kinds x (1 / read GB/s + 1 / write GB/s) / 1e9) (s_k 4, or 2 for bf16 m and v)."""
-        numel = 0 if b in self.resident else self.spilled.numels[b]
-        compute = numel * self.per_param
-        if not self.spilled.block_kinds(b):
-            return compute
-        return max(compute, self.spilled.block_disk_bytes(b) * (1 / self.read_gbps + 1 / self.write_gbps) / 1e9)
-
-    def total(self) -> float:
-        """Every block's update, one after another: the sum of ``block``."""
-        return sum(self.block(b) for b in range(len(self.spilled.numels)))
-
-    def arithmetic(self) -> float:
-        """Every block's update without its disk time: (N - Nr) x seconds per parameter."""
-        return sum(n for b, n in enumerate(self.spilled.numels) if b not in self.resident) * self.per_param
-
-
-def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBatch, rates: _Rates, adam: _AdamTime,
+def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBatch, rates: _Rates, adam: AdamTime,
                    slabs: step_replay.HostSlabs) -> list[BlockVisit]:
     """Embedding, the layers, and the head (whose loss and backward run in the forward pass)."""
     c, M, T = work.compute_bytes, batch.micro_batches, batch.tokens
@@ -307,18 +270,21 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBat
     w, wc = (0, 0) if plan.compute_in_place else (1, load_bytes(c, plan.weights_cast))
     wb, wcb = resident_blocks.crossing(plan, w, wc)  # per block: none for a resident one
     steps = [BlockVisit(_copy_s(wcb(0) * E, h2d), M * rates.launch_fwd_s, 0.0)]  # the embedding: a gather
-    kept = set(plan.kept_layers)
+    kept, resident = frozenset(plan.kept_layers), frozenset(plan.resident_blocks)
     # compute_fwd(M) = T x flops_fwd(seq) / rate (attention at its own rate) + M x launch: every layer alike
     comp = (rates.layer_seconds(T * model.layer_flops_fwd(batch.seq), T * model.attention_flops_fwd(batch.seq),
                                 T * model.expert_flops_fwd()) + M * rates.launch_fwd_s)
+    # load = layer x wc, none for a resident layer; every other layer alike, so each term is priced once
+    load = _copy_s(wc * Lw, h2d)
+    # host checkpoints: D2H of the block's input (T x h x c), read in place; the layer's compute waits for
+    # the previous layer's drain (the runtime lets each micro-batch's drained input go before it saves the
+    # next layer's: [Note: host checkpoints in pieces]).
+    ckpt_drain = _copy_s(ckpt_bytes, d2h) if host_ckpt else 0.0
     for layer in range(model.num_layers):
-        # host checkpoints: D2H of the block's input (T x h x c), read in place; the layer's compute waits for
-        # the previous layer's drain (the runtime lets each micro-batch's drained input go before it saves the
-        # next layer's: [Note: host checkpoints in pieces]).
-        # A kept layer drains no checkpoint ([Note: kept layers]).
-        drain = _copy_s(ckpt_bytes, d2h) if host_ckpt and layer not in kept else 0.0
-        wait = len(steps) - 1 if drain and len(steps) >= 2 else None
-        steps.append(BlockVisit(_copy_s(wcb(1 + layer) * Lw, h2d), comp, drain, d2h_at_start=True, wait_d2h_of=wait))
+        drain = 0.0 if layer in kept else ckpt_drain  # a kept layer drains no checkpoint ([Note: kept layers])
+        wait = layer if drain and layer >= 1 else None  # the previous layer's visit, steps[layer]
+        # (load, compute, drain, d2h_at_start, wait_d2h_of): positional, a third cheaper than by keyword
+        steps.append(BlockVisit(0.0 if 1 + layer in resident else load, comp, drain, True, wait))
     # Head: load (norm [+ lm_head]) x wc, plus the embedding again when tied; compute its forward and
     # backward: T x (2 + 4) x V x h / rate + M x chunks x launch; untied head drains its fp32 grads.
     head_load = H * wcb(model.num_layers + 1) + (E * wcb(0) if model.tie_word_embeddings else 0)
@@ -335,7 +301,7 @@ def _forward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBat
     return steps
 
 
-def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBatch, rates: _Rates, adam: _AdamTime,
+def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBatch, rates: _Rates, adam: AdamTime,
                     slabs: step_replay.HostSlabs) -> list[BlockVisit]:
     """The layers in reverse, then the embedding; indices continue after the forward's steps."""
     c, G, M, T = work.compute_bytes, plan.device_grad_buffers, batch.micro_batches, batch.tokens
@@ -344,9 +310,8 @@ def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBa
     Lw = model.numel_layer
     h2d, d2h = rates.h2d_gbps * rates.duplex_scale, rates.d2h_gbps * rates.duplex_scale
     w, wc = (0, 0) if plan.compute_in_place else (1, load_bytes(c, plan.weights_cast))  # as in _forward_steps
-    wb, wcb = resident_blocks.crossing(plan, w, wc)
+    wb = resident_blocks.crossing(plan, w, wc)[0]
     steps: list[BlockVisit] = []
-    grad_users: list[int] = []
     # compute = (recompute + bwd) = T x (flops_fwd + flops_bwd)(seq) / rate + M x launch, every layer alike.
     # A kept layer ([Note: kept layers]): no checkpoint, no recompute, and its forward's launches not
     # repeated: T x flops_bwd(seq) / rate + M x (launch_bwd - launch_fwd).
@@ -355,33 +320,36 @@ def _backward_steps(model: ModelShape, work: Workload, plan: Plan, batch: StepBa
         T * ((0.0 if kept else model.attention_flops_fwd(batch.seq)) + model.attention_flops_bwd(batch.seq)),
         T * model.expert_flops_fwd() * (2.0 if kept else 3.0))   # experts: backward 2 x forward, recompute 1 x
         + M * (rates.launch_bwd_s - (rates.launch_fwd_s if kept else 0.0)) for kept in (False, True)}
-    kept_set = frozenset(plan.kept_layers)
-    for layer in reversed(range(model.num_layers)):
-        # load = layer x wc (+ its checkpoint T x h x c when on the host); drain = layer x 4 (fp32 grads).
-        kept = layer in kept_set
-        load = _copy_s(wcb(1 + layer) * Lw + (0 if kept else ckpt_bytes), h2d)
-        comp = comp_of[kept]
-        wait = grad_users[-G] if len(grad_users) >= G else None   # a grad buffer frees when its drain ends
-        index = first + len(steps)
-        grad_users.append(index)
-        steps.append(BlockVisit(load, comp, _copy_s(wb(1 + layer) * Lw * 4, d2h), wait_d2h_of=wait, backward=True,
-                           adam_s=adam.block(1 + layer) if slabs.eager else 0.0, wait_adam_of=slabs.take(index)))
+    # load = layer x wc (+ its checkpoint T x h x c when on the host, none for a kept layer); drain = layer x 4
+    # (fp32 grads); no weights or grads cross for a resident layer. Each (resident, kept) case priced once.
+    load_of = {(res, kept): _copy_s((0 if res else wc) * Lw + (0 if kept else ckpt_bytes), h2d)
+               for res in (False, True) for kept in (False, True)}
+    drain_of = {res: _copy_s((0 if res else w) * Lw * 4, d2h) for res in (False, True)}
+    kept_set, resident = frozenset(plan.kept_layers), frozenset(plan.resident_blocks)
+    for k, layer in enumerate(reversed(range(model.num_layers))):
+        kept, res = layer in kept_set, 1 + layer in resident
+        index = first + k
+        wait = index - G if k >= G else None   # a grad buffer frees when its drain ends, G backward visits back
+        # (load, compute, drain, d2h_at_start, wait_d2h_of, earliest_load, adam_s, wait_adam_of, backward):
+        # positional, half the cost of by keyword (the search builds thousands of these visits a second)
+        steps.append(BlockVisit(load_of[res, kept], comp_of[kept], drain_of[res], False, wait, 0.0,
+                                adam.blocks[1 + layer] if slabs.eager else 0.0, slabs.take(index), True))
     # Embedding backward: no weights; scatter-add dy (launches only); drain E x 4.
-    wait = grad_users[-G] if len(grad_users) >= G else None
+    wait = first + model.num_layers - G if model.num_layers >= G else None
     # Tied: the head's update (its norm) is queued here too, with the shared weight's.
     adam_e = adam.block(0) + (adam.block(model.num_layers + 1) if model.tie_word_embeddings else 0.0)
-    steps.append(BlockVisit(0.0, M * rates.launch_bwd_s, _copy_s(wb(0) * model.numel_embedding * 4, d2h), wait_d2h_of=wait,
-                       backward=True, adam_s=adam_e if slabs.eager else 0.0,
-                       wait_adam_of=slabs.take(first + len(steps))))
+    steps.append(BlockVisit(0.0, M * rates.launch_bwd_s, _copy_s(wb(0) * model.numel_embedding * 4, d2h),
+                            wait_d2h_of=wait, backward=True, adam_s=adam_e if slabs.eager else 0.0,
+                            wait_adam_of=slabs.take(first + len(steps))))
     return steps
 
 
-def _gate_loads_on_deferred_adam(model: ModelShape, steps: list[BlockVisit], adam: _AdamTime) -> None:
+def _gate_loads_on_deferred_adam(model: ModelShape, steps: list[BlockVisit], adam: AdamTime) -> None:
     """Deferred mode: AdamW runs in forward order after the previous backward (t = 0 here), one block after
     another; the next forward's load of block i waits for adam_done(i) = sum_{j<=i} adam(j)."""
     done = 0.0
     for i in range(model.num_layers + 2):
-        done += adam.block(i)
+        done += adam.blocks[i]
         steps[i].earliest_load = done
 
 

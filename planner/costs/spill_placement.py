@@ -90,7 +90,17 @@ class Spilled:
 
     def block_kinds(self, b: int) -> int:
         """How many of block b's kinds live on disk."""
-        return sum(1 for blocks in self.blocks.values() if b in blocks)
+        return self.kinds_by_block[b]
+
+    @functools.cached_property
+    def kinds_by_block(self) -> tuple[int, ...]:
+        """``block_kinds`` of every block, counted once (the cost model asks each block's every time it prices)."""
+        return tuple(sum(1 for blocks in self.blocks.values() if b in blocks) for b in range(len(self.numels)))
+
+    @functools.cached_property
+    def disk_bytes_by_block(self) -> tuple[int, ...]:
+        """``block_disk_bytes`` of every block over all kinds, once."""
+        return tuple(self.block_disk_bytes(b) for b in range(len(self.numels)))
 
     def disk_bytes_per_element(self, b: int, kinds: tuple[BufferKind, ...] = tuple(BufferKind)) -> int:
         """The sum of s_k over those of block b's kinds among ``kinds`` (default: all) that spill."""
