@@ -87,19 +87,15 @@ def test_plans_fit_and_refusals_are_true(hw: HardwareProfile, model: ModelShape,
         assert o.available == budgets[o.budget]
         assert o.needed > o.available, o.message()
     # And it really is infeasible: no candidate (with its smallest loss chunk) fits.
-    for plan in _grouped_candidates(model, work, hw):
-        p = plan.replace(loss_chunk_tokens=min(64, plan.loss_chunk_tokens))
-        mem = memory_model.estimate(model, work, p, hw)
+    mems = [memory_model.estimate(model, work, plan.replace(loss_chunk_tokens=min(64, plan.loss_chunk_tokens)), hw)
+            for plan in _grouped_candidates(model, work, hw)]
+    for mem in mems:
         assert mem.overruns(hw) or (work.spill_free_bytes is not None and mem.nvme_bytes > work.spill_free_bytes)
     # A budget every plan exceeds is reported with the least any plan needs.
     for o in result.overruns:
-        needs = []
-        for plan in _grouped_candidates(model, work, hw):
-            p = plan.replace(loss_chunk_tokens=min(64, plan.loss_chunk_tokens))
-            mem = memory_model.estimate(model, work, p, hw)
-            needs.append(mem.nvme_bytes if o.budget == "NVMe"
-                         else mem.device_bytes if o.budget == "gpu memory" and not hw.device_is_host
-                         else mem.device_bytes + mem.host_bytes if hw.device_is_host else mem.host_bytes)
+        needs = [mem.nvme_bytes if o.budget == "NVMe"
+                 else mem.device_bytes if o.budget == "gpu memory" and not hw.device_is_host
+                 else mem.device_bytes + mem.host_bytes if hw.device_is_host else mem.host_bytes for mem in mems]
         assert o.needed >= min(needs)
 
 

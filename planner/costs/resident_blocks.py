@@ -37,6 +37,8 @@ DEVICE_CLIP_BYTES_PER_PARAM = 8
 
 def resident_numel(model: ModelShape, plan: Plan) -> int:
     """Nr: the elements of the plan's resident blocks."""
+    if not plan.resident_blocks:  # most plans: no list of every block's elements built (a memory estimate asks thrice)
+        return 0
     numels = block_numels(model)
     return sum(numels[b] for b in plan.resident_blocks)
 
@@ -44,7 +46,7 @@ def resident_numel(model: ModelShape, plan: Plan) -> int:
 def largest_host_block(model: ModelShape, plan: Plan) -> int:
     """Bh: the largest block not resident (0 when every block is): what an eager host slab holds."""
     if not plan.resident_blocks:
-        return max(block_numels(model))
+        return model.numel_largest_block  # max(E, layer, head), every block's size
     resident = set(plan.resident_blocks)
     return max((n for b, n in enumerate(block_numels(model)) if b not in resident), default=0)
 
