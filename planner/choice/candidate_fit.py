@@ -58,8 +58,8 @@ def fill(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, ran
     Within one group of the fill (m and v, masters, grads: levels g x nb + 1 .. (g + 1) x nb) host RAM falls
     level by level, each level moving one more block of the group's kinds to disk; only the group's first level
     adds the staging of its newly spilled kinds (P x Ck x s_k each; the grads also their S x Ck x 4 slabs) back.
-    So the first group whose last level fits holds the least level that fits, and within it a binary search
-    finds it: ``budget_boundary.last_fitting``, about 4 memory estimates (bisection: 3 + log2(nb))."""
+    So the first group whose last level fits holds the least level that fits, and within it
+    ``budget_boundary.last_fitting`` finds it in about 4 memory estimates (bisection: 3 + log2(nb))."""
     if work.spill != "auto" or plan.spill not in ("optimizer", "all"):
         return plan
     host = hw.device_is_host and ranks is None  # a CPU device in one process: plan.host_device_choices
@@ -136,11 +136,11 @@ def fit(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, rank
                                      not hw.device_is_host)
     plan = kept_layers.keep_most(model, rank_work(work, ranks), plan, _excess(model, work, hw, ranks))
 
-    def at(chunk: int) -> tuple[PlanChoice, tuple[int, ...]]:
+    def at(chunk: int) -> tuple[Plan, MemoryEstimate]:
         p = plan.replace(loss_chunk_tokens=chunk)
-        mem = _memory(model, work, p, hw, ranks)
-        return PlanChoice(p, mem, None, tuple(overruns(mem, work, hw, ranks))), plan_memory.excess(mem, work, hw, ranks)
+        return p, _memory(model, work, p, hw, ranks)
 
     ascending = chunks(plan.micro_batch_size * work.seq_len)[::-1]
-    largest = budget_boundary.last_fitting(ascending, lambda chunk: at(chunk)[1])
-    return at(ascending[0] if largest is None else largest)[0]
+    largest = budget_boundary.last_fitting(ascending, lambda chunk: plan_memory.excess(at(chunk)[1], work, hw, ranks))
+    p, mem = at(ascending[0] if largest is None else largest)
+    return PlanChoice(p, mem, None, tuple(overruns(mem, work, hw, ranks)))

@@ -1,5 +1,5 @@
 """The last of a row of settings whose memory fits its budgets, where fitting stops once it stops: the most kept layers,
-the least fill level, the largest loss chunk. Pure stdlib.
+the least fill level, the largest loss chunk, the most resident blocks. Pure stdlib.
 
 A plan's memory is affine in each of these settings: each kept layer adds its activations (and a device checkpoint
 fewer), each fill level moves one more block to disk, a loss chunk adds chunk x V x (c + 12) bytes and the allocator's
@@ -35,19 +35,20 @@ def last_fitting(xs: Sequence[int], excess: Callable[[int], Sequence[int]]) -> i
     if not fits(lo_excess):
         return None
     lo, hi = 0, len(xs) - 1  # xs[lo] fits, xs[hi] does not
-    known = {lo: lo_excess, hi: hi_excess}
     for _ in range(GUESS_ROUNDS):
         if hi - lo <= 1:
             break
-        g = _guess(xs, lo, hi, known[lo], known[hi])  # the last one that fits, by the lines
+        g = _guess(xs, lo, hi, lo_excess, hi_excess)  # the last one that fits, by the lines
         for i in (g + 1, g):  # the first predicted not to fit, then the last predicted to fit
             if lo < i < hi:
-                known[i] = tuple(excess(xs[i]))
-                lo, hi = (i, hi) if fits(known[i]) else (lo, i)
+                at = tuple(excess(xs[i]))
+                if fits(at):
+                    lo, lo_excess = i, at
+                else:
+                    hi, hi_excess = i, at
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        known[mid] = tuple(excess(xs[mid]))
-        lo, hi = (mid, hi) if fits(known[mid]) else (lo, mid)
+        lo, hi = (mid, hi) if fits(excess(xs[mid])) else (lo, mid)
     return xs[lo]
 
 
