@@ -113,6 +113,11 @@ def test_plan_spill_is_honoured_or_refused_with_the_fix(capsys, monkeypatch, tmp
     _free_disk(monkeypatch, 10 * GiB)     # too small for 8B's AdamW state
     rc, out, err = _main(capsys, *args, "--spill", "optimizer", "--spill-dir", str(tmp_path))
     assert rc == 2 and "NVMe: needs" in err and "more free space" in err
+    # auto, too little RAM without spilling and too little disk with it: the refusal names both routes.
+    rc, out, err = _main(capsys, *args, "--ram", "48G", "--spill-dir", str(tmp_path))
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "no plan fits: host RAM: needs" in err and "; spilling to disk instead: NVMe: needs" in err, err
+    assert "has 10.00 GiB" in err and "more free space" in err
     _free_disk(monkeypatch, FREE)
     profile = tmp_path / "hw.json"
     CPU_24G.save(str(profile))

@@ -83,9 +83,13 @@ def test_plans_fit_and_refusals_are_true(hw: HardwareProfile, model: ModelShape,
         return
     assert result.overruns, "an infeasible answer names a budget"
     budgets = {"gpu memory": hw.gpu_mem_bytes, "host RAM": hw.host_budget_bytes, "NVMe": work.spill_free_bytes}
-    for o in result.overruns:
+    other = result.other_route[1] if result.other_route is not None else ()
+    for o in result.overruns + other:
         assert o.available == budgets[o.budget]
         assert o.needed > o.available, o.message()
+    if result.other_route is not None:  # the other route falls short of some budget the first one meets
+        assert {o.budget for o in other} != {o.budget for o in result.overruns}
+        assert result.other_route[0] in result.reason()
     # And it really is infeasible: no candidate (with its smallest loss chunk) fits.
     mems = [memory_model.estimate(model, work, plan.replace(loss_chunk_tokens=min(64, plan.loss_chunk_tokens)), hw)
             for plan in _grouped_candidates(model, work, hw)]

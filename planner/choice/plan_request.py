@@ -57,7 +57,7 @@ def choose_plan(model: ModelShape, request: PlanRequest, hw: HardwareProfile, ra
     try:
         best = result.require()
     except InfeasibleError as e:
-        disk_full = any(o.budget == "NVMe" for o in result.overruns)
+        disk_full = "NVMe" in result.budgets()
         more = "; or a --spill-dir with more free space" if disk_full else _spill_hint(work, hw)
         raise InfeasibleError(f"{e}{more}{_longest_hint(model, work, hw)}") from None
     return ChosenPlan(best, hw, result.considered, assumed)

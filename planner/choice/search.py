@@ -66,6 +66,9 @@ class SearchResult:
     # When infeasible: for each budget, the least any plan needs of it, when that is too much;
     # otherwise the overruns of the plan closest to fitting.
     overruns: tuple[Overrun, ...] = field(default=())
+    # When infeasible and the closest plan is one of two routes (nothing on disk, or spilling): the overruns of
+    # the other route's closest plan, with the route's name ("spilling to disk" / "with nothing on disk").
+    other_route: tuple[str, tuple[Overrun, ...]] | None = None
 
     @property
     def feasible(self) -> bool:
@@ -74,7 +77,16 @@ class SearchResult:
     def reason(self) -> str:
         if self.best is not None:
             return "feasible"
-        return "; ".join(o.message() for o in self.overruns)
+        text = "; ".join(o.message() for o in self.overruns)
+        if self.other_route is not None:
+            route, over = self.other_route
+            text += f"; {route} instead: " + "; ".join(o.message() for o in over)
+        return text
+
+    def budgets(self) -> set[str]:
+        """Every budget the explanation names, either route's."""
+        other = self.other_route[1] if self.other_route is not None else ()
+        return {o.budget for o in self.overruns + other}
 
     def require(self) -> PlanChoice:
         if self.best is None:
@@ -226,7 +238,7 @@ def search(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks 
         # The plan records the workload it was made for; the runtime refuses another one.
         best = PlanChoice(best.plan.replace(workload=rank_work(work, ranks).fingerprint(model)), best.memory, best.cost)
         return SearchResult(best, considered)
-    return SearchResult(None, considered, _explain(misfit, hw))
+    return SearchResult(None, considered, *_explain(misfit, hw))
 
 
 def fits(model: ModelShape, work: Workload, hw: HardwareProfile, ranks: Ranks = None) -> bool:
@@ -262,9 +274,13 @@ def longest_context(model: ModelShape, hw: HardwareProfile, batch: int = 1, comp
     return lo
 
 
-def _explain(choices: list[PlanChoice], hw: HardwareProfile) -> tuple[Overrun, ...]:
+def _explain(choices: list[PlanChoice], hw: HardwareProfile
+             ) -> tuple[tuple[Overrun, ...], tuple[str, tuple[Overrun, ...]] | None]:
     """Why nothing fits: each budget that even its most frugal plan exceeds; if each budget alone can be
-    met but never both at once, the overruns of the plan closest to fitting."""
+    met but never both at once, the overruns of the plan closest to fitting, and beside them the closest plan of
+    the other route (spilling to disk, or nothing on disk) where it falls short elsewhere, preferring one within
+    the budgets the closest exceeds: a model that needs more RAM than the machine has without spilling, and more
+    disk than is free with it, says both."""
     out = []
     for budget in ("gpu memory", "host RAM", "NVMe"):
         needs = [min((o.needed for o in c.overruns if o.budget == budget), default=None) for c in choices]
@@ -274,12 +290,23 @@ def _explain(choices: list[PlanChoice], hw: HardwareProfile) -> tuple[Overrun, .
             avail = next(o.available for o in choices[0].overruns if o.budget == budget)
             out.append(Overrun(budget, least, avail))
     if out:
-        return tuple(out)
+        return tuple(out), None
 
     def rel_excess(c: PlanChoice) -> float:
         return sum(o.excess / max(o.available, 1) for o in c.overruns)
 
-    return min(choices, key=rel_excess).overruns
+    closest = min(choices, key=rel_excess)
+    spills = closest.memory.nvme_bytes > 0
+    others = [c for c in choices if (c.memory.nvme_bytes > 0) != spills]
+    if not others:
+        return closest.overruns, None
+    short = {o.budget for o in closest.overruns}
+    # Best, the other route's closest plan within every budget this one exceeds (RAM met by spilling, say).
+    apart = [c for c in others if not short & {o.budget for o in c.overruns}]
+    other = min(apart or others, key=rel_excess)
+    if {o.budget for o in other.overruns} == short:
+        return closest.overruns, None
+    return closest.overruns, ("with nothing on disk" if spills else "spilling to disk", other.overruns)
 
 
 def minimum_memory(model: ModelShape, work: Workload, hw: HardwareProfile,
