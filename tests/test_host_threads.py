@@ -1,5 +1,6 @@
 """Helper threads' intra-op threads ([Note: helper threads]): on a CPU device the AdamW worker runs its kernels on
-one thread, so it never builds an OpenMP team beside the compute thread's, and nobody else's count changes."""
+one thread, so it never builds an OpenMP team beside the compute thread's, and nobody else's count changes; on a GPU
+a rank of a data-parallel run takes its share of its node's cores, as the planner times it."""
 from __future__ import annotations
 
 import os
@@ -42,7 +43,7 @@ def test_a_one_thread_helper_runs_on_one_thread_and_changes_no_other_threads_cou
         seen.append(torch.get_num_threads())
         done.set()
 
-    thread = host_threads.start(work, "helper", one_thread=True)
+    thread = host_threads.start(work, "helper", 1)
     done.wait()
     thread.join()
     assert seen == [1]
@@ -52,8 +53,31 @@ def test_a_one_thread_helper_runs_on_one_thread_and_changes_no_other_threads_cou
 
 def test_a_helper_keeps_every_thread_where_asked(two_threads) -> None:
     seen: list[int] = []
-    host_threads.start(lambda: seen.append(torch.get_num_threads()), "helper", one_thread=False).join()
+    host_threads.start(lambda: seen.append(torch.get_num_threads()), "helper", None).join()
     assert seen == [2]
+
+
+def test_a_helper_runs_on_the_count_it_is_given_and_changes_no_other_threads_count(two_threads) -> None:
+    seen: list[int] = []
+    host_threads.start(lambda: seen.append(torch.get_num_threads()), "helper", 3).join()
+    assert seen == [3]
+    assert torch.get_num_threads() == 2 and _count_in_new_thread() == 2
+
+
+def test_a_ranks_helper_takes_its_share_of_the_node() -> None:
+    share = host_threads.helper_threads
+    # A CPU device: the compute thread owns the cores, whatever the launch.
+    assert share(False, 1, {}) == 1 and share(False, 8, {"OMP_NUM_THREADS": "16"}) == 1
+    # One process on a GPU: the process's count (OMP_NUM_THREADS or torch's default), as before.
+    assert share(True, 1, {}, affinity=64, cpu_count=64) is None
+    # torchrun --nproc-per-node 8 on 64 unbound cores set OMP_NUM_THREADS=1: each rank takes 64 / 8.
+    assert share(True, 8, {"OMP_NUM_THREADS": "1"}, affinity=64, cpu_count=64) == 8
+    assert share(True, 8, {}, affinity=64, cpu_count=64) == 8  # another launcher, no variable: not 8 x 64
+    assert share(True, 3, {}, affinity=16, cpu_count=16) == 5 and share(True, 32, {}, affinity=16, cpu_count=16) == 1
+    # A launcher bound the rank to its NUMA node's 32 cores: those are its share.
+    assert share(True, 8, {"OMP_NUM_THREADS": "1"}, affinity=32, cpu_count=128) == 32
+    # A count the user chose is kept.
+    assert share(True, 8, {"OMP_NUM_THREADS": "4"}, affinity=64, cpu_count=64) is None
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts OS threads through /proc")

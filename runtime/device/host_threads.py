@@ -14,36 +14,63 @@ core. The planner's AdamW rate follows the same rule (``HardwareProfile.adam_par
 the CPU and nothing spills there is nothing for a worker to overlap, so plans put AdamW on the compute thread
 itself (``Plan.adam_thread == "compute"``: no worker, every core, the profile's all-core rate).
 
+Ranks of a data-parallel run on one node share its cores: the planner times each rank's AdamW at the all-core
+rate over the G ranks of a node (``data_parallel``'s "x G"). Under ``torchrun --nproc-per-node G`` every rank starts
+with ``OMP_NUM_THREADS=1`` (torchrun sets it where it is unset), which would leave each rank's AdamW on one core;
+with no variable at all, each rank would take every core and G teams would fight over them. So a rank's AdamW
+worker on a GPU runs its kernels on its share of the cores (``helper_threads``): the cores a launcher bound it to,
+or the node's cores over G where it bound none; a count the user gave in ``OMP_NUM_THREADS`` other than torchrun's 1
+is kept.
+
 ``torch.set_num_threads`` sets the calling thread's OpenMP count and also the count that every thread takes on
-its first parallel kernel. ``start`` therefore has the helper initialise its own count before setting it to one
+its first parallel kernel. ``start`` therefore has the helper initialise its own count before setting its own
 (or its first kernel would undo it), and then puts the shared count back from the starting thread, whose own
 count it reads before the helper starts.
 """
 from __future__ import annotations
 
+import os
 import threading
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
 
-def start(target: Callable[[], None], name: str, one_thread: bool, daemon: bool = True) -> threading.Thread:
-    """Start ``target`` in a new thread named ``name``; ``one_thread``: its kernels run on one intra-op thread.
+def helper_threads(cuda: bool, local_ranks: int, environ: Mapping[str, str] = os.environ,
+                   affinity: int | None = None, cpu_count: int | None = None) -> int | None:
+    """The intra-op threads of a helper that runs CPU kernels beside the step ([Note: helper threads]): 1 where the
+    device is the CPU; on a GPU, None (the process's count) for one process or where ``OMP_NUM_THREADS`` names a
+    count other than 1, else this rank's share of its node's cores among ``local_ranks``: the cores it may run on
+    (``affinity``: ``os.sched_getaffinity``) where a launcher bound it to fewer than the machine's (``cpu_count``),
+    else the machine's over ``local_ranks``."""
+    if not cuda:
+        return 1
+    if local_ranks <= 1 or environ.get("OMP_NUM_THREADS", "1").strip() not in ("", "1"):
+        return None
+    cpu_count = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    if affinity is None:
+        affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpu_count
+    return affinity if affinity < cpu_count else max(1, cpu_count // local_ranks)
+
+
+def start(target: Callable[[], None], name: str, threads: int | None, daemon: bool = True) -> threading.Thread:
+    """Start ``target`` in a new thread named ``name``; ``threads``: its kernels' intra-op threads (None: the
+    process's count).
 
     Returns once the new thread has set its count, so the caller's and later threads' counts are as before."""
     count = torch.get_num_threads()  # this thread's, initialised now if it was not yet
     ready = threading.Event()
 
     def run() -> None:
-        if one_thread:
+        if threads is not None:
             torch.get_num_threads()  # initialise this thread's count, so its first kernel does not reset it
-            torch.set_num_threads(1)
+            torch.set_num_threads(threads)
         ready.set()
         target()
 
     thread = threading.Thread(target=run, name=name, daemon=daemon)
     thread.start()
     ready.wait()
-    if one_thread:
+    if threads is not None:
         torch.set_num_threads(count)  # the count new threads start from, as it was; this thread's is unchanged
     return thread

@@ -38,9 +38,9 @@ class BlockOptimizer:
     """Every block's AdamW update ([Note: the optimizer's face])."""
 
     def __init__(self, store: HostStore, order: Sequence[int], layouts: Sequence[BlockLayout], log: EventLog,
-                 streams: Streams, one_thread: bool, inline: bool, device_busy: BusyEvents | None = None) -> None:
+                 streams: Streams, threads: int | None, inline: bool, device_busy: BusyEvents | None = None) -> None:
         """``order``: the blocks in the order every step's updates come (``StepSchedule.update_order``);
-        ``layouts``: what each block's update covers (its layout, or this rank's shard of it); ``one_thread`` and
+        ``layouts``: what each block's update covers (its layout, or this rank's shard of it); ``threads`` and
         ``inline``: the CPU worker's (cpu_adamw.py); ``device_busy``: times the device AdamW's updates in a timed
         step (the step timer's)."""
         self.store, self.layouts, self.log = store, list(layouts), log
@@ -48,7 +48,7 @@ class BlockOptimizer:
         self.device = None if resident is None else DeviceAdamW(resident, self.layouts, streams, log, device_busy)
         on_device = frozenset() if resident is None else resident.blocks
         self.cpu = AdamWorker(store, [b for b in order if b not in on_device], len(order), log,
-                              one_thread=one_thread, inline=inline)
+                              threads=threads, inline=inline)
 
     @property
     def inline(self) -> bool:

@@ -90,11 +90,12 @@ class AdamWorker:
     """The worker thread: waits for a job's inputs, updates the block, refreshes its shadow and signals it.
     With spill files, ``ahead`` (read_ahead.py) stages each piece's spilled state and writes it back."""
 
-    def __init__(self, store: HostStore, order: Sequence[int], blocks: int, log: EventLog, one_thread: bool = False,
+    def __init__(self, store: HostStore, order: Sequence[int], blocks: int, log: EventLog, threads: int | None = None,
                  inline: bool = False) -> None:
         """``order``: the blocks in the order every step's jobs come (``StepSchedule.update_order``, less the blocks
         updated on the device); ``blocks``: the model's;
-        ``one_thread``: its kernels run on one intra-op thread (the device is the CPU: [Note: helper threads]);
+        ``threads``: its kernels' intra-op threads (``host_threads.helper_threads``: one where the device is the
+        CPU, a rank's share of its node's cores on a GPU; None, the process's: [Note: helper threads]);
         ``inline``: no thread, each job runs in ``submit`` (nothing spilled)."""
         assert not (inline and store.disk is not None), "refused by Plan: adam_thread='compute' with spill"
         self.store = store
@@ -113,7 +114,7 @@ class AdamWorker:
         if store.state_dtype == torch.bfloat16:  # built (or loaded from the cache) now, not in the first step
             bf16_adamw.kernel()
         self.ahead: ReadAhead | None = None if store.disk is None else store.disk.read_ahead(order, log)
-        self._thread = None if inline else host_threads.start(self._run, "megatrain-adamw", one_thread)
+        self._thread = None if inline else host_threads.start(self._run, "megatrain-adamw", threads)
 
     def submit(self, job: AdamJob) -> None:
         self.raise_if_failed()

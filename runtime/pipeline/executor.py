@@ -32,6 +32,7 @@ from megatrain.plan.plan import Plan
 
 from megatrain.models.layers.attention import Documents
 
+from megatrain.runtime.device import host_threads
 from megatrain.runtime.device.event_log import EventLog
 from megatrain.runtime.device.streams import Streams
 from megatrain.runtime.distributed.collectives import Collectives
@@ -111,11 +112,14 @@ class Executor:
             if plan.checkpoints == "host" else DeviceCheckpoints()
         )
         eager = plan.optimizer_mode == "eager"
-        # Its jobs come in this order; on a CPU device the compute thread owns the cores: [Note: helper threads].
-        # What AdamW updates of each block: the whole layout, or this rank's shard of it.
+        # Its jobs come in this order; on a CPU device the compute thread owns the cores, on a GPU a rank takes its
+        # node's share: [Note: helper threads]. What AdamW updates of each block: the whole layout, or this rank's
+        # shard of it.
         layouts = [b.layout for b in (templates.blocks if collectives is None else collectives.shards.blocks)]
+        local_ranks = 1 if collectives is None else collectives.topology.local_world_size
         self.optim = BlockOptimizer(store, self.schedule.update_order(eager), layouts, log, self.streams,
-                                    one_thread=device.type == "cpu", inline=plan.adam_thread == "compute",
+                                    threads=host_threads.helper_threads(device.type == "cuda", local_ranks),
+                                    inline=plan.adam_thread == "compute",
                                     device_busy=self.timer.device_adam)
         self.updates = BlockUpdates(templates, store, self.optim, self.grad_buffers, self.streams, self.timer, log,
                                     eager, max_grad_norm, device, collectives)

@@ -85,7 +85,7 @@ class SpilledLoads:
         """Read block ``block``'s master, as updated for ``step - 1``, into ``out`` (its slot's first elements);
         the h2d stream already waits for the slot's release. Returns at once."""
         if self._thread is None:  # on a CPU device it runs no kernel of its own ([Note: helper threads])
-            self._thread = host_threads.start(self._run, "megatrain-loader", one_thread=not self.streams.cuda)
+            self._thread = host_threads.start(self._run, "megatrain-loader", 1 if not self.streams.cuda else None)
         load = SpilledLoad(cf.Future(), cf.Future())
         self._jobs.put((block, step, out, loaded, load))
         return load
