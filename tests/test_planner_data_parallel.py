@@ -2,10 +2,12 @@
 per-rank host store against the planner's per-rank state (allocated bytes, 2 CPU ranks)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from megatrain.planner.commands import cli
+from megatrain.planner.commands import cli, report
 from megatrain.planner.costs import data_parallel, memory_model
 from megatrain.planner.profiling import hardware
 from megatrain.planner.choice import search
@@ -115,6 +117,33 @@ def test_plan_command_reports_ranks(capsys) -> None:
     out = capsys.readouterr().out
     assert "data parallel: 16 ranks (8 per node x 2 nodes), 1 sequences per rank" in out
     assert "scaling efficiency" in out and "per node: host RAM" in out
+    assert out.count("TOTAL") == 3 and "one rank of 16" in out  # the rank's memory, once
+
+
+def test_a_ranks_time_table_shows_its_collectives_and_what_bounds_it(capsys) -> None:
+    """The rank's phases with a collectives column (``collective_seconds``, by hand above); at 32 ranks on
+    network-bound nodes they bound the step, and the page and its JSON say so; hours per billion tokens count
+    every rank's tokens."""
+    m = PRESETS["shape:Llama-3.1-8B"]
+    args = ["plan", "--model", "shape:Llama-3.1-8B", "--seq-len", "1024", "--batch", "64", "--hardware", "H200",
+            "--gpus-per-node", "8", "--nodes", "4"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert cli.main(args + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    hw = hardware.preset("H200")
+    topo = data_parallel.topology(hw, 8, 4)
+    fwd, bwd = data_parallel.collective_seconds(m, Workload(seq_len=1024, batch=64, compute_dtype="bf16"), hw, topo)
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("phase"))
+    assert lines[head].split()[:7] == ["phase", "wall", "compute", "H2D", "D2H", "collectives", "CPU"]
+    forward, backward, step = (lines[head + k].split() for k in (2, 3, 4))
+    assert " ".join(forward[9:11]) == report.seconds(fwd) and " ".join(backward[9:11]) == report.seconds(bwd)
+    assert forward[-1] == backward[-1] == step[-1] == "collectives"
+    assert data["bottleneck"] == "collectives" and data["data_parallel"]["collectives_bound"]
+    total = data["data_parallel"]["tokens_per_second"]
+    assert data["tokens_per_second"] * 32 == pytest.approx(total)
+    assert f"{report.seconds(1e9 / total)} per billion tokens on the 32 ranks" in out
 
 
 CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,

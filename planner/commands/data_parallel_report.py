@@ -78,7 +78,6 @@ def section(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile,
         f"data parallel: {topo.world} ranks ({G} per node x {topo.nodes} node{'s' if topo.nodes > 1 else ''}), "
         f"{work.batch // topo.world} sequences per rank; collectives at {topo.bus_gbps:.0f} GB/s per rank "
         f"({topo.source})",
-        "one rank:", report.memory_table(mem), "",
         f"per GPU {report.gib(mem.device_bytes)}; per node: host RAM {report.gib(node_ram)} "
         f"({'fits' if fits else 'does NOT fit'} in {report.gib(hw.host_budget_bytes)}), NVMe {report.gib(node_nvme)}",
         f"step {report.seconds(s.step_seconds)} ({report.seconds(s.comm_seconds)} of collectives, overlapped), "

@@ -9,7 +9,7 @@ import json
 from typing import Any, Sequence
 
 from megatrain.planner.costs import resident_blocks, spill_placement
-from megatrain.planner.costs.cost_model import CostEstimate
+from megatrain.planner.costs.cost_model import CostEstimate, PhaseTime
 from megatrain.planner.profiling.hardware import GiB, HardwareProfile
 from megatrain.planner.costs.memory_model import MemoryEstimate
 from megatrain.planner.choice.search import PlanChoice
@@ -118,15 +118,34 @@ def memory_table(mem: MemoryEstimate) -> str:
     return table(("where", "component", "size", "", "formula"), rows, (False, False, True, False, False))
 
 
-def time_table(cost: CostEstimate) -> str:
+def time_table(cost: CostEstimate, collectives: tuple[float, float] | None = None) -> str:
+    """Each phase's wall time and its resources' busy times; with ``collectives`` (a data-parallel rank's forward
+    and backward collectives, ``data_parallel.collective_seconds``) a column of theirs, named as what bounds a
+    phase where they are its busiest resource (as ``data_parallel`` times the rank's phase)."""
     rows = []
-    for name, p in (("forward", cost.forward), ("backward", cost.backward)):
-        rows.append((name, seconds(p.seconds), seconds(p.compute_s), seconds(p.h2d_s), seconds(p.d2h_s),
-                     seconds(p.adam_s), p.bottleneck))
-    rows.append(("step", seconds(cost.step_seconds), "", "", "", seconds(cost.optimizer_exposed_seconds) +
-                 " exposed", cost.bottleneck))
-    return table(("phase", "wall", "compute", "H2D", "D2H", "CPU AdamW", "bound by"), rows,
-                 (False, True, True, True, True, True, False))
+    for k, (name, p) in enumerate((("forward", cost.forward), ("backward", cost.backward))):
+        comm = () if collectives is None else (seconds(collectives[k]),)
+        rows.append((name, seconds(p.seconds), seconds(p.compute_s), seconds(p.h2d_s), seconds(p.d2h_s), *comm,
+                     seconds(p.adam_s), bound_by(p, None if collectives is None else collectives[k])))
+    rows.append(("step", seconds(cost.step_seconds), "", "", "",
+                 *(() if collectives is None else (seconds(sum(collectives)) + " overlapped",)),
+                 seconds(cost.optimizer_exposed_seconds) + " exposed", step_bound_by(cost, collectives)))
+    comm_head = () if collectives is None else ("collectives",)
+    return table(("phase", "wall", "compute", "H2D", "D2H", *comm_head, "CPU AdamW", "bound by"), rows,
+                 (False, True, True, True, True, *((True,) if collectives else ()), True, False))
+
+
+def bound_by(phase: PhaseTime, collectives: float | None = None) -> str:
+    """What bounds a phase: its busiest resource (``PhaseTime.bottleneck``), or a data-parallel rank's
+    ``collectives`` where they are busier than every other resource (as ``data_parallel`` times the phase)."""
+    busiest = max(phase.compute_s, phase.h2d_s, phase.d2h_s, phase.adam_s)
+    return "collectives" if collectives is not None and collectives > busiest else phase.bottleneck
+
+
+def step_bound_by(cost: CostEstimate, collectives: tuple[float, float] | None = None) -> str:
+    """What bounds the step: what bounds its longer phase (``bound_by``)."""
+    k = 0 if cost.forward.seconds >= cost.backward.seconds else 1
+    return bound_by((cost.forward, cost.backward)[k], None if collectives is None else collectives[k])
 
 
 def with_attention_tflops(c: CostEstimate) -> float:

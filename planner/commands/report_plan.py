@@ -10,7 +10,7 @@ from megatrain.planner.shapes import model_shapes
 from megatrain.planner.shapes.model_shapes import ModelShape
 from megatrain.planner.choice.plan_request import ChosenPlan
 from megatrain.planner.commands.report import (choice_json, gib, hardware_line, memory_table, rate, seconds, spill_text,
-                                               time_table, with_attention_tflops)
+                                               step_bound_by, time_table, with_attention_tflops)
 from megatrain.planner.choice.search import Ranks
 from megatrain.planner.shapes.workload import Workload
 
@@ -29,6 +29,9 @@ def page(model: ModelShape, work: Workload, chosen: ChosenPlan, ranks: Ranks,
             "hardware": {"gpu_name": hw.gpu_name, "source": hw.source}, "plans_considered": chosen.considered}
     c, p = best.cost, best.plan
     share = work if ranks is None else data_parallel.rank_workload(work, ranks)   # one rank's batch
+    # a rank's forward and backward collectives; the ranks that share the global step
+    comm = None if ranks is None else data_parallel.collective_seconds(model, work, hw, ranks)
+    world = 1 if ranks is None else ranks.world
     if p.spill != "none":
         free = f", {gib(work.spill_free_bytes)} free" if work.spill_free_bytes is not None else ""
         spill = (f"spill: {spill_text(best)}, in {p.spill_dir} (read {hw.disk_read_gbps:.1f} / write "
@@ -56,14 +59,19 @@ def page(model: ModelShape, work: Workload, chosen: ChosenPlan, ranks: Ranks,
         + (f", layers compiled ({hw.compiled_speedup(work.compute_dtype) or 1.0:.2f}x eager as profiled)"
            if p.compiled_layers else "")
         + (f", saved to {saved_to}" if saved_to else ""), spill, "",
+        *([] if ranks is None else [f"one rank of {ranks.world} (its shards of the host state; a node holds "
+                                    f"{ranks.gpus_per_node} ranks'):"]),
         memory_table(best.memory), "",
-        time_table(c), "",
-        f"step {seconds(c.step_seconds)}, {rate(c.tokens_per_second)}, model {c.model_tflops:.0f} "
+        time_table(c, comm), "",
+        f"step {seconds(c.step_seconds)}, {rate(c.tokens_per_second)}{'' if ranks is None else ' per rank'}, "
+        f"model {c.model_tflops:.0f} "
         f"TFLOP/s without attention (6 x N_matmul per token), {with_attention_tflops(c):.0f} with attention FLOPs, "
-        f"MFU {c.mfu:.1%}; bottleneck: {c.bottleneck}; "
-        f"{seconds(1e9 / c.tokens_per_second)} per billion tokens",
+        f"MFU {c.mfu:.1%}; bottleneck: {step_bound_by(c, comm)}; "
+        f"{seconds(1e9 / (c.tokens_per_second * world))} per billion tokens"
+        + ("" if ranks is None else f" on the {world} ranks"),
     ])
     if ranks is not None:
+        data["bottleneck"] = step_bound_by(c, comm)  # the collectives where they bound the rank's step
         data["data_parallel"], more = data_parallel_report.section(model, work, p, hw, ranks)
         text += "\n\n" + more
     return data, text
