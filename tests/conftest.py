@@ -2,8 +2,10 @@
 
 - ``fast`` (the default, what CI runs): 100 examples a property test; the slowest ones
   (``hypothesis_budget.examples``) a fifth of their count, so that the default run stays quick; derandomized, so
-  every run draws the same examples and a red run can be run again to the same result (random draws found rare
-  float-noise cases beyond the numerics bounds, which made CI pass or fail by luck);
+  every run of the same code draws the same examples and a red run can be run again to the same result (random
+  draws found rare float-noise cases beyond the numerics bounds, which made CI pass or fail by luck). Hypothesis
+  also mixes in literals it reads from the project's loaded modules, so a change anywhere in the code may change
+  the examples a property test draws: a property must hold for every example, not for today's;
 - ``thorough``: every property test at its full count (100, or its own), random draws;
 - ``slow``: 1000 examples a test, random draws, exploring much more (``HYPOTHESIS_PROFILE=slow pytest -m "slow or not slow"``).
 """
