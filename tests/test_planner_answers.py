@@ -133,6 +133,10 @@ def test_plan_spill_is_honoured_or_refused_with_the_fix(capsys, monkeypatch, tmp
     # auto without --spill-dir spills nothing, and an infeasible answer says how spilling would help.
     rc, out, err = _main(capsys, *args, "--ram", "48G")
     assert rc == 2 and "--spill-dir" in err and len(err.strip().splitlines()) == 1
+    # Spilling moves host state only: a GPU too small for any plan is not offered the disk.
+    rc, out, err = _main(capsys, "plan", "--model", "shape:Llama-3.1-8B", "--seq-len", "1024", "--batch", "4",
+                         "--hardware", "H200", "--gpu-mem", "1G")
+    assert rc == 2 and "no plan fits: gpu memory: needs" in err and "host RAM" not in err and "spill" not in err
 
 
 def test_plan_out_carries_its_workload(capsys, tmp_path) -> None:

@@ -57,8 +57,10 @@ def choose_plan(model: ModelShape, request: PlanRequest, hw: HardwareProfile, ra
     try:
         best = result.require()
     except InfeasibleError as e:
-        disk_full = "NVMe" in result.budgets()
-        more = "; or a --spill-dir with more free space" if disk_full else _spill_hint(work, hw)
+        short = result.budgets()
+        # Spilling moves host state to disk: it helps where host RAM is short, never GPU memory.
+        more = ("; or a --spill-dir with more free space" if "NVMe" in short
+                else _spill_hint(work, hw) if "host RAM" in short else "")
         raise InfeasibleError(f"{e}{more}{_longest_hint(model, work, hw)}") from None
     return ChosenPlan(best, hw, result.considered, assumed)
 
