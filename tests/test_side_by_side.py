@@ -9,14 +9,19 @@ import sys
 from megatrain.planner.choice import side_by_side
 
 SCRIPT = """
-import dataclasses, json, os
+import dataclasses, json, multiprocessing, os
 os.sched_getaffinity = lambda pid: {0, 1}  # two cores, whatever this machine has
 from megatrain.planner.choice import search, side_by_side
 from megatrain.planner.profiling import hardware
 from megatrain.planner.shapes import model_shapes
 from megatrain.planner.shapes.workload import Workload
 
+# Each job waits for one in the other worker: an instant job could otherwise all six go to the worker that
+# started first, and the test would depend on which process the machine ran sooner.
+both = multiprocessing.Barrier(2)
+
 def where():
+    both.wait(30)
     return os.getpid(), side_by_side.workers(8)
 
 pids = side_by_side.run_apart([(where, ()) for _ in range(6)])
