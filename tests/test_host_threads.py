@@ -69,15 +69,19 @@ def test_a_ranks_helper_takes_its_share_of_the_node() -> None:
     # A CPU device: the compute thread owns the cores, whatever the launch.
     assert share(False, 1, {}) == 1 and share(False, 8, {"OMP_NUM_THREADS": "16"}) == 1
     # One process on a GPU: the process's count (OMP_NUM_THREADS or torch's default), as before.
-    assert share(True, 1, {}, affinity=64, cpu_count=64) is None
+    assert share(True, 1, {}, affinity=64, cpu_count=64, physical=64) is None
     # torchrun --nproc-per-node 8 on 64 unbound cores set OMP_NUM_THREADS=1: each rank takes 64 / 8.
-    assert share(True, 8, {"OMP_NUM_THREADS": "1"}, affinity=64, cpu_count=64) == 8
-    assert share(True, 8, {}, affinity=64, cpu_count=64) == 8  # another launcher, no variable: not 8 x 64
-    assert share(True, 3, {}, affinity=16, cpu_count=16) == 5 and share(True, 32, {}, affinity=16, cpu_count=16) == 1
-    # A launcher bound the rank to its NUMA node's 32 cores: those are its share.
-    assert share(True, 8, {"OMP_NUM_THREADS": "1"}, affinity=32, cpu_count=128) == 32
+    assert share(True, 8, {"OMP_NUM_THREADS": "1"}, affinity=64, cpu_count=64, physical=64) == 8
+    assert share(True, 8, {}, affinity=64, cpu_count=64, physical=64) == 8  # another launcher: not 8 x 64
+    assert share(True, 3, {}, affinity=16, cpu_count=16, physical=16) == 5
+    assert share(True, 32, {}, affinity=16, cpu_count=16, physical=16) == 1
+    # Two hardware threads a core: the physical cores are shared, as torch counts them for one process.
+    assert share(True, 8, {"OMP_NUM_THREADS": "1"}, affinity=128, cpu_count=128, physical=64) == 8
+    # A launcher bound the rank to its NUMA node's 32 CPUs (16 cores with their second hardware threads).
+    assert share(True, 8, {"OMP_NUM_THREADS": "1"}, affinity=32, cpu_count=128, physical=64) == 16
+    assert share(True, 8, {"OMP_NUM_THREADS": "1"}, affinity=32, cpu_count=128, physical=128) == 32
     # A count the user chose is kept.
-    assert share(True, 8, {"OMP_NUM_THREADS": "4"}, affinity=64, cpu_count=64) is None
+    assert share(True, 8, {"OMP_NUM_THREADS": "4"}, affinity=64, cpu_count=64, physical=64) is None
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts OS threads through /proc")

@@ -18,9 +18,9 @@ Ranks of a data-parallel run on one node share its cores: the planner times each
 rate over the G ranks of a node (``data_parallel``'s "x G"). Under ``torchrun --nproc-per-node G`` every rank starts
 with ``OMP_NUM_THREADS=1`` (torchrun sets it where it is unset), which would leave each rank's AdamW on one core;
 with no variable at all, each rank would take every core and G teams would fight over them. So a rank's AdamW
-worker on a GPU runs its kernels on its share of the cores (``helper_threads``): the cores a launcher bound it to,
-or the node's cores over G where it bound none; a count the user gave in ``OMP_NUM_THREADS`` other than torchrun's 1
-is kept.
+worker on a GPU runs its kernels on its share of the physical cores (``helper_threads``; torch's own count for one
+process is the physical cores too): those among the CPUs a launcher bound it to, or the node's over G where it bound
+none; a count the user gave in ``OMP_NUM_THREADS`` other than torchrun's 1 is kept.
 
 ``torch.set_num_threads`` sets the calling thread's OpenMP count and also the count that every thread takes on
 its first parallel kernel. ``start`` therefore has the helper initialise its own count before setting its own
@@ -33,24 +33,29 @@ import os
 import threading
 from typing import Callable, Mapping
 
+import psutil
 import torch
 
 
 def helper_threads(cuda: bool, local_ranks: int, environ: Mapping[str, str] = os.environ,
-                   affinity: int | None = None, cpu_count: int | None = None) -> int | None:
+                   affinity: int | None = None, cpu_count: int | None = None,
+                   physical: int | None = None) -> int | None:
     """The intra-op threads of a helper that runs CPU kernels beside the step ([Note: helper threads]): 1 where the
     device is the CPU; on a GPU, None (the process's count) for one process or where ``OMP_NUM_THREADS`` names a
-    count other than 1, else this rank's share of its node's cores among ``local_ranks``: the cores it may run on
-    (``affinity``: ``os.sched_getaffinity``) where a launcher bound it to fewer than the machine's (``cpu_count``),
-    else the machine's over ``local_ranks``."""
+    count other than 1, else this rank's share of its node's physical cores (``physical``; torch's own count for one
+    process) among ``local_ranks``: those of the logical CPUs it may run on (``affinity``: ``os.sched_getaffinity``)
+    where a launcher bound it to fewer than the machine's (``cpu_count``), else the machine's over ``local_ranks``."""
     if not cuda:
         return 1
     if local_ranks <= 1 or environ.get("OMP_NUM_THREADS", "1").strip() not in ("", "1"):
         return None
     cpu_count = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    physical = physical if physical is not None else (psutil.cpu_count(logical=False) or cpu_count)
     if affinity is None:
         affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpu_count
-    return affinity if affinity < cpu_count else max(1, cpu_count // local_ranks)
+    if affinity < cpu_count:  # bound by its launcher: the physical cores among its CPUs
+        return max(1, affinity * physical // cpu_count)
+    return max(1, physical // local_ranks)
 
 
 def start(target: Callable[[], None], name: str, threads: int | None, daemon: bool = True) -> threading.Thread:
