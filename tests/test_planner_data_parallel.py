@@ -9,6 +9,7 @@ import torch
 
 from megatrain.planner.commands import cli, report
 from megatrain.planner.costs import data_parallel, memory_model
+from megatrain.planner.costs.cost_model import PhaseTime
 from megatrain.planner.profiling import hardware
 from megatrain.planner.choice import search
 from megatrain.planner.shapes.model_shapes import PRESETS, from_config
@@ -144,6 +145,9 @@ def test_a_ranks_time_table_shows_its_collectives_and_what_bounds_it(capsys) -> 
     total = data["data_parallel"]["tokens_per_second"]
     assert data["tokens_per_second"] * 32 == pytest.approx(total)
     assert f"{report.seconds(1e9 / total)} per billion tokens on the 32 ranks" in out
+    # CPU ranks run their collectives one after another with the rest (data_parallel): they never bind alone.
+    phase = PhaseTime(3.0, 1.0, 0.0, 0.0, 0.5)
+    assert report.bound_by(phase, 2.0) == "collectives" and report.bound_by(phase, 2.0, True) == phase.bottleneck
 
 
 CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-from megatrain.planner.costs import resident_blocks, spill_placement
+from megatrain.planner.costs import data_parallel, resident_blocks, spill_placement
 from megatrain.planner.costs.cost_model import CostEstimate, PhaseTime
 from megatrain.planner.profiling.hardware import GiB, HardwareProfile
 from megatrain.planner.costs.memory_model import MemoryEstimate
@@ -118,34 +118,39 @@ def memory_table(mem: MemoryEstimate) -> str:
     return table(("where", "component", "size", "", "formula"), rows, (False, False, True, False, False))
 
 
-def time_table(cost: CostEstimate, collectives: tuple[float, float] | None = None) -> str:
+def time_table(cost: CostEstimate, collectives: tuple[float, float] | None = None,
+               device_is_host: bool = False) -> str:
     """Each phase's wall time and its resources' busy times; with ``collectives`` (a data-parallel rank's forward
     and backward collectives, ``data_parallel.collective_seconds``) a column of theirs, named as what bounds a
-    phase where they are its busiest resource (as ``data_parallel`` times the rank's phase)."""
+    phase where they bind it (``data_parallel.collectives_bind``; ``device_is_host``: CPU ranks)."""
     rows = []
     for k, (name, p) in enumerate((("forward", cost.forward), ("backward", cost.backward))):
         comm = () if collectives is None else (seconds(collectives[k]),)
         rows.append((name, seconds(p.seconds), seconds(p.compute_s), seconds(p.h2d_s), seconds(p.d2h_s), *comm,
-                     seconds(p.adam_s), bound_by(p, None if collectives is None else collectives[k])))
+                     seconds(p.adam_s), bound_by(p, None if collectives is None else collectives[k], device_is_host)))
     rows.append(("step", seconds(cost.step_seconds), "", "", "",
                  *(() if collectives is None else (seconds(sum(collectives)) + " overlapped",)),
-                 seconds(cost.optimizer_exposed_seconds) + " exposed", step_bound_by(cost, collectives)))
+                 seconds(cost.optimizer_exposed_seconds) + " exposed",
+                 step_bound_by(cost, collectives, device_is_host)))
     comm_head = () if collectives is None else ("collectives",)
     return table(("phase", "wall", "compute", "H2D", "D2H", *comm_head, "CPU AdamW", "bound by"), rows,
                  (False, True, True, True, True, *((True,) if collectives else ()), True, False))
 
 
-def bound_by(phase: PhaseTime, collectives: float | None = None) -> str:
+def bound_by(phase: PhaseTime, collectives: float | None = None, device_is_host: bool = False) -> str:
     """What bounds a phase: its busiest resource (``PhaseTime.bottleneck``), or a data-parallel rank's
-    ``collectives`` where they are busier than every other resource (as ``data_parallel`` times the phase)."""
-    busiest = max(phase.compute_s, phase.h2d_s, phase.d2h_s, phase.adam_s)
-    return "collectives" if collectives is not None and collectives > busiest else phase.bottleneck
+    ``collectives`` where they bind it (``data_parallel.collectives_bind``, as the rank's phase is timed)."""
+    if collectives is not None and data_parallel.collectives_bind(phase, collectives, device_is_host):
+        return "collectives"
+    return phase.bottleneck
 
 
-def step_bound_by(cost: CostEstimate, collectives: tuple[float, float] | None = None) -> str:
+def step_bound_by(cost: CostEstimate, collectives: tuple[float, float] | None = None,
+                  device_is_host: bool = False) -> str:
     """What bounds the step: what bounds its longer phase (``bound_by``)."""
     k = 0 if cost.forward.seconds >= cost.backward.seconds else 1
-    return bound_by((cost.forward, cost.backward)[k], None if collectives is None else collectives[k])
+    return bound_by((cost.forward, cost.backward)[k], None if collectives is None else collectives[k],
+                    device_is_host)
 
 
 def with_attention_tflops(c: CostEstimate) -> float:

@@ -32,6 +32,7 @@ def page(model: ModelShape, work: Workload, chosen: ChosenPlan, ranks: Ranks,
     # a rank's forward and backward collectives; the ranks that share the global step
     comm = None if ranks is None else data_parallel.collective_seconds(model, work, hw, ranks)
     world = 1 if ranks is None else ranks.world
+    bound = step_bound_by(c, comm, hw.device_is_host)  # the collectives where they bind the rank's step
     if p.spill != "none":
         free = f", {gib(work.spill_free_bytes)} free" if work.spill_free_bytes is not None else ""
         spill = (f"spill: {spill_text(best)}, in {p.spill_dir} (read {hw.disk_read_gbps:.1f} / write "
@@ -62,16 +63,16 @@ def page(model: ModelShape, work: Workload, chosen: ChosenPlan, ranks: Ranks,
         *([] if ranks is None else [f"one rank of {ranks.world} (its shards of the host state; a node holds "
                                     f"{ranks.gpus_per_node} ranks'):"]),
         memory_table(best.memory), "",
-        time_table(c, comm), "",
+        time_table(c, comm, hw.device_is_host), "",
         f"step {seconds(c.step_seconds)}, {rate(c.tokens_per_second)}{'' if ranks is None else ' per rank'}, "
         f"model {c.model_tflops:.0f} "
         f"TFLOP/s without attention (6 x N_matmul per token), {with_attention_tflops(c):.0f} with attention FLOPs, "
-        f"MFU {c.mfu:.1%}; bottleneck: {step_bound_by(c, comm)}; "
+        f"MFU {c.mfu:.1%}; bottleneck: {bound}; "
         f"{seconds(1e9 / (c.tokens_per_second * world))} per billion tokens"
         + ("" if ranks is None else f" on the {world} ranks"),
     ])
     if ranks is not None:
-        data["bottleneck"] = step_bound_by(c, comm)  # the collectives where they bound the rank's step
+        data["bottleneck"] = bound
         data["data_parallel"], more = data_parallel_report.section(model, work, p, hw, ranks)
         text += "\n\n" + more
     return data, text

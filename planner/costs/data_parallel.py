@@ -310,8 +310,8 @@ def _rank_step(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfil
             rest = max(0.0, p.seconds - (p.compute_s + p.h2d_s + p.d2h_s + p.adam_s))
             return PhaseTime(compute + h2d + d2h + adam + comm + rest, compute, h2d, d2h, adam), False
         stall = max(0.0, p.seconds - max(p.compute_s, p.h2d_s, p.d2h_s, p.adam_s))
-        others = max(compute, h2d, d2h)
-        return PhaseTime(max(others, adam, comm) + stall, compute, h2d, d2h, adam), comm > max(others, adam)
+        mine = PhaseTime(max(compute, h2d, d2h, adam, comm) + stall, compute, h2d, d2h, adam)
+        return mine, collectives_bind(mine, comm, False)
 
     (fwd, fwd_comm), (bwd, bwd_comm) = phase(rank.forward, comm_fwd), phase(rank.backward, comm_bwd)
     # the single process's exposed AdamW, less what the rank's shard takes off the update
@@ -323,6 +323,13 @@ def _rank_step(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfil
         d2h_bytes=rank.d2h_bytes / W, disk_read_bytes=rank.disk_read_bytes / W,
         disk_write_bytes=rank.disk_write_bytes / W, disk_seconds=disk)
     return cost, comm_fwd + comm_bwd, fwd_comm if fwd.seconds >= bwd.seconds else bwd_comm
+
+
+def collectives_bind(phase: PhaseTime, comm: float, device_is_host: bool) -> bool:
+    """Whether a rank's collectives (``comm`` seconds) are the busiest resource of its ``phase`` (the rank's
+    shares of the others), so bound it: on a GPU, where they overlap the rest; never on CPU ranks, which run them
+    one after another with everything else on the node's shared cores."""
+    return not device_is_host and comm > max(phase.compute_s, phase.h2d_s, phase.d2h_s, phase.adam_s)
 
 
 def collective_timeout_s(model: ModelShape, work: Workload, plan: Plan, hw: HardwareProfile, topo: Topology) -> float:
